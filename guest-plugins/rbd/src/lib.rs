@@ -1,0 +1,317 @@
+//! rbd: Ceph RBD images, mapped on the node, formatted if needed, mounted.
+//!
+//! Options: `monitors` (required, comma-separated "host:port"), `pool`
+//! (default "rbd"), `image` (required), `user` (default "admin"), `secretKey`
+//! (the key name in the volume's secret holding the user's key; default "key"
+//! when the secret has one, else the node's keyring).
+//!
+//! Fencing adds two rules to the standard ones: an exclusive volume is denied
+//! while the image has watchers on another node, and a take-over blocklists
+//! the old clients first.
+
+use volagent_guest_sdk::{
+    AccessMode, BackendInfo, BlocklistClient, Capabilities, CleanupItem, CleanupReason, Consumer,
+    Decision, DeviceKind, DeviceSpec, Holder, Host, NodeFacts, NodePaths, PathRoot, Plan, Policy,
+    PolicyError, RbdSpec, Step, StepKind, Volume, Watcher, fence, options, plans,
+};
+
+pub struct Rbd;
+
+volagent_guest_sdk::export_policy!(crate::Rbd);
+
+const FILESYSTEMS: &[&str] = &["ext4", "xfs"];
+
+/// The image a volume names, from its options.
+pub fn image_spec(volume: &Volume) -> Result<RbdSpec, PolicyError> {
+    let monitors = options::list(volume, "monitors");
+    if monitors.is_empty() {
+        return Err(PolicyError::InvalidOptions(format!(
+            "volume {}: option \"monitors\" is required (comma-separated host:port)",
+            volume.name
+        )));
+    }
+    let secret_key = match options::get(volume, "secretKey") {
+        Some(key) if volume.secret_keys.iter().any(|k| k == key) => Some(key.to_string()),
+        Some(key) => {
+            return Err(PolicyError::InvalidOptions(format!(
+                "volume {}: secretKey \"{key}\" is not a key of the volume's secret (keys: {})",
+                volume.name,
+                volume.secret_keys.join(", ")
+            )));
+        }
+        None => volume.secret_keys.iter().find(|k| *k == "key").cloned(),
+    };
+    Ok(RbdSpec {
+        monitors,
+        pool: options::get(volume, "pool").unwrap_or("rbd").to_string(),
+        image: options::required(volume, "image")?.to_string(),
+        user: options::get(volume, "user").unwrap_or("admin").to_string(),
+        secret_key,
+    })
+}
+
+fn exclusive(mode: AccessMode) -> bool {
+    matches!(mode, AccessMode::ReadWriteOnce | AccessMode::ReadWriteOncePod)
+}
+
+fn describe_watcher(w: &Watcher) -> String {
+    match &w.node {
+        Some(node) => format!("{} ({}) on node {node}", w.client, w.address),
+        None => format!("{} ({}) on a node volagent does not know", w.client, w.address),
+    }
+}
+
+impl Policy for Rbd {
+    fn info() -> BackendInfo {
+        BackendInfo {
+            name: "rbd".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            description: "Ceph RBD images: map, format if needed, mount; blocklists stale clients".into(),
+            capabilities: Capabilities {
+                steps: vec![
+                    StepKind::AttachDevice,
+                    StepKind::Format,
+                    StepKind::Mount,
+                    StepKind::BindMount,
+                    StepKind::Unmount,
+                    StepKind::DetachDevice,
+                    StepKind::BlocklistClient,
+                ],
+                device_kinds: vec![DeviceKind::Rbd],
+                filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
+                network_filesystems: vec![],
+                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir],
+            },
+        }
+    }
+
+    fn fence(
+        host: &dyn Host,
+        volume: Volume,
+        requester: Consumer,
+        holders: Vec<Holder>,
+        nodes: Vec<NodeFacts>,
+    ) -> Result<Decision, PolicyError> {
+        let spec = image_spec(&volume)?;
+        let decision = fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes);
+        if !exclusive(volume.access_mode) || matches!(decision, Decision::Deny(_)) {
+            return Ok(decision);
+        }
+        let image = format!("{}/{}", spec.pool, spec.image);
+        let watchers = match host.image_watchers(&spec.pool, &spec.image) {
+            Ok(w) => w,
+            // Fail closed: without the watcher list we cannot tell who writes.
+            Err(e) => {
+                return Ok(Decision::Deny(format!(
+                    "volume {}: cannot list the watchers of image {image}: {e}",
+                    volume.name
+                )));
+            }
+        };
+        let foreign: Vec<&Watcher> = watchers
+            .iter()
+            .filter(|w| w.node.as_deref() != Some(requester.node.as_str()))
+            .collect();
+        match decision {
+            Decision::TakeOver(mut take) => {
+                // Every conflicting holder is provably gone, so every other
+                // client of the image is theirs: cut them off before the
+                // record changes hands.
+                for w in &foreign {
+                    host.log(
+                        volagent_guest_sdk::LogLevel::Warn,
+                        &format!("blocklisting {} before taking over {image}", describe_watcher(w)),
+                    );
+                }
+                take.fence_steps = foreign
+                    .into_iter()
+                    .map(|w| {
+                        Step::BlocklistClient(BlocklistClient {
+                            monitors: spec.monitors.clone(),
+                            user: spec.user.clone(),
+                            secret_key: spec.secret_key.clone(),
+                            address: w.address.clone(),
+                        })
+                    })
+                    .collect();
+                Ok(Decision::TakeOver(take))
+            }
+            grant => match foreign.first() {
+                Some(w) => Ok(Decision::Deny(format!(
+                    "volume {} ({}): image {image} is in use by watcher {}",
+                    volume.name,
+                    volagent_guest_sdk::mode_name(volume.access_mode),
+                    describe_watcher(w)
+                ))),
+                None => Ok(grant),
+            },
+        }
+    }
+
+    fn attach(
+        _host: &dyn Host,
+        volume: Volume,
+        requester: Consumer,
+        local_holders: Vec<Holder>,
+        paths: NodePaths,
+    ) -> Result<Plan, PolicyError> {
+        let spec = image_spec(&volume)?;
+        let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
+        Ok(plans::stage_block(&volume, Some(DeviceSpec::Rbd(spec)), None, &fs, vec![], &requester, &local_holders, &paths))
+    }
+
+    fn detach(
+        _host: &dyn Host,
+        volume: Volume,
+        consumer: Consumer,
+        local_holders: Vec<Holder>,
+        paths: NodePaths,
+    ) -> Result<Plan, PolicyError> {
+        let spec = image_spec(&volume)?;
+        Ok(plans::unstage(&consumer, &local_holders, &paths, Some(DeviceSpec::Rbd(spec)), false))
+    }
+
+    fn cleanup(
+        _host: &dyn Host,
+        reason: CleanupReason,
+        items: Vec<CleanupItem>,
+    ) -> Result<Plan, PolicyError> {
+        let force = match reason {
+            CleanupReason::StaleNode => false,
+            // The cluster is gone: I/O would hang forever, so force.
+            CleanupReason::StorageClusterDeleted => true,
+            CleanupReason::LocalVolumeReleased => {
+                return Err(PolicyError::Unsupported("rbd volumes are not local volumes".into()));
+            }
+        };
+        let mut plan = Vec::new();
+        for item in items {
+            let spec = image_spec(&item.volume)?;
+            plan.extend(plans::teardown(&item.holders, &item.paths, Some(DeviceSpec::Rbd(spec)), force));
+        }
+        Ok(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use volagent_guest_sdk::fake::{FakeHost, consumer, holder, live_node};
+    use volagent_guest_sdk::KeyValue;
+
+    fn volume(mode: AccessMode) -> Volume {
+        Volume {
+            name: "pv1".into(),
+            backend: "rbd".into(),
+            access_mode: mode,
+            fs_type: "xfs".into(),
+            options: [("monitors", "10.0.0.1:6789,10.0.0.2:6789"), ("pool", "kube"), ("image", "img1")]
+                .into_iter()
+                .map(|(k, v)| KeyValue { key: k.into(), value: v.into() })
+                .collect(),
+            secret_keys: vec!["key".into()],
+        }
+    }
+
+    fn watcher(node: Option<&str>, addr: &str) -> Watcher {
+        Watcher { address: addr.into(), client: "client.4100".into(), node: node.map(Into::into) }
+    }
+
+    fn host(watchers: Result<Vec<Watcher>, String>) -> FakeHost {
+        let mut h = FakeHost::default();
+        h.watchers.insert("kube/img1".into(), watchers);
+        h
+    }
+
+    #[test]
+    fn spec_comes_from_options_with_defaults() {
+        let s = image_spec(&volume(AccessMode::ReadWriteOnce)).unwrap();
+        assert_eq!(s.monitors, vec!["10.0.0.1:6789", "10.0.0.2:6789"]);
+        assert_eq!((s.pool.as_str(), s.image.as_str(), s.user.as_str()), ("kube", "img1", "admin"));
+        assert_eq!(s.secret_key.as_deref(), Some("key"));
+        let mut v = volume(AccessMode::ReadWriteOnce);
+        v.options.retain(|kv| kv.key != "image");
+        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"image\"")));
+        let mut v = volume(AccessMode::ReadWriteOnce);
+        v.options.push(KeyValue { key: "secretKey".into(), value: "nope".into() });
+        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("nope")));
+    }
+
+    #[test]
+    fn foreign_watcher_denies_an_exclusive_volume() {
+        let h = host(Ok(vec![watcher(Some("n9"), "10.0.0.9:0/1")]));
+        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![live_node("n1")]).unwrap();
+        assert!(matches!(&d, Decision::Deny(r) if r.contains("node n9") && r.contains("kube/img1")), "{d:?}");
+        // Our own node's watcher is fine.
+        let h = host(Ok(vec![watcher(Some("n1"), "10.0.0.1:0/1")]));
+        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![]).unwrap();
+        assert_eq!(d, Decision::Grant);
+        // RWX does not care.
+        let h = host(Ok(vec![watcher(Some("n9"), "10.0.0.9:0/1")]));
+        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteMany), consumer("n1", "a"), vec![], vec![]).unwrap();
+        assert_eq!(d, Decision::Grant);
+    }
+
+    #[test]
+    fn unknown_watchers_fail_closed() {
+        let d = Rbd::fence(&host(Err("timed out".into())), volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![]).unwrap();
+        assert!(matches!(&d, Decision::Deny(r) if r.contains("timed out")));
+    }
+
+    #[test]
+    fn takeover_blocklists_the_old_client_first() {
+        let old = consumer("n2", "old");
+        let h = host(Ok(vec![watcher(Some("n2"), "10.0.0.2:0/77"), watcher(Some("n1"), "10.0.0.1:0/5")]));
+        let gone = NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
+        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![gone, live_node("n1")]).unwrap();
+        let Decision::TakeOver(t) = d else { panic!("expected take-over, got {d:?}") };
+        assert_eq!(t.stale, vec![holder(&old)]);
+        assert!(matches!(t.fence_steps.as_slice(), [Step::BlocklistClient(b)] if b.address == "10.0.0.2:0/77"));
+        // A live old node: never taken over.
+        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![live_node("n2")]).unwrap();
+        assert!(matches!(d, Decision::Deny(r) if r.contains("pod default/old on node n2")));
+    }
+
+    #[test]
+    fn cluster_deletion_forces_unmount_and_unmap() {
+        let item = CleanupItem {
+            volume: volume(AccessMode::ReadWriteOnce),
+            paths: NodePaths {
+                kubelet_root: "/var/lib/kubelet".into(),
+                staging_dir: "/var/lib/kubelet/plugins/volagent/rbd/mounts/pv1".into(),
+                state_dir: "/var/lib/volagent/volumes/pv1".into(),
+                discovery_dirs: vec![],
+            },
+            holders: vec![holder(&consumer("n1", "a"))],
+        };
+        let plan = Rbd::cleanup(&FakeHost::default(), CleanupReason::StorageClusterDeleted, vec![item]).unwrap();
+        assert_eq!(plan.len(), 3);
+        assert!(plan.iter().all(|s| match s {
+            Step::Unmount(u) => u.force,
+            Step::DetachDevice(d) => d.force && matches!(&d.spec, DeviceSpec::Rbd(r) if r.image == "img1"),
+            _ => false,
+        }));
+    }
+
+    #[test]
+    fn attach_maps_formats_mounts_and_binds() {
+        let paths = NodePaths {
+            kubelet_root: "/k".into(),
+            staging_dir: "/k/plugins/volagent/rbd/mounts/pv1".into(),
+            state_dir: "/s".into(),
+            discovery_dirs: vec![],
+        };
+        let plan = Rbd::attach(&FakeHost::default(), volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], paths).unwrap();
+        let kinds: Vec<&str> = plan
+            .iter()
+            .map(|s| match s {
+                Step::AttachDevice(_) => "attach",
+                Step::Format(f) if f.fs_type == "xfs" => "format-xfs",
+                Step::Mount(_) => "mount",
+                Step::BindMount(_) => "bind",
+                _ => "other",
+            })
+            .collect();
+        assert_eq!(kinds, ["attach", "format-xfs", "mount", "bind"]);
+    }
+}

@@ -1,0 +1,57 @@
+//! Reading a volume's string options.
+
+use crate::{PolicyError, Volume};
+
+/// The value of option `key`, if set and not blank.
+pub fn get<'v>(volume: &'v Volume, key: &str) -> Option<&'v str> {
+    volume
+        .options
+        .iter()
+        .rev() // later keys override earlier ones, as in Flexvolume's merge
+        .find(|kv| kv.key == key)
+        .map(|kv| kv.value.trim())
+        .filter(|v| !v.is_empty())
+}
+
+/// The value of a required option, or an error naming it and the volume.
+pub fn required<'v>(volume: &'v Volume, key: &str) -> Result<&'v str, PolicyError> {
+    get(volume, key).ok_or_else(|| {
+        PolicyError::InvalidOptions(format!(
+            "volume {}: option \"{key}\" is required",
+            volume.name
+        ))
+    })
+}
+
+/// A comma-separated list option, blanks dropped.
+pub fn list(volume: &Volume, key: &str) -> Vec<String> {
+    get(volume, key)
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The filesystem to use: the volume's fsType, else `default`; it must be
+/// one of `allowed`.
+pub fn fs_type(volume: &Volume, default: &str, allowed: &[&str]) -> Result<String, PolicyError> {
+    let fs = if volume.fs_type.trim().is_empty() {
+        default
+    } else {
+        volume.fs_type.trim()
+    };
+    if allowed.contains(&fs) {
+        Ok(fs.to_string())
+    } else {
+        Err(PolicyError::Unsupported(format!(
+            "volume {}: filesystem \"{fs}\" is not supported by backend {} (supported: {})",
+            volume.name,
+            volume.backend,
+            allowed.join(", ")
+        )))
+    }
+}

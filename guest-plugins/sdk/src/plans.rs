@@ -1,0 +1,102 @@
+//! The plan shapes backends share: one device per volume per node, mounted
+//! once at the staging dir, and one bind mount per pod.
+
+use crate::{
+    AccessMode, AttachDevice, BindMount, BlockSource, Consumer, DetachDevice, DeviceSpec, Format,
+    FormatMode, Holder, Mount, MountSource, NodePaths, Plan, Step, Unmount, Volume,
+};
+
+/// The id this crate gives the one device a plan attaches.
+pub const DEVICE_ID: &str = "dev";
+
+/// A ReadOnlyMany volume is attached, and its filesystem mounted, read-only.
+pub fn volume_read_only(volume: &Volume) -> bool {
+    volume.access_mode == AccessMode::ReadOnlyMany
+}
+
+/// Bind the staging dir into the requester's pod mount dir.
+pub fn bind_into_pod(paths: &NodePaths, requester: &Consumer) -> Step {
+    Step::BindMount(BindMount {
+        source: paths.staging_dir.clone(),
+        target: requester.mount_dir.clone(),
+        read_only: requester.read_only,
+    })
+}
+
+/// Attach a block device (when `spec` is given; else use `device` as it is),
+/// make a filesystem on it if it has none (never on a read-only volume),
+/// mount it at the staging dir and bind it into the pod. When the volume is
+/// already staged on this node (`local_holders` not empty), only the bind.
+pub fn stage_block(
+    volume: &Volume,
+    spec: Option<DeviceSpec>,
+    device: Option<String>,
+    fs_type: &str,
+    mount_options: Vec<String>,
+    requester: &Consumer,
+    local_holders: &[Holder],
+    paths: &NodePaths,
+) -> Plan {
+    if !local_holders.is_empty() {
+        return vec![bind_into_pod(paths, requester)];
+    }
+    let read_only = volume_read_only(volume);
+    let mut plan = Vec::new();
+    let source = match (spec, device) {
+        (Some(spec), _) => {
+            plan.push(Step::AttachDevice(AttachDevice { id: DEVICE_ID.to_string(), spec, read_only }));
+            BlockSource::Attached(DEVICE_ID.to_string())
+        }
+        (None, Some(device)) => BlockSource::Device(device),
+        (None, None) => BlockSource::Attached(DEVICE_ID.to_string()),
+    };
+    if !read_only {
+        plan.push(Step::Format(Format {
+            device: source.clone(),
+            fs_type: fs_type.to_string(),
+            mode: FormatMode::IfUnformatted,
+        }));
+    }
+    plan.push(Step::Mount(Mount {
+        source: MountSource::Block(source),
+        target: paths.staging_dir.clone(),
+        fs_type: fs_type.to_string(),
+        options: mount_options,
+        read_only,
+    }));
+    plan.push(bind_into_pod(paths, requester));
+    plan
+}
+
+/// Unmount the pod's bind mount; when no consumer remains on this node, also
+/// unmount the staging dir and detach the device (if any).
+pub fn unstage(
+    consumer: &Consumer,
+    local_holders: &[Holder],
+    paths: &NodePaths,
+    spec: Option<DeviceSpec>,
+    force: bool,
+) -> Plan {
+    let mut plan = vec![Step::Unmount(Unmount { target: consumer.mount_dir.clone(), force })];
+    if local_holders.iter().all(|h| h.consumer.pod_uid == consumer.pod_uid) {
+        plan.push(Step::Unmount(Unmount { target: paths.staging_dir.clone(), force }));
+        if let Some(spec) = spec {
+            plan.push(Step::DetachDevice(DetachDevice { spec, force }));
+        }
+    }
+    plan
+}
+
+/// Everything a node holds for one volume, torn down: every recorded pod
+/// mount dir, the staging dir and the device. Used by cleanups.
+pub fn teardown(holders: &[Holder], paths: &NodePaths, spec: Option<DeviceSpec>, force: bool) -> Plan {
+    let mut plan: Plan = holders
+        .iter()
+        .map(|h| Step::Unmount(Unmount { target: h.consumer.mount_dir.clone(), force }))
+        .collect();
+    plan.push(Step::Unmount(Unmount { target: paths.staging_dir.clone(), force }));
+    if let Some(spec) = spec {
+        plan.push(Step::DetachDevice(DetachDevice { spec, force }));
+    }
+    plan
+}

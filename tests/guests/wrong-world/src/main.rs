@@ -1,0 +1,1 @@
+fn main() { println!("I am not a volagent backend"); }
