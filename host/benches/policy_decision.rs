@@ -1,1 +1,178 @@
-fn main() {}
+//! Policy decision latency: fresh instance + fence, then fresh instance +
+//! attach plan (as the agent makes them), through the wasm runtime; the same
+//! policy logic called natively in-process; and through a process exec per
+//! call (the Flexvolume model). Prints p50/p99 and the ratios, plus the
+//! compile time of every backend. Run: `cargo bench -p volagent --bench policy_decision`.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use volagent::stats::summarize;
+use volagent::policy as host;
+use volagent_guest_sdk as sdk;
+use volagent_guest_sdk::Policy;
+
+const CALLS: usize = 5000;
+const EXEC_CALLS: usize = 300;
+const COMPILES: usize = 5;
+const IMAGE: &str = "/mnt/disks/vol1.img";
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--exec-child") {
+        exec_child(&args[2]);
+        return;
+    }
+    println!("policy decision = fence + attach plan, fresh instance per call (local-pv, one holder on this node)");
+    let runtime = host::Runtime::new(host::Limits::default()).expect("runtime");
+    let plugin = host::Plugin::load_file(&runtime, Path::new(volagent_test_artifacts::LOCAL_PV)).expect("load local-pv");
+
+    let wasm = wasm_decision(&plugin);
+    let native = native_decision();
+    let exec = exec_decision();
+    let row = |name: &str, s: &mut Vec<Duration>| {
+        let volagent::stats::Summary { p50, p99, mean, .. } = summarize(s);
+        println!("{name:<34} {:>7} calls  p50 {p50:>9.1} µs  p99 {p99:>9.1} µs  mean {mean:>9.1} µs", s.len());
+        (p50, p99)
+    };
+    let (mut wasm, mut native, mut exec) = (wasm, native, exec);
+    let (w50, w99) = row("wasm (host runtime)", &mut wasm);
+    let (n50, n99) = row("native in-process", &mut native);
+    let (e50, e99) = row("exec per call", &mut exec);
+    println!("ratio wasm / native:  p50 {:.1}x  p99 {:.1}x   (target ≤ 10x)", w50 / n50, w99 / n99);
+    println!("ratio exec / wasm:    p50 {:.1}x  p99 {:.1}x   (target ≥ 20x)", e50 / w50, e99 / w99);
+    println!("wasm p99 {w99:.1} µs (target ≤ 50 µs)");
+
+    println!("compile + check per backend (Cranelift, median of {COMPILES}):");
+    for (name, path) in volagent_test_artifacts::BACKENDS {
+        let mut times: Vec<Duration> = (0..COMPILES)
+            .map(|_| {
+                let start = Instant::now();
+                host::Plugin::load_file(&runtime, Path::new(path)).expect("load");
+                start.elapsed()
+            })
+            .collect();
+        times.sort();
+        let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        println!("  {name:<10} {:>7} bytes  {:>7.1} ms", size, times[COMPILES / 2].as_secs_f64() * 1e3);
+    }
+}
+
+fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
+    let mut facts = host::RecordedQueries::default();
+    facts.paths.insert(IMAGE.into(), host::PathKind::RegularFile);
+    facts.nodes.push(host::NodeFacts { name: "node-a".into(), exists: true, ready: true, out_of_service: false });
+    let facts = Arc::new(facts);
+    let volume = host::Volume {
+        name: "pv1".into(),
+        backend: "local-pv".into(),
+        access_mode: host::AccessMode::ReadWriteOnce,
+        fs_type: "ext4".into(),
+        options: vec![
+            host::KeyValue { key: "path".into(), value: IMAGE.into() },
+            host::KeyValue { key: "node".into(), value: "node-a".into() },
+        ],
+        secret_keys: vec![],
+    };
+    let consumer = |pod: &str| host::Consumer {
+        node: "node-a".into(),
+        pod_namespace: "default".into(),
+        pod: pod.into(),
+        pod_uid: format!("uid-{pod}"),
+        mount_dir: format!("/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~local-pv/pv1"),
+        read_only: false,
+    };
+    let holders = vec![host::Holder { consumer: consumer("a"), since: "2026-11-01T10:00:00Z".into() }];
+    let requester = consumer("b");
+    let paths = host::NodePaths {
+        kubelet_root: "/var/lib/kubelet".into(),
+        staging_dir: "/var/lib/kubelet/plugins/volagent/local-pv/mounts/pv1".into(),
+        state_dir: "/var/lib/volagent/volumes/pv1".into(),
+        discovery_dirs: vec!["/mnt/disks".into()],
+    };
+    let nodes = facts.nodes.clone();
+    let once = || {
+        let d = plugin.fence(facts.clone(), &volume, &requester, &holders, &nodes).expect("fence");
+        assert_eq!(d, host::Decision::Grant);
+        // A fresh first-consumer plan (the full one), not the bind-only one.
+        let plan = plugin.attach(facts.clone(), &volume, &requester, &[], &paths).expect("attach");
+        assert_eq!(plan.len(), 4);
+    };
+    time(CALLS, once)
+}
+
+fn native_inputs() -> (sdk::fake::FakeHost, sdk::Volume, sdk::Consumer, Vec<sdk::Holder>, sdk::NodePaths) {
+    let mut host = sdk::fake::FakeHost::default();
+    host.paths.insert(IMAGE.into(), sdk::PathKind::RegularFile);
+    host.nodes.push(sdk::fake::live_node("node-a"));
+    let volume = sdk::Volume {
+        name: "pv1".into(),
+        backend: "local-pv".into(),
+        access_mode: sdk::AccessMode::ReadWriteOnce,
+        fs_type: "ext4".into(),
+        options: vec![
+            sdk::KeyValue { key: "path".into(), value: IMAGE.into() },
+            sdk::KeyValue { key: "node".into(), value: "node-a".into() },
+        ],
+        secret_keys: vec![],
+    };
+    let holders = vec![sdk::fake::holder(&sdk::fake::consumer("node-a", "a"))];
+    let paths = sdk::NodePaths {
+        kubelet_root: "/var/lib/kubelet".into(),
+        staging_dir: "/var/lib/kubelet/plugins/volagent/local-pv/mounts/pv1".into(),
+        state_dir: "/var/lib/volagent/volumes/pv1".into(),
+        discovery_dirs: vec!["/mnt/disks".into()],
+    };
+    (host, volume, sdk::fake::consumer("node-a", "b"), holders, paths)
+}
+
+/// The native decision: the same policy crate, called as plain Rust. Inputs
+/// are cloned per call, as the wasm path copies them into the guest.
+fn native_once(host: &sdk::fake::FakeHost, v: &sdk::Volume, c: &sdk::Consumer, h: &[sdk::Holder], p: &sdk::NodePaths) -> usize {
+    let d = policy_local_pv::LocalPv::fence(host, v.clone(), c.clone(), h.to_vec(), host.nodes.clone()).expect("fence");
+    assert_eq!(d, sdk::Decision::Grant);
+    policy_local_pv::LocalPv::attach(host, v.clone(), c.clone(), vec![], p.clone()).expect("attach").len()
+}
+
+fn native_decision() -> Vec<Duration> {
+    let (host, v, c, h, p) = native_inputs();
+    time(CALLS, || assert_eq!(std::hint::black_box(native_once(&host, &v, &c, &h, &p)), 4))
+}
+
+/// A process per decision, as a Flexvolume driver is run: this bench binary
+/// re-executed with the options JSON as an argument, printing its answer.
+fn exec_decision() -> Vec<Duration> {
+    let me = std::env::current_exe().expect("current exe");
+    let options = r#"{"kubernetes.io/pvOrVolumeName":"pv1","kubernetes.io/pod.name":"b","kubernetes.io/fsType":"ext4"}"#;
+    time(EXEC_CALLS, || {
+        let out = Command::new(&me).args(["--exec-child", options]).output().expect("exec child");
+        assert!(out.status.success() && out.stdout.starts_with(b"{\"status\":\"Success\""));
+    })
+}
+
+fn exec_child(options: &str) {
+    let parsed: std::collections::BTreeMap<String, String> = serde_json_from(options);
+    let (host, mut v, mut c, h, p) = native_inputs();
+    v.name = parsed.get("kubernetes.io/pvOrVolumeName").cloned().unwrap_or_default();
+    c.pod = parsed.get("kubernetes.io/pod.name").cloned().unwrap_or_default();
+    let steps = native_once(&host, &v, &c, &h, &p);
+    println!("{{\"status\":\"Success\",\"steps\":{steps}}}");
+}
+
+fn serde_json_from(s: &str) -> std::collections::BTreeMap<String, String> {
+    serde_json::from_str(s).expect("options JSON")
+}
+
+fn time(n: usize, mut f: impl FnMut()) -> Vec<Duration> {
+    for _ in 0..n / 10 + 1 {
+        f(); // warm up
+    }
+    (0..n)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed()
+        })
+        .collect()
+}

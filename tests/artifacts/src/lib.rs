@@ -1,1 +1,7 @@
+//! Paths of the guest components built by this crate's build script.
+//! Test-only: the host's tests load these.
 
+include!(concat!(env!("OUT_DIR"), "/guests.rs"));
+
+/// The four real backends, as (name, path).
+pub const BACKENDS: &[(&str, &str)] = &[("rbd", RBD), ("nbd", NBD), ("local-pv", LOCAL_PV), ("gluster", GLUSTER)];

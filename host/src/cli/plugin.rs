@@ -1,0 +1,162 @@
+//! `volagent plugin test|inspect|bench`: offline tools for policy authors.
+
+use crate::policy::{Limits, Plugin, Runtime, scenario};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum PluginCommand {
+    /// Run recorded scenarios against a component; exit 1 if any fails.
+    Test {
+        /// The backend component (.wasm).
+        wasm: PathBuf,
+        /// Scenario files, or dirs of *.yaml / *.yml / *.json files.
+        #[arg(required = true)]
+        scenarios: Vec<PathBuf>,
+    },
+    /// Show a component's world, version, info and imports.
+    Inspect {
+        wasm: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-call latency (fresh instance each call): p50 / p99.
+    Bench {
+        wasm: PathBuf,
+        /// Scenario file or dir whose calls to time; default: `info`.
+        scenarios: Option<PathBuf>,
+        /// Calls per scenario.
+        #[arg(short = 'n', long, default_value_t = 2000)]
+        calls: u32,
+    },
+}
+
+pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
+    let runtime = Runtime::new(limits)?;
+    match command {
+        PluginCommand::Test { wasm, scenarios } => test(&runtime, &wasm, &scenarios),
+        PluginCommand::Inspect { wasm, json } => inspect(&runtime, &wasm, json),
+        PluginCommand::Bench { wasm, scenarios, calls } => bench(&runtime, &wasm, scenarios, calls),
+    }
+}
+
+fn load(runtime: &Arc<Runtime>, wasm: &PathBuf) -> anyhow::Result<(Plugin, Duration)> {
+    let start = Instant::now();
+    let plugin = Plugin::load_file(runtime, wasm)?;
+    Ok((plugin, start.elapsed()))
+}
+
+fn test(runtime: &Arc<Runtime>, wasm: &PathBuf, paths: &[PathBuf]) -> anyhow::Result<ExitCode> {
+    let (plugin, _) = load(runtime, wasm)?;
+    let (mut passed, mut failed) = (0, 0);
+    for path in paths {
+        for file in scenario::files(path)? {
+            match scenario::run_file(&plugin, &file) {
+                Err(e) => {
+                    failed += 1;
+                    println!("ERROR {e}");
+                }
+                Ok(outcomes) => {
+                    for o in outcomes {
+                        match o.failure {
+                            None => {
+                                passed += 1;
+                                println!("PASS  {}: {}", o.file.display(), o.name);
+                            }
+                            Some(why) => {
+                                failed += 1;
+                                println!("FAIL  {}: {}", o.file.display(), o.name);
+                                for line in why.lines() {
+                                    println!("      {line}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("{} {}: {passed} passed, {failed} failed", plugin.name(), plugin.info().version);
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+fn inspect(runtime: &Arc<Runtime>, wasm: &PathBuf, json: bool) -> anyhow::Result<ExitCode> {
+    let (plugin, compile) = load(runtime, wasm)?;
+    let info = plugin.info();
+    if json {
+        let v = serde_json::json!({
+            "file": plugin.path(),
+            "sha256": plugin.sha256(),
+            "size": plugin.size(),
+            "export": plugin.export(),
+            "imports": plugin.imports(),
+            "info": info,
+            "load_ms": compile.as_secs_f64() * 1e3,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let caps = &info.capabilities;
+    let names = |v: Vec<&str>| if v.is_empty() { "-".to_string() } else { v.join(", ") };
+    println!("file:        {}", plugin.path().display());
+    println!("sha256:      {}", plugin.sha256());
+    println!("size:        {} bytes (compiled and checked in {:.1} ms)", plugin.size(), compile.as_secs_f64() * 1e3);
+    println!("world:       exports {}", plugin.export());
+    println!("backend:     {} {}", info.name, info.version);
+    println!("about:       {}", info.description);
+    println!("steps:       {}", names(caps.steps.iter().map(|s| s.name()).collect()));
+    println!("devices:     {}", names(caps.device_kinds.iter().map(|d| d.name()).collect()));
+    println!("filesystems: {}", names(caps.filesystems.iter().map(String::as_str).collect()));
+    println!("network fs:  {}", names(caps.network_filesystems.iter().map(String::as_str).collect()));
+    println!("path roots:  {}", names(caps.path_roots.iter().map(|r| r.name()).collect()));
+    println!("imports:");
+    for i in plugin.imports() {
+        println!("  {i}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn bench(runtime: &Arc<Runtime>, wasm: &PathBuf, scenarios: Option<PathBuf>, calls: u32) -> anyhow::Result<ExitCode> {
+    let (plugin, compile) = load(runtime, wasm)?;
+    let calls = calls.max(1);
+    println!("{} {}: compiled and checked in {:.1} ms", plugin.name(), plugin.info().version, compile.as_secs_f64() * 1e3);
+    println!("{:<60} {:>8} {:>10} {:>10} {:>10} {:>10}", "call", "calls", "p50 µs", "p99 µs", "mean µs", "max µs");
+    let mut prepared = Vec::new();
+    match scenarios {
+        None => prepared.push(None),
+        Some(path) => {
+            for file in scenario::files(&path)? {
+                for p in scenario::load(&file, plugin.name())? {
+                    let p = p.map_err(|(name, why)| anyhow::anyhow!("{}: {name}: {why}", file.display()))?;
+                    prepared.push(Some(p));
+                }
+            }
+        }
+    }
+    let no_facts = Arc::new(crate::policy::RecordedQueries::default());
+    for p in &prepared {
+        let call = || match p {
+            None => drop(plugin.call_info(no_facts.clone())),
+            Some(p) => drop(p.execute(&plugin)),
+        };
+        call(); // warm-up: the first call touches fresh pool slots
+        let mut samples: Vec<Duration> = (0..calls)
+            .map(|_| {
+                let start = Instant::now();
+                call();
+                start.elapsed()
+            })
+            .collect();
+        let crate::stats::Summary { p50, p99, mean, max } = crate::stats::summarize(&mut samples);
+        let name = p.as_ref().map_or("info", |p| p.name.as_str());
+        println!("{:<60} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1}", truncate(name, 60), calls, p50, p99, mean, max);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n { s.to_string() } else { s.chars().take(n - 1).collect::<String>() + "…" }
+}

@@ -1,0 +1,113 @@
+//! The per-call store state and the `host` imports a guest may call.
+
+use super::bindings::volagent::policy::{host, types};
+use super::bindings::{LogLevel, MountEntry, NodeFacts, PathKind, Watcher};
+use super::queries::Queries;
+use std::sync::Arc;
+use wasmtime::component::ResourceTable;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+/// Log lines one call may write; more are dropped (and counted) so a guest
+/// cannot flood the agent's log.
+const MAX_LOG_LINES: u32 = 64;
+const MAX_LOG_BYTES: usize = 4096;
+
+/// Everything one guest call's store holds. A fresh one per call.
+pub struct CallState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    queries: Arc<dyn Queries>,
+    backend: Arc<str>,
+    logged: u32,
+    pub(crate) memory: MemoryCap,
+}
+
+impl CallState {
+    pub(crate) fn new(backend: Arc<str>, queries: Arc<dyn Queries>, memory_bytes: usize) -> Self {
+        CallState {
+            wasi: WasiCtx::builder().build(),
+            table: ResourceTable::new(),
+            queries,
+            backend,
+            logged: 0,
+            memory: MemoryCap { cap: memory_bytes, refused: false },
+        }
+    }
+
+    pub(crate) fn dropped_log_lines(&self) -> u32 {
+        self.logged.saturating_sub(MAX_LOG_LINES)
+    }
+}
+
+/// Refuses memory growth past the cap and remembers it did, so that the
+/// trap that follows is reported as what it is.
+pub(crate) struct MemoryCap {
+    cap: usize,
+    pub(crate) refused: bool,
+}
+
+impl wasmtime::ResourceLimiter for MemoryCap {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.cap {
+            self.refused = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+    fn table_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 100_000)
+    }
+}
+
+impl WasiView for CallState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl types::Host for CallState {}
+
+impl host::Host for CallState {
+    fn log(&mut self, level: LogLevel, message: String) {
+        self.logged += 1;
+        if self.logged > MAX_LOG_LINES {
+            return;
+        }
+        let mut message = message;
+        if message.len() > MAX_LOG_BYTES {
+            let mut cut = MAX_LOG_BYTES;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+            message.push_str("…");
+        }
+        let backend = &*self.backend;
+        match level {
+            LogLevel::Debug => tracing::debug!(backend, "{message}"),
+            LogLevel::Info => tracing::info!(backend, "{message}"),
+            LogLevel::Warn => tracing::warn!(backend, "{message}"),
+            LogLevel::Error => tracing::error!(backend, "{message}"),
+        }
+    }
+
+    fn node_state(&mut self, name: String) -> NodeFacts {
+        self.queries.node_state(&name)
+    }
+
+    fn lookup_path(&mut self, path: String) -> PathKind {
+        self.queries.lookup_path(&path)
+    }
+
+    fn filesystem_type(&mut self, device: String) -> Option<String> {
+        self.queries.filesystem_type(&device)
+    }
+
+    fn mount_at(&mut self, target: String) -> Option<MountEntry> {
+        self.queries.mount_at(&target)
+    }
+
+    fn image_watchers(&mut self, pool: String, image: String) -> Result<Vec<Watcher>, String> {
+        self.queries.image_watchers(&pool, &image)
+    }
+}

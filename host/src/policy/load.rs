@@ -1,0 +1,289 @@
+//! Loading a backend component: size and format checks, compile, import
+//! allow-list, contract export and version, link, and `info`.
+
+use super::bindings::{BackendInfo, BackendPre, MountEntry, NodeFacts, PathKind, Watcher};
+use super::call::CallError;
+use super::queries::Queries;
+use super::runtime::Runtime;
+use super::{CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use wasmtime::component::Component;
+
+/// WASI interfaces a std Rust guest imports even when it does no I/O. They
+/// are linked to an empty context: no preopens, environment or arguments.
+const ALLOWED_WASI_PACKAGES: &[&str] = &["wasi:cli/", "wasi:clocks/", "wasi:io/", "wasi:random/", "wasi:filesystem/"];
+/// Our own interfaces a guest may import.
+const ALLOWED_OWN_INTERFACES: &[&str] = &["host", "types"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{}: cannot read: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{}: the file is empty, not a WebAssembly component", path.display())]
+    Empty { path: PathBuf },
+    #[error("{}: {size} bytes is over the limit of {max} bytes for a plugin file", path.display())]
+    TooLarge { path: PathBuf, size: u64, max: u64 },
+    #[error("{}: not a WebAssembly file (it does not start with \\0asm)", path.display())]
+    NotWasm { path: PathBuf },
+    #[error("{}: a core WebAssembly module, not a component; build the policy with `cargo build --target wasm32-wasip2`", path.display())]
+    CoreModule { path: PathBuf },
+    #[error("{}: not a valid WebAssembly component: {message}", path.display())]
+    Compile { path: PathBuf, message: String },
+    #[error("{}: imports `{import}`, which a backend may not use (allowed: {CONTRACT_PACKAGE}/host and the WASI cli, clocks, io, random and filesystem interfaces, linked with no access)", path.display())]
+    DisallowedImport { path: PathBuf, import: String },
+    #[error("{}: does not export {CONTRACT_PACKAGE}/{POLICY_INTERFACE}, so it is not a volagent backend (its exports: {exports})", path.display())]
+    WrongWorld { path: PathBuf, exports: String },
+    #[error("{}: speaks {found}, but this host speaks {CONTRACT_PACKAGE}@{CONTRACT_VERSION}; rebuild the policy against a compatible wit/", path.display())]
+    IncompatibleVersion { path: PathBuf, found: String },
+    #[error("{}: does not match the {CONTRACT_PACKAGE}@{CONTRACT_VERSION} contract: {message}", path.display())]
+    Contract { path: PathBuf, message: String },
+    #[error("{}: its info call failed: {source}", path.display())]
+    Info { path: PathBuf, source: CallError },
+    #[error("{}: its info is invalid: {reason}", path.display())]
+    BadInfo { path: PathBuf, reason: String },
+}
+
+/// A loaded, checked backend, ready to be called. Cheap to share.
+pub struct Plugin {
+    pub(crate) pre: BackendPre<super::imports::CallState>,
+    pub(crate) runtime: Arc<Runtime>,
+    pub(crate) name: Arc<str>,
+    info: BackendInfo,
+    path: PathBuf,
+    sha256: String,
+    size: u64,
+    imports: Vec<String>,
+    export: String,
+}
+
+impl Plugin {
+    /// Read and load `path`, refusing oversized files before reading them.
+    pub fn load_file(runtime: &Arc<Runtime>, path: &Path) -> Result<Plugin, LoadError> {
+        let read_err = |source| LoadError::Read { path: path.to_path_buf(), source };
+        let file = std::fs::File::open(path).map_err(read_err)?;
+        let size = file.metadata().map_err(read_err)?.len();
+        let max = runtime.limits.max_file_bytes;
+        if size > max {
+            return Err(LoadError::TooLarge { path: path.to_path_buf(), size, max });
+        }
+        let mut bytes = Vec::with_capacity(size as usize);
+        // Bounded even if the file grows while we read it.
+        file.take(max + 1).read_to_end(&mut bytes).map_err(read_err)?;
+        Self::load_bytes(runtime, path, &bytes)
+    }
+
+    /// Load a component from bytes; `path` names it in errors.
+    pub fn load_bytes(runtime: &Arc<Runtime>, path: &Path, bytes: &[u8]) -> Result<Plugin, LoadError> {
+        let path_buf = || path.to_path_buf();
+        let size = bytes.len() as u64;
+        if size == 0 {
+            return Err(LoadError::Empty { path: path_buf() });
+        }
+        if size > runtime.limits.max_file_bytes {
+            return Err(LoadError::TooLarge { path: path_buf(), size, max: runtime.limits.max_file_bytes });
+        }
+        check_header(path, bytes)?;
+        let sha256 = hex::encode(Sha256::digest(bytes));
+        let component = Component::new(&runtime.engine, bytes)
+            .map_err(|e| LoadError::Compile { path: path_buf(), message: format!("{e:#}") })?;
+
+        let ty = component.component_type();
+        let imports: Vec<String> = ty.imports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
+        if let Some(bad) = imports.iter().find(|i| !import_allowed(i)) {
+            return Err(LoadError::DisallowedImport { path: path_buf(), import: bad.clone() });
+        }
+        let exports: Vec<String> = ty.exports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
+        let export = find_policy_export(path, &exports)?;
+
+        let instance_pre = runtime
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::Contract { path: path_buf(), message: format!("{e:#}") })?;
+        let pre = BackendPre::new(instance_pre)
+            .map_err(|e| LoadError::Contract { path: path_buf(), message: format!("{e:#}") })?;
+
+        let provisional: Arc<str> = Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
+        let info = super::call::info(runtime, &pre, &provisional, Arc::new(NoFacts))
+            .map_err(|source| LoadError::Info { path: path_buf(), source })?;
+        check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
+        Ok(Plugin {
+            pre,
+            runtime: runtime.clone(),
+            name: Arc::from(info.name.as_str()),
+            info,
+            path: path_buf(),
+            sha256,
+            size,
+            imports,
+            export,
+        })
+    }
+
+    pub fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    pub fn imports(&self) -> &[String] {
+        &self.imports
+    }
+    /// The policy export's full name, e.g. `volagent:policy/policy@0.1.0`.
+    pub fn export(&self) -> &str {
+        &self.export
+    }
+}
+
+fn check_header(path: &Path, bytes: &[u8]) -> Result<(), LoadError> {
+    if bytes.len() < 8 || &bytes[0..4] != b"\0asm" {
+        return Err(LoadError::NotWasm { path: path.to_path_buf() });
+    }
+    // Bytes 6..8 are the layer: 0 for a core module, 1 for a component.
+    if bytes[6..8] == [0, 0] {
+        return Err(LoadError::CoreModule { path: path.to_path_buf() });
+    }
+    Ok(())
+}
+
+/// `name@version` → (name, version).
+fn split_version(name: &str) -> (&str, Option<&str>) {
+    match name.split_once('@') {
+        Some((n, v)) => (n, Some(v)),
+        None => (name, None),
+    }
+}
+
+/// Same major version; while the major is 0, same minor too (semver's rule
+/// for 0.x, which is also how wasmtime matches import versions).
+pub(crate) fn version_compatible(found: &str) -> bool {
+    let (Ok(found), Ok(ours)) = (semver::Version::parse(found), semver::Version::parse(CONTRACT_VERSION)) else {
+        return false;
+    };
+    found.major == ours.major && (ours.major != 0 || found.minor == ours.minor)
+}
+
+fn import_allowed(import: &str) -> bool {
+    let (name, version) = split_version(import);
+    if let Some(iface) = name.strip_prefix(CONTRACT_PACKAGE).and_then(|r| r.strip_prefix('/')) {
+        return ALLOWED_OWN_INTERFACES.contains(&iface) && version.is_some_and(version_compatible);
+    }
+    ALLOWED_WASI_PACKAGES.iter().any(|p| name.starts_with(p))
+}
+
+fn find_policy_export(path: &Path, exports: &[String]) -> Result<String, LoadError> {
+    let wanted = format!("{CONTRACT_PACKAGE}/{POLICY_INTERFACE}");
+    let Some(export) = exports.iter().find(|e| split_version(e).0 == wanted) else {
+        let list = if exports.is_empty() { "none".to_string() } else { exports.join(", ") };
+        return Err(LoadError::WrongWorld { path: path.to_path_buf(), exports: list });
+    };
+    match split_version(export).1 {
+        Some(v) if version_compatible(v) => Ok(export.clone()),
+        _ => Err(LoadError::IncompatibleVersion { path: path.to_path_buf(), found: export.clone() }),
+    }
+}
+
+/// Backend names become driver names and file names: a DNS label.
+fn check_info(info: &BackendInfo) -> Result<(), String> {
+    let name = &info.name;
+    let label_ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if !label_ok {
+        return Err(format!("name {name:?} must be a DNS label (lower-case letters, digits, '-', at most 63)"));
+    }
+    if semver::Version::parse(&info.version).is_err() {
+        return Err(format!("version {:?} of backend {name} is not a semantic version", info.version));
+    }
+    let caps = &info.capabilities;
+    if caps.steps.is_empty() {
+        return Err(format!("backend {name} declares no steps"));
+    }
+    for fs in caps.filesystems.iter().chain(&caps.network_filesystems) {
+        if fs.is_empty() || !fs.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_') {
+            return Err(format!("backend {name} declares filesystem {fs:?}, which is not a filesystem type name"));
+        }
+    }
+    Ok(())
+}
+
+/// Answers for a call that must not depend on the node (`info`).
+struct NoFacts;
+
+impl Queries for NoFacts {
+    fn node_state(&self, name: &str) -> NodeFacts {
+        NodeFacts { name: name.to_string(), exists: false, ready: false, out_of_service: false }
+    }
+    fn lookup_path(&self, _: &str) -> PathKind {
+        PathKind::Missing
+    }
+    fn filesystem_type(&self, _: &str) -> Option<String> {
+        None
+    }
+    fn mount_at(&self, _: &str) -> Option<MountEntry> {
+        None
+    }
+    fn image_watchers(&self, _: &str, _: &str) -> Result<Vec<Watcher>, String> {
+        Err("not available while loading".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        assert!(version_compatible("0.1.0"));
+        assert!(version_compatible("0.1.7"));
+        assert!(!version_compatible("0.2.0"));
+        assert!(!version_compatible("1.1.0"));
+        assert!(!version_compatible("garbage"));
+    }
+
+    #[test]
+    fn import_allow_list() {
+        assert!(import_allowed("volagent:policy/host@0.1.0"));
+        assert!(import_allowed("volagent:policy/types@0.1.2"));
+        assert!(!import_allowed("volagent:policy/host@0.2.0"));
+        assert!(!import_allowed("volagent:policy/host"));
+        assert!(!import_allowed("volagent:policy/secrets@0.1.0"));
+        assert!(import_allowed("wasi:cli/environment@0.2.3"));
+        assert!(import_allowed("wasi:io/streams@0.2.0"));
+        assert!(!import_allowed("wasi:sockets/tcp@0.2.0"));
+        assert!(!import_allowed("wasi:http/outgoing-handler@0.2.0"));
+        assert!(!import_allowed("evil:thing/x"));
+    }
+
+    #[test]
+    fn export_version_is_checked() {
+        let p = Path::new("x.wasm");
+        assert!(find_policy_export(p, &["volagent:policy/policy@0.1.3".into()]).is_ok());
+        assert!(matches!(
+            find_policy_export(p, &["volagent:policy/policy@0.2.0".into()]),
+            Err(LoadError::IncompatibleVersion { .. })
+        ));
+        assert!(matches!(find_policy_export(p, &["wasi:cli/run@0.2.0".into()]), Err(LoadError::WrongWorld { .. })));
+    }
+
+    #[test]
+    fn headers() {
+        let p = Path::new("x.wasm");
+        assert!(matches!(check_header(p, b"hello world"), Err(LoadError::NotWasm { .. })));
+        assert!(matches!(check_header(p, b"\0asm\x01\0\0\0"), Err(LoadError::CoreModule { .. })));
+        assert!(check_header(p, b"\0asm\x0d\0\x01\0").is_ok());
+    }
+}

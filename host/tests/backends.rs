@@ -1,0 +1,100 @@
+//! The four real backends, built as components, through the host runtime.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use volagent::policy::scenario;
+use volagent::policy::*;
+use volagent_test_artifacts::BACKENDS;
+
+#[test]
+fn every_backend_loads_and_declares_itself() {
+    let rt = runtime(500);
+    for (name, path) in BACKENDS {
+        let plugin = load(&rt, path);
+        assert_eq!(plugin.name(), *name);
+        assert_eq!(plugin.export(), "volagent:policy/policy@0.1.0");
+        assert_eq!(plugin.sha256().len(), 64);
+        // Only policies that ask the host something import `host`.
+        let asks = plugin.imports().iter().any(|i| i == "volagent:policy/host@0.1.0");
+        assert_eq!(asks, matches!(*name, "rbd" | "local-pv"), "{name}: {:?}", plugin.imports());
+        assert!(!plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")), "{name}: {:?}", plugin.imports());
+        assert!(!plugin.info().capabilities.steps.is_empty());
+    }
+}
+
+#[test]
+fn every_backend_passes_its_shipped_scenarios() {
+    let rt = runtime(500);
+    for (name, path) in BACKENDS {
+        let plugin = load(&rt, path);
+        let dir = workspace().join("guest-plugins").join(name).join("scenarios");
+        let mut ran = 0;
+        for file in scenario::files(&dir).unwrap_or_else(|e| panic!("{e}")) {
+            for outcome in scenario::run_file(&plugin, &file).unwrap_or_else(|e| panic!("{e}")) {
+                ran += 1;
+                if let Some(why) = outcome.failure {
+                    panic!("{name}: {}: {}\n{why}", file.display(), outcome.name);
+                }
+            }
+        }
+        assert!(ran >= 6, "{name}: only {ran} scenarios ran");
+    }
+}
+
+#[test]
+fn rwo_fencing_through_the_runtime() {
+    let rt = runtime(500);
+    let plugin = load(&rt, volagent_test_artifacts::GLUSTER);
+    let mut v = volume("pv1", "gluster");
+    v.options = vec![KeyValue { key: "servers".into(), value: "g1".into() }, KeyValue { key: "volume".into(), value: "gv0".into() }];
+    let a = consumer("n1", "a", "gluster", "pv1");
+    let b = consumer("n1", "b", "gluster", "pv1");
+    let c = consumer("n2", "c", "gluster", "pv1");
+    let nodes = [
+        NodeFacts { name: "n1".into(), exists: true, ready: true, out_of_service: false },
+        NodeFacts { name: "n2".into(), exists: true, ready: true, out_of_service: false },
+    ];
+    let held = [holder(&a)];
+    assert_eq!(plugin.fence(facts(), &v, &b, &held, &nodes).unwrap(), Decision::Grant);
+    match plugin.fence(facts(), &v, &c, &held, &nodes).unwrap() {
+        Decision::Deny(reason) => assert!(reason.contains("pod default/a on node n1"), "{reason}"),
+        other => panic!("expected a denial, got {other:?}"),
+    }
+    v.access_mode = AccessMode::ReadWriteMany;
+    assert_eq!(plugin.fence(facts(), &v, &c, &held, &nodes).unwrap(), Decision::Grant);
+}
+
+#[test]
+fn a_plan_is_checked_against_this_calls_paths() {
+    // The same policy output is fine for its own pod dir, and refused when
+    // the host's paths say the pod dir is elsewhere.
+    let rt = runtime(500);
+    let plugin = load(&rt, volagent_test_artifacts::LOCAL_PV);
+    let mut v = volume("pv1", "local-pv");
+    v.options = vec![
+        KeyValue { key: "path".into(), value: "/mnt/disks/a.img".into() },
+        KeyValue { key: "node".into(), value: "n1".into() },
+    ];
+    let mut q = RecordedQueries::default();
+    q.paths.insert("/mnt/disks/a.img".into(), PathKind::RegularFile);
+    let q = std::sync::Arc::new(q);
+    let c = consumer("n1", "a", "local-pv", "pv1");
+    let plan = plugin.attach(q.clone(), &v, &c, &[], &paths("local-pv", "pv1")).unwrap();
+    assert_eq!(plan.len(), 4);
+    let mut elsewhere = paths("local-pv", "pv1");
+    elsewhere.discovery_dirs = vec!["/srv/volumes".into()];
+    let err = plugin.attach(q, &v, &c, &[], &elsewhere).unwrap_err();
+    assert!(matches!(err, CallError::Plan { .. }), "{err}");
+    assert!(err.to_string().contains("/mnt/disks/a.img"), "{err}");
+}
+
+#[test]
+fn a_scenario_file_for_another_backend_is_an_error() {
+    let rt = runtime(500);
+    let plugin = load(&rt, volagent_test_artifacts::NBD);
+    let file = workspace().join("guest-plugins/rbd/scenarios/fence.yaml");
+    let err = scenario::run_file(&plugin, Path::new(&file)).unwrap_err();
+    assert!(err.to_string().contains("written for backend \"rbd\""), "{err}");
+}

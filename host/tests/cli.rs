@@ -1,0 +1,95 @@
+//! The `volagent plugin` commands, run as the real binary.
+
+mod common;
+
+use std::process::Command;
+use volagent_test_artifacts::{LOCAL_PV, RBD, WRONG_WORLD};
+
+fn volagent(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_volagent")).args(args).output().expect("run volagent");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn plugin_test_passes_the_shipped_scenarios() {
+    let dir = common::workspace().join("guest-plugins/local-pv/scenarios");
+    let (code, out, err) = volagent(&["plugin", "test", LOCAL_PV, dir.to_str().expect("utf-8 path")]);
+    assert_eq!(code, 0, "{out}{err}");
+    let last = out.lines().last().unwrap_or_default();
+    assert!(last.starts_with("local-pv 0.1.0: ") && last.ends_with(" passed, 0 failed"), "{out}");
+    assert!(out.contains("PASS  ") && !out.contains("FAIL  "), "{out}");
+}
+
+#[test]
+fn plugin_test_fails_with_a_readable_diff() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("wrong.yaml");
+    std::fs::write(
+        &file,
+        r#"
+backend: rbd
+scenarios:
+  - name: expects the wrong filesystem
+    call: attach
+    input:
+      volume: { name: pv, backend: rbd, access_mode: ReadWriteOnce, fs_type: xfs, secret_keys: [],
+                options: { monitors: "10.0.0.1:6789", image: img } }
+      requester: { node: n1, pod_namespace: ns, pod: p, pod_uid: u, read_only: false,
+                   mount_dir: /var/lib/kubelet/pods/u/volumes/volagent~rbd/pv }
+      paths: { kubelet_root: /var/lib/kubelet, staging_dir: /var/lib/kubelet/plugins/volagent/rbd/mounts/pv,
+               state_dir: /var/lib/volagent/volumes/pv, discovery_dirs: [] }
+    expect:
+      plan:
+        - AttachDevice: {}
+        - Format: { fs_type: ext4 }
+        - Mount: {}
+        - BindMount: {}
+  - name: input that does not fit the call
+    call: fence
+    input: { volume: 7 }
+    expect: { decision: Grant }
+"#,
+    )
+    .expect("write");
+    let (code, out, _) = volagent(&["plugin", "test", RBD, file.to_str().expect("utf-8 path")]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAIL  ") && out.contains("expects the wrong filesystem"), "{out}");
+    assert!(out.contains("first difference at $.plan[1].Format.fs_type"), "{out}");
+    assert!(out.contains("-    fs_type: ext4") && out.contains("+    fs_type: xfs"), "{out}");
+    assert!(out.contains("invalid input for a Fence call"), "{out}");
+    assert!(out.trim_end().ends_with("rbd 0.1.0: 0 passed, 2 failed"), "{out}");
+}
+
+#[test]
+fn plugin_test_of_a_non_backend_names_the_file() {
+    let (code, out, err) = volagent(&["plugin", "test", WRONG_WORLD, "."]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains(WRONG_WORLD) && err.contains("not a volagent backend"), "{err}");
+}
+
+#[test]
+fn plugin_inspect_shows_world_version_info_and_imports() {
+    let (code, out, err) = volagent(&["plugin", "inspect", RBD]);
+    assert_eq!(code, 0, "{err}");
+    for expected in ["world:       exports volagent:policy/policy@0.1.0", "backend:     rbd 0.1.0", "devices:     rbd", "blocklist-client", "volagent:policy/host@0.1.0"] {
+        assert!(out.contains(expected), "missing {expected:?} in\n{out}");
+    }
+    let (code, out, _) = volagent(&["plugin", "inspect", "--json", RBD]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("inspect --json prints JSON");
+    assert_eq!(v["info"]["name"], "rbd");
+    assert_eq!(v["export"], "volagent:policy/policy@0.1.0");
+}
+
+#[test]
+fn plugin_bench_reports_percentiles() {
+    let dir = common::workspace().join("guest-plugins/rbd/scenarios/fence.yaml");
+    let (code, out, err) = volagent(&["plugin", "bench", RBD, dir.to_str().expect("utf-8"), "-n", "20"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("p50 µs") && out.contains("p99 µs"), "{out}");
+    assert!(out.contains("a deleted holder node is taken over"), "{out}");
+}

@@ -1,0 +1,54 @@
+//! Builds every guest component (the four backends and the test-only
+//! guests) for wasm32-wasip2 and writes their paths as constants, so a
+//! missing or broken guest fails the host's test build instead of skipping.
+
+use std::env;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// (constant, cargo package, artifact file stem)
+const GUESTS: &[(&str, &str, &str)] = &[
+    ("RBD", "policy-rbd", "policy_rbd"),
+    ("NBD", "policy-nbd", "policy_nbd"),
+    ("LOCAL_PV", "policy-local-pv", "policy_local_pv"),
+    ("GLUSTER", "policy-gluster", "policy_gluster"),
+    ("MISBEHAVE", "test-guest-misbehave", "test_guest_misbehave"),
+    ("NET_IMPORT", "test-guest-net-import", "test_guest_net_import"),
+    ("WRONG_WORLD", "test-guest-wrong-world", "test-guest-wrong-world"),
+];
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let root = manifest.join("../..").canonicalize().expect("workspace root");
+    for dir in ["wit", "guest-plugins", "tests/guests", "Cargo.toml", "Cargo.lock"] {
+        println!("cargo:rerun-if-changed={}", root.join(dir).display());
+    }
+    // A target dir of its own: the outer cargo holds the lock on its own.
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let target_dir = env::var_os("VOLAGENT_GUEST_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| out.ancestors().nth(4).expect("OUT_DIR is inside the target dir").join("guests"));
+
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(&root)
+        .args(["build", "--profile", "guest", "--target", "wasm32-wasip2", "--target-dir"])
+        .arg(&target_dir);
+    for (_, package, _) in GUESTS {
+        cmd.args(["-p", package]);
+    }
+    // Flags meant for the host build must not leak into the guest build.
+    for var in ["CARGO_ENCODED_RUSTFLAGS", "RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTC_WORKSPACE_WRAPPER"] {
+        cmd.env_remove(var);
+    }
+    let status = cmd.status().expect("run cargo for the guests");
+    assert!(status.success(), "building the guest components failed (is the wasm32-wasip2 target installed? run scripts/setup)");
+
+    let mut consts = String::new();
+    for (name, _, stem) in GUESTS {
+        let path = target_dir.join("wasm32-wasip2/guest").join(format!("{stem}.wasm"));
+        assert!(path.is_file(), "guest artifact {} is missing", path.display());
+        consts.push_str(&format!("pub const {name}: &str = {:?};\n", path.display().to_string()));
+    }
+    std::fs::write(out.join("guests.rs"), consts).expect("write guests.rs");
+}
