@@ -199,3 +199,27 @@ fn files_that_are_not_components_are_refused() {
     let missing = dir.path().join("missing.wasm");
     assert!(matches!(load_err(&rt, &missing), LoadError::Read { .. }));
 }
+
+#[test]
+fn a_session_survives_refusals_and_ends_at_a_trap() {
+    let rt = runtime(100);
+    let plugin = load(&rt, MISBEHAVE);
+    let mut session = plugin.session(facts());
+    let ok = volume("ok", "misbehave");
+    let refuse = volume("refuse", "misbehave");
+    let c = consumer("n1", "p", "misbehave", "ok");
+    let p = paths("misbehave", "ok");
+    assert_eq!(session.fence(&ok, &c, &[], &[]).unwrap(), Decision::Grant);
+    assert!(session.attach(&refuse, &c, &[], &p).unwrap_err().is_policy_refusal());
+    // Each call has its own deadline: a long session is not cut short.
+    for _ in 0..3 {
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        assert_eq!(session.attach(&ok, &c, &[], &p).unwrap().len(), 1);
+    }
+    let err = session.fence(&volume("spin", "misbehave"), &c, &[], &[]).unwrap_err();
+    assert!(matches!(err, CallError::Deadline { .. }), "{err}");
+    let err = session.fence(&ok, &c, &[], &[]).unwrap_err();
+    assert!(matches!(err, CallError::Ended { .. }), "{err}");
+    assert!(err.to_string().contains("an earlier call of this operation failed"), "{err}");
+    still_serves(&plugin);
+}

@@ -3,7 +3,7 @@
 //! or take-over checked before anyone acts on it.
 
 use super::bindings::{
-    BackendInfo, BackendPre, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts,
+    Backend, BackendInfo, BackendPre, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts,
     NodePaths, Plan, PolicyError, Volume,
 };
 use super::imports::CallState;
@@ -26,6 +26,8 @@ pub enum CallError {
     Policy { backend: String, function: &'static str, error: PolicyError },
     #[error("backend {backend}: {function} returned a plan the host refuses: {error}")]
     Plan { backend: String, function: &'static str, error: PlanError },
+    #[error("backend {backend}: {function} not called: an earlier call of this operation failed")]
+    Ended { backend: String, function: &'static str },
     #[error("backend {backend}: fence returned a take-over the host refuses: {reason}")]
     TakeOver { backend: String, reason: String },
 }
@@ -37,36 +39,80 @@ impl CallError {
     }
 }
 
-/// Run `f` against a fresh instance of `pre` under the runtime's limits.
-pub(crate) fn run<R>(
-    runtime: &Runtime,
-    pre: &BackendPre<CallState>,
-    backend: &Arc<str>,
-    function: &'static str,
-    queries: Arc<dyn Queries>,
-    f: impl FnOnce(&super::bindings::Backend, &mut Store<CallState>) -> wasmtime::Result<R>,
-) -> Result<R, CallError> {
-    let limits = runtime.limits;
-    let mut store = Store::new(&runtime.engine, CallState::new(backend.clone(), queries, limits.memory_bytes));
-    store.limiter(|s| &mut s.memory);
-    store.set_epoch_deadline(limits.deadline_ticks());
-    store.epoch_deadline_trap();
-    let result = pre.instantiate(&mut store).and_then(|instance| f(&instance, &mut store));
-    let dropped = store.data().dropped_log_lines();
-    if dropped > 0 {
-        tracing::warn!(backend = &**backend, function, dropped, "guest log lines over the per-call limit were dropped");
+/// One instance serving the calls of one operation on one volume (e.g. a
+/// mount's fence and then its attach plan). A fresh one per operation, so
+/// nothing leaks between volumes or operations; every call has its own
+/// deadline; a call that traps ends the session and its instance.
+pub struct Session<'p> {
+    runtime: &'p Runtime,
+    pre: &'p BackendPre<CallState>,
+    backend: &'p Arc<str>,
+    store: Store<CallState>,
+    instance: Option<Backend>,
+    ended: bool,
+}
+
+impl<'p> Session<'p> {
+    pub(crate) fn new(runtime: &'p Runtime, pre: &'p BackendPre<CallState>, backend: &'p Arc<str>, queries: Arc<dyn Queries>) -> Self {
+        let mut store = Store::new(&runtime.engine, CallState::new(backend.clone(), queries, runtime.limits.memory_bytes));
+        store.limiter(|s| &mut s.memory);
+        store.epoch_deadline_trap();
+        Session { runtime, pre, backend, store, instance: None, ended: false }
     }
-    // The store (and with it a trapped instance) is dropped here.
-    result.map_err(|e| {
-        let backend = backend.to_string();
-        if store.data().memory.refused {
-            CallError::Memory { backend, function, cap_mib: limits.memory_bytes >> 20 }
-        } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-            CallError::Deadline { backend, function, deadline_ms: limits.deadline.as_millis() }
-        } else {
-            CallError::Trap { backend, function, message: short(&format!("{e:#}")) }
+
+    /// Run `f` on the instance (instantiating it on first use) within the
+    /// deadline.
+    fn run<R>(&mut self, function: &'static str, f: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<R>) -> Result<R, CallError> {
+        let limits = self.runtime.limits;
+        let backend = || self.backend.to_string();
+        if self.ended {
+            return Err(CallError::Ended { backend: backend(), function });
         }
-    })
+        self.store.set_epoch_deadline(limits.deadline_ticks());
+        let result = match &self.instance {
+            Some(instance) => f(instance, &mut self.store),
+            None => self.pre.instantiate(&mut self.store).and_then(|instance| {
+                let r = f(&instance, &mut self.store);
+                self.instance = Some(instance);
+                r
+            }),
+        };
+        result.map_err(|e| {
+            // A trapped instance may be in any state: never call it again.
+            self.ended = true;
+            self.instance = None;
+            if self.store.data().memory.refused {
+                CallError::Memory { backend: backend(), function, cap_mib: limits.memory_bytes >> 20 }
+            } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+                CallError::Deadline { backend: backend(), function, deadline_ms: limits.deadline.as_millis() }
+            } else {
+                CallError::Trap { backend: backend(), function, message: short(&format!("{e:#}")) }
+            }
+        })
+    }
+
+    /// A call whose WIT result is `result<T, policy-error>`.
+    fn call<R>(
+        &mut self,
+        function: &'static str,
+        f: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
+    ) -> Result<R, CallError> {
+        self.run(function, f)?
+            .map_err(|error| CallError::Policy { backend: self.backend.to_string(), function, error })
+    }
+
+    pub fn info(&mut self) -> Result<BackendInfo, CallError> {
+        self.run("info", |b, s| b.volagent_policy_policy().call_info(s))
+    }
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        let dropped = self.store.data().dropped_log_lines();
+        if dropped > 0 {
+            tracing::warn!(backend = &**self.backend, dropped, "guest log lines over the per-call limit were dropped");
+        }
+    }
 }
 
 /// Trap messages carry a wasm backtrace; keep them readable in one event.
@@ -82,90 +128,82 @@ fn short(message: &str) -> String {
     format!("{}…", &message[..cut])
 }
 
-pub(crate) fn info(runtime: &Runtime, pre: &BackendPre<CallState>, backend: &Arc<str>, queries: Arc<dyn Queries>) -> Result<BackendInfo, CallError> {
-    run(runtime, pre, backend, "info", queries, |b, s| b.volagent_policy_policy().call_info(s))
+
+/// The checked calls. Each `Plugin` method runs in a session of its own;
+/// `Plugin::session` lets one operation make several calls on one instance.
+pub struct CheckedSession<'p> {
+    plugin: &'p Plugin,
+    session: Session<'p>,
 }
 
 impl Plugin {
-    fn call<R>(
-        &self,
-        function: &'static str,
-        queries: Arc<dyn Queries>,
-        f: impl FnOnce(&super::bindings::Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
-    ) -> Result<R, CallError> {
-        run(&self.runtime, &self.pre, &self.name, function, queries, f)?
-            .map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error })
+    /// A session for one operation's calls (see [`Session`]).
+    pub fn session(&self, queries: Arc<dyn Queries>) -> CheckedSession<'_> {
+        CheckedSession { plugin: self, session: Session::new(&self.runtime, &self.pre, &self.name, queries) }
     }
 
-    fn checked(&self, function: &'static str, plan: Plan, roots: &Roots, secret_keys: &[String]) -> Result<Plan, CallError> {
-        validate::plan(&plan, &self.info().capabilities, roots, secret_keys)
-            .map_err(|error| CallError::Plan { backend: self.name.to_string(), function, error })?;
-        Ok(plan)
-    }
-
-    /// `info` again (it was called once at load).
     pub fn call_info(&self, queries: Arc<dyn Queries>) -> Result<BackendInfo, CallError> {
-        info(&self.runtime, &self.pre, &self.name, queries)
+        self.session(queries).session.info()
+    }
+
+    pub fn fence(&self, q: Arc<dyn Queries>, volume: &Volume, requester: &Consumer, holders: &[Holder], nodes: &[NodeFacts]) -> Result<Decision, CallError> {
+        self.session(q).fence(volume, requester, holders, nodes)
+    }
+
+    pub fn attach(&self, q: Arc<dyn Queries>, volume: &Volume, requester: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
+        self.session(q).attach(volume, requester, local_holders, paths)
+    }
+
+    pub fn detach(&self, q: Arc<dyn Queries>, volume: &Volume, consumer: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
+        self.session(q).detach(volume, consumer, local_holders, paths)
+    }
+
+    pub fn cleanup(&self, q: Arc<dyn Queries>, reason: CleanupReason, items: &[CleanupItem]) -> Result<Plan, CallError> {
+        self.session(q).cleanup(reason, items)
+    }
+}
+
+impl CheckedSession<'_> {
+    fn checked(&self, function: &'static str, plan: Plan, roots: &Roots, secret_keys: &[String]) -> Result<Plan, CallError> {
+        validate::plan(&plan, &self.plugin.info().capabilities, roots, secret_keys)
+            .map_err(|error| CallError::Plan { backend: self.plugin.name().to_string(), function, error })?;
+        Ok(plan)
     }
 
     /// May `requester` use `volume`? A take-over is checked: its stale
     /// holders must be recorded holders on provably gone nodes, and its
     /// fence steps storage-level steps the backend declared.
-    pub fn fence(
-        &self,
-        queries: Arc<dyn Queries>,
-        volume: &Volume,
-        requester: &Consumer,
-        holders: &[Holder],
-        nodes: &[NodeFacts],
-    ) -> Result<Decision, CallError> {
-        let decision = self.call("fence", queries, |b, s| {
-            b.volagent_policy_policy().call_fence(s, volume, requester, holders, nodes)
-        })?;
+    pub fn fence(&mut self, volume: &Volume, requester: &Consumer, holders: &[Holder], nodes: &[NodeFacts]) -> Result<Decision, CallError> {
+        let decision = self
+            .session
+            .call("fence", |b, s| b.volagent_policy_policy().call_fence(s, volume, requester, holders, nodes))?;
         if let Decision::TakeOver(take) = &decision {
-            validate::take_over(take, holders, nodes, &self.info().capabilities, &volume.secret_keys)
-                .map_err(|reason| CallError::TakeOver { backend: self.name.to_string(), reason })?;
+            validate::take_over(take, holders, nodes, &self.plugin.info().capabilities, &volume.secret_keys)
+                .map_err(|reason| CallError::TakeOver { backend: self.plugin.name().to_string(), reason })?;
         }
         Ok(decision)
     }
 
     /// The plan attaching `volume` for `requester`, checked.
-    pub fn attach(
-        &self,
-        queries: Arc<dyn Queries>,
-        volume: &Volume,
-        requester: &Consumer,
-        local_holders: &[Holder],
-        paths: &NodePaths,
-    ) -> Result<Plan, CallError> {
-        let plan = self.call("attach", queries, |b, s| {
-            b.volagent_policy_policy().call_attach(s, volume, requester, local_holders, paths)
-        })?;
-        let roots = Roots::for_consumer(paths, std::iter::once(requester));
-        self.checked("attach", plan, &roots, &volume.secret_keys)
+    pub fn attach(&mut self, volume: &Volume, requester: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
+        let plan = self
+            .session
+            .call("attach", |b, s| b.volagent_policy_policy().call_attach(s, volume, requester, local_holders, paths))?;
+        self.checked("attach", plan, &Roots::for_consumer(paths, std::iter::once(requester)), &volume.secret_keys)
     }
 
     /// The plan detaching `volume` from `consumer`, checked.
-    pub fn detach(
-        &self,
-        queries: Arc<dyn Queries>,
-        volume: &Volume,
-        consumer: &Consumer,
-        local_holders: &[Holder],
-        paths: &NodePaths,
-    ) -> Result<Plan, CallError> {
-        let plan = self.call("detach", queries, |b, s| {
-            b.volagent_policy_policy().call_detach(s, volume, consumer, local_holders, paths)
-        })?;
-        let roots = Roots::for_consumer(paths, std::iter::once(consumer));
-        self.checked("detach", plan, &roots, &volume.secret_keys)
+    pub fn detach(&mut self, volume: &Volume, consumer: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
+        let plan = self
+            .session
+            .call("detach", |b, s| b.volagent_policy_policy().call_detach(s, volume, consumer, local_holders, paths))?;
+        self.checked("detach", plan, &Roots::for_consumer(paths, std::iter::once(consumer)), &volume.secret_keys)
     }
 
     /// The plan cleaning up `items`, checked against all their paths.
-    pub fn cleanup(&self, queries: Arc<dyn Queries>, reason: CleanupReason, items: &[CleanupItem]) -> Result<Plan, CallError> {
-        let plan = self.call("cleanup", queries, |b, s| b.volagent_policy_policy().call_cleanup(s, reason, items))?;
-        let roots = Roots::for_cleanup(items);
+    pub fn cleanup(&mut self, reason: CleanupReason, items: &[CleanupItem]) -> Result<Plan, CallError> {
+        let plan = self.session.call("cleanup", |b, s| b.volagent_policy_policy().call_cleanup(s, reason, items))?;
         let keys: Vec<String> = items.iter().flat_map(|i| i.volume.secret_keys.iter().cloned()).collect();
-        self.checked("cleanup", plan, &roots, &keys)
+        self.checked("cleanup", plan, &Roots::for_cleanup(items), &keys)
     }
 }

@@ -106,7 +106,8 @@ impl Plugin {
             .map_err(|e| LoadError::Contract { path: path_buf(), message: format!("{e:#}") })?;
 
         let provisional: Arc<str> = Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
-        let info = super::call::info(runtime, &pre, &provisional, Arc::new(NoFacts))
+        let info = super::call::Session::new(runtime, &pre, &provisional, Arc::new(NoFacts))
+            .info()
             .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
         Ok(Plugin {
