@@ -146,11 +146,11 @@ impl Policy for LocalPv {
             ],
             Source::File(file) => {
                 let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-                plans::stage_block(&volume, Some(DeviceSpec::Loop(file)), None, &fs, vec![], &requester, &local_holders, &paths)
+                plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Loop(file)), &fs, vec![], &requester, &local_holders, &paths)
             }
             Source::Block(device) => {
                 let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-                plans::stage_block(&volume, None, Some(device), &fs, vec![], &requester, &local_holders, &paths)
+                plans::stage_block(&volume, plans::BlockOrigin::Existing(device), &fs, vec![], &requester, &local_holders, &paths)
             }
         })
     }

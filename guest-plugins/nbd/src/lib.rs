@@ -92,7 +92,7 @@ impl Policy for Nbd {
     ) -> Result<Plan, PolicyError> {
         let spec = export_spec(&volume)?;
         let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(&volume, Some(DeviceSpec::Nbd(spec)), None, &fs, vec![], &requester, &local_holders, &paths))
+        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Nbd(spec)), &fs, vec![], &requester, &local_holders, &paths))
     }
 
     fn detach(

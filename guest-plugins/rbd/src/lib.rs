@@ -157,7 +157,7 @@ impl Policy for Rbd {
     ) -> Result<Plan, PolicyError> {
         let spec = image_spec(&volume)?;
         let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(&volume, Some(DeviceSpec::Rbd(spec)), None, &fs, vec![], &requester, &local_holders, &paths))
+        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Rbd(spec)), &fs, vec![], &requester, &local_holders, &paths))
     }
 
     fn detach(

@@ -23,14 +23,21 @@ pub fn bind_into_pod(paths: &NodePaths, requester: &Consumer) -> Step {
     })
 }
 
-/// Attach a block device (when `spec` is given; else use `device` as it is),
-/// make a filesystem on it if it has none (never on a read-only volume),
-/// mount it at the staging dir and bind it into the pod. When the volume is
-/// already staged on this node (`local_holders` not empty), only the bind.
+/// Where a volume's block device comes from.
+pub enum BlockOrigin {
+    /// Attached by the plan.
+    Attach(DeviceSpec),
+    /// Already a block device on the node.
+    Existing(String),
+}
+
+/// Attach the block device (or use the existing one), make a filesystem on
+/// it if it has none (never on a read-only volume), mount it at the staging
+/// dir and bind it into the pod. When the volume is already staged on this
+/// node (`local_holders` not empty), only the bind.
 pub fn stage_block(
     volume: &Volume,
-    spec: Option<DeviceSpec>,
-    device: Option<String>,
+    origin: BlockOrigin,
     fs_type: &str,
     mount_options: Vec<String>,
     requester: &Consumer,
@@ -42,13 +49,12 @@ pub fn stage_block(
     }
     let read_only = volume_read_only(volume);
     let mut plan = Vec::new();
-    let source = match (spec, device) {
-        (Some(spec), _) => {
+    let source = match origin {
+        BlockOrigin::Attach(spec) => {
             plan.push(Step::AttachDevice(AttachDevice { id: DEVICE_ID.to_string(), spec, read_only }));
             BlockSource::Attached(DEVICE_ID.to_string())
         }
-        (None, Some(device)) => BlockSource::Device(device),
-        (None, None) => BlockSource::Attached(DEVICE_ID.to_string()),
+        BlockOrigin::Existing(device) => BlockSource::Device(device),
     };
     if !read_only {
         plan.push(Step::Format(Format {

@@ -1,7 +1,7 @@
 //! `volagent plugin test|inspect|bench`: offline tools for policy authors.
 
 use crate::policy::{Limits, Plugin, Runtime, scenario};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,13 +43,13 @@ pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn load(runtime: &Arc<Runtime>, wasm: &PathBuf) -> anyhow::Result<(Plugin, Duration)> {
+fn load(runtime: &Arc<Runtime>, wasm: &Path) -> anyhow::Result<(Plugin, Duration)> {
     let start = Instant::now();
     let plugin = Plugin::load_file(runtime, wasm)?;
     Ok((plugin, start.elapsed()))
 }
 
-fn test(runtime: &Arc<Runtime>, wasm: &PathBuf, paths: &[PathBuf]) -> anyhow::Result<ExitCode> {
+fn test(runtime: &Arc<Runtime>, wasm: &Path, paths: &[PathBuf]) -> anyhow::Result<ExitCode> {
     let (plugin, _) = load(runtime, wasm)?;
     let (mut passed, mut failed) = (0, 0);
     for path in paths {
@@ -83,7 +83,7 @@ fn test(runtime: &Arc<Runtime>, wasm: &PathBuf, paths: &[PathBuf]) -> anyhow::Re
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-fn inspect(runtime: &Arc<Runtime>, wasm: &PathBuf, json: bool) -> anyhow::Result<ExitCode> {
+fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let (plugin, compile) = load(runtime, wasm)?;
     let info = plugin.info();
     if json {
@@ -119,7 +119,7 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &PathBuf, json: bool) -> anyhow::Result
     Ok(ExitCode::SUCCESS)
 }
 
-fn bench(runtime: &Arc<Runtime>, wasm: &PathBuf, scenarios: Option<PathBuf>, calls: u32) -> anyhow::Result<ExitCode> {
+fn bench(runtime: &Arc<Runtime>, wasm: &Path, scenarios: Option<PathBuf>, calls: u32) -> anyhow::Result<ExitCode> {
     let (plugin, compile) = load(runtime, wasm)?;
     let calls = calls.max(1);
     println!("{} {}: compiled and checked in {:.1} ms", plugin.name(), plugin.info().version, compile.as_secs_f64() * 1e3);

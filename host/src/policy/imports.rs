@@ -80,7 +80,7 @@ impl host::Host for CallState {
                 cut -= 1;
             }
             message.truncate(cut);
-            message.push_str("…");
+            message.push('…');
         }
         let backend = &*self.backend;
         match level {

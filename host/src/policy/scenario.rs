@@ -133,6 +133,9 @@ pub fn files(path: &Path) -> Result<Vec<PathBuf>, ScenarioError> {
     Ok(found)
 }
 
+/// A scenario that could not be prepared: its name and why.
+pub type Malformed = (String, String);
+
 /// A scenario ready to run: typed inputs and recorded host answers.
 pub struct Prepared {
     pub name: String,
@@ -170,7 +173,7 @@ impl Prepared {
 
 /// Parse one file for `backend`. Each scenario is prepared on its own, so a
 /// malformed one is reported (name, reason) without hiding the others.
-pub fn load(path: &Path, backend: &str) -> Result<Vec<Result<Prepared, (String, String)>>, ScenarioError> {
+pub fn load(path: &Path, backend: &str) -> Result<Vec<Result<Prepared, Malformed>>, ScenarioError> {
     let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read { path: path.to_path_buf(), source })?;
     let parse_err = |message: String| ScenarioError::Parse { path: path.to_path_buf(), message };
     let file: ScenarioFile = if path.extension().is_some_and(|e| e == "json") {
@@ -178,15 +181,14 @@ pub fn load(path: &Path, backend: &str) -> Result<Vec<Result<Prepared, (String, 
     } else {
         serde_norway::from_str(&text).map_err(|e| parse_err(e.to_string()))?
     };
-    if let Some(expected) = &file.backend {
-        if expected != backend {
+    if let Some(expected) = &file.backend
+        && expected != backend {
             return Err(ScenarioError::WrongBackend {
                 path: path.to_path_buf(),
                 expected: expected.clone(),
                 actual: backend.to_string(),
             });
         }
-    }
     Ok(file
         .scenarios
         .into_iter()
@@ -278,15 +280,14 @@ fn options_as_list(value: &mut Value) {
     match value {
         Value::Object(map) => {
             for (key, v) in map.iter_mut() {
-                if key == "volume" {
-                    if let Some(Value::Object(opts)) = v.get_mut("options") {
+                if key == "volume"
+                    && let Some(Value::Object(opts)) = v.get_mut("options") {
                         let list = opts
                             .iter()
                             .map(|(k, v)| serde_json::json!({ "key": k, "value": v }))
                             .collect();
                         v["options"] = Value::Array(list);
                     }
-                }
                 options_as_list(v);
             }
         }

@@ -219,11 +219,10 @@ impl Checker<'_> {
             Step::Unmount(u) => self.path("unmount target", &u.target),
             Step::DetachDevice(d) => self.device_spec(&d.spec),
             Step::Wipe(w) => {
-                if let WipeMethod::Shred(passes) = w.method {
-                    if passes == 0 || passes > MAX_SHRED_PASSES {
+                if let WipeMethod::Shred(passes) = w.method
+                    && (passes == 0 || passes > MAX_SHRED_PASSES) {
                         return Err(format!("shred with {passes} passes (1 to {MAX_SHRED_PASSES} allowed)"));
                     }
-                }
                 self.block(&w.device)
             }
             Step::BlocklistClient(b) => {
@@ -245,11 +244,10 @@ impl Checker<'_> {
         if option.is_empty() || option.contains([',', '\0', '\n']) {
             return Err(format!("mount option {option:?} is malformed"));
         }
-        if let Some((key, value)) = option.split_once('=') {
-            if value.starts_with('/') {
+        if let Some((key, value)) = option.split_once('=')
+            && value.starts_with('/') {
                 self.path(&format!("mount option {key}"), value)?;
             }
-        }
         Ok(())
     }
 }
