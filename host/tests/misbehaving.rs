@@ -223,3 +223,21 @@ fn a_session_survives_refusals_and_ends_at_a_trap() {
     assert!(err.to_string().contains("an earlier call of this operation failed"), "{err}");
     still_serves(&plugin);
 }
+
+#[test]
+fn more_sessions_than_pool_slots_fail_clearly_and_recover() {
+    let rt = Runtime::new(Limits { concurrent_calls: 2, ..Default::default() }).expect("runtime");
+    let plugin = load(&rt, MISBEHAVE);
+    let ok = volume("ok", "misbehave");
+    let c = consumer("n1", "p", "misbehave", "ok");
+    let mut a = plugin.session(facts());
+    let mut b = plugin.session(facts());
+    a.fence(&ok, &c, &[], &[]).expect("first slot");
+    b.fence(&ok, &c, &[], &[]).expect("second slot");
+    let err = plugin.fence(facts(), &ok, &c, &[], &[]).unwrap_err();
+    assert!(matches!(err, CallError::Instantiate { .. }), "{err}");
+    assert!(err.to_string().contains("cannot start an instance for fence"), "{err}");
+    drop(a);
+    assert_eq!(plugin.fence(facts(), &ok, &c, &[], &[]).unwrap(), Decision::Grant);
+    drop(b);
+}

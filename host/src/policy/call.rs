@@ -26,6 +26,8 @@ pub enum CallError {
     Policy { backend: String, function: &'static str, error: PolicyError },
     #[error("backend {backend}: {function} returned a plan the host refuses: {error}")]
     Plan { backend: String, function: &'static str, error: PlanError },
+    #[error("backend {backend}: cannot start an instance for {function}: {message}")]
+    Instantiate { backend: String, function: &'static str, message: String },
     #[error("backend {backend}: {function} not called: an earlier call of this operation failed")]
     Ended { backend: String, function: &'static str },
     #[error("backend {backend}: fence returned a take-over the host refuses: {reason}")]
@@ -63,32 +65,43 @@ impl<'p> Session<'p> {
     /// Run `f` on the instance (instantiating it on first use) within the
     /// deadline.
     fn run<R>(&mut self, function: &'static str, f: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<R>) -> Result<R, CallError> {
-        let limits = self.runtime.limits;
-        let backend = || self.backend.to_string();
         if self.ended {
-            return Err(CallError::Ended { backend: backend(), function });
+            return Err(CallError::Ended { backend: self.backend.to_string(), function });
         }
-        self.store.set_epoch_deadline(limits.deadline_ticks());
-        let result = match &self.instance {
-            Some(instance) => f(instance, &mut self.store),
-            None => self.pre.instantiate(&mut self.store).and_then(|instance| {
-                let r = f(&instance, &mut self.store);
-                self.instance = Some(instance);
-                r
-            }),
-        };
-        result.map_err(|e| {
-            // A trapped instance may be in any state: never call it again.
-            self.ended = true;
-            self.instance = None;
-            if self.store.data().memory.refused {
-                CallError::Memory { backend: backend(), function, cap_mib: limits.memory_bytes >> 20 }
-            } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-                CallError::Deadline { backend: backend(), function, deadline_ms: limits.deadline.as_millis() }
-            } else {
-                CallError::Trap { backend: backend(), function, message: short(&format!("{e:#}")) }
+        self.store.set_epoch_deadline(self.runtime.limits.deadline_ticks());
+        if self.instance.is_none() {
+            match self.pre.instantiate(&mut self.store) {
+                Ok(instance) => self.instance = Some(instance),
+                // A start function that traps or loops is the guest's fault;
+                // anything else (e.g. every pool slot in use) is the host's.
+                Err(e) if e.downcast_ref::<Trap>().is_none() && !self.store.data().memory.refused => {
+                    self.ended = true;
+                    return Err(CallError::Instantiate { backend: self.backend.to_string(), function, message: format!("{e:#}") });
+                }
+                Err(e) => return Err(self.fault(function, e)),
             }
-        })
+        }
+        let Some(instance) = &self.instance else {
+            return Err(CallError::Ended { backend: self.backend.to_string(), function });
+        };
+        let result = f(instance, &mut self.store);
+        result.map_err(|e| self.fault(function, e))
+    }
+
+    /// Classify a failed call and end the session: a trapped instance may
+    /// be in any state, so it is never called again.
+    fn fault(&mut self, function: &'static str, e: wasmtime::Error) -> CallError {
+        self.ended = true;
+        self.instance = None;
+        let limits = self.runtime.limits;
+        let backend = self.backend.to_string();
+        if self.store.data().memory.refused {
+            CallError::Memory { backend, function, cap_mib: limits.memory_bytes >> 20 }
+        } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+            CallError::Deadline { backend, function, deadline_ms: limits.deadline.as_millis() }
+        } else {
+            CallError::Trap { backend, function, message: short(&format!("{e:#}")) }
+        }
     }
 
     /// A call whose WIT result is `result<T, policy-error>`.
