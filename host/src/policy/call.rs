@@ -41,11 +41,9 @@ impl CallError {
     }
 }
 
-/// One instance serving the calls of one operation on one volume (e.g. a
-/// mount's fence and then its attach plan). A fresh one per operation, so
-/// nothing leaks between volumes or operations; every call has its own
-/// deadline; a call that traps ends the session and its instance.
-pub struct Session<'p> {
+/// One store and instance under the runtime's limits; the calls on it are
+/// not checked (see [`Session`]).
+pub(crate) struct RawSession<'p> {
     runtime: &'p Runtime,
     pre: &'p BackendPre<CallState>,
     backend: &'p Arc<str>,
@@ -54,12 +52,12 @@ pub struct Session<'p> {
     ended: bool,
 }
 
-impl<'p> Session<'p> {
+impl<'p> RawSession<'p> {
     pub(crate) fn new(runtime: &'p Runtime, pre: &'p BackendPre<CallState>, backend: &'p Arc<str>, queries: Arc<dyn Queries>) -> Self {
         let mut store = Store::new(&runtime.engine, CallState::new(backend.clone(), queries, runtime.limits.memory_bytes));
         store.limiter(|s| &mut s.memory);
         store.epoch_deadline_trap();
-        Session { runtime, pre, backend, store, instance: None, ended: false }
+        RawSession { runtime, pre, backend, store, instance: None, ended: false }
     }
 
     /// Run `f` on the instance (instantiating it on first use) within the
@@ -119,7 +117,7 @@ impl<'p> Session<'p> {
     }
 }
 
-impl Drop for Session<'_> {
+impl Drop for RawSession<'_> {
     fn drop(&mut self) {
         let dropped = self.store.data().dropped_log_lines();
         if dropped > 0 {
@@ -141,18 +139,21 @@ fn short(message: &str) -> String {
     format!("{}…", &message[..cut])
 }
 
-
-/// The checked calls. Each `Plugin` method runs in a session of its own;
-/// `Plugin::session` lets one operation make several calls on one instance.
-pub struct CheckedSession<'p> {
+/// One instance serving the calls of one operation on one volume (e.g. a
+/// mount's fence and then its attach plan). A fresh one per operation, so
+/// nothing leaks between volumes or operations; every call has its own
+/// deadline; a call that traps ends the session and its instance. Every
+/// answer is checked before it is returned. Each `Plugin` call method runs
+/// in a session of its own.
+pub struct Session<'p> {
     plugin: &'p Plugin,
-    session: Session<'p>,
+    session: RawSession<'p>,
 }
 
 impl Plugin {
-    /// A session for one operation's calls (see [`Session`]).
-    pub fn session(&self, queries: Arc<dyn Queries>) -> CheckedSession<'_> {
-        CheckedSession { plugin: self, session: Session::new(&self.runtime, &self.pre, &self.name, queries) }
+    /// A session for one operation's calls (see [`RawSession`]).
+    pub fn session(&self, queries: Arc<dyn Queries>) -> Session<'_> {
+        Session { plugin: self, session: RawSession::new(&self.runtime, &self.pre, &self.name, queries) }
     }
 
     pub fn call_info(&self, queries: Arc<dyn Queries>) -> Result<BackendInfo, CallError> {
@@ -176,7 +177,7 @@ impl Plugin {
     }
 }
 
-impl CheckedSession<'_> {
+impl Session<'_> {
     fn checked(&self, function: &'static str, plan: Plan, roots: &Roots, secret_keys: &[String]) -> Result<Plan, CallError> {
         validate::plan(&plan, &self.plugin.info().capabilities, roots, secret_keys)
             .map_err(|error| CallError::Plan { backend: self.plugin.name().to_string(), function, error })?;

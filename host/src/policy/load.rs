@@ -1,9 +1,9 @@
 //! Loading a backend component: size and format checks, compile, import
 //! allow-list, contract export and version, link, and `info`.
 
-use super::bindings::{BackendInfo, BackendPre, MountEntry, NodeFacts, PathKind, Watcher};
+use super::bindings::{BackendInfo, BackendPre};
 use super::call::CallError;
-use super::queries::Queries;
+use super::queries::RecordedQueries;
 use super::runtime::Runtime;
 use super::{CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
 use sha2::{Digest, Sha256};
@@ -106,7 +106,7 @@ impl Plugin {
             .map_err(|e| LoadError::Contract { path: path_buf(), message: format!("{e:#}") })?;
 
         let provisional: Arc<str> = Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
-        let info = super::call::Session::new(runtime, &pre, &provisional, Arc::new(NoFacts))
+        let info = super::call::RawSession::new(runtime, &pre, &provisional, Arc::new(RecordedQueries::default()))
             .info()
             .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
@@ -219,27 +219,6 @@ fn check_info(info: &BackendInfo) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// Answers for a call that must not depend on the node (`info`).
-struct NoFacts;
-
-impl Queries for NoFacts {
-    fn node_state(&self, name: &str) -> NodeFacts {
-        NodeFacts { name: name.to_string(), exists: false, ready: false, out_of_service: false }
-    }
-    fn lookup_path(&self, _: &str) -> PathKind {
-        PathKind::Missing
-    }
-    fn filesystem_type(&self, _: &str) -> Option<String> {
-        None
-    }
-    fn mount_at(&self, _: &str) -> Option<MountEntry> {
-        None
-    }
-    fn image_watchers(&self, _: &str, _: &str) -> Result<Vec<Watcher>, String> {
-        Err("not available while loading".to_string())
-    }
 }
 
 #[cfg(test)]
