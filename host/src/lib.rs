@@ -1,8 +1,10 @@
 //! volagent: a storage node agent for Kubernetes whose policy decisions are
 //! made by per-backend WebAssembly components.
 //!
-//! Floors (arrows point down only): `cli` → `policy`.
+//! Floors (arrows point down only): `cli` → `exec` → `policy`, `sys`.
 
 pub mod cli;
+pub mod exec;
 pub mod policy;
 pub mod stats;
+pub mod sys;

@@ -1,0 +1,234 @@
+//! Running a checked plan on the node through `sys`: every step idempotent
+//! (already attached or mounted is success), and a failing step rolls back
+//! what the steps before it did.
+
+use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, Step, WipeMethod};
+use crate::sys::{Sys, SysError, Wipe};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Sys(#[from] SysError),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A plan that failed: which step, why, and what rolling back could not undo.
+#[derive(Debug, thiserror::Error)]
+#[error("step {} ({step}) failed: {source}{}", index + 1, rollback_note(rollback_failures))]
+pub struct ExecError {
+    pub index: usize,
+    pub step: &'static str,
+    pub source: StepError,
+    pub rollback_failures: Vec<String>,
+}
+
+fn rollback_note(failures: &[String]) -> String {
+    if failures.is_empty() {
+        "; the steps before it were rolled back".to_string()
+    } else {
+        format!("; rolling back left work undone: {}", failures.join("; "))
+    }
+}
+
+/// What a successful plan produced.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Device of each attach-device step, by id.
+    pub devices: BTreeMap<String, PathBuf>,
+}
+
+/// An effect of this run that rollback undoes.
+#[derive(Debug)]
+enum Undo {
+    Detach(PathBuf),
+    Unmount(PathBuf),
+    RemoveDir(PathBuf),
+}
+
+pub struct Executor {
+    sys: Sys,
+}
+
+impl Executor {
+    pub fn new(sys: Sys) -> Self {
+        Executor { sys }
+    }
+
+    /// Run `plan` (already checked by the policy validator) step by step.
+    pub fn run(&self, plan: &[Step]) -> Result<Outcome, ExecError> {
+        let mut run = Run { sys: &self.sys, outcome: Outcome::default(), undo: Vec::new() };
+        for (index, step) in plan.iter().enumerate() {
+            if let Err(source) = run.step(step) {
+                let rollback_failures = run.rollback();
+                return Err(ExecError { index, step: step.kind().name(), source, rollback_failures });
+            }
+        }
+        Ok(run.outcome)
+    }
+}
+
+struct Run<'s> {
+    sys: &'s Sys,
+    outcome: Outcome,
+    undo: Vec<Undo>,
+}
+
+fn refused(what: String) -> StepError {
+    StepError::Refused(what)
+}
+
+impl Run<'_> {
+    fn step(&mut self, step: &Step) -> Result<(), StepError> {
+        match step {
+            Step::AttachDevice(a) => {
+                let device = self.attach(&a.spec, a.read_only)?;
+                self.outcome.devices.insert(a.id.clone(), device);
+                Ok(())
+            }
+            Step::Format(f) => {
+                let device = self.device(&f.device)?;
+                match (self.sys.filesystems.probe(&device)?, f.mode) {
+                    (None, _) | (Some(_), FormatMode::Always) => Ok(self.sys.filesystems.mkfs(&device, &f.fs_type)?),
+                    (Some(found), FormatMode::IfUnformatted) if found == f.fs_type => Ok(()),
+                    (Some(found), FormatMode::IfUnformatted) => Err(refused(format!(
+                        "{} already holds {found}, but the volume asks for {}; refusing to format over it",
+                        device.display(),
+                        f.fs_type
+                    ))),
+                }
+            }
+            Step::Mount(m) => {
+                let source = match &m.source {
+                    MountSource::Block(b) => self.device(b)?.display().to_string(),
+                    MountSource::Network(s) => s.clone(),
+                };
+                let target = Path::new(&m.target);
+                if let Some(existing) = self.sys.mount_at(target)? {
+                    return if existing.source == source {
+                        Ok(())
+                    } else {
+                        Err(refused(format!("{} is already mounted from {}", target.display(), existing.source)))
+                    };
+                }
+                self.ensure_dir(target)?;
+                self.sys.mounts.mount(&source, target, &m.fs_type, &m.options.join(","), m.read_only)?;
+                self.undo.push(Undo::Unmount(target.to_path_buf()));
+                Ok(())
+            }
+            Step::BindMount(b) => {
+                let (source, target) = (Path::new(&b.source), Path::new(&b.target));
+                if self.sys.mount_at(target)?.is_some() {
+                    // kubelet retries a mount it did not see finish.
+                    return Ok(());
+                }
+                self.ensure_dir(target)?;
+                self.sys.mounts.bind(source, target, b.read_only)?;
+                self.undo.push(Undo::Unmount(target.to_path_buf()));
+                Ok(())
+            }
+            Step::Unmount(u) => {
+                let target = Path::new(&u.target);
+                if self.sys.mount_at(target)?.is_some() {
+                    self.sys.mounts.unmount(target, u.force)?;
+                }
+                if self.sys.mount_at(target)?.is_none() {
+                    // An empty mount point is ours to tidy; kubelet copes
+                    // with its pod dir being gone.
+                    if let Err(e) = self.sys.mounts.remove_dir(target) {
+                        tracing::debug!(dir = %target.display(), "left in place: {e}");
+                    }
+                }
+                Ok(())
+            }
+            Step::DetachDevice(d) => {
+                for device in self.attached(&d.spec)? {
+                    self.sys.devices.loop_detach(&device)?;
+                }
+                Ok(())
+            }
+            Step::Wipe(w) => {
+                let device = self.device(&w.device)?;
+                let method = match w.method {
+                    WipeMethod::Signatures => Wipe::Signatures,
+                    WipeMethod::Discard => Wipe::Discard,
+                    WipeMethod::Zero => Wipe::Zero,
+                    WipeMethod::Shred(n) => Wipe::Shred(n),
+                };
+                Ok(self.sys.filesystems.wipe(&device, method)?)
+            }
+            Step::BlocklistClient(b) => Err(refused(format!(
+                "blocklisting storage client {} is not supported by this agent yet",
+                b.address
+            ))),
+        }
+    }
+
+    fn ensure_dir(&mut self, dir: &Path) -> Result<(), StepError> {
+        if self.sys.mounts.ensure_dir(dir)? {
+            self.undo.push(Undo::RemoveDir(dir.to_path_buf()));
+        }
+        Ok(())
+    }
+
+    /// Attach, or find the device already attached for `spec`.
+    fn attach(&mut self, spec: &DeviceSpec, read_only: bool) -> Result<PathBuf, StepError> {
+        let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
+        let file = backing_path(Path::new(file));
+        if let Some(device) = self.sys.loops_of(&file)?.into_iter().next() {
+            return Ok(device);
+        }
+        let device = self.sys.devices.loop_attach(&file, read_only)?;
+        self.undo.push(Undo::Detach(device.clone()));
+        Ok(device)
+    }
+
+    /// The devices attached for `spec` (none is fine: already detached).
+    fn attached(&self, spec: &DeviceSpec) -> Result<Vec<PathBuf>, StepError> {
+        let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
+        Ok(self.sys.loops_of(&backing_path(Path::new(file)))?)
+    }
+
+    fn device(&self, source: &BlockSource) -> Result<PathBuf, StepError> {
+        match source {
+            BlockSource::Attached(id) => self
+                .outcome
+                .devices
+                .get(id)
+                .cloned()
+                .ok_or_else(|| refused(format!("device {id:?} was not attached by this plan"))),
+            BlockSource::Device(path) => Ok(PathBuf::from(path)),
+        }
+    }
+
+    /// Undo this run's effects, newest first; what could not be undone.
+    fn rollback(&mut self) -> Vec<String> {
+        let mut failures = Vec::new();
+        while let Some(undo) = self.undo.pop() {
+            let result = match &undo {
+                Undo::Detach(device) => self.sys.devices.loop_detach(device),
+                Undo::Unmount(target) => self.sys.mounts.unmount(target, false),
+                Undo::RemoveDir(dir) => self.sys.mounts.remove_dir(dir),
+            };
+            if let Err(e) = result {
+                tracing::error!("rollback: {e}");
+                failures.push(e.to_string());
+            }
+        }
+        failures
+    }
+}
+
+fn unsupported(spec: &DeviceSpec) -> StepError {
+    refused(format!("{} devices cannot be attached by this agent yet", spec.kind().name()))
+}
+
+/// The kernel reports a loop device's backing file by its resolved path.
+fn backing_path(file: &Path) -> PathBuf {
+    std::fs::canonicalize(file).unwrap_or_else(|_| file.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests;

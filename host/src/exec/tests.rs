@@ -1,0 +1,123 @@
+use super::*;
+use crate::policy::{AttachDevice, BindMount, DetachDevice, Format, Mount, Unmount};
+use crate::sys::fake::Fake;
+
+const FILE: &str = "/mnt/disks/a.img";
+const STAGING: &str = "/k/plugins/volagent/local-pv/mounts/pv";
+const POD: &str = "/k/pods/u/volumes/volagent~local-pv/pv";
+
+fn attach_plan() -> Vec<Step> {
+    let dev = || BlockSource::Attached("dev".into());
+    vec![
+        Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Loop(FILE.into()), read_only: false }),
+        Step::Format(Format { device: dev(), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
+        Step::Mount(Mount { source: MountSource::Block(dev()), target: STAGING.into(), fs_type: "ext4".into(), options: vec![], read_only: false }),
+        Step::BindMount(BindMount { source: STAGING.into(), target: POD.into(), read_only: false }),
+    ]
+}
+
+fn detach_plan() -> Vec<Step> {
+    vec![
+        Step::Unmount(Unmount { target: POD.into(), force: false }),
+        Step::Unmount(Unmount { target: STAGING.into(), force: false }),
+        Step::DetachDevice(DetachDevice { spec: DeviceSpec::Loop(FILE.into()), force: false }),
+    ]
+}
+
+fn node() -> (std::sync::Arc<Fake>, Executor) {
+    let fake = Fake::new();
+    fake.state().dirs.insert(POD.into()); // kubelet made it
+    let exec = Executor::new(fake.sys());
+    (fake, exec)
+}
+
+#[test]
+fn attach_then_detach_leaves_nothing() {
+    let (fake, exec) = node();
+    let out = exec.run(&attach_plan()).unwrap();
+    assert_eq!(out.devices["dev"], PathBuf::from("/dev/loop0"));
+    {
+        let s = fake.state();
+        assert_eq!(s.mounts.len(), 2);
+        assert_eq!(s.filesystems.get(Path::new("/dev/loop0")).map(String::as_str), Some("ext4"));
+    }
+    exec.run(&detach_plan()).unwrap();
+    let s = fake.state();
+    assert!(s.mounts.is_empty() && s.loops.is_empty(), "{s:?}");
+    assert!(!s.dirs.contains(Path::new(STAGING)));
+    // The filesystem stays on the file for the next mount.
+    assert_eq!(s.filesystems.get(Path::new(FILE)).map(String::as_str), Some("ext4"));
+}
+
+#[test]
+fn a_rerun_is_idempotent() {
+    let (fake, exec) = node();
+    exec.run(&attach_plan()).unwrap();
+    let before = fake.state().log.len();
+    exec.run(&attach_plan()).unwrap();
+    let s = fake.state();
+    let new: Vec<&String> = s.log[before..].iter().collect();
+    assert!(new.iter().all(|op| op.starts_with("probe ")), "a rerun must change nothing: {new:?}");
+    assert_eq!((s.mounts.len(), s.loops.len()), (2, 1));
+    drop(s);
+    exec.run(&detach_plan()).unwrap();
+    exec.run(&detach_plan()).unwrap();
+}
+
+#[test]
+fn an_existing_filesystem_is_not_formatted_again() {
+    let (fake, exec) = node();
+    fake.state().filesystems.insert(FILE.into(), "ext4".into());
+    exec.run(&attach_plan()).unwrap();
+    assert!(!fake.state().log.iter().any(|op| op.starts_with("mkfs")));
+}
+
+#[test]
+fn another_filesystem_is_refused_and_rolled_back() {
+    let (fake, exec) = node();
+    fake.state().filesystems.insert(FILE.into(), "xfs".into());
+    let err = exec.run(&attach_plan()).unwrap_err();
+    assert_eq!(err.index, 1);
+    assert!(err.to_string().contains("already holds xfs, but the volume asks for ext4"), "{err}");
+    assert!(err.to_string().contains("rolled back"), "{err}");
+    assert!(fake.state().loops.is_empty());
+}
+
+#[test]
+fn every_failing_step_rolls_back_the_ones_before() {
+    for fail in ["loop-attach", "mkfs", &format!("mount {STAGING}"), &format!("bind {POD}")] {
+        let (fake, exec) = node();
+        fake.fail_next(fail);
+        let err = exec.run(&attach_plan()).unwrap_err();
+        assert!(err.rollback_failures.is_empty(), "{fail}: {err}");
+        let s = fake.state();
+        assert!(s.mounts.is_empty() && s.loops.is_empty(), "{fail}: left {s:?}");
+        assert!(!s.dirs.contains(Path::new(STAGING)), "{fail}: staging dir left");
+        assert!(s.dirs.contains(Path::new(POD)), "{fail}: kubelet's dir must stay");
+    }
+}
+
+#[test]
+fn a_failed_rollback_is_reported() {
+    let (fake, exec) = node();
+    fake.fail_next(&format!("bind {POD}"));
+    fake.fail_next(&format!("unmount {STAGING}"));
+    let err = exec.run(&attach_plan()).unwrap_err();
+    assert_eq!(err.index, 3);
+    assert_eq!(err.rollback_failures.len(), 1, "{err}");
+    assert!(err.to_string().contains(&format!("rolling back left work undone: unmount {STAGING}")), "{err}");
+    // The loop device was still detached: rollback goes on past a failure.
+    assert!(fake.state().loops.is_empty());
+}
+
+#[test]
+fn unsupported_devices_and_fencing_are_refused_clearly() {
+    let (_fake, exec) = node();
+    let plan = [Step::AttachDevice(AttachDevice {
+        id: "d".into(),
+        spec: DeviceSpec::Nbd(crate::policy::NbdSpec { server: "unix:/run/x".into(), export_name: "e".into() }),
+        read_only: false,
+    })];
+    let err = exec.run(&plan).unwrap_err();
+    assert!(err.to_string().contains("nbd devices cannot be attached by this agent yet"), "{err}");
+}

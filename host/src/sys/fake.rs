@@ -1,0 +1,171 @@
+//! A node in memory: mounts, loop devices, filesystems and dirs as state,
+//! every operation logged, and failures injected on request. For tests of
+//! the logic above `sys` that need no root.
+
+use super::{Devices, Filesystems, LoopDevice, MountInfo, Mounts, Sys, SysError, Wipe};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+#[derive(Debug, Default)]
+pub struct State {
+    pub mounts: Vec<MountInfo>,
+    pub loops: Vec<LoopDevice>,
+    /// Device → filesystem type.
+    pub filesystems: BTreeMap<PathBuf, String>,
+    pub dirs: BTreeSet<PathBuf>,
+    /// Every operation, as "op path".
+    pub log: Vec<String>,
+    /// Fail the next operation whose "op path" starts with one of these
+    /// (each prefix fails once).
+    pub fail: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+pub struct Fake {
+    state: Mutex<State>,
+}
+
+impl Fake {
+    pub fn new() -> Arc<Fake> {
+        Arc::new(Fake::default())
+    }
+
+    pub fn sys(self: &Arc<Self>) -> Sys {
+        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone() }
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Make the next operation matching `prefix` ("mount /x", "mkfs") fail.
+    pub fn fail_next(&self, prefix: &str) {
+        self.state().fail.push(prefix.to_string());
+    }
+
+    /// Log the operation; fail it if a failure was injected for it.
+    fn op(&self, op: &'static str, path: &Path) -> Result<MutexGuard<'_, State>, SysError> {
+        let mut s = self.state();
+        let entry = format!("{op} {}", path.display());
+        s.log.push(entry.clone());
+        if let Some(i) = s.fail.iter().position(|f| entry.starts_with(f.as_str())) {
+            s.fail.remove(i);
+            return Err(SysError::Errno { op, path: path.to_path_buf(), errno: nix::errno::Errno::EIO });
+        }
+        Ok(s)
+    }
+}
+
+fn mount_info(id: u32, source: &str, target: &Path, fs_type: &str, read_only: bool) -> MountInfo {
+    MountInfo {
+        id,
+        parent: 1,
+        device: (0, id),
+        root: PathBuf::from("/"),
+        mount_point: target.to_path_buf(),
+        options: if read_only { "ro".into() } else { "rw".into() },
+        propagation: vec![],
+        fs_type: fs_type.to_string(),
+        source: source.to_string(),
+        super_options: "rw".into(),
+    }
+}
+
+impl Mounts for Fake {
+    fn mount_table(&self) -> Result<Vec<MountInfo>, SysError> {
+        Ok(self.state().mounts.clone())
+    }
+
+    fn mount(&self, source: &str, target: &Path, fs_type: &str, _options: &str, read_only: bool) -> Result<(), SysError> {
+        let mut s = self.op("mount", target)?;
+        if !s.dirs.contains(target) {
+            return Err(SysError::Errno { op: "mount", path: target.to_path_buf(), errno: nix::errno::Errno::ENOENT });
+        }
+        let id = s.mounts.len() as u32 + 100;
+        s.mounts.push(mount_info(id, source, target, fs_type, read_only));
+        Ok(())
+    }
+
+    fn bind(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
+        let mut s = self.op("bind", target)?;
+        if !s.dirs.contains(target) || !s.dirs.contains(source) {
+            return Err(SysError::Errno { op: "bind-mount onto", path: target.to_path_buf(), errno: nix::errno::Errno::ENOENT });
+        }
+        let from = s.mounts.iter().rev().find(|m| m.mount_point == source).map(|m| (m.source.clone(), m.fs_type.clone()));
+        let (src, fs) = from.unwrap_or_else(|| (source.display().to_string(), "none".into()));
+        let id = s.mounts.len() as u32 + 100;
+        s.mounts.push(mount_info(id, &src, target, &fs, read_only));
+        Ok(())
+    }
+
+    fn unmount(&self, target: &Path, _force: bool) -> Result<(), SysError> {
+        let mut s = self.op("unmount", target)?;
+        match s.mounts.iter().rposition(|m| m.mount_point == target) {
+            Some(i) => {
+                s.mounts.remove(i);
+                Ok(())
+            }
+            None => Err(SysError::Errno { op: "unmount", path: target.to_path_buf(), errno: nix::errno::Errno::EINVAL }),
+        }
+    }
+
+    fn ensure_dir(&self, dir: &Path) -> Result<bool, SysError> {
+        let mut s = self.op("mkdir", dir)?;
+        Ok(s.dirs.insert(dir.to_path_buf()))
+    }
+
+    fn remove_dir(&self, dir: &Path) -> Result<(), SysError> {
+        let mut s = self.op("rmdir", dir)?;
+        s.dirs.remove(dir);
+        Ok(())
+    }
+}
+
+impl Devices for Fake {
+    fn loop_attach(&self, file: &Path, _read_only: bool) -> Result<PathBuf, SysError> {
+        let mut s = self.op("loop-attach", file)?;
+        let n = (0..).find(|n| !s.loops.iter().any(|l| l.device == Path::new(&format!("/dev/loop{n}")))).unwrap_or(0);
+        let device = PathBuf::from(format!("/dev/loop{n}"));
+        s.loops.push(LoopDevice { device: device.clone(), backing_file: file.to_path_buf() });
+        // The file's filesystem shows through the device.
+        if let Some(fs) = s.filesystems.get(file).cloned() {
+            s.filesystems.insert(device.clone(), fs);
+        }
+        Ok(device)
+    }
+
+    fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError> {
+        Ok(self.state().loops.clone())
+    }
+
+    fn loop_detach(&self, device: &Path) -> Result<(), SysError> {
+        let mut s = self.op("loop-detach", device)?;
+        if let Some(i) = s.loops.iter().position(|l| l.device == device) {
+            let l = s.loops.remove(i);
+            if let Some(fs) = s.filesystems.remove(device) {
+                s.filesystems.insert(l.backing_file, fs);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Filesystems for Fake {
+    fn probe(&self, device: &Path) -> Result<Option<String>, SysError> {
+        let s = self.op("probe", device)?;
+        Ok(s.filesystems.get(device).cloned())
+    }
+
+    fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {
+        let mut s = self.op("mkfs", device)?;
+        s.filesystems.insert(device.to_path_buf(), fs_type.to_string());
+        Ok(())
+    }
+
+    fn wipe(&self, device: &Path, _method: Wipe) -> Result<(), SysError> {
+        let mut s = self.op("wipe", device)?;
+        s.filesystems.remove(device);
+        Ok(())
+    }
+}

@@ -1,0 +1,171 @@
+//! The real node: nix syscalls for mounts, ioctls for loop devices, and the
+//! system's filesystem tools (there is no syscall for mkfs) with a deadline.
+
+use super::{Devices, Filesystems, LoopDevice, MountInfo, Mounts, SysError, Wipe, errno, loopdev, mountinfo};
+use nix::mount::{MntFlags, MsFlags};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Deadlines of the external tools: a hung mkfs must not hang a mount.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadlines {
+    pub probe: Duration,
+    pub mkfs: Duration,
+    /// Whole-device wipes (zero, shred) take as long as the device is big.
+    pub wipe: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines { probe: Duration::from_secs(10), mkfs: Duration::from_secs(300), wipe: Duration::from_secs(6 * 3600) }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Linux {
+    pub deadlines: Deadlines,
+}
+
+/// Run `program` with `args` on `device`, killed after `deadline`. Its
+/// output is captured and only shown when it fails.
+fn run(program: &'static str, args: &[&str], device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
+    let mut child = Command::new(program)
+        .args(args)
+        .arg(device)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| SysError::Io { op: program, path: device.to_path_buf(), source })?;
+    let start = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if start.elapsed() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(SysError::Timeout { program, path: device.to_path_buf(), secs: deadline.as_secs() });
+            }
+            Err(source) => return Err(SysError::Io { op: program, path: device.to_path_buf(), source }),
+        }
+    }
+    // The pipes are small and the tools quiet; reading after exit is fine.
+    child.wait_with_output().map_err(|source| SysError::Io { op: program, path: device.to_path_buf(), source })
+}
+
+fn check(program: &'static str, device: &Path, out: std::process::Output) -> Result<std::process::Output, SysError> {
+    if out.status.success() {
+        return Ok(out);
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    Err(SysError::Command {
+        program,
+        path: device.to_path_buf(),
+        message: format!("{}: {}", out.status, stderr.trim()),
+    })
+}
+
+impl Mounts for Linux {
+    fn mount_table(&self) -> Result<Vec<MountInfo>, SysError> {
+        let path = Path::new("/proc/self/mountinfo");
+        let text = std::fs::read_to_string(path).map_err(|source| SysError::Io { op: "read", path: path.to_path_buf(), source })?;
+        Ok(mountinfo::parse(&text)?)
+    }
+
+    fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError> {
+        let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+        if read_only {
+            flags |= MsFlags::MS_RDONLY;
+        }
+        let data = (!options.is_empty()).then_some(options);
+        nix::mount::mount(Some(source), target, Some(fs_type), flags, data).map_err(errno("mount", target))
+    }
+
+    fn bind(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
+        nix::mount::mount(Some(source), target, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(errno("bind-mount onto", target))?;
+        if read_only {
+            // A bind mount takes its flags only on a remount.
+            let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
+            if let Err(e) = nix::mount::mount(None::<&str>, target, None::<&str>, flags, None::<&str>) {
+                let _ = nix::mount::umount2(target, MntFlags::MNT_DETACH);
+                return Err(errno("make read-only", target)(e));
+            }
+        }
+        Ok(())
+    }
+
+    fn unmount(&self, target: &Path, force: bool) -> Result<(), SysError> {
+        let flags = if force { MntFlags::MNT_FORCE | MntFlags::MNT_DETACH } else { MntFlags::empty() };
+        nix::mount::umount2(target, flags).map_err(errno("unmount", target))
+    }
+
+    fn ensure_dir(&self, dir: &Path) -> Result<bool, SysError> {
+        if dir.is_dir() {
+            return Ok(false);
+        }
+        std::fs::create_dir_all(dir).map_err(|source| SysError::Io { op: "create dir", path: dir.to_path_buf(), source })?;
+        Ok(true)
+    }
+
+    fn remove_dir(&self, dir: &Path) -> Result<(), SysError> {
+        match std::fs::remove_dir(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(SysError::Io { op: "remove dir", path: dir.to_path_buf(), source: e })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Devices for Linux {
+    fn loop_attach(&self, file: &Path, read_only: bool) -> Result<PathBuf, SysError> {
+        loopdev::attach(file, read_only)
+    }
+    fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError> {
+        loopdev::list()
+    }
+    fn loop_detach(&self, device: &Path) -> Result<(), SysError> {
+        loopdev::detach(device)
+    }
+}
+
+impl Filesystems for Linux {
+    fn probe(&self, device: &Path) -> Result<Option<String>, SysError> {
+        // blkid exits 2 when it finds nothing: a blank device.
+        let out = run("blkid", &["-p", "-o", "export"], device, self.deadlines.probe)?;
+        if out.status.code() == Some(2) {
+            return Ok(None);
+        }
+        let out = check("blkid", device, out)?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(str::to_string);
+        Ok(field("TYPE=").or_else(|| field("PTTYPE=")).or_else(|| Some("unknown signature".to_string())))
+    }
+
+    fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {
+        let (program, args): (&'static str, &[&str]) = match fs_type {
+            "ext4" => ("mkfs.ext4", &["-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1"]),
+            "xfs" => ("mkfs.xfs", &["-f", "-q"]),
+            other => {
+                return Err(SysError::Refused { path: device.to_path_buf(), what: format!("no mkfs for filesystem {other:?}") });
+            }
+        };
+        check(program, device, run(program, args, device, self.deadlines.mkfs)?).map(drop)
+    }
+
+    fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError> {
+        let d = self.deadlines.wipe;
+        match method {
+            Wipe::Signatures => check("wipefs", device, run("wipefs", &["-a", "-q"], device, d)?),
+            Wipe::Discard => check("blkdiscard", device, run("blkdiscard", &["-f"], device, d)?),
+            Wipe::Zero => check("blkdiscard", device, run("blkdiscard", &["-f", "-z"], device, d)?),
+            Wipe::Shred(passes) => {
+                let n = passes.to_string();
+                check("shred", device, run("shred", &["-n", &n, "-z"], device, d)?)
+            }
+        }
+        .map(drop)
+    }
+}

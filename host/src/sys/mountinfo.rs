@@ -1,0 +1,126 @@
+//! A parser for `/proc/self/mountinfo` (proc(5)): pure, so it is tested on
+//! recorded text.
+
+use std::path::PathBuf;
+
+/// One line of mountinfo.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountInfo {
+    pub id: u32,
+    pub parent: u32,
+    /// `major:minor` of the filesystem's device.
+    pub device: (u32, u32),
+    /// The path within the filesystem that is mounted (`/` unless a bind of a subdir).
+    pub root: PathBuf,
+    pub mount_point: PathBuf,
+    /// Per-mount options (`rw`, `nosuid`, …).
+    pub options: String,
+    /// Optional fields, e.g. `shared:5`, `master:1`.
+    pub propagation: Vec<String>,
+    pub fs_type: String,
+    pub source: String,
+    pub super_options: String,
+}
+
+impl MountInfo {
+    pub fn read_only(&self) -> bool {
+        self.options.split(',').any(|o| o == "ro")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("mountinfo line {line}: {reason}: {text:?}")]
+pub struct ParseError {
+    pub line: usize,
+    pub reason: &'static str,
+    pub text: String,
+}
+
+/// Parse the whole file. A malformed line is an error naming it: a mount
+/// table we cannot read is not one to act on.
+pub fn parse(text: &str) -> Result<Vec<MountInfo>, ParseError> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| parse_line(l).map_err(|reason| ParseError { line: i + 1, reason, text: l.to_string() }))
+        .collect()
+}
+
+fn parse_line(line: &str) -> Result<MountInfo, &'static str> {
+    let (head, tail) = line.split_once(" - ").ok_or("no \" - \" separator")?;
+    let mut f = head.split(' ');
+    let id = f.next().and_then(|s| s.parse().ok()).ok_or("bad mount id")?;
+    let parent = f.next().and_then(|s| s.parse().ok()).ok_or("bad parent id")?;
+    let device = f
+        .next()
+        .and_then(|s| s.split_once(':'))
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .ok_or("bad major:minor")?;
+    let root = PathBuf::from(unescape(f.next().ok_or("no root")?));
+    let mount_point = PathBuf::from(unescape(f.next().ok_or("no mount point")?));
+    let options = f.next().ok_or("no mount options")?.to_string();
+    let propagation = f.map(String::from).collect();
+    let mut t = tail.splitn(3, ' ');
+    let fs_type = unescape(t.next().ok_or("no filesystem type")?);
+    let source = unescape(t.next().ok_or("no source")?);
+    let super_options = t.next().unwrap_or("").to_string();
+    Ok(MountInfo { id, parent, device, root, mount_point, options, propagation, fs_type, source, super_options })
+}
+
+/// The kernel escapes space, tab, newline and backslash as `\ooo`.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = "\
+23 27 0:22 / /sys rw,relatime - sysfs sysfs rw
+27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+310 27 7:3 / /var/lib/kubelet/plugins/volagent/local-pv/mounts/pv\\0401 rw,relatime shared:200 master:3 - ext4 /dev/loop3 rw
+311 27 7:3 / /var/lib/kubelet/pods/u/volumes/volagent~local-pv/pv1 ro,relatime - ext4 /dev/loop3 rw
+";
+
+    #[test]
+    fn parses_fields_escapes_and_propagation() {
+        let m = parse(SAMPLE).unwrap();
+        assert_eq!(m.len(), 4);
+        assert_eq!(m[1].mount_point, PathBuf::from("/"));
+        assert_eq!(m[1].propagation, vec!["shared:1"]);
+        assert_eq!(m[2].mount_point, PathBuf::from("/var/lib/kubelet/plugins/volagent/local-pv/mounts/pv 1"));
+        assert_eq!(m[2].device, (7, 3));
+        assert_eq!(m[2].propagation, vec!["shared:200", "master:3"]);
+        assert_eq!((m[2].fs_type.as_str(), m[2].source.as_str()), ("ext4", "/dev/loop3"));
+        assert!(!m[2].read_only());
+        assert!(m[3].read_only());
+    }
+
+    #[test]
+    fn malformed_lines_are_errors_naming_the_line() {
+        let e = parse("23 27 0:22 / /sys rw\n").unwrap_err();
+        assert_eq!((e.line, e.reason), (1, "no \" - \" separator"));
+        let e = parse("27 1 254:0 / / rw - ext4 /dev/vda rw\nx 1 0:1 / /a rw - tmpfs t rw\n").unwrap_err();
+        assert_eq!((e.line, e.reason), (2, "bad mount id"));
+    }
+
+    #[test]
+    fn reads_this_process_mount_table() {
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let m = parse(&text).unwrap();
+        assert!(m.iter().any(|e| e.mount_point == PathBuf::from("/")));
+    }
+}
