@@ -57,3 +57,69 @@ pub fn paths(backend: &str, volume: &str) -> NodePaths {
 pub fn facts() -> Arc<RecordedQueries> {
     Arc::new(RecordedQueries::default())
 }
+
+/// A root test's world: a private mount namespace (mounts vanish with the
+/// test process and never reach the host) and a scratch dir. Loop devices
+/// are not namespaced: every loop device backed by a file under the scratch
+/// dir is detached on drop, even when the test panics.
+pub struct RootScratch {
+    pub dir: tempfile::TempDir,
+}
+
+impl RootScratch {
+    pub fn enter() -> RootScratch {
+        use nix::mount::{MsFlags, mount};
+        assert!(nix::unistd::geteuid().is_root(), "needs root: this test uses loop devices and mounts (CI runs it as root)");
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("a private mount namespace");
+        mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).expect("make / private");
+        RootScratch { dir: tempfile::Builder::new().prefix("volagent-root-").tempdir_in("/var/tmp").expect("scratch dir") }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// A sparse file of `mib` MiB.
+    pub fn image(&self, name: &str, mib: u64) -> PathBuf {
+        let p = self.path(name);
+        let f = std::fs::File::create(&p).expect("create image");
+        f.set_len(mib << 20).expect("size image");
+        p
+    }
+
+    /// Mounts below the scratch dir, deepest last.
+    pub fn mounts(&self) -> Vec<PathBuf> {
+        let text = std::fs::read_to_string("/proc/thread-self/mountinfo").expect("mountinfo");
+        volagent::sys::mountinfo::parse(&text)
+            .expect("parse mountinfo")
+            .into_iter()
+            .map(|m| m.mount_point)
+            .filter(|p| p.starts_with(self.dir.path()))
+            .collect()
+    }
+
+    /// Loop devices backed by files below the scratch dir.
+    pub fn loops(&self) -> Vec<PathBuf> {
+        use volagent::sys::Devices;
+        let root = std::fs::canonicalize(self.dir.path()).expect("canonical scratch");
+        volagent::sys::linux::Linux::default()
+            .loop_devices()
+            .expect("list loop devices")
+            .into_iter()
+            .filter(|l| l.backing_file.starts_with(&root))
+            .map(|l| l.device)
+            .collect()
+    }
+}
+
+impl Drop for RootScratch {
+    fn drop(&mut self) {
+        use volagent::sys::Devices;
+        for m in self.mounts().into_iter().rev() {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+        }
+        for d in self.loops() {
+            let _ = volagent::sys::linux::Linux::default().loop_detach(&d);
+        }
+    }
+}

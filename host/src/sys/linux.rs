@@ -69,7 +69,8 @@ fn check(program: &'static str, device: &Path, out: std::process::Output) -> Res
 
 impl Mounts for Linux {
     fn mount_table(&self) -> Result<Vec<MountInfo>, SysError> {
-        let path = Path::new("/proc/self/mountinfo");
+        // thread-self: a mount namespace may be per thread (tests unshare one).
+        let path = Path::new("/proc/thread-self/mountinfo");
         let text = std::fs::read_to_string(path).map_err(|source| SysError::Io { op: "read", path: path.to_path_buf(), source })?;
         Ok(mountinfo::parse(&text)?)
     }

@@ -24,7 +24,7 @@ pub enum SysError {
     Command { program: &'static str, path: PathBuf, message: String },
     #[error("{program} {}: no answer within {secs} s, killed", path.display())]
     Timeout { program: &'static str, path: PathBuf, secs: u64 },
-    #[error("/proc/self/mountinfo: {0}")]
+    #[error("mount table: {0}")]
     MountTable(#[from] mountinfo::ParseError),
     #[error("{}: {what}", path.display())]
     Refused { path: PathBuf, what: String },
