@@ -5,6 +5,7 @@
 
 pub mod cli;
 pub mod exec;
+pub mod ledger;
 pub mod policy;
 pub mod stats;
 pub mod sys;

@@ -1,0 +1,205 @@
+//! The embedded ledger: records in a redb database file (crash-safe,
+//! copy-on-write, fsync on commit), for a node with no cluster configured.
+
+use super::{Ledger, LedgerError, Record, Version};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("attachment-records");
+/// The store's revision: every write takes the next one as its version, so
+/// a version is never reused, even by a record deleted and created again.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const REVISION: &str = "revision";
+
+#[derive(Serialize, Deserialize)]
+struct Stored {
+    version: u64,
+    record: Record,
+}
+
+pub struct EmbeddedLedger {
+    db: Arc<Database>,
+    path: PathBuf,
+}
+
+impl EmbeddedLedger {
+    /// Open (or create) the database at `path`.
+    pub fn open(path: &Path) -> Result<EmbeddedLedger, LedgerError> {
+        let err = |e: &dyn std::fmt::Display| LedgerError::Store { store: path.display().to_string(), message: e.to_string() };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
+        }
+        let db = Database::create(path).map_err(|e| err(&e))?;
+        // Create the table once, so readers never meet a missing one.
+        let txn = db.begin_write().map_err(|e| err(&e))?;
+        txn.open_table(RECORDS).map_err(|e| err(&e))?;
+        txn.open_table(META).map_err(|e| err(&e))?;
+        txn.commit().map_err(|e| err(&e))?;
+        Ok(EmbeddedLedger { db: Arc::new(db), path: path.to_path_buf() })
+    }
+
+    /// Run `f` on a blocking thread: redb commits fsync.
+    async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Database, &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<R, LedgerError> + Send + 'static,
+    ) -> Result<R, LedgerError> {
+        let db = self.db.clone();
+        let store = self.path.display().to_string();
+        let task_store = store.clone();
+        tokio::task::spawn_blocking(move || {
+            let err = move |e: &dyn std::fmt::Display| LedgerError::Store { store: task_store.clone(), message: e.to_string() };
+            f(&db, &err)
+        })
+        .await
+        .map_err(|e| LedgerError::Store { store, message: format!("ledger task failed: {e}") })?
+    }
+}
+
+fn decode(bytes: &[u8], err: &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<Stored, LedgerError> {
+    serde_json::from_slice(bytes).map_err(|e| err(&format!("a stored record is unreadable: {e}")))
+}
+
+fn encode(stored: &Stored, err: &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<Vec<u8>, LedgerError> {
+    serde_json::to_vec(stored).map_err(|e| err(&e))
+}
+
+/// Write `record` at the next version if the stored version is `expected`
+/// (`None`: must not exist). One write transaction: the check and the write
+/// cannot be split by another writer.
+fn compare_and_write(
+    db: &Database,
+    err: &dyn Fn(&dyn std::fmt::Display) -> LedgerError,
+    volume: &str,
+    expected: Option<&Version>,
+    record: Option<&Record>,
+) -> Result<Option<Version>, LedgerError> {
+    let txn = db.begin_write().map_err(|e| err(&e))?;
+    let written = {
+        let mut table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
+        let current = match table.get(volume).map_err(|e| err(&e))? {
+            Some(v) => Some(decode(v.value(), err)?.version),
+            None => None,
+        };
+        match (current, expected) {
+            (Some(_), None) => return Err(LedgerError::AlreadyExists { volume: volume.to_string() }),
+            (None, Some(_)) => return Err(LedgerError::NotFound { volume: volume.to_string() }),
+            (Some(c), Some(e)) if c.to_string() != e.0 => {
+                return Err(LedgerError::Conflict { volume: volume.to_string(), expected: e.clone() });
+            }
+            _ => {}
+        }
+        match record {
+            Some(record) => {
+                let mut meta = txn.open_table(META).map_err(|e| err(&e))?;
+                let version = meta.get(REVISION).map_err(|e| err(&e))?.map_or(0, |v| v.value()) + 1;
+                meta.insert(REVISION, version).map_err(|e| err(&e))?;
+                let bytes = encode(&Stored { version, record: record.clone() }, err)?;
+                table.insert(volume, bytes.as_slice()).map_err(|e| err(&e))?;
+                Some(Version(version.to_string()))
+            }
+            None => {
+                table.remove(volume).map_err(|e| err(&e))?;
+                None
+            }
+        }
+    };
+    txn.commit().map_err(|e| err(&e))?;
+    Ok(written)
+}
+
+#[async_trait::async_trait]
+impl Ledger for EmbeddedLedger {
+    async fn get(&self, volume: &str) -> Result<Option<(Record, Version)>, LedgerError> {
+        let volume = volume.to_string();
+        self.blocking(move |db, err| {
+            let txn = db.begin_read().map_err(|e| err(&e))?;
+            let table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
+            match table.get(volume.as_str()).map_err(|e| err(&e))? {
+                Some(v) => {
+                    let s = decode(v.value(), err)?;
+                    Ok(Some((s.record, Version(s.version.to_string()))))
+                }
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    async fn create(&self, record: &Record) -> Result<Version, LedgerError> {
+        let record = record.clone();
+        self.blocking(move |db, err| {
+            compare_and_write(db, err, &record.volume, None, Some(&record))?
+                .ok_or_else(|| err(&"a create wrote no version"))
+        })
+        .await
+    }
+
+    async fn update(&self, record: &Record, expected: &Version) -> Result<Version, LedgerError> {
+        let (record, expected) = (record.clone(), expected.clone());
+        self.blocking(move |db, err| {
+            compare_and_write(db, err, &record.volume, Some(&expected), Some(&record))?
+                .ok_or_else(|| err(&"an update wrote no version"))
+        })
+        .await
+    }
+
+    async fn delete(&self, volume: &str, expected: &Version) -> Result<(), LedgerError> {
+        let (volume, expected) = (volume.to_string(), expected.clone());
+        self.blocking(move |db, err| compare_and_write(db, err, &volume, Some(&expected), None).map(drop)).await
+    }
+
+    async fn list_by_node(&self, node: &str) -> Result<Vec<(Record, Version)>, LedgerError> {
+        let node = node.to_string();
+        self.blocking(move |db, err| {
+            let txn = db.begin_read().map_err(|e| err(&e))?;
+            let table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
+            let mut found = Vec::new();
+            for entry in table.iter().map_err(|e| err(&e))? {
+                let (_, v) = entry.map_err(|e| err(&e))?;
+                let s = decode(v.value(), err)?;
+                if s.record.on_node(&node).next().is_some() {
+                    found.push((s.record, Version(s.version.to_string())));
+                }
+            }
+            Ok(found)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn conforms() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Arc::new(EmbeddedLedger::open(&dir.path().join("ledger.redb")).unwrap());
+        crate::ledger::conformance::run_all(ledger).await;
+    }
+
+    #[tokio::test]
+    async fn records_survive_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state/ledger.redb");
+        let record = crate::ledger::conformance::record("pv-keep", &[("n1", "a")]);
+        {
+            let ledger = EmbeddedLedger::open(&path).unwrap();
+            ledger.create(&record).await.unwrap();
+        }
+        let ledger = EmbeddedLedger::open(&path).unwrap();
+        let (back, _) = ledger.get("pv-keep").await.unwrap().unwrap();
+        assert_eq!(back, record);
+    }
+
+    #[test]
+    fn an_unusable_store_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("not-a-db");
+        std::fs::write(&path, b"garbage that is not a redb file, long enough to have a header.....").unwrap();
+        let err = EmbeddedLedger::open(&path).err().expect("garbage must not open");
+        assert!(err.to_string().contains(&path.display().to_string()), "{err}");
+    }
+}

@@ -1,0 +1,70 @@
+//! The attachment ledger: one record per volume listing its consumers.
+//! Races between agents are settled by the store alone: create fails when
+//! the record exists, update and delete fail on a stale version.
+
+pub mod conformance;
+pub mod embedded;
+
+use crate::policy::{AccessMode, Holder};
+use serde::{Deserialize, Serialize};
+
+/// What the ledger knows of one volume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// PV name (the record's key).
+    pub volume: String,
+    pub backend: String,
+    pub access_mode: AccessMode,
+    pub holders: Vec<Holder>,
+}
+
+impl Record {
+    /// The holders on `node`.
+    pub fn on_node<'r>(&'r self, node: &'r str) -> impl Iterator<Item = &'r Holder> + 'r {
+        self.holders.iter().filter(move |h| h.consumer.node == node)
+    }
+}
+
+/// An opaque version of a stored record (a counter, or a resourceVersion).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Version(pub String);
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("attachment record {volume} already exists")]
+    AlreadyExists { volume: String },
+    #[error("attachment record {volume} changed since version {expected} was read")]
+    Conflict { volume: String, expected: Version },
+    #[error("attachment record {volume} does not exist")]
+    NotFound { volume: String },
+    #[error("attachment ledger {store}: {message}")]
+    Store { store: String, message: String },
+}
+
+impl LedgerError {
+    /// A race lost to another writer: read again and retry.
+    pub fn is_race(&self) -> bool {
+        matches!(self, LedgerError::AlreadyExists { .. } | LedgerError::Conflict { .. })
+    }
+}
+
+/// The store of attachment records.
+#[async_trait::async_trait]
+pub trait Ledger: Send + Sync {
+    /// The record of `volume` and its version, if any.
+    async fn get(&self, volume: &str) -> Result<Option<(Record, Version)>, LedgerError>;
+    /// Store a new record; `AlreadyExists` if there is one.
+    async fn create(&self, record: &Record) -> Result<Version, LedgerError>;
+    /// Replace the record if it is still at `expected`; else `Conflict`.
+    async fn update(&self, record: &Record, expected: &Version) -> Result<Version, LedgerError>;
+    /// Delete the record if it is still at `expected`; else `Conflict`.
+    async fn delete(&self, volume: &str, expected: &Version) -> Result<(), LedgerError>;
+    /// Every record with a holder on `node`.
+    async fn list_by_node(&self, node: &str) -> Result<Vec<(Record, Version)>, LedgerError>;
+}
