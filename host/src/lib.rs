@@ -6,6 +6,9 @@
 pub mod cli;
 pub mod exec;
 pub mod ledger;
+pub mod ops;
+pub mod plugin;
 pub mod policy;
+pub mod socket;
 pub mod stats;
 pub mod sys;

@@ -1,0 +1,95 @@
+//! The Flexvolume driver kubelet runs (see the Flexvolume contract): it
+//! forwards `init`, `mount` and `unmount` to the agent over its socket and
+//! prints exactly one JSON object — and nothing else, on stdout or stderr,
+//! whatever happens — because kubelet parses the combined output.
+
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+use volagent::plugin::install::{DRIVER_CONFIG, DriverConfig};
+use volagent::socket::protocol::{self, Request, Response};
+
+const DEFAULT_SOCKET: &str = "/run/volagent/agent.sock";
+/// kubelet applies no timeout to mount/unmount; the driver bounds its wait
+/// so a wedged agent cannot hang kubelet's operation forever.
+const AGENT_TIMEOUT: Duration = Duration::from_secs(600);
+
+fn main() -> ExitCode {
+    // A panic must still produce the one JSON object kubelet expects.
+    std::panic::set_hook(Box::new(|info| {
+        println!("{}", json!({"status": "Failure", "message": format!("volagent-flex crashed: {info}")}));
+    }));
+    let args: Vec<String> = std::env::args().collect();
+    let (reply, ok) = run(&args);
+    println!("{reply}");
+    if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}
+
+fn failure(message: impl Into<String>) -> (Value, bool) {
+    (json!({"status": "Failure", "message": message.into()}), false)
+}
+
+fn config(exe: &Path) -> DriverConfig {
+    let backend = exe.file_name().and_then(|n| n.to_str()).unwrap_or("").to_string();
+    let file = exe.parent().map(|d| d.join(DRIVER_CONFIG));
+    file.and_then(|f| std::fs::read(f).ok())
+        .and_then(|b| serde_json::from_slice::<DriverConfig>(&b).ok())
+        .unwrap_or(DriverConfig { socket: PathBuf::from(DEFAULT_SOCKET), backend })
+}
+
+fn ask(config: &DriverConfig, request: Request) -> Result<Response, String> {
+    let socket = config.socket.display();
+    let mut stream = UnixStream::connect(&config.socket)
+        .map_err(|e| format!("volagent agent is not reachable at {socket}: {e}; is the volagent DaemonSet running on this node?"))?;
+    let _ = stream.set_read_timeout(Some(AGENT_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(AGENT_TIMEOUT));
+    protocol::exchange(&mut stream, request).map_err(|e| format!("volagent agent at {socket}: {e}"))
+}
+
+fn reply(response: Result<Response, String>, init: bool) -> (Value, bool) {
+    match response {
+        Err(message) => failure(message),
+        Ok(Response::Failed { message, .. }) => failure(message),
+        Ok(Response::Ok { message, device }) => {
+            let mut v = json!({"status": "Success", "message": message});
+            if init {
+                v["capabilities"] = json!({"attach": false});
+            }
+            if let Some(d) = device {
+                v["device"] = json!(d);
+            }
+            (v, true)
+        }
+        Ok(Response::Status { .. }) => failure("volagent agent answered with a status; expected an operation result"),
+    }
+}
+
+fn run(args: &[String]) -> (Value, bool) {
+    let exe = std::env::current_exe().ok().or_else(|| args.first().map(PathBuf::from)).unwrap_or_default();
+    // Installed as <dir>/volagent~<backend>/<backend>; the name of the link
+    // kubelet ran wins over the resolved binary's.
+    let invoked = args.first().map(PathBuf::from).filter(|p| p.parent().is_some_and(|d| !d.as_os_str().is_empty())).unwrap_or(exe);
+    let config = config(&invoked);
+    let backend = config.backend.clone();
+    match args.get(1).map(String::as_str) {
+        Some("init") => reply(ask(&config, Request::Handshake { backend }), true),
+        Some("mount") => {
+            let (Some(dir), Some(json)) = (args.get(2), args.get(3)) else {
+                return failure("mount needs <mount-dir> <json-options>");
+            };
+            let options: BTreeMap<String, String> = match serde_json::from_str(json) {
+                Ok(o) => o,
+                Err(e) => return failure(format!("mount options are not a JSON object of strings: {e}")),
+            };
+            reply(ask(&config, Request::Mount { backend, mount_dir: dir.clone(), options }), false)
+        }
+        Some("unmount") => match args.get(2) {
+            Some(dir) => reply(ask(&config, Request::Unmount { backend, mount_dir: dir.clone() }), false),
+            None => failure("unmount needs <mount-dir>"),
+        },
+        _ => (json!({"status": "Not supported"}), true),
+    }
+}

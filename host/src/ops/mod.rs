@@ -1,0 +1,309 @@
+//! The operation pipeline: per-volume lock → fence → ledger → plan →
+//! execute, with the ledger entry rolled back when execution fails.
+
+pub mod queries;
+pub mod request;
+pub mod stash;
+
+use crate::exec::Executor;
+use crate::ledger::{Ledger, LedgerError, Record, Version};
+use crate::policy::{Decision, Holder, NodeFacts, NodePaths, Plugin, Volume};
+use crate::socket::protocol::{BackendStatus, FailureKind, Response};
+use crate::sys::Sys;
+use queries::NodeQueries;
+use request::{parse_mount, parse_mount_dir};
+use stash::{Entry, Stash};
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+
+/// Where this node keeps things.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub node: String,
+    pub kubelet_root: PathBuf,
+    pub state_dir: PathBuf,
+    pub discovery_dirs: Vec<PathBuf>,
+}
+
+impl NodeConfig {
+    pub fn paths(&self, backend: &str, volume: &str) -> NodePaths {
+        NodePaths {
+            kubelet_root: self.kubelet_root.display().to_string(),
+            staging_dir: self.kubelet_root.join("plugins/volagent").join(backend).join("mounts").join(volume).display().to_string(),
+            state_dir: self.state_dir.join("volumes").join(volume).display().to_string(),
+            discovery_dirs: self.discovery_dirs.iter().map(|d| d.display().to_string()).collect(),
+        }
+    }
+}
+
+/// A failed request: its kind (for retry decisions) and a message for users.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+impl Failure {
+    fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
+        Failure { kind, message: message.into() }
+    }
+}
+
+impl From<Failure> for Response {
+    fn from(f: Failure) -> Response {
+        Response::Failed { kind: f.kind, message: f.message }
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> Failure {
+    Failure::new(FailureKind::Failed, e.to_string())
+}
+
+fn ledger_failure(e: LedgerError) -> Failure {
+    let kind = if e.is_race() { FailureKind::Busy } else { FailureKind::Unavailable };
+    Failure::new(kind, e.to_string())
+}
+
+/// Volumes with an operation in progress.
+#[derive(Default)]
+struct Locks(Mutex<HashSet<String>>);
+
+struct LockGuard<'a> {
+    locks: &'a Locks,
+    volume: String,
+}
+
+impl Locks {
+    fn try_lock(&self, volume: &str) -> Option<LockGuard<'_>> {
+        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        held.insert(volume.to_string()).then(|| LockGuard { locks: self, volume: volume.to_string() })
+    }
+}
+
+impl Drop for LockGuard<'_> {
+    fn drop(&mut self) {
+        self.locks.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.volume);
+    }
+}
+
+/// How many times a lost ledger race is retried before giving up.
+const LEDGER_RETRIES: usize = 5;
+
+pub struct Agent {
+    pub config: NodeConfig,
+    plugins: RwLock<BTreeMap<String, Arc<Plugin>>>,
+    ledger: Arc<dyn Ledger>,
+    stash: Arc<Stash>,
+    sys: Sys,
+    locks: Locks,
+}
+
+impl Agent {
+    pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys) -> Agent {
+        let plugins = plugins.into_iter().map(|p| (p.name().to_string(), Arc::new(p))).collect();
+        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default() }
+    }
+
+    pub fn plugin(&self, backend: &str) -> Result<Arc<Plugin>, Failure> {
+        let plugins = self.plugins.read().unwrap_or_else(|p| p.into_inner());
+        plugins.get(backend).cloned().ok_or_else(|| {
+            let known: Vec<&str> = plugins.keys().map(String::as_str).collect();
+            Failure::new(FailureKind::UnknownBackend, format!("backend {backend:?} is not loaded on this node (loaded: {})", known.join(", ")))
+        })
+    }
+
+    pub fn status(&self) -> Response {
+        let plugins = self.plugins.read().unwrap_or_else(|p| p.into_inner());
+        Response::Status {
+            node: self.config.node.clone(),
+            backends: plugins
+                .values()
+                .map(|p| BackendStatus {
+                    name: p.name().to_string(),
+                    version: p.info().version.clone(),
+                    file: p.path().display().to_string(),
+                    sha256: p.sha256().to_string(),
+                })
+                .collect(),
+        }
+    }
+
+    async fn queries(&self) -> Result<Arc<NodeQueries>, Failure> {
+        let sys = self.sys.clone();
+        let mounts = blocking(move || sys.mounts.mount_table()).await?.map_err(internal)?;
+        Ok(Arc::new(NodeQueries { node: self.config.node.clone(), sys: self.sys.clone(), mounts }))
+    }
+
+    fn node_facts(&self, holders: &[Holder]) -> Vec<NodeFacts> {
+        let q = NodeQueries { node: self.config.node.clone(), sys: self.sys.clone(), mounts: vec![] };
+        let mut names: Vec<&str> = holders.iter().map(|h| h.consumer.node.as_str()).collect();
+        names.push(&self.config.node);
+        names.sort();
+        names.dedup();
+        names.into_iter().map(|n| crate::policy::Queries::node_state(&q, n)).collect()
+    }
+
+    async fn run_plan(&self, plan: Vec<crate::policy::Step>) -> Result<crate::exec::Outcome, Failure> {
+        let exec = Executor::new(self.sys.clone());
+        blocking(move || exec.run(&plan)).await?.map_err(internal)
+    }
+
+    async fn stash_op<R: Send + 'static>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError> + Send + 'static) -> Result<R, Failure> {
+        let stash = self.stash.clone();
+        blocking(move || f(&stash)).await?.map_err(internal)
+    }
+
+    /// kubelet's `mount <dir> <options>`.
+    pub async fn mount(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
+        let dir = parse_mount_dir(&self.config.kubelet_root, backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        let req = parse_mount(&self.config.node, backend, &dir, options).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        let plugin = self.plugin(backend)?;
+        let volume = req.volume;
+        let me = req.consumer;
+        let _lock = self.locks.try_lock(&volume.name).ok_or_else(|| {
+            Failure::new(FailureKind::Busy, format!("volume {}: an operation is in progress on this node; retry", volume.name))
+        })?;
+        let paths = self.config.paths(backend, &volume.name);
+        let queries = self.queries().await?;
+
+        // Fence and record, retrying lost races with a fresh read.
+        let mut attempt = 0;
+        let (local, added) = loop {
+            attempt += 1;
+            let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
+            let holders = current.as_ref().map(|(r, _)| r.holders.clone()).unwrap_or_default();
+            let nodes = self.node_facts(&holders);
+            let mut session = plugin.session(queries.clone());
+            let decision = session.fence(&volume, &me, &holders, &nodes).map_err(internal)?;
+            let mut kept = holders.clone();
+            match decision {
+                Decision::Grant => {}
+                Decision::Deny(reason) => return Err(Failure::new(FailureKind::Denied, reason)),
+                Decision::TakeOver(take) => {
+                    self.run_plan(take.fence_steps.clone()).await?;
+                    kept.retain(|h| !take.stale.contains(h));
+                }
+            }
+            let already = kept.iter().any(|h| h.consumer.pod_uid == me.pod_uid && h.consumer.mount_dir == me.mount_dir);
+            let local: Vec<Holder> = kept.iter().filter(|h| h.consumer.node == me.node && h.consumer.mount_dir != me.mount_dir).cloned().collect();
+            if !already {
+                kept.push(Holder { consumer: me.clone(), since: now_rfc3339() });
+            }
+            let record = Record { volume: volume.name.clone(), backend: backend.to_string(), access_mode: volume.access_mode, holders: kept };
+            let written = match &current {
+                None => self.ledger.create(&record).await,
+                Some((_, v)) if record.holders != holders => self.ledger.update(&record, v).await,
+                Some((_, v)) => Ok(v.clone()),
+            };
+            match written {
+                Ok(_) => break (local, !already),
+                Err(e) if e.is_race() && attempt < LEDGER_RETRIES => continue,
+                Err(e) => return Err(ledger_failure(e)),
+            }
+        };
+
+        let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone() };
+        let result = async {
+            let mut session = plugin.session(queries.clone());
+            let plan = session.attach(&volume, &me, &local, &paths).map_err(internal)?;
+            self.stash_op(move |s| s.put(&entry)).await?;
+            self.run_plan(plan).await
+        }
+        .await;
+        match result {
+            Ok(outcome) => Ok(Response::Ok {
+                message: format!("volume {} mounted at {}", volume.name, me.mount_dir),
+                device: outcome.devices.values().next().map(|d| d.display().to_string()),
+            }),
+            Err(failure) => {
+                // Leave no trace of a mount that did not happen.
+                if added {
+                    if let Err(e) = self.remove_holder(&volume.name, &me.mount_dir).await {
+                        tracing::error!(volume = %volume.name, "rolling back the ledger entry failed: {}", e.message);
+                    }
+                }
+                let dir = me.mount_dir.clone();
+                let _ = self.stash_op(move |s| s.remove(&dir)).await;
+                Err(failure)
+            }
+        }
+    }
+
+    /// kubelet's `unmount <dir>`: what to undo comes from the stash.
+    pub async fn unmount(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
+        parse_mount_dir(&self.config.kubelet_root, backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        let dir = mount_dir.to_string();
+        let Some(entry) = self.stash_op(move |s| s.get(&dir)).await? else {
+            // Nothing of ours is there: a retry after success, or never mounted.
+            let sys = self.sys.clone();
+            let target = PathBuf::from(mount_dir);
+            let mounted = blocking(move || sys.mount_at(&target)).await?.map_err(internal)?;
+            return match mounted {
+                None => Ok(Response::Ok { message: format!("{mount_dir} is not mounted"), device: None }),
+                Some(m) => Err(Failure::new(
+                    FailureKind::Failed,
+                    format!("{mount_dir} is mounted from {}, but this agent has no record of mounting it; refusing to guess", m.source),
+                )),
+            };
+        };
+        let plugin = self.plugin(backend)?;
+        let volume: Volume = entry.volume.clone();
+        let _lock = self.locks.try_lock(&volume.name).ok_or_else(|| {
+            Failure::new(FailureKind::Busy, format!("volume {}: an operation is in progress on this node; retry", volume.name))
+        })?;
+        let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
+        let remaining: Vec<Holder> = current
+            .map(|(r, _)| r.holders)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|h| h.consumer.node == self.config.node && h.consumer.mount_dir != mount_dir)
+            .collect();
+        let queries = self.queries().await?;
+        let plan = plugin.session(queries).detach(&volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
+        self.run_plan(plan).await?;
+        self.remove_holder(&volume.name, mount_dir).await?;
+        let dir = mount_dir.to_string();
+        self.stash_op(move |s| s.remove(&dir)).await?;
+        Ok(Response::Ok { message: format!("volume {} unmounted from {mount_dir}", volume.name), device: None })
+    }
+
+    /// Remove the holder at `mount_dir`; the record goes with its last holder.
+    async fn remove_holder(&self, volume: &str, mount_dir: &str) -> Result<(), Failure> {
+        for _ in 0..LEDGER_RETRIES {
+            let Some((mut record, version)) = self.ledger.get(volume).await.map_err(ledger_failure)? else {
+                return Ok(());
+            };
+            let before = record.holders.len();
+            record.holders.retain(|h| h.consumer.mount_dir != mount_dir);
+            if record.holders.len() == before {
+                return Ok(());
+            }
+            let result = if record.holders.is_empty() {
+                self.ledger.delete(volume, &version).await
+            } else {
+                self.ledger.update(&record, &version).await.map(drop)
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_race() => continue,
+                Err(e) => return Err(ledger_failure(e)),
+            }
+        }
+        Err(Failure::new(FailureKind::Busy, format!("attachment record {volume} keeps changing; retry")))
+    }
+
+    /// The record of `volume`, for tools and tests.
+    pub async fn record(&self, volume: &str) -> Result<Option<(Record, Version)>, Failure> {
+        self.ledger.get(volume).await.map_err(ledger_failure)
+    }
+}
+
+/// Run blocking work (syscalls, tools, fsync) off the async workers.
+async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, Failure> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| internal(format!("agent task failed: {e}")))
+}
+
+fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}

@@ -1,0 +1,51 @@
+//! What the agent answers when a guest asks: this node's view, gathered
+//! cheaply (stat, the mount table) and without blocking on the network.
+
+use crate::policy::{MountEntry, NodeFacts, PathKind, Queries, Watcher};
+use crate::sys::{MountInfo, Sys};
+use std::os::unix::fs::FileTypeExt;
+
+pub struct NodeQueries {
+    pub node: String,
+    pub sys: Sys,
+    /// The mount table when the operation began.
+    pub mounts: Vec<MountInfo>,
+}
+
+impl Queries for NodeQueries {
+    /// This node exists and is ready. Other nodes cannot be judged without a
+    /// cluster: they count as existing (never provably gone) and not ready.
+    fn node_state(&self, name: &str) -> NodeFacts {
+        let me = name == self.node;
+        NodeFacts { name: name.to_string(), exists: true, ready: me, out_of_service: false }
+    }
+
+    fn lookup_path(&self, path: &str) -> PathKind {
+        match std::fs::metadata(path) {
+            Err(_) => PathKind::Missing,
+            Ok(m) if m.is_file() => PathKind::RegularFile,
+            Ok(m) if m.is_dir() => PathKind::Directory,
+            Ok(m) if m.file_type().is_block_device() => PathKind::BlockDevice,
+            Ok(_) => PathKind::Other,
+        }
+    }
+
+    fn filesystem_type(&self, device: &str) -> Option<String> {
+        // blkid reads the first blocks of a local device: quick, bounded by
+        // the probe deadline.
+        self.sys.filesystems.probe(std::path::Path::new(device)).ok().flatten()
+    }
+
+    fn mount_at(&self, target: &str) -> Option<MountEntry> {
+        self.mounts.iter().rev().find(|m| m.mount_point.as_os_str() == target).map(|m| MountEntry {
+            source: m.source.clone(),
+            target: target.to_string(),
+            fs_type: m.fs_type.clone(),
+            read_only: m.read_only(),
+        })
+    }
+
+    fn image_watchers(&self, _pool: &str, _image: &str) -> Result<Vec<Watcher>, String> {
+        Err("this agent has no storage cluster connection configured".to_string())
+    }
+}

@@ -1,0 +1,165 @@
+//! The agent socket protocol, version 1 (docs/protocol.md): one request and
+//! one response per connection, each a frame of a 4-byte big-endian length
+//! and that many bytes of JSON. Kept free of everything else, so that the
+//! Flexvolume driver links nothing but this.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest frame either side accepts.
+pub const MAX_FRAME: u32 = 1 << 20;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestFrame {
+    pub version: u32,
+    pub request: Request,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// The driver's `init`: is the agent there, and does it serve `backend`?
+    Handshake { backend: String },
+    /// kubelet's `mount <mount-dir> <options>`.
+    Mount { backend: String, mount_dir: String, options: BTreeMap<String, String> },
+    /// kubelet's `unmount <mount-dir>`.
+    Unmount { backend: String, mount_dir: String },
+    /// What the agent serves.
+    Status,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseFrame {
+    pub version: u32,
+    pub response: Response,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Response {
+    Ok {
+        message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<String>,
+    },
+    Status { node: String, backends: Vec<BackendStatus> },
+    Failed { kind: FailureKind, message: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BackendStatus {
+    pub name: String,
+    pub version: String,
+    pub file: String,
+    pub sha256: String,
+}
+
+/// Why a request failed; `busy` and `unavailable` are worth retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    BadRequest,
+    UnknownBackend,
+    Denied,
+    Busy,
+    Failed,
+    Unavailable,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes is over the limit of {MAX_FRAME}")]
+    TooLarge(u32),
+    #[error("malformed frame: {0}")]
+    Malformed(#[from] serde_json::Error),
+    #[error("protocol version {0} is not {PROTOCOL_VERSION}")]
+    Version(u32),
+}
+
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
+    let body = serde_json::to_vec(value)?;
+    let len = u32::try_from(body.len()).ok().filter(|l| *l <= MAX_FRAME).ok_or(FrameError::TooLarge(u32::MAX))?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
+}
+
+/// The body length in a frame header, checked against the limit.
+pub fn body_len(header: [u8; 4]) -> Result<usize, FrameError> {
+    let len = u32::from_be_bytes(header);
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge(len));
+    }
+    Ok(len as usize)
+}
+
+pub fn write_frame<T: Serialize>(w: &mut impl Write, value: &T) -> Result<(), FrameError> {
+    w.write_all(&encode(value)?)?;
+    w.flush()?;
+    Ok(())
+}
+
+pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, FrameError> {
+    let mut header = [0u8; 4];
+    r.read_exact(&mut header)?;
+    let mut body = vec![0u8; body_len(header)?];
+    r.read_exact(&mut body)?;
+    Ok(serde_json::from_slice(&body)?)
+}
+
+/// Send one request and read its response (the driver's whole exchange).
+pub fn exchange(stream: &mut (impl Read + Write), request: Request) -> Result<Response, FrameError> {
+    write_frame(stream, &RequestFrame { version: PROTOCOL_VERSION, request })?;
+    let frame: ResponseFrame = read_frame(stream)?;
+    if frame.version != PROTOCOL_VERSION {
+        return Err(FrameError::Version(frame.version));
+    }
+    Ok(frame.response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let req = RequestFrame {
+            version: 1,
+            request: Request::Mount {
+                backend: "local-pv".into(),
+                mount_dir: "/var/lib/kubelet/pods/u/volumes/volagent~local-pv/pv".into(),
+                options: BTreeMap::from([("kubernetes.io/fsType".into(), "ext4".into())]),
+            },
+        };
+        let bytes = encode(&req).unwrap();
+        assert_eq!(u32::from_be_bytes(bytes[..4].try_into().unwrap()) as usize, bytes.len() - 4);
+        let back: RequestFrame = read_frame(&mut bytes.as_slice()).unwrap();
+        assert_eq!(back, req);
+        let json = String::from_utf8(bytes[4..].to_vec()).unwrap();
+        assert!(json.starts_with(r#"{"version":1,"request":{"mount":{"backend":"local-pv""#), "{json}");
+    }
+
+    #[test]
+    fn oversized_and_malformed_frames_are_errors() {
+        let big = (MAX_FRAME + 1).to_be_bytes();
+        assert!(matches!(read_frame::<RequestFrame>(&mut big.as_slice()), Err(FrameError::TooLarge(_))));
+        let mut junk = 5u32.to_be_bytes().to_vec();
+        junk.extend_from_slice(b"{oops");
+        assert!(matches!(read_frame::<RequestFrame>(&mut junk.as_slice()), Err(FrameError::Malformed(_))));
+        let mut short = 10u32.to_be_bytes().to_vec();
+        short.extend_from_slice(b"{}");
+        assert!(matches!(read_frame::<RequestFrame>(&mut short.as_slice()), Err(FrameError::Io(_))));
+        let mut unknown = Vec::new();
+        let body = br#"{"version":1,"request":{"format_everything":{}}}"#;
+        unknown.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        unknown.extend_from_slice(body);
+        assert!(matches!(read_frame::<RequestFrame>(&mut unknown.as_slice()), Err(FrameError::Malformed(_))));
+    }
+}

@@ -1,0 +1,122 @@
+//! The agent's socket server: a root-owned 0600 Unix socket, each peer's
+//! credentials checked, one request per connection with a deadline to
+//! arrive, and a bounded number of operations at once.
+
+use super::protocol::{self, FailureKind, PROTOCOL_VERSION, Request, RequestFrame, Response, ResponseFrame};
+use crate::ops::{Agent, Failure};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub socket: PathBuf,
+    /// Peer uids allowed to send requests.
+    pub allowed_uids: Vec<u32>,
+    /// Operations run at once; more wait for a slot, up to `slot_timeout`.
+    pub max_concurrent: usize,
+    /// A request must arrive this soon after connecting.
+    pub request_timeout: Duration,
+    pub slot_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("socket {}: {source}", path.display())]
+    Bind { path: PathBuf, source: std::io::Error },
+    #[error("socket {}: another agent is listening on it", path.display())]
+    InUse { path: PathBuf },
+}
+
+/// Bind the socket: a stale socket file left by a dead agent is replaced; a
+/// live one is not.
+pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    let err = |source| ServerError::Bind { path: path.to_path_buf(), source };
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(ServerError::InUse { path: path.to_path_buf() });
+        }
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let listener = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    Ok(listener)
+}
+
+/// Serve until the listener fails.
+pub async fn serve(listener: UnixListener, agent: Arc<Agent>, config: ServerConfig) -> std::io::Result<()> {
+    let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
+    let config = Arc::new(config);
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let (agent, slots, config) = (agent.clone(), slots.clone(), config.clone());
+        tokio::spawn(async move {
+            if let Err(e) = connection(stream, agent, slots, config).await {
+                tracing::debug!("connection ended: {e}");
+            }
+        });
+    }
+}
+
+async fn connection(mut stream: UnixStream, agent: Arc<Agent>, slots: Arc<Semaphore>, config: Arc<ServerConfig>) -> std::io::Result<()> {
+    let response = match stream.peer_cred() {
+        Ok(cred) if config.allowed_uids.contains(&cred.uid()) => {
+            match tokio::time::timeout(config.request_timeout, read_request(&mut stream)).await {
+                Err(_) => failed(FailureKind::BadRequest, format!("no request within {:?}", config.request_timeout)),
+                Ok(Err(e)) => failed(FailureKind::BadRequest, format!("unreadable request: {e}")),
+                Ok(Ok(frame)) if frame.version != PROTOCOL_VERSION => {
+                    failed(FailureKind::BadRequest, format!("protocol version {} is not {PROTOCOL_VERSION}", frame.version))
+                }
+                Ok(Ok(frame)) => dispatch(&agent, &slots, &config, frame.request).await,
+            }
+        }
+        Ok(cred) => {
+            tracing::warn!(uid = cred.uid(), "refused a request from a peer that is not allowed");
+            failed(FailureKind::Denied, format!("uid {} may not use the volagent socket", cred.uid()))
+        }
+        Err(e) => failed(FailureKind::Denied, format!("cannot check the peer's credentials: {e}")),
+    };
+    let bytes = protocol::encode(&ResponseFrame { version: PROTOCOL_VERSION, response }).map_err(std::io::Error::other)?;
+    stream.write_all(&bytes).await?;
+    stream.shutdown().await
+}
+
+fn failed(kind: FailureKind, message: String) -> Response {
+    Response::Failed { kind, message }
+}
+
+async fn read_request(stream: &mut UnixStream) -> Result<RequestFrame, protocol::FrameError> {
+    let mut header = [0u8; 4];
+    stream.read_exact(&mut header).await?;
+    let mut body = vec![0u8; protocol::body_len(header)?];
+    stream.read_exact(&mut body).await?;
+    Ok(serde_json::from_slice(&body)?)
+}
+
+async fn dispatch(agent: &Agent, slots: &Semaphore, config: &ServerConfig, request: Request) -> Response {
+    // Only the wait for a slot is cut short: a running operation is never
+    // abandoned half-way (its lock would be released while its steps still
+    // run); each of its steps has a deadline of its own instead.
+    let _slot = match tokio::time::timeout(config.slot_timeout, slots.acquire()).await {
+        Ok(Ok(slot)) => slot,
+        Ok(Err(_)) => return failed(FailureKind::Unavailable, "the agent is shutting down".into()),
+        Err(_) => return failed(FailureKind::Busy, format!("all {} operation slots stayed busy for {:?}; retry", config.max_concurrent, config.slot_timeout)),
+    };
+    let result = match request {
+        Request::Handshake { backend } => agent.plugin(&backend).map(|p| Response::Ok {
+            message: format!("volagent serves {} {}", p.name(), p.info().version),
+            device: None,
+        }),
+        Request::Status => Ok(agent.status()),
+        Request::Mount { backend, mount_dir, options } => agent.mount(&backend, &mount_dir, &options).await,
+        Request::Unmount { backend, mount_dir } => agent.unmount(&backend, &mount_dir).await,
+    };
+    result.unwrap_or_else(Failure::into)
+}
