@@ -24,11 +24,11 @@ fn main() {
         exec_child(&args[2]);
         return;
     }
-    println!("policy decision = fresh instance + fence + attach plan (local-pv, one holder on this node), host checks included");
+    println!("policy decision = fence + attach plan, a fresh instance per call, host checks included (local-pv, one holder on this node)");
     let runtime = host::Runtime::new(host::Limits::default()).expect("runtime");
     let plugin = host::Plugin::load_file(&runtime, Path::new(volagent_test_artifacts::LOCAL_PV)).expect("load local-pv");
 
-    let (wasm, mut per_call) = wasm_decision(&plugin);
+    let wasm = wasm_decision(&plugin);
     let native = native_decision();
     let exec = exec_decision();
     let row = |name: &str, s: &mut Vec<Duration>| {
@@ -37,8 +37,7 @@ fn main() {
         (p50, p99)
     };
     let (mut wasm, mut native, mut exec) = (wasm, native, exec);
-    let (w50, w99) = row("wasm, one instance per decision", &mut wasm);
-    row("wasm, one instance per call", &mut per_call);
+    let (w50, w99) = row("wasm (fresh instance per call)", &mut wasm);
     let (n50, n99) = row("native in-process", &mut native);
     let (e50, e99) = row("exec per call", &mut exec);
     println!("ratio wasm / native:  p50 {:.1}x  p99 {:.1}x   (target ≤ 10x)", w50 / n50, w99 / n99);
@@ -60,7 +59,7 @@ fn main() {
     }
 }
 
-fn wasm_decision(plugin: &host::Plugin) -> (Vec<Duration>, Vec<Duration>) {
+fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
     let mut facts = host::RecordedQueries::default();
     facts.paths.insert(IMAGE.into(), host::PathKind::RegularFile);
     facts.nodes.push(host::NodeFacts { name: "node-a".into(), exists: true, ready: true, out_of_service: false });
@@ -93,20 +92,13 @@ fn wasm_decision(plugin: &host::Plugin) -> (Vec<Duration>, Vec<Duration>) {
         discovery_dirs: vec!["/mnt/disks".into()],
     };
     let nodes = facts.nodes.clone();
-    // One session per decision, as the agent's mount makes it: a fresh
-    // instance, fence, then the (full, first-consumer) attach plan.
-    let session = time(CALLS, || {
-        let mut s = plugin.session(facts.clone());
-        assert_eq!(s.fence(&volume, &requester, &holders, &nodes).expect("fence"), host::Decision::Grant);
-        assert_eq!(s.attach(&volume, &requester, &[], &paths).expect("attach").len(), 4);
-    });
-    // The same two calls, each on a fresh instance of its own.
-    let per_call = time(CALLS, || {
+    // As the agent's mount makes it: fence, then the (full, first-consumer)
+    // attach plan, each call on a fresh instance, each answer checked.
+    time(CALLS, || {
         let d = plugin.fence(facts.clone(), &volume, &requester, &holders, &nodes).expect("fence");
         assert_eq!(d, host::Decision::Grant);
         assert_eq!(plugin.attach(facts.clone(), &volume, &requester, &[], &paths).expect("attach").len(), 4);
-    });
-    (session, per_call)
+    })
 }
 
 fn native_inputs() -> (sdk::fake::FakeHost, sdk::Volume, sdk::Consumer, Vec<sdk::Holder>, sdk::NodePaths) {

@@ -31,12 +31,9 @@ fn still_serves(plugin: &Plugin) {
 fn an_endless_loop_hits_the_deadline() {
     let rt = runtime(100);
     let plugin = load(&rt, MISBEHAVE);
-    let start = std::time::Instant::now();
     let err = fence_named(&plugin, "spin").unwrap_err();
     assert!(matches!(err, CallError::Deadline { deadline_ms: 100, .. }), "{err}");
     assert!(err.to_string().contains("misbehave: fence ran past its deadline of 100 ms"), "{err}");
-    // Generous bound: the point is that it stops, not how fast.
-    assert!(start.elapsed() < std::time::Duration::from_secs(10));
     still_serves(&plugin);
 }
 
@@ -201,43 +198,22 @@ fn files_that_are_not_components_are_refused() {
 }
 
 #[test]
-fn a_session_survives_refusals_and_ends_at_a_trap() {
-    let rt = runtime(100);
-    let plugin = load(&rt, MISBEHAVE);
-    let mut session = plugin.session(facts());
-    let ok = volume("ok", "misbehave");
-    let refuse = volume("refuse", "misbehave");
-    let c = consumer("n1", "p", "misbehave", "ok");
-    let p = paths("misbehave", "ok");
-    assert_eq!(session.fence(&ok, &c, &[], &[]).unwrap(), Decision::Grant);
-    assert!(session.attach(&refuse, &c, &[], &p).unwrap_err().is_policy_refusal());
-    // Each call has its own deadline: a long session is not cut short.
-    for _ in 0..3 {
-        std::thread::sleep(std::time::Duration::from_millis(60));
-        assert_eq!(session.attach(&ok, &c, &[], &p).unwrap().len(), 1);
-    }
-    let err = session.fence(&volume("spin", "misbehave"), &c, &[], &[]).unwrap_err();
-    assert!(matches!(err, CallError::Deadline { .. }), "{err}");
-    let err = session.fence(&ok, &c, &[], &[]).unwrap_err();
-    assert!(matches!(err, CallError::Ended { .. }), "{err}");
-    assert!(err.to_string().contains("an earlier call of this operation failed"), "{err}");
-    still_serves(&plugin);
-}
-
-#[test]
-fn more_sessions_than_pool_slots_fail_clearly_and_recover() {
-    let rt = Runtime::new(Limits { concurrent_calls: 2, ..Default::default() }).expect("runtime");
-    let plugin = load(&rt, MISBEHAVE);
-    let ok = volume("ok", "misbehave");
-    let c = consumer("n1", "p", "misbehave", "ok");
-    let mut a = plugin.session(facts());
-    let mut b = plugin.session(facts());
-    a.fence(&ok, &c, &[], &[]).expect("first slot");
-    b.fence(&ok, &c, &[], &[]).expect("second slot");
-    let err = plugin.fence(facts(), &ok, &c, &[], &[]).unwrap_err();
+fn more_calls_than_pool_slots_fail_clearly_and_recover() {
+    let rt = Runtime::new(Limits { concurrent_calls: 2, deadline: std::time::Duration::from_secs(5), ..Default::default() }).expect("runtime");
+    let plugin = Arc::new(load(&rt, MISBEHAVE));
+    // Two endless calls hold both slots until their deadline.
+    let spinners: Vec<_> = (0..2)
+        .map(|_| {
+            let p = plugin.clone();
+            std::thread::spawn(move || fence_named(&p, "spin"))
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let err = fence_named(&plugin, "ok").unwrap_err();
     assert!(matches!(err, CallError::Instantiate { .. }), "{err}");
     assert!(err.to_string().contains("cannot start an instance for fence"), "{err}");
-    drop(a);
-    assert_eq!(plugin.fence(facts(), &ok, &c, &[], &[]).unwrap(), Decision::Grant);
-    drop(b);
+    for s in spinners {
+        assert!(matches!(s.join().expect("thread"), Err(CallError::Deadline { .. })));
+    }
+    still_serves(&plugin);
 }

@@ -174,8 +174,7 @@ impl Agent {
             let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
             let holders = current.as_ref().map(|(r, _)| r.holders.clone()).unwrap_or_default();
             let nodes = self.node_facts(&holders);
-            let mut session = plugin.session(queries.clone());
-            let decision = session.fence(&volume, &me, &holders, &nodes).map_err(internal)?;
+            let decision = plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
             let mut kept = holders.clone();
             match decision {
                 Decision::Grant => {}
@@ -205,8 +204,7 @@ impl Agent {
 
         let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone() };
         let result = async {
-            let mut session = plugin.session(queries.clone());
-            let plan = session.attach(&volume, &me, &local, &paths).map_err(internal)?;
+            let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal)?;
             self.stash_op(move |s| s.put(&entry)).await?;
             self.run_plan(plan).await
         }
@@ -260,7 +258,7 @@ impl Agent {
             .filter(|h| h.consumer.node == self.config.node && h.consumer.mount_dir != mount_dir)
             .collect();
         let queries = self.queries().await?;
-        let plan = plugin.session(queries).detach(&volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
+        let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
         self.run_plan(plan).await?;
         self.remove_holder(&volume.name, mount_dir).await?;
         let dir = mount_dir.to_string();

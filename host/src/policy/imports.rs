@@ -20,17 +20,19 @@ pub struct CallState {
     backend: Arc<str>,
     logged: u32,
     pub(crate) memory: MemoryCap,
+    pub(crate) limits: super::runtime::Limits,
 }
 
 impl CallState {
-    pub(crate) fn new(backend: Arc<str>, queries: Arc<dyn Queries>, memory_bytes: usize) -> Self {
+    pub(crate) fn new(backend: Arc<str>, queries: Arc<dyn Queries>, limits: super::runtime::Limits) -> Self {
         CallState {
             wasi: WasiCtx::builder().build(),
             table: ResourceTable::new(),
             queries,
             backend,
             logged: 0,
-            memory: MemoryCap { cap: memory_bytes, refused: false },
+            memory: MemoryCap { cap: limits.memory_bytes, refused: false },
+            limits,
         }
     }
 

@@ -106,8 +106,9 @@ impl Plugin {
             .map_err(|e| LoadError::Contract { path: path_buf(), message: format!("{e:#}") })?;
 
         let provisional: Arc<str> = Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
-        let info = super::call::RawSession::new(runtime, &pre, &provisional, Arc::new(RecordedQueries::default()))
-            .info()
+        let info = super::call::invoke(runtime, &pre, &provisional, Arc::new(RecordedQueries::default()), "info", |b, s| {
+            b.volagent_policy_policy().call_info(s)
+        })
             .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
         Ok(Plugin {

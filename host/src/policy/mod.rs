@@ -12,7 +12,7 @@ pub mod scenario;
 pub mod validate;
 
 pub use bindings::volagent::policy::types::*;
-pub use call::{CallError, Session};
+pub use call::CallError;
 pub use load::{LoadError, Plugin};
 pub use queries::{Queries, RecordedQueries};
 pub use runtime::{Limits, Runtime, RuntimeError};

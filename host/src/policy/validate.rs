@@ -2,11 +2,11 @@
 //! this call allows, before anything runs. No step escapes its roots.
 
 use super::bindings::{
-    BlockSource, Capabilities, CleanupItem, Consumer, DeviceSpec, Holder, MountSource, NodeFacts,
-    NodePaths, PathRoot, Step, StepKind, TakeOver, WipeMethod,
+    AccessMode, BlockSource, Capabilities, CleanupItem, CleanupReason, Consumer, DeviceSpec, Format,
+    FormatMode, Holder, MountSource, NodeFacts, NodePaths, PathRoot, Step, StepKind, TakeOver, Volume,
+    WipeMethod,
 };
 use std::collections::BTreeSet;
-use std::path::{Component, Path};
 
 /// Most passes a shred step may ask for.
 pub const MAX_SHRED_PASSES: u32 = 35;
@@ -20,39 +20,68 @@ pub struct PlanError {
     pub reason: String,
 }
 
-/// The concrete dirs each path root stands for in one call.
+/// The call a plan answers; it decides which dirs and steps are allowed.
+pub enum Operation<'a> {
+    Attach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
+    Detach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
+    Cleanup { reason: CleanupReason, items: &'a [CleanupItem] },
+    /// A take-over's fence steps: no paths at all.
+    Fence { volume: &'a Volume },
+}
+
+/// What one plan may touch: the concrete dirs of each root, the paths its
+/// volumes name, and the read-only promises it must keep.
 #[derive(Debug, Default, Clone)]
-pub struct Roots {
+pub struct Scope {
     pub pod_mount_dirs: Vec<String>,
     pub staging_dirs: Vec<String>,
     pub state_dirs: Vec<String>,
     pub discovery_dirs: Vec<String>,
+    /// Absolute paths named by the volumes' options: within the discovery
+    /// dirs, a plan may use only these (and what lies below them).
+    pub volume_paths: Vec<String>,
+    /// Wipe and format-always are allowed (releasing a local volume).
+    pub destructive: bool,
+    /// A ReadOnlyMany volume: every attach, mount and bind is read-only.
+    pub read_only_volume: bool,
+    /// Pod dirs whose consumer mounts read-only.
+    pub read_only_pod_dirs: Vec<String>,
+    pub secret_keys: Vec<String>,
 }
 
-impl Roots {
-    pub fn for_consumer<'c>(paths: &NodePaths, consumers: impl IntoIterator<Item = &'c Consumer>) -> Roots {
-        let mut roots = Roots::default();
-        roots.add_paths(paths);
-        roots.pod_mount_dirs.extend(consumers.into_iter().map(|c| c.mount_dir.clone()));
-        roots
-    }
-
-    pub fn for_cleanup(items: &[CleanupItem]) -> Roots {
-        let mut roots = Roots::default();
-        for item in items {
-            roots.add_paths(&item.paths);
-            roots.pod_mount_dirs.extend(item.holders.iter().map(|h| h.consumer.mount_dir.clone()));
+impl Scope {
+    pub fn of(op: &Operation) -> Scope {
+        let mut scope = Scope::default();
+        match op {
+            Operation::Attach { volume, consumer, paths } | Operation::Detach { volume, consumer, paths } => {
+                scope.add(volume, paths);
+                scope.pod_mount_dirs.push(consumer.mount_dir.clone());
+                if consumer.read_only {
+                    scope.read_only_pod_dirs.push(consumer.mount_dir.clone());
+                }
+            }
+            Operation::Cleanup { reason, items } => {
+                for item in items.iter() {
+                    scope.add(&item.volume, &item.paths);
+                    scope.pod_mount_dirs.extend(item.holders.iter().map(|h| h.consumer.mount_dir.clone()));
+                }
+                scope.destructive = *reason == CleanupReason::LocalVolumeReleased;
+            }
+            Operation::Fence { volume } => scope.secret_keys = volume.secret_keys.clone(),
         }
-        roots
+        scope
     }
 
-    fn add_paths(&mut self, paths: &NodePaths) {
+    fn add(&mut self, volume: &Volume, paths: &NodePaths) {
         self.staging_dirs.push(paths.staging_dir.clone());
         self.state_dirs.push(paths.state_dir.clone());
         self.discovery_dirs.extend(paths.discovery_dirs.iter().cloned());
+        self.volume_paths.extend(volume.options.iter().map(|kv| kv.value.clone()).filter(|v| v.starts_with('/')));
+        self.read_only_volume |= volume.access_mode == AccessMode::ReadOnlyMany;
+        self.secret_keys.extend(volume.secret_keys.iter().cloned());
     }
 
-    fn of(&self, root: PathRoot) -> &[String] {
+    fn of_root(&self, root: PathRoot) -> &[String] {
         match root {
             PathRoot::PodMountDir => &self.pod_mount_dirs,
             PathRoot::StagingDir => &self.staging_dirs,
@@ -62,22 +91,26 @@ impl Roots {
     }
 }
 
-/// An absolute path with no `.`/`..` components, no NUL and no doubled
-/// slashes, so that a prefix check on it means what it says.
+/// Which roots a path in a given role may lie in.
+const MOUNT_TARGETS: &[PathRoot] = &[PathRoot::StagingDir, PathRoot::PodMountDir];
+const BIND_SOURCES: &[PathRoot] = &[PathRoot::StagingDir, PathRoot::DiscoveryDirs];
+const DEVICES: &[PathRoot] = &[PathRoot::DiscoveryDirs];
+const OPTION_PATHS: &[PathRoot] = &[PathRoot::StateDir, PathRoot::StagingDir];
+
+/// An absolute path with no `.` or `..` components, no NUL and no empty
+/// components, so that a prefix check on it means what it says.
 pub fn clean_absolute(path: &str) -> Result<(), String> {
     if path.contains('\0') {
         return Err(format!("path {path:?} contains a NUL byte"));
     }
-    if !path.starts_with('/') {
+    let Some(rest) = path.strip_prefix('/') else {
         return Err(format!("path {path:?} is not absolute"));
-    }
-    if path.contains("//") {
-        return Err(format!("path {path:?} has an empty component"));
-    }
-    for c in Path::new(path).components() {
+    };
+    for c in rest.split('/') {
         match c {
-            Component::ParentDir => return Err(format!("path {path:?} contains \"..\"")),
-            Component::CurDir => return Err(format!("path {path:?} contains \".\"")),
+            ".." => return Err(format!("path {path:?} contains \"..\"")),
+            "." => return Err(format!("path {path:?} contains \".\"")),
+            "" if !rest.is_empty() => return Err(format!("path {path:?} has an empty component")),
             _ => {}
         }
     }
@@ -95,24 +128,27 @@ fn within(path: &str, root: &str) -> bool {
 
 struct Checker<'a> {
     caps: &'a Capabilities,
-    roots: &'a Roots,
-    secret_keys: &'a [String],
+    scope: &'a Scope,
     attached: BTreeSet<String>,
 }
 
 impl Checker<'_> {
-    fn path(&self, what: &str, path: &str) -> Result<(), String> {
+    /// `path`, used as `what`, must lie in one of `roles` that the backend
+    /// declared; in the discovery dirs, only where its volume points.
+    fn path(&self, what: &str, path: &str, roles: &[PathRoot]) -> Result<(), String> {
         clean_absolute(path).map_err(|e| format!("{what}: {e}"))?;
-        for &root in &self.caps.path_roots {
-            if self.roots.of(root).iter().any(|r| clean_absolute(r).is_ok() && within(path, r)) {
-                return Ok(());
+        let usable = || self.caps.path_roots.iter().copied().filter(|r| roles.contains(r));
+        for root in usable() {
+            if !self.scope.of_root(root).iter().any(|r| clean_absolute(r).is_ok() && within(path, r)) {
+                continue;
             }
+            if root == PathRoot::DiscoveryDirs && !self.scope.volume_paths.iter().any(|v| within(path, v)) {
+                return Err(format!("{what} {path} is a local volume this plan's volume does not name"));
+            }
+            return Ok(());
         }
-        let allowed: Vec<String> = self
-            .caps
-            .path_roots
-            .iter()
-            .flat_map(|&r| self.roots.of(r).iter().map(move |d| format!("{d} ({})", r.name())))
+        let allowed: Vec<String> = usable()
+            .flat_map(|r| self.scope.of_root(r).iter().map(move |d| format!("{d} ({})", r.name())))
             .collect();
         Err(format!(
             "{what} {path} is outside the dirs this backend may use here: {}",
@@ -126,7 +162,7 @@ impl Checker<'_> {
             return Err(format!("device kind {} is not declared in the backend's capabilities", kind.name()));
         }
         match spec {
-            DeviceSpec::Loop(file) => self.path("loop backing file", file),
+            DeviceSpec::Loop(file) => self.path("loop backing file", file, DEVICES),
             DeviceSpec::Nbd(nbd) => {
                 if nbd.server.is_empty() || nbd.server.contains(char::is_whitespace) {
                     return Err(format!("nbd server {:?} is not an address", nbd.server));
@@ -150,7 +186,7 @@ impl Checker<'_> {
 
     fn secret_key(&self, key: Option<&str>) -> Result<(), String> {
         match key {
-            Some(k) if !self.secret_keys.iter().any(|s| s == k) => {
+            Some(k) if !self.scope.secret_keys.iter().any(|s| s == k) => {
                 Err(format!("secret key {k:?} is not a key of the volume's secret"))
             }
             _ => Ok(()),
@@ -161,7 +197,7 @@ impl Checker<'_> {
         match source {
             BlockSource::Attached(id) if self.attached.contains(id) => Ok(()),
             BlockSource::Attached(id) => Err(format!("device {id:?} is not attached by an earlier step of this plan")),
-            BlockSource::Device(path) => self.path("block device", path),
+            BlockSource::Device(path) => self.path("block device", path, DEVICES),
         }
     }
 
@@ -173,13 +209,33 @@ impl Checker<'_> {
         }
     }
 
+    /// A ReadOnlyMany volume is never attached or mounted writable, nor a
+    /// read-only consumer's dir bound writable.
+    fn read_only(&self, what: &str, read_only: bool, target: Option<&str>) -> Result<(), String> {
+        if read_only {
+            return Ok(());
+        }
+        if self.scope.read_only_volume {
+            return Err(format!("{what} is read-write, but the volume is ReadOnlyMany"));
+        }
+        if let Some(t) = target.filter(|t| self.scope.read_only_pod_dirs.iter().any(|d| d == t)) {
+            return Err(format!("{what} at {t} is read-write, but the pod mounts the volume read-only"));
+        }
+        Ok(())
+    }
+
     fn step(&mut self, step: &Step) -> Result<(), String> {
         let kind = step.kind();
         if !self.caps.steps.contains(&kind) {
             return Err(format!("step kind {} is not declared in the backend's capabilities", kind.name()));
         }
+        let destructive = matches!(step, Step::Wipe(_) | Step::Format(Format { mode: FormatMode::Always, .. }));
+        if destructive && !self.scope.destructive {
+            return Err("destroys data, which only the cleanup of a released local volume may do".to_string());
+        }
         match step {
             Step::AttachDevice(a) => {
+                self.read_only("the device", a.read_only, None)?;
                 if a.id.is_empty() {
                     return Err("attach-device has an empty id".to_string());
                 }
@@ -206,17 +262,19 @@ impl Checker<'_> {
                         }
                     }
                 }
-                self.path("mount target", &m.target)?;
+                self.path("mount target", &m.target, MOUNT_TARGETS)?;
+                self.read_only("the mount", m.read_only, Some(&m.target))?;
                 for option in &m.options {
                     self.mount_option(option)?;
                 }
                 Ok(())
             }
             Step::BindMount(b) => {
-                self.path("bind source", &b.source)?;
-                self.path("bind target", &b.target)
+                self.path("bind source", &b.source, BIND_SOURCES)?;
+                self.path("bind target", &b.target, MOUNT_TARGETS)?;
+                self.read_only("the bind mount", b.read_only, Some(&b.target))
             }
-            Step::Unmount(u) => self.path("unmount target", &u.target),
+            Step::Unmount(u) => self.path("unmount target", &u.target, MOUNT_TARGETS),
             Step::DetachDevice(d) => self.device_spec(&d.spec),
             Step::Wipe(w) => {
                 if let WipeMethod::Shred(passes) = w.method
@@ -239,15 +297,16 @@ impl Checker<'_> {
     }
 
     /// Options are joined with ',' by the host, so one option is one option;
-    /// any path an option names must lie within the backend's roots.
+    /// a value with a '/' must be an absolute path within the volume's
+    /// state or staging dir (a relative one would resolve against the mount
+    /// helper's working dir).
     fn mount_option(&self, option: &str) -> Result<(), String> {
         if option.is_empty() || option.contains([',', '\0', '\n']) {
             return Err(format!("mount option {option:?} is malformed"));
         }
-        if let Some((key, value)) = option.split_once('=')
-            && value.starts_with('/') {
-                self.path(&format!("mount option {key}"), value)?;
-            }
+        if let Some((key, value)) = option.split_once('=').filter(|(_, v)| v.contains('/')) {
+            self.path(&format!("mount option {key}"), value, OPTION_PATHS)?;
+        }
         Ok(())
     }
 }
@@ -260,9 +319,10 @@ fn name_ok(what: &str, name: &str) -> Result<(), String> {
     }
 }
 
-/// Check every step of `plan` in order.
-pub fn plan(plan: &[Step], caps: &Capabilities, roots: &Roots, secret_keys: &[String]) -> Result<(), PlanError> {
-    let mut checker = Checker { caps, roots, secret_keys, attached: BTreeSet::new() };
+/// Check every step of `plan`, the answer to `op`, in order.
+pub fn plan(plan: &[Step], caps: &Capabilities, op: &Operation) -> Result<(), PlanError> {
+    let scope = Scope::of(op);
+    let mut checker = Checker { caps, scope: &scope, attached: BTreeSet::new() };
     for (index, step) in plan.iter().enumerate() {
         checker
             .step(step)
@@ -278,7 +338,7 @@ pub fn take_over(
     holders: &[Holder],
     nodes: &[NodeFacts],
     caps: &Capabilities,
-    secret_keys: &[String],
+    volume: &Volume,
 ) -> Result<(), String> {
     if take.stale.is_empty() {
         return Err("it names no stale holder".to_string());
@@ -304,7 +364,7 @@ pub fn take_over(
             return Err(format!("fence step {} is {}, but only blocklist-client may fence", index + 1, step.kind().name()));
         }
     }
-    plan(&take.fence_steps, caps, &Roots::default(), secret_keys).map_err(|e| format!("fence {e}"))
+    plan(&take.fence_steps, caps, &Operation::Fence { volume }).map_err(|e| format!("fence {e}"))
 }
 
 #[cfg(test)]
@@ -312,21 +372,46 @@ mod tests {
     use super::*;
     use crate::policy::bindings::*;
 
+    const POD: &str = "/k/pods/u/volumes/volagent~local-pv/pv";
+    const STAGING: &str = "/k/plugins/volagent/local-pv/mounts/pv";
+
     fn caps() -> Capabilities {
         Capabilities {
-            steps: vec![StepKind::AttachDevice, StepKind::Format, StepKind::Mount, StepKind::BindMount, StepKind::Unmount, StepKind::DetachDevice],
+            steps: vec![StepKind::AttachDevice, StepKind::Format, StepKind::Mount, StepKind::BindMount, StepKind::Unmount, StepKind::DetachDevice, StepKind::Wipe],
             device_kinds: vec![DeviceKind::Loop],
             filesystems: vec!["ext4".into()],
             network_filesystems: vec![],
-            path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs],
+            path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs, PathRoot::StateDir],
         }
     }
 
-    fn roots() -> Roots {
-        Roots {
-            pod_mount_dirs: vec!["/k/pods/u/volumes/volagent~local-pv/pv".into()],
-            staging_dirs: vec!["/k/plugins/volagent/local-pv/mounts/pv".into()],
-            state_dirs: vec!["/s/pv".into()],
+    fn volume() -> Volume {
+        Volume {
+            name: "pv".into(),
+            backend: "local-pv".into(),
+            access_mode: AccessMode::ReadWriteOnce,
+            fs_type: "ext4".into(),
+            options: vec![KeyValue { key: "path".into(), value: "/mnt/disks/a.img".into() }],
+            secret_keys: vec![],
+        }
+    }
+
+    fn consumer() -> Consumer {
+        Consumer {
+            node: "n1".into(),
+            pod_namespace: "ns".into(),
+            pod: "p".into(),
+            pod_uid: "u".into(),
+            mount_dir: POD.into(),
+            read_only: false,
+        }
+    }
+
+    fn paths() -> NodePaths {
+        NodePaths {
+            kubelet_root: "/k".into(),
+            staging_dir: STAGING.into(),
+            state_dir: "/s/pv".into(),
             discovery_dirs: vec!["/mnt/disks".into()],
         }
     }
@@ -337,37 +422,43 @@ mod tests {
             Step::Format(Format { device: BlockSource::Attached("d".into()), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
             Step::Mount(Mount {
                 source: MountSource::Block(BlockSource::Attached("d".into())),
-                target: "/k/plugins/volagent/local-pv/mounts/pv".into(),
+                target: STAGING.into(),
                 fs_type: "ext4".into(),
                 options: vec!["noatime".into()],
                 read_only: false,
             }),
-            Step::BindMount(BindMount {
-                source: "/k/plugins/volagent/local-pv/mounts/pv".into(),
-                target: "/k/pods/u/volumes/volagent~local-pv/pv".into(),
-                read_only: false,
-            }),
+            Step::BindMount(BindMount { source: STAGING.into(), target: POD.into(), read_only: false }),
         ]
+    }
+
+    fn check(p: &[Step], v: &Volume, c: &Consumer) -> Result<(), PlanError> {
+        plan(p, &caps(), &Operation::Attach { volume: v, consumer: c, paths: &paths() })
     }
 
     fn refused(mut p: Vec<Step>, at: usize, change: impl FnOnce(&mut Step)) -> PlanError {
         change(&mut p[at]);
-        plan(&p, &caps(), &roots(), &[]).expect_err("plan must be refused")
+        check(&p, &volume(), &consumer()).expect_err("plan must be refused")
     }
 
     #[test]
     fn a_good_plan_passes() {
-        plan(&good(), &caps(), &roots(), &[]).unwrap();
+        check(&good(), &volume(), &consumer()).unwrap();
     }
 
     #[test]
     fn escapes_are_refused() {
-        for bad in ["/etc", "/k/plugins/volagent/local-pv/mounts/pv/../../../etc", "/k/plugins/volagent/local-pv/mounts/pvX", "relative", "/mnt/disks//x"] {
+        for bad in ["/etc", "/k/plugins/volagent/local-pv/mounts/pv/../../../etc", "/k/plugins/volagent/local-pv/mounts/pvX", "relative", "/k/plugins/volagent/local-pv/mounts/pv/./x", "/mnt/disks//x", "/s/pv"] {
             let e = refused(good(), 3, |s| if let Step::BindMount(b) = s { b.target = bad.into() });
             assert_eq!((e.index, e.step), (3, "bind-mount"), "{bad}: {e}");
         }
         let e = refused(good(), 0, |s| if let Step::AttachDevice(a) = s { a.spec = DeviceSpec::Loop("/var/secret.img".into()) });
         assert!(e.reason.contains("/var/secret.img"), "{e}");
+    }
+
+    #[test]
+    fn only_the_volumes_own_local_path_may_be_used() {
+        let e = refused(good(), 0, |s| if let Step::AttachDevice(a) = s { a.spec = DeviceSpec::Loop("/mnt/disks/other.img".into()) });
+        assert!(e.reason.contains("a local volume this plan's volume does not name"), "{e}");
     }
 
     #[test]
@@ -383,25 +474,76 @@ mod tests {
         let e = refused(good(), 1, |s| if let Step::Format(f) = s { f.fs_type = "btrfs".into() });
         assert!(e.reason.contains("btrfs"), "{e}");
         let mut p = good();
-        p.push(Step::Wipe(Wipe { device: BlockSource::Attached("d".into()), method: WipeMethod::Zero }));
-        let e = plan(&p, &caps(), &roots(), &[]).unwrap_err();
-        assert!(e.reason.contains("step kind wipe"), "{e}");
+        p.push(Step::BlocklistClient(BlocklistClient { monitors: vec!["m:1".into()], user: "u".into(), secret_key: None, address: "a".into() }));
+        let e = check(&p, &volume(), &consumer()).unwrap_err();
+        assert!(e.reason.contains("step kind blocklist-client"), "{e}");
+    }
+
+    #[test]
+    fn data_is_destroyed_only_when_releasing_a_local_volume() {
+        let mut p = good();
+        p.insert(1, Step::Wipe(Wipe { device: BlockSource::Attached("d".into()), method: WipeMethod::Zero }));
+        let e = check(&p, &volume(), &consumer()).unwrap_err();
+        assert!(e.reason.contains("destroys data"), "{e}");
+        let e = refused(good(), 1, |s| if let Step::Format(f) = s { f.mode = FormatMode::Always });
+        assert!(e.reason.contains("destroys data"), "{e}");
+        let release = [Step::AttachDevice(AttachDevice { id: "d".into(), spec: DeviceSpec::Loop("/mnt/disks/a.img".into()), read_only: false }), p[1].clone()];
+        let items = [CleanupItem { volume: volume(), paths: paths(), holders: vec![] }];
+        plan(&release, &caps(), &Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items }).unwrap();
+        assert!(plan(&release, &caps(), &Operation::Cleanup { reason: CleanupReason::StaleNode, items: &items }).is_err());
+    }
+
+    #[test]
+    fn read_only_promises_are_kept() {
+        let mut rox = volume();
+        rox.access_mode = AccessMode::ReadOnlyMany;
+        let e = check(&good(), &rox, &consumer()).unwrap_err();
+        assert!(e.reason.contains("ReadOnlyMany"), "{e}");
+        let mut reader = consumer();
+        reader.read_only = true;
+        let e = check(&good(), &volume(), &reader).unwrap_err();
+        assert_eq!(e.index, 3);
+        assert!(e.reason.contains("the pod mounts the volume read-only"), "{e}");
+        let mut p = good();
+        if let Step::BindMount(b) = &mut p[3] {
+            b.read_only = true;
+        }
+        check(&p, &volume(), &reader).unwrap();
     }
 
     #[test]
     fn devices_must_be_attached_first() {
         let mut p = good();
         p.remove(0);
-        let e = plan(&p, &caps(), &roots(), &[]).unwrap_err();
+        let e = check(&p, &volume(), &consumer()).unwrap_err();
         assert_eq!(e.index, 0);
         assert!(e.reason.contains("not attached"), "{e}");
     }
 
     #[test]
     fn option_paths_and_separators_are_checked() {
-        let e = refused(good(), 2, |s| if let Step::Mount(m) = s { m.options = vec!["ro,exec".into()] });
-        assert!(e.reason.contains("malformed"), "{e}");
-        let e = refused(good(), 2, |s| if let Step::Mount(m) = s { m.options = vec!["log-file=/etc/passwd".into()] });
-        assert!(e.reason.contains("/etc/passwd"), "{e}");
+        for (option, expected) in [
+            ("ro,exec", "malformed"),
+            ("log-file=/etc/passwd", "/etc/passwd"),
+            ("log-file=etc/cron.d/x", "not absolute"),
+            ("log-file=../../x", "not absolute"),
+        ] {
+            let e = refused(good(), 2, |s| if let Step::Mount(m) = s { m.options = vec![option.into()] });
+            assert!(e.reason.contains(expected), "{option}: {e}");
+        }
+        let mut p = good();
+        if let Step::Mount(m) = &mut p[2] {
+            m.options = vec!["log-file=/s/pv/gluster.log".into(), "backup-volfile-servers=a:b".into()];
+        }
+        check(&p, &volume(), &consumer()).unwrap();
+    }
+
+    #[test]
+    fn clean_paths() {
+        assert!(clean_absolute("/").is_ok());
+        assert!(clean_absolute("/a/b").is_ok());
+        for bad in ["/a/./b", "/a/../b", "a/b", "/a//b", "/a/\0"] {
+            assert!(clean_absolute(bad).is_err(), "{bad}");
+        }
     }
 }
