@@ -114,16 +114,26 @@ impl Policy for Rbd {
             .collect();
         match decision {
             Decision::TakeOver(mut take) => {
-                // Every conflicting holder is provably gone, so every other
-                // client of the image is theirs: cut them off before the
-                // record changes hands.
-                for w in &foreign {
+                // Only clients of the gone holders' nodes are cut off. A
+                // watcher anywhere else (a live node, or one we cannot place)
+                // may be a healthy writer: deny rather than fence it.
+                let stale_nodes: Vec<&str> = take.stale.iter().map(|h| h.consumer.node.as_str()).collect();
+                let (stale, other): (Vec<&Watcher>, Vec<&Watcher>) =
+                    foreign.into_iter().partition(|w| w.node.as_deref().is_some_and(|n| stale_nodes.contains(&n)));
+                if let Some(w) = other.first() {
+                    return Ok(Decision::Deny(format!(
+                        "volume {}: image {image} is in use by watcher {}, which is not a client of the gone holder's node",
+                        volume.name,
+                        describe_watcher(w)
+                    )));
+                }
+                for w in &stale {
                     host.log(
                         volagent_guest_sdk::LogLevel::Warn,
                         &format!("blocklisting {} before taking over {image}", describe_watcher(w)),
                     );
                 }
-                take.fence_steps = foreign
+                take.fence_steps = stale
                     .into_iter()
                     .map(|w| {
                         Step::BlocklistClient(BlocklistClient {
@@ -267,6 +277,15 @@ mod tests {
         let Decision::TakeOver(t) = d else { panic!("expected take-over, got {d:?}") };
         assert_eq!(t.stale, vec![holder(&old)]);
         assert!(matches!(t.fence_steps.as_slice(), [Step::BlocklistClient(b)] if b.address == "10.0.0.2:0/77"));
+        // A watcher on a live third node during a take-over: deny, never fence it.
+        let h3 = host(Ok(vec![watcher(Some("n2"), "10.0.0.2:0/77"), watcher(Some("n3"), "10.0.0.3:0/9")]));
+        let gone = NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
+        let d = Rbd::fence(&h3, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![gone.clone(), live_node("n1"), live_node("n3")]).unwrap();
+        assert!(matches!(&d, Decision::Deny(r) if r.contains("node n3") && r.contains("not a client of the gone holder")), "{d:?}");
+        // A watcher we cannot place: deny too.
+        let h4 = host(Ok(vec![watcher(None, "10.0.0.8:0/1")]));
+        let d = Rbd::fence(&h4, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![gone, live_node("n1")]).unwrap();
+        assert!(matches!(d, Decision::Deny(_)), "{d:?}");
         // A live old node: never taken over.
         let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![live_node("n2")]).unwrap();
         assert!(matches!(d, Decision::Deny(r) if r.contains("pod default/old on node n2")));
