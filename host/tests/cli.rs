@@ -52,6 +52,13 @@ scenarios:
     call: fence
     input: { volume: 7 }
     expect: { decision: Grant }
+  - name: a misspelt nested field
+    call: info
+    host: { nodes: [{ name: n1, exists: true, ready: true, out_of_service: false, out_of_servce: true }] }
+    expect: { info: {} }
+  - name: an expectation that asserts nothing
+    call: info
+    expect: {}
 "#,
     )
     .expect("write");
@@ -61,7 +68,9 @@ scenarios:
     assert!(out.contains("first difference at $.plan[1].Format.fs_type"), "{out}");
     assert!(out.contains("-    fs_type: ext4") && out.contains("+    fs_type: xfs"), "{out}");
     assert!(out.contains("invalid input for a Fence call"), "{out}");
-    assert!(out.trim_end().ends_with("rbd 0.1.0: 0 passed, 2 failed"), "{out}");
+    assert!(out.contains("unknown field host.nodes[0].out_of_servce"), "{out}");
+    assert!(out.contains("expect must have exactly one of decision, plan, info, error, refused"), "{out}");
+    assert!(out.trim_end().ends_with("rbd 0.1.0: 0 passed, 4 failed"), "{out}");
 }
 
 #[test]

@@ -64,7 +64,7 @@ enum CallKind {
     Cleanup,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 struct FenceInput {
     volume: Volume,
@@ -75,7 +75,7 @@ struct FenceInput {
     nodes: Vec<NodeFacts>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 struct AttachInput {
     volume: Volume,
@@ -85,7 +85,7 @@ struct AttachInput {
     paths: NodePaths,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 struct DetachInput {
     volume: Volume,
@@ -95,7 +95,7 @@ struct DetachInput {
     paths: NodePaths,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 struct CleanupInput {
     reason: CleanupReason,
@@ -223,7 +223,52 @@ impl CallKind {
     }
 }
 
+/// Keys no call takes are typos: refuse them rather than test nothing.
+fn check_default_keys(defaults: &Defaults) -> Result<(), String> {
+    let all = [CallKind::Fence, CallKind::Attach, CallKind::Detach, CallKind::Cleanup];
+    match defaults.input.keys().find(|k| !all.iter().any(|c| c.keys().contains(&k.as_str()))) {
+        Some(k) => Err(format!("defaults.input.{k} is not an input of any call")),
+        None => Ok(()),
+    }
+}
+
+/// The first key written in `written` that `typed` (what it parsed into,
+/// serialized again) does not have: a misspelt field would otherwise be
+/// dropped silently.
+fn unknown_key(written: &Value, typed: &Value, at: &str) -> Option<String> {
+    match (written, typed) {
+        (Value::Object(w), Value::Object(t)) => w.iter().find_map(|(k, v)| match t.get(k) {
+            None => Some(format!("{at}.{k}")),
+            Some(tv) => unknown_key(v, tv, &format!("{at}.{k}")),
+        }),
+        (Value::Array(w), Value::Array(t)) => {
+            w.iter().zip(t).enumerate().find_map(|(i, (wv, tv))| unknown_key(wv, tv, &format!("{at}[{i}]")))
+        }
+        _ => None,
+    }
+}
+
+/// Parse `value` as `T`, refusing keys `T` does not have.
+fn strict<T: serde::de::DeserializeOwned + serde::Serialize>(value: Value, what: &str) -> Result<T, String> {
+    let typed: T = serde_json::from_value(value.clone()).map_err(|e| format!("invalid {what}: {e}"))?;
+    let again = serde_json::to_value(&typed).map_err(|e| format!("invalid {what}: {e}"))?;
+    match unknown_key(&value, &again, what) {
+        Some(key) => Err(format!("unknown field {key}")),
+        None => Ok(typed),
+    }
+}
+
+const OUTCOMES: &[&str] = &["decision", "plan", "info", "error", "refused"];
+
 fn prepare(defaults: &Defaults, scenario: Scenario) -> Result<Prepared, String> {
+    check_default_keys(defaults)?;
+    match scenario.expect.as_object().map(|m| m.keys().collect::<Vec<_>>()) {
+        Some(keys) if keys.len() == 1 && OUTCOMES.contains(&keys[0].as_str()) => {}
+        _ => return Err(format!("expect must have exactly one of {}", OUTCOMES.join(", "))),
+    }
+    if matches!(scenario.call, CallKind::Info) && !scenario.input.is_empty() {
+        return Err("an info call takes no input".to_string());
+    }
     // Defaults serve every call in the file; a scenario's own input is strict.
     let keys = scenario.call.keys();
     let mut input = Value::Object(defaults.input.iter().filter(|(k, _)| keys.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect());
@@ -231,15 +276,14 @@ fn prepare(defaults: &Defaults, scenario: Scenario) -> Result<Prepared, String> 
     options_as_list(&mut input);
     let mut host = Value::Object(defaults.host.clone());
     merge(&mut host, Value::Object(scenario.host));
-    let queries: RecordedQueries = serde_json::from_value(host).map_err(|e| format!("invalid host answers: {e}"))?;
-    let kind = scenario.call;
-    let bad_input = |e: serde_json::Error| format!("invalid input for a {kind:?} call: {e}");
-    let call = match kind {
+    let queries: RecordedQueries = strict(host, "host")?;
+    let what = format!("input for a {:?} call", scenario.call);
+    let call = match scenario.call {
         CallKind::Info => Call::Info,
-        CallKind::Fence => Call::Fence(serde_json::from_value(input).map_err(bad_input)?),
-        CallKind::Attach => Call::Attach(serde_json::from_value(input).map_err(bad_input)?),
-        CallKind::Detach => Call::Detach(serde_json::from_value(input).map_err(bad_input)?),
-        CallKind::Cleanup => Call::Cleanup(serde_json::from_value(input).map_err(bad_input)?),
+        CallKind::Fence => Call::Fence(strict(input, &what)?),
+        CallKind::Attach => Call::Attach(strict(input, &what)?),
+        CallKind::Detach => Call::Detach(strict(input, &what)?),
+        CallKind::Cleanup => Call::Cleanup(strict(input, &what)?),
     };
     Ok(Prepared { name: scenario.name, call, queries: Arc::new(queries), expect: scenario.expect })
 }
@@ -408,6 +452,14 @@ mod tests {
         let err = compare(&json!({"plan": []}), &actual).unwrap_err();
         assert!(err.contains("expected 0 items, got 1"), "{err}");
         assert!(compare(&json!({"decision": "Grant"}), &actual).is_err());
+    }
+
+    #[test]
+    fn misspelt_keys_are_found_at_any_depth() {
+        let written = json!({"volume": {"name": "pv"}, "nodes": [{"name": "n", "out_of_servce": true}]});
+        let typed = json!({"volume": {"name": "pv", "fs_type": ""}, "nodes": [{"name": "n", "out_of_service": false}]});
+        assert_eq!(unknown_key(&written, &typed, "input").as_deref(), Some("input.nodes[0].out_of_servce"));
+        assert_eq!(unknown_key(&typed, &typed, "input"), None);
     }
 
     #[test]
