@@ -301,9 +301,9 @@ mod tests {
 
     #[test]
     fn block_device_is_used_as_is_and_directory_is_bound() {
-        let host = host_with("/dev/vdb", PathKind::BlockDevice);
-        let plan = LocalPv::attach(&host, volume("/dev/vdb", AccessMode::ReadWriteOnce), consumer("n1", "p"), vec![], paths()).unwrap();
-        assert!(matches!(&plan[0], Step::Format(f) if f.device == BlockSource::Device("/dev/vdb".into())));
+        let host = host_with("/mnt/disks/ssd0", PathKind::BlockDevice);
+        let plan = LocalPv::attach(&host, volume("/mnt/disks/ssd0", AccessMode::ReadWriteOnce), consumer("n1", "p"), vec![], paths()).unwrap();
+        assert!(matches!(&plan[0], Step::Format(f) if f.device == BlockSource::Device("/mnt/disks/ssd0".into())));
         assert!(!plan.iter().any(|s| matches!(s, Step::AttachDevice(_))));
         let host = host_with("/mnt/disks/d", PathKind::Directory);
         let plan = LocalPv::attach(&host, volume("/mnt/disks/d", AccessMode::ReadWriteOnce), consumer("n1", "p"), vec![], paths()).unwrap();

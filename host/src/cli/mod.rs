@@ -27,19 +27,20 @@ enum Command {
 /// Per-call limits of the guest runtime.
 #[derive(Debug, clap::Args)]
 pub struct LimitArgs {
-    /// Deadline of one guest call, in milliseconds.
-    #[arg(long, global = true, default_value_t = 500)]
+    /// Deadline of one guest call, in milliseconds (1 to 600000).
+    #[arg(long, global = true, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     deadline_ms: u64,
-    /// Memory cap of one guest call, in MiB.
-    #[arg(long, global = true, default_value_t = 64)]
-    memory_mib: usize,
+    /// Memory cap of one guest call, in MiB (2 to 4096).
+    #[arg(long, global = true, default_value_t = 64, value_parser = clap::value_parser!(u64).range(2..=4096))]
+    memory_mib: u64,
 }
 
 impl LimitArgs {
     fn limits(&self) -> crate::policy::Limits {
         crate::policy::Limits {
             deadline: Duration::from_millis(self.deadline_ms),
-            memory_bytes: self.memory_mib << 20,
+            // In range by the parser: at most 4 GiB.
+            memory_bytes: (self.memory_mib as usize) << 20,
             ..Default::default()
         }
     }

@@ -29,7 +29,7 @@ pub enum PluginCommand {
         /// Scenario file or dir whose calls to time; default: `info`.
         scenarios: Option<PathBuf>,
         /// Calls per scenario.
-        #[arg(short = 'n', long, default_value_t = 2000)]
+        #[arg(short = 'n', long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(1..))]
         calls: u32,
     },
 }
@@ -121,7 +121,6 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
 
 fn bench(runtime: &Arc<Runtime>, wasm: &Path, scenarios: Option<PathBuf>, calls: u32) -> anyhow::Result<ExitCode> {
     let (plugin, compile) = load(runtime, wasm)?;
-    let calls = calls.max(1);
     println!("{} {}: compiled and checked in {:.1} ms", plugin.name(), plugin.info().version, compile.as_secs_f64() * 1e3);
     println!("{:<60} {:>8} {:>10} {:>10} {:>10} {:>10}", "call", "calls", "p50 µs", "p99 µs", "mean µs", "max µs");
     let mut prepared = Vec::new();
