@@ -1,5 +1,6 @@
 //! Command-line interface of the `volagent` binary.
 
+mod agent;
 mod plugin;
 
 use clap::{Parser, Subcommand};
@@ -15,6 +16,14 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the node agent: serve the socket, load the backends, install
+    /// their Flexvolume drivers.
+    Agent {
+        #[command(flatten)]
+        args: agent::AgentArgs,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
     /// Offline tools for backend policy components.
     Plugin {
         #[command(subcommand)]
@@ -46,9 +55,21 @@ impl LimitArgs {
     }
 }
 
+impl Cli {
+    /// The log filter when RUST_LOG is not set: the agent tells what it
+    /// does; the tools only warn.
+    pub fn default_log_filter(&self) -> &'static str {
+        match self.command {
+            Command::Agent { .. } => "info",
+            Command::Plugin { .. } => "warn",
+        }
+    }
+}
+
 /// Run a parsed command line; the exit code says whether it succeeded.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Agent { args, limits } => agent::run(args, limits.limits()),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
     }
 }

@@ -115,8 +115,8 @@ pub fn list() -> Result<Vec<LoopDevice>, SysError> {
                 device: PathBuf::from(format!("/dev/{name}")),
                 backing_file: PathBuf::from(text.trim_end_matches('\n')),
             }),
-            // Not attached, or detached while we looked.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            // Not attached, or detached while we looked (ENODEV, ENXIO).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound || [Some(nix::libc::ENODEV), Some(nix::libc::ENXIO)].contains(&e.raw_os_error()) => {}
             Err(e) => return Err(io("read", &backing)(e)),
         }
     }

@@ -1,0 +1,126 @@
+//! `volagent agent`: the node agent, standalone (embedded ledger) for now.
+
+use crate::ledger::embedded::EmbeddedLedger;
+use crate::ops::stash::Stash;
+use crate::ops::{Agent, NodeConfig};
+use crate::plugin::install::{self, DriverConfig};
+use crate::policy::{Limits, Runtime};
+use crate::socket::server::{self, ServerConfig};
+use crate::sys::Sys;
+use anyhow::Context;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {
+    /// This node's name (the DaemonSet passes NODE_NAME from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// The agent's socket.
+    #[arg(long, default_value = "/run/volagent/agent.sock")]
+    socket: PathBuf,
+    /// Where the agent keeps its ledger, stash and per-volume state.
+    #[arg(long, default_value = "/var/lib/volagent")]
+    state_dir: PathBuf,
+    /// Backend policy components (*.wasm); default <state-dir>/plugins.
+    #[arg(long)]
+    plugin_dir: Option<PathBuf>,
+    /// kubelet's root dir (its --root-dir).
+    #[arg(long, default_value = "/var/lib/kubelet")]
+    kubelet_root: PathBuf,
+    /// Dirs under which local volumes live (repeatable).
+    #[arg(long = "discovery-dir", default_value = "/mnt/disks")]
+    discovery_dirs: Vec<PathBuf>,
+    /// kubelet's --volume-plugin-dir; default: the first known one that exists.
+    #[arg(long)]
+    volume_plugin_dir: Option<PathBuf>,
+    /// The Flexvolume driver binary to install; default: volagent-flex beside this binary.
+    #[arg(long)]
+    flex_driver: Option<PathBuf>,
+    /// Do not install Flexvolume drivers.
+    #[arg(long)]
+    no_driver_install: bool,
+    /// Peer uids allowed on the socket (repeatable).
+    #[arg(long = "allow-uid", default_value = "0")]
+    allowed_uids: Vec<u32>,
+    /// Operations run at once.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    max_concurrent: u64,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+}
+
+fn install_drivers(args: &AgentArgs, backends: &[String]) {
+    let driver = match &args.flex_driver {
+        Some(d) => d.clone(),
+        None => match std::env::current_exe() {
+            Ok(exe) => exe.with_file_name("volagent-flex"),
+            Err(e) => return tracing::error!("Flexvolume drivers not installed: cannot find this binary: {e}"),
+        },
+    };
+    let dir = match install::volume_plugin_dir(args.volume_plugin_dir.as_deref()) {
+        Ok(d) => d,
+        Err(e) => return tracing::error!("Flexvolume drivers not installed: {e}"),
+    };
+    for backend in backends {
+        let config = DriverConfig { socket: args.socket.clone(), backend: backend.clone() };
+        match install::install_driver(&dir, &driver, &config) {
+            Ok(path) => tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}"),
+            Err(e) => tracing::error!(backend, "Flexvolume driver not installed: {e}"),
+        }
+    }
+}
+
+pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
+    let node = args.node_name.clone().unwrap_or_else(hostname);
+    let plugin_dir = args.plugin_dir.clone().unwrap_or_else(|| args.state_dir.join("plugins"));
+    std::fs::create_dir_all(&plugin_dir).with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
+    let runtime = Runtime::new(limits)?;
+    let plugins = crate::plugin::load_dir(&runtime, &plugin_dir).with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
+    if plugins.is_empty() {
+        tracing::warn!(dir = %plugin_dir.display(), "no backend loaded: put <backend>.wasm files there");
+    }
+    let backends: Vec<String> = plugins.iter().map(|p| p.name().to_string()).collect();
+    let ledger = Arc::new(EmbeddedLedger::open(&args.state_dir.join("ledger.redb"))?);
+    let stash = Stash::open(&args.state_dir.join("stash.redb"))?;
+    let config = NodeConfig {
+        node: node.clone(),
+        kubelet_root: args.kubelet_root.clone(),
+        state_dir: args.state_dir.clone(),
+        discovery_dirs: args.discovery_dirs.clone(),
+    };
+    let agent = Arc::new(Agent::new(config, plugins, ledger, stash, Sys::linux()));
+    if !args.no_driver_install {
+        install_drivers(&args, &backends);
+    }
+    let server_config = ServerConfig {
+        socket: args.socket.clone(),
+        allowed_uids: args.allowed_uids.clone(),
+        max_concurrent: args.max_concurrent as usize,
+        request_timeout: Duration::from_secs(10),
+        slot_timeout: Duration::from_secs(120),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
+    rt.block_on(async move {
+        let listener = server::bind(&args.socket)?;
+        tracing::info!(node, socket = %args.socket.display(), backends = ?backends, "volagent agent serving");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
+        tokio::select! {
+            r = server::serve(listener, agent, server_config) => r.context("socket server")?,
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
+            _ = term.recv() => tracing::info!("terminated"),
+        }
+        remove_socket(&args.socket);
+        anyhow::Ok(ExitCode::SUCCESS)
+    })
+}
+
+fn remove_socket(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        tracing::warn!(socket = %path.display(), "cannot remove the socket: {e}");
+    }
+}

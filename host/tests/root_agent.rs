@@ -1,0 +1,300 @@
+//! The agent and the Flexvolume driver as kubelet runs them: the real
+//! `volagent agent` binary serving the built local-pv component, called
+//! through the installed `volagent-flex` driver with kubelet's exact argv
+//! and options JSON, on real loop devices and mounts. Needs root.
+
+mod common;
+
+use common::RootScratch;
+use serde_json::Value;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Node {
+    scratch: RootScratch,
+    agent: Option<Child>,
+    socket: PathBuf,
+}
+
+impl Node {
+    fn start() -> Node {
+        let scratch = RootScratch::enter();
+        for d in ["plugins", "disks", "vpd", "kubelet"] {
+            std::fs::create_dir_all(scratch.path(d)).expect("dir");
+        }
+        std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
+        let socket = scratch.path("agent.sock");
+        let mut node = Node { scratch, agent: None, socket };
+        node.spawn_agent();
+        node
+    }
+
+    fn spawn_agent(&mut self) {
+        let s = &self.scratch;
+        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+            .args(["agent", "--node-name", "node-a"])
+            .arg("--socket").arg(&self.socket)
+            .arg("--state-dir").arg(s.path("state"))
+            .arg("--plugin-dir").arg(s.path("plugins"))
+            .arg("--kubelet-root").arg(s.path("kubelet"))
+            .arg("--discovery-dir").arg(s.path("disks"))
+            .arg("--volume-plugin-dir").arg(s.path("vpd"))
+            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the agent");
+        self.agent = Some(child);
+        let start = Instant::now();
+        while UnixStream::connect(&self.socket).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(60), "the agent did not come up");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stop_agent(&mut self) {
+        if let Some(mut child) = self.agent.take() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = child.wait();
+        }
+    }
+
+    fn driver_path(&self) -> PathBuf {
+        self.scratch.path("vpd/volagent~local-pv/local-pv")
+    }
+
+    /// Run the installed driver as kubelet does; its stdout must be exactly
+    /// one JSON object and its stderr empty.
+    fn driver(&self, args: &[&str]) -> (i32, Value) {
+        run_driver(Command::new(self.driver_path()).args(args))
+    }
+
+    fn image(&self, name: &str, mib: u64) -> String {
+        self.scratch.image(&format!("disks/{name}"), mib).display().to_string()
+    }
+
+    fn mount_dir(&self, pod_uid: &str, volume: &str) -> String {
+        let d = self.scratch.path(&format!("kubelet/pods/{pod_uid}/volumes/volagent~local-pv/{volume}"));
+        std::fs::create_dir_all(&d).expect("kubelet makes the pod's volume dir");
+        d.display().to_string()
+    }
+
+    fn mount(&self, dir: &str, options: &Value) -> (i32, Value) {
+        self.driver(&["mount", dir, &options.to_string()])
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop_agent();
+    }
+}
+
+fn run_driver(cmd: &mut Command) -> (i32, Value) {
+    let out = cmd.output().expect("run the driver");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.stderr.is_empty(), "the driver wrote to stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(stdout.trim_end()).unwrap_or_else(|e| panic!("not one JSON object ({e}): {stdout:?}"));
+    assert!(v.is_object() && stdout.trim_end().lines().count() == 1, "{stdout:?}");
+    (out.status.code().unwrap_or(-1), v)
+}
+
+/// The options JSON kubelet sends for a PV-backed flexVolume.
+fn kubelet_options(volume: &str, pod: &str, pod_uid: &str, fs: &str, path: &str) -> Value {
+    serde_json::json!({
+        "kubernetes.io/fsType": fs,
+        "kubernetes.io/readwrite": "rw",
+        "kubernetes.io/pvOrVolumeName": volume,
+        "kubernetes.io/pod.name": pod,
+        "kubernetes.io/pod.namespace": "default",
+        "kubernetes.io/pod.uid": pod_uid,
+        "kubernetes.io/serviceAccount.name": "default",
+        "path": path,
+        "node": "node-a",
+    })
+}
+
+fn assert_success(r: &(i32, Value)) {
+    assert_eq!((r.0, r.1["status"].as_str()), (0, Some("Success")), "{}", r.1);
+}
+
+fn assert_failure(r: &(i32, Value), contains: &str) {
+    assert_eq!((r.0, r.1["status"].as_str()), (1, Some("Failure")), "{}", r.1);
+    let msg = r.1["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(contains), "{msg:?} does not say {contains:?}");
+}
+
+#[test]
+fn init_handshakes_and_other_calls_are_not_supported() {
+    let node = Node::start();
+    let (code, v) = node.driver(&["init"]);
+    assert_eq!(code, 0);
+    assert_eq!(v["status"], "Success");
+    assert_eq!(v["capabilities"], serde_json::json!({"attach": false}));
+    for args in [&["getvolumename", "{}"][..], &["attach", "{}", "node-a"], &["isattached", "{}", "node-a"], &["expandfs", "{}", "/dev/x", "/x", "2", "1"], &["frobnicate"]] {
+        let (code, v) = node.driver(args);
+        assert_eq!((code, v), (0, serde_json::json!({"status": "Not supported"})), "{args:?}");
+    }
+}
+
+fn round_trip(fs: &str, mib: u64) {
+    let node = Node::start();
+    let image = node.image("vol1.img", mib);
+    let dir_a = node.mount_dir("uid-a", "pv1");
+    assert_success(&node.mount(&dir_a, &kubelet_options("pv1", "pod-a", "uid-a", fs, &image)));
+    std::fs::write(format!("{dir_a}/data"), b"written through kubelet's mount").expect("write");
+    assert_success(&node.driver(&["unmount", &dir_a]));
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    // kubelet retries unmount when it did not see the answer: still success.
+    assert_success(&node.driver(&["unmount", &dir_a]));
+
+    let dir_b = node.mount_dir("uid-b", "pv1");
+    let r = node.mount(&dir_b, &kubelet_options("pv1", "pod-b", "uid-b", fs, &image));
+    assert_success(&r);
+    assert!(r.1["device"].as_str().is_some_and(|d| d.starts_with("/dev/loop")), "{}", r.1);
+    assert_eq!(std::fs::read(format!("{dir_b}/data")).expect("read back"), b"written through kubelet's mount");
+    assert_success(&node.driver(&["unmount", &dir_b]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+#[test]
+fn ext4_volume_mount_write_unmount_mount_read() {
+    round_trip("ext4", 64);
+}
+
+#[test]
+fn xfs_volume_mount_write_unmount_mount_read() {
+    round_trip("xfs", 320);
+}
+
+#[test]
+fn a_second_pod_on_the_node_shares_the_volume_and_the_old_uid_spelling_works() {
+    let node = Node::start();
+    let image = node.image("vol1.img", 64);
+    let (a, b) = (node.mount_dir("uid-a", "pv1"), node.mount_dir("uid-b", "pv1"));
+    assert_success(&node.mount(&a, &kubelet_options("pv1", "pod-a", "uid-a", "ext4", &image)));
+    let mut old = kubelet_options("pv1", "pod-b", "uid-b", "ext4", &image);
+    let uid = old.as_object_mut().and_then(|o| o.remove("kubernetes.io/pod.uid")).expect("uid");
+    old["kubernetes.io/pod.UID"] = uid;
+    assert_success(&node.mount(&b, &old));
+    assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 3));
+    assert_success(&node.driver(&["unmount", &a]));
+    assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 2));
+    assert_success(&node.driver(&["unmount", &b]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+#[test]
+fn bad_requests_are_refused_and_change_nothing() {
+    let node = Node::start();
+    let image = node.image("vol1.img", 64);
+    let dir = node.mount_dir("uid-a", "pv1");
+    let ok = kubelet_options("pv1", "pod-a", "uid-a", "ext4", &image);
+    let outside = "/etc/volagent-test";
+    assert_failure(&node.mount(outside, &ok), "is not under the kubelet root");
+    assert_failure(&node.mount(&format!("{dir}/../../../../../../../etc"), &ok), "contains \"..\"");
+    assert_failure(&node.driver(&["mount", &dir, "{not json"]), "mount options are not a JSON object");
+    assert_failure(&node.driver(&["mount", &dir]), "mount needs <mount-dir> <json-options>");
+    let mut no_name = ok.clone();
+    no_name.as_object_mut().map(|o| o.remove("kubernetes.io/pvOrVolumeName"));
+    assert_failure(&node.mount(&dir, &no_name), "pvOrVolumeName is missing");
+    let mut elsewhere = ok.clone();
+    elsewhere["path"] = Value::from("/var/lib/secret.img");
+    assert_failure(&node.mount(&dir, &elsewhere), "does not exist on this node");
+    let mut other_node = ok.clone();
+    other_node["node"] = Value::from("node-b");
+    assert_failure(&node.mount(&dir, &other_node), "lives on node node-b");
+    // An unknown backend: a driver installed for a backend the agent lacks.
+    let nope = node.scratch.path("vpd/volagent~nope");
+    std::fs::create_dir_all(&nope).expect("dir");
+    std::fs::copy(node.driver_path(), nope.join("nope")).expect("copy driver");
+    std::fs::write(nope.join("volagent.json"), serde_json::json!({"socket": node.socket, "backend": "nope"}).to_string()).expect("config");
+    let nope_dir = node.scratch.path("kubelet/pods/uid-a/volumes/volagent~nope/pv1").display().to_string();
+    let r = run_driver(Command::new(nope.join("nope")).args(["mount", &nope_dir, &ok.to_string()]));
+    assert_failure(&r, "backend \"nope\" is not loaded on this node");
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "nothing changed");
+    // And the node still works.
+    assert_success(&node.mount(&dir, &ok));
+    assert_success(&node.driver(&["unmount", &dir]));
+}
+
+#[test]
+fn malformed_and_oversized_frames_get_clear_errors() {
+    let node = Node::start();
+    let ask = |bytes: &[u8]| -> Value {
+        let mut s = UnixStream::connect(&node.socket).expect("connect");
+        s.write_all(bytes).expect("send");
+        let frame: Value = volagent::socket::protocol::read_frame(&mut s).expect("a response frame");
+        frame["response"].clone()
+    };
+    let big = ((1u32 << 20) + 1).to_be_bytes();
+    let r = ask(&big);
+    assert_eq!(r["failed"]["kind"], "bad_request", "{r}");
+    assert!(r["failed"]["message"].as_str().unwrap_or_default().contains("over the limit"), "{r}");
+    let mut junk = 7u32.to_be_bytes().to_vec();
+    junk.extend_from_slice(b"{oops}!");
+    let r = ask(&junk);
+    assert_eq!(r["failed"]["kind"], "bad_request", "{r}");
+    let body = br#"{"version":9,"request":"status"}"#;
+    let mut v9 = (body.len() as u32).to_be_bytes().to_vec();
+    v9.extend_from_slice(body);
+    let r = ask(&v9);
+    assert!(r["failed"]["message"].as_str().unwrap_or_default().contains("protocol version 9"), "{r}");
+    // The agent goes on serving.
+    assert_eq!(node.driver(&["init"]).0, 0);
+}
+
+#[test]
+fn a_non_root_caller_is_refused() {
+    let node = Node::start();
+    // kubelet runs drivers as root; anyone else is kept out by the socket's
+    // 0600 mode and, behind it, the peer credential check.
+    let r = run_driver(
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(node.driver_path())
+            .arg("init"),
+    );
+    assert_failure(&r, "volagent agent is not reachable at");
+    assert_failure(&r, "Permission denied");
+}
+
+#[test]
+fn with_the_agent_down_the_driver_fails_naming_the_socket() {
+    let mut node = Node::start();
+    node.stop_agent();
+    let r = node.driver(&["init"]);
+    assert_failure(&r, &format!("volagent agent is not reachable at {}", node.socket.display()));
+    let dir = node.mount_dir("uid-a", "pv1");
+    assert_failure(&node.driver(&["unmount", &dir]), "is the volagent DaemonSet running");
+}
+
+#[test]
+fn fifty_volumes_mount_and_unmount_concurrently() {
+    let node = Node::start();
+    let volumes: Vec<(String, String)> = (0..50)
+        .map(|i| (node.image(&format!("v{i}.img"), 16), node.mount_dir(&format!("uid-{i}"), &format!("pv{i}"))))
+        .collect();
+    std::thread::scope(|s| {
+        for (i, (image, dir)) in volumes.iter().enumerate() {
+            let node = &node;
+            s.spawn(move || {
+                let opts = kubelet_options(&format!("pv{i}"), &format!("pod-{i}"), &format!("uid-{i}"), "ext4", image);
+                assert_success(&node.mount(dir, &opts));
+            });
+        }
+    });
+    assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (50, 100));
+    std::thread::scope(|s| {
+        for (_, dir) in &volumes {
+            let node = &node;
+            s.spawn(move || assert_success(&node.driver(&["unmount", dir])));
+        }
+    });
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+}
