@@ -13,57 +13,68 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A scratch "cluster" on this machine: agents (one per node name) that
+/// share the plugin dir, the local disks dir and the embedded ledger, each
+/// with its own socket, kubelet root and volume plugin dir.
 struct Node {
     scratch: RootScratch,
-    agent: Option<Child>,
+    agents: Vec<(String, Child)>,
     socket: PathBuf,
 }
 
 impl Node {
     fn start() -> Node {
         let scratch = RootScratch::enter();
-        for d in ["plugins", "disks", "vpd", "kubelet"] {
+        for d in ["plugins", "disks"] {
             std::fs::create_dir_all(scratch.path(d)).expect("dir");
         }
         std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
-        let socket = scratch.path("agent.sock");
-        let mut node = Node { scratch, agent: None, socket };
-        node.spawn_agent();
+        std::fs::copy(volagent_test_artifacts::SHARED_FILE, scratch.path("plugins/shared-file.wasm")).expect("plugin");
+        let socket = scratch.path("node-a/agent.sock");
+        let mut node = Node { scratch, agents: Vec::new(), socket };
+        node.spawn_agent("node-a");
         node
     }
 
-    fn spawn_agent(&mut self) {
+    fn spawn_agent(&mut self, name: &str) {
         let s = &self.scratch;
+        let at = |p: &str| s.path(&format!("{name}/{p}"));
+        let socket = at("agent.sock");
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["agent", "--node-name", "node-a"])
-            .arg("--socket").arg(&self.socket)
-            .arg("--state-dir").arg(s.path("state"))
+            .args(["agent", "--node-name", name])
+            .arg("--socket").arg(&socket)
+            .arg("--state-dir").arg(at("state"))
+            .arg("--ledger").arg(s.path("ledger.redb"))
             .arg("--plugin-dir").arg(s.path("plugins"))
-            .arg("--kubelet-root").arg(s.path("kubelet"))
+            .arg("--kubelet-root").arg(at("kubelet"))
             .arg("--discovery-dir").arg(s.path("disks"))
-            .arg("--volume-plugin-dir").arg(s.path("vpd"))
+            .arg("--volume-plugin-dir").arg(at("vpd"))
             .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("start the agent");
-        self.agent = Some(child);
+        self.agents.push((name.to_string(), child));
         let start = Instant::now();
-        while UnixStream::connect(&self.socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent did not come up");
+        while UnixStream::connect(&socket).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(60), "the agent of {name} did not come up");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
     fn stop_agent(&mut self) {
-        if let Some(mut child) = self.agent.take() {
+        for (_, mut child) in self.agents.drain(..) {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
             let _ = child.wait();
         }
     }
 
     fn driver_path(&self) -> PathBuf {
-        self.scratch.path("vpd/volagent~local-pv/local-pv")
+        self.driver_of("node-a", "local-pv")
+    }
+
+    fn driver_of(&self, node: &str, backend: &str) -> PathBuf {
+        self.scratch.path(&format!("{node}/vpd/volagent~{backend}/{backend}"))
     }
 
     /// Run the installed driver as kubelet does; its stdout must be exactly
@@ -77,7 +88,11 @@ impl Node {
     }
 
     fn mount_dir(&self, pod_uid: &str, volume: &str) -> String {
-        let d = self.scratch.path(&format!("kubelet/pods/{pod_uid}/volumes/volagent~local-pv/{volume}"));
+        self.mount_dir_of("node-a", "local-pv", pod_uid, volume)
+    }
+
+    fn mount_dir_of(&self, node: &str, backend: &str, pod_uid: &str, volume: &str) -> String {
+        let d = self.scratch.path(&format!("{node}/kubelet/pods/{pod_uid}/volumes/volagent~{backend}/{volume}"));
         std::fs::create_dir_all(&d).expect("kubelet makes the pod's volume dir");
         d.display().to_string()
     }
@@ -209,11 +224,11 @@ fn bad_requests_are_refused_and_change_nothing() {
     other_node["node"] = Value::from("node-b");
     assert_failure(&node.mount(&dir, &other_node), "lives on node node-b");
     // An unknown backend: a driver installed for a backend the agent lacks.
-    let nope = node.scratch.path("vpd/volagent~nope");
+    let nope = node.scratch.path("node-a/vpd/volagent~nope");
     std::fs::create_dir_all(&nope).expect("dir");
     std::fs::copy(node.driver_path(), nope.join("nope")).expect("copy driver");
     std::fs::write(nope.join("volagent.json"), serde_json::json!({"socket": node.socket, "backend": "nope"}).to_string()).expect("config");
-    let nope_dir = node.scratch.path("kubelet/pods/uid-a/volumes/volagent~nope/pv1").display().to_string();
+    let nope_dir = node.scratch.path("node-a/kubelet/pods/uid-a/volumes/volagent~nope/pv1").display().to_string();
     let r = run_driver(Command::new(nope.join("nope")).args(["mount", &nope_dir, &ok.to_string()]));
     assert_failure(&r, "backend \"nope\" is not loaded on this node");
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "nothing changed");
@@ -297,4 +312,50 @@ fn fifty_volumes_mount_and_unmount_concurrently() {
     });
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+}
+
+#[test]
+fn fencing_across_nodes_follows_the_access_mode() {
+    let mut node = Node::start();
+    node.spawn_agent("node-b");
+    let image = node.image("shared.img", 64);
+    let opts = |pod: &str, mode: &str| {
+        let mut o = kubelet_options("pv-shared", pod, &format!("uid-{pod}"), "ext4", &image);
+        o["accessMode"] = Value::from(mode);
+        o
+    };
+    let mount = |on: &str, pod: &str, mode: &str| {
+        let dir = node.mount_dir_of(on, "shared-file", &format!("uid-{pod}"), "pv-shared");
+        (dir.clone(), run_driver(Command::new(node.driver_of(on, "shared-file")).args(["mount", &dir, &opts(pod, mode).to_string()])))
+    };
+    let unmount = |on: &str, dir: &str| run_driver(Command::new(node.driver_of(on, "shared-file")).args(["unmount", dir]));
+
+    // ReadWriteOnce: node-a holds it; node-b is denied, naming the holder.
+    let (a1, r) = mount("node-a", "a1", "ReadWriteOnce");
+    assert_success(&r);
+    let (_, r) = mount("node-b", "b1", "ReadWriteOnce");
+    assert_failure(&r, "volume pv-shared (ReadWriteOnce) is in use by pod default/a1 on node node-a");
+    assert_eq!(node.scratch.loops().len(), 1, "node-b attached nothing");
+    // ReadWriteOnce is per node: a second pod on node-a is granted.
+    let (a2, r) = mount("node-a", "a2", "ReadWriteOnce");
+    assert_success(&r);
+    assert_success(&unmount("node-a", &a1));
+    assert_success(&unmount("node-a", &a2));
+    assert!(node.scratch.loops().is_empty() && node.scratch.mounts().is_empty());
+
+    // With the volume released, node-b may have it.
+    let (b1, r) = mount("node-b", "b1", "ReadWriteOnce");
+    assert_success(&r);
+    assert_success(&unmount("node-b", &b1));
+
+    // ReadWriteMany grants both nodes.
+    let (a3, r) = mount("node-a", "a3", "ReadWriteMany");
+    assert_success(&r);
+    let (b3, r) = mount("node-b", "b3", "ReadWriteMany");
+    assert_success(&r);
+    // Both "nodes" are one machine here, whose loop devices are shared.
+    assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 4));
+    assert_success(&unmount("node-a", &a3));
+    assert_success(&unmount("node-b", &b3));
+    assert!(node.scratch.loops().is_empty() && node.scratch.mounts().is_empty());
 }

@@ -15,6 +15,7 @@ const GUESTS: &[(&str, &str, &str)] = &[
     ("MISBEHAVE", "test-guest-misbehave", "test_guest_misbehave"),
     ("NET_IMPORT", "test-guest-net-import", "test_guest_net_import"),
     ("WRONG_WORLD", "test-guest-wrong-world", "test-guest-wrong-world"),
+    ("SHARED_FILE", "test-guest-shared-file", "test_guest_shared_file"),
 ];
 
 fn main() {

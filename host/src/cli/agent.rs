@@ -24,6 +24,10 @@ pub struct AgentArgs {
     /// Where the agent keeps its ledger, stash and per-volume state.
     #[arg(long, default_value = "/var/lib/volagent")]
     state_dir: PathBuf,
+    /// The embedded attachment ledger; default <state-dir>/ledger.redb.
+    /// Agents on one machine may share one.
+    #[arg(long)]
+    ledger: Option<PathBuf>,
     /// Backend policy components (*.wasm); default <state-dir>/plugins.
     #[arg(long)]
     plugin_dir: Option<PathBuf>,
@@ -85,7 +89,8 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         tracing::warn!(dir = %plugin_dir.display(), "no backend loaded: put <backend>.wasm files there");
     }
     let backends: Vec<String> = plugins.iter().map(|p| p.name().to_string()).collect();
-    let ledger = Arc::new(EmbeddedLedger::open(&args.state_dir.join("ledger.redb"))?);
+    let ledger_path = args.ledger.clone().unwrap_or_else(|| args.state_dir.join("ledger.redb"));
+    let ledger = Arc::new(EmbeddedLedger::open(&ledger_path)?);
     let stash = Stash::open(&args.state_dir.join("stash.redb"))?;
     let config = NodeConfig {
         node: node.clone(),

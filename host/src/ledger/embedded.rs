@@ -1,5 +1,6 @@
 //! The embedded ledger: records in a redb database file (crash-safe,
 //! copy-on-write, fsync on commit), for a node with no cluster configured.
+//! Agents on one machine may share the file.
 
 use super::{Ledger, LedgerError, Record, Version};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -31,7 +32,12 @@ impl EmbeddedLedger {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
         }
-        let db = Database::create(path).map_err(|e| err(&e))?;
+        // Several agents on one machine (nodes of a test cluster) may share
+        // one ledger file; redb serialises their write transactions.
+        let db = redb::Builder::new()
+            .set_concurrency_mode(redb::ConcurrencyMode::MultiWriter)
+            .create(path)
+            .map_err(|e| err(&e))?;
         // Create the table once, so readers never meet a missing one.
         let txn = db.begin_write().map_err(|e| err(&e))?;
         txn.open_table(RECORDS).map_err(|e| err(&e))?;

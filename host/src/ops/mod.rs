@@ -216,10 +216,8 @@ impl Agent {
             }),
             Err(failure) => {
                 // Leave no trace of a mount that did not happen.
-                if added {
-                    if let Err(e) = self.remove_holder(&volume.name, &me.mount_dir).await {
-                        tracing::error!(volume = %volume.name, "rolling back the ledger entry failed: {}", e.message);
-                    }
+                if added && let Err(e) = self.remove_holder(&volume.name, &me.mount_dir).await {
+                    tracing::error!(volume = %volume.name, "rolling back the ledger entry failed: {}", e.message);
                 }
                 let dir = me.mount_dir.clone();
                 let _ = self.stash_op(move |s| s.remove(&dir)).await;

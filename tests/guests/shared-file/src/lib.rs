@@ -1,0 +1,51 @@
+//! A test-only backend: an image file on storage every node can reach
+//! (here, one machine's disk), loop-attached on whichever node asks. With no
+//! home-node rule of its own, it lets tests exercise cross-node fencing
+//! (standard Kubernetes rules) with real devices and mounts.
+//!
+//! Options: `path` (the image file).
+
+use volagent_guest_sdk::{
+    BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision, DeviceKind,
+    DeviceSpec, Holder, Host, NodeFacts, NodePaths, PathRoot, Plan, Policy, PolicyError, StepKind,
+    Volume, fence, options, plans,
+};
+
+pub struct SharedFile;
+
+volagent_guest_sdk::export_policy!(crate::SharedFile);
+
+impl Policy for SharedFile {
+    fn info() -> BackendInfo {
+        BackendInfo {
+            name: "shared-file".into(),
+            version: "0.0.1".into(),
+            description: "test-only: a shared image file on a loop device".into(),
+            capabilities: Capabilities {
+                steps: vec![StepKind::AttachDevice, StepKind::Format, StepKind::Mount, StepKind::BindMount, StepKind::Unmount, StepKind::DetachDevice],
+                device_kinds: vec![DeviceKind::Loop],
+                filesystems: vec!["ext4".into()],
+                network_filesystems: vec![],
+                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs],
+            },
+        }
+    }
+
+    fn fence(_: &dyn Host, volume: Volume, requester: Consumer, holders: Vec<Holder>, nodes: Vec<NodeFacts>) -> Result<Decision, PolicyError> {
+        Ok(fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes))
+    }
+
+    fn attach(_: &dyn Host, volume: Volume, requester: Consumer, local_holders: Vec<Holder>, paths: NodePaths) -> Result<Plan, PolicyError> {
+        let file = options::required(&volume, "path")?.to_string();
+        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Loop(file)), "ext4", vec![], &requester, &local_holders, &paths))
+    }
+
+    fn detach(_: &dyn Host, volume: Volume, consumer: Consumer, local_holders: Vec<Holder>, paths: NodePaths) -> Result<Plan, PolicyError> {
+        let file = options::required(&volume, "path")?.to_string();
+        Ok(plans::unstage(&consumer, &local_holders, &paths, Some(DeviceSpec::Loop(file)), false))
+    }
+
+    fn cleanup(_: &dyn Host, _: CleanupReason, _: Vec<CleanupItem>) -> Result<Plan, PolicyError> {
+        Ok(vec![])
+    }
+}
