@@ -37,6 +37,11 @@ impl Node {
     }
 
     fn spawn_agent(&mut self, name: &str) {
+        self.spawn_agent_with(name, None);
+    }
+
+    /// Start an agent that kills itself (SIGKILL) after `kill_after` steps of a plan.
+    fn spawn_agent_with(&mut self, name: &str, kill_after: Option<usize>) {
         let s = &self.scratch;
         let at = |p: &str| s.path(&format!("{name}/{p}"));
         let socket = at("agent.sock");
@@ -50,6 +55,7 @@ impl Node {
             .arg("--discovery-dir").arg(s.path("disks"))
             .arg("--volume-plugin-dir").arg(at("vpd"))
             .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .envs(kill_after.map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string())))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -64,8 +70,13 @@ impl Node {
 
     fn stop_agent(&mut self) {
         for (_, mut child) in self.agents.drain(..) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
-            let _ = child.wait();
+            stop(&mut child);
+        }
+    }
+
+    fn stop_agent_of(&mut self, name: &str) {
+        if let Some(i) = self.agents.iter().position(|(n, _)| n == name) {
+            stop(&mut self.agents.remove(i).1);
         }
     }
 
@@ -100,6 +111,11 @@ impl Node {
     fn mount(&self, dir: &str, options: &Value) -> (i32, Value) {
         self.driver(&["mount", dir, &options.to_string()])
     }
+}
+
+fn stop(child: &mut Child) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let _ = child.wait();
 }
 
 impl Drop for Node {
@@ -358,4 +374,66 @@ fn fencing_across_nodes_follows_the_access_mode() {
     assert_success(&unmount("node-a", &a3));
     assert_success(&unmount("node-b", &b3));
     assert!(node.scratch.loops().is_empty() && node.scratch.mounts().is_empty());
+}
+
+fn driver(node: &Node, on: &str, args: &[&str]) -> (i32, Value) {
+    run_driver(Command::new(node.driver_of(on, "shared-file")).args(args))
+}
+
+/// The agent dies (SIGKILL) after each step of the mount plan and of the
+/// unmount plan in turn; restarted, it must leave no device, mount or record
+/// behind, and the volume must mount again.
+#[test]
+fn kill_9_between_any_two_steps_leaves_nothing_behind() {
+    let mut node = Node::start();
+    let image = node.image("crash.img", 64);
+    let opts = |pod: &str| kubelet_options("pv-crash", pod, &format!("uid-{pod}"), "ext4", &image).to_string();
+    let clean = |node: &Node, when: &str| {
+        assert!(node.scratch.mounts().is_empty(), "{when}: mounts left: {:?}", node.scratch.mounts());
+        assert!(node.scratch.loops().is_empty(), "{when}: loop devices left: {:?}", node.scratch.loops());
+    };
+    let restart = |node: &mut Node, kill_after: Option<usize>| {
+        node.stop_agent_of("node-a");
+        node.spawn_agent_with("node-a", kill_after);
+    };
+    // A ReadWriteOnce probe from another node: denied while any holder is
+    // recorded, so its success proves the record is gone.
+    let no_record = |node: &Node, when: &str| {
+        let dir = node.mount_dir_of("node-b", "shared-file", "uid-probe", "pv-crash");
+        let r = driver(node, "node-b", &["mount", &dir, &opts("probe")]);
+        assert!(r.0 == 0, "{when}: a record was left behind: {}", r.1);
+        assert_success(&driver(node, "node-b", &["unmount", &dir]));
+    };
+    node.spawn_agent("node-b");
+
+    // The first mount plan: attach, format, mount staging, bind (4 steps).
+    for k in 1..=4 {
+        restart(&mut node, Some(k));
+        let dir = node.mount_dir_of("node-a", "shared-file", &format!("uid-m{k}"), "pv-crash");
+        let r = driver(&node, "node-a", &["mount", &dir, &opts(&format!("m{k}"))]);
+        assert_failure(&r, "volagent agent at");
+        restart(&mut node, None);
+        if k < 4 {
+            clean(&node, &format!("mount killed after step {k}"));
+            no_record(&node, &format!("mount killed after step {k}"));
+        }
+        // kubelet retries: the mount works (or, if it had completed, stays).
+        assert_success(&driver(&node, "node-a", &["mount", &dir, &opts(&format!("m{k}"))]));
+        assert_success(&driver(&node, "node-a", &["unmount", &dir]));
+        clean(&node, &format!("after the retried mount {k}"));
+    }
+
+    // The last unmount plan: unmount pod dir, unmount staging, detach (3 steps).
+    for k in 1..=3 {
+        let dir = node.mount_dir_of("node-a", "shared-file", &format!("uid-u{k}"), "pv-crash");
+        assert_success(&driver(&node, "node-a", &["mount", &dir, &opts(&format!("u{k}"))]));
+        restart(&mut node, Some(k));
+        let r = driver(&node, "node-a", &["unmount", &dir]);
+        assert_failure(&r, "volagent agent at");
+        restart(&mut node, None);
+        clean(&node, &format!("unmount killed after step {k}"));
+        no_record(&node, &format!("unmount killed after step {k}"));
+        // kubelet retries the unmount: success, nothing to do.
+        assert_success(&driver(&node, "node-a", &["unmount", &dir]));
+    }
 }

@@ -50,11 +50,17 @@ enum Undo {
 
 pub struct Executor {
     sys: Sys,
+    kill_after: Option<usize>,
 }
+
+/// Crash-test hook: the agent kills itself with SIGKILL right after this
+/// many steps of a plan, as a node failure would stop it.
+pub const KILL_AFTER_STEP_ENV: &str = "VOLAGENT_TEST_KILL_AFTER_STEP";
 
 impl Executor {
     pub fn new(sys: Sys) -> Self {
-        Executor { sys }
+        let kill_after = std::env::var(KILL_AFTER_STEP_ENV).ok().and_then(|v| v.parse().ok());
+        Executor { sys, kill_after }
     }
 
     /// Run `plan` (already checked by the policy validator) step by step.
@@ -64,6 +70,10 @@ impl Executor {
             if let Err(source) = run.step(step) {
                 let rollback_failures = run.rollback();
                 return Err(ExecError { index, step: step.kind().name(), source, rollback_failures });
+            }
+            if self.kill_after == Some(index + 1) {
+                tracing::warn!("{KILL_AFTER_STEP_ENV}: killing this process after step {}", index + 1);
+                let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
             }
         }
         Ok(run.outcome)

@@ -2,6 +2,7 @@
 //! execute, with the ledger entry rolled back when execution fails.
 
 pub mod queries;
+pub mod reconcile;
 pub mod request;
 pub mod stash;
 

@@ -1,0 +1,128 @@
+//! Start-up reconciliation: what the stash and the ledger say this node
+//! has, against what the mount table and the loop devices say it has. An
+//! operation cut short (a crash, a kill -9) is rolled back, so kubelet's
+//! retry starts from a clean node; what no record explains is reported and
+//! removed.
+
+use super::{Agent, Failure, blocking, internal};
+use crate::policy::validate::clean_absolute;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// What reconciliation did, for the log and for tests.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// Pod mount dirs whose mount was complete: kept.
+    pub kept: Vec<String>,
+    /// Pod mount dirs of operations cut short: rolled back.
+    pub rolled_back: Vec<String>,
+    /// Ledger holders on this node with no trace on the node: removed.
+    pub stale_holders: Vec<String>,
+    /// Mounts and devices under volagent's dirs that nothing explains: removed.
+    pub orphans: Vec<String>,
+    /// What could not be repaired.
+    pub errors: Vec<String>,
+}
+
+impl Agent {
+    pub async fn reconcile(&self) -> Result<Report, Failure> {
+        let mut report = Report::default();
+        let stash = self.stash_op(|s| s.all()).await?;
+        let mut stashed_dirs = BTreeSet::new();
+        for entry in stash {
+            let dir = entry.consumer.mount_dir.clone();
+            stashed_dirs.insert(dir.clone());
+            let mounted = self.mounted(&dir).await?;
+            if mounted {
+                report.kept.push(dir);
+                continue;
+            }
+            // Cut short between recording and binding, or between unbinding
+            // and forgetting: undo it; kubelet will ask again if it must.
+            match self.unmount(&entry.volume.backend, &dir).await {
+                Ok(_) => report.rolled_back.push(dir),
+                Err(f) => report.errors.push(format!("{dir}: {}", f.message)),
+            }
+        }
+        // Holders on this node that the stash does not know never got as far
+        // as a device or a mount.
+        let records = self.ledger.list_by_node(&self.config.node).await.map_err(super::ledger_failure)?;
+        for (record, _) in records {
+            for h in record.on_node(&self.config.node) {
+                let dir = &h.consumer.mount_dir;
+                if stashed_dirs.contains(dir) || report.rolled_back.contains(dir) {
+                    continue;
+                }
+                if self.mounted(dir).await? {
+                    report.errors.push(format!("{dir} is mounted but this agent has no record of mounting it; left alone"));
+                    continue;
+                }
+                match self.remove_holder(&record.volume, dir).await {
+                    Ok(()) => report.stale_holders.push(format!("{} {dir}", record.volume)),
+                    Err(f) => report.errors.push(format!("{dir}: {}", f.message)),
+                }
+            }
+        }
+        self.sweep_orphans(&mut report).await?;
+        for line in &report.rolled_back {
+            tracing::warn!(mount_dir = %line, "reconcile: rolled back an operation cut short");
+        }
+        for line in report.stale_holders.iter().chain(&report.orphans) {
+            tracing::warn!("reconcile: removed {line}");
+        }
+        for line in &report.errors {
+            tracing::error!("reconcile: {line}");
+        }
+        Ok(report)
+    }
+
+    async fn mounted(&self, dir: &str) -> Result<bool, Failure> {
+        let sys = self.sys.clone();
+        let dir = PathBuf::from(dir);
+        Ok(blocking(move || sys.mount_at(&dir)).await?.map_err(internal)?.is_some())
+    }
+
+    /// Staging mounts with no stashed consumer, and loop devices over local
+    /// volume files that no stashed volume names and nothing mounts.
+    async fn sweep_orphans(&self, report: &mut Report) -> Result<(), Failure> {
+        let stash = self.stash_op(|s| s.all()).await?;
+        let staging_root = self.config.kubelet_root.join("plugins/volagent");
+        let discovery = self.config.discovery_dirs.clone();
+        let sys = self.sys.clone();
+        let found = blocking(move || -> Result<Vec<String>, crate::sys::SysError> {
+            let mut removed = Vec::new();
+            let used_staging: BTreeSet<&str> = stash.iter().map(|e| e.paths.staging_dir.as_str()).collect();
+            let table = sys.mounts.mount_table()?;
+            for m in table.iter().rev() {
+                let p = m.mount_point.display().to_string();
+                let under = m.mount_point.starts_with(&staging_root) && m.mount_point.components().count() == staging_root.components().count() + 3;
+                if under && clean_absolute(&p).is_ok() && !used_staging.contains(p.as_str()) {
+                    sys.mounts.unmount(&m.mount_point, false)?;
+                    let _ = sys.mounts.remove_dir(&m.mount_point);
+                    removed.push(format!("orphan mount {p} (from {})", m.source));
+                }
+            }
+            let named: BTreeSet<PathBuf> = stash
+                .iter()
+                .flat_map(|e| e.volume.options.iter().map(|kv| std::fs::canonicalize(&kv.value).unwrap_or_else(|_| PathBuf::from(&kv.value))))
+                .collect();
+            let mounted: BTreeSet<String> = sys.mounts.mount_table()?.into_iter().map(|m| m.source).collect();
+            let roots: Vec<PathBuf> = discovery.iter().map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())).collect();
+            for l in sys.devices.loop_devices()? {
+                let ours = roots.iter().any(|r| l.backing_file.starts_with(r));
+                let busy = mounted.contains(&l.device.display().to_string());
+                if ours && !busy && !named.contains(Path::new(&l.backing_file)) {
+                    sys.devices.loop_detach(&l.device)?;
+                    removed.push(format!("orphan loop device {} (over {})", l.device.display(), l.backing_file.display()));
+                }
+            }
+            Ok(removed)
+        })
+        .await?;
+        match found {
+            Ok(removed) => report.orphans.extend(removed),
+            Err(e) => report.errors.push(e.to_string()),
+        }
+        Ok(())
+    }
+}
