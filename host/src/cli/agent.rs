@@ -111,9 +111,10 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     rt.block_on(async move {
-        let listener = server::bind(&args.socket)?;
-        // Before serving: repair what a crash left, so the first request
-        // meets a node whose records and mounts agree.
+        server::ensure_free(&args.socket)?;
+        // Before serving (and before the socket appears, so callers wait or
+        // retry): repair what a crash left, so the first request meets a node
+        // whose records and mounts agree.
         match agent.reconcile().await {
             Ok(report) => tracing::info!(
                 kept = report.kept.len(),
@@ -125,6 +126,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             ),
             Err(f) => tracing::error!("start-up reconciliation failed: {}", f.message),
         }
+        let listener = server::bind(&args.socket)?;
         tracing::info!(node, socket = %args.socket.display(), backends = ?backends, "volagent agent serving");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
         tokio::select! {

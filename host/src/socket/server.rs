@@ -32,14 +32,20 @@ pub enum ServerError {
     InUse { path: PathBuf },
 }
 
+/// Refuse to start beside a live agent on the same socket.
+pub fn ensure_free(path: &Path) -> Result<(), ServerError> {
+    if path.exists() && std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(ServerError::InUse { path: path.to_path_buf() });
+    }
+    Ok(())
+}
+
 /// Bind the socket: a stale socket file left by a dead agent is replaced; a
 /// live one is not.
 pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
     let err = |source| ServerError::Bind { path: path.to_path_buf(), source };
+    ensure_free(path)?;
     if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServerError::InUse { path: path.to_path_buf() });
-        }
         std::fs::remove_file(path).map_err(err)?;
     }
     if let Some(dir) = path.parent() {
