@@ -57,11 +57,11 @@ impl LimitArgs {
 
 impl Cli {
     /// The log filter when RUST_LOG is not set: the agent tells what it
-    /// does; the tools only warn.
+    /// does; the tools print only errors (guest log lines would clutter them).
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
             Command::Agent { .. } => "info",
-            Command::Plugin { .. } => "warn",
+            Command::Plugin { .. } => "error",
         }
     }
 }
