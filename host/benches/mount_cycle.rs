@@ -106,6 +106,15 @@ fn agent_cycle(scratch: &common::RootScratch, image: &Path) -> (Summary, Summary
         let out = Command::new(&driver).args(args).output().expect("driver");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
     };
+    let mut init: Vec<Duration> = (0..CYCLES)
+        .map(|_| {
+            let t = Instant::now();
+            call(&["init"]);
+            t.elapsed()
+        })
+        .collect();
+    let init = summarize(&mut init);
+    println!("driver exec + socket round trip (init): p50 {:.2} ms", init.p50 / 1e3);
     let (mut up, mut down) = (Vec::new(), Vec::new());
     let d = dir.display().to_string();
     for _ in 0..CYCLES {

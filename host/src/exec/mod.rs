@@ -144,12 +144,10 @@ impl Run<'_> {
                 if self.sys.mount_at(target)?.is_some() {
                     self.sys.mounts.unmount(target, u.force)?;
                 }
-                if self.sys.mount_at(target)?.is_none() {
-                    // An empty mount point is ours to tidy; kubelet copes
-                    // with its pod dir being gone.
-                    if let Err(e) = self.sys.mounts.remove_dir(target) {
-                        tracing::debug!(dir = %target.display(), "left in place: {e}");
-                    }
+                // An empty mount point is ours to tidy (kubelet copes with its
+                // pod dir being gone); one still mounted over refuses (EBUSY).
+                if let Err(e) = self.sys.mounts.remove_dir(target) {
+                    tracing::debug!(dir = %target.display(), "left in place: {e}");
                 }
                 Ok(())
             }

@@ -101,21 +101,22 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
     }
 }
 
-/// Every attached loop device, from /sys/block/loop*/loop/backing_file.
+/// Every attached loop device and its backing file. /proc/partitions lists
+/// the loop devices that have a size, i.e. are attached (a device over an
+/// empty file has none and is not seen): one read instead of probing every
+/// /sys/block/loop* node, of which a busy node has many.
 pub fn list() -> Result<Vec<LoopDevice>, SysError> {
-    let sys = Path::new("/sys/block");
+    let partitions = Path::new("/proc/partitions");
+    let text = std::fs::read_to_string(partitions).map_err(io("read", partitions))?;
     let mut found = Vec::new();
-    for entry in std::fs::read_dir(sys).map_err(io("list", sys))? {
-        let entry = entry.map_err(io("list", sys))?;
-        let name = entry.file_name();
-        let Some(name) = name.to_str().filter(|n| n.starts_with("loop")) else { continue };
-        let backing = entry.path().join("loop/backing_file");
+    for name in text.lines().filter_map(|l| l.split_whitespace().nth(3)).filter(|n| n.starts_with("loop")) {
+        let backing = Path::new("/sys/block").join(name).join("loop/backing_file");
         match std::fs::read_to_string(&backing) {
             Ok(text) => found.push(LoopDevice {
                 device: PathBuf::from(format!("/dev/{name}")),
                 backing_file: PathBuf::from(text.trim_end_matches('\n')),
             }),
-            // Not attached, or detached while we looked (ENODEV, ENXIO).
+            // Detached while we looked (ENOENT, ENODEV, ENXIO).
             Err(e) if e.kind() == std::io::ErrorKind::NotFound || [Some(nix::libc::ENODEV), Some(nix::libc::ENXIO)].contains(&e.raw_os_error()) => {}
             Err(e) => return Err(io("read", &backing)(e)),
         }
