@@ -7,7 +7,6 @@
 //! Run: `cargo bench -p volagent --bench mount_cycle`.
 
 #[path = "../tests/common.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::path::Path;
