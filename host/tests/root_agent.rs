@@ -275,6 +275,14 @@ fn malformed_and_oversized_frames_get_clear_errors() {
     v9.extend_from_slice(body);
     let r = ask(&v9);
     assert!(r["failed"]["message"].as_str().unwrap_or_default().contains("protocol version 9"), "{r}");
+    // Status names the node and its backends.
+    let mut s = UnixStream::connect(&node.socket).expect("connect");
+    let status = volagent::socket::protocol::exchange(&mut s, volagent::socket::protocol::Request::Status).expect("status");
+    let volagent::socket::protocol::Response::Status { node: name, backends } = status else { panic!("{status:?}") };
+    assert_eq!(name, "node-a");
+    let mut names: Vec<String> = backends.into_iter().map(|b| b.name).collect();
+    names.sort();
+    assert_eq!(names, ["local-pv", "shared-file"]);
     // The agent goes on serving.
     assert_eq!(node.driver(&["init"]).0, 0);
 }

@@ -304,3 +304,18 @@ async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> 
 fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_volume_takes_one_operation_at_a_time() {
+        let locks = Locks::default();
+        let first = locks.try_lock("pv1").expect("free");
+        assert!(locks.try_lock("pv1").is_none(), "a second operation on pv1 must be refused");
+        assert!(locks.try_lock("pv2").is_some(), "other volumes are independent");
+        drop(first);
+        assert!(locks.try_lock("pv1").is_some(), "released with the guard");
+    }
+}
