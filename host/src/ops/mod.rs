@@ -215,15 +215,20 @@ impl Agent {
                 message: format!("volume {} mounted at {}", volume.name, me.mount_dir),
                 device: outcome.devices.values().next().map(|d| d.display().to_string()),
             }),
-            Err(failure) => {
-                // Leave no trace of a mount that did not happen.
-                if added && let Err(e) = self.remove_holder(&volume.name, &me.mount_dir).await {
+            // Leave no trace of a mount that did not happen. A failed retry
+            // of a mount that had succeeded keeps its record and stash entry:
+            // its earlier steps are still in place.
+            Err(failure) if added => {
+                if let Err(e) = self.remove_holder(&volume.name, &me.mount_dir).await {
                     tracing::error!(volume = %volume.name, "rolling back the ledger entry failed: {}", e.message);
                 }
                 let dir = me.mount_dir.clone();
-                let _ = self.stash_op(move |s| s.remove(&dir)).await;
+                if let Err(e) = self.stash_op(move |s| s.remove(&dir)).await {
+                    tracing::error!(volume = %volume.name, "rolling back the stash entry failed: {}", e.message);
+                }
                 Err(failure)
             }
+            Err(failure) => Err(failure),
         }
     }
 
