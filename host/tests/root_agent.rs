@@ -42,6 +42,11 @@ impl Node {
 
     /// Start an agent that kills itself (SIGKILL) after `kill_after` steps of a plan.
     fn spawn_agent_with(&mut self, name: &str, kill_after: Option<usize>) {
+        let env: Vec<(&str, String)> = kill_after.map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string())).into_iter().collect();
+        self.spawn_agent_env(name, &env, &[]);
+    }
+
+    fn spawn_agent_env(&mut self, name: &str, env: &[(&str, String)], extra: &[&str]) {
         let s = &self.scratch;
         let at = |p: &str| s.path(&format!("{name}/{p}"));
         let socket = at("agent.sock");
@@ -55,7 +60,8 @@ impl Node {
             .arg("--discovery-dir").arg(s.path("disks"))
             .arg("--volume-plugin-dir").arg(at("vpd"))
             .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
-            .envs(kill_after.map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string())))
+            .args(extra)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -444,4 +450,35 @@ fn kill_9_between_any_two_steps_leaves_nothing_behind() {
         // kubelet retries the unmount: success, nothing to do.
         assert_success(&driver(&node, "node-a", &["unmount", &dir]));
     }
+}
+
+/// A step that hangs: the request fails at the plan deadline with a clear
+/// message, the volume stays locked (a second operation is told one is in
+/// progress) until the step ends, and kubelet's retry then succeeds.
+#[test]
+fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
+    let mut node = Node::start();
+    node.stop_agent();
+    let stall = (volagent::exec::STALL_AFTER_STEP_ENV, "1:4000".to_string());
+    node.spawn_agent_env("node-a", &[stall], &["--plan-deadline-secs", "1"]);
+    let image = node.image("slow.img", 64);
+    let (a, b) = (node.mount_dir("uid-a", "pv-slow"), node.mount_dir("uid-b", "pv-slow"));
+    let r = node.mount(&a, &kubelet_options("pv-slow", "pod-a", "uid-a", "ext4", &image));
+    assert_eq!(r.1["status"], "Failure", "{}", r.1);
+    assert!(r.1["message"].as_str().unwrap_or_default().contains("still running after 1s"), "{}", r.1);
+    let r = node.mount(&b, &kubelet_options("pv-slow", "pod-b", "uid-b", "ext4", &image));
+    assert_failure(&r, "volume pv-slow: an operation is in progress on this node; retry");
+    // kubelet retries until the stalled mount has finished.
+    let start = Instant::now();
+    loop {
+        let r = node.mount(&a, &kubelet_options("pv-slow", "pod-a", "uid-a", "ext4", &image));
+        if r.0 == 0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the retried mount never succeeded: {}", r.1);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 2));
+    assert_success(&node.driver(&["unmount", &a]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }

@@ -49,6 +49,10 @@ pub struct AgentArgs {
     /// Peer uids allowed on the socket (repeatable).
     #[arg(long = "allow-uid", default_value = "0")]
     allowed_uids: Vec<u32>,
+    /// How long a mount or unmount waits for its steps, in seconds; steps
+    /// still running then go on, with the volume locked.
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    plan_deadline_secs: u64,
     /// Operations run at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
     max_concurrent: u64,
@@ -98,7 +102,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         state_dir: args.state_dir.clone(),
         discovery_dirs: args.discovery_dirs.clone(),
     };
-    let agent = Arc::new(Agent::new(config, plugins, ledger, stash, Sys::linux()));
+    let agent = Arc::new(Agent::new(config, plugins, ledger, stash, Sys::linux(), Duration::from_secs(args.plan_deadline_secs)));
     if !args.no_driver_install {
         install_drivers(&args, &backends);
     }

@@ -51,16 +51,24 @@ enum Undo {
 pub struct Executor {
     sys: Sys,
     kill_after: Option<usize>,
+    stall_after: Option<(usize, u64)>,
 }
 
 /// Crash-test hook: the agent kills itself with SIGKILL right after this
 /// many steps of a plan, as a node failure would stop it.
 pub const KILL_AFTER_STEP_ENV: &str = "VOLAGENT_TEST_KILL_AFTER_STEP";
+/// Hang-test hook, `<step>:<ms>`: stall that long after that step of the
+/// first plan that has it, as a mount of an unreachable filesystem would.
+pub const STALL_AFTER_STEP_ENV: &str = "VOLAGENT_TEST_STALL_AFTER_STEP";
+static STALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl Executor {
     pub fn new(sys: Sys) -> Self {
         let kill_after = std::env::var(KILL_AFTER_STEP_ENV).ok().and_then(|v| v.parse().ok());
-        Executor { sys, kill_after }
+        let stall_after = std::env::var(STALL_AFTER_STEP_ENV)
+            .ok()
+            .and_then(|v| v.split_once(':').and_then(|(s, ms)| Some((s.parse().ok()?, ms.parse().ok()?))));
+        Executor { sys, kill_after, stall_after }
     }
 
     /// Run `plan` (already checked by the policy validator) step by step.
@@ -70,6 +78,11 @@ impl Executor {
             if let Err(source) = run.step(step) {
                 let rollback_failures = run.rollback();
                 return Err(ExecError { index, step: step.kind().name(), source, rollback_failures });
+            }
+            if let Some((_, ms)) = self.stall_after.filter(|(after, _)| *after == index + 1)
+                && !STALLED.swap(true, std::sync::atomic::Ordering::SeqCst)
+            {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
             }
             if self.kill_after == Some(index + 1) {
                 tracing::warn!("{KILL_AFTER_STEP_ENV}: killing this process after step {}", index + 1);

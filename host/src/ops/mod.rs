@@ -17,6 +17,7 @@ use stash::{Entry, Stash};
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 /// Where this node keeps things.
 #[derive(Debug, Clone)]
@@ -67,22 +68,24 @@ fn ledger_failure(e: LedgerError) -> Failure {
 }
 
 /// Volumes with an operation in progress.
-#[derive(Default)]
-struct Locks(Mutex<HashSet<String>>);
+#[derive(Default, Clone)]
+struct Locks(Arc<Mutex<HashSet<String>>>);
 
-struct LockGuard<'a> {
-    locks: &'a Locks,
+/// Held while an operation's steps may still run; it can outlive the request
+/// (see [`Agent::run_plan`]).
+struct LockGuard {
+    locks: Locks,
     volume: String,
 }
 
 impl Locks {
-    fn try_lock(&self, volume: &str) -> Option<LockGuard<'_>> {
+    fn try_lock(&self, volume: &str) -> Option<LockGuard> {
         let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        held.insert(volume.to_string()).then(|| LockGuard { locks: self, volume: volume.to_string() })
+        held.insert(volume.to_string()).then(|| LockGuard { locks: self.clone(), volume: volume.to_string() })
     }
 }
 
-impl Drop for LockGuard<'_> {
+impl Drop for LockGuard {
     fn drop(&mut self) {
         self.locks.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.volume);
     }
@@ -98,12 +101,14 @@ pub struct Agent {
     stash: Arc<Stash>,
     sys: Sys,
     locks: Locks,
+    /// How long a request waits for a plan's steps.
+    plan_deadline: Duration,
 }
 
 impl Agent {
-    pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys) -> Agent {
+    pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys, plan_deadline: Duration) -> Agent {
         let plugins = plugins.into_iter().map(|p| (p.name().to_string(), Arc::new(p))).collect();
-        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default() }
+        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline }
     }
 
     pub fn plugin(&self, backend: &str) -> Result<Arc<Plugin>, Failure> {
@@ -145,9 +150,32 @@ impl Agent {
         names.into_iter().map(|n| crate::policy::Queries::node_state(&q, n)).collect()
     }
 
-    async fn run_plan(&self, plan: Vec<crate::policy::Step>) -> Result<crate::exec::Outcome, Failure> {
+    /// Run `plan`, waiting at most the plan deadline. A step that hangs
+    /// (a mount of an unreachable filesystem, say) cannot be cancelled: at
+    /// the deadline the request fails with `timed_out`, and the volume's lock
+    /// passes to a task that holds it until the steps end, so no other
+    /// operation on the volume starts meanwhile. Records stay as they are:
+    /// kubelet's retry (or, after a restart, reconciliation) settles them.
+    async fn run_plan(&self, plan: Vec<crate::policy::Step>, lock: &mut Option<LockGuard>) -> Result<crate::exec::Outcome, Failure> {
         let exec = Executor::new(self.sys.clone());
-        blocking(move || exec.run(&plan)).await?.map_err(internal)
+        let mut task = tokio::task::spawn_blocking(move || exec.run(&plan));
+        match tokio::time::timeout(self.plan_deadline, &mut task).await {
+            Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}")))?.map_err(internal),
+            Err(_) => {
+                let guard = lock.take();
+                tokio::spawn(async move {
+                    let _ = task.await;
+                    drop(guard);
+                });
+                Err(Failure::new(
+                    FailureKind::TimedOut,
+                    format!(
+                        "the volume's steps were still running after {:?}; they go on, and the volume stays locked until they end; retry",
+                        self.plan_deadline
+                    ),
+                ))
+            }
+        }
     }
 
     async fn stash_op<R: Send + 'static>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError> + Send + 'static) -> Result<R, Failure> {
@@ -162,9 +190,7 @@ impl Agent {
         let plugin = self.plugin(backend)?;
         let volume = req.volume;
         let me = req.consumer;
-        let _lock = self.locks.try_lock(&volume.name).ok_or_else(|| {
-            Failure::new(FailureKind::Busy, format!("volume {}: an operation is in progress on this node; retry", volume.name))
-        })?;
+        let mut lock = Some(self.lock(&volume.name)?);
         let paths = self.config.paths(backend, &volume.name);
         let queries = self.queries().await?;
 
@@ -181,7 +207,7 @@ impl Agent {
                 Decision::Grant => {}
                 Decision::Deny(reason) => return Err(Failure::new(FailureKind::Denied, reason)),
                 Decision::TakeOver(take) => {
-                    self.run_plan(take.fence_steps.clone()).await?;
+                    self.run_plan(take.fence_steps.clone(), &mut lock).await?;
                     kept.retain(|h| !take.stale.contains(h));
                 }
             }
@@ -207,7 +233,7 @@ impl Agent {
         let result = async {
             let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal)?;
             self.stash_op(move |s| s.put(&entry)).await?;
-            self.run_plan(plan).await
+            self.run_plan(plan, &mut lock).await
         }
         .await;
         match result {
@@ -218,7 +244,7 @@ impl Agent {
             // Leave no trace of a mount that did not happen. A failed retry
             // of a mount that had succeeded keeps its record and stash entry:
             // its earlier steps are still in place.
-            Err(failure) if added => {
+            Err(failure) if added && failure.kind != FailureKind::TimedOut => {
                 if let Err(e) = self.remove_holder(&volume.name, &me.mount_dir).await {
                     tracing::error!(volume = %volume.name, "rolling back the ledger entry failed: {}", e.message);
                 }
@@ -251,9 +277,7 @@ impl Agent {
         };
         let plugin = self.plugin(backend)?;
         let volume: Volume = entry.volume.clone();
-        let _lock = self.locks.try_lock(&volume.name).ok_or_else(|| {
-            Failure::new(FailureKind::Busy, format!("volume {}: an operation is in progress on this node; retry", volume.name))
-        })?;
+        let mut lock = Some(self.lock(&volume.name)?);
         let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
         let remaining: Vec<Holder> = current
             .map(|(r, _)| r.holders)
@@ -263,11 +287,17 @@ impl Agent {
             .collect();
         let queries = self.queries().await?;
         let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
-        self.run_plan(plan).await?;
+        self.run_plan(plan, &mut lock).await?;
         self.remove_holder(&volume.name, mount_dir).await?;
         let dir = mount_dir.to_string();
         self.stash_op(move |s| s.remove(&dir)).await?;
         Ok(Response::Ok { message: format!("volume {} unmounted from {mount_dir}", volume.name), device: None })
+    }
+
+    fn lock(&self, volume: &str) -> Result<LockGuard, Failure> {
+        self.locks.try_lock(volume).ok_or_else(|| {
+            Failure::new(FailureKind::Busy, format!("volume {volume}: an operation is in progress on this node; retry"))
+        })
     }
 
     /// Remove the holder at `mount_dir`; the record goes with its last holder.

@@ -68,6 +68,8 @@ pub enum FailureKind {
     Busy,
     Failed,
     Unavailable,
+    /// The steps outlived the deadline and go on; the volume stays locked.
+    TimedOut,
 }
 
 #[derive(Debug, thiserror::Error)]
