@@ -20,7 +20,7 @@ enum Command {
     /// their Flexvolume drivers.
     Agent {
         #[command(flatten)]
-        args: agent::AgentArgs,
+        args: Box<agent::AgentArgs>,
         #[command(flatten)]
         limits: LimitArgs,
     },
@@ -69,7 +69,7 @@ impl Cli {
 /// Run a parsed command line; the exit code says whether it succeeded.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Agent { args, limits } => agent::run(args, limits.limits()),
+        Command::Agent { args, limits } => agent::run(*args, limits.limits()),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
     }
 }
