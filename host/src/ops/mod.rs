@@ -135,14 +135,12 @@ impl Agent {
         }
     }
 
-    async fn queries(&self) -> Result<Arc<NodeQueries>, Failure> {
-        let sys = self.sys.clone();
-        let mounts = blocking(move || sys.mounts.mount_table()).await?.map_err(internal)?;
-        Ok(Arc::new(NodeQueries { node: self.config.node.clone(), sys: self.sys.clone(), mounts }))
+    fn queries(&self) -> Arc<NodeQueries> {
+        Arc::new(NodeQueries::new(self.config.node.clone(), self.sys.clone()))
     }
 
     fn node_facts(&self, holders: &[Holder]) -> Vec<NodeFacts> {
-        let q = NodeQueries { node: self.config.node.clone(), sys: self.sys.clone(), mounts: vec![] };
+        let q = NodeQueries::new(self.config.node.clone(), self.sys.clone());
         let mut names: Vec<&str> = holders.iter().map(|h| h.consumer.node.as_str()).collect();
         names.push(&self.config.node);
         names.sort();
@@ -192,7 +190,7 @@ impl Agent {
         let me = req.consumer;
         let mut lock = Some(self.lock(&volume.name)?);
         let paths = self.config.paths(backend, &volume.name);
-        let queries = self.queries().await?;
+        let queries = self.queries();
 
         // Fence and record, retrying lost races with a fresh read.
         let mut attempt = 0;
@@ -285,7 +283,7 @@ impl Agent {
             .into_iter()
             .filter(|h| h.consumer.node == self.config.node && h.consumer.mount_dir != mount_dir)
             .collect();
-        let queries = self.queries().await?;
+        let queries = self.queries();
         let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
         self.run_plan(plan, &mut lock).await?;
         self.remove_holder(&volume.name, mount_dir).await?;

@@ -4,12 +4,20 @@
 use crate::policy::{MountEntry, NodeFacts, PathKind, Queries, Watcher};
 use crate::sys::{MountInfo, Sys};
 use std::os::unix::fs::FileTypeExt;
+use std::sync::OnceLock;
 
 pub struct NodeQueries {
     pub node: String,
     pub sys: Sys,
-    /// The mount table when the operation began.
-    pub mounts: Vec<MountInfo>,
+    /// The mount table, read on the first `mount-at` (most policies never
+    /// ask; reading procfs does not block).
+    mounts: OnceLock<Vec<MountInfo>>,
+}
+
+impl NodeQueries {
+    pub fn new(node: String, sys: Sys) -> NodeQueries {
+        NodeQueries { node, sys, mounts: OnceLock::new() }
+    }
 }
 
 impl Queries for NodeQueries {
@@ -37,7 +45,13 @@ impl Queries for NodeQueries {
     }
 
     fn mount_at(&self, target: &str) -> Option<MountEntry> {
-        self.mounts.iter().rev().find(|m| m.mount_point.as_os_str() == target).map(|m| MountEntry {
+        let mounts = self.mounts.get_or_init(|| {
+            self.sys.mounts.mount_table().unwrap_or_else(|e| {
+                tracing::error!("a guest asked for a mount, but the mount table is unreadable: {e}");
+                Vec::new()
+            })
+        });
+        mounts.iter().rev().find(|m| m.mount_point.as_os_str() == target).map(|m| MountEntry {
             source: m.source.clone(),
             target: target.to_string(),
             fs_type: m.fs_type.clone(),
