@@ -7,7 +7,7 @@ pub mod request;
 pub mod stash;
 
 use crate::exec::Executor;
-use crate::ledger::{Ledger, LedgerError, Record, Version};
+use crate::ledger::{Ledger, LedgerError, Record};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, Plugin, Volume};
 use crate::socket::protocol::{BackendStatus, FailureKind, Response};
 use crate::sys::Sys;
@@ -323,10 +323,6 @@ impl Agent {
         Err(Failure::new(FailureKind::Busy, format!("attachment record {volume} keeps changing; retry")))
     }
 
-    /// The record of `volume`, for tools and tests.
-    pub async fn record(&self, volume: &str) -> Result<Option<(Record, Version)>, Failure> {
-        self.ledger.get(volume).await.map_err(ledger_failure)
-    }
 }
 
 /// Run blocking work (syscalls, tools, fsync) off the async workers.

@@ -102,10 +102,6 @@ impl Runtime {
         let ticker = Ticker::start(engine.clone()).map_err(RuntimeError::Ticker)?;
         Ok(Arc::new(Runtime { engine, linker, limits, ticker }))
     }
-
-    pub fn limits(&self) -> Limits {
-        self.limits
-    }
 }
 
 impl Drop for Runtime {

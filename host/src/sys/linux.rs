@@ -145,6 +145,9 @@ fn quick_probe(device: &Path) -> Option<Option<String>> {
     use std::io::Read;
     let mut head = vec![0u8; QUICK_PROBE_BYTES];
     let mut f = std::fs::File::open(device).ok()?;
+    // A loop device number is reused: drop whatever an earlier user of it
+    // left in the page cache, so the bytes read are the backing file's.
+    let _ = nix::fcntl::posix_fadvise(&f, 0, QUICK_PROBE_BYTES as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
     f.read_exact(&mut head).ok()?;
     if head.iter().all(|b| *b == 0) {
         return Some(None);
