@@ -1,0 +1,1 @@
+//! Placeholder: a real etcd + kube-apiserver for tests (being written).
