@@ -29,6 +29,10 @@ fn main() {
     for d in ["plugins", "disks", "kubelet", "vpd", "state"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
+    // As on a node: the runtime dir (socket, stash) on a tmpfs, the
+    // ledger on disk.
+    std::fs::create_dir_all(scratch.path("run")).expect("dir");
+    nix::mount::mount(Some("tmpfs"), &scratch.path("run"), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs for the runtime dir");
     std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
     let image = scratch.image("disks/vol.img", 64);
     let mkfs = Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&image).status().expect("mkfs");
@@ -72,11 +76,12 @@ fn kernel_cycle(scratch: &common::RootScratch, image: &Path) -> (Summary, Summar
 }
 
 fn agent_cycle(scratch: &common::RootScratch, image: &Path) -> (Summary, Summary) {
-    let socket = scratch.path("agent.sock");
+    let socket = scratch.path("run/agent.sock");
     let mut agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
         .args(["agent", "--node-name", "node-a"])
         .arg("--socket").arg(&socket)
         .arg("--state-dir").arg(scratch.path("state"))
+        .arg("--runtime-dir").arg(scratch.path("run"))
         .arg("--plugin-dir").arg(scratch.path("plugins"))
         .arg("--kubelet-root").arg(scratch.path("kubelet"))
         .arg("--discovery-dir").arg(scratch.path("disks"))

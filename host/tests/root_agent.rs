@@ -54,7 +54,9 @@ impl Node {
             .args(["agent", "--node-name", name])
             .arg("--socket").arg(&socket)
             .arg("--state-dir").arg(at("state"))
+            .arg("--runtime-dir").arg(at("run"))
             .arg("--ledger").arg(s.path("ledger.redb"))
+            .arg("--ledger-shared")
             .arg("--plugin-dir").arg(s.path("plugins"))
             .arg("--kubelet-root").arg(at("kubelet"))
             .arg("--discovery-dir").arg(s.path("disks"))
@@ -450,6 +452,42 @@ fn kill_9_between_any_two_steps_leaves_nothing_behind() {
         // kubelet retries the unmount: success, nothing to do.
         assert_success(&driver(&node, "node-a", &["unmount", &dir]));
     }
+}
+
+/// A reboot: the agent dies, the kernel forgets every mount and loop device,
+/// and the runtime dir (a tmpfs on a node) is empty again. The durable
+/// ledger still names node-a's pod; the restarted agent must release it, so
+/// another node may take the ReadWriteOnce volume, and mount it again itself.
+#[test]
+fn after_a_reboot_the_ledger_forgets_what_the_node_no_longer_has() {
+    let mut node = Node::start();
+    node.spawn_agent("node-b");
+    let image = node.image("reboot.img", 64);
+    let opts = |pod: &str| kubelet_options("pv-reboot", pod, &format!("uid-{pod}"), "ext4", &image).to_string();
+    let dir = node.mount_dir_of("node-a", "shared-file", "uid-a1", "pv-reboot");
+    assert_success(&driver(&node, "node-a", &["mount", &dir, &opts("a1")]));
+    let probe = node.mount_dir_of("node-b", "shared-file", "uid-b1", "pv-reboot");
+    assert_failure(&driver(&node, "node-b", &["mount", &probe, &opts("b1")]), "in use by pod default/a1 on node node-a");
+
+    // The "reboot" of node-a.
+    let pid = node.agents.iter().find(|(n, _)| n == "node-a").map(|(_, c)| c.id()).expect("node-a runs");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).expect("kill");
+    node.stop_agent_of("node-a");
+    for m in node.scratch.mounts().into_iter().rev() {
+        nix::mount::umount2(&m, nix::mount::MntFlags::empty()).expect("the reboot unmounts");
+    }
+    for d in node.scratch.loops() {
+        use volagent::sys::Devices;
+        volagent::sys::linux::Linux::default().loop_detach(&d).expect("the reboot detaches");
+    }
+    std::fs::remove_dir_all(node.scratch.path("node-a/run")).expect("the tmpfs is empty after a reboot");
+    node.spawn_agent("node-a");
+
+    assert_success(&driver(&node, "node-b", &["mount", &probe, &opts("b1")]));
+    assert_success(&driver(&node, "node-b", &["unmount", &probe]));
+    assert_success(&driver(&node, "node-a", &["mount", &dir, &opts("a1")]));
+    assert_success(&driver(&node, "node-a", &["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
 
 /// A step that hangs: the request fails at the plan deadline with a clear

@@ -18,16 +18,26 @@ pub struct AgentArgs {
     /// This node's name (the DaemonSet passes NODE_NAME from the downward API).
     #[arg(long, env = "NODE_NAME")]
     node_name: Option<String>,
-    /// The agent's socket.
-    #[arg(long, default_value = "/run/volagent/agent.sock")]
-    socket: PathBuf,
-    /// Where the agent keeps its ledger, stash and per-volume state.
+    /// The agent's socket; default <runtime-dir>/agent.sock.
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Where the agent keeps what lives as long as this boot's mounts and
+    /// devices: the socket and the stash of what it mounted. Keep it on a
+    /// tmpfs: a reboot then forgets exactly what it undid, and writes to
+    /// it need no disk flush.
+    #[arg(long, default_value = "/run/volagent")]
+    runtime_dir: PathBuf,
+    /// Where the agent keeps what outlives a reboot: the embedded ledger,
+    /// the default plugin dir, backends' per-volume state.
     #[arg(long, default_value = "/var/lib/volagent")]
     state_dir: PathBuf,
     /// The embedded attachment ledger; default <state-dir>/ledger.redb.
-    /// Agents on one machine may share one.
     #[arg(long)]
     ledger: Option<PathBuf>,
+    /// Other agents on this machine (simulated nodes) use the same ledger
+    /// file; each change then costs one more disk flush.
+    #[arg(long)]
+    ledger_shared: bool,
     /// Backend policy components (*.wasm); default <state-dir>/plugins.
     #[arg(long)]
     plugin_dir: Option<PathBuf>,
@@ -58,6 +68,12 @@ pub struct AgentArgs {
     max_concurrent: u64,
 }
 
+impl AgentArgs {
+    fn socket(&self) -> PathBuf {
+        self.socket.clone().unwrap_or_else(|| self.runtime_dir.join("agent.sock"))
+    }
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
 }
@@ -75,7 +91,7 @@ fn install_drivers(args: &AgentArgs, backends: &[String]) {
         Err(e) => return tracing::error!("Flexvolume drivers not installed: {e}"),
     };
     for backend in backends {
-        let config = DriverConfig { socket: args.socket.clone(), backend: backend.clone() };
+        let config = DriverConfig { socket: args.socket(), backend: backend.clone() };
         match install::install_driver(&dir, &driver, &config) {
             Ok(path) => tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}"),
             Err(e) => tracing::error!(backend, "Flexvolume driver not installed: {e}"),
@@ -94,8 +110,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     }
     let backends: Vec<String> = plugins.iter().map(|p| p.name().to_string()).collect();
     let ledger_path = args.ledger.clone().unwrap_or_else(|| args.state_dir.join("ledger.redb"));
-    let ledger = Arc::new(EmbeddedLedger::open(&ledger_path)?);
-    let stash = Stash::open(&args.state_dir.join("stash.redb"))?;
+    let ledger = Arc::new(EmbeddedLedger::open(&ledger_path, args.ledger_shared)?);
+    let stash = Stash::open(&args.runtime_dir.join("stash.redb"))?;
+    let socket = args.socket();
     let config = NodeConfig {
         node: node.clone(),
         kubelet_root: args.kubelet_root.clone(),
@@ -107,7 +124,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         install_drivers(&args, &backends);
     }
     let server_config = ServerConfig {
-        socket: args.socket.clone(),
+        socket: socket.clone(),
         allowed_uids: args.allowed_uids.clone(),
         max_concurrent: args.max_concurrent as usize,
         request_timeout: Duration::from_secs(10),
@@ -115,7 +132,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     rt.block_on(async move {
-        server::ensure_free(&args.socket)?;
+        server::ensure_free(&socket)?;
         // Before serving (and before the socket appears, so callers wait or
         // retry): repair what a crash left, so the first request meets a node
         // whose records and mounts agree.
@@ -130,15 +147,15 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             ),
             Err(f) => tracing::error!("start-up reconciliation failed: {}", f.message),
         }
-        let listener = server::bind(&args.socket)?;
-        tracing::info!(node, socket = %args.socket.display(), backends = ?backends, "volagent agent serving");
+        let listener = server::bind(&socket)?;
+        tracing::info!(node, socket = %socket.display(), backends = ?backends, "volagent agent serving");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
         tokio::select! {
             r = server::serve(listener, agent, server_config) => r.context("socket server")?,
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
             _ = term.recv() => tracing::info!("terminated"),
         }
-        remove_socket(&args.socket);
+        remove_socket(&socket);
         anyhow::Ok(ExitCode::SUCCESS)
     })
 }

@@ -71,7 +71,15 @@ impl Mounts for Linux {
     fn mount_table(&self) -> Result<Vec<MountInfo>, SysError> {
         // thread-self: a mount namespace may be per thread (tests unshare one).
         let path = Path::new("/proc/thread-self/mountinfo");
-        let text = std::fs::read_to_string(path).map_err(|source| SysError::Io { op: "read", path: path.to_path_buf(), source })?;
+        // proc files report no size, so std's read grows its buffer from 32
+        // bytes, a syscall per doubling; one large buffer reads it in one or two.
+        let read = || -> std::io::Result<String> {
+            use std::io::Read;
+            let mut text = String::with_capacity(64 << 10);
+            std::fs::File::open(path)?.read_to_string(&mut text)?;
+            Ok(text)
+        };
+        let text = read().map_err(|source| SysError::Io { op: "read", path: path.to_path_buf(), source })?;
         Ok(mountinfo::parse(&text)?)
     }
 
@@ -143,15 +151,14 @@ const QUICK_PROBE_BYTES: usize = 128 << 10;
 /// that. Anything else is for blkid to tell.
 fn quick_probe(device: &Path) -> Option<Option<String>> {
     use std::io::Read;
-    let mut head = vec![0u8; QUICK_PROBE_BYTES];
     let mut f = std::fs::File::open(device).ok()?;
     // A loop device number is reused: drop whatever an earlier user of it
     // left in the page cache, so the bytes read are the backing file's.
     let _ = nix::fcntl::posix_fadvise(&f, 0, QUICK_PROBE_BYTES as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+    // The superblocks recognised here sit in the first 4 KiB; the whole
+    // window is read only to call a device blank.
+    let mut head = vec![0u8; 4096];
     f.read_exact(&mut head).ok()?;
-    if head.iter().all(|b| *b == 0) {
-        return Some(None);
-    }
     // ext2/3/4: magic 0xEF53 at 1024 + 56; a journal (ext3+) and extents
     // (ext4) are features blkid would look at, so only claim ext4 when the
     // incompat "extents" flag (0x40) at 1024 + 96 is set.
@@ -160,6 +167,11 @@ fn quick_probe(device: &Path) -> Option<Option<String>> {
     }
     if &head[0..4] == b"XFSB" {
         return Some(Some("xfs".to_string()));
+    }
+    head.resize(QUICK_PROBE_BYTES, 0);
+    f.read_exact(&mut head[4096..]).ok()?;
+    if head.iter().all(|b| *b == 0) {
+        return Some(None);
     }
     None
 }
