@@ -1,1 +1,543 @@
-//! Placeholder: a real etcd + kube-apiserver for tests (being written).
+//! Test support: a real etcd + kube-apiserver on loopback.
+//!
+//! [`KubeEnv::start`] starts an independent single-node cluster — an etcd and
+//! a kube-apiserver (1.20.2) as child processes, on free loopback ports, with
+//! everything in a private temporary directory — and waits until the API
+//! server reports ready. Dropping the [`KubeEnv`] kills both and removes the
+//! directory. The children also get `SIGKILL` if the test process dies.
+//!
+//! The binaries come from `$KUBEBUILDER_ASSETS` when that is set, otherwise
+//! from the cache `scripts/kube-assets` fills
+//! (`${XDG_CACHE_HOME:-~/.cache}/volagent/kube-assets/1.20.2/`). When they
+//! are missing, [`KubeEnv::start`] fails (it does not skip) and says to run
+//! `scripts/kube-assets`.
+//!
+//! Authentication is by static tokens: [`ADMIN_USER`] is in `system:masters`,
+//! [`AGENT_USER`] is in no group, so it can do only what RBAC objects a test
+//! creates grant it. Authorization is RBAC. There is no controller-manager or
+//! scheduler: nothing garbage-collects, creates service accounts or schedules
+//! pods, and the `ServiceAccount` admission plugin is off so that pods can be
+//! created at all.
+
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read as _};
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+/// The Kubernetes version `scripts/kube-assets` builds.
+pub const KUBE_VERSION: &str = "1.20.2";
+/// A user in `system:masters`: may do everything.
+pub const ADMIN_USER: &str = "admin";
+/// A user in no group: may do only what the test's RBAC objects grant.
+pub const AGENT_USER: &str = "volagent-agent";
+
+/// How long etcd, and then the API server, may take to become ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Attempts with fresh ports when a port picked as free was taken meanwhile.
+const PORT_ATTEMPTS: usize = 3;
+
+/// A running etcd + kube-apiserver; see the crate documentation.
+pub struct KubeEnv {
+    dir: tempfile::TempDir,
+    apiserver_bin: PathBuf,
+    apiserver_args: Vec<OsString>,
+    url: String,
+    users: Vec<User>,
+    etcd: Mutex<Option<Child>>,
+    apiserver: Mutex<Option<Child>>,
+}
+
+struct User {
+    name: &'static str,
+    kubeconfig: PathBuf,
+    config: kube::Config,
+}
+
+impl KubeEnv {
+    /// Starts a new, independent cluster and waits until its API server is
+    /// ready (a few seconds).
+    pub async fn start() -> anyhow::Result<KubeEnv> {
+        let assets = assets_dir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("volagent-kube-env-")
+            .tempdir()
+            .context("creating the kube-env directory")?;
+        let d = dir.path();
+
+        let sa_key = d.join("service-account.key");
+        let out = tokio::process::Command::new("openssl")
+            .args(["genrsa", "-out"])
+            .arg(&sa_key)
+            .arg("2048")
+            .output()
+            .await
+            .context(
+                "running `openssl genrsa` for the service-account key (is openssl installed?)",
+            )?;
+        if !out.status.success() {
+            bail!(
+                "openssl genrsa failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+
+        let admin_token = random_token()?;
+        let agent_token = random_token()?;
+        let tokens = d.join("tokens.csv");
+        fs::write(
+            &tokens,
+            format!(
+                "{admin_token},{ADMIN_USER},{ADMIN_USER},\"system:masters\"\n\
+                 {agent_token},{AGENT_USER},{AGENT_USER}\n"
+            ),
+        )
+        .context("writing the token file")?;
+
+        // etcd, on fresh ports until one pair is really free.
+        let etcd_data = d.join("etcd");
+        let etcd_log = d.join("etcd.log");
+        let mut attempt = 0;
+        let (etcd, etcd_url) = loop {
+            attempt += 1;
+            let (client_port, peer_port) = {
+                let ports = free_ports(2)?;
+                (ports[0], ports[1])
+            };
+            let client_url = format!("http://127.0.0.1:{client_port}");
+            let peer_url = format!("http://127.0.0.1:{peer_port}");
+            let mut cmd = Command::new(assets.join("etcd"));
+            cmd.current_dir(d)
+                .arg("--name=default")
+                .arg(arg("--data-dir=", &etcd_data))
+                .arg(format!("--listen-client-urls={client_url}"))
+                .arg(format!("--advertise-client-urls={client_url}"))
+                .arg(format!("--listen-peer-urls={peer_url}"))
+                .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+                .arg(format!("--initial-cluster=default={peer_url}"))
+                .arg("--logger=zap")
+                .arg("--log-outputs=stderr");
+            if std::env::consts::ARCH == "aarch64" {
+                // etcd 3.4 refuses to start on arm64 unless told.
+                cmd.env("ETCD_UNSUPPORTED_ARCH", "arm64");
+            }
+            let mut child = spawn(cmd, &etcd_log, false)
+                .with_context(|| format!("starting {}", assets.join("etcd").display()))?;
+            match wait_etcd(&mut child, client_port, &etcd_log).await {
+                Ok(()) => break (child, client_url),
+                Err(e) => {
+                    kill(&mut child);
+                    if attempt < PORT_ATTEMPTS && port_clash(&etcd_log) {
+                        let _ = fs::remove_dir_all(&etcd_data);
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+        };
+
+        let mut env = KubeEnv {
+            apiserver_bin: assets.join("kube-apiserver"),
+            apiserver_args: Vec::new(),
+            url: String::new(),
+            users: Vec::new(),
+            etcd: Mutex::new(Some(etcd)),
+            apiserver: Mutex::new(None),
+            dir,
+        };
+        let d = env.dir.path().to_owned();
+
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let port = free_ports(1)?[0];
+            env.url = format!("https://127.0.0.1:{port}");
+            env.apiserver_args = vec![
+                format!("--etcd-servers={etcd_url}").into(),
+                format!("--secure-port={port}").into(),
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                arg("--cert-dir=", &d.join("certs")),
+                arg("--token-auth-file=", &tokens),
+                "--authorization-mode=RBAC".into(),
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+                arg("--service-account-key-file=", &sa_key),
+                arg("--service-account-signing-key-file=", &sa_key),
+                "--service-cluster-ip-range=10.0.0.0/24".into(),
+                "--disable-admission-plugins=ServiceAccount".into(),
+                "--allow-privileged=true".into(),
+                "--profiling=false".into(),
+            ];
+            env.users = Vec::new();
+            for (name, token) in [(ADMIN_USER, &admin_token), (AGENT_USER, &agent_token)] {
+                let kubeconfig = if name == ADMIN_USER {
+                    d.join("kubeconfig")
+                } else {
+                    d.join(format!("kubeconfig-{name}"))
+                };
+                write_kubeconfig(&kubeconfig, &env.url, name, token)?;
+                let config = config_from(&kubeconfig).await?;
+                env.users.push(User {
+                    name,
+                    kubeconfig,
+                    config,
+                });
+            }
+            match env.run_apiserver(attempt > 1).await {
+                Ok(()) => return Ok(env),
+                Err(e) => {
+                    env.stop_apiserver();
+                    if attempt < PORT_ATTEMPTS && port_clash(&env.apiserver_log()) {
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// A client acting as [`ADMIN_USER`] (`system:masters`).
+    ///
+    /// Panics outside a Tokio runtime, like every `kube::Client`.
+    pub fn client(&self) -> kube::Client {
+        kube::Client::try_from(self.users[0].config.clone())
+            .expect("a kube client from the env's own kubeconfig")
+    }
+
+    /// A client acting as `user`, one of [`ADMIN_USER`] and [`AGENT_USER`].
+    pub fn client_for(&self, user: &str) -> anyhow::Result<kube::Client> {
+        let config = self.user(user)?.config.clone();
+        kube::Client::try_from(config).context("building a kube client")
+    }
+
+    /// A kubeconfig file for [`ADMIN_USER`] (token auth,
+    /// `insecure-skip-tls-verify`), for child processes.
+    pub fn kubeconfig_path(&self) -> &Path {
+        &self.users[0].kubeconfig
+    }
+
+    /// A kubeconfig file for `user`, one of [`ADMIN_USER`] and [`AGENT_USER`].
+    pub fn kubeconfig_path_for(&self, user: &str) -> anyhow::Result<&Path> {
+        Ok(&self.user(user)?.kubeconfig)
+    }
+
+    /// The API server's URL, `https://127.0.0.1:<port>`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The env's private directory (logs: `etcd.log`, `kube-apiserver.log`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Kills the API server (`SIGKILL`) and waits for it; etcd keeps
+    /// running. Requests fail until [`Self::start_apiserver`]. Does nothing
+    /// if it is not running.
+    pub fn stop_apiserver(&self) {
+        if let Some(mut child) = lock(&self.apiserver).take() {
+            kill(&mut child);
+        }
+    }
+
+    /// Starts the API server again, on the same port with the same etcd, and
+    /// waits until it is ready. Does nothing but wait if it is running.
+    pub async fn start_apiserver(&self) -> anyhow::Result<()> {
+        self.run_apiserver(true).await
+    }
+
+    async fn run_apiserver(&self, append_log: bool) -> anyhow::Result<()> {
+        let log = self.apiserver_log();
+        {
+            let mut slot = lock(&self.apiserver);
+            if slot.is_none() {
+                let mut cmd = Command::new(&self.apiserver_bin);
+                cmd.current_dir(self.dir.path()).args(&self.apiserver_args);
+                let child = spawn(cmd, &log, append_log)
+                    .with_context(|| format!("starting {}", self.apiserver_bin.display()))?;
+                *slot = Some(child);
+            }
+        }
+
+        let mut probe = self.users[0].config.clone();
+        probe.default_retry = false;
+        probe.connect_timeout = Some(Duration::from_secs(2));
+        probe.read_timeout = Some(Duration::from_secs(5));
+        let probe = kube::Client::try_from(probe).context("building the readiness client")?;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(status) = exited(&self.apiserver)? {
+                bail!(
+                    "kube-apiserver exited ({status}) before it was ready\n{}",
+                    log_tail(&log)
+                );
+            }
+            let request = http::Request::get("/readyz").body(Vec::new())?;
+            let last = match probe.request_text(request).await {
+                Ok(_) => return Ok(()),
+                Err(e) => e,
+            };
+            if Instant::now() > deadline {
+                bail!(
+                    "kube-apiserver not ready after {READY_TIMEOUT:?} (last: {last})\n{}",
+                    log_tail(&log)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn apiserver_log(&self) -> PathBuf {
+        self.dir.path().join("kube-apiserver.log")
+    }
+
+    fn user(&self, user: &str) -> anyhow::Result<&User> {
+        self.users.iter().find(|u| u.name == user).with_context(|| {
+            format!("kube-env has no user {user:?}; it has {ADMIN_USER:?} and {AGENT_USER:?}")
+        })
+    }
+}
+
+impl Drop for KubeEnv {
+    fn drop(&mut self) {
+        self.stop_apiserver();
+        if let Some(mut child) = lock(&self.etcd).take() {
+            kill(&mut child);
+        }
+        if std::thread::panicking() {
+            // The directory (and its logs) goes away; show what the API server said.
+            eprintln!("{}", log_tail(&self.apiserver_log()));
+        }
+    }
+}
+
+/// The directory with `etcd` and `kube-apiserver`.
+fn assets_dir() -> anyhow::Result<PathBuf> {
+    let has = |d: &Path| is_executable(&d.join("etcd")) && is_executable(&d.join("kube-apiserver"));
+    if let Some(d) = std::env::var_os("KUBEBUILDER_ASSETS").filter(|d| !d.is_empty()) {
+        let d = PathBuf::from(d);
+        if has(&d) {
+            return Ok(d);
+        }
+        bail!(
+            "KUBEBUILDER_ASSETS={} holds no executable etcd and kube-apiserver; \
+             unset it and run scripts/kube-assets, or point it at a directory that has them",
+            d.display()
+        );
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .context("neither KUBEBUILDER_ASSETS nor HOME is set")?;
+    let d = cache.join("volagent/kube-assets").join(KUBE_VERSION);
+    if has(&d) {
+        return Ok(d);
+    }
+    bail!(
+        "etcd and kube-apiserver not found in {} and KUBEBUILDER_ASSETS is not set: \
+         run scripts/kube-assets once (it builds kube-apiserver {KUBE_VERSION}, about 7 minutes) \
+         or set KUBEBUILDER_ASSETS to a directory holding both",
+        d.display()
+    )
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt as _;
+    fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+fn arg(flag: &str, path: &Path) -> OsString {
+    let mut s = OsString::from(flag);
+    s.push(path);
+    s
+}
+
+/// `n` distinct loopback ports that were free a moment ago.
+fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    // Hold every listener until all are picked, so that they differ.
+    let listeners = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<io::Result<Vec<_>>>()
+        .context("picking a free loopback port")?;
+    listeners
+        .iter()
+        .map(|l| Ok(l.local_addr()?.port()))
+        .collect()
+}
+
+fn port_clash(log: &Path) -> bool {
+    fs::read_to_string(log).is_ok_and(|s| s.contains("address already in use"))
+}
+
+fn random_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 16];
+    File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("reading /dev/urandom")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn write_kubeconfig(path: &Path, url: &str, user: &str, token: &str) -> anyhow::Result<()> {
+    let kubeconfig = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{
+            "name": "kube-env",
+            "cluster": { "server": url, "insecure-skip-tls-verify": true },
+        }],
+        "users": [{ "name": user, "user": { "token": token } }],
+        "contexts": [{
+            "name": user,
+            "context": { "cluster": "kube-env", "user": user, "namespace": "default" },
+        }],
+        "current-context": user,
+    });
+    fs::write(path, serde_json::to_vec_pretty(&kubeconfig)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+async fn config_from(kubeconfig: &Path) -> anyhow::Result<kube::Config> {
+    let parsed = kube::config::Kubeconfig::read_from(kubeconfig)
+        .with_context(|| format!("reading {}", kubeconfig.display()))?;
+    kube::Config::from_custom_kubeconfig(parsed, &kube::config::KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("loading {}", kubeconfig.display()))
+}
+
+/// Waits until etcd answers `/health` with `"health":"true"`.
+async fn wait_etcd(child: &mut Child, port: u16, log: &Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "etcd exited ({status}) before it was ready\n{}",
+                log_tail(log)
+            );
+        }
+        if etcd_healthy(port).await {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("etcd not ready after {READY_TIMEOUT:?}\n{}", log_tail(log));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn etcd_healthy(port: u16) -> bool {
+    let ask = async {
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        conn.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .await?;
+        let mut answer = Vec::new();
+        conn.read_to_end(&mut answer).await?;
+        io::Result::Ok(String::from_utf8_lossy(&answer).contains(r#""health":"true""#))
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), ask).await,
+        Ok(Ok(true))
+    )
+}
+
+fn lock(m: &Mutex<Option<Child>>) -> MutexGuard<'_, Option<Child>> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn exited(m: &Mutex<Option<Child>>) -> anyhow::Result<Option<String>> {
+    match lock(m).as_mut() {
+        None => Ok(Some("stopped".into())),
+        Some(child) => Ok(child.try_wait()?.map(|s| s.to_string())),
+    }
+}
+
+fn kill(child: &mut Child) {
+    let _ = child.kill(); // SIGKILL
+    let _ = child.wait();
+}
+
+/// The last lines of a log file, for error messages.
+fn log_tail(log: &Path) -> String {
+    const LINES: usize = 40;
+    match fs::read_to_string(log) {
+        Ok(text) => {
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(LINES)..];
+            format!(
+                "--- last lines of {} ---\n{}",
+                log.display(),
+                tail.join("\n")
+            )
+        }
+        Err(e) => format!("({}: {e})", log.display()),
+    }
+}
+
+/// Starts `cmd` with stdout and stderr going to `log`, and with `SIGKILL` as
+/// its parent-death signal, so it dies with the test process.
+fn spawn(mut cmd: Command, log: &Path, append: bool) -> anyhow::Result<Child> {
+    let out = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .open(log)
+        .with_context(|| format!("opening {}", log.display()))?;
+    cmd.stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out);
+    set_parent_death_signal(&mut cmd);
+
+    // The parent-death signal fires when the *thread* that forked the child
+    // ends, not the process; Tokio's threads come and go. So children are
+    // forked by one thread that lives as long as the process.
+    type Job = (Command, mpsc::Sender<io::Result<Child>>);
+    static SPAWNER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("kube-env-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("starting the kube-env spawner thread");
+        tx
+    });
+    let (reply, answer) = mpsc::channel();
+    spawner
+        .send((cmd, reply))
+        .context("the kube-env spawner thread is gone")?;
+    Ok(answer
+        .recv()
+        .context("the kube-env spawner thread is gone")??)
+}
+
+#[allow(unsafe_code)]
+fn set_parent_death_signal(cmd: &mut Command) {
+    use nix::sys::signal::Signal;
+    use nix::unistd::{Pid, getppid};
+    let parent = Pid::from_raw(std::process::id() as i32);
+    // SAFETY: the closure runs in the forked child before exec; it only makes
+    // two system calls (prctl, getppid), which are async-signal-safe, and
+    // neither allocates nor takes locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            // The parent may have died before prctl: then do not start at all.
+            if getppid() != parent {
+                return Err(io::Error::from(nix::errno::Errno::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
