@@ -5,6 +5,7 @@
 
 pub mod cli;
 pub mod exec;
+pub mod kube;
 pub mod ledger;
 pub mod ops;
 pub mod plugin;

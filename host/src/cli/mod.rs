@@ -31,6 +31,13 @@ enum Command {
         #[command(flatten)]
         limits: LimitArgs,
     },
+    /// Print the CustomResourceDefinitions (volagent.io/v1alpha1) as YAML,
+    /// or write one file per CRD into a dir.
+    Crds {
+        /// Write <crd-name>.yaml files here instead of printing.
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
 }
 
 /// Per-call limits of the guest runtime.
@@ -61,7 +68,7 @@ impl Cli {
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
             Command::Agent { .. } => "info",
-            Command::Plugin { .. } => "error",
+            Command::Plugin { .. } | Command::Crds { .. } => "error",
         }
     }
 }
@@ -71,5 +78,18 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Agent { args, limits } => agent::run(*args, limits.limits()),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
+        Command::Crds { dir: None } => {
+            print!("{}", crate::kube::crds::yaml_stream());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Crds { dir: Some(dir) } => {
+            use anyhow::Context;
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            for (file, yaml) in crate::kube::crds::all() {
+                let path = dir.join(file);
+                std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }

@@ -11,6 +11,7 @@ pub fn record(volume: &str, holders: &[(&str, &str)]) -> Record {
         volume: volume.to_string(),
         backend: "local-pv".to_string(),
         access_mode: AccessMode::ReadWriteOnce,
+        storage_cluster: Some("ceph-a".to_string()),
         holders: holders
             .iter()
             .map(|(node, pod)| Holder {

@@ -15,6 +15,9 @@ pub struct Record {
     pub volume: String,
     pub backend: String,
     pub access_mode: AccessMode,
+    /// The StorageCluster the volume names in its `storageCluster` option.
+    #[serde(default)]
+    pub storage_cluster: Option<String>,
     pub holders: Vec<Holder>,
 }
 

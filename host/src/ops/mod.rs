@@ -214,7 +214,13 @@ impl Agent {
             if !already {
                 kept.push(Holder { consumer: me.clone(), since: now_rfc3339() });
             }
-            let record = Record { volume: volume.name.clone(), backend: backend.to_string(), access_mode: volume.access_mode, holders: kept };
+            let record = Record {
+                volume: volume.name.clone(),
+                backend: backend.to_string(),
+                access_mode: volume.access_mode,
+                storage_cluster: storage_cluster(&volume),
+                holders: kept,
+            };
             let written = match &current {
                 None => self.ledger.create(&record).await,
                 Some((_, v)) if record.holders != holders => self.ledger.update(&record, v).await,
@@ -328,6 +334,13 @@ impl Agent {
 /// Run blocking work (syscalls, tools, fsync) off the async workers.
 async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, Failure> {
     tokio::task::spawn_blocking(f).await.map_err(|e| internal(format!("agent task failed: {e}")))
+}
+
+/// The option naming the StorageCluster a volume lives on.
+pub const STORAGE_CLUSTER_OPTION: &str = "storageCluster";
+
+fn storage_cluster(volume: &Volume) -> Option<String> {
+    volume.options.iter().find(|kv| kv.key == STORAGE_CLUSTER_OPTION).map(|kv| kv.value.clone())
 }
 
 fn now_rfc3339() -> String {

@@ -1,0 +1,5 @@
+//! Kubernetes: the custom resources, the ledger on them, the node facts and
+//! PVs the agent reads, and the controller.
+
+pub mod crds;
+pub mod ledger;
