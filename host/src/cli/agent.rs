@@ -38,6 +38,13 @@ pub struct AgentArgs {
     /// file; each change then costs one more disk flush.
     #[arg(long)]
     ledger_shared: bool,
+    /// Join a cluster through this kubeconfig: the ledger is then the
+    /// cluster's Attachment records, fencing reads Nodes and PVs.
+    #[arg(long, env = "KUBECONFIG", conflicts_with = "in_cluster")]
+    kubeconfig: Option<PathBuf>,
+    /// Join the cluster the agent's pod runs in (its service account).
+    #[arg(long)]
+    in_cluster: bool,
     /// Backend policy components (*.wasm); default <state-dir>/plugins.
     #[arg(long)]
     plugin_dir: Option<PathBuf>,
@@ -109,8 +116,25 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         tracing::warn!(dir = %plugin_dir.display(), "no backend loaded: put <backend>.wasm files there");
     }
     let backends: Vec<String> = plugins.iter().map(|p| p.name().to_string()).collect();
-    let ledger_path = args.ledger.clone().unwrap_or_else(|| args.state_dir.join("ledger.redb"));
-    let ledger = Arc::new(EmbeddedLedger::open(&ledger_path, args.ledger_shared)?);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
+    let cluster = match (&args.kubeconfig, args.in_cluster) {
+        (None, false) => None,
+        (kubeconfig, _) => {
+            let client = rt.block_on(crate::kube::cluster::client(kubeconfig.as_deref()))?;
+            Some(crate::kube::cluster::Cluster { client, component: "volagent-agent".into(), node: node.clone() })
+        }
+    };
+    let ledger: Arc<dyn crate::ledger::Ledger> = match &cluster {
+        Some(c) => {
+            tracing::info!("ledger: Attachment records (attachments.volagent.io) in the cluster");
+            Arc::new(crate::kube::ledger::KubeLedger::new(c.client.clone()))
+        }
+        None => {
+            let ledger_path = args.ledger.clone().unwrap_or_else(|| args.state_dir.join("ledger.redb"));
+            tracing::info!(path = %ledger_path.display(), "ledger: embedded (no cluster configured)");
+            Arc::new(EmbeddedLedger::open(&ledger_path, args.ledger_shared)?)
+        }
+    };
     let stash = Stash::open(&args.runtime_dir.join("stash.redb"))?;
     let socket = args.socket();
     let config = NodeConfig {
@@ -119,7 +143,11 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         state_dir: args.state_dir.clone(),
         discovery_dirs: args.discovery_dirs.clone(),
     };
-    let agent = Arc::new(Agent::new(config, plugins, ledger, stash, Sys::linux(), Duration::from_secs(args.plan_deadline_secs)));
+    let mut agent = Agent::new(config, plugins, ledger, stash, Sys::linux(), Duration::from_secs(args.plan_deadline_secs));
+    if let Some(c) = cluster.clone() {
+        agent = agent.with_cluster(c);
+    }
+    let agent = Arc::new(agent);
     if !args.no_driver_install {
         install_drivers(&args, &backends);
     }
@@ -130,7 +158,6 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         request_timeout: Duration::from_secs(10),
         slot_timeout: Duration::from_secs(120),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     rt.block_on(async move {
         server::ensure_free(&socket)?;
         // Before serving (and before the socket appears, so callers wait or

@@ -3,3 +3,4 @@
 
 pub mod crds;
 pub mod ledger;
+pub mod cluster;

@@ -103,12 +103,20 @@ pub struct Agent {
     locks: Locks,
     /// How long a request waits for a plan's steps.
     plan_deadline: Duration,
+    /// The cluster, when there is one: node facts, PVs, Events.
+    cluster: Option<crate::kube::cluster::Cluster>,
 }
 
 impl Agent {
     pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys, plan_deadline: Duration) -> Agent {
         let plugins = plugins.into_iter().map(|p| (p.name().to_string(), Arc::new(p))).collect();
-        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline }
+        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None }
+    }
+
+    /// Read node facts and PVs from `cluster`, and tell it of failures.
+    pub fn with_cluster(mut self, cluster: crate::kube::cluster::Cluster) -> Agent {
+        self.cluster = Some(cluster);
+        self
     }
 
     pub fn plugin(&self, backend: &str) -> Result<Arc<Plugin>, Failure> {
@@ -135,17 +143,44 @@ impl Agent {
         }
     }
 
-    fn queries(&self) -> Arc<NodeQueries> {
-        Arc::new(NodeQueries::new(self.config.node.clone(), self.sys.clone()))
+    fn queries(&self, facts: &[NodeFacts]) -> Arc<NodeQueries> {
+        Arc::new(NodeQueries::new(self.config.node.clone(), self.sys.clone()).with_facts(facts.to_vec()))
     }
 
-    fn node_facts(&self, holders: &[Holder]) -> Vec<NodeFacts> {
-        let q = NodeQueries::new(self.config.node.clone(), self.sys.clone());
+    /// Facts of this node and of every holder's: from the cluster when
+    /// there is one, else this node's own view.
+    async fn node_facts(&self, holders: &[Holder]) -> Result<Vec<NodeFacts>, Failure> {
         let mut names: Vec<&str> = holders.iter().map(|h| h.consumer.node.as_str()).collect();
         names.push(&self.config.node);
         names.sort();
         names.dedup();
-        names.into_iter().map(|n| crate::policy::Queries::node_state(&q, n)).collect()
+        match &self.cluster {
+            Some(cluster) => cluster
+                .node_facts(&names)
+                .await
+                .map_err(|e| Failure::new(FailureKind::Unavailable, format!("reading Nodes from the Kubernetes API: {e}"))),
+            None => {
+                let q = NodeQueries::new(self.config.node.clone(), self.sys.clone());
+                Ok(names.into_iter().map(|n| crate::policy::Queries::node_state(&q, n)).collect())
+            }
+        }
+    }
+
+    /// kubelet's `mount <dir> <options>`; a failure is also told to the
+    /// cluster as an Event on the pod.
+    pub async fn mount(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
+        let result = self.mount_volume(backend, mount_dir, options).await;
+        if let (Err(f), Some(cluster)) = (&result, &self.cluster) {
+            let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
+            let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
+            let reason = if f.kind == FailureKind::Denied { "VolumeFenced" } else { "VolumeMountFailed" };
+            if !ns.is_empty() && !pod.is_empty() && f.kind != FailureKind::BadRequest {
+                let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
+                let reason = reason.to_string();
+                tokio::spawn(async move { cluster.pod_event(&ns, &pod, &uid, true, &reason, &message).await });
+            }
+        }
+        result
     }
 
     /// Run `plan`, waiting at most the plan deadline. A step that hangs
@@ -181,24 +216,32 @@ impl Agent {
         blocking(move || f(&stash)).await?.map_err(internal)
     }
 
-    /// kubelet's `mount <dir> <options>`.
-    pub async fn mount(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
+    async fn mount_volume(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
         let dir = parse_mount_dir(&self.config.kubelet_root, backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         let req = parse_mount(&self.config.node, backend, &dir, options).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         let plugin = self.plugin(backend)?;
-        let volume = req.volume;
+        let mut volume = req.volume;
         let me = req.consumer;
         let mut lock = Some(self.lock(&volume.name)?);
         let paths = self.config.paths(backend, &volume.name);
-        let queries = self.queries();
+        if let Some(cluster) = &self.cluster {
+            // The PV's access mode governs fencing, not an option the pod's
+            // author could set.
+            match cluster.pv_access_mode(&volume.name).await {
+                Ok(Some(mode)) => volume.access_mode = mode,
+                Ok(None) => {}
+                Err(e) => return Err(Failure::new(FailureKind::Unavailable, format!("reading PersistentVolume {}: {e}", volume.name))),
+            }
+        }
 
         // Fence and record, retrying lost races with a fresh read.
         let mut attempt = 0;
-        let (local, added) = loop {
+        let (local, added, queries) = loop {
             attempt += 1;
             let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
             let holders = current.as_ref().map(|(r, _)| r.holders.clone()).unwrap_or_default();
-            let nodes = self.node_facts(&holders);
+            let nodes = self.node_facts(&holders).await?;
+            let queries = self.queries(&nodes);
             let decision = plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
             let mut kept = holders.clone();
             match decision {
@@ -227,7 +270,7 @@ impl Agent {
                 Some((_, v)) => Ok(v.clone()),
             };
             match written {
-                Ok(_) => break (local, !already),
+                Ok(_) => break (local, !already, queries),
                 Err(e) if e.is_race() && attempt < LEDGER_RETRIES => continue,
                 Err(e) => return Err(ledger_failure(e)),
             }
@@ -262,8 +305,25 @@ impl Agent {
         }
     }
 
-    /// kubelet's `unmount <dir>`: what to undo comes from the stash.
+    /// kubelet's `unmount <dir>`; a failure is also told to the cluster as
+    /// an Event on the pod.
     pub async fn unmount(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
+        let result = self.unmount_volume(backend, mount_dir).await;
+        if let (Err(f), Some(cluster)) = (&result, &self.cluster)
+            && f.kind != FailureKind::BadRequest
+        {
+            let dir = mount_dir.to_string();
+            if let Ok(Some(entry)) = self.stash_op(move |s| s.get(&dir)).await {
+                let c = entry.consumer;
+                let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
+                tokio::spawn(async move { cluster.pod_event(&c.pod_namespace, &c.pod, &c.pod_uid, true, "VolumeUnmountFailed", &message).await });
+            }
+        }
+        result
+    }
+
+    /// What to undo comes from the stash.
+    async fn unmount_volume(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
         parse_mount_dir(&self.config.kubelet_root, backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         let dir = mount_dir.to_string();
         let Some(entry) = self.stash_op(move |s| s.get(&dir)).await? else {
@@ -289,7 +349,7 @@ impl Agent {
             .into_iter()
             .filter(|h| h.consumer.node == self.config.node && h.consumer.mount_dir != mount_dir)
             .collect();
-        let queries = self.queries();
+        let queries = self.queries(&[]);
         let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
         self.run_plan(plan, &mut lock).await?;
         self.remove_holder(&volume.name, mount_dir).await?;

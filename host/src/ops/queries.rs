@@ -12,18 +12,29 @@ pub struct NodeQueries {
     /// The mount table, read on the first `mount-at` (most policies never
     /// ask; reading procfs does not block).
     mounts: OnceLock<Vec<MountInfo>>,
+    /// Node facts read from the cluster before the call.
+    facts: Vec<NodeFacts>,
 }
 
 impl NodeQueries {
     pub fn new(node: String, sys: Sys) -> NodeQueries {
-        NodeQueries { node, sys, mounts: OnceLock::new() }
+        NodeQueries { node, sys, mounts: OnceLock::new(), facts: Vec::new() }
+    }
+
+    pub fn with_facts(mut self, facts: Vec<NodeFacts>) -> NodeQueries {
+        self.facts = facts;
+        self
     }
 }
 
 impl Queries for NodeQueries {
-    /// This node exists and is ready. Other nodes cannot be judged without a
-    /// cluster: they count as existing (never provably gone) and not ready.
+    /// What the cluster said of the node, when it was asked. Otherwise this
+    /// node exists and is ready, and other nodes cannot be judged: they count
+    /// as existing (never provably gone) and not ready.
     fn node_state(&self, name: &str) -> NodeFacts {
+        if let Some(f) = self.facts.iter().find(|f| f.name == name) {
+            return f.clone();
+        }
         let me = name == self.node;
         NodeFacts { name: name.to_string(), exists: true, ready: me, out_of_service: false }
     }
