@@ -4,8 +4,10 @@
 //! and options JSON, on real loop devices and mounts. Needs root.
 
 mod common;
+mod driver_common;
 
 use common::RootScratch;
+use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
 use serde_json::Value;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -130,40 +132,6 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.stop_agent();
     }
-}
-
-fn run_driver(cmd: &mut Command) -> (i32, Value) {
-    let out = cmd.output().expect("run the driver");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.stderr.is_empty(), "the driver wrote to stderr: {}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_str(stdout.trim_end()).unwrap_or_else(|e| panic!("not one JSON object ({e}): {stdout:?}"));
-    assert!(v.is_object() && stdout.trim_end().lines().count() == 1, "{stdout:?}");
-    (out.status.code().unwrap_or(-1), v)
-}
-
-/// The options JSON kubelet sends for a PV-backed flexVolume.
-fn kubelet_options(volume: &str, pod: &str, pod_uid: &str, fs: &str, path: &str) -> Value {
-    serde_json::json!({
-        "kubernetes.io/fsType": fs,
-        "kubernetes.io/readwrite": "rw",
-        "kubernetes.io/pvOrVolumeName": volume,
-        "kubernetes.io/pod.name": pod,
-        "kubernetes.io/pod.namespace": "default",
-        "kubernetes.io/pod.uid": pod_uid,
-        "kubernetes.io/serviceAccount.name": "default",
-        "path": path,
-        "node": "node-a",
-    })
-}
-
-fn assert_success(r: &(i32, Value)) {
-    assert_eq!((r.0, r.1["status"].as_str()), (0, Some("Success")), "{}", r.1);
-}
-
-fn assert_failure(r: &(i32, Value), contains: &str) {
-    assert_eq!((r.0, r.1["status"].as_str()), (1, Some("Failure")), "{}", r.1);
-    let msg = r.1["message"].as_str().unwrap_or_default();
-    assert!(msg.contains(contains), "{msg:?} does not say {contains:?}");
 }
 
 #[test]

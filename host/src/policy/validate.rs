@@ -25,7 +25,8 @@ pub enum Operation<'a> {
     Attach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
     Detach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
     Cleanup { reason: CleanupReason, items: &'a [CleanupItem] },
-    /// A take-over's fence steps: no paths at all.
+    /// A take-over's fence steps: no dirs, only the paths the volume names
+    /// (a detach of a leftover mapping of its file).
     Fence { volume: &'a Volume },
 }
 
@@ -67,7 +68,11 @@ impl Scope {
                 }
                 scope.destructive = *reason == CleanupReason::LocalVolumeReleased;
             }
-            Operation::Fence { volume } => scope.secret_keys = volume.secret_keys.clone(),
+            Operation::Fence { volume } => {
+                scope.secret_keys = volume.secret_keys.clone();
+                scope.volume_paths = volume.options.iter().map(|kv| kv.value.clone()).filter(|v| v.starts_with('/')).collect();
+                scope.discovery_dirs = scope.volume_paths.clone();
+            }
         }
         scope
     }
@@ -332,7 +337,7 @@ pub fn plan(plan: &[Step], caps: &Capabilities, op: &Operation) -> Result<(), Pl
 }
 
 /// A take-over may only remove recorded holders whose nodes the host itself
-/// reported gone, and may only run storage-level fence steps.
+/// reported gone, and may only run fence steps (blocklist, detach).
 pub fn take_over(
     take: &TakeOver,
     holders: &[Holder],
@@ -359,9 +364,12 @@ pub fn take_over(
             ));
         }
     }
+    // Fencing cuts a gone writer's path to the data: at the storage
+    // (blocklist) or a mapping of it left on this node (detach). Nothing
+    // that mounts, formats or wipes.
     for (index, step) in take.fence_steps.iter().enumerate() {
-        if step.kind() != StepKind::BlocklistClient {
-            return Err(format!("fence step {} is {}, but only blocklist-client may fence", index + 1, step.kind().name()));
+        if !matches!(step.kind(), StepKind::BlocklistClient | StepKind::DetachDevice) {
+            return Err(format!("fence step {} is {}, but only blocklist-client and detach-device may fence", index + 1, step.kind().name()));
         }
     }
     plan(&take.fence_steps, caps, &Operation::Fence { volume }).map_err(|e| format!("fence {e}"))
@@ -438,6 +446,21 @@ mod tests {
     fn refused(mut p: Vec<Step>, at: usize, change: impl FnOnce(&mut Step)) -> PlanError {
         change(&mut p[at]);
         check(&p, &volume(), &consumer()).expect_err("plan must be refused")
+    }
+
+    #[test]
+    fn fencing_detaches_only_the_volumes_own_file_and_does_nothing_else() {
+        let gone = NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
+        let mut stale = consumer();
+        stale.node = "n2".into();
+        let holders = vec![Holder { consumer: stale, since: "t".into() }];
+        let take = |step: Step| TakeOver { stale: holders.clone(), fence_steps: vec![step] };
+        let detach = |file: &str| Step::DetachDevice(DetachDevice { spec: DeviceSpec::Loop(file.into()), force: true });
+        take_over(&take(detach("/mnt/disks/a.img")), &holders, std::slice::from_ref(&gone), &caps(), &volume()).expect("its own file");
+        let e = take_over(&take(detach("/mnt/disks/other.img")), &holders, std::slice::from_ref(&gone), &caps(), &volume()).unwrap_err();
+        assert!(e.contains("fence step 1"), "{e}");
+        let e = take_over(&take(good().remove(2)), &holders, &[gone], &caps(), &volume()).unwrap_err();
+        assert!(e.contains("only blocklist-client and detach-device may fence"), "{e}");
     }
 
     #[test]

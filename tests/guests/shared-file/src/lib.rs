@@ -6,7 +6,7 @@
 //! Options: `path` (the image file).
 
 use volagent_guest_sdk::{
-    BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision, DeviceKind,
+    BackendInfo, Capabilities, CleanupItem, DetachDevice, Step, CleanupReason, Consumer, Decision, DeviceKind,
     DeviceSpec, Holder, Host, NodeFacts, NodePaths, PathRoot, Plan, Policy, PolicyError, StepKind,
     Volume, fence, options, plans,
 };
@@ -31,8 +31,18 @@ impl Policy for SharedFile {
         }
     }
 
+    /// Standard rules; a take-over first detaches every loop device of
+    /// this machine over the file: in tests, "nodes" share one machine, so
+    /// a gone node's leftover device is visible here and is its I/O path.
     fn fence(_: &dyn Host, volume: Volume, requester: Consumer, holders: Vec<Holder>, nodes: Vec<NodeFacts>) -> Result<Decision, PolicyError> {
-        Ok(fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes))
+        match fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes) {
+            Decision::TakeOver(mut take) => {
+                let file = options::required(&volume, "path")?.to_string();
+                take.fence_steps.push(Step::DetachDevice(DetachDevice { spec: DeviceSpec::Loop(file), force: true }));
+                Ok(Decision::TakeOver(take))
+            }
+            other => Ok(other),
+        }
     }
 
     fn attach(_: &dyn Host, volume: Volume, requester: Consumer, local_holders: Vec<Holder>, paths: NodePaths) -> Result<Plan, PolicyError> {
