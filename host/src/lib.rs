@@ -5,8 +5,10 @@
 
 pub mod cli;
 pub mod exec;
+pub mod http;
 pub mod kube;
 pub mod ledger;
+pub mod metrics;
 pub mod ops;
 pub mod plugin;
 pub mod policy;

@@ -218,3 +218,144 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     }
     assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "nothing left mounted or attached");
 }
+
+impl Cluster {
+    fn spawn_controller(&mut self) {
+        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+            .args(["controller", "--scan-interval", "1h", "--lease-duration", "3s", "--cluster-interval", "1s", "--namespace", "default", "--identity", "test-controller"])
+            .arg("--kubeconfig").arg(self.env.kubeconfig_path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the controller");
+        self.agents.push(("controller".into(), child));
+        // Leading once the Lease names it.
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(self.client(), "default");
+        self.wait("the controller to take the lease", || {
+            self.rt.block_on(leases.get_opt("volagent-controller")).ok().flatten().and_then(|l| l.spec?.holder_identity).as_deref() == Some("test-controller")
+        });
+    }
+
+    fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !done() {
+            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn cleanup_list(&self, node: &str) -> Option<volagent::kube::crds::NodeCleanup> {
+        let api: Api<volagent::kube::crds::NodeCleanup> = Api::all(self.client());
+        self.rt.block_on(api.get_opt(node)).expect("read the cleanup list")
+    }
+
+    fn mounts_under(&self, node: &str) -> usize {
+        let root = self.scratch.path(node);
+        self.scratch.mounts().iter().filter(|m| m.starts_with(&root)).count()
+    }
+}
+
+/// The controller's scan moves a vanished node's records into its cleanup
+/// list; its agent, started again, tears the mounts down through the
+/// backend's cleanup plan and empties the list. A Node deletion is acted on
+/// at once by a running controller.
+#[test]
+fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
+    let mut c = Cluster::start(&["node-a", "node-b", "node-c"]);
+    let image = c.image("stale.img");
+    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-stale", "shared-file", "ReadWriteMany", &[("path", &image)]));
+    let (_, r) = c.mount("node-b", "b1", "pv-stale", &image);
+    assert_success(&r);
+    let (_, r) = c.mount("node-a", "a1", "pv-stale", &image);
+    assert_success(&r);
+    assert_eq!(c.mounts_under("node-b"), 2, "staging and pod mounts on node-b");
+
+    // node-b drops out of the cluster while its mounts stay.
+    c.kill_agent("node-b");
+    c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
+    let moved = c.rt.block_on(volagent::kube::controller::scan(&c.client())).expect("scan");
+    assert_eq!(moved, 1);
+    let list = c.cleanup_list("node-b").expect("node-b's cleanup list");
+    assert_eq!(list.spec.entries.len(), 1);
+    assert_eq!(list.spec.entries[0].volume, "pv-stale");
+    let rec = c.record("pv-stale").expect("record");
+    assert_eq!(rec.spec.consumers.iter().map(|x| x.node.as_str()).collect::<Vec<_>>(), ["node-a"], "node-a keeps its consumer");
+    assert_eq!(c.rt.block_on(volagent::kube::controller::scan(&c.client())).expect("scan"), 0, "nothing moves twice");
+
+    // node-b comes back: its agent works the list off when it starts.
+    c.spawn_agent("node-b");
+    c.wait("node-b's cleanup list to empty", || c.cleanup_list("node-b").is_none());
+    assert_eq!(c.mounts_under("node-b"), 0, "node-b's mounts were torn down");
+    assert_eq!(c.mounts_under("node-a"), 2, "node-a's are untouched");
+
+    // A running controller acts on a Node deletion at once.
+    c.spawn_controller();
+    let (_, r) = c.mount("node-c", "c1", "pv-stale", &image);
+    assert_success(&r);
+    c.kill_agent("node-c");
+    c.rt.block_on(kube_common::delete_node(&c.client(), "node-c"));
+    c.wait("node-c's records to move", || c.cleanup_list("node-c").is_some_and(|l| l.spec.entries.len() == 1));
+    let rec = c.record("pv-stale").expect("record");
+    assert!(rec.spec.consumers.iter().all(|x| x.node == "node-a"), "only node-a is left: {:?}", rec.spec.consumers);
+}
+
+/// Deleting a StorageCluster makes every node force-clean its volumes; the
+/// controller's finalizer goes once no record names the cluster.
+#[test]
+fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
+    use volagent::kube::crds::{StorageCluster, StorageClusterSpec};
+    let mut c = Cluster::start(&["node-a", "node-b"]);
+    c.spawn_controller();
+    let clusters: Api<StorageCluster> = Api::all(c.client());
+    let sc = StorageCluster::new("sc1", StorageClusterSpec { backend: "shared-file".into(), endpoints: vec![], secret_ref: None, parameters: Default::default() });
+    c.rt.block_on(clusters.create(&Default::default(), &sc)).expect("create the StorageCluster");
+    c.wait("the finalizer", || {
+        c.rt.block_on(clusters.get("sc1")).ok().and_then(|s| s.metadata.finalizers).is_some_and(|f| f.iter().any(|f| f == volagent::kube::crds::CLEANUP_FINALIZER))
+    });
+    let (one, two) = (c.image("sc-one.img"), c.image("sc-two.img"));
+    for (pv, image) in [("pv-sc-1", &one), ("pv-sc-2", &two)] {
+        c.rt.block_on(kube_common::create_pv(&c.client(), pv, "shared-file", "ReadWriteMany", &[("path", image), ("storageCluster", "sc1")]));
+    }
+    for (node, pod) in [("node-a", "a"), ("node-b", "b")] {
+        for (pv, image) in [("pv-sc-1", &one), ("pv-sc-2", &two)] {
+            let mut opts = kubelet_options(pv, &format!("{pod}-{pv}"), &format!("uid-{pod}-{pv}"), "ext4", image);
+            opts["storageCluster"] = Value::from("sc1");
+            let dir = c.mount_dir(node, &format!("{pod}-{pv}"), pv);
+            assert_success(&run_driver(Command::new(c.driver(node)).args(["mount", &dir, &opts.to_string()])));
+        }
+    }
+    assert_eq!(c.scratch.mounts().len(), 8);
+    assert_eq!(c.record("pv-sc-1").expect("record").spec.storage_cluster.as_deref(), Some("sc1"));
+
+    c.rt.block_on(clusters.delete("sc1", &Default::default())).expect("delete the StorageCluster");
+    c.wait("the StorageCluster to go", || c.rt.block_on(clusters.get_opt("sc1")).expect("get").is_none());
+    assert!(c.scratch.mounts().is_empty(), "every node's mounts are gone: {:?}", c.scratch.mounts());
+    assert!(c.scratch.loops().is_empty(), "and their devices");
+    assert!(c.record("pv-sc-1").is_none() && c.record("pv-sc-2").is_none(), "and the records");
+}
+
+/// The API server goes away during a mount and during an unmount: each
+/// fails clearly, nothing is left half done, and kubelet's retries succeed
+/// once it is back, with the record right.
+#[test]
+fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
+    let c = Cluster::start(&["node-a"]);
+    let image = c.image("outage.img");
+    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-out", "shared-file", "ReadWriteOnce", &[("path", &image)]));
+
+    c.env.stop_apiserver();
+    let (dir, r) = c.mount("node-a", "a1", "pv-out", &image);
+    assert_failure(&r, "pv-out");
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "a failed mount leaves nothing");
+    c.rt.block_on(c.env.start_apiserver()).expect("API server back");
+    let (_, r) = c.mount("node-a", "a1", "pv-out", &image);
+    assert_success(&r);
+
+    c.env.stop_apiserver();
+    assert_failure(&c.unmount("node-a", &dir), "Kubernetes API");
+    c.rt.block_on(c.env.start_apiserver()).expect("API server back");
+    assert_eq!(c.record("pv-out").expect("the record is kept until the unmount is through").spec.consumers.len(), 1);
+    assert_success(&c.unmount("node-a", &dir));
+    assert!(c.record("pv-out").is_none(), "the retried unmount released the record");
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
+}

@@ -45,6 +45,13 @@ pub struct AgentArgs {
     /// Join the cluster the agent's pod runs in (its service account).
     #[arg(long)]
     in_cluster: bool,
+    /// With a cluster: how often the node's cleanup list and deleted
+    /// storage clusters are checked besides on every change seen.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    cleanup_interval: Duration,
+    /// Serve /metrics, /healthz and /readyz here (e.g. 0.0.0.0:9479).
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
     /// Backend policy components (*.wasm); default <state-dir>/plugins.
     #[arg(long)]
     plugin_dir: Option<PathBuf>,
@@ -81,7 +88,7 @@ impl AgentArgs {
     }
 }
 
-fn hostname() -> String {
+pub(super) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
 }
 
@@ -159,6 +166,15 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         slot_timeout: Duration::from_secs(120),
     };
     rt.block_on(async move {
+        let serving = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        if let Some(addr) = args.metrics_addr {
+            let listener = crate::http::bind(addr).await?;
+            let s = serving.clone();
+            let ready: crate::http::Readiness = Arc::new(move || {
+                if s.load(std::sync::atomic::Ordering::Relaxed) { Ok(()) } else { Err("reconciling; the socket is not open yet".into()) }
+            });
+            tokio::spawn(crate::http::serve(listener, ready));
+        }
         server::ensure_free(&socket)?;
         // Before serving (and before the socket appears, so callers wait or
         // retry): repair what a crash left, so the first request meets a node
@@ -175,6 +191,10 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             Err(f) => tracing::error!("start-up reconciliation failed: {}", f.message),
         }
         let listener = server::bind(&socket)?;
+        if let Some(c) = &cluster {
+            tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
+        }
+        serving.store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(node, socket = %socket.display(), backends = ?backends, "volagent agent serving");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
         tokio::select! {

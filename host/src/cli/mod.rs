@@ -1,6 +1,7 @@
 //! Command-line interface of the `volagent` binary.
 
 mod agent;
+mod controller;
 mod plugin;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +31,12 @@ enum Command {
         command: plugin::PluginCommand,
         #[command(flatten)]
         limits: LimitArgs,
+    },
+    /// Run the cluster-wide controller: moves vanished nodes' attachments
+    /// to their cleanup lists, releases deleted StorageClusters.
+    Controller {
+        #[command(flatten)]
+        args: controller::ControllerArgs,
     },
     /// Print the CustomResourceDefinitions (volagent.io/v1alpha1) as YAML,
     /// or write one file per CRD into a dir.
@@ -67,7 +74,7 @@ impl Cli {
     /// does; the tools print only errors (guest log lines would clutter them).
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
-            Command::Agent { .. } => "info",
+            Command::Agent { .. } | Command::Controller { .. } => "info",
             Command::Plugin { .. } | Command::Crds { .. } => "error",
         }
     }
@@ -78,6 +85,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Agent { args, limits } => agent::run(*args, limits.limits()),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
+        Command::Controller { args } => controller::run(args),
         Command::Crds { dir: None } => {
             print!("{}", crate::kube::crds::yaml_stream());
             Ok(ExitCode::SUCCESS)

@@ -4,3 +4,6 @@
 pub mod crds;
 pub mod ledger;
 pub mod cluster;
+pub mod node_tasks;
+pub mod controller;
+pub mod lease;

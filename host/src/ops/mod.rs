@@ -1,6 +1,7 @@
 //! The operation pipeline: per-volume lock → fence → ledger → plan →
 //! execute, with the ledger entry rolled back when execution fails.
 
+pub mod cleanup;
 pub mod queries;
 pub mod reconcile;
 pub mod request;
@@ -166,10 +167,17 @@ impl Agent {
         }
     }
 
+    /// The pod mount dirs this node's stash holds.
+    pub async fn stashed_mount_dirs(&self) -> Result<Vec<String>, Failure> {
+        Ok(self.stash_op(|s| s.all()).await?.into_iter().map(|e| e.consumer.mount_dir).collect())
+    }
+
     /// kubelet's `mount <dir> <options>`; a failure is also told to the
     /// cluster as an Event on the pod.
     pub async fn mount(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
+        let start = std::time::Instant::now();
         let result = self.mount_volume(backend, mount_dir, options).await;
+        crate::metrics::get().operation("mount", backend, result_label(&result), start.elapsed());
         if let (Err(f), Some(cluster)) = (&result, &self.cluster) {
             let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
             let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
@@ -244,6 +252,12 @@ impl Agent {
             let queries = self.queries(&nodes);
             let decision = plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
             let mut kept = holders.clone();
+            let outcome = match &decision {
+                Decision::Grant => "grant",
+                Decision::Deny(_) => "deny",
+                Decision::TakeOver(_) => "take-over",
+            };
+            crate::metrics::get().fence(backend, outcome);
             match decision {
                 Decision::Grant => {}
                 Decision::Deny(reason) => return Err(Failure::new(FailureKind::Denied, reason)),
@@ -308,7 +322,9 @@ impl Agent {
     /// kubelet's `unmount <dir>`; a failure is also told to the cluster as
     /// an Event on the pod.
     pub async fn unmount(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
+        let start = std::time::Instant::now();
         let result = self.unmount_volume(backend, mount_dir).await;
+        crate::metrics::get().operation("unmount", backend, result_label(&result), start.elapsed());
         if let (Err(f), Some(cluster)) = (&result, &self.cluster)
             && f.kind != FailureKind::BadRequest
         {
@@ -396,6 +412,21 @@ async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> 
     tokio::task::spawn_blocking(f).await.map_err(|e| internal(format!("agent task failed: {e}")))
 }
 
+fn result_label<T>(r: &Result<T, Failure>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(f) => match f.kind {
+            FailureKind::Denied => "denied",
+            FailureKind::Busy => "busy",
+            FailureKind::TimedOut => "timed_out",
+            FailureKind::BadRequest => "bad_request",
+            FailureKind::Unavailable => "unavailable",
+            FailureKind::UnknownBackend => "unknown_backend",
+            _ => "failed",
+        },
+    }
+}
+
 /// The option naming the StorageCluster a volume lives on.
 pub const STORAGE_CLUSTER_OPTION: &str = "storageCluster";
 
@@ -403,7 +434,7 @@ fn storage_cluster(volume: &Volume) -> Option<String> {
     volume.options.iter().find(|kv| kv.key == STORAGE_CLUSTER_OPTION).map(|kv| kv.value.clone())
 }
 
-fn now_rfc3339() -> String {
+pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 

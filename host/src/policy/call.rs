@@ -106,8 +106,18 @@ impl Plugin {
         function: &'static str,
         f: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
     ) -> Result<R, CallError> {
-        invoke(&self.runtime, &self.pre, &self.name, queries, function, f)?
-            .map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error })
+        let start = std::time::Instant::now();
+        let result = invoke(&self.runtime, &self.pre, &self.name, queries, function, f)
+            .and_then(|r| r.map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error }));
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(CallError::Policy { .. }) => "refused",
+            Err(CallError::Deadline { .. }) => "deadline",
+            Err(CallError::Memory { .. }) => "memory",
+            Err(_) => "fault",
+        };
+        crate::metrics::get().plugin_call(&self.name, function, outcome, start.elapsed());
+        result
     }
 
     fn checked(&self, function: &'static str, plan: Plan, op: &Operation) -> Result<Plan, CallError> {

@@ -55,7 +55,15 @@ impl Policy for SharedFile {
         Ok(plans::unstage(&consumer, &local_holders, &paths, Some(DeviceSpec::Loop(file)), false))
     }
 
-    fn cleanup(_: &dyn Host, _: CleanupReason, _: Vec<CleanupItem>) -> Result<Plan, PolicyError> {
-        Ok(vec![])
+    /// Tear down what this node holds of each volume; forced when its
+    /// storage cluster is gone (nothing will answer a clean unmount).
+    fn cleanup(_: &dyn Host, reason: CleanupReason, items: Vec<CleanupItem>) -> Result<Plan, PolicyError> {
+        let force = reason == CleanupReason::StorageClusterDeleted;
+        let mut plan = Vec::new();
+        for item in items {
+            let file = options::required(&item.volume, "path")?.to_string();
+            plan.extend(plans::teardown(&item.holders, &item.paths, Some(DeviceSpec::Loop(file)), force));
+        }
+        Ok(plan)
     }
 }

@@ -1,0 +1,108 @@
+//! The agent's cluster-driven work: its node's cleanup list (records the
+//! controller moved there while the node was gone) and the volumes of
+//! deleted StorageClusters. Run at start-up, on every change the watches
+//! see, and periodically in case a round failed.
+
+use super::crds::{NodeCleanup, StorageCluster};
+use crate::ops::{Agent, STORAGE_CLUSTER_OPTION};
+use crate::policy::CleanupReason;
+use futures_util::StreamExt;
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::watcher;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Work through the cleanup list and deleted clusters now, then whenever
+/// either changes, and at least every `interval`. Runs until cancelled.
+pub async fn run(agent: Arc<Agent>, client: kube::Client, node: String, interval: Duration) {
+    let lists: Api<NodeCleanup> = Api::all(client.clone());
+    let clusters: Api<StorageCluster> = Api::all(client.clone());
+    let list_changes = watcher(lists, watcher::Config::default().fields(&format!("metadata.name={node}"))).map(|_| ());
+    let cluster_changes = watcher(clusters, watcher::Config::default()).map(|_| ());
+    let mut changes = futures_util::stream::select(list_changes, cluster_changes).boxed();
+    loop {
+        sync_once(&agent, &client, &node).await;
+        // Coalesce a burst of watch events into one round.
+        let _ = tokio::time::timeout(interval, changes.next()).await;
+        while let Ok(Some(())) = tokio::time::timeout(Duration::from_millis(200), changes.next()).await {}
+    }
+}
+
+/// One round; failures are logged and retried next round.
+pub async fn sync_once(agent: &Arc<Agent>, client: &kube::Client, node: &str) {
+    if let Err(e) = work_off_cleanup_list(agent, client, node).await {
+        tracing::error!(node, "cleanup list: {e:#}");
+    }
+    if let Err(e) = clean_deleted_clusters(agent, client).await {
+        tracing::error!(node, "deleted storage clusters: {e:#}");
+    }
+}
+
+/// Undo what the node's cleanup list names, then drop the entries that
+/// are done (all of them when the node holds nothing of theirs).
+pub async fn work_off_cleanup_list(agent: &Arc<Agent>, client: &kube::Client, node: &str) -> anyhow::Result<usize> {
+    let api: Api<NodeCleanup> = Api::all(client.clone());
+    let Some(list) = api.get_opt(node).await? else { return Ok(0) };
+    let dirs: BTreeSet<String> = list.spec.entries.iter().map(|e| e.consumer.mount_dir.clone()).collect();
+    if dirs.is_empty() {
+        return Ok(0);
+    }
+    let cleaned = agent
+        .clean_volumes(CleanupReason::StaleNode, |e| dirs.contains(&e.consumer.mount_dir))
+        .await
+        .map_err(|f| anyhow::anyhow!(f.message))?;
+    let still_held: BTreeSet<String> = agent.stashed_mount_dirs().await.map_err(|f| anyhow::anyhow!(f.message))?.into_iter().collect();
+    let done = dirs.iter().filter(|d| !still_held.contains(*d)).count();
+    // Drop the finished entries; the controller may have appended meanwhile,
+    // so this is a compare-and-swap on what was read, retried on conflict.
+    let mut current = list;
+    for _ in 0..5 {
+        let mut next = current.clone();
+        next.spec.entries.retain(|e| still_held.contains(&e.consumer.mount_dir) || !dirs.contains(&e.consumer.mount_dir));
+        let result = if next.spec.entries.is_empty() {
+            let dp = DeleteParams { preconditions: Some(Preconditions { resource_version: current.metadata.resource_version.clone(), uid: None }), ..Default::default() };
+            api.delete(node, &dp).await.map(drop)
+        } else {
+            api.replace(node, &PostParams::default(), &next).await.map(drop)
+        };
+        match result {
+            Ok(()) => break,
+            Err(kube::Error::Api(s)) if s.code == 409 => match api.get_opt(node).await? {
+                Some(fresh) => current = fresh,
+                None => break,
+            },
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if !cleaned.failed.is_empty() {
+        anyhow::bail!("still held: {}", cleaned.failed.join("; "));
+    }
+    Ok(done)
+}
+
+/// Force-clean this node's volumes of every StorageCluster being deleted.
+pub async fn clean_deleted_clusters(agent: &Arc<Agent>, client: &kube::Client) -> anyhow::Result<usize> {
+    let api: Api<StorageCluster> = Api::all(client.clone());
+    let deleting: BTreeSet<String> = api
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|c| c.metadata.deletion_timestamp.is_some())
+        .filter_map(|c| c.metadata.name)
+        .collect();
+    if deleting.is_empty() {
+        return Ok(0);
+    }
+    let cleaned = agent
+        .clean_volumes(CleanupReason::StorageClusterDeleted, |e| {
+            e.volume.options.iter().any(|kv| kv.key == STORAGE_CLUSTER_OPTION && deleting.contains(&kv.value))
+        })
+        .await
+        .map_err(|f| anyhow::anyhow!(f.message))?;
+    if !cleaned.failed.is_empty() {
+        anyhow::bail!("still held: {}", cleaned.failed.join("; "));
+    }
+    Ok(cleaned.released.len())
+}
