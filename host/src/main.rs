@@ -5,13 +5,14 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let cli = volagent::cli::Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| cli.default_log_filter().into()),
-        )
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| cli.default_log_filter().into());
+    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
+    // One JSON object per line for log collectors in a cluster; text for people.
+    if cli.json_logs() {
+        logs.json().flatten_event(true).init();
+    } else {
+        logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init();
+    }
     match volagent::cli::run(cli) {
         Ok(code) => code,
         Err(e) => {

@@ -1388,3 +1388,23 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// The DaemonSet's and the Deployment's args are a command line the
+/// binary accepts, with the environment the pods give it.
+#[test]
+fn the_workloads_args_parse_as_the_binary_expects() -> anyhow::Result<()> {
+    use clap::Parser;
+    let all = manifests(&kustomization()?)?;
+    for kind in ["DaemonSet", "Deployment"] {
+        let w = all.iter().find(|m| m.kind() == kind).with_context(|| format!("no {kind}"))?;
+        let args: Vec<String> = w.object["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .with_context(|| format!("the {kind}'s args"))?
+            .iter()
+            .filter_map(|a| a.as_str().map(String::from))
+            .collect();
+        let argv = std::iter::once("volagent".to_string()).chain(args.iter().cloned());
+        volagent::cli::Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{kind} args {args:?}: {e}"))?;
+    }
+    Ok(())
+}

@@ -165,6 +165,19 @@ fn two_nodes_race_for_a_read_write_once_volume() {
     }
     assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "nothing left mounted or attached");
     eprintln!("wins: node-a {}, node-b {}", wins[0], wins[1]);
+
+    // Each denial is an Event on the losing pod, naming the holder.
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.client(), "default");
+    c.wait("an Event per denial", || {
+        let list = c.rt.block_on(events.list(&Default::default())).expect("list events").items;
+        let fenced: Vec<_> = list.iter().filter(|e| e.reason.as_deref() == Some("VolumeFenced")).collect();
+        fenced.len() == 100
+            && fenced.iter().all(|e| {
+                e.type_.as_deref() == Some("Warning")
+                    && e.involved_object.kind.as_deref() == Some("Pod")
+                    && e.message.as_deref().is_some_and(|m| m.contains("is in use by pod default/"))
+            })
+    });
 }
 
 /// A holder's node is gone — deleted, or tainted out-of-service — so its

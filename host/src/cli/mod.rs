@@ -13,6 +13,9 @@ use std::time::Duration;
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log format on stderr: text, or json (one object per line).
+    #[arg(long, global = true, env = "VOLAGENT_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
 }
 
 #[derive(Debug, Subcommand)]
@@ -72,6 +75,10 @@ impl LimitArgs {
 impl Cli {
     /// The log filter when RUST_LOG is not set: the agent tells what it
     /// does; the tools print only errors (guest log lines would clutter them).
+    pub fn json_logs(&self) -> bool {
+        self.log_format == "json"
+    }
+
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
             Command::Agent { .. } | Command::Controller { .. } => "info",
