@@ -44,6 +44,13 @@ pub struct Metrics {
     pub plugin_calls: Family<CallLabels, Counter>,
     pub plugin_call_seconds: Family<OpKind, Histogram>,
     pub leader: Gauge,
+    pub plugin_reloads: Counter,
+    pub backends_degraded: Family<BackendLabel, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    pub backend: String,
 }
 
 fn new_histogram_family() -> Family<OpKind, Histogram> {
@@ -61,6 +68,8 @@ impl Metrics {
             plugin_calls: Family::default(),
             plugin_call_seconds: new_histogram_family(),
             leader: Gauge::default(),
+            plugin_reloads: Counter::default(),
+            backends_degraded: Family::default(),
         };
         registry.register("operations", "Mount and unmount requests by result", m.operations.clone());
         registry.register("operation_seconds", "Time to serve a mount or unmount", m.operation_seconds.clone());
@@ -68,6 +77,8 @@ impl Metrics {
         registry.register("plugin_calls", "Guest policy calls by result", m.plugin_calls.clone());
         registry.register("plugin_call_seconds", "Time of one guest policy call", m.plugin_call_seconds.clone());
         registry.register("controller_leader", "1 while this controller holds the lease", m.leader.clone());
+        registry.register("plugin_reloads", "Passes over the plugin dir", m.plugin_reloads.clone());
+        registry.register("backend_degraded", "1 while a backend's newest file is rejected", m.backends_degraded.clone());
         Metrics { registry, ..m }
     }
 
@@ -86,6 +97,10 @@ impl Metrics {
 
     pub fn fence(&self, backend: &str, decision: &str) {
         self.fence_decisions.get_or_create(&FenceLabels { backend: backend.into(), decision: decision.into() }).inc();
+    }
+
+    pub fn backend_degraded(&self, backend: &str, value: i64) {
+        self.backends_degraded.get_or_create(&BackendLabel { backend: backend.into() }).set(value);
     }
 
     pub fn plugin_call(&self, backend: &str, function: &str, result: &str, took: Duration) {

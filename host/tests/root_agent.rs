@@ -254,7 +254,7 @@ fn malformed_and_oversized_frames_get_clear_errors() {
     // Status names the node and its backends.
     let mut s = UnixStream::connect(&node.socket).expect("connect");
     let status = volagent::socket::protocol::exchange(&mut s, volagent::socket::protocol::Request::Status).expect("status");
-    let volagent::socket::protocol::Response::Status { node: name, backends } = status else { panic!("{status:?}") };
+    let volagent::socket::protocol::Response::Status { node: name, backends, .. } = status else { panic!("{status:?}") };
     assert_eq!(name, "node-a");
     let mut names: Vec<String> = backends.into_iter().map(|b| b.name).collect();
     names.sort();

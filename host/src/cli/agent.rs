@@ -3,7 +3,8 @@
 use crate::ledger::embedded::EmbeddedLedger;
 use crate::ops::stash::Stash;
 use crate::ops::{Agent, NodeConfig};
-use crate::plugin::install::{self, DriverConfig};
+use crate::plugin::install;
+use crate::plugin::reload::{Integration, PodIdentity, Reloader};
 use crate::policy::{Limits, Runtime};
 use crate::socket::server::{self, ServerConfig};
 use crate::sys::Sys;
@@ -92,23 +93,19 @@ pub(super) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
 }
 
-fn install_drivers(args: &AgentArgs, backends: &[String]) {
-    let driver = match &args.flex_driver {
-        Some(d) => d.clone(),
-        None => match std::env::current_exe() {
-            Ok(exe) => exe.with_file_name("volagent-flex"),
-            Err(e) => return tracing::error!("Flexvolume drivers not installed: cannot find this binary: {e}"),
-        },
-    };
-    let dir = match install::volume_plugin_dir(args.volume_plugin_dir.as_deref()) {
-        Ok(d) => d,
-        Err(e) => return tracing::error!("Flexvolume drivers not installed: {e}"),
-    };
-    for backend in backends {
-        let config = DriverConfig { socket: args.socket(), backend: backend.clone() };
-        match install::install_driver(&dir, &driver, &config) {
-            Ok(path) => tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}"),
-            Err(e) => tracing::error!(backend, "Flexvolume driver not installed: {e}"),
+/// Where drivers go and what they are, or None not to install them.
+fn driver_target(args: &AgentArgs) -> (Option<PathBuf>, PathBuf) {
+    let driver = args.flex_driver.clone().unwrap_or_else(|| {
+        std::env::current_exe().map(|exe| exe.with_file_name("volagent-flex")).unwrap_or_else(|_| PathBuf::from("volagent-flex"))
+    });
+    if args.no_driver_install {
+        return (None, driver);
+    }
+    match install::volume_plugin_dir(args.volume_plugin_dir.as_deref()) {
+        Ok(d) => (Some(d), driver),
+        Err(e) => {
+            tracing::error!("Flexvolume drivers will not be installed: {e}");
+            (None, driver)
         }
     }
 }
@@ -118,11 +115,6 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     let plugin_dir = args.plugin_dir.clone().unwrap_or_else(|| args.state_dir.join("plugins"));
     std::fs::create_dir_all(&plugin_dir).with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
     let runtime = Runtime::new(limits)?;
-    let plugins = crate::plugin::load_dir(&runtime, &plugin_dir).with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
-    if plugins.is_empty() {
-        tracing::warn!(dir = %plugin_dir.display(), "no backend loaded: put <backend>.wasm files there");
-    }
-    let backends: Vec<String> = plugins.iter().map(|p| p.name().to_string()).collect();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     let cluster = match (&args.kubeconfig, args.in_cluster) {
         (None, false) => None,
@@ -150,13 +142,26 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         state_dir: args.state_dir.clone(),
         discovery_dirs: args.discovery_dirs.clone(),
     };
-    let mut agent = Agent::new(config, plugins, ledger, stash, Sys::linux(), Duration::from_secs(args.plan_deadline_secs));
+    let mut agent = Agent::new(config, Vec::new(), ledger, stash, Sys::linux(), Duration::from_secs(args.plan_deadline_secs));
     if let Some(c) = cluster.clone() {
         agent = agent.with_cluster(c);
     }
     let agent = Arc::new(agent);
-    if !args.no_driver_install {
-        install_drivers(&args, &backends);
+    // The backends: loaded (and their drivers installed) by the first pass
+    // over the plugin dir, then kept in line with it by the watch.
+    let (volume_plugin_dir, driver_binary) = driver_target(&args);
+    let integration = Integration {
+        volume_plugin_dir,
+        driver_binary,
+        socket: socket.clone(),
+        kubelet_root: args.kubelet_root.clone(),
+        pod: PodIdentity::from_env(),
+    };
+    let mut reloader = Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
+    reloader.pass();
+    let backends: Vec<String> = agent.backend_names();
+    if backends.is_empty() {
+        tracing::warn!(dir = %plugin_dir.display(), "no backend loaded yet: put <backend>.wasm files there");
     }
     let server_config = ServerConfig {
         socket: socket.clone(),
@@ -191,6 +196,11 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             Err(f) => tracing::error!("start-up reconciliation failed: {}", f.message),
         }
         let listener = server::bind(&socket)?;
+        tokio::spawn(async move {
+            if let Err(e) = crate::plugin::watch::run(reloader).await {
+                tracing::error!("backends will not be reloaded: {e:#}");
+            }
+        });
         if let Some(c) = &cluster {
             tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
         }

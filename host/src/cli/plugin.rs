@@ -32,15 +32,53 @@ pub enum PluginCommand {
         #[arg(short = 'n', long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(1..))]
         calls: u32,
     },
+    /// Ask a running agent which backends it serves, and which are degraded
+    /// or waiting to be removed; exit 1 if any is.
+    Status {
+        /// The agent's socket.
+        #[arg(long, default_value = "/run/volagent/agent.sock")]
+        socket: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
+    if let PluginCommand::Status { socket, json } = &command {
+        return status(socket, *json);
+    }
     let runtime = Runtime::new(limits)?;
     match command {
         PluginCommand::Test { wasm, scenarios } => test(&runtime, &wasm, &scenarios),
         PluginCommand::Inspect { wasm, json } => inspect(&runtime, &wasm, json),
         PluginCommand::Bench { wasm, scenarios, calls } => bench(&runtime, &wasm, scenarios, calls),
+        PluginCommand::Status { .. } => unreachable!("handled above"),
     }
+}
+
+fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    use crate::socket::protocol::{self, Request, Response};
+    use anyhow::Context;
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| format!("agent socket {}", socket.display()))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let response = protocol::exchange(&mut stream, Request::Status).with_context(|| format!("agent at {}", socket.display()))?;
+    let Response::Status { node, backends, problems } = response else {
+        anyhow::bail!("the agent at {} answered {response:?}, not a status", socket.display());
+    };
+    if json {
+        println!("{}", serde_json::json!({ "node": node, "backends": backends, "problems": problems }));
+    } else {
+        println!("node {node}");
+        for b in &backends {
+            let state = problems.iter().find(|p| p.backend.as_deref() == Some(&b.name)).map_or("serving", |p| p.state.as_str());
+            println!("  {:<16} {:<10} {:<16} {} (sha256 {})", b.name, b.version, state, b.file, b.sha256);
+        }
+        for p in &problems {
+            println!("  {}: {} {} (sha256 {}): {}", p.state, p.backend.as_deref().unwrap_or("-"), p.file, p.sha256, p.reason);
+        }
+    }
+    Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 fn load(runtime: &Arc<Runtime>, wasm: &Path) -> anyhow::Result<(Plugin, Duration)> {

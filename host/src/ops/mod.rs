@@ -106,12 +106,14 @@ pub struct Agent {
     plan_deadline: Duration,
     /// The cluster, when there is one: node facts, PVs, Events.
     cluster: Option<crate::kube::cluster::Cluster>,
+    /// Degraded backends and pending removals, from the last reload pass.
+    problems: RwLock<Vec<crate::socket::protocol::PluginProblem>>,
 }
 
 impl Agent {
     pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys, plan_deadline: Duration) -> Agent {
         let plugins = plugins.into_iter().map(|p| (p.name().to_string(), Arc::new(p))).collect();
-        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None }
+        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None, problems: RwLock::default() }
     }
 
     /// Read node facts and PVs from `cluster`, and tell it of failures.
@@ -128,6 +130,40 @@ impl Agent {
         })
     }
 
+    /// Serve `plugin` for its backend from now on; calls already running
+    /// finish on the version they started with (they hold its Arc).
+    pub fn swap_plugin(&self, plugin: Plugin) -> Option<Arc<Plugin>> {
+        let mut plugins = self.plugins.write().unwrap_or_else(|p| p.into_inner());
+        plugins.insert(plugin.name().to_string(), Arc::new(plugin))
+    }
+
+    pub fn backend_names(&self) -> Vec<String> {
+        self.plugins.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+    }
+
+    pub fn cluster(&self) -> Option<&crate::kube::cluster::Cluster> {
+        self.cluster.as_ref()
+    }
+
+    /// Stop serving `backend`.
+    pub fn remove_plugin(&self, backend: &str) -> Option<Arc<Plugin>> {
+        self.plugins.write().unwrap_or_else(|p| p.into_inner()).remove(backend)
+    }
+
+    /// Volumes of `backend` this node has mounted (from the stash).
+    pub async fn volumes_of(&self, backend: &str) -> Result<Vec<String>, Failure> {
+        let backend = backend.to_string();
+        let entries = self.stash_op(|s| s.all()).await?;
+        let mut v: Vec<String> = entries.into_iter().filter(|e| e.volume.backend == backend).map(|e| e.volume.name).collect();
+        v.dedup();
+        Ok(v)
+    }
+
+    /// Problems with the plugin dir, shown with the status.
+    pub fn set_plugin_problems(&self, problems: Vec<crate::socket::protocol::PluginProblem>) {
+        *self.problems.write().unwrap_or_else(|p| p.into_inner()) = problems;
+    }
+
     pub fn status(&self) -> Response {
         let plugins = self.plugins.read().unwrap_or_else(|p| p.into_inner());
         Response::Status {
@@ -141,6 +177,7 @@ impl Agent {
                     sha256: p.sha256().to_string(),
                 })
                 .collect(),
+            problems: self.problems.read().unwrap_or_else(|p| p.into_inner()).clone(),
         }
     }
 

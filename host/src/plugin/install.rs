@@ -70,6 +70,47 @@ pub fn install_driver(volume_plugin_dir: &Path, driver_binary: &Path, config: &D
     write_atomic(&dir, &config.backend, &binary, 0o755)
 }
 
+/// Remove `backend`'s driver dir (driver and config).
+pub fn uninstall_driver(volume_plugin_dir: &Path, backend: &str) -> Result<(), InstallError> {
+    let dir = volume_plugin_dir.join(format!("volagent~{backend}"));
+    // The driver first: kubelet must not find a driver without its config.
+    for f in [dir.join(backend), dir.join(DRIVER_CONFIG)] {
+        match std::fs::remove_file(&f) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&f)(e)),
+            _ => {}
+        }
+    }
+    match std::fs::remove_dir(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// kubelet's name of the plugin-containers registration of `backend`:
+/// the plugin name `volagent/<backend>` with its slash replaced by `~`.
+pub fn registration_path(kubelet_root: &Path, backend: &str) -> PathBuf {
+    kubelet_root.join("plugin-containers").join(format!("volagent~{backend}.json"))
+}
+
+/// Tell kubelet which container carries this backend's mount utilities
+/// (the containerized mount utilities convention), atomically.
+pub fn register_container(kubelet_root: &Path, backend: &str, pod: &super::reload::PodIdentity) -> Result<PathBuf, InstallError> {
+    let path = registration_path(kubelet_root, backend);
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let json = serde_json::to_vec_pretty(pod).map_err(|e| io(&dir)(std::io::Error::other(e)))?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+    write_atomic(&dir, &name, &json, 0o644)
+}
+
+pub fn unregister_container(kubelet_root: &Path, backend: &str) -> Result<(), InstallError> {
+    let path = registration_path(kubelet_root, backend);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&path)(e)),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,6 +134,27 @@ mod tests {
         assert!(leftovers.is_empty(), "no dot-files left behind");
         // Reinstalling replaces in place.
         install_driver(vpd.path(), &bin, &config).unwrap();
+    }
+
+    #[test]
+    fn uninstall_and_registration_round_trip() {
+        let vpd = tempfile::tempdir().unwrap();
+        let bin = vpd.path().join("fake-driver");
+        std::fs::write(&bin, b"#!/bin/sh\n").unwrap();
+        let config = DriverConfig { socket: "/run/volagent/agent.sock".into(), backend: "nbd".into() };
+        install_driver(vpd.path(), &bin, &config).unwrap();
+        uninstall_driver(vpd.path(), "nbd").unwrap();
+        assert!(!vpd.path().join("volagent~nbd").exists());
+        uninstall_driver(vpd.path(), "nbd").expect("uninstalling twice is fine");
+
+        let root = tempfile::tempdir().unwrap();
+        let pod = super::super::reload::PodIdentity { pod_namespace: "volagent-system".into(), pod_name: "agent-x".into(), pod_uid: "u-1".into(), container_name: "agent".into() };
+        let path = register_container(root.path(), "nbd", &pod).unwrap();
+        assert_eq!(path, root.path().join("plugin-containers/volagent~nbd.json"));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(v, serde_json::json!({"podNamespace": "volagent-system", "podName": "agent-x", "podUID": "u-1", "containerName": "agent"}));
+        unregister_container(root.path(), "nbd").unwrap();
+        assert!(!path.exists());
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! backend's Flexvolume driver where kubelet looks for it.
 
 pub mod install;
+pub mod reload;
+pub mod watch;
 
 use crate::policy::{Plugin, Runtime};
 use std::path::Path;

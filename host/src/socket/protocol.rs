@@ -46,7 +46,13 @@ pub enum Response {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         device: Option<String>,
     },
-    Status { node: String, backends: Vec<BackendStatus> },
+    Status {
+        node: String,
+        backends: Vec<BackendStatus>,
+        /// Degraded backends and removals waiting for volumes.
+        #[serde(default)]
+        problems: Vec<PluginProblem>,
+    },
     Failed { kind: FailureKind, message: String },
 }
 
@@ -56,6 +62,20 @@ pub struct BackendStatus {
     pub version: String,
     pub file: String,
     pub sha256: String,
+}
+
+/// Something wrong with a file in the plugin dir, or a removal waiting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PluginProblem {
+    /// The backend concerned, when the file's `info` could be read or the
+    /// file served one before.
+    pub backend: Option<String>,
+    pub file: String,
+    pub sha256: String,
+    /// `degraded` (a bad file; the last good version, if any, serves on)
+    /// or `removal-pending` (the file is gone; volumes are still attached).
+    pub state: String,
+    pub reason: String,
 }
 
 /// Why a request failed; `busy` and `unavailable` are worth retrying.

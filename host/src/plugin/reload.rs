@@ -1,0 +1,324 @@
+//! Hot reload of the plugin dir. A pass compares the dir with what is
+//! loaded and acts on the difference:
+//!
+//! - a new or changed `*.wasm` is loaded and checked (world, imports,
+//!   `info`, and its own scenarios when shipped beside it as
+//!   `<stem>.scenarios.yaml` or a `<stem>.scenarios/` dir) off the serving
+//!   path, then swapped in; calls already running finish on the old version;
+//! - a bad file is never swapped in: the last good version of its backend
+//!   keeps serving and the backend is reported degraded (log, metric,
+//!   status, Event) until a good file replaces it;
+//! - a removed file unloads its backend and uninstalls its driver, unless
+//!   volumes of that backend are attached here: then it stays loaded, says
+//!   so, and the removal completes in a later pass once they are gone.
+//!
+//! Dot-files are installs in progress and are ignored.
+
+use super::install::{self, DriverConfig};
+use crate::ops::Agent;
+use crate::policy::{Plugin, Runtime};
+use crate::socket::protocol::PluginProblem;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where a backend's kubelet integration goes.
+#[derive(Debug, Clone)]
+pub struct Integration {
+    /// kubelet's volume plugin dir, or None not to install drivers.
+    pub volume_plugin_dir: Option<PathBuf>,
+    pub driver_binary: PathBuf,
+    pub socket: PathBuf,
+    pub kubelet_root: PathBuf,
+    /// The agent's pod, for kubelet's plugin-containers registration
+    /// (from the downward API); None outside a pod.
+    pub pod: Option<PodIdentity>,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodIdentity {
+    pub pod_namespace: String,
+    pub pod_name: String,
+    #[serde(rename = "podUID")]
+    pub pod_uid: String,
+    pub container_name: String,
+}
+
+impl PodIdentity {
+    /// From POD_NAMESPACE, POD_NAME, POD_UID and CONTAINER_NAME, when all are set.
+    pub fn from_env() -> Option<PodIdentity> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Some(PodIdentity {
+            pod_namespace: var("POD_NAMESPACE")?,
+            pod_name: var("POD_NAME")?,
+            pod_uid: var("POD_UID")?,
+            container_name: var("CONTAINER_NAME")?,
+        })
+    }
+}
+
+/// One file that serves a backend.
+#[derive(Debug, Clone)]
+struct Served {
+    backend: String,
+    sha256: String,
+}
+
+/// What a pass changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PassReport {
+    pub added: Vec<String>,
+    pub updated: Vec<String>,
+    pub removed: Vec<String>,
+    /// Files newly found bad: "<file>: <reason>".
+    pub rejected: Vec<String>,
+}
+
+pub struct Reloader {
+    agent: Arc<Agent>,
+    runtime: Arc<Runtime>,
+    dir: PathBuf,
+    integration: Integration,
+    /// File name → what it serves.
+    served: BTreeMap<String, Served>,
+    /// File name → its last rejected content and why (so an unchanged bad
+    /// file is not loaded and reported again every pass).
+    rejected: BTreeMap<String, (String, Option<String>, String)>,
+    /// Backends whose file is gone but whose volumes are still attached.
+    pending_removal: BTreeMap<String, (String, String)>,
+    passes: u64,
+    rt: tokio::runtime::Handle,
+}
+
+fn sha256_of(path: &Path) -> std::io::Result<String> {
+    Ok(hex::encode(Sha256::digest(std::fs::read(path)?)))
+}
+
+/// The `*.wasm` files of `dir` that are not dot-files, by file name.
+fn wasm_files(dir: &Path) -> std::io::Result<BTreeMap<String, PathBuf>> {
+    Ok(std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "wasm"))
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_string();
+            (!name.starts_with('.')).then_some((name, p))
+        })
+        .collect())
+}
+
+/// The scenarios shipped beside `file`, if any.
+fn scenarios_beside(file: &Path) -> Option<PathBuf> {
+    let stem = file.file_stem()?.to_str()?;
+    let dir = file.parent()?;
+    [dir.join(format!("{stem}.scenarios.yaml")), dir.join(format!("{stem}.scenarios"))].into_iter().find(|p| p.exists())
+}
+
+/// Load `file` and run its own scenarios; the plugin, or why not.
+fn load_checked(runtime: &Arc<Runtime>, file: &Path) -> Result<Plugin, (Option<String>, String)> {
+    let plugin = Plugin::load_file(runtime, file).map_err(|e| (None, e.to_string()))?;
+    if let Some(scenarios) = scenarios_beside(file) {
+        let backend = Some(plugin.name().to_string());
+        let files = crate::policy::scenario::files(&scenarios).map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
+        for f in files {
+            let outcomes = crate::policy::scenario::run_file(&plugin, &f).map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
+            if let Some(o) = outcomes.iter().find(|o| o.failure.is_some()) {
+                let why = o.failure.clone().unwrap_or_default();
+                let first = why.lines().next().unwrap_or_default().to_string();
+                return Err((backend, format!("its scenario {:?} in {} fails: {first}", o.name, f.display())));
+            }
+        }
+    }
+    Ok(plugin)
+}
+
+impl Reloader {
+    /// `rt` runs the async parts (stash reads, Events).
+    pub fn new(agent: Arc<Agent>, runtime: Arc<Runtime>, dir: PathBuf, integration: Integration, rt: tokio::runtime::Handle) -> Reloader {
+        Reloader { agent, runtime, dir, integration, served: BTreeMap::new(), rejected: BTreeMap::new(), pending_removal: BTreeMap::new(), passes: 0, rt }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Passes run so far.
+    pub fn passes(&self) -> u64 {
+        self.passes
+    }
+
+    /// True while a removal waits for volumes to be detached.
+    pub fn removal_pending(&self) -> bool {
+        !self.pending_removal.is_empty()
+    }
+
+    /// Bring what is served in line with the dir. Blocking (compiles).
+    /// Not from an async task: it blocks on the runtime.
+    pub fn pass(&mut self) -> PassReport {
+        self.passes += 1;
+        crate::metrics::get().plugin_reloads.inc();
+        let mut report = PassReport::default();
+        let files = match wasm_files(&self.dir) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(dir = %self.dir.display(), "plugin dir unreadable; backends stay as they are: {e}");
+                return report;
+            }
+        };
+        for (name, path) in &files {
+            let Ok(sha) = sha256_of(path) else { continue };
+            if self.served.get(name).is_some_and(|s| s.sha256 == sha) {
+                // Unchanged, or back to the version that serves.
+                if self.rejected.remove(name).is_some() {
+                    tracing::info!(file = %path.display(), "the serving version's file is back: no longer degraded");
+                }
+                continue;
+            }
+            if self.rejected.get(name).is_some_and(|r| r.0 == sha) {
+                continue;
+            }
+            match load_checked(&self.runtime, path) {
+                Ok(plugin) => self.take(name, path, sha, plugin, &mut report),
+                Err((backend, reason)) => self.reject(name, sha, backend.or_else(|| self.served.get(name).map(|s| s.backend.clone())), reason, &mut report),
+            }
+        }
+        let gone: Vec<String> = self.served.keys().filter(|n| !files.contains_key(*n)).cloned().collect();
+        for name in gone {
+            if let Some(s) = self.served.remove(&name) {
+                self.pending_removal.insert(s.backend, (name, s.sha256));
+            }
+        }
+        self.rejected.retain(|name, _| files.contains_key(name));
+        self.finish_removals(&mut report);
+        self.publish();
+        report
+    }
+
+    fn take(&mut self, name: &str, path: &Path, sha: String, plugin: Plugin, report: &mut PassReport) {
+        let backend = plugin.name().to_string();
+        if let Some((other, _)) = self.served.iter().find(|(n, s)| s.backend == backend && n.as_str() != name) {
+            let reason = format!("backend {backend} is already served by {other}");
+            return self.reject(name, sha, Some(backend), reason, report);
+        }
+        let version = plugin.info().version.clone();
+        let old = self.agent.swap_plugin(plugin);
+        self.rejected.remove(name);
+        self.pending_removal.remove(&backend);
+        self.served.insert(name.to_string(), Served { backend: backend.clone(), sha256: sha.clone() });
+        match old {
+            Some(old) => {
+                tracing::info!(backend, version, file = %path.display(), sha256 = sha, previous = %old.info().version, "backend updated");
+                report.updated.push(backend.clone());
+            }
+            None => {
+                tracing::info!(backend, version, file = %path.display(), sha256 = sha, "backend added");
+                report.added.push(backend.clone());
+            }
+        }
+        // Reinstalling an unchanged driver is harmless and repairs one a
+        // person deleted.
+        self.integrate(&backend);
+    }
+
+    fn reject(&mut self, name: &str, sha: String, backend: Option<String>, reason: String, report: &mut PassReport) {
+        let file = self.dir.join(name).display().to_string();
+        let serving = backend.as_ref().is_some_and(|b| self.served.values().any(|s| &s.backend == b));
+        let consequence = if serving { "the last good version keeps serving" } else { "not loaded" };
+        tracing::error!(file, sha256 = sha, backend = backend.as_deref().unwrap_or("?"), "backend degraded: {reason}; {consequence}");
+        crate::metrics::get().backend_degraded(backend.as_deref().unwrap_or(name), 1);
+        if let Some(cluster) = self.agent.cluster().cloned()
+            && let Some(pod) = &self.integration.pod
+        {
+            let message = format!("{file} (sha256 {sha}) rejected: {reason}; {consequence}");
+            let pod = pod.clone();
+            self.rt.spawn(async move { cluster.pod_event(&pod.pod_namespace, &pod.pod_name, &pod.pod_uid, true, "BackendDegraded", &message).await });
+        }
+        report.rejected.push(format!("{file}: {reason}"));
+        self.rejected.insert(name.to_string(), (sha, backend, reason));
+    }
+
+    fn finish_removals(&mut self, report: &mut PassReport) {
+        let pending: Vec<String> = self.pending_removal.keys().cloned().collect();
+        for backend in pending {
+            let attached = match self.rt.block_on(self.agent.volumes_of(&backend)) {
+                Ok(v) => v,
+                Err(f) => {
+                    tracing::error!(backend, "cannot tell whether volumes are attached; removal waits: {}", f.message);
+                    continue;
+                }
+            };
+            if !attached.is_empty() {
+                tracing::warn!(backend, volumes = ?attached, "backend file removed, but volumes are attached here: it stays loaded until they are detached");
+                continue;
+            }
+            self.pending_removal.remove(&backend);
+            self.agent.remove_plugin(&backend);
+            self.disintegrate(&backend);
+            crate::metrics::get().backend_degraded(&backend, 0);
+            tracing::info!(backend, "backend removed and its driver uninstalled");
+            report.removed.push(backend);
+        }
+    }
+
+    /// Tell the agent's status what is wrong.
+    fn publish(&self) {
+        let mut problems: Vec<PluginProblem> = self
+            .rejected
+            .iter()
+            .map(|(name, (sha, backend, reason))| PluginProblem {
+                backend: backend.clone(),
+                file: self.dir.join(name).display().to_string(),
+                sha256: sha.clone(),
+                state: "degraded".into(),
+                reason: reason.clone(),
+            })
+            .collect();
+        problems.extend(self.pending_removal.iter().map(|(backend, (name, sha))| PluginProblem {
+            backend: Some(backend.clone()),
+            file: self.dir.join(name).display().to_string(),
+            sha256: sha.clone(),
+            state: "removal-pending".into(),
+            reason: "the file was removed, but volumes of this backend are attached on this node".into(),
+        }));
+        // A backend served by a good file is not degraded any more.
+        for s in self.served.values() {
+            if !problems.iter().any(|p| p.backend.as_deref() == Some(&s.backend)) {
+                crate::metrics::get().backend_degraded(&s.backend, 0);
+            }
+        }
+        self.agent.set_plugin_problems(problems);
+    }
+
+    /// The driver and the plugin-containers registration of `backend`.
+    fn integrate(&self, backend: &str) {
+        let i = &self.integration;
+        if let Some(vpd) = &i.volume_plugin_dir {
+            let config = DriverConfig { socket: i.socket.clone(), backend: backend.to_string() };
+            match install::install_driver(vpd, &i.driver_binary, &config) {
+                Ok(path) => tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}"),
+                Err(e) => tracing::error!(backend, "Flexvolume driver not installed: {e}"),
+            }
+        }
+        if let Some(pod) = &i.pod {
+            match install::register_container(&i.kubelet_root, backend, pod) {
+                Ok(path) => tracing::info!(backend, file = %path.display(), "registered the agent's container for kubelet's mount utilities"),
+                Err(e) => tracing::error!(backend, "plugin-containers registration not written: {e}"),
+            }
+        }
+    }
+
+    fn disintegrate(&self, backend: &str) {
+        let i = &self.integration;
+        if let Some(vpd) = &i.volume_plugin_dir
+            && let Err(e) = install::uninstall_driver(vpd, backend)
+        {
+            tracing::error!(backend, "Flexvolume driver not uninstalled: {e}");
+        }
+        if i.pod.is_some()
+            && let Err(e) = install::unregister_container(&i.kubelet_root, backend)
+        {
+            tracing::error!(backend, "plugin-containers registration not removed: {e}");
+        }
+    }
+}
