@@ -6,6 +6,7 @@
 pub mod cli;
 pub mod exec;
 pub mod http;
+pub mod init;
 pub mod kube;
 pub mod ledger;
 pub mod metrics;
