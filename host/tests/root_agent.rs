@@ -488,3 +488,29 @@ fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
     assert_success(&node.driver(&["unmount", &a]));
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
+
+/// Mounts and devices under volagent's dirs that no record explains (left
+/// by hand, or by a tool outside the agent) are removed at start-up — the
+/// staging mount by its backend's cleanup plan — and nothing else is touched.
+#[test]
+fn orphans_under_volagents_dirs_are_cleaned_at_start_up() {
+    use volagent::sys::{Devices, Mounts};
+    let mut node = Node::start();
+    let image = node.image("orphan.img", 64);
+    assert!(Command::new("mkfs.ext4").args(["-F", "-q", &image]).status().expect("mkfs").success());
+    node.stop_agent();
+    let linux = volagent::sys::linux::Linux::default();
+    let device = linux.loop_attach(std::path::Path::new(&image), false).expect("attach");
+    let staging = node.scratch.path("node-a/kubelet/plugins/volagent/local-pv/mounts/pv-orphan");
+    std::fs::create_dir_all(&staging).expect("dir");
+    linux.mount(&device.display().to_string(), &staging, "ext4", "", false).expect("mount");
+    // Not ours: a mount elsewhere under the kubelet root stays.
+    let other = node.scratch.path("node-a/kubelet/elsewhere");
+    std::fs::create_dir_all(&other).expect("dir");
+    nix::mount::mount(Some("tmpfs"), &other, Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs");
+
+    node.spawn_agent("node-a");
+    assert_eq!(node.scratch.mounts(), vec![other.clone()], "only the orphan staging mount is gone");
+    assert!(node.scratch.loops().is_empty(), "and its loop device");
+    nix::mount::umount2(&other, nix::mount::MntFlags::empty()).expect("unmount");
+}

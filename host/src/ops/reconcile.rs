@@ -82,11 +82,58 @@ impl Agent {
         Ok(blocking(move || sys.mount_at(&dir)).await?.map_err(internal)?.is_some())
     }
 
+    /// An orphan staging mount, `<staging-root>/<backend>/mounts/<volume>`,
+    /// torn down by its backend's cleanup plan (stale-node, no holders).
+    /// Nothing records the volume's options, so a backend that needs them
+    /// refuses, and the caller unmounts it plainly.
+    async fn clean_orphan_by_backend(&self, mount_point: &Path) -> Result<String, String> {
+        let staging_root = self.config.kubelet_root.join("plugins/volagent");
+        let rel = mount_point.strip_prefix(&staging_root).map_err(|e| e.to_string())?;
+        let parts: Vec<&str> = rel.iter().filter_map(|c| c.to_str()).collect();
+        let [backend, "mounts", volume] = parts.as_slice() else { return Err("not a staging dir".into()) };
+        let plugin = self.plugin(backend).map_err(|f| f.message)?;
+        let mut lock = Some(self.lock(volume).map_err(|f| f.message)?);
+        let item = crate::policy::CleanupItem {
+            volume: crate::policy::Volume {
+                name: volume.to_string(),
+                backend: backend.to_string(),
+                access_mode: crate::policy::AccessMode::ReadWriteOnce,
+                fs_type: String::new(),
+                options: Vec::new(),
+                secret_keys: Vec::new(),
+            },
+            paths: self.config.paths(backend, volume),
+            holders: Vec::new(),
+        };
+        let plan = plugin.cleanup(self.queries(&[]), crate::policy::CleanupReason::StaleNode, &[item]).map_err(|e| e.to_string())?;
+        self.run_plan(plan, &mut lock).await.map_err(|f| f.message)?;
+        if self.mounted(&mount_point.display().to_string()).await.map_err(|f| f.message)? {
+            return Err("still mounted after the backend's cleanup plan".into());
+        }
+        Ok(backend.to_string())
+    }
+
     /// Staging mounts with no stashed consumer, and loop devices over local
     /// volume files that no stashed volume names and nothing mounts.
     async fn sweep_orphans(&self, report: &mut Report) -> Result<(), Failure> {
         let stash = self.stash_op(|s| s.all()).await?;
         let staging_root = self.config.kubelet_root.join("plugins/volagent");
+        // First the backends' own cleanup plans, for the staging mounts
+        // whose backend is loaded.
+        let used: BTreeSet<String> = stash.iter().map(|e| e.paths.staging_dir.clone()).collect();
+        let sys = self.sys.clone();
+        let table = blocking(move || sys.mounts.mount_table()).await?.map_err(internal)?;
+        for m in table.iter().rev() {
+            let p = m.mount_point.display().to_string();
+            let under = m.mount_point.starts_with(&staging_root) && m.mount_point.components().count() == staging_root.components().count() + 3;
+            if !under || clean_absolute(&p).is_err() || used.contains(&p) {
+                continue;
+            }
+            match self.clean_orphan_by_backend(&m.mount_point).await {
+                Ok(backend) => report.orphans.push(format!("orphan mount {p} (from {}), by backend {backend}'s cleanup plan", m.source)),
+                Err(why) => tracing::warn!(mount = %p, "orphan not cleaned by its backend ({why}); unmounting it plainly"),
+            }
+        }
         let discovery = self.config.discovery_dirs.clone();
         let sys = self.sys.clone();
         let found = blocking(move || -> Result<Vec<String>, crate::sys::SysError> {
