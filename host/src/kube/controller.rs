@@ -9,7 +9,7 @@ use super::lease::LeaderElector;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -90,7 +90,7 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
         let client = client.clone();
         async move {
             let nodes: Api<Node> = Api::all(client.clone());
-            let mut events = watcher(nodes, watcher::Config::default()).boxed();
+            let mut events = watcher(nodes, watcher::Config::default()).default_backoff().boxed();
             while let Some(event) = events.next().await {
                 if let Ok(watcher::Event::Delete(node)) = event {
                     let name = node.metadata.name.unwrap_or_default();

@@ -8,7 +8,7 @@ use crate::ops::{Agent, STORAGE_CLUSTER_OPTION};
 use crate::policy::CleanupReason;
 use futures_util::StreamExt;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +18,9 @@ use std::time::Duration;
 pub async fn run(agent: Arc<Agent>, client: kube::Client, node: String, interval: Duration) {
     let lists: Api<NodeCleanup> = Api::all(client.clone());
     let clusters: Api<StorageCluster> = Api::all(client.clone());
-    let list_changes = watcher(lists, watcher::Config::default().fields(&format!("metadata.name={node}"))).map(|_| ());
-    let cluster_changes = watcher(clusters, watcher::Config::default()).map(|_| ());
+    // With backoff: while the API server is away, a watch must not spin.
+    let list_changes = watcher(lists, watcher::Config::default().fields(&format!("metadata.name={node}"))).default_backoff().map(|_| ());
+    let cluster_changes = watcher(clusters, watcher::Config::default()).default_backoff().map(|_| ());
     let mut changes = futures_util::stream::select(list_changes, cluster_changes).boxed();
     loop {
         sync_once(&agent, &client, &node).await;

@@ -155,6 +155,7 @@ impl Agent {
         let backend = backend.to_string();
         let entries = self.stash_op(|s| s.all()).await?;
         let mut v: Vec<String> = entries.into_iter().filter(|e| e.volume.backend == backend).map(|e| e.volume.name).collect();
+        v.sort();
         v.dedup();
         Ok(v)
     }
@@ -214,7 +215,7 @@ impl Agent {
     pub async fn mount(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
         let start = std::time::Instant::now();
         let result = self.mount_volume(backend, mount_dir, options).await;
-        crate::metrics::get().operation("mount", backend, result_label(&result), start.elapsed());
+        crate::metrics::get().operation("mount", metric_backend(backend, &result), result_label(&result), start.elapsed());
         if let (Err(f), Some(cluster)) = (&result, &self.cluster) {
             let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
             let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
@@ -361,7 +362,7 @@ impl Agent {
     pub async fn unmount(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
         let start = std::time::Instant::now();
         let result = self.unmount_volume(backend, mount_dir).await;
-        crate::metrics::get().operation("unmount", backend, result_label(&result), start.elapsed());
+        crate::metrics::get().operation("unmount", metric_backend(backend, &result), result_label(&result), start.elapsed());
         if let (Err(f), Some(cluster)) = (&result, &self.cluster)
             && f.kind != FailureKind::BadRequest
         {
@@ -447,6 +448,15 @@ impl Agent {
 /// Run blocking work (syscalls, tools, fsync) off the async workers.
 async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, Failure> {
     tokio::task::spawn_blocking(f).await.map_err(|e| internal(format!("agent task failed: {e}")))
+}
+
+/// The backend label of a request: a name no loaded backend has is not
+/// kept (a caller could make up any number of them).
+fn metric_backend<'b, T>(backend: &'b str, r: &Result<T, Failure>) -> &'b str {
+    match r {
+        Err(f) if f.kind == FailureKind::UnknownBackend => "unknown",
+        _ => backend,
+    }
 }
 
 fn result_label<T>(r: &Result<T, Failure>) -> &'static str {

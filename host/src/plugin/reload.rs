@@ -254,6 +254,8 @@ impl Reloader {
             }
             self.pending_removal.remove(&backend);
             self.agent.remove_plugin(&backend);
+            // The status says it is gone before its driver is.
+            self.publish();
             self.disintegrate(&backend);
             crate::metrics::get().backend_degraded(&backend, 0);
             tracing::info!(backend, "backend removed and its driver uninstalled");
