@@ -38,3 +38,30 @@ async fn an_api_outage_is_retried_then_reported_and_loses_nothing() {
     let (got, ()) = tokio::join!(patient.get("pv-outage"), restart);
     assert_eq!(got.expect("retried until the API server was back"), Some((record, v1)));
 }
+
+/// Two controller replicas: one leads, the other waits; the leader renews;
+/// when it stops renewing, the other takes the Lease only after it expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_leader_at_a_time_and_a_take_over_only_after_expiry() {
+    use volagent::kube::lease::LeaderElector;
+    let env = KubeEnv::start().await.expect("a real kube-apiserver (scripts/kube-assets)");
+    let lease = Duration::from_secs(3);
+    let a = LeaderElector::new(env.client(), "default", "volagent-controller", "replica-a", lease);
+    let b = LeaderElector::new(env.client(), "default", "volagent-controller", "replica-b", lease);
+    // Racing for a Lease that does not exist yet: exactly one wins.
+    let (ra, rb) = tokio::join!(a.try_lead(), b.try_lead());
+    let (ra, rb) = (ra.expect("a"), rb.expect("b"));
+    assert!(ra ^ rb, "exactly one leads: a {ra}, b {rb}");
+    let (leader, other) = if ra { (&a, &b) } else { (&b, &a) };
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert!(leader.try_lead().await.expect("renew"), "the leader renews");
+        assert!(!other.try_lead().await.expect("try"), "the other waits while the lease is renewed");
+    }
+    // The leader stops renewing: before expiry the other still waits.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!other.try_lead().await.expect("try"), "not before the lease expired");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(other.try_lead().await.expect("take over"), "after expiry the other takes over");
+    assert!(!leader.try_lead().await.expect("try"), "and the old leader no longer leads");
+}

@@ -179,6 +179,33 @@ fn a_broken_update_is_reported_and_the_last_good_version_serves_on() {
     // A good file clears it.
     node.install("local-pv.wasm", &good);
     node.wait("the degraded state to clear", || node.status().0 == 0);
+
+    // A new backend whose own scenarios, shipped beside it, fail is not
+    // loaded; fixing the scenarios file does not count until the component
+    // itself changes, so ship both again.
+    std::fs::write(
+        node.scratch.path("plugins/shared-file.scenarios.yaml"),
+        "backend: shared-file\nscenarios:\n  - name: names itself\n    call: info\n    expect: { info: { name: not-shared-file } }\n",
+    )
+    .expect("scenarios");
+    let shared = std::fs::read(volagent_test_artifacts::SHARED_FILE).expect("guest");
+    node.install("shared-file.wasm", &shared);
+    node.wait("the new backend to be rejected by its scenarios", || {
+        node.status().1["problems"].as_array().is_some_and(|p| {
+            p.iter().any(|p| p["backend"] == "shared-file" && p["reason"].as_str().is_some_and(|r| r.contains("scenario \"names itself\"")))
+        })
+    });
+    assert!(!node.driver("shared-file").exists(), "a rejected backend gets no driver");
+    std::fs::write(
+        node.scratch.path("plugins/shared-file.scenarios.yaml"),
+        "backend: shared-file\nscenarios:\n  - name: names itself\n    call: info\n    expect: { info: { name: shared-file } }\n",
+    )
+    .expect("scenarios");
+    std::fs::remove_file(node.scratch.path("plugins/shared-file.wasm")).expect("remove");
+    node.wait("the rejected file to be forgotten", || node.status().0 == 0);
+    node.install("shared-file.wasm", &shared);
+    node.wait("the new backend with passing scenarios", || node.driver("shared-file").exists());
+    assert_eq!(node.status().0, 0);
 }
 
 #[test]
