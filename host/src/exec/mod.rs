@@ -73,7 +73,7 @@ impl Executor {
 
     /// Run `plan` (already checked by the policy validator) step by step.
     pub fn run(&self, plan: &[Step]) -> Result<Outcome, ExecError> {
-        let mut run = Run { sys: &self.sys, outcome: Outcome::default(), undo: Vec::new() };
+        let mut run = Run { sys: &self.sys, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new() };
         for (index, step) in plan.iter().enumerate() {
             if let Err(source) = run.step(step) {
                 let rollback_failures = run.rollback();
@@ -97,6 +97,9 @@ struct Run<'s> {
     sys: &'s Sys,
     outcome: Outcome,
     undo: Vec<Undo>,
+    /// Loop devices this run attached, with their backing files, until a
+    /// step writes through them: until then they hold the file's bytes.
+    fresh: BTreeMap<PathBuf, PathBuf>,
 }
 
 fn refused(what: String) -> StepError {
@@ -113,8 +116,15 @@ impl Run<'_> {
             }
             Step::Format(f) => {
                 let device = self.device(&f.device)?;
-                match (self.sys.filesystems.probe(&device)?, f.mode) {
-                    (None, _) | (Some(_), FormatMode::Always) => Ok(self.sys.filesystems.mkfs(&device, &f.fs_type)?),
+                let found = match self.fresh.get(&device) {
+                    Some(file) => self.sys.filesystems.probe_attached(&device, file)?,
+                    None => self.sys.filesystems.probe(&device)?,
+                };
+                match (found, f.mode) {
+                    (None, _) | (Some(_), FormatMode::Always) => {
+                        self.fresh.remove(&device);
+                        Ok(self.sys.filesystems.mkfs(&device, &f.fs_type)?)
+                    }
                     (Some(found), FormatMode::IfUnformatted) if found == f.fs_type => Ok(()),
                     (Some(found), FormatMode::IfUnformatted) => Err(refused(format!(
                         "{} already holds {found}, but the volume asks for {}; refusing to format over it",
@@ -143,7 +153,7 @@ impl Run<'_> {
             }
             Step::BindMount(b) => {
                 let (source, target) = (Path::new(&b.source), Path::new(&b.target));
-                if self.sys.mount_at(target)?.is_some() {
+                if self.sys.is_mounted(target)? {
                     // kubelet retries a mount it did not see finish.
                     return Ok(());
                 }
@@ -154,7 +164,7 @@ impl Run<'_> {
             }
             Step::Unmount(u) => {
                 let target = Path::new(&u.target);
-                if self.sys.mount_at(target)?.is_some() {
+                if self.sys.is_mounted(target)? {
                     self.sys.mounts.unmount(target, u.force)?;
                 }
                 // An empty mount point is ours to tidy (kubelet copes with its
@@ -172,6 +182,7 @@ impl Run<'_> {
             }
             Step::Wipe(w) => {
                 let device = self.device(&w.device)?;
+                self.fresh.remove(&device);
                 let method = match w.method {
                     WipeMethod::Signatures => Wipe::Signatures,
                     WipeMethod::Discard => Wipe::Discard,
@@ -203,6 +214,7 @@ impl Run<'_> {
         }
         let device = self.sys.devices.loop_attach(&file, read_only)?;
         self.undo.push(Undo::Detach(device.clone()));
+        self.fresh.insert(device.clone(), file);
         Ok(device)
     }
 

@@ -1,5 +1,5 @@
 use super::*;
-use crate::policy::{AttachDevice, BindMount, DetachDevice, Format, Mount, Unmount};
+use crate::policy::{AttachDevice, BindMount, DetachDevice, Format, Mount, Unmount, Wipe};
 use crate::sys::fake::Fake;
 
 const FILE: &str = "/mnt/disks/a.img";
@@ -120,4 +120,24 @@ fn unsupported_devices_and_fencing_are_refused_clearly() {
     })];
     let err = exec.run(&plan).unwrap_err();
     assert!(err.to_string().contains("nbd devices cannot be attached by this agent yet"), "{err}");
+}
+
+#[test]
+fn a_device_this_plan_attached_is_probed_through_its_file_until_written_to() {
+    let (fake, exec) = node();
+    fake.state().filesystems.insert(FILE.into(), "ext4".into());
+    exec.run(&attach_plan()).unwrap();
+    assert!(fake.state().log.contains(&format!("probe {FILE}")), "{:?}", fake.state().log);
+    exec.run(&detach_plan()).unwrap();
+
+    // Once a step has written through the device, the device itself is
+    // probed: its bytes may no longer be the file's.
+    let dev = || BlockSource::Attached("dev".into());
+    let mut plan = attach_plan();
+    plan.insert(1, Step::Wipe(Wipe { device: dev(), method: WipeMethod::Signatures }));
+    exec.run(&plan).unwrap();
+    let s = fake.state();
+    let probes: Vec<&String> = s.log.iter().filter(|op| op.starts_with("probe ")).collect();
+    assert_eq!(probes.last().map(|p| p.as_str()), Some("probe /dev/loop0"), "{probes:?}");
+    assert!(s.log.iter().any(|op| op == "mkfs /dev/loop0"), "the wiped device gets a filesystem: {:?}", s.log);
 }

@@ -77,6 +77,10 @@ impl Mounts for Fake {
         Ok(self.state().mounts.clone())
     }
 
+    fn is_mount_point(&self, target: &Path) -> Result<Option<bool>, SysError> {
+        Ok(Some(self.state().mounts.iter().any(|m| m.mount_point == target)))
+    }
+
     fn mount(&self, source: &str, target: &Path, fs_type: &str, _options: &str, read_only: bool) -> Result<(), SysError> {
         let mut s = self.op("mount", target)?;
         if !s.dirs.contains(target) {
@@ -155,6 +159,11 @@ impl Filesystems for Fake {
     fn probe(&self, device: &Path) -> Result<Option<String>, SysError> {
         let s = self.op("probe", device)?;
         Ok(s.filesystems.get(device).cloned())
+    }
+
+    fn probe_attached(&self, _device: &Path, file: &Path) -> Result<Option<String>, SysError> {
+        let s = self.op("probe", file)?;
+        Ok(s.filesystems.get(file).cloned())
     }
 
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {

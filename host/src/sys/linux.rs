@@ -3,6 +3,7 @@
 
 use super::{Devices, Filesystems, LoopDevice, MountInfo, Mounts, SysError, Wipe, errno, loopdev, mountinfo};
 use nix::mount::{MntFlags, MsFlags};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -83,6 +84,10 @@ impl Mounts for Linux {
         Ok(mountinfo::parse(&text)?)
     }
 
+    fn is_mount_point(&self, target: &Path) -> Result<Option<bool>, SysError> {
+        Ok(is_mount_root(target))
+    }
+
     fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError> {
         let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
         if read_only {
@@ -140,6 +145,39 @@ impl Devices for Linux {
     }
 }
 
+/// Whether `target` is the root of a mount, as statx(2) tells (Linux 5.8+),
+/// in the terms of the mount table: the table lists mounts by their
+/// resolved paths, so the path itself is not followed if it is a symlink,
+/// and a mount seen through a symlinked dir is left to the table.
+#[allow(unsafe_code)]
+fn is_mount_root(target: &Path) -> Option<bool> {
+    use nix::libc;
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(target.as_os_str().as_bytes()).ok()?;
+    let mut stx = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT;
+    // SAFETY: `path` is a NUL-terminated string and `stx` a statx buffer,
+    // both live for the call.
+    if unsafe { libc::statx(libc::AT_FDCWD, path.as_ptr(), flags, libc::STATX_TYPE, stx.as_mut_ptr()) } != 0 {
+        return match nix::errno::Errno::last() {
+            // Nothing is mounted where there is nothing.
+            nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR => Some(false),
+            _ => None,
+        };
+    }
+    // SAFETY: statx succeeded, so it filled the buffer (zeroed before).
+    let stx = unsafe { stx.assume_init() };
+    let root = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    if stx.stx_attributes_mask & root == 0 {
+        return None; // a kernel that does not say
+    }
+    if stx.stx_attributes & root == 0 {
+        return Some(false);
+    }
+    // A mount root: listed at `target` only if that is its resolved path.
+    std::fs::canonicalize(target).ok().filter(|resolved| resolved == target).map(|_| true)
+}
+
 /// How much of a device the quick probe reads: every signature blkid
 /// knows for the common filesystems, partition tables, LVM, LUKS, RAID and
 /// btrfs (at 64 KiB) lies within it.
@@ -153,8 +191,11 @@ fn quick_probe(device: &Path) -> Option<Option<String>> {
     use std::io::Read;
     let mut f = std::fs::File::open(device).ok()?;
     // A loop device number is reused: drop whatever an earlier user of it
-    // left in the page cache, so the bytes read are the backing file's.
-    let _ = nix::fcntl::posix_fadvise(&f, 0, QUICK_PROBE_BYTES as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+    // left in the page cache, so the bytes read are the backing file's. (A
+    // file's own cache is its bytes, and dropping it costs a disk read.)
+    if f.metadata().is_ok_and(|m| m.file_type().is_block_device()) {
+        let _ = nix::fcntl::posix_fadvise(&f, 0, QUICK_PROBE_BYTES as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+    }
     // The superblocks recognised here sit in the first 4 KiB; the whole
     // window is read only to call a device blank.
     let mut head = vec![0u8; 4096];
@@ -190,6 +231,16 @@ impl Filesystems for Linux {
         let text = String::from_utf8_lossy(&out.stdout);
         let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(str::to_string);
         Ok(field("TYPE=").or_else(|| field("PTTYPE=")).or_else(|| Some("unknown signature".to_string())))
+    }
+
+    fn probe_attached(&self, device: &Path, file: &Path) -> Result<Option<String>, SysError> {
+        // The device is the file rounded down to whole sectors: the same
+        // bytes, and the same size for probes that look at the end, when the
+        // file is whole sectors.
+        match std::fs::metadata(file) {
+            Ok(m) if m.len() % 512 == 0 => self.probe(file),
+            _ => self.probe(device),
+        }
     }
 
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {
@@ -244,6 +295,31 @@ mod tests {
         // Too small to hold 128 KiB: blkid decides.
         let small = tempfile::NamedTempFile::new().unwrap();
         assert_eq!(quick_probe(small.path()), None);
+    }
+
+    #[test]
+    fn mount_roots_as_the_mount_table_lists_them() {
+        assert_eq!(is_mount_root(Path::new("/")), Some(true));
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(is_mount_root(dir.path()), Some(false));
+        assert_eq!(is_mount_root(&dir.path().join("missing")), Some(false));
+        // The table lists resolved paths: a symlink is not a mount point,
+        // and a mount seen through one is for the table to tell.
+        let link = dir.path().join("root");
+        std::os::unix::fs::symlink("/", &link).unwrap();
+        assert_eq!(is_mount_root(&link), Some(false));
+        let table = Linux::default().mount_table().unwrap();
+        let visible = table.iter().rev().map(|m| m.mount_point.clone()).find(|p| p != Path::new("/") && p.is_dir()).unwrap();
+        let through_link = link.join(visible.strip_prefix("/").unwrap());
+        assert!(matches!(is_mount_root(&through_link), None | Some(false)), "{}", through_link.display());
+        // Every mount the table lists at a resolved path that is visible
+        // (not covered by a later mount) is seen as one.
+        for (i, m) in table.iter().enumerate() {
+            let covered = table[i + 1..].iter().any(|later| m.mount_point.starts_with(&later.mount_point));
+            if !covered && std::fs::canonicalize(&m.mount_point).is_ok_and(|r| r == m.mount_point) {
+                assert_eq!(is_mount_root(&m.mount_point), Some(true), "{}", m.mount_point.display());
+            }
+        }
     }
 
     #[test]

@@ -57,6 +57,12 @@ pub enum Wipe {
 
 pub trait Mounts: Send + Sync {
     fn mount_table(&self) -> Result<Vec<MountInfo>, SysError>;
+    /// Whether `target` is a mount point (what `mount_table` would list at
+    /// exactly that path), when that can be told without reading the
+    /// table; none when only the table can tell.
+    fn is_mount_point(&self, _target: &Path) -> Result<Option<bool>, SysError> {
+        Ok(None)
+    }
     /// Mount `source` (a device or network source) at `target`; `options`
     /// is the comma-joined filesystem option string.
     fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError>;
@@ -80,6 +86,12 @@ pub trait Filesystems: Send + Sync {
     /// The filesystem (or other signature, e.g. a partition table) on
     /// `device`; none when it is blank.
     fn probe(&self, device: &Path) -> Result<Option<String>, SysError>;
+    /// [`probe`](Self::probe) of a loop device just attached to `file`
+    /// (offset 0, whole file), nothing written through it since: it holds
+    /// exactly the file's bytes, which may be read instead.
+    fn probe_attached(&self, device: &Path, _file: &Path) -> Result<Option<String>, SysError> {
+        self.probe(device)
+    }
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError>;
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
 }
@@ -101,7 +113,21 @@ impl Sys {
 
     /// The mount at exactly `target`, if any (the last one wins, as in the kernel).
     pub fn mount_at(&self, target: &Path) -> Result<Option<MountInfo>, SysError> {
+        // The whole table is read and parsed only for a mount point: that
+        // takes 50 µs and more (it grows with the node's mounts), and
+        // every mount and unmount step asks about paths that mostly are not.
+        if self.mounts.is_mount_point(target)? == Some(false) {
+            return Ok(None);
+        }
         Ok(self.mounts.mount_table()?.into_iter().rev().find(|m| m.mount_point == target))
+    }
+
+    /// Whether something is mounted at exactly `target`.
+    pub fn is_mounted(&self, target: &Path) -> Result<bool, SysError> {
+        match self.mounts.is_mount_point(target)? {
+            Some(known) => Ok(known),
+            None => Ok(self.mounts.mount_table()?.iter().any(|m| m.mount_point == target)),
+        }
     }
 
     /// Loop devices backed by `file`.
