@@ -58,6 +58,21 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 
 /// Serve until the listener fails.
 pub async fn serve(listener: UnixListener, agent: Arc<Agent>, config: ServerConfig) -> std::io::Result<()> {
+    // Accept in a task of its own, on a runtime worker: each connection's
+    // task then starts on that same worker (tokio's LIFO slot), where from
+    // the thread awaiting `serve` (the agent's main thread) it went through
+    // two thread wake-ups, which cost most on a busy node. Dropping the set
+    // (the caller stops serving) aborts the loop.
+    let mut accepting = tokio::task::JoinSet::new();
+    accepting.spawn(accept_loop(listener, agent, config));
+    match accepting.join_next().await {
+        Some(Ok(result)) => result,
+        Some(Err(e)) => Err(std::io::Error::other(e)),
+        None => Ok(()),
+    }
+}
+
+async fn accept_loop(listener: UnixListener, agent: Arc<Agent>, config: ServerConfig) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
     let config = Arc::new(config);
     loop {
