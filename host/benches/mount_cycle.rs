@@ -4,7 +4,9 @@
 //! bind, two unmounts, loop detach, as bare syscalls). The difference is the
 //! agent's overhead: driver exec, socket, policy calls, ledger and stash
 //! commits, the filesystem probe. Needs root.
-//! Run: `cargo bench -p volagent --bench mount_cycle`.
+//! Run: `cargo bench -p volagent --bench mount_cycle`. `MOUNT_CYCLE_CYCLES`
+//! sets the number of cycles; `MOUNT_CYCLE_FLEX_DRIVER` runs another build
+//! of the driver (a statically linked one, say) than cargo's.
 
 #[path = "../tests/common.rs"]
 mod common;
@@ -129,7 +131,7 @@ impl AgentUnderTest {
             .arg("--kubelet-root").arg(scratch.path("kubelet"))
             .arg("--discovery-dir").arg(scratch.path("disks"))
             .arg("--volume-plugin-dir").arg(scratch.path("vpd"))
-            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .arg("--flex-driver").arg(std::env::var_os("MOUNT_CYCLE_FLEX_DRIVER").unwrap_or(env!("CARGO_BIN_EXE_volagent-flex").into()))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
