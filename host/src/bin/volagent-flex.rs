@@ -2,20 +2,12 @@
 //! forwards `init`, `mount` and `unmount` to the agent over its socket and
 //! prints exactly one JSON object — and nothing else, on stdout or stderr,
 //! whatever happens — because kubelet parses the combined output.
-//!
-//! kubelet runs it for every mount and unmount, so its start-up is on that
-//! path: it has its own C `main` and skips std's runtime set-up, whose main
-//! thread stack-guard lookup alone parses /proc/self/maps (about 0.15 ms of
-//! a 1 ms exec here). What of that set-up matters here is done below.
-//! (The test harness brings its own `main`.)
-#![cfg_attr(not(test), no_main)]
 
-use nix::sys::signal::{SigHandler, Signal, signal};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::ffi::CStr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Duration;
 use volagent::plugin::install::{DRIVER_CONFIG, DriverConfig};
 use volagent::socket::protocol::{self, Request, Response};
@@ -25,30 +17,15 @@ const DEFAULT_SOCKET: &str = "/run/volagent/agent.sock";
 /// so a wedged agent cannot hang kubelet's operation forever.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(600);
 
-#[allow(unsafe_code)] // an exported symbol: the C entry point
-#[cfg_attr(not(test), unsafe(no_mangle))]
-extern "C" fn main(argc: std::ffi::c_int, argv: *const *const std::ffi::c_char) -> std::ffi::c_int {
-    // As std's runtime would: a write to a socket the agent has closed
-    // fails with EPIPE (and is reported) instead of killing the driver.
-    // SAFETY: ignoring a signal installs no handler code.
-    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
-    // A panic must still produce the one JSON object kubelet expects; it
-    // is caught here, as it may not unwind out of a C function.
+fn main() -> ExitCode {
+    // A panic must still produce the one JSON object kubelet expects.
     std::panic::set_hook(Box::new(|info| {
         println!("{}", json!({"status": "Failure", "message": format!("volagent-flex crashed: {info}")}));
     }));
-    // SAFETY: the C runtime passes `argc` NUL-terminated strings in `argv`.
-    let args = (0..usize::try_from(argc).unwrap_or(0)).map(|i| unsafe { CStr::from_ptr(*argv.add(i)) }.to_str().map(String::from));
-    let args: Result<Vec<String>, _> = args.collect();
-    let ok = std::panic::catch_unwind(|| {
-        let (reply, ok) = match &args {
-            Ok(args) => run(args),
-            Err(e) => failure(format!("an argument is not UTF-8: {e}")),
-        };
-        println!("{reply}");
-        ok
-    });
-    if ok.unwrap_or(false) { 0 } else { 1 }
+    let args: Vec<String> = std::env::args().collect();
+    let (reply, ok) = run(&args);
+    println!("{reply}");
+    if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
 }
 
 fn failure(message: impl Into<String>) -> (Value, bool) {
@@ -91,12 +68,10 @@ fn reply(response: Result<Response, String>, init: bool) -> (Value, bool) {
 }
 
 fn run(args: &[String]) -> (Value, bool) {
+    let exe = std::env::current_exe().ok().or_else(|| args.first().map(PathBuf::from)).unwrap_or_default();
     // Installed as <dir>/volagent~<backend>/<backend>; the name of the link
-    // kubelet ran wins over the resolved binary's, which is only looked up
-    // (a /proc readlink) when argv[0] has no dir.
-    let invoked = args.first().map(PathBuf::from).filter(|p| p.parent().is_some_and(|d| !d.as_os_str().is_empty())).unwrap_or_else(|| {
-        std::env::current_exe().ok().or_else(|| args.first().map(PathBuf::from)).unwrap_or_default()
-    });
+    // kubelet ran wins over the resolved binary's.
+    let invoked = args.first().map(PathBuf::from).filter(|p| p.parent().is_some_and(|d| !d.as_os_str().is_empty())).unwrap_or(exe);
     let config = config(&invoked);
     let backend = config.backend.clone();
     match args.get(1).map(String::as_str) {
