@@ -167,7 +167,16 @@ impl Reloader {
             }
         };
         for (name, path) in &files {
-            let Ok(sha) = sha256_of(path) else { continue };
+            let sha = match sha256_of(path) {
+                Ok(sha) => sha,
+                // Unreadable is bad too: said, never skipped in silence.
+                Err(_) if self.rejected.get(name).is_some_and(|r| r.0.is_empty()) => continue,
+                Err(e) => {
+                    let backend = self.served.get(name).map(|s| s.backend.clone());
+                    self.reject(name, String::new(), backend, format!("unreadable: {e}"), &mut report);
+                    continue;
+                }
+            };
             if self.served.get(name).is_some_and(|s| s.sha256 == sha) {
                 // Unchanged, or back to the version that serves.
                 if self.rejected.remove(name).is_some() {
