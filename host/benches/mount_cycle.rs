@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use volagent::stats::{Summary, summarize};
-use volagent::sys::{Devices, Mounts, linux::Linux};
+use nix::mount::{MntFlags, MsFlags};
+use std::os::fd::AsFd;
 
 const CYCLES: usize = 200;
 
@@ -80,9 +81,8 @@ fn cycles() -> usize {
     std::env::var("MOUNT_CYCLE_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(CYCLES)
 }
 
-/// The kernel's own work for the cycle, as bare syscalls.
+/// The kernel's own work for the cycle, as bare syscalls on plain paths.
 struct Kernel {
-    sys: Linux,
     image: PathBuf,
     staging: PathBuf,
     pod: PathBuf,
@@ -93,20 +93,22 @@ impl Kernel {
         let (staging, pod) = (scratch.path("kernel/staging"), scratch.path("kernel/pod"));
         std::fs::create_dir_all(&staging).expect("dir");
         std::fs::create_dir_all(&pod).expect("dir");
-        Kernel { sys: Linux::default(), image: image.to_path_buf(), staging, pod }
+        Kernel { image: image.to_path_buf(), staging, pod }
     }
 
     fn cycle(&mut self, up: &mut Vec<Duration>, down: &mut Vec<Duration>) {
-        let sys = &self.sys;
         let t = Instant::now();
-        let dev = sys.loop_attach(&self.image, false).expect("attach");
-        sys.mount(&dev.display().to_string(), &self.staging, "ext4", "", false).expect("mount");
-        sys.bind(&self.staging, &self.pod, false).expect("bind");
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&self.image).expect("open image");
+        let dev = volagent::sys::loopdev::attach(file.as_fd(), &self.image, false, "bench").expect("attach");
+        drop(file);
+        let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+        nix::mount::mount(Some(&dev), &self.staging, Some("ext4"), flags, None::<&str>).expect("mount");
+        nix::mount::mount(Some(&self.staging), &self.pod, None::<&str>, MsFlags::MS_BIND, None::<&str>).expect("bind");
         up.push(t.elapsed());
         let t = Instant::now();
-        sys.unmount(&self.pod, false).expect("unmount pod");
-        sys.unmount(&self.staging, false).expect("unmount staging");
-        sys.loop_detach(&dev).expect("detach");
+        nix::mount::umount2(&self.pod, MntFlags::empty()).expect("unmount pod");
+        nix::mount::umount2(&self.staging, MntFlags::empty()).expect("unmount staging");
+        volagent::sys::loopdev::detach(&dev).expect("detach");
         down.push(t.elapsed());
     }
 }

@@ -32,17 +32,61 @@ fn route(path: &str, ready: &Readiness) -> Response<Full<Bytes>> {
     }
 }
 
+/// An endpoint address, `ip:port`; an IPv6 address may come without
+/// brackets (as the downward API's `status.hostIP` gives it).
+pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = s.parse() {
+        return Ok(a);
+    }
+    let (ip, port) = s.rsplit_once(':').ok_or_else(|| format!("{s:?} is not ip:port"))?;
+    let ip: std::net::IpAddr = ip.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    let port: u16 = port.parse().map_err(|e| format!("{s:?}: port: {e}"))?;
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// The node agent's endpoint serves on loopback or one of the node's
+/// addresses, never on every interface of a host-network pod.
+pub fn node_local(addr: SocketAddr) -> Result<SocketAddr, String> {
+    if addr.ip().is_unspecified() {
+        return Err(format!(
+            "{addr} listens on every interface of the node; give loopback or the node's own address (e.g. $(NODE_IP):{})",
+            addr.port()
+        ));
+    }
+    Ok(addr)
+}
+
 /// Bind `addr` now (so a taken port fails start-up), then serve forever.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
     use anyhow::Context;
     tokio::net::TcpListener::bind(addr).await.with_context(|| format!("metrics/health endpoint {addr}"))
 }
 
+/// Connections served at once; more are closed at once (a scraper and the
+/// kubelet's probes need a handful).
+pub const MAX_CONNECTIONS: usize = 64;
+
 pub async fn serve(listener: tokio::net::TcpListener, ready: Readiness) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut pause = crate::socket::server::AcceptPause::default();
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                pause.reset();
+                stream
+            }
+            Err(e) => {
+                pause.wait("metrics endpoint", &e).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
         let ready = ready.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let resp = route(req.uri().path(), &ready);
                 async move { Ok::<_, std::convert::Infallible>(resp) }
@@ -84,5 +128,16 @@ mod tests {
         crate::metrics::get().fence("x", "grant");
         assert!(get("/metrics").await.contains("volagent_fence_decisions_total"));
         assert!(get("/nope").await.starts_with("HTTP/1.1 404"));
+    }
+
+    #[test]
+    fn addresses() {
+        assert_eq!(parse_addr("10.0.0.5:9479").unwrap(), "10.0.0.5:9479".parse().unwrap());
+        assert_eq!(parse_addr("fd00::5:9479").unwrap(), "[fd00::5]:9479".parse().unwrap());
+        assert_eq!(parse_addr("[::1]:80").unwrap(), "[::1]:80".parse().unwrap());
+        assert!(parse_addr("nope").is_err());
+        assert!(node_local("0.0.0.0:9479".parse().unwrap()).is_err());
+        assert!(node_local("[::]:9479".parse().unwrap()).is_err());
+        assert!(node_local("127.0.0.1:9479".parse().unwrap()).is_ok());
     }
 }

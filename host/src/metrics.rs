@@ -46,6 +46,7 @@ pub struct Metrics {
     pub leader: Gauge,
     pub plugin_reloads: Counter,
     pub backends_degraded: Family<BackendLabel, Gauge>,
+    pub stash_quarantined: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -70,6 +71,7 @@ impl Metrics {
             leader: Gauge::default(),
             plugin_reloads: Counter::default(),
             backends_degraded: Family::default(),
+            stash_quarantined: Counter::default(),
         };
         registry.register("operations", "Mount and unmount requests by result", m.operations.clone());
         registry.register("operation_seconds", "Time to serve a mount or unmount", m.operation_seconds.clone());
@@ -77,6 +79,7 @@ impl Metrics {
         registry.register("plugin_calls", "Guest policy calls by result", m.plugin_calls.clone());
         registry.register("plugin_call_seconds", "Time of one guest policy call", m.plugin_call_seconds.clone());
         registry.register("controller_leader", "1 while this controller holds the lease", m.leader.clone());
+        registry.register("stash_quarantined", "Stash entries that could not be decoded and were set aside", m.stash_quarantined.clone());
         registry.register("plugin_reloads", "Passes over the plugin dir", m.plugin_reloads.clone());
         registry.register("backend_degraded", "1 while a backend's newest file is rejected", m.backends_degraded.clone());
         Metrics { registry, ..m }

@@ -64,6 +64,8 @@ pub fn facts() -> Arc<RecordedQueries> {
 /// dir is detached on drop, even when the test panics.
 pub struct RootScratch {
     pub dir: tempfile::TempDir,
+    /// The dir's resolved path: the agent names everything by resolved paths.
+    root: PathBuf,
 }
 
 impl RootScratch {
@@ -72,11 +74,13 @@ impl RootScratch {
         assert!(nix::unistd::geteuid().is_root(), "needs root: this test uses loop devices and mounts (CI runs it as root)");
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("a private mount namespace");
         mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).expect("make / private");
-        RootScratch { dir: tempfile::Builder::new().prefix("volagent-root-").tempdir_in("/var/tmp").expect("scratch dir") }
+        let dir = tempfile::Builder::new().prefix("volagent-root-").tempdir_in("/var/tmp").expect("scratch dir");
+        let root = std::fs::canonicalize(dir.path()).expect("resolve the scratch dir");
+        RootScratch { dir, root }
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
-        self.dir.path().join(rel)
+        self.root.join(rel)
     }
 
     /// A sparse file of `mib` MiB.
@@ -94,19 +98,19 @@ impl RootScratch {
             .expect("parse mountinfo")
             .into_iter()
             .map(|m| m.mount_point)
-            .filter(|p| p.starts_with(self.dir.path()))
+            .filter(|p| p.starts_with(&self.root))
             .collect()
     }
 
     /// Loop devices backed by files below the scratch dir.
     pub fn loops(&self) -> Vec<PathBuf> {
         use volagent::sys::Devices;
-        let root = std::fs::canonicalize(self.dir.path()).expect("canonical scratch");
-        volagent::sys::linux::Linux::default()
+        let root = &self.root;
+        volagent::sys::linux::Linux::unrooted()
             .loop_devices()
             .expect("list loop devices")
             .into_iter()
-            .filter(|l| l.backing_file.starts_with(&root))
+            .filter(|l| l.backing_file.starts_with(root))
             .map(|l| l.device)
             .collect()
     }
@@ -119,7 +123,7 @@ impl Drop for RootScratch {
             let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
         }
         for d in self.loops() {
-            let _ = volagent::sys::linux::Linux::default().loop_detach(&d);
+            let _ = volagent::sys::linux::Linux::unrooted().loop_detach(&d);
         }
     }
 }

@@ -906,12 +906,13 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
             "--volume-plugin-dir",
             "/usr/libexec/kubernetes/kubelet-plugins/volume/exec",
             "--metrics-addr",
-            "0.0.0.0:9479",
+            "$(NODE_IP):9479",
         ])
     );
     assert_eq!(agent.command, None, "the image's ENTRYPOINT (tini) stays");
     for (var, path) in [
         ("NODE_NAME", "spec.nodeName"),
+        ("NODE_IP", "status.hostIP"),
         ("POD_NAMESPACE", "metadata.namespace"),
         ("POD_NAME", "metadata.name"),
         ("POD_UID", "metadata.uid"),
@@ -1403,7 +1404,10 @@ fn the_workloads_args_parse_as_the_binary_expects() -> anyhow::Result<()> {
             .iter()
             .filter_map(|a| a.as_str().map(String::from))
             .collect();
-        let argv = std::iter::once("volagent".to_string()).chain(args.iter().cloned());
+        // kubelet expands $(VAR) from the container's env: the node's IP
+        // comes from the downward API.
+        let expanded = args.iter().map(|a| a.replace("$(NODE_IP)", "10.0.0.7"));
+        let argv = std::iter::once("volagent".to_string()).chain(expanded);
         volagent::cli::Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{kind} args {args:?}: {e}"))?;
     }
     Ok(())

@@ -59,12 +59,56 @@ pub async fn delete_node(client: &kube::Client, name: &str) {
     api.delete(name, &Default::default()).await.expect("delete node");
 }
 
-/// A PV of a Flexvolume driver `volagent/<backend>` with one access mode.
+/// The claim `create_pv` binds its PV to, in namespace `default`.
+pub fn claim_of(pv: &str) -> String {
+    format!("claim-{pv}")
+}
+
+/// A PV of a Flexvolume driver `volagent/<backend>` with one access mode,
+/// bound to the claim [`claim_of`] it in `default` (made here too), as the
+/// PV controller would bind them.
 pub async fn create_pv(client: &kube::Client, name: &str, backend: &str, mode: &str, options: &[(&str, &str)]) {
+    create_pv_with(client, name, backend, mode, options, None).await
+}
+
+/// [`create_pv`] with node affinity to `node` (by `kubernetes.io/hostname`).
+pub async fn create_pv_with(client: &kube::Client, name: &str, backend: &str, mode: &str, options: &[(&str, &str)], node: Option<&str>) {
+    use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeNodeAffinity};
+    let claim = claim_of(name);
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let pvc = PersistentVolumeClaim {
+        metadata: ObjectMeta { name: Some(claim.clone()), ..Default::default() },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec![mode.into()]),
+            volume_name: Some(name.into()),
+            resources: Some(k8s_openapi::api::core::v1::VolumeResourceRequirements {
+                requests: Some([("storage".to_string(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("64Mi".into()))].into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let created = claims.create(&PostParams::default(), &pvc).await.expect("create PVC");
+    let affinity = node.map(|n| VolumeNodeAffinity {
+        required: Some(NodeSelector {
+            node_selector_terms: vec![NodeSelectorTerm {
+                match_expressions: Some(vec![NodeSelectorRequirement { key: "kubernetes.io/hostname".into(), operator: "In".into(), values: Some(vec![n.into()]) }]),
+                match_fields: None,
+            }],
+        }),
+    });
     let api: Api<PersistentVolume> = Api::all(client.clone());
     let pv = PersistentVolume {
         metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
         spec: Some(PersistentVolumeSpec {
+            claim_ref: Some(ObjectReference {
+                namespace: Some("default".into()),
+                name: Some(claim),
+                uid: created.metadata.uid.clone(),
+                ..Default::default()
+            }),
+            node_affinity: affinity,
             access_modes: Some(vec![mode.into()]),
             capacity: Some([("storage".to_string(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("64Mi".into()))].into()),
             flex_volume: Some(FlexPersistentVolumeSource {
@@ -78,4 +122,45 @@ pub async fn create_pv(client: &kube::Client, name: &str, backend: &str, mode: &
         ..Default::default()
     };
     api.create(&PostParams::default(), &pv).await.expect("create PV");
+}
+
+/// An inline Flexvolume volume of a pod: its name, backend and options.
+pub type Inline<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+
+/// A pod in `default` that uses the claims of `pvs` and the inline volumes
+/// `inline`; its UID.
+pub async fn create_pod(client: &kube::Client, name: &str, pvs: &[&str], inline: &[Inline<'_>]) -> String {
+    use k8s_openapi::api::core::v1::{Container, FlexVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume};
+    let mut volumes: Vec<Volume> = pvs
+        .iter()
+        .map(|pv| Volume {
+            name: format!("v-{pv}"),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource { claim_name: claim_of(pv), read_only: None }),
+            ..Default::default()
+        })
+        .collect();
+    for (volume, backend, options) in inline {
+        volumes.push(Volume {
+            name: volume.to_string(),
+            flex_volume: Some(FlexVolumeSource {
+                driver: format!("volagent/{backend}"),
+                options: Some(options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+    }
+    let pod = Pod {
+        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
+        spec: Some(PodSpec {
+            containers: vec![Container { name: "c".into(), image: Some("busybox".into()), ..Default::default() }],
+            volumes: Some(volumes),
+            automount_service_account_token: Some(false),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let created = api.create(&PostParams::default(), &pod).await.expect("create pod");
+    created.metadata.uid.expect("the API server gives a UID")
 }

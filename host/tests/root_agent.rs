@@ -211,7 +211,7 @@ fn bad_requests_are_refused_and_change_nothing() {
     assert_failure(&node.mount(&dir, &no_name), "pvOrVolumeName is missing");
     let mut elsewhere = ok.clone();
     elsewhere["path"] = Value::from("/var/lib/secret.img");
-    assert_failure(&node.mount(&dir, &elsewhere), "does not exist on this node");
+    assert_failure(&node.mount(&dir, &elsewhere), "lookup-path /var/lib/secret.img: outside the dirs this backend may ask about");
     let mut other_node = ok.clone();
     other_node["node"] = Value::from("node-b");
     assert_failure(&node.mount(&dir, &other_node), "lives on node node-b");
@@ -446,7 +446,7 @@ fn after_a_reboot_the_ledger_forgets_what_the_node_no_longer_has() {
     }
     for d in node.scratch.loops() {
         use volagent::sys::Devices;
-        volagent::sys::linux::Linux::default().loop_detach(&d).expect("the reboot detaches");
+        volagent::sys::linux::Linux::unrooted().loop_detach(&d).expect("the reboot detaches");
     }
     std::fs::remove_dir_all(node.scratch.path("node-a/run")).expect("the tmpfs is empty after a reboot");
     node.spawn_agent("node-a");
@@ -499,7 +499,10 @@ fn orphans_under_volagents_dirs_are_cleaned_at_start_up() {
     let image = node.image("orphan.img", 64);
     assert!(Command::new("mkfs.ext4").args(["-F", "-q", &image]).status().expect("mkfs").success());
     node.stop_agent();
-    let linux = volagent::sys::linux::Linux::default();
+    // As node-a's agent would have attached and mounted them (its tag, its
+    // roots), with every record of it lost.
+    let roots = volagent::sys::Roots::open(&[node.scratch.path("node-a/kubelet"), node.scratch.path("disks")]).expect("roots");
+    let linux = volagent::sys::linux::Linux::new(roots, &volagent::ops::loop_tag("node-a"));
     let device = linux.loop_attach(std::path::Path::new(&image), false).expect("attach");
     let staging = node.scratch.path("node-a/kubelet/plugins/volagent/local-pv/mounts/pv-orphan");
     std::fs::create_dir_all(&staging).expect("dir");

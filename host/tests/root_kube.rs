@@ -24,6 +24,8 @@ struct Cluster {
     env: KubeEnv,
     rt: tokio::runtime::Runtime,
     scratch: RootScratch,
+    /// Pods made so far, by name: their UIDs.
+    pods: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
 }
 
 impl Drop for Cluster {
@@ -53,7 +55,7 @@ impl Cluster {
         std::fs::create_dir_all(scratch.path("plugins")).expect("dir");
         std::fs::create_dir_all(scratch.path("disks")).expect("dir");
         std::fs::copy(volagent_test_artifacts::SHARED_FILE, scratch.path("plugins/shared-file.wasm")).expect("plugin");
-        let mut c = Cluster { agents: Vec::new(), env, rt, scratch };
+        let mut c = Cluster { agents: Vec::new(), env, rt, scratch, pods: Default::default() };
         for n in nodes {
             c.spawn_agent(n);
         }
@@ -99,8 +101,19 @@ impl Cluster {
         }
     }
 
-    fn mount_dir(&self, node: &str, pod: &str, volume: &str) -> String {
-        let d = self.scratch.path(&format!("{node}/kubelet/pods/uid-{pod}/volumes/volagent~shared-file/{volume}"));
+    /// The UID of pod `pod` that uses the claim of PV `volume`, made on
+    /// first use (from the test's thread: it needs the API).
+    fn pod_uid(&self, pod: &str, volume: &str) -> String {
+        if let Some(uid) = self.pods.lock().expect("pods").get(pod) {
+            return uid.clone();
+        }
+        let uid = self.rt.block_on(kube_common::create_pod(&self.client(), pod, &[volume], &[]));
+        self.pods.lock().expect("pods").insert(pod.to_string(), uid.clone());
+        uid
+    }
+
+    fn mount_dir(&self, node: &str, uid: &str, volume: &str) -> String {
+        let d = self.scratch.path(&format!("{node}/kubelet/pods/{uid}/volumes/volagent~shared-file/{volume}"));
         std::fs::create_dir_all(&d).expect("kubelet makes the pod's dir");
         d.display().to_string()
     }
@@ -110,9 +123,10 @@ impl Cluster {
     }
 
     fn mount(&self, node: &str, pod: &str, volume: &str, image: &str) -> (String, (i32, Value)) {
-        let dir = self.mount_dir(node, pod, volume);
-        let mut opts = kubelet_options(volume, pod, &format!("uid-{pod}"), "ext4", image);
-        // What the pod's author could write: the PV's mode must win.
+        let uid = self.pod_uid(pod, volume);
+        let dir = self.mount_dir(node, &uid, volume);
+        let mut opts = kubelet_options(volume, pod, &uid, "ext4", image);
+        // Options a request may carry are not the volume: the PV's mode must win.
         opts["accessMode"] = Value::from("ReadWriteMany");
         let r = run_driver(Command::new(self.driver(node)).args(["mount", &dir, &opts.to_string()]));
         (dir, r)
@@ -145,6 +159,8 @@ fn two_nodes_race_for_a_read_write_once_volume() {
     let mut wins = [0usize; 2];
     for round in 0..100 {
         let (pa, pb) = (format!("a{round}"), format!("b{round}"));
+        c.pod_uid(&pa, "pv-race");
+        c.pod_uid(&pb, "pv-race");
         let ((da, ra), (db, rb)) = std::thread::scope(|s| {
             let a = s.spawn(|| c.mount("node-a", &pa, "pv-race", &image));
             let b = s.spawn(|| c.mount("node-b", &pb, "pv-race", &image));
@@ -187,17 +203,20 @@ fn two_nodes_race_for_a_read_write_once_volume() {
 fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     use volagent::sys::Devices;
     let mut c = Cluster::start(&["node-a", "node-b", "node-c"]);
-    let loops = volagent::sys::linux::Linux::default();
+    // The gone node's view: it mapped files in the shared discovery dir.
+    let roots = volagent::sys::Roots::open(&[c.scratch.path("disks")]).expect("roots");
+    let loops = volagent::sys::linux::Linux::new(roots, "volagent:gone-node");
     for (volume, how) in [("pv-deleted", "deleted"), ("pv-tainted", "out-of-service")] {
         let image = c.image(&format!("{volume}.img"));
         c.rt.block_on(kube_common::create_pv(&c.client(), volume, "shared-file", "ReadWriteOnce", &[("path", &image)]));
         let holder = if how == "deleted" { "node-b" } else { "node-c" };
-        let (dir, r) = c.mount(holder, "h", volume, &image);
+        let (h, a) = (format!("h-{volume}"), format!("a-{volume}"));
+        let (dir, r) = c.mount(holder, &h, volume, &image);
         assert_success(&r);
 
         // NotReady is not gone: denied, and the reason says why.
         c.rt.block_on(kube_common::set_ready(&c.client(), holder, false));
-        let (_, r) = c.mount("node-a", "a", volume, &image);
+        let (_, r) = c.mount("node-a", &a, volume, &image);
         assert_failure(&r, "is NotReady, but a volume is only taken over from a deleted node or one tainted");
 
         // The holder's machine dies: its agent and mounts are gone, but a
@@ -217,7 +236,7 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
             _ => c.rt.block_on(kube_common::taint_out_of_service(&c.client(), holder)),
         }
 
-        let (adir, r) = c.mount("node-a", "a", volume, &image);
+        let (adir, r) = c.mount("node-a", &a, volume, &image);
         assert_success(&r);
         let device = r.1["device"].as_str().expect("the device").to_string();
         let name = device.trim_start_matches("/dev/");
@@ -331,9 +350,10 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
     }
     for (node, pod) in [("node-a", "a"), ("node-b", "b")] {
         for (pv, image) in [("pv-sc-1", &one), ("pv-sc-2", &two)] {
-            let mut opts = kubelet_options(pv, &format!("{pod}-{pv}"), &format!("uid-{pod}-{pv}"), "ext4", image);
-            opts["storageCluster"] = Value::from("sc1");
-            let dir = c.mount_dir(node, &format!("{pod}-{pv}"), pv);
+            let pod = format!("{pod}-{pv}");
+            let uid = c.pod_uid(&pod, pv);
+            let opts = kubelet_options(pv, &pod, &uid, "ext4", image);
+            let dir = c.mount_dir(node, &uid, pv);
             assert_success(&run_driver(Command::new(c.driver(node)).args(["mount", &dir, &opts.to_string()])));
         }
     }
@@ -356,6 +376,7 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
     let image = c.image("outage.img");
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-out", "shared-file", "ReadWriteOnce", &[("path", &image)]));
 
+    c.pod_uid("a1", "pv-out");
     c.env.stop_apiserver();
     let (dir, r) = c.mount("node-a", "a1", "pv-out", &image);
     assert_failure(&r, "pv-out");

@@ -48,6 +48,12 @@ fn pod(s: &Setup, name: &str) -> Consumer {
     c
 }
 
+/// An executor acting beneath the setup's roots, as the agent's does.
+fn executor(s: &Setup) -> Executor {
+    let roots = volagent::sys::Roots::open(&[s.scratch.path("kubelet"), s.scratch.path("disks"), s.scratch.path("state")]).expect("roots");
+    Executor::new(Sys::linux(roots, "volagent:n1"))
+}
+
 fn mount(s: &Setup, exec: &Executor, c: &Consumer, others: &[Holder]) {
     let plan = s.plugin.attach(s.facts.clone(), &s.volume, c, others, &s.paths).expect("attach plan");
     exec.run(&plan).unwrap_or_else(|e| panic!("{e}"));
@@ -60,7 +66,7 @@ fn unmount(s: &Setup, exec: &Executor, c: &Consumer, remaining: &[Holder]) {
 
 fn round_trip(fs: &str, mib: u64) {
     let s = setup(fs, mib);
-    let exec = Executor::new(Sys::linux());
+    let exec = executor(&s);
     let a = pod(&s, "a");
     mount(&s, &exec, &a, &[]);
     assert_eq!(s.scratch.loops().len(), 1);
@@ -99,7 +105,7 @@ fn xfs_file_volume_round_trip() {
 #[test]
 fn two_pods_share_one_device_and_the_last_detaches_it() {
     let s = setup("ext4", 64);
-    let exec = Executor::new(Sys::linux());
+    let exec = executor(&s);
     let (a, b) = (pod(&s, "a"), pod(&s, "b"));
     mount(&s, &exec, &a, &[]);
     mount(&s, &exec, &b, &[holder(&a)]);
@@ -115,7 +121,7 @@ fn two_pods_share_one_device_and_the_last_detaches_it() {
 #[test]
 fn a_failing_mount_rolls_back_its_loop_device() {
     let s = setup("ext4", 64);
-    let exec = Executor::new(Sys::linux());
+    let exec = executor(&s);
     let a = pod(&s, "a");
     // The pod dir is a file: the bind mount (the last step) fails.
     std::fs::remove_dir(&a.mount_dir).expect("rmdir");
@@ -131,7 +137,7 @@ fn a_failing_mount_rolls_back_its_loop_device() {
 #[test]
 fn release_wipes_the_filesystem() {
     let s = setup("ext4", 64);
-    let exec = Executor::new(Sys::linux());
+    let exec = executor(&s);
     let a = pod(&s, "a");
     mount(&s, &exec, &a, &[]);
     std::fs::write(format!("{}/secret", a.mount_dir), b"old tenant").expect("write");

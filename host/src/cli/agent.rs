@@ -50,8 +50,10 @@ pub struct AgentArgs {
     /// storage clusters are checked besides on every change seen.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     cleanup_interval: Duration,
-    /// Serve /metrics, /healthz and /readyz here (e.g. 0.0.0.0:9479).
-    #[arg(long)]
+    /// Serve /metrics, /healthz and /readyz here: loopback or this node's
+    /// own address (e.g. 127.0.0.1:9479, or $(NODE_IP):9479 in a pod); an
+    /// address of every interface is refused.
+    #[arg(long, value_parser = |s: &str| crate::http::parse_addr(s).and_then(crate::http::node_local))]
     metrics_addr: Option<std::net::SocketAddr>,
     /// Backend policy components (*.wasm); default <state-dir>/plugins.
     #[arg(long)]
@@ -78,6 +80,11 @@ pub struct AgentArgs {
     /// still running then go on, with the volume locked.
     #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     plan_deadline_secs: u64,
+    /// With a cluster: serve this backend's inline pod volumes too
+    /// (repeatable). Off by default: an inline volume's options are written
+    /// by the pod's author, not an admin; each is then its pod's alone.
+    #[arg(long = "allow-inline-volumes", value_name = "BACKEND")]
+    inline_backends: Vec<String>,
     /// Operations run at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
     max_concurrent: u64,
@@ -110,7 +117,22 @@ fn driver_target(args: &AgentArgs) -> (Option<PathBuf>, PathBuf) {
     }
 }
 
+/// Use every file descriptor the hard limit allows: a node with many
+/// volumes and connections needs more than the usual soft 1024.
+fn raise_nofile() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open file limit"),
+            Err(e) => tracing::warn!("cannot raise the open file limit from {soft} to {hard}: {e}"),
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read the open file limit: {e}"),
+    }
+}
+
 pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
+    raise_nofile();
     let node = args.node_name.clone().unwrap_or_else(hostname);
     let plugin_dir = args.plugin_dir.clone().unwrap_or_else(|| args.state_dir.join("plugins"));
     std::fs::create_dir_all(&plugin_dir).with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
@@ -136,13 +158,20 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     };
     let stash = Stash::open(&args.runtime_dir.join("stash.redb"))?;
     let socket = args.socket();
+    // The dirs the agent acts in, resolved once: every path it acts on is
+    // then resolved beneath one of them, following no symlink.
+    let root = |p: &Path| crate::sys::beneath::resolve(p).with_context(|| format!("root dir {}", p.display()));
     let config = NodeConfig {
         node: node.clone(),
-        kubelet_root: args.kubelet_root.clone(),
-        state_dir: args.state_dir.clone(),
-        discovery_dirs: args.discovery_dirs.clone(),
+        kubelet_root: root(&args.kubelet_root)?,
+        kubelet_root_given: args.kubelet_root.clone(),
+        state_dir: root(&args.state_dir)?,
+        discovery_dirs: args.discovery_dirs.iter().map(|d| root(d)).collect::<anyhow::Result<_>>()?,
+        inline_backends: args.inline_backends.clone(),
     };
-    let mut agent = Agent::new(config, Vec::new(), ledger, stash, Sys::linux(), Duration::from_secs(args.plan_deadline_secs));
+    let roots = crate::sys::Roots::open(&config.roots()).context("opening the root dirs")?;
+    let sys = Sys::linux(roots, &crate::ops::loop_tag(&node));
+    let mut agent = Agent::new(config, Vec::new(), ledger, stash, sys, Duration::from_secs(args.plan_deadline_secs));
     if let Some(c) = cluster.clone() {
         agent = agent.with_cluster(c);
     }

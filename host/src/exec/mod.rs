@@ -134,11 +134,18 @@ impl Run<'_> {
                 }
             }
             Step::Mount(m) => {
+                let target = Path::new(&m.target);
                 let source = match &m.source {
-                    MountSource::Block(b) => self.device(b)?.display().to_string(),
+                    MountSource::Block(b) => {
+                        let device = self.device(b)?;
+                        let ours = self.undo.iter().any(|u| matches!(u, Undo::Detach(d) if *d == device));
+                        if !ours {
+                            self.in_use_elsewhere(&device, target)?;
+                        }
+                        device.display().to_string()
+                    }
                     MountSource::Network(s) => s.clone(),
                 };
-                let target = Path::new(&m.target);
                 if let Some(existing) = self.sys.mount_at(target)? {
                     return if existing.source == source {
                         Ok(())
@@ -205,25 +212,27 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Attach, or find the device already attached for `spec`.
+    /// Attach, or find the device already attached for `spec` (the same
+    /// file, by identity).
     fn attach(&mut self, spec: &DeviceSpec, read_only: bool) -> Result<PathBuf, StepError> {
         let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
-        let file = backing_path(Path::new(file));
-        if let Some(device) = self.sys.loops_of(&file)?.into_iter().next() {
+        let file = Path::new(file);
+        if let Some(device) = self.sys.loops_of(file)?.into_iter().next() {
             return Ok(device);
         }
-        let device = self.sys.devices.loop_attach(&file, read_only)?;
+        let device = self.sys.devices.loop_attach(file, read_only)?;
         self.undo.push(Undo::Detach(device.clone()));
-        self.fresh.insert(device.clone(), file);
+        self.fresh.insert(device.clone(), file.to_path_buf());
         Ok(device)
     }
 
     /// The devices attached for `spec` (none is fine: already detached).
     fn attached(&self, spec: &DeviceSpec) -> Result<Vec<PathBuf>, StepError> {
         let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
-        Ok(self.sys.loops_of(&backing_path(Path::new(file)))?)
+        Ok(self.sys.loops_of(Path::new(file))?)
     }
 
+    /// The device a step names, as its node under /dev.
     fn device(&self, source: &BlockSource) -> Result<PathBuf, StepError> {
         match source {
             BlockSource::Attached(id) => self
@@ -232,7 +241,24 @@ impl Run<'_> {
                 .get(id)
                 .cloned()
                 .ok_or_else(|| refused(format!("device {id:?} was not attached by this plan"))),
-            BlockSource::Device(path) => Ok(PathBuf::from(path)),
+            BlockSource::Device(path) => Ok(self.sys.devices.block_device(Path::new(path))?),
+        }
+    }
+
+    /// One device per volume: a device this run did not attach may already
+    /// be mounted, but only for the volume `target` is for (its staging dir
+    /// and pod dirs all end in the volume's name). Mounting one filesystem
+    /// for two volumes would hand one volume's data to the other's pods.
+    fn in_use_elsewhere(&self, device: &Path, target: &Path) -> Result<(), StepError> {
+        let source = device.display().to_string();
+        let table = self.sys.mounts.mount_table()?;
+        match table.iter().find(|m| m.source == source && m.mount_point.file_name() != target.file_name()) {
+            Some(other) => Err(refused(format!(
+                "{} is already mounted at {}, which is not this volume's; one device serves one volume",
+                device.display(),
+                other.mount_point.display()
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -256,11 +282,6 @@ impl Run<'_> {
 
 fn unsupported(spec: &DeviceSpec) -> StepError {
     refused(format!("{} devices cannot be attached by this agent yet", spec.kind().name()))
-}
-
-/// The kernel reports a loop device's backing file by its resolved path.
-fn backing_path(file: &Path) -> PathBuf {
-    std::fs::canonicalize(file).unwrap_or_else(|_| file.to_path_buf())
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! the access mode of a PV, and Events about pods.
 
 use crate::policy::{AccessMode, NodeFacts};
-use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, PersistentVolume};
+use k8s_openapi::api::core::v1::{Event, Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use kube::api::{Api, ObjectMeta, PostParams};
 use std::time::Duration;
@@ -93,15 +93,6 @@ impl Cluster {
             out.push(facts_of(name, node.as_ref()));
         }
         Ok(out)
-    }
-
-    /// The PV's access mode, or None when there is no such PV (an inline
-    /// volume) or it lists none.
-    pub async fn pv_access_mode(&self, pv: &str) -> Result<Option<AccessMode>, kube::Error> {
-        let api: Api<PersistentVolume> = Api::all(self.client.clone());
-        let Some(pv) = api.get_opt(pv).await? else { return Ok(None) };
-        let modes = pv.spec.and_then(|s| s.access_modes).unwrap_or_default();
-        Ok(fencing_mode(&modes))
     }
 
     /// A core/v1 Event about a pod, in the pod's namespace. Best effort: a

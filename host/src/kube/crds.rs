@@ -60,8 +60,19 @@ pub struct AttachmentSpec {
     /// The StorageCluster the volume lives on, if it names one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage_cluster: Option<String>,
+    /// What the volume is: its filesystem type and the backend's options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<VolumeSourceSpec>,
     #[serde(default)]
     pub consumers: Vec<ConsumerEntry>,
+}
+
+/// A volume's filesystem type and backend options, as the PV gives them.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeSourceSpec {
+    pub fs_type: String,
+    pub options: BTreeMap<String, String>,
 }
 
 /// Why an attachment was put on a node's cleanup list.
@@ -197,6 +208,7 @@ mod tests {
             backend: "rbd".into(),
             access_mode: AccessMode::ReadWriteOnce,
             storage_cluster: None,
+            source: Some(VolumeSourceSpec { fs_type: "ext4".into(), options: [("pool".into(), "rbd".into())].into() }),
             consumers: vec![ConsumerEntry {
                 node: "n1".into(),
                 pod_namespace: "default".into(),
@@ -209,6 +221,8 @@ mod tests {
         };
         let v = serde_json::to_value(&spec).unwrap();
         assert_eq!(v["accessMode"], "ReadWriteOnce");
+        assert_eq!(v["source"]["fsType"], "ext4");
+        assert_eq!(v["source"]["options"]["pool"], "rbd");
         assert_eq!(v["consumers"][0]["podUID"], "u1");
         assert_eq!(v["consumers"][0]["mountDir"], "/var/lib/kubelet/pods/u1/volumes/volagent~rbd/pv1");
     }

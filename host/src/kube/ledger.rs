@@ -142,6 +142,7 @@ fn to_object(record: &Record, version: Option<&Version>) -> Attachment {
             backend: record.backend.clone(),
             access_mode: to_crd_mode(record.access_mode),
             storage_cluster: record.storage_cluster.clone(),
+            source: record.source.as_ref().map(|s| crds::VolumeSourceSpec { fs_type: s.fs_type.clone(), options: s.options.clone() }),
             consumers: record.holders.iter().map(to_entry).collect(),
         },
     }
@@ -154,6 +155,7 @@ pub fn from_object(a: &Attachment) -> (Record, Version) {
         backend: a.spec.backend.clone(),
         access_mode: from_crd_mode(a.spec.access_mode),
         storage_cluster: a.spec.storage_cluster.clone(),
+        source: a.spec.source.as_ref().map(|s| crate::ledger::VolumeSource { fs_type: s.fs_type.clone(), options: s.options.clone() }),
         holders: a.spec.consumers.iter().map(from_entry).collect(),
     };
     (record, Version(a.metadata.resource_version.clone().unwrap_or_default()))

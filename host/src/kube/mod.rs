@@ -7,3 +7,4 @@ pub mod cluster;
 pub mod node_tasks;
 pub mod controller;
 pub mod lease;
+pub mod volumes;

@@ -12,6 +12,11 @@ pub fn record(volume: &str, holders: &[(&str, &str)]) -> Record {
         backend: "local-pv".to_string(),
         access_mode: AccessMode::ReadWriteOnce,
         storage_cluster: Some("ceph-a".to_string()),
+        // Round-trips through every backend, so records keep what a volume is.
+        source: Some(super::VolumeSource {
+            fs_type: "ext4".to_string(),
+            options: [("path".to_string(), format!("/mnt/disks/{volume}.img"))].into(),
+        }),
         holders: holders
             .iter()
             .map(|(node, pod)| Holder {

@@ -5,8 +5,35 @@
 pub mod conformance;
 pub mod embedded;
 
-use crate::policy::{AccessMode, Holder};
+use crate::policy::{AccessMode, Holder, KeyValue, Volume};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What a volume is, besides its name: its filesystem type and the
+/// backend's options (a local volume's path, an image's pool and name).
+/// A volume is its name and its source: a request naming a recorded volume
+/// with another source is not for that volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeSource {
+    #[serde(default)]
+    pub fs_type: String,
+    #[serde(default)]
+    pub options: BTreeMap<String, String>,
+}
+
+impl VolumeSource {
+    pub fn of(volume: &Volume) -> VolumeSource {
+        VolumeSource {
+            fs_type: volume.fs_type.clone(),
+            options: volume.options.iter().map(|kv| (kv.key.clone(), kv.value.clone())).collect(),
+        }
+    }
+
+    /// The volume options it holds, as guests get them.
+    pub fn options(&self) -> Vec<KeyValue> {
+        self.options.iter().map(|(k, v)| KeyValue { key: k.clone(), value: v.clone() }).collect()
+    }
+}
 
 /// What the ledger knows of one volume.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -18,6 +45,9 @@ pub struct Record {
     /// The StorageCluster the volume names in its `storageCluster` option.
     #[serde(default)]
     pub storage_cluster: Option<String>,
+    /// What the volume is; none in records of agents before it was kept.
+    #[serde(default)]
+    pub source: Option<VolumeSource>,
     pub holders: Vec<Holder>,
 }
 

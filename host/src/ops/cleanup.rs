@@ -72,7 +72,7 @@ impl Agent {
             paths: first.paths.clone(),
             holders: entries.iter().map(|e| Holder { consumer: e.consumer.clone(), since: now_rfc3339() }).collect(),
         };
-        let plan = plugin.cleanup(self.queries(&[]), reason, std::slice::from_ref(&item)).map_err(internal)?;
+        let plan = plugin.cleanup(self.queries(&plugin, &[]), reason, std::slice::from_ref(&item)).map_err(internal)?;
         self.run_plan(plan, &mut lock).await?;
         for e in entries {
             self.remove_holder(&volume.name, &e.consumer.mount_dir).await?;

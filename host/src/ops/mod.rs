@@ -8,28 +8,52 @@ pub mod request;
 pub mod stash;
 
 use crate::exec::Executor;
-use crate::ledger::{Ledger, LedgerError, Record};
-use crate::policy::{Decision, Holder, NodeFacts, NodePaths, Plugin, Volume};
+use crate::ledger::{Ledger, LedgerError, Record, VolumeSource};
+use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
 use crate::socket::protocol::{BackendStatus, FailureKind, Response};
 use crate::sys::Sys;
 use queries::NodeQueries;
-use request::{parse_mount, parse_mount_dir};
+use request::{MountDir, parse_mount, parse_mount_dir};
 use stash::{Entry, Stash};
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-/// Where this node keeps things.
+/// Where this node keeps things. The dirs are resolved (no symlinks): the
+/// agent acts only beneath them.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     pub node: String,
     pub kubelet_root: PathBuf,
+    /// kubelet's root as configured, which is how kubelet spells the dirs
+    /// it passes (it may be a symlink to `kubelet_root`).
+    pub kubelet_root_given: PathBuf,
     pub state_dir: PathBuf,
     pub discovery_dirs: Vec<PathBuf>,
+    /// Backends whose inline pod volumes are served (with a cluster; keyed
+    /// by pod UID and volume name).
+    pub inline_backends: Vec<String>,
+}
+
+/// The tag of the loop devices the agent of `node` attaches.
+pub fn loop_tag(node: &str) -> String {
+    format!("volagent:{node}")
 }
 
 impl NodeConfig {
+    /// The roots the agent acts beneath.
+    pub fn roots(&self) -> Vec<PathBuf> {
+        let mut roots = vec![self.kubelet_root.clone(), self.state_dir.clone()];
+        roots.extend(self.discovery_dirs.iter().cloned());
+        roots
+    }
+
+    /// kubelet's root in both spellings, the resolved one first.
+    pub fn kubelet_roots(&self) -> [&std::path::Path; 2] {
+        [&self.kubelet_root, &self.kubelet_root_given]
+    }
+
     pub fn paths(&self, backend: &str, volume: &str) -> NodePaths {
         NodePaths {
             kubelet_root: self.kubelet_root.display().to_string(),
@@ -47,9 +71,27 @@ pub struct Failure {
     pub message: String,
 }
 
+/// Longest message a failure carries: a guest's refusal or a tool's output
+/// may be of any size, and the reply must fit in a frame and an Event.
+pub const MAX_MESSAGE: usize = 8 << 10;
+
+/// `message` cut to at most `max` bytes, on a character boundary, marked.
+pub fn bounded(mut message: String, max: usize) -> String {
+    if message.len() > max {
+        let mut cut = max.saturating_sub(40);
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let dropped = message.len() - cut;
+        message.truncate(cut);
+        message.push_str(&format!("… ({dropped} more bytes cut)"));
+    }
+    message
+}
+
 impl Failure {
-    fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
-        Failure { kind, message: message.into() }
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
+        Failure { kind, message: bounded(message.into(), MAX_MESSAGE) }
     }
 }
 
@@ -182,8 +224,23 @@ impl Agent {
         }
     }
 
-    fn queries(&self, facts: &[NodeFacts]) -> Arc<NodeQueries> {
-        Arc::new(NodeQueries::new(self.config.node.clone(), self.sys.clone()).with_facts(facts.to_vec()))
+    /// What `plugin`'s guest may ask this call: about the dirs it declared,
+    /// within its own deadline.
+    fn queries(&self, plugin: &Plugin, facts: &[NodeFacts]) -> Arc<NodeQueries> {
+        let roots = plugin
+            .info()
+            .capabilities
+            .path_roots
+            .iter()
+            .flat_map(|root| match root {
+                PathRoot::PodMountDir => vec![self.config.kubelet_root.join("pods")],
+                PathRoot::StagingDir => vec![self.config.kubelet_root.join("plugins/volagent").join(plugin.name()).join("mounts")],
+                PathRoot::StateDir => vec![self.config.state_dir.join("volumes")],
+                PathRoot::DiscoveryDirs => self.config.discovery_dirs.clone(),
+            })
+            .collect();
+        let deadline = plugin.limits().deadline;
+        Arc::new(NodeQueries::new(self.config.node.clone(), self.sys.clone(), roots, deadline).with_facts(facts.to_vec()))
     }
 
     /// Facts of this node and of every holder's: from the cluster when
@@ -199,7 +256,7 @@ impl Agent {
                 .await
                 .map_err(|e| Failure::new(FailureKind::Unavailable, format!("reading Nodes from the Kubernetes API: {e}"))),
             None => {
-                let q = NodeQueries::new(self.config.node.clone(), self.sys.clone());
+                let q = NodeQueries::new(self.config.node.clone(), self.sys.clone(), Vec::new(), Duration::ZERO);
                 Ok(names.into_iter().map(|n| crate::policy::Queries::node_state(&q, n)).collect())
             }
         }
@@ -263,31 +320,52 @@ impl Agent {
     }
 
     async fn mount_volume(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
-        let dir = parse_mount_dir(&self.config.kubelet_root, backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        let dir = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         let req = parse_mount(&self.config.node, backend, &dir, options).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         let plugin = self.plugin(backend)?;
         let mut volume = req.volume;
-        let me = req.consumer;
+        let mut me = req.consumer;
+        if let Some(cluster) = &self.cluster {
+            // What the volume is comes from the cluster (its PV, or the
+            // pod's inline volume where an admin allows those), never from
+            // options the pod's author could write.
+            let asked = crate::kube::volumes::VolumeRequest {
+                backend,
+                name: &volume.name,
+                namespace: &me.pod_namespace,
+                pod: &me.pod,
+                pod_uid: &me.pod_uid,
+                node: &self.config.node,
+                inline_allowed: self.config.inline_backends.iter().any(|b| b == backend),
+            };
+            let defined = cluster.volume(&asked).await.map_err(|e| {
+                let kind = match e {
+                    crate::kube::volumes::VolumeError::Api { .. } => FailureKind::Unavailable,
+                    crate::kube::volumes::VolumeError::Refused(_) => FailureKind::Denied,
+                };
+                Failure::new(kind, format!("volume {}: {e}", asked.name))
+            })?;
+            volume.name = defined.key;
+            volume.access_mode = defined.access_mode;
+            volume.fs_type = defined.fs_type;
+            volume.options = defined.options;
+            me.read_only |= defined.read_only;
+        }
         let mut lock = Some(self.lock(&volume.name)?);
         let paths = self.config.paths(backend, &volume.name);
-        if let Some(cluster) = &self.cluster {
-            // The PV's access mode governs fencing, not an option the pod's
-            // author could set.
-            match cluster.pv_access_mode(&volume.name).await {
-                Ok(Some(mode)) => volume.access_mode = mode,
-                Ok(None) => {}
-                Err(e) => return Err(Failure::new(FailureKind::Unavailable, format!("reading PersistentVolume {}: {e}", volume.name))),
-            }
-        }
 
         // Fence and record, retrying lost races with a fresh read.
+        let source = VolumeSource::of(&volume);
         let mut attempt = 0;
         let (local, added, queries) = loop {
             attempt += 1;
             let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
+            if let Some((recorded, _)) = &current {
+                same_volume(recorded, backend, &source)?;
+            }
             let holders = current.as_ref().map(|(r, _)| r.holders.clone()).unwrap_or_default();
             let nodes = self.node_facts(&holders).await?;
-            let queries = self.queries(&nodes);
+            let queries = self.queries(&plugin, &nodes);
             let decision = plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
             let mut kept = holders.clone();
             let outcome = match &decision {
@@ -314,11 +392,12 @@ impl Agent {
                 backend: backend.to_string(),
                 access_mode: volume.access_mode,
                 storage_cluster: storage_cluster(&volume),
+                source: Some(source.clone()),
                 holders: kept,
             };
             let written = match &current {
                 None => self.ledger.create(&record).await,
-                Some((_, v)) if record.holders != holders => self.ledger.update(&record, v).await,
+                Some((r, v)) if record.holders != holders || r.source.is_none() => self.ledger.update(&record, v).await,
                 Some((_, v)) => Ok(v.clone()),
             };
             match written {
@@ -376,22 +455,36 @@ impl Agent {
         result
     }
 
-    /// What to undo comes from the stash.
+    /// What to undo comes from the stash; without a stash entry (a lost or
+    /// damaged stash), from the ledger's record of the mounted dir.
     async fn unmount_volume(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
-        parse_mount_dir(&self.config.kubelet_root, backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        let parsed = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        let mount_dir = parsed.dir.display().to_string();
+        let mount_dir = mount_dir.as_str();
         let dir = mount_dir.to_string();
-        let Some(entry) = self.stash_op(move |s| s.get(&dir)).await? else {
-            // Nothing of ours is there: a retry after success, or never mounted.
-            let sys = self.sys.clone();
-            let target = PathBuf::from(mount_dir);
-            let mounted = blocking(move || sys.mount_at(&target)).await?.map_err(internal)?;
-            return match mounted {
-                None => Ok(Response::Ok { message: format!("{mount_dir} is not mounted"), device: None }),
-                Some(m) => Err(Failure::new(
-                    FailureKind::Failed,
-                    format!("{mount_dir} is mounted from {}, but this agent has no record of mounting it; refusing to guess", m.source),
-                )),
-            };
+        let entry = match self.stash_op(move |s| s.get(&dir)).await? {
+            Some(entry) => entry,
+            None => {
+                let sys = self.sys.clone();
+                let target = parsed.dir.clone();
+                let mounted = blocking(move || sys.mount_at(&target)).await?.map_err(internal)?;
+                let Some(m) = mounted else {
+                    // Nothing is there: a retry after success, or never mounted.
+                    return Ok(Response::Ok { message: format!("{mount_dir} is not mounted"), device: None });
+                };
+                match self.entry_from_ledger(backend, &parsed).await? {
+                    Some(entry) => {
+                        tracing::warn!(mount_dir, volume = %entry.volume.name, "no stash entry for a mounted dir: unmounting it as the ledger records it");
+                        entry
+                    }
+                    None => {
+                        return Err(Failure::new(
+                            FailureKind::Failed,
+                            format!("{mount_dir} is mounted from {}, but this agent has no record of mounting it; refusing to guess", m.source),
+                        ));
+                    }
+                }
+            }
         };
         let plugin = self.plugin(backend)?;
         let volume: Volume = entry.volume.clone();
@@ -403,13 +496,44 @@ impl Agent {
             .into_iter()
             .filter(|h| h.consumer.node == self.config.node && h.consumer.mount_dir != mount_dir)
             .collect();
-        let queries = self.queries(&[]);
+        let queries = self.queries(&plugin, &[]);
         let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
         self.run_plan(plan, &mut lock).await?;
         self.remove_holder(&volume.name, mount_dir).await?;
         let dir = mount_dir.to_string();
         self.stash_op(move |s| s.remove(&dir)).await?;
         Ok(Response::Ok { message: format!("volume {} unmounted from {mount_dir}", volume.name), device: None })
+    }
+
+    /// What the stash would hold for `dir`, rebuilt from the ledger: the
+    /// record of the volume the dir is named after, holding a consumer at
+    /// that dir on this node, with the source it was mounted from.
+    async fn entry_from_ledger(&self, backend: &str, dir: &MountDir) -> Result<Option<Entry>, Failure> {
+        for key in [dir.name.clone(), crate::kube::volumes::inline_key(&dir.pod_uid, &dir.name)] {
+            if let Some(entry) = self.entry_of_record(backend, dir, &key).await? {
+                return Ok(Some(entry));
+            }
+        }
+        Ok(None)
+    }
+
+    async fn entry_of_record(&self, backend: &str, dir: &MountDir, key: &str) -> Result<Option<Entry>, Failure> {
+        let Some((record, _)) = self.ledger.get(key).await.map_err(ledger_failure)? else { return Ok(None) };
+        let path = dir.dir.display().to_string();
+        let holder = record.holders.iter().find(|h| h.consumer.node == self.config.node && h.consumer.mount_dir == path);
+        let (Some(holder), Some(source)) = (holder, &record.source) else { return Ok(None) };
+        if record.backend != backend {
+            return Ok(None);
+        }
+        let volume = Volume {
+            name: record.volume.clone(),
+            backend: record.backend.clone(),
+            access_mode: record.access_mode,
+            fs_type: source.fs_type.clone(),
+            options: source.options(),
+            secret_keys: Vec::new(),
+        };
+        Ok(Some(Entry { paths: self.config.paths(backend, &volume.name), volume, consumer: holder.consumer.clone() }))
     }
 
     fn lock(&self, volume: &str) -> Result<LockGuard, Failure> {
@@ -472,6 +596,24 @@ fn result_label<T>(r: &Result<T, Failure>) -> &'static str {
             _ => "failed",
         },
     }
+}
+
+/// A request for a recorded volume must be for that volume: the same
+/// backend and the same source. Otherwise it is another volume that only
+/// shares the name (a second pod naming the first one's volume with a path
+/// of its own must not be handed the first one's mount).
+fn same_volume(recorded: &Record, backend: &str, source: &VolumeSource) -> Result<(), Failure> {
+    let other = if recorded.backend != backend {
+        format!("backend {}", recorded.backend)
+    } else if recorded.source.as_ref().is_some_and(|s| s != source) {
+        "another source (filesystem type or backend options)".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(Failure::new(
+        FailureKind::Denied,
+        format!("volume {} is in use with {other} than this request names; a volume is its name and its source, so this request is not for it", recorded.volume),
+    ))
 }
 
 /// The option naming the StorageCluster a volume lives on.

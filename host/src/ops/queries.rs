@@ -1,14 +1,24 @@
-//! What the agent answers when a guest asks: this node's view, gathered
-//! cheaply (stat, the mount table) and without blocking on the network.
+//! What the agent answers when a guest asks: this node's view, only inside
+//! the dirs the backend declared it works in, and never past the guest's
+//! deadline. A path on a hung FUSE mount or a device that does not answer
+//! can block a thread in the kernel for good: such a query runs on a thread
+//! of its own, and the guest's call fails when it does not answer in time.
 
-use crate::policy::{MountEntry, NodeFacts, PathKind, Queries, Watcher};
-use crate::sys::{MountInfo, Sys};
-use std::os::unix::fs::FileTypeExt;
+use crate::policy::validate::clean_absolute;
+use crate::policy::{MountEntry, NodeFacts, PathKind, Queries, QueryError, Watcher};
+use crate::sys::{Kind, MountInfo, Sys};
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 pub struct NodeQueries {
     pub node: String,
     pub sys: Sys,
+    /// Dirs the backend may ask about (its declared path roots, on this node).
+    roots: Vec<PathBuf>,
+    /// How long one query may take: the guest's own deadline.
+    deadline: Duration,
     /// The mount table, read on the first `mount-at` (most policies never
     /// ask; reading procfs does not block).
     mounts: OnceLock<Vec<MountInfo>>,
@@ -16,14 +26,56 @@ pub struct NodeQueries {
     facts: Vec<NodeFacts>,
 }
 
+/// Query threads that may be blocked in the kernel at once: beyond this,
+/// queries fail at once rather than leave more threads behind.
+const MAX_QUERY_THREADS: usize = 32;
+static QUERY_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Run `f` on a thread of its own and wait for it at most `deadline`; a
+/// thread that does not answer is left to finish (or not) on its own.
+fn bounded<T: Send + 'static>(query: &'static str, path: &str, deadline: Duration, f: impl FnOnce() -> T + Send + 'static) -> Result<T, QueryError> {
+    let failed = |message: String| QueryError::Failed { query, path: path.to_string(), message };
+    if QUERY_THREADS.fetch_add(1, Ordering::SeqCst) >= MAX_QUERY_THREADS {
+        QUERY_THREADS.fetch_sub(1, Ordering::SeqCst);
+        return Err(failed(format!("{MAX_QUERY_THREADS} earlier queries are still blocked (a hung filesystem?); not asking again")));
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new().name("volagent-query".into()).spawn(move || {
+        let _ = tx.send(f());
+        QUERY_THREADS.fetch_sub(1, Ordering::SeqCst);
+    });
+    if let Err(e) = spawned {
+        QUERY_THREADS.fetch_sub(1, Ordering::SeqCst);
+        return Err(failed(format!("cannot start a query thread: {e}")));
+    }
+    rx.recv_timeout(deadline).map_err(|_| QueryError::Timeout { query, path: path.to_string(), ms: deadline.as_millis() })
+}
+
 impl NodeQueries {
-    pub fn new(node: String, sys: Sys) -> NodeQueries {
-        NodeQueries { node, sys, mounts: OnceLock::new(), facts: Vec::new() }
+    /// Queries of a backend that may ask about `roots`, each answered
+    /// within `deadline`.
+    pub fn new(node: String, sys: Sys, roots: Vec<PathBuf>, deadline: Duration) -> NodeQueries {
+        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new() }
     }
 
     pub fn with_facts(mut self, facts: Vec<NodeFacts>) -> NodeQueries {
         self.facts = facts;
         self
+    }
+
+    /// `path` must be a clean absolute path strictly below one of the roots.
+    fn scoped(&self, query: &'static str, path: &str) -> Result<(), QueryError> {
+        let inside = clean_absolute(path).is_ok()
+            && self.roots.iter().any(|r| Path::new(path).strip_prefix(r).is_ok_and(|rest| !rest.as_os_str().is_empty()));
+        if inside {
+            return Ok(());
+        }
+        let roots: Vec<String> = self.roots.iter().map(|r| r.display().to_string()).collect();
+        Err(QueryError::OutsideRoots {
+            query,
+            path: crate::ops::bounded(path.to_string(), 512),
+            roots: if roots.is_empty() { "none".into() } else { roots.join(", ") },
+        })
     }
 }
 
@@ -39,38 +91,87 @@ impl Queries for NodeQueries {
         NodeFacts { name: name.to_string(), exists: true, ready: me, out_of_service: false }
     }
 
-    fn lookup_path(&self, path: &str) -> PathKind {
-        match std::fs::metadata(path) {
-            Err(_) => PathKind::Missing,
-            Ok(m) if m.is_file() => PathKind::RegularFile,
-            Ok(m) if m.is_dir() => PathKind::Directory,
-            Ok(m) if m.file_type().is_block_device() => PathKind::BlockDevice,
-            Ok(_) => PathKind::Other,
+    /// Looked at through an `O_PATH` handle resolved beneath the roots: no
+    /// symlink is followed and nothing is opened (a FIFO cannot block it).
+    fn lookup_path(&self, path: &str) -> Result<PathKind, QueryError> {
+        self.scoped("lookup-path", path)?;
+        let (sys, p) = (self.sys.clone(), PathBuf::from(path));
+        let kind = bounded("lookup-path", path, self.deadline, move || sys.devices.kind_of(&p))?
+            .map_err(|e| QueryError::Failed { query: "lookup-path", path: path.to_string(), message: e.to_string() })?;
+        Ok(match kind {
+            None => PathKind::Missing,
+            Some(Kind::File) => PathKind::RegularFile,
+            Some(Kind::Dir) => PathKind::Directory,
+            Some(Kind::Block) => PathKind::BlockDevice,
+            Some(Kind::Other) => PathKind::Other,
+        })
+    }
+
+    /// Only block devices: below the roots (resolved to their /dev node), or
+    /// device nodes under /dev. Nothing else is opened.
+    fn filesystem_type(&self, device: &str) -> Result<Option<String>, QueryError> {
+        let in_dev = device.starts_with("/dev/") && clean_absolute(device).is_ok();
+        if !in_dev {
+            self.scoped("filesystem-type", device)?;
         }
+        let (sys, p) = (self.sys.clone(), PathBuf::from(device));
+        let answer = bounded("filesystem-type", device, self.deadline, move || {
+            let node = if in_dev { p } else { sys.devices.block_device(&p)? };
+            sys.filesystems.probe(&node)
+        })?;
+        answer.map_err(|e| QueryError::Failed { query: "filesystem-type", path: device.to_string(), message: e.to_string() })
     }
 
-    fn filesystem_type(&self, device: &str) -> Option<String> {
-        // blkid reads the first blocks of a local device: quick, bounded by
-        // the probe deadline.
-        self.sys.filesystems.probe(std::path::Path::new(device)).ok().flatten()
-    }
-
-    fn mount_at(&self, target: &str) -> Option<MountEntry> {
+    fn mount_at(&self, target: &str) -> Result<Option<MountEntry>, QueryError> {
+        self.scoped("mount-at", target)?;
         let mounts = self.mounts.get_or_init(|| {
             self.sys.mounts.mount_table().unwrap_or_else(|e| {
                 tracing::error!("a guest asked for a mount, but the mount table is unreadable: {e}");
                 Vec::new()
             })
         });
-        mounts.iter().rev().find(|m| m.mount_point.as_os_str() == target).map(|m| MountEntry {
+        Ok(mounts.iter().rev().find(|m| m.mount_point.as_os_str() == target).map(|m| MountEntry {
             source: m.source.clone(),
             target: target.to_string(),
             fs_type: m.fs_type.clone(),
             read_only: m.read_only(),
-        })
+        }))
     }
 
     fn image_watchers(&self, _pool: &str, _image: &str) -> Result<Vec<Watcher>, String> {
         Err("this agent has no storage cluster connection configured".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::fake::Fake;
+
+    fn queries(fake: &std::sync::Arc<Fake>) -> NodeQueries {
+        NodeQueries::new("n1".into(), fake.sys(), vec![PathBuf::from("/mnt/disks")], Duration::from_millis(200))
+    }
+
+    #[test]
+    fn only_paths_below_the_roots_are_answered() {
+        let fake = Fake::new();
+        fake.state().files.insert("/mnt/disks/a.img".into());
+        let q = queries(&fake);
+        assert_eq!(q.lookup_path("/mnt/disks/a.img"), Ok(PathKind::RegularFile));
+        assert_eq!(q.lookup_path("/mnt/disks/b.img"), Ok(PathKind::Missing));
+        for bad in ["/etc/shadow", "/mnt/disks", "/mnt/disks/../../etc", "/mnt/disksX/a", "relative"] {
+            assert!(matches!(q.lookup_path(bad), Err(QueryError::OutsideRoots { .. })), "{bad}");
+            assert!(matches!(q.mount_at(bad), Err(QueryError::OutsideRoots { .. })), "{bad}");
+        }
+        assert!(matches!(q.filesystem_type("/etc/passwd"), Err(QueryError::OutsideRoots { .. })));
+    }
+
+    #[test]
+    fn a_query_that_does_not_answer_fails_at_the_deadline() {
+        let start = std::time::Instant::now();
+        let r = bounded("lookup-path", "/mnt/disks/hung", Duration::from_millis(100), || std::thread::sleep(Duration::from_secs(2)));
+        assert!(matches!(r, Err(QueryError::Timeout { .. })), "{r:?}");
+        assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
+        assert_eq!(bounded("lookup-path", "/x", Duration::from_secs(1), || 7), Ok(7));
     }
 }

@@ -20,6 +20,9 @@ pub struct Report {
     pub stale_holders: Vec<String>,
     /// Mounts and devices under volagent's dirs that nothing explains: removed.
     pub orphans: Vec<String>,
+    /// Stash entries that could not be decoded, set aside (their mounts are
+    /// unmounted from the ledger's record when kubelet asks).
+    pub quarantined: Vec<String>,
     /// What could not be repaired.
     pub errors: Vec<String>,
 }
@@ -28,6 +31,7 @@ impl Agent {
     pub async fn reconcile(&self) -> Result<Report, Failure> {
         let mut report = Report::default();
         let stash = self.stash_op(|s| s.all()).await?;
+        report.quarantined = self.stash_op(|s| s.quarantined()).await?;
         let mut stashed_dirs = BTreeSet::new();
         for entry in stash {
             let dir = entry.consumer.mount_dir.clone();
@@ -70,6 +74,9 @@ impl Agent {
         for line in report.stale_holders.iter().chain(&report.orphans) {
             tracing::warn!("reconcile: removed {line}");
         }
+        for line in &report.quarantined {
+            tracing::error!(mount_dir = %line, "reconcile: this dir's stash entry is quarantined (undecodable)");
+        }
         for line in &report.errors {
             tracing::error!("reconcile: {line}");
         }
@@ -105,7 +112,7 @@ impl Agent {
             paths: self.config.paths(backend, volume),
             holders: Vec::new(),
         };
-        let plan = plugin.cleanup(self.queries(&[]), crate::policy::CleanupReason::StaleNode, &[item]).map_err(|e| e.to_string())?;
+        let plan = plugin.cleanup(self.queries(&plugin, &[]), crate::policy::CleanupReason::StaleNode, &[item]).map_err(|e| e.to_string())?;
         self.run_plan(plan, &mut lock).await.map_err(|f| f.message)?;
         if self.mounted(&mount_point.display().to_string()).await.map_err(|f| f.message)? {
             return Err("still mounted after the backend's cleanup plan".into());
@@ -134,7 +141,6 @@ impl Agent {
                 Err(why) => tracing::warn!(mount = %p, "orphan not cleaned by its backend ({why}); unmounting it plainly"),
             }
         }
-        let discovery = self.config.discovery_dirs.clone();
         let sys = self.sys.clone();
         let found = blocking(move || -> Result<Vec<String>, crate::sys::SysError> {
             let mut removed = Vec::new();
@@ -149,16 +155,22 @@ impl Agent {
                     removed.push(format!("orphan mount {p} (from {})", m.source));
                 }
             }
-            let named: BTreeSet<PathBuf> = stash
+            // Files the stashed volumes name, by identity (a path option
+            // outside the roots names nothing the agent attaches).
+            let named: BTreeSet<crate::sys::FileId> = stash
                 .iter()
-                .flat_map(|e| e.volume.options.iter().map(|kv| std::fs::canonicalize(&kv.value).unwrap_or_else(|_| PathBuf::from(&kv.value))))
+                .flat_map(|e| e.volume.options.iter())
+                .filter(|kv| kv.value.starts_with('/'))
+                .filter_map(|kv| sys.devices.file_id(Path::new(&kv.value)).ok().flatten())
                 .collect();
             let mounted: BTreeSet<String> = sys.mounts.mount_table()?.into_iter().map(|m| m.source).collect();
-            let roots: Vec<PathBuf> = discovery.iter().map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())).collect();
             for l in sys.devices.loop_devices()? {
-                let ours = roots.iter().any(|r| l.backing_file.starts_with(r));
+                // Only devices this agent attached (they carry its tag): an
+                // admin's or another program's loop device is never ours to
+                // detach, whatever file it is over.
+                let ours = l.tag == sys.devices.loop_tag();
                 let busy = mounted.contains(&l.device.display().to_string());
-                if ours && !busy && !named.contains(Path::new(&l.backing_file)) {
+                if ours && !busy && !l.backing.is_some_and(|id| named.contains(&id)) {
                     sys.devices.loop_detach(&l.device)?;
                     removed.push(format!("orphan loop device {} (over {})", l.device.display(), l.backing_file.display()));
                 }

@@ -10,27 +10,39 @@ use std::path::{Path, PathBuf};
 /// A pod's mount dir: `<kubelet-root>/pods/<pod-uid>/volumes/volagent~<backend>/<name>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountDir {
+    /// The dir under the resolved kubelet root.
     pub dir: PathBuf,
     pub pod_uid: String,
     pub name: String,
 }
 
-pub fn parse_mount_dir(kubelet_root: &Path, backend: &str, dir: &str) -> Result<MountDir, String> {
+/// Longest a mount dir kubelet sends may be (PATH_MAX).
+pub const MAX_PATH: usize = 4096;
+
+/// Check `dir` has kubelet's shape under one of `kubelet_roots` (kubelet's
+/// root resolved, then as configured: kubelet spells dirs its own way), and
+/// name it under the first.
+pub fn parse_mount_dir(kubelet_roots: &[&Path], backend: &str, dir: &str) -> Result<MountDir, String> {
+    if dir.len() > MAX_PATH {
+        return Err(format!("mount dir of {} bytes is longer than {MAX_PATH}", dir.len()));
+    }
     clean_absolute(dir).map_err(|e| format!("mount dir: {e}"))?;
-    let rest = Path::new(dir)
-        .strip_prefix(kubelet_root)
-        .map_err(|_| format!("mount dir {dir} is not under the kubelet root {}", kubelet_root.display()))?;
+    let resolved = kubelet_roots.first().ok_or("no kubelet root configured")?;
+    let rest = kubelet_roots
+        .iter()
+        .find_map(|root| Path::new(dir).strip_prefix(root).ok())
+        .ok_or_else(|| format!("mount dir {dir} is not under the kubelet root {}", resolved.display()))?;
     let parts: Vec<&str> = rest.iter().filter_map(|c| c.to_str()).collect();
     let driver = format!("volagent~{backend}");
     match parts.as_slice() {
         ["pods", uid, "volumes", d, name] if *d == driver && !uid.is_empty() && !name.is_empty() => Ok(MountDir {
-            dir: PathBuf::from(dir),
+            dir: resolved.join(rest),
             pod_uid: uid.to_string(),
             name: name.to_string(),
         }),
         _ => Err(format!(
             "mount dir {dir} does not have kubelet's shape {}/pods/<pod-uid>/volumes/{driver}/<volume>",
-            kubelet_root.display()
+            resolved.display()
         )),
     }
 }
@@ -63,6 +75,11 @@ pub fn parse_mount(node: &str, backend: &str, dir: &MountDir, options: &BTreeMap
         get(key).filter(|v| !v.is_empty()).ok_or_else(|| format!("option {K8S}{key} is missing"))
     };
     let volume_name = required("pvOrVolumeName")?;
+    // kubelet names a volume's dir after it: a request whose dir is another
+    // volume's is not kubelet's.
+    if volume_name != dir.name {
+        return Err(format!("volume {volume_name:?} does not match the mount dir's last component {:?}", dir.name));
+    }
     let pod_uid = get("pod.uid").or(get("pod.UID")).filter(|v| !v.is_empty()).ok_or("option kubernetes.io/pod.uid is missing")?;
     if pod_uid != dir.pod_uid {
         return Err(format!("pod uid {pod_uid} does not match the mount dir's {}", dir.pod_uid));
@@ -109,7 +126,7 @@ mod tests {
     const ROOT: &str = "/var/lib/kubelet";
 
     fn dir(d: &str) -> Result<MountDir, String> {
-        parse_mount_dir(Path::new(ROOT), "local-pv", d)
+        parse_mount_dir(&[Path::new(ROOT)], "local-pv", d)
     }
 
     #[test]
@@ -170,5 +187,17 @@ mod tests {
         let mut missing = opts(&base);
         missing.remove("kubernetes.io/pvOrVolumeName");
         assert!(parse_mount("n1", "local-pv", &d, &missing).unwrap_err().contains("pvOrVolumeName"));
+        // The dir is the volume's: another volume's name is refused.
+        let mut other = opts(&base);
+        other.insert("kubernetes.io/pvOrVolumeName".into(), "pv2".into());
+        assert!(parse_mount("n1", "local-pv", &d, &other).unwrap_err().contains("does not match the mount dir"));
+    }
+
+    #[test]
+    fn mount_dirs_in_kubelets_spelling_are_named_under_the_resolved_root() {
+        let d = parse_mount_dir(&[Path::new("/data/kubelet"), Path::new(ROOT)], "local-pv", "/var/lib/kubelet/pods/u-1/volumes/volagent~local-pv/pv1").unwrap();
+        assert_eq!(d.dir, Path::new("/data/kubelet/pods/u-1/volumes/volagent~local-pv/pv1"));
+        let long = format!("{ROOT}/pods/u/volumes/volagent~local-pv/{}", "x".repeat(5000));
+        assert!(dir(&long).unwrap_err().contains("longer than"));
     }
 }

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 const ENTRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("mounts");
+/// Entries that could not be decoded, kept (for people) out of the way.
+const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
@@ -29,16 +31,55 @@ pub struct Stash {
 }
 
 impl Stash {
+    /// Open (or create) the stash. A file redb finds corrupted is moved
+    /// aside and a new one started: what it held is also in the ledger and
+    /// the mount table, which unmounts fall back to.
     pub fn open(path: &Path) -> Result<Stash, StashError> {
         let err = |e: &dyn std::fmt::Display| StashError { path: path.to_path_buf(), message: e.to_string() };
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
         }
-        let db = Database::create(path).map_err(|e| err(&e))?;
+        let db = match Database::create(path) {
+            Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(why))) => {
+                let aside = path.with_extension(format!("corrupt-{}", std::process::id()));
+                tracing::error!(stash = %path.display(), moved_to = %aside.display(), "the stash is corrupted ({why}); starting a new one");
+                std::fs::rename(path, &aside).map_err(|e| err(&e))?;
+                Database::create(path).map_err(|e| err(&e))?
+            }
+            other => other.map_err(|e| err(&e))?,
+        };
         let txn = db.begin_write().map_err(|e| err(&e))?;
         txn.open_table(ENTRIES).map_err(|e| err(&e))?;
+        txn.open_table(QUARANTINE).map_err(|e| err(&e))?;
         txn.commit().map_err(|e| err(&e))?;
         Ok(Stash { db, path: path.to_path_buf() })
+    }
+
+    /// Move the entry of `key` out of the way: it cannot be decoded, and
+    /// must neither fail every read of the stash nor be acted on.
+    fn quarantine(&self, key: &str, why: &dyn std::fmt::Display) -> Result<(), StashError> {
+        tracing::error!(stash = %self.path.display(), mount_dir = key, "undecodable stash entry quarantined ({why}); that dir's unmount falls back to the ledger");
+        crate::metrics::get().stash_quarantined.inc();
+        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
+        {
+            let mut entries = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
+            let raw = entries.remove(key).map_err(|e| self.err(&e))?.map(|v| v.value().to_vec());
+            if let Some(raw) = raw {
+                txn.open_table(QUARANTINE).map_err(|e| self.err(&e))?.insert(key, raw.as_slice()).map_err(|e| self.err(&e))?;
+            }
+        }
+        txn.commit().map_err(|e| self.err(&e))
+    }
+
+    /// The keys (mount dirs) of quarantined entries.
+    pub fn quarantined(&self) -> Result<Vec<String>, StashError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
+        let table = txn.open_table(QUARANTINE).map_err(|e| self.err(&e))?;
+        let mut keys = Vec::new();
+        for item in table.iter().map_err(|e| self.err(&e))? {
+            keys.push(item.map_err(|e| self.err(&e))?.0.value().to_string());
+        }
+        Ok(keys)
     }
 
     fn err(&self, e: &dyn std::fmt::Display) -> StashError {
@@ -55,12 +96,23 @@ impl Stash {
         txn.commit().map_err(|e| self.err(&e))
     }
 
+    /// The entry of `mount_dir`; none when there is none or it could not
+    /// be decoded (it is then quarantined).
     pub fn get(&self, mount_dir: &str) -> Result<Option<Entry>, StashError> {
-        let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
-        let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
-        match table.get(mount_dir).map_err(|e| self.err(&e))? {
-            Some(v) => Ok(Some(serde_json::from_slice(v.value()).map_err(|e| self.err(&e))?)),
-            None => Ok(None),
+        let decoded = {
+            let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
+            let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
+            match table.get(mount_dir).map_err(|e| self.err(&e))? {
+                Some(v) => serde_json::from_slice::<Entry>(v.value()),
+                None => return Ok(None),
+            }
+        };
+        match decoded {
+            Ok(entry) => Ok(Some(entry)),
+            Err(e) => {
+                self.quarantine(mount_dir, &e)?;
+                Ok(None)
+            }
         }
     }
 
@@ -70,14 +122,74 @@ impl Stash {
         txn.commit().map_err(|e| self.err(&e))
     }
 
+    /// Every entry that can be decoded; the others are quarantined.
     pub fn all(&self) -> Result<Vec<Entry>, StashError> {
-        let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
-        let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
         let mut out = Vec::new();
-        for item in table.iter().map_err(|e| self.err(&e))? {
-            let (_, v) = item.map_err(|e| self.err(&e))?;
-            out.push(serde_json::from_slice(v.value()).map_err(|e| self.err(&e))?);
+        let mut bad = Vec::new();
+        {
+            let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
+            let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
+            for item in table.iter().map_err(|e| self.err(&e))? {
+                let (k, v) = item.map_err(|e| self.err(&e))?;
+                match serde_json::from_slice(v.value()) {
+                    Ok(entry) => out.push(entry),
+                    Err(e) => bad.push((k.value().to_string(), e)),
+                }
+            }
+        }
+        for (key, why) in bad {
+            self.quarantine(&key, &why)?;
         }
         Ok(out)
+    }
+
+    /// Store raw bytes as the entry of `key`: for tests of damaged state.
+    #[doc(hidden)]
+    pub fn put_raw(&self, key: &str, bytes: &[u8]) -> Result<(), StashError> {
+        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
+        txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.insert(key, bytes).map_err(|e| self.err(&e))?;
+        txn.commit().map_err(|e| self.err(&e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(dir: &str) -> Entry {
+        let volume = crate::policy::Volume {
+            name: "pv1".into(),
+            backend: "local-pv".into(),
+            access_mode: crate::policy::AccessMode::ReadWriteOnce,
+            fs_type: "ext4".into(),
+            options: vec![],
+            secret_keys: vec![],
+        };
+        let consumer = Consumer {
+            node: "n1".into(),
+            pod_namespace: "ns".into(),
+            pod: "p".into(),
+            pod_uid: "u".into(),
+            mount_dir: dir.into(),
+            read_only: false,
+        };
+        let paths = NodePaths { kubelet_root: "/k".into(), staging_dir: "/k/s".into(), state_dir: "/s".into(), discovery_dirs: vec![] };
+        Entry { volume, consumer, paths }
+    }
+
+    #[test]
+    fn an_undecodable_entry_is_quarantined_not_fatal() {
+        let dir = tempfile::tempdir().unwrap();
+        let stash = Stash::open(&dir.path().join("stash.redb")).unwrap();
+        stash.put(&entry("/k/pods/a")).unwrap();
+        stash.put_raw("/k/pods/b", b"{not json").unwrap();
+        let all = stash.all().expect("the good entries");
+        assert_eq!(all.len(), 1);
+        assert_eq!(stash.quarantined().unwrap(), vec!["/k/pods/b".to_string()]);
+        assert!(stash.get("/k/pods/b").unwrap().is_none(), "gone from the entries");
+        stash.put_raw("/k/pods/c", b"\xff").unwrap();
+        assert!(stash.get("/k/pods/c").unwrap().is_none());
+        assert_eq!(stash.quarantined().unwrap().len(), 2);
+        assert!(stash.get("/k/pods/a").unwrap().is_some());
     }
 }

@@ -92,8 +92,10 @@ pub struct Reloader {
     rt: tokio::runtime::Handle,
 }
 
-fn sha256_of(path: &Path) -> std::io::Result<String> {
-    Ok(hex::encode(Sha256::digest(std::fs::read(path)?)))
+/// The file `name` of the plugin dir, read safely: beneath the dir, a
+/// regular file, within the size limit.
+fn read_plugin(dir: &Path, name: &str, max: u64) -> Result<Vec<u8>, String> {
+    crate::sys::beneath::read_beneath(dir, Path::new(name), max).map_err(|e| e.to_string())
 }
 
 /// The `*.wasm` files of `dir` that are not dot-files, by file name.
@@ -115,9 +117,10 @@ fn scenarios_beside(file: &Path) -> Option<PathBuf> {
     [dir.join(format!("{stem}.scenarios.yaml")), dir.join(format!("{stem}.scenarios"))].into_iter().find(|p| p.exists())
 }
 
-/// Load `file` and run its own scenarios; the plugin, or why not.
-fn load_checked(runtime: &Arc<Runtime>, file: &Path) -> Result<Plugin, (Option<String>, String)> {
-    let plugin = Plugin::load_file(runtime, file).map_err(|e| (None, e.to_string()))?;
+/// Load `file` (its `bytes`, read once) and run its own scenarios; the
+/// plugin, or why not.
+fn load_checked(runtime: &Arc<Runtime>, file: &Path, bytes: &[u8]) -> Result<Plugin, (Option<String>, String)> {
+    let plugin = Plugin::load_bytes(runtime, file, bytes).map_err(|e| (None, e.to_string()))?;
     if let Some(scenarios) = scenarios_beside(file) {
         let backend = Some(plugin.name().to_string());
         let files = crate::policy::scenario::files(&scenarios).map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
@@ -167,8 +170,9 @@ impl Reloader {
             }
         };
         for (name, path) in &files {
-            let sha = match sha256_of(path) {
-                Ok(sha) => sha,
+            let bytes = read_plugin(&self.dir, name, self.runtime.limits.max_file_bytes);
+            let sha = match &bytes {
+                Ok(bytes) => hex::encode(Sha256::digest(bytes)),
                 // Unreadable is bad too: said, never skipped in silence.
                 Err(_) if self.rejected.get(name).is_some_and(|r| r.0.is_empty()) => continue,
                 Err(e) => {
@@ -187,7 +191,8 @@ impl Reloader {
             if self.rejected.get(name).is_some_and(|r| r.0 == sha) {
                 continue;
             }
-            match load_checked(&self.runtime, path) {
+            let Ok(bytes) = bytes else { continue };
+            match load_checked(&self.runtime, path, &bytes) {
                 Ok(plugin) => self.take(name, path, sha, plugin, &mut report),
                 Err((backend, reason)) => self.reject(name, sha, backend.or_else(|| self.served.get(name).map(|s| s.backend.clone())), reason, &mut report),
             }

@@ -4,6 +4,9 @@ wasmtime::component::bindgen!({
     world: "backend",
     path: "../wit",
     additional_derives: [PartialEq, serde::Serialize, serde::Deserialize],
+    // A host query may refuse to answer (outside the backend's roots, no
+    // answer in time): the guest's call then fails.
+    imports: { default: trappable },
 });
 
 pub use volagent::policy::types::*;

@@ -30,6 +30,8 @@ pub enum CallError {
     Instantiate { backend: String, function: &'static str, message: String },
     #[error("backend {backend}: fence returned a take-over the host refuses: {reason}")]
     TakeOver { backend: String, reason: String },
+    #[error("backend {backend}: {function} asked the host a query it refuses to answer: {error}")]
+    Query { backend: String, function: &'static str, error: Box<super::queries::QueryError> },
 }
 
 impl CallError {
@@ -77,6 +79,8 @@ fn fault(store: &Store<CallState>, backend: &str, function: &'static str, e: was
     let backend = backend.to_string();
     if store.data().memory.refused {
         CallError::Memory { backend, function, cap_mib: limits.memory_bytes >> 20 }
+    } else if let Some(error) = e.downcast_ref::<super::queries::QueryError>() {
+        CallError::Query { backend, function, error: Box::new(error.clone()) }
     } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
         CallError::Deadline { backend, function, deadline_ms: limits.deadline.as_millis() }
     } else {
@@ -114,6 +118,7 @@ impl Plugin {
             Err(CallError::Policy { .. }) => "refused",
             Err(CallError::Deadline { .. }) => "deadline",
             Err(CallError::Memory { .. }) => "memory",
+            Err(CallError::Query { .. }) => "query",
             Err(_) => "fault",
         };
         crate::metrics::get().plugin_call(&self.name, function, outcome, start.elapsed());

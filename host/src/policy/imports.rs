@@ -70,10 +70,10 @@ impl WasiView for CallState {
 impl types::Host for CallState {}
 
 impl host::Host for CallState {
-    fn log(&mut self, level: LogLevel, message: String) {
+    fn log(&mut self, level: LogLevel, message: String) -> wasmtime::Result<()> {
         self.logged += 1;
         if self.logged > MAX_LOG_LINES {
-            return;
+            return Ok(());
         }
         let mut message = message;
         if message.len() > MAX_LOG_BYTES {
@@ -91,25 +91,28 @@ impl host::Host for CallState {
             LogLevel::Warn => tracing::warn!(backend, "{message}"),
             LogLevel::Error => tracing::error!(backend, "{message}"),
         }
+        Ok(())
     }
 
-    fn node_state(&mut self, name: String) -> NodeFacts {
-        self.queries.node_state(&name)
+    fn node_state(&mut self, name: String) -> wasmtime::Result<NodeFacts> {
+        Ok(self.queries.node_state(&name))
     }
 
-    fn lookup_path(&mut self, path: String) -> PathKind {
-        self.queries.lookup_path(&path)
+    // A query the host will not answer fails the guest's call (a trap
+    // carrying the QueryError): no answer the contract has would be true.
+    fn lookup_path(&mut self, path: String) -> wasmtime::Result<PathKind> {
+        Ok(self.queries.lookup_path(&path)?)
     }
 
-    fn filesystem_type(&mut self, device: String) -> Option<String> {
-        self.queries.filesystem_type(&device)
+    fn filesystem_type(&mut self, device: String) -> wasmtime::Result<Option<String>> {
+        Ok(self.queries.filesystem_type(&device)?)
     }
 
-    fn mount_at(&mut self, target: String) -> Option<MountEntry> {
-        self.queries.mount_at(&target)
+    fn mount_at(&mut self, target: String) -> wasmtime::Result<Option<MountEntry>> {
+        Ok(self.queries.mount_at(&target)?)
     }
 
-    fn image_watchers(&mut self, pool: String, image: String) -> Result<Vec<Watcher>, String> {
-        self.queries.image_watchers(&pool, &image)
+    fn image_watchers(&mut self, pool: String, image: String) -> wasmtime::Result<Result<Vec<Watcher>, String>> {
+        Ok(self.queries.image_watchers(&pool, &image))
     }
 }

@@ -7,7 +7,6 @@ use super::queries::RecordedQueries;
 use super::runtime::Runtime;
 use super::{CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
 use sha2::{Digest, Sha256};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use wasmtime::component::Component;
@@ -60,18 +59,19 @@ pub struct Plugin {
 }
 
 impl Plugin {
-    /// Read and load `path`, refusing oversized files before reading them.
+    /// Read and load `path`: a regular file (never a FIFO or device, which
+    /// could block or never end), refused when oversized before it is read.
     pub fn load_file(runtime: &Arc<Runtime>, path: &Path) -> Result<Plugin, LoadError> {
-        let read_err = |source| LoadError::Read { path: path.to_path_buf(), source };
-        let file = std::fs::File::open(path).map_err(read_err)?;
-        let size = file.metadata().map_err(read_err)?.len();
         let max = runtime.limits.max_file_bytes;
+        let size = std::fs::metadata(path).map_err(|source| LoadError::Read { path: path.to_path_buf(), source })?.len();
         if size > max {
             return Err(LoadError::TooLarge { path: path.to_path_buf(), size, max });
         }
-        let mut bytes = Vec::with_capacity(size as usize);
-        // Bounded even if the file grows while we read it.
-        file.take(max + 1).read_to_end(&mut bytes).map_err(read_err)?;
+        let bytes = match crate::sys::beneath::read_file(path, max) {
+            Ok(bytes) => bytes,
+            Err(crate::sys::SysError::Io { source, .. }) => return Err(LoadError::Read { path: path.to_path_buf(), source }),
+            Err(e) => return Err(LoadError::Read { path: path.to_path_buf(), source: std::io::Error::other(e.to_string()) }),
+        };
         Self::load_bytes(runtime, path, &bytes)
     }
 
@@ -126,6 +126,10 @@ impl Plugin {
 
     pub fn info(&self) -> &BackendInfo {
         &self.info
+    }
+    /// The limits each call runs under.
+    pub fn limits(&self) -> &super::Limits {
+        &self.runtime.limits
     }
     pub fn name(&self) -> &str {
         &self.name

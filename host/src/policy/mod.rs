@@ -14,7 +14,7 @@ pub mod validate;
 pub use bindings::volagent::policy::types::*;
 pub use call::CallError;
 pub use load::{LoadError, Plugin};
-pub use queries::{Queries, RecordedQueries};
+pub use queries::{Queries, QueryError, RecordedQueries};
 pub use runtime::{Limits, Runtime, RuntimeError};
 
 /// The contract version this host speaks.

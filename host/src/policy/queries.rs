@@ -6,13 +6,25 @@ use super::bindings::{MountEntry, NodeFacts, PathKind, Watcher};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Answers a guest's read-only queries. Implementations must not block:
-/// they run inside a guest call that has a deadline.
+/// Why the host would not answer a query: the guest's call then fails
+/// with this error (a trap), as no answer in the contract would be true.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QueryError {
+    #[error("{query} {path}: outside the dirs this backend may ask about ({roots})")]
+    OutsideRoots { query: &'static str, path: String, roots: String },
+    #[error("{query} {path}: no answer within {ms} ms (a hung filesystem, or a device that does not answer); the guest's call is failed")]
+    Timeout { query: &'static str, path: String, ms: u128 },
+    #[error("{query} {path}: {message}")]
+    Failed { query: &'static str, path: String, message: String },
+}
+
+/// Answers a guest's read-only queries. Implementations must not block
+/// past the guest's deadline: they run inside a guest call that has one.
 pub trait Queries: Send + Sync {
     fn node_state(&self, name: &str) -> NodeFacts;
-    fn lookup_path(&self, path: &str) -> PathKind;
-    fn filesystem_type(&self, device: &str) -> Option<String>;
-    fn mount_at(&self, target: &str) -> Option<MountEntry>;
+    fn lookup_path(&self, path: &str) -> Result<PathKind, QueryError>;
+    fn filesystem_type(&self, device: &str) -> Result<Option<String>, QueryError>;
+    fn mount_at(&self, target: &str) -> Result<Option<MountEntry>, QueryError>;
     fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String>;
 }
 
@@ -48,14 +60,14 @@ impl Queries for RecordedQueries {
             out_of_service: false,
         })
     }
-    fn lookup_path(&self, path: &str) -> PathKind {
-        self.paths.get(path).copied().unwrap_or(PathKind::Missing)
+    fn lookup_path(&self, path: &str) -> Result<PathKind, QueryError> {
+        Ok(self.paths.get(path).copied().unwrap_or(PathKind::Missing))
     }
-    fn filesystem_type(&self, device: &str) -> Option<String> {
-        self.filesystems.get(device).cloned()
+    fn filesystem_type(&self, device: &str) -> Result<Option<String>, QueryError> {
+        Ok(self.filesystems.get(device).cloned())
     }
-    fn mount_at(&self, target: &str) -> Option<MountEntry> {
-        self.mounts.iter().find(|m| m.target == target).cloned()
+    fn mount_at(&self, target: &str) -> Result<Option<MountEntry>, QueryError> {
+        Ok(self.mounts.iter().find(|m| m.target == target).cloned())
     }
     fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String> {
         match self.watchers.get(&format!("{pool}/{image}")) {

@@ -171,11 +171,18 @@ impl Prepared {
     }
 }
 
+/// Largest scenario file read.
+pub const MAX_SCENARIO_BYTES: u64 = 4 << 20;
+
 /// Parse one file for `backend`. Each scenario is prepared on its own, so a
 /// malformed one is reported (name, reason) without hiding the others.
 pub fn load(path: &Path, backend: &str) -> Result<Vec<Result<Prepared, Malformed>>, ScenarioError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read { path: path.to_path_buf(), source })?;
     let parse_err = |message: String| ScenarioError::Parse { path: path.to_path_buf(), message };
+    // Scenario files ship beside plugins: read like them, a regular file
+    // of bounded size.
+    let bytes = crate::sys::beneath::read_file(path, MAX_SCENARIO_BYTES)
+        .map_err(|e| ScenarioError::Read { path: path.to_path_buf(), source: std::io::Error::other(e.to_string()) })?;
+    let text = String::from_utf8(bytes).map_err(|e| parse_err(format!("not UTF-8: {e}")))?;
     let file: ScenarioFile = if path.extension().is_some_and(|e| e == "json") {
         serde_json::from_str(&text).map_err(|e| parse_err(e.to_string()))?
     } else {

@@ -8,8 +8,19 @@ use super::bindings::{
 };
 use std::collections::BTreeSet;
 
+mod mount_options;
+
 /// Most passes a shred step may ask for.
 pub const MAX_SHRED_PASSES: u32 = 35;
+/// Most steps a plan may have: a cleanup of many volumes has a few per
+/// volume; anything near this is a guest gone wrong.
+pub const MAX_PLAN_STEPS: usize = 512;
+/// Longest path in a step (PATH_MAX).
+pub const MAX_PATH: usize = 4096;
+/// Longest other string in a step (ids, names, addresses, options).
+pub const MAX_TEXT: usize = 1024;
+/// Most mount options or monitors one step may list.
+pub const MAX_LIST: usize = 64;
 
 /// Why a plan was refused: which step, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -38,6 +49,8 @@ pub struct Scope {
     pub staging_dirs: Vec<String>,
     pub state_dirs: Vec<String>,
     pub discovery_dirs: Vec<String>,
+    /// The node's discovery dirs, none of which is ever a volume itself.
+    pub discovery_roots: Vec<String>,
     /// Absolute paths named by the volumes' options: within the discovery
     /// dirs, a plan may use only these (and what lies below them).
     pub volume_paths: Vec<String>,
@@ -81,6 +94,7 @@ impl Scope {
         self.staging_dirs.push(paths.staging_dir.clone());
         self.state_dirs.push(paths.state_dir.clone());
         self.discovery_dirs.extend(paths.discovery_dirs.iter().cloned());
+        self.discovery_roots.extend(paths.discovery_dirs.iter().cloned());
         self.volume_paths.extend(volume.options.iter().map(|kv| kv.value.clone()).filter(|v| v.starts_with('/')));
         self.read_only_volume |= volume.access_mode == AccessMode::ReadOnlyMany;
         self.secret_keys.extend(volume.secret_keys.iter().cloned());
@@ -137,18 +151,33 @@ struct Checker<'a> {
     attached: BTreeSet<String>,
 }
 
+/// `text`, used as `what`, is at most `max` bytes.
+fn bounded(what: &str, text: &str, max: usize) -> Result<(), String> {
+    if text.len() > max {
+        return Err(format!("{what} is {} bytes long, more than the {max} allowed", text.len()));
+    }
+    Ok(())
+}
+
 impl Checker<'_> {
     /// `path`, used as `what`, must lie in one of `roles` that the backend
-    /// declared; in the discovery dirs, only where its volume points.
+    /// declared; in the discovery dirs, only where its volume points, and
+    /// strictly below them (a discovery dir is never a volume itself).
     fn path(&self, what: &str, path: &str, roles: &[PathRoot]) -> Result<(), String> {
+        bounded(what, path, MAX_PATH)?;
         clean_absolute(path).map_err(|e| format!("{what}: {e}"))?;
         let usable = || self.caps.path_roots.iter().copied().filter(|r| roles.contains(r));
         for root in usable() {
             if !self.scope.of_root(root).iter().any(|r| clean_absolute(r).is_ok() && within(path, r)) {
                 continue;
             }
-            if root == PathRoot::DiscoveryDirs && !self.scope.volume_paths.iter().any(|v| within(path, v)) {
-                return Err(format!("{what} {path} is a local volume this plan's volume does not name"));
+            if root == PathRoot::DiscoveryDirs {
+                if self.scope.discovery_roots.iter().any(|r| r.trim_end_matches('/') == path) {
+                    return Err(format!("{what} {path} is a discovery dir itself, which is never a volume: a local volume is a path below it"));
+                }
+                if !self.scope.volume_paths.iter().any(|v| within(path, v)) {
+                    return Err(format!("{what} {path} is a local volume this plan's volume does not name"));
+                }
             }
             return Ok(());
         }
@@ -230,6 +259,7 @@ impl Checker<'_> {
     }
 
     fn step(&mut self, step: &Step) -> Result<(), String> {
+        texts_bounded(step)?;
         let kind = step.kind();
         if !self.caps.steps.contains(&kind) {
             return Err(format!("step kind {} is not declared in the backend's capabilities", kind.name()));
@@ -270,7 +300,7 @@ impl Checker<'_> {
                 self.path("mount target", &m.target, MOUNT_TARGETS)?;
                 self.read_only("the mount", m.read_only, Some(&m.target))?;
                 for option in &m.options {
-                    self.mount_option(option)?;
+                    self.mount_option(&m.fs_type, option)?;
                 }
                 Ok(())
             }
@@ -302,17 +332,86 @@ impl Checker<'_> {
     }
 
     /// Options are joined with ',' by the host, so one option is one option;
-    /// a value with a '/' must be an absolute path within the volume's
-    /// state or staging dir (a relative one would resolve against the mount
-    /// helper's working dir).
-    fn mount_option(&self, option: &str) -> Result<(), String> {
+    /// each must be one the filesystem `fs` is known to take and that names
+    /// no other device or file (no `journal_dev`, `logdev`, `rtdev`, …); a
+    /// path value must lie within the volume's state or staging dir.
+    fn mount_option(&self, fs: &str, option: &str) -> Result<(), String> {
         if option.is_empty() || option.contains([',', '\0', '\n']) {
             return Err(format!("mount option {option:?} is malformed"));
         }
-        if let Some((key, value)) = option.split_once('=').filter(|(_, v)| v.contains('/')) {
-            self.path(&format!("mount option {key}"), value, OPTION_PATHS)?;
+        let (key, value) = match option.split_once('=') {
+            Some((k, v)) => (k, Some(v)),
+            None => (option, None),
+        };
+        let Some(kind) = mount_options::allowed(fs, key) else {
+            return Err(format!("mount option {key:?} is not one the host allows for {fs} (see docs/security.md)"));
+        };
+        match (kind, value) {
+            (mount_options::Value::None, None) => Ok(()),
+            (mount_options::Value::Number, Some(v)) if !v.is_empty() && v.len() <= 20 && v.bytes().all(|b| b.is_ascii_digit()) => Ok(()),
+            (mount_options::Value::OneOf(choices), Some(v)) if choices.contains(&v) => Ok(()),
+            (mount_options::Value::Name, Some(v)) if name_ok("", v).is_ok() => Ok(()),
+            (mount_options::Value::Servers, Some(v))
+                if !v.is_empty() && v.split(':').all(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b))) =>
+            {
+                Ok(())
+            }
+            (mount_options::Value::Path, Some(v)) => self.path(&format!("mount option {key}"), v, OPTION_PATHS),
+            _ => Err(format!("mount option {option:?} does not have the value {fs}'s {key} takes")),
         }
-        Ok(())
+    }
+}
+
+/// Every string in `step` within its bound, and lists within theirs, before
+/// anything looks at them.
+fn texts_bounded(step: &Step) -> Result<(), String> {
+    let spec = |spec: &DeviceSpec| -> Result<(), String> {
+        match spec {
+            DeviceSpec::Loop(file) => bounded("loop backing file", file, MAX_PATH),
+            DeviceSpec::Nbd(n) => bounded("nbd server", &n.server, MAX_TEXT).and(bounded("nbd export", &n.export_name, MAX_TEXT)),
+            DeviceSpec::Rbd(r) => {
+                if r.monitors.len() > MAX_LIST {
+                    return Err(format!("rbd image lists {} monitors, more than the {MAX_LIST} allowed", r.monitors.len()));
+                }
+                for t in r.monitors.iter().chain([&r.pool, &r.image, &r.user]).chain(&r.secret_key) {
+                    bounded("an rbd field", t, MAX_TEXT)?;
+                }
+                Ok(())
+            }
+        }
+    };
+    let block = |b: &BlockSource| match b {
+        BlockSource::Attached(id) => bounded("device id", id, MAX_TEXT),
+        BlockSource::Device(p) => bounded("block device", p, MAX_PATH),
+    };
+    match step {
+        Step::AttachDevice(a) => bounded("device id", &a.id, MAX_TEXT).and(spec(&a.spec)),
+        Step::Format(f) => block(&f.device).and(bounded("filesystem", &f.fs_type, MAX_TEXT)),
+        Step::Mount(m) => {
+            if m.options.len() > MAX_LIST {
+                return Err(format!("{} mount options, more than the {MAX_LIST} allowed", m.options.len()));
+            }
+            for o in &m.options {
+                bounded("a mount option", o, MAX_PATH)?;
+            }
+            match &m.source {
+                MountSource::Block(b) => block(b)?,
+                MountSource::Network(n) => bounded("network source", n, MAX_TEXT)?,
+            }
+            bounded("filesystem", &m.fs_type, MAX_TEXT)
+        }
+        Step::Wipe(w) => block(&w.device),
+        Step::DetachDevice(d) => spec(&d.spec),
+        Step::BlocklistClient(b) => {
+            if b.monitors.len() > MAX_LIST {
+                return Err(format!("{} monitors, more than the {MAX_LIST} allowed", b.monitors.len()));
+            }
+            for t in b.monitors.iter().chain([&b.user, &b.address]).chain(&b.secret_key) {
+                bounded("a blocklist-client field", t, MAX_TEXT)?;
+            }
+            Ok(())
+        }
+        Step::BindMount(_) | Step::Unmount(_) => Ok(()),
     }
 }
 
@@ -326,6 +425,13 @@ fn name_ok(what: &str, name: &str) -> Result<(), String> {
 
 /// Check every step of `plan`, the answer to `op`, in order.
 pub fn plan(plan: &[Step], caps: &Capabilities, op: &Operation) -> Result<(), PlanError> {
+    if plan.len() > MAX_PLAN_STEPS {
+        return Err(PlanError {
+            index: MAX_PLAN_STEPS,
+            step: "plan",
+            reason: format!("the plan has {} steps, more than the {MAX_PLAN_STEPS} allowed", plan.len()),
+        });
+    }
     let scope = Scope::of(op);
     let mut checker = Checker { caps, scope: &scope, attached: BTreeSet::new() };
     for (index, step) in plan.iter().enumerate() {
@@ -543,6 +649,20 @@ mod tests {
         assert!(e.reason.contains("not attached"), "{e}");
     }
 
+    /// A gluster mount of the staging dir with `options`.
+    fn gluster_mount(options: &[&str]) -> Result<(), PlanError> {
+        let mut caps = caps();
+        caps.network_filesystems = vec!["glusterfs".into()];
+        let step = Step::Mount(Mount {
+            source: MountSource::Network("server1:/gv0".into()),
+            target: STAGING.into(),
+            fs_type: "glusterfs".into(),
+            options: options.iter().map(|o| o.to_string()).collect(),
+            read_only: false,
+        });
+        plan(&[step], &caps, &Operation::Attach { volume: &volume(), consumer: &consumer(), paths: &paths() })
+    }
+
     #[test]
     fn option_paths_and_separators_are_checked() {
         for (option, expected) in [
@@ -550,15 +670,57 @@ mod tests {
             ("log-file=/etc/passwd", "/etc/passwd"),
             ("log-file=etc/cron.d/x", "not absolute"),
             ("log-file=../../x", "not absolute"),
+            ("backup-volfile-servers=a:b/c", "does not have the value"),
+            ("log-level=LOUD", "does not have the value"),
+        ] {
+            let e = gluster_mount(&[option]).unwrap_err();
+            assert!(e.reason.contains(expected), "{option}: {e}");
+        }
+        gluster_mount(&["log-file=/s/pv/gluster.log", "backup-volfile-servers=a:b", "auto_unmount", "noatime"]).unwrap();
+    }
+
+    #[test]
+    fn mount_options_are_the_filesystems_own() {
+        for (option, expected) in [
+            ("journal_dev=0x801", "not one the host allows for ext4"),
+            ("journal_path=/dev/sda", "not one the host allows for ext4"),
+            ("errors=panic", "does not have the value"),
+            ("noload", "not one the host allows"),
+            ("suid", "not one the host allows"),
+            ("commit=5s", "does not have the value"),
+            ("discard=1", "does not have the value"),
         ] {
             let e = refused(good(), 2, |s| if let Step::Mount(m) = s { m.options = vec![option.into()] });
             assert!(e.reason.contains(expected), "{option}: {e}");
         }
         let mut p = good();
         if let Step::Mount(m) = &mut p[2] {
-            m.options = vec!["log-file=/s/pv/gluster.log".into(), "backup-volfile-servers=a:b".into()];
+            m.options = vec!["noatime".into(), "data=ordered".into(), "commit=30".into(), "discard".into()];
         }
         check(&p, &volume(), &consumer()).unwrap();
+    }
+
+    #[test]
+    fn a_discovery_dir_itself_is_never_a_volume() {
+        let mut v = volume();
+        v.options = vec![KeyValue { key: "path".into(), value: "/mnt/disks".into() }];
+        let bind = Step::BindMount(BindMount { source: "/mnt/disks".into(), target: STAGING.into(), read_only: false });
+        let e = plan(&[bind], &caps(), &Operation::Attach { volume: &v, consumer: &consumer(), paths: &paths() }).unwrap_err();
+        assert!(e.reason.contains("a discovery dir itself"), "{e}");
+    }
+
+    #[test]
+    fn plans_and_their_strings_are_bounded() {
+        let many = vec![good()[3].clone(); MAX_PLAN_STEPS + 1];
+        let e = check(&many, &volume(), &consumer()).unwrap_err();
+        assert!(e.reason.contains("more than the 512 allowed"), "{e}");
+        let long = format!("{STAGING}/{}", "x".repeat(MAX_PATH));
+        let e = refused(good(), 3, |s| if let Step::BindMount(b) = s { b.target = long.clone() });
+        assert!(e.reason.contains("bytes long"), "{e}");
+        let e = refused(good(), 0, |s| if let Step::AttachDevice(a) = s { a.id = "d".repeat(MAX_TEXT + 1) });
+        assert!(e.reason.contains("bytes long"), "{e}");
+        let e = refused(good(), 2, |s| if let Step::Mount(m) = s { m.options = vec!["noatime".into(); MAX_LIST + 1] });
+        assert!(e.reason.contains("mount options, more than"), "{e}");
     }
 
     #[test]

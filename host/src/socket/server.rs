@@ -75,8 +75,20 @@ pub async fn serve(listener: UnixListener, agent: Arc<Agent>, config: ServerConf
 async fn accept_loop(listener: UnixListener, agent: Arc<Agent>, config: ServerConfig) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
     let config = Arc::new(config);
+    let mut pause = AcceptPause::default();
     loop {
-        let (stream, _) = listener.accept().await?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                pause.reset();
+                stream
+            }
+            // Out of file descriptors (or memory) for now: the connection
+            // waits in the backlog; serve again once some are back.
+            Err(e) => {
+                pause.wait("agent socket", &e).await;
+                continue;
+            }
+        };
         let (agent, slots, config) = (agent.clone(), slots.clone(), config.clone());
         tokio::spawn(async move {
             if let Err(e) = connection(stream, agent, slots, config).await {
@@ -110,7 +122,40 @@ async fn connection(mut stream: UnixStream, agent: Arc<Agent>, slots: Arc<Semaph
 }
 
 fn failed(kind: FailureKind, message: String) -> Response {
-    Response::Failed { kind, message }
+    Failure::new(kind, message).into()
+}
+
+/// How an accept loop waits after a failed accept (EMFILE, ENFILE,
+/// ENOBUFS, ENOMEM): doubling pauses from 10 ms to 1 s, one log line per
+/// streak of failures, never giving up.
+#[derive(Debug)]
+pub struct AcceptPause {
+    next: Duration,
+    failures: u64,
+}
+
+impl Default for AcceptPause {
+    fn default() -> Self {
+        AcceptPause { next: Duration::from_millis(10), failures: 0 }
+    }
+}
+
+impl AcceptPause {
+    pub fn reset(&mut self) {
+        if self.failures > 0 {
+            tracing::info!(failures = self.failures, "accepting connections again");
+        }
+        *self = AcceptPause::default();
+    }
+
+    pub async fn wait(&mut self, listener: &str, e: &std::io::Error) {
+        if self.failures == 0 {
+            tracing::warn!("{listener}: cannot accept a connection ({e}); pausing and retrying");
+        }
+        self.failures += 1;
+        tokio::time::sleep(self.next).await;
+        self.next = (self.next * 2).min(Duration::from_secs(1));
+    }
 }
 
 async fn read_request(stream: &mut UnixStream) -> Result<RequestFrame, protocol::FrameError> {

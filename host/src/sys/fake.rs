@@ -2,7 +2,7 @@
 //! every operation logged, and failures injected on request. For tests of
 //! the logic above `sys` that need no root.
 
-use super::{Devices, Filesystems, LoopDevice, MountInfo, Mounts, Sys, SysError, Wipe};
+use super::{Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, Sys, SysError, Wipe};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -14,6 +14,8 @@ pub struct State {
     /// Device → filesystem type.
     pub filesystems: BTreeMap<PathBuf, String>,
     pub dirs: BTreeSet<PathBuf>,
+    /// Regular files (what `kind_of` sees besides dirs).
+    pub files: BTreeSet<PathBuf>,
     /// Every operation, as "op path".
     pub log: Vec<String>,
     /// Fail the next operation whose "op path" starts with one of these
@@ -126,12 +128,24 @@ impl Mounts for Fake {
     }
 }
 
+/// The fake's file identity: one per path.
+fn fake_id(file: &Path) -> FileId {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    file.hash(&mut h);
+    FileId { dev: 0, ino: h.finish() }
+}
+
 impl Devices for Fake {
+    fn loop_tag(&self) -> &str {
+        "volagent:fake"
+    }
+
     fn loop_attach(&self, file: &Path, _read_only: bool) -> Result<PathBuf, SysError> {
         let mut s = self.op("loop-attach", file)?;
         let n = (0..).find(|n| !s.loops.iter().any(|l| l.device == Path::new(&format!("/dev/loop{n}")))).unwrap_or(0);
         let device = PathBuf::from(format!("/dev/loop{n}"));
-        s.loops.push(LoopDevice { device: device.clone(), backing_file: file.to_path_buf() });
+        s.loops.push(LoopDevice { device: device.clone(), backing_file: file.to_path_buf(), backing: Some(fake_id(file)), tag: self.loop_tag().into() });
         // The file's filesystem shows through the device.
         if let Some(fs) = s.filesystems.get(file).cloned() {
             s.filesystems.insert(device.clone(), fs);
@@ -152,6 +166,22 @@ impl Devices for Fake {
             }
         }
         Ok(())
+    }
+
+    fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError> {
+        Ok(Some(fake_id(file)))
+    }
+
+    fn kind_of(&self, path: &Path) -> Result<Option<super::Kind>, SysError> {
+        let s = self.state();
+        if s.dirs.contains(path) {
+            return Ok(Some(super::Kind::Dir));
+        }
+        Ok(s.files.contains(path).then_some(super::Kind::File))
+    }
+
+    fn block_device(&self, path: &Path) -> Result<PathBuf, SysError> {
+        Ok(path.to_path_buf())
     }
 }
 

@@ -1,9 +1,14 @@
-//! The real node: nix syscalls for mounts, ioctls for loop devices, and the
-//! system's filesystem tools (there is no syscall for mkfs) with a deadline.
+//! The real node: syscalls on handles resolved beneath the agent's roots
+//! for mounts and loop devices, and the system's filesystem tools (there is
+//! no syscall for mkfs) with a deadline, on devices checked to be free.
 
-use super::{Devices, Filesystems, LoopDevice, MountInfo, Mounts, SysError, Wipe, errno, loopdev, mountinfo};
+use super::{Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, Roots, SysError, Wipe, block, errno, io, loopdev, mountinfo, probe};
+use super::beneath::{fd_path, fd_path_in};
+use nix::fcntl::OFlag;
 use nix::mount::{MntFlags, MsFlags};
-use std::os::unix::fs::FileTypeExt;
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -13,7 +18,7 @@ use std::time::{Duration, Instant};
 pub struct Deadlines {
     pub probe: Duration,
     pub mkfs: Duration,
-    /// Whole-device wipes (zero, shred) take as long as the device is big.
+    /// Whole-device wipes (shred) take as long as the device is big.
     pub wipe: Duration,
 }
 
@@ -23,19 +28,55 @@ impl Default for Deadlines {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Linux {
     pub deadlines: Deadlines,
+    roots: Roots,
+    tag: String,
+}
+
+impl Linux {
+    /// Act beneath `roots`; loop devices attached carry `tag`.
+    pub fn new(roots: Roots, tag: &str) -> Linux {
+        Linux { deadlines: Deadlines::default(), roots, tag: tag.to_string() }
+    }
+
+    /// No roots: only what needs none (the mount table, loop devices by
+    /// their /dev path). For tools and tests that look and clean up.
+    pub fn unrooted() -> Linux {
+        Linux::new(Roots::default(), "")
+    }
+
+    /// `path` beneath the roots, opened for reading and writing (or only
+    /// reading) as what it must be, checked on a handle before the open, so
+    /// that a FIFO, socket or device never gets opened by mistake.
+    fn open_regular(&self, path: &Path, write: bool) -> Result<File, SysError> {
+        let handle = self.roots.handle(path)?;
+        let meta = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
+        if meta.st_mode & nix::libc::S_IFMT != nix::libc::S_IFREG {
+            return Err(SysError::Refused { path: path.to_path_buf(), what: "is not a regular file".into() });
+        }
+        reopen(&handle, path, write)
+    }
+}
+
+/// Reopen what `handle` (an O_PATH handle) refers to, through its procfs
+/// link: the object itself, whatever its name now leads to.
+fn reopen(handle: &OwnedFd, path: &Path, write: bool) -> Result<File, SysError> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(write);
+    options.open(fd_path(handle)).map_err(io("open", path))
 }
 
 /// Run `program` with `args` on `device`, killed after `deadline`. Its
 /// output is captured and only shown when it fails.
 fn run(program: &'static str, args: &[&str], device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
-    let mut child = Command::new(program)
-        .args(args)
-        .arg(device)
+    run_with(Command::new(program).args(args).arg(device).stdout(Stdio::piped()), program, device, deadline)
+}
+
+fn run_with(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
+    let mut child = cmd
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|source| SysError::Io { op: program, path: device.to_path_buf(), source })?;
@@ -68,6 +109,59 @@ fn check(program: &'static str, device: &Path, out: std::process::Output) -> Res
     })
 }
 
+/// `mount_setattr(2)`, which rustix does not wrap: set `attr_set` on the
+/// (detached) mount `tree`.
+#[allow(unsafe_code)]
+fn mount_setattr(tree: &OwnedFd, attr_set: u64, target: &Path) -> Result<(), SysError> {
+    use std::os::fd::AsRawFd;
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    let attr = MountAttr { attr_set, attr_clr: 0, propagation: 0, userns_fd: 0 };
+    // SAFETY: an empty NUL-terminated path, a live fd, and a mount_attr of
+    // the size passed, all outliving the call.
+    let rc = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            nix::libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    nix::errno::Errno::result(rc).map(drop).map_err(errno("set the flags of the bind mount for", target))
+}
+
+fn rustix_errno<'a>(op: &'static str, path: &'a Path) -> impl Fn(rustix::io::Errno) -> SysError + 'a {
+    move |e| SysError::Errno { op, path: path.to_path_buf(), errno: nix::errno::Errno::from_raw(e.raw_os_error()) }
+}
+
+/// Options of the mount itself become flags (mount(8) does the same: the
+/// filesystems do not know them); the rest is the filesystem's data.
+fn split_options(options: &str) -> (MsFlags, String) {
+    let mut flags = MsFlags::empty();
+    let mut data = Vec::new();
+    for option in options.split(',').filter(|o| !o.is_empty()) {
+        match option {
+            "noatime" => flags |= MsFlags::MS_NOATIME,
+            "nodiratime" => flags |= MsFlags::MS_NODIRATIME,
+            "relatime" => flags |= MsFlags::MS_RELATIME,
+            "strictatime" => flags |= MsFlags::MS_STRICTATIME,
+            "lazytime" => flags |= MsFlags::MS_LAZYTIME,
+            "noexec" => flags |= MsFlags::MS_NOEXEC,
+            "sync" => flags |= MsFlags::MS_SYNCHRONOUS,
+            "dirsync" => flags |= MsFlags::MS_DIRSYNC,
+            other => data.push(other),
+        }
+    }
+    (flags, data.join(","))
+}
+
 impl Mounts for Linux {
     fn mount_table(&self) -> Result<Vec<MountInfo>, SysError> {
         // thread-self: a mount namespace may be per thread (tests unshare one).
@@ -84,163 +178,183 @@ impl Mounts for Linux {
         Ok(mountinfo::parse(&text)?)
     }
 
+    /// statx(2)'s `STATX_ATTR_MOUNT_ROOT` on a handle resolved beneath the
+    /// roots; paths outside them are left to the mount table.
     fn is_mount_point(&self, target: &Path) -> Result<Option<bool>, SysError> {
-        Ok(is_mount_root(target))
+        let handle = match self.roots.handle(target) {
+            Ok(h) => h,
+            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR, .. }) => return Ok(Some(false)),
+            // A symlink is not a mount point the table would list there.
+            Err(SysError::Refused { .. }) if self.roots.contains(target) => return Ok(Some(false)),
+            Err(_) => return Ok(None),
+        };
+        use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
+        match rustix::fs::statx(&handle, c"", AtFlags::EMPTY_PATH, StatxFlags::TYPE) {
+            Ok(st) if st.stx_attributes_mask.contains(StatxAttributes::MOUNT_ROOT) => {
+                Ok(Some(st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT)))
+            }
+            _ => Ok(None),
+        }
     }
 
     fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError> {
-        let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+        let dir = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
+        let (mut flags, data) = split_options(options);
+        flags |= MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
         if read_only {
             flags |= MsFlags::MS_RDONLY;
         }
-        let data = (!options.is_empty()).then_some(options);
-        nix::mount::mount(Some(source), target, Some(fs_type), flags, data).map_err(errno("mount", target))
+        let data = (!data.is_empty()).then_some(data.as_str());
+        nix::mount::mount(Some(source), &fd_path(&dir), Some(fs_type), flags, data).map_err(errno("mount", target))
     }
 
+    /// A clone of `source`'s mount, flagged while still detached, then
+    /// moved onto `target`: it never shows with other flags.
     fn bind(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
-        nix::mount::mount(Some(source), target, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(errno("bind-mount onto", target))?;
-        if read_only {
-            // A bind mount takes its flags only on a remount.
-            let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
-            if let Err(e) = nix::mount::mount(None::<&str>, target, None::<&str>, flags, None::<&str>) {
-                let _ = nix::mount::umount2(target, MntFlags::MNT_DETACH);
-                return Err(errno("make read-only", target)(e));
-            }
-        }
-        Ok(())
+        use rustix::mount::{MoveMountFlags, OpenTreeFlags};
+        let from = self.roots.open_at(source, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
+        let to = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
+        let tree = rustix::mount::open_tree(&from, c"", OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH)
+            .map_err(rustix_errno("bind-mount from", source))?;
+        const RDONLY: u64 = 0x1;
+        const NOSUID: u64 = 0x2;
+        const NODEV: u64 = 0x4;
+        mount_setattr(&tree, NOSUID | NODEV | if read_only { RDONLY } else { 0 }, target)?;
+        rustix::mount::move_mount(&tree, c"", &to, c"", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)
+            .map_err(rustix_errno("bind-mount onto", target))
     }
 
+    /// Through a handle on the parent and the name, never followed: a
+    /// handle on the mount itself would keep it busy.
     fn unmount(&self, target: &Path, force: bool) -> Result<(), SysError> {
-        let flags = if force { MntFlags::MNT_FORCE | MntFlags::MNT_DETACH } else { MntFlags::empty() };
-        nix::mount::umount2(target, flags).map_err(errno("unmount", target))
+        let (parent, name) = self.roots.parent(target)?;
+        let mut flags = MntFlags::UMOUNT_NOFOLLOW;
+        if force {
+            flags |= MntFlags::MNT_FORCE | MntFlags::MNT_DETACH;
+        }
+        nix::mount::umount2(&fd_path_in(&parent, name.as_os_str()), flags).map_err(errno("unmount", target))
     }
 
     fn ensure_dir(&self, dir: &Path) -> Result<bool, SysError> {
-        if dir.is_dir() {
-            return Ok(false);
-        }
-        std::fs::create_dir_all(dir).map_err(|source| SysError::Io { op: "create dir", path: dir.to_path_buf(), source })?;
-        Ok(true)
+        self.roots.mkdir_all(dir)
     }
 
     fn remove_dir(&self, dir: &Path) -> Result<(), SysError> {
-        match std::fs::remove_dir(dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                Err(SysError::Io { op: "remove dir", path: dir.to_path_buf(), source: e })
-            }
-            _ => Ok(()),
-        }
+        self.roots.rmdir(dir)
     }
 }
 
 impl Devices for Linux {
-    fn loop_attach(&self, file: &Path, read_only: bool) -> Result<PathBuf, SysError> {
-        loopdev::attach(file, read_only)
+    fn loop_tag(&self) -> &str {
+        &self.tag
     }
+
+    fn loop_attach(&self, file: &Path, read_only: bool) -> Result<PathBuf, SysError> {
+        let backing = self.open_regular(file, !read_only)?;
+        loopdev::attach(backing.as_fd(), file, read_only, &self.tag)
+    }
+
     fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError> {
         loopdev::list()
     }
+
     fn loop_detach(&self, device: &Path) -> Result<(), SysError> {
         loopdev::detach(device)
     }
-}
 
-/// Whether `target` is the root of a mount, as statx(2) tells (Linux 5.8+),
-/// in the terms of the mount table: the table lists mounts by their
-/// resolved paths, so the path itself is not followed if it is a symlink,
-/// and a mount seen through a symlinked dir is left to the table.
-#[allow(unsafe_code)]
-fn is_mount_root(target: &Path) -> Option<bool> {
-    use nix::libc;
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(target.as_os_str().as_bytes()).ok()?;
-    let mut stx = std::mem::MaybeUninit::<libc::statx>::zeroed();
-    let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT;
-    // SAFETY: `path` is a NUL-terminated string and `stx` a statx buffer,
-    // both live for the call.
-    if unsafe { libc::statx(libc::AT_FDCWD, path.as_ptr(), flags, libc::STATX_TYPE, stx.as_mut_ptr()) } != 0 {
-        return match nix::errno::Errno::last() {
-            // Nothing is mounted where there is nothing.
-            nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR => Some(false),
-            _ => None,
+    fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError> {
+        let handle = match self.roots.handle(file) {
+            Ok(h) => h,
+            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR, .. }) => return Ok(None),
+            Err(e) => return Err(e),
         };
+        let st = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", file))?;
+        Ok(Some(FileId { dev: st.st_dev, ino: st.st_ino }))
     }
-    // SAFETY: statx succeeded, so it filled the buffer (zeroed before).
-    let stx = unsafe { stx.assume_init() };
-    let root = libc::STATX_ATTR_MOUNT_ROOT as u64;
-    if stx.stx_attributes_mask & root == 0 {
-        return None; // a kernel that does not say
-    }
-    if stx.stx_attributes & root == 0 {
-        return Some(false);
-    }
-    // A mount root: listed at `target` only if that is its resolved path.
-    std::fs::canonicalize(target).ok().filter(|resolved| resolved == target).map(|_| true)
-}
 
-/// How much of a device the quick probe reads: every signature blkid
-/// knows for the common filesystems, partition tables, LVM, LUKS, RAID and
-/// btrfs (at 64 KiB) lies within it.
-const QUICK_PROBE_BYTES: usize = 128 << 10;
+    fn kind_of(&self, path: &Path) -> Result<Option<super::Kind>, SysError> {
+        use super::Kind;
+        let handle = match self.roots.handle(path) {
+            Ok(h) => h,
+            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR, .. }) => return Ok(None),
+            // A symlink is there, but it is nothing the agent follows.
+            Err(SysError::Refused { .. }) if self.roots.contains(path) => return Ok(Some(Kind::Other)),
+            Err(e) => return Err(e),
+        };
+        let st = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
+        Ok(Some(match st.st_mode & nix::libc::S_IFMT {
+            nix::libc::S_IFREG => Kind::File,
+            nix::libc::S_IFDIR => Kind::Dir,
+            nix::libc::S_IFBLK => Kind::Block,
+            _ => Kind::Other,
+        }))
+    }
 
-/// The quick answer for the two common cases of the mount path, which
-/// saves running blkid (about 5 ms): a device whose first 128 KiB are all
-/// zero is blank, and one with the ext4 or xfs superblock at its place is
-/// that. Anything else is for blkid to tell.
-fn quick_probe(device: &Path) -> Option<Option<String>> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(device).ok()?;
-    // A loop device number is reused: drop whatever an earlier user of it
-    // left in the page cache, so the bytes read are the backing file's. (A
-    // file's own cache is its bytes, and dropping it costs a disk read.)
-    if f.metadata().is_ok_and(|m| m.file_type().is_block_device()) {
-        let _ = nix::fcntl::posix_fadvise(&f, 0, QUICK_PROBE_BYTES as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
-    }
-    // The superblocks recognised here sit in the first 4 KiB; the whole
-    // window is read only to call a device blank.
-    let mut head = vec![0u8; 4096];
-    f.read_exact(&mut head).ok()?;
-    // ext2/3/4: magic 0xEF53 at 1024 + 56; a journal (ext3+) and extents
-    // (ext4) are features blkid would look at, so only claim ext4 when the
-    // incompat "extents" flag (0x40) at 1024 + 96 is set.
-    if head[1080..1082] == [0x53, 0xEF] && head[1120] & 0x40 != 0 {
-        return Some(Some("ext4".to_string()));
-    }
-    if &head[0..4] == b"XFSB" {
-        return Some(Some("xfs".to_string()));
-    }
-    head.resize(QUICK_PROBE_BYTES, 0);
-    f.read_exact(&mut head[4096..]).ok()?;
-    if head.iter().all(|b| *b == 0) {
-        return Some(None);
-    }
-    None
-}
-
-impl Filesystems for Linux {
-    fn probe(&self, device: &Path) -> Result<Option<String>, SysError> {
-        if let Some(answer) = quick_probe(device) {
-            return Ok(answer);
+    fn block_device(&self, path: &Path) -> Result<PathBuf, SysError> {
+        let handle = self.roots.handle(path)?;
+        let st = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
+        if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFBLK {
+            return Err(SysError::Refused { path: path.to_path_buf(), what: "is not a block device".into() });
         }
+        block::devnode(st.st_rdev, path)
+    }
+}
+
+/// A device argument: a block device node under /dev, never a symlink.
+fn dev_node(device: &Path) -> Result<(), SysError> {
+    let meta = std::fs::symlink_metadata(device).map_err(io("stat", device))?;
+    if !device.starts_with("/dev/") || !meta.file_type().is_block_device() {
+        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a block device node under /dev".into() });
+    }
+    Ok(())
+}
+
+impl Linux {
+    /// blkid's full probe, which reads every signature it knows, at the
+    /// start and at the end of the device.
+    fn full_probe(&self, device: &Path) -> Result<Option<String>, SysError> {
         // blkid exits 2 when it finds nothing: a blank device.
         let out = run("blkid", &["-p", "-o", "export"], device, self.deadlines.probe)?;
         if out.status.code() == Some(2) {
             return Ok(None);
         }
         let out = check("blkid", device, out)?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(str::to_string);
-        Ok(field("TYPE=").or_else(|| field("PTTYPE=")).or_else(|| Some("unknown signature".to_string())))
+        Ok(Some(probe::parse_blkid_export(&String::from_utf8_lossy(&out.stdout))))
+    }
+}
+
+impl Filesystems for Linux {
+    fn probe(&self, device: &Path) -> Result<Option<String>, SysError> {
+        dev_node(device)?;
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_CLOEXEC)
+            .open(device)
+            .map_err(io("open", device))?;
+        // A loop device number is reused: drop whatever an earlier user of it
+        // left in the page cache of what the quick probe reads, so the bytes
+        // read are the backing file's.
+        for (at, len) in probe::regions(&mut f) {
+            let _ = nix::fcntl::posix_fadvise(&f, at as i64, len as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+        }
+        if let Some(found) = probe::quick(&mut f) {
+            return Ok(Some(found));
+        }
+        self.full_probe(device)
     }
 
     fn probe_attached(&self, device: &Path, file: &Path) -> Result<Option<String>, SysError> {
         // The device is the file rounded down to whole sectors: the same
         // bytes, and the same size for probes that look at the end, when the
-        // file is whole sectors.
-        match std::fs::metadata(file) {
-            Ok(m) if m.len() % 512 == 0 => self.probe(file),
-            _ => self.probe(device),
+        // file is whole sectors. (A file's own cache is its bytes.)
+        let mut f = self.open_regular(file, false)?;
+        if f.metadata().is_ok_and(|m| m.len() % 512 == 0)
+            && let Some(found) = probe::quick(&mut f)
+        {
+            return Ok(Some(found));
         }
+        dev_node(device)?;
+        self.full_probe(device)
     }
 
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {
@@ -251,21 +365,32 @@ impl Filesystems for Linux {
                 return Err(SysError::Refused { path: device.to_path_buf(), what: format!("no mkfs for filesystem {other:?}") });
             }
         };
+        dev_node(device)?;
+        // Say clearly why a device in use is refused; mkfs opens it
+        // exclusively itself, so nothing can take it in between.
+        drop(block::exclusive(device)?);
         check(program, device, run(program, args, device, self.deadlines.mkfs)?).map(drop)
     }
 
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError> {
-        let d = self.deadlines.wipe;
+        dev_node(device)?;
+        let held = block::exclusive(device)?;
         match method {
-            Wipe::Signatures => check("wipefs", device, run("wipefs", &["-a", "-q"], device, d)?),
-            Wipe::Discard => check("blkdiscard", device, run("blkdiscard", &["-f"], device, d)?),
-            Wipe::Zero => check("blkdiscard", device, run("blkdiscard", &["-f", "-z"], device, d)?),
+            Wipe::Signatures => {
+                // wipefs opens the device exclusively itself (no -f).
+                drop(held);
+                check("wipefs", device, run("wipefs", &["-a", "-q"], device, self.deadlines.wipe)?).map(drop)
+            }
+            Wipe::Discard => block::discard_all(&held, device, false),
+            Wipe::Zero => block::discard_all(&held, device, true),
             Wipe::Shred(passes) => {
+                // shred writes to the device held here (its standard output).
                 let n = passes.to_string();
-                check("shred", device, run("shred", &["-n", &n, "-z"], device, d)?)
+                let mut cmd = Command::new("shred");
+                cmd.args(["-n", &n, "-z", "-"]).stdout(Stdio::from(held));
+                check("shred", device, run_with(&mut cmd, "shred", device, self.deadlines.wipe)?).map(drop)
             }
         }
-        .map(drop)
     }
 }
 
@@ -273,63 +398,50 @@ impl Filesystems for Linux {
 mod tests {
     use super::*;
 
-    fn image(bytes: &[(usize, &[u8])]) -> tempfile::NamedTempFile {
-        let f = tempfile::NamedTempFile::new().unwrap();
-        f.as_file().set_len(1 << 20).unwrap();
-        for (at, b) in bytes {
-            std::os::unix::fs::FileExt::write_all_at(f.as_file(), b, *at as u64).unwrap();
-        }
-        f
-    }
-
-    #[test]
-    fn quick_probe_knows_blank_ext4_and_xfs_and_defers_the_rest() {
-        assert_eq!(quick_probe(image(&[]).path()), Some(None));
-        assert_eq!(quick_probe(image(&[(1080, &[0x53, 0xEF]), (1120, &[0x40])]).path()), Some(Some("ext4".into())));
-        assert_eq!(quick_probe(image(&[(0, b"XFSB")]).path()), Some(Some("xfs".into())));
-        // ext2 (no extents), a GPT, LUKS, stray bytes: blkid decides.
-        assert_eq!(quick_probe(image(&[(1080, &[0x53, 0xEF])]).path()), None);
-        assert_eq!(quick_probe(image(&[(512, b"EFI PART")]).path()), None);
-        assert_eq!(quick_probe(image(&[(0, b"LUKS\xba\xbe")]).path()), None);
-        assert_eq!(quick_probe(image(&[(100_000, b"x")]).path()), None);
-        // Too small to hold 128 KiB: blkid decides.
-        let small = tempfile::NamedTempFile::new().unwrap();
-        assert_eq!(quick_probe(small.path()), None);
-    }
-
     #[test]
     fn mount_roots_as_the_mount_table_lists_them() {
-        assert_eq!(is_mount_root(Path::new("/")), Some(true));
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(is_mount_root(dir.path()), Some(false));
-        assert_eq!(is_mount_root(&dir.path().join("missing")), Some(false));
-        // The table lists resolved paths: a symlink is not a mount point,
-        // and a mount seen through one is for the table to tell.
-        let link = dir.path().join("root");
-        std::os::unix::fs::symlink("/", &link).unwrap();
-        assert_eq!(is_mount_root(&link), Some(false));
-        let table = Linux::default().mount_table().unwrap();
-        let visible = table.iter().rev().map(|m| m.mount_point.clone()).find(|p| p != Path::new("/") && p.is_dir()).unwrap();
-        let through_link = link.join(visible.strip_prefix("/").unwrap());
-        assert!(matches!(is_mount_root(&through_link), None | Some(false)), "{}", through_link.display());
-        // Every mount the table lists at a resolved path that is visible
-        // (not covered by a later mount) is seen as one.
-        for (i, m) in table.iter().enumerate() {
-            let covered = table[i + 1..].iter().any(|later| m.mount_point.starts_with(&later.mount_point));
-            if !covered && std::fs::canonicalize(&m.mount_point).is_ok_and(|r| r == m.mount_point) {
-                assert_eq!(is_mount_root(&m.mount_point), Some(true), "{}", m.mount_point.display());
-            }
+        let root = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::create_dir_all(root.join("plain")).unwrap();
+        std::os::unix::fs::symlink("/", root.join("link")).unwrap();
+        let linux = Linux::new(Roots::open(std::slice::from_ref(&root)).unwrap(), "t");
+        assert_eq!(linux.is_mount_point(&root.join("plain")).unwrap(), Some(false));
+        assert_eq!(linux.is_mount_point(&root.join("missing")).unwrap(), Some(false));
+        // A symlink to a mount point is not one.
+        assert_eq!(linux.is_mount_point(&root.join("link")).unwrap(), Some(false));
+        // Outside the roots, only the table can tell.
+        assert_eq!(linux.is_mount_point(Path::new("/")).unwrap(), None);
+    }
+
+    #[test]
+    fn mount_options_split_into_flags_and_data() {
+        let (flags, data) = split_options("noatime,data=ordered,noexec,discard");
+        assert_eq!(flags, MsFlags::MS_NOATIME | MsFlags::MS_NOEXEC);
+        assert_eq!(data, "data=ordered,discard");
+        assert_eq!(split_options(""), (MsFlags::empty(), String::new()));
+    }
+
+    #[test]
+    fn device_arguments_are_block_device_nodes_under_dev() {
+        for bad in ["/etc/passwd", "/dev/null", "/dev/../etc/passwd"] {
+            assert!(dev_node(Path::new(bad)).is_err(), "{bad}");
         }
     }
 
     #[test]
-    fn quick_probe_agrees_with_mkfs() {
-        for (fs, args, size) in [("ext4", &["-F", "-q"][..], 64u64 << 20), ("xfs", &["-f", "-q"][..], 320 << 20)] {
-            let f = tempfile::NamedTempFile::new().unwrap();
-            f.as_file().set_len(size).unwrap();
-            let ok = Command::new(format!("mkfs.{fs}")).args(args).arg(f.path()).status().unwrap().success();
-            assert!(ok, "mkfs.{fs}");
-            assert_eq!(quick_probe(f.path()), Some(Some(fs.to_string())), "{fs}");
+    fn files_are_opened_only_when_regular() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::write(root.join("f"), b"x").unwrap();
+        nix::unistd::mkfifo(&root.join("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        std::fs::create_dir(root.join("d")).unwrap();
+        let linux = Linux::new(Roots::open(std::slice::from_ref(&root)).unwrap(), "t");
+        linux.open_regular(&root.join("f"), false).expect("a file");
+        for bad in ["fifo", "d"] {
+            let e = linux.open_regular(&root.join(bad), false).unwrap_err().to_string();
+            assert!(e.contains("not a regular file"), "{bad}: {e}");
         }
+        assert!(linux.file_id(&root.join("missing")).unwrap().is_none());
+        assert!(linux.file_id(&root.join("f")).unwrap().is_some());
     }
 }

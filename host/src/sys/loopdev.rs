@@ -1,9 +1,16 @@
 //! Loop devices through /dev/loop-control and the loop ioctls (loop(4)).
+//! A device is attached from an open handle on its backing file (resolved
+//! beneath its root), and carries the attaching agent's tag as its
+//! `lo_file_name` (an informational field: the kernel reports the backing
+//! file by its own path in sysfs; losetup sets it to the file's absolute
+//! path, which never looks like a tag), so that a start-up sweep tells the
+//! agent's own devices from everyone else's with no record at all.
 #![allow(unsafe_code)]
 
-use super::{LoopDevice, SysError, errno, io};
+use super::{FileId, LoopDevice, SysError, errno, io};
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 const LOOP_CONTROL: &str = "/dev/loop-control";
@@ -13,6 +20,7 @@ const LO_KEY_SIZE: usize = 32;
 
 /// `struct loop_info64` from <linux/loop.h>.
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct LoopInfo64 {
     lo_device: u64,
     lo_inode: u64,
@@ -29,6 +37,26 @@ struct LoopInfo64 {
     lo_init: [u64; 2],
 }
 
+impl LoopInfo64 {
+    fn zeroed() -> LoopInfo64 {
+        LoopInfo64 {
+            lo_device: 0,
+            lo_inode: 0,
+            lo_rdevice: 0,
+            lo_offset: 0,
+            lo_sizelimit: 0,
+            lo_number: 0,
+            lo_encrypt_type: 0,
+            lo_encrypt_key_size: 0,
+            lo_flags: 0,
+            lo_file_name: [0; LO_NAME_SIZE],
+            lo_crypt_name: [0; LO_NAME_SIZE],
+            lo_encrypt_key: [0; LO_KEY_SIZE],
+            lo_init: [0; 2],
+        }
+    }
+}
+
 /// `struct loop_config` from <linux/loop.h> (LOOP_CONFIGURE, Linux 5.8+).
 #[repr(C)]
 struct LoopConfig {
@@ -41,41 +69,36 @@ struct LoopConfig {
 nix::ioctl_none_bad!(loop_ctl_get_free, 0x4C82);
 nix::ioctl_write_ptr_bad!(loop_configure, 0x4C0A, LoopConfig);
 nix::ioctl_none_bad!(loop_clr_fd, 0x4C01);
+nix::ioctl_read_bad!(loop_get_status64, 0x4C05, LoopInfo64);
 
-/// Attach `file` to a free loop device. Another process may take the free
-/// device between asking and configuring (EBUSY): then ask again.
-pub fn attach(file: &Path, read_only: bool) -> Result<PathBuf, SysError> {
-    let backing = OpenOptions::new().read(true).write(!read_only).open(file).map_err(io("open loop backing file", file))?;
+/// A NUL-padded copy of `bytes` for a `LO_NAME_SIZE` field.
+fn name_field(bytes: &[u8]) -> [u8; LO_NAME_SIZE] {
+    let mut field = [0; LO_NAME_SIZE];
+    let len = bytes.len().min(LO_NAME_SIZE - 1);
+    field[..len].copy_from_slice(&bytes[..len]);
+    field
+}
+
+fn field_str(field: &[u8; LO_NAME_SIZE]) -> String {
+    let end = field.iter().position(|b| *b == 0).unwrap_or(LO_NAME_SIZE);
+    String::from_utf8_lossy(&field[..end]).into_owned()
+}
+
+/// Attach the open file `backing` (named `file` in errors) to a free loop device, tagged `tag`. Another process may
+/// take the free device between asking and configuring (EBUSY): then ask
+/// again.
+pub fn attach(backing: BorrowedFd<'_>, file: &Path, read_only: bool, tag: &str) -> Result<PathBuf, SysError> {
     let control = OpenOptions::new().read(true).write(true).open(LOOP_CONTROL).map_err(io("open", Path::new(LOOP_CONTROL)))?;
+    let mut info = LoopInfo64::zeroed();
+    info.lo_flags = if read_only { LO_FLAGS_READ_ONLY } else { 0 };
+    info.lo_file_name = name_field(tag.as_bytes());
+    let config = LoopConfig { fd: backing.as_raw_fd() as u32, block_size: 0, info, reserved: [0; 8] };
     let mut last = nix::errno::Errno::EBUSY;
     for _ in 0..16 {
         // SAFETY: LOOP_CTL_GET_FREE takes no argument; the fd is open.
         let n = unsafe { loop_ctl_get_free(control.as_raw_fd()) }.map_err(errno("find a free loop device", Path::new(LOOP_CONTROL)))?;
         let device = PathBuf::from(format!("/dev/loop{n}"));
-        let dev = OpenOptions::new().read(true).write(!read_only).open(&device).map_err(io("open", &device))?;
-        let mut config = LoopConfig {
-            fd: backing.as_raw_fd() as u32,
-            block_size: 0,
-            info: LoopInfo64 {
-                lo_device: 0,
-                lo_inode: 0,
-                lo_rdevice: 0,
-                lo_offset: 0,
-                lo_sizelimit: 0,
-                lo_number: 0,
-                lo_encrypt_type: 0,
-                lo_encrypt_key_size: 0,
-                lo_flags: if read_only { LO_FLAGS_READ_ONLY } else { 0 },
-                lo_file_name: [0; LO_NAME_SIZE],
-                lo_crypt_name: [0; LO_NAME_SIZE],
-                lo_encrypt_key: [0; LO_KEY_SIZE],
-                lo_init: [0; 2],
-            },
-            reserved: [0; 8],
-        };
-        let name = file.as_os_str().as_encoded_bytes();
-        let len = name.len().min(LO_NAME_SIZE - 1);
-        config.info.lo_file_name[..len].copy_from_slice(&name[..len]);
+        let dev = OpenOptions::new().read(true).write(!read_only).custom_flags(nix::libc::O_CLOEXEC).open(&device).map_err(io("open", &device))?;
         // SAFETY: `config` is a fully initialised loop_config that outlives
         // the call; both fds are open.
         match unsafe { loop_configure(dev.as_raw_fd(), &config) } {
@@ -87,8 +110,20 @@ pub fn attach(file: &Path, read_only: bool) -> Result<PathBuf, SysError> {
     Err(SysError::Errno { op: "attach a loop device for", path: file.to_path_buf(), errno: last })
 }
 
+/// `/dev/loop<N>` and nothing else: a device path from a plan or a record
+/// is checked before it is opened.
+pub fn is_loop_path(device: &Path) -> bool {
+    device
+        .to_str()
+        .and_then(|d| d.strip_prefix("/dev/loop"))
+        .is_some_and(|n| !n.is_empty() && n.len() <= 7 && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// Detach `device`; a device that is not attached is fine.
 pub fn detach(device: &Path) -> Result<(), SysError> {
+    if !is_loop_path(device) {
+        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a loop device path (/dev/loopN)".into() });
+    }
     let dev = match File::open(device) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -101,26 +136,79 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
     }
 }
 
-/// Every attached loop device and its backing file. /proc/partitions lists
-/// the loop devices that have a size, i.e. are attached (a device over an
-/// empty file has none and is not seen): one read instead of probing every
+/// The status of an attached device; none when it is not attached.
+fn status(device: &Path) -> Result<Option<LoopInfo64>, SysError> {
+    let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io("open", device)(e)),
+    };
+    let mut info = LoopInfo64::zeroed();
+    // SAFETY: `info` is a loop_info64 the kernel fills; the fd is open.
+    match unsafe { loop_get_status64(dev.as_fd().as_raw_fd(), &mut info) } {
+        Ok(_) => Ok(Some(info)),
+        Err(nix::errno::Errno::ENXIO) => Ok(None),
+        Err(e) => Err(errno("read loop device status", device)(e)),
+    }
+}
+
+/// Every attached loop device: its backing file (by path, as the kernel
+/// reports it, and by identity) and its tag. /proc/partitions lists the loop
+/// devices that have a size, i.e. are attached (a device over an empty file
+/// has none and is not seen): one read instead of probing every
 /// /sys/block/loop* node, of which a busy node has many.
 pub fn list() -> Result<Vec<LoopDevice>, SysError> {
     let partitions = Path::new("/proc/partitions");
     let text = std::fs::read_to_string(partitions).map_err(io("read", partitions))?;
     let mut found = Vec::new();
     for name in text.lines().filter_map(|l| l.split_whitespace().nth(3)).filter(|n| n.starts_with("loop")) {
-        let backing = Path::new("/sys/block").join(name).join("loop/backing_file");
-        match std::fs::read_to_string(&backing) {
-            Ok(text) => found.push(LoopDevice {
-                device: PathBuf::from(format!("/dev/{name}")),
-                backing_file: PathBuf::from(text.trim_end_matches('\n')),
-            }),
-            // Detached while we looked (ENOENT, ENODEV, ENXIO).
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound || [Some(nix::libc::ENODEV), Some(nix::libc::ENXIO)].contains(&e.raw_os_error()) => {}
-            Err(e) => return Err(io("read", &backing)(e)),
+        let device = PathBuf::from(format!("/dev/{name}"));
+        if !is_loop_path(&device) {
+            continue; // a partition of a loop device (loop0p1)
         }
+        let backing = Path::new("/sys/block").join(name).join("loop/backing_file");
+        let backing_file = match std::fs::read_to_string(&backing) {
+            Ok(text) => PathBuf::from(text.trim_end_matches('\n')),
+            // Detached while we looked (ENOENT, ENODEV, ENXIO).
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(io("read", &backing)(e)),
+        };
+        let Some(info) = status(&device)? else { continue };
+        found.push(LoopDevice {
+            device,
+            backing_file,
+            backing: Some(FileId { dev: info.lo_device, ino: info.lo_inode }),
+            tag: field_str(&info.lo_file_name),
+        });
     }
     found.sort_by(|a, b| a.device.cmp(&b.device));
     Ok(found)
+}
+
+fn gone(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::NotFound || [Some(nix::libc::ENODEV), Some(nix::libc::ENXIO)].contains(&e.raw_os_error())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loop_device_paths_are_loop_devices() {
+        for ok in ["/dev/loop0", "/dev/loop12"] {
+            assert!(is_loop_path(Path::new(ok)), "{ok}");
+        }
+        for bad in ["/dev/sda", "/dev/loop", "/dev/loop0p1", "/dev/loop/0", "/etc/loop0", "/dev/loop1/../sda", "/dev/loop99999999"] {
+            assert!(!is_loop_path(Path::new(bad)), "{bad}");
+        }
+    }
+
+    #[test]
+    fn names_fit_their_fields() {
+        let long = "x".repeat(100);
+        let f = name_field(long.as_bytes());
+        assert_eq!(f[LO_NAME_SIZE - 1], 0, "always NUL-terminated");
+        assert_eq!(field_str(&f).len(), LO_NAME_SIZE - 1);
+        assert_eq!(field_str(&name_field(b"volagent:n1")), "volagent:n1");
+    }
 }

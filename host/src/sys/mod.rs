@@ -1,13 +1,19 @@
 //! The only place with side effects on the node: mounts, loop devices and
 //! filesystems. Narrow traits; [`linux`] implements them with syscalls
-//! (nix) and, where no syscall exists, the system's mkfs/wipefs/blkdiscard/
-//! shred/blkid with a deadline; [`fake`] is a stateful stand-in with error
-//! injection for tests without root.
+//! (nix, rustix) on paths resolved beneath the agent's roots ([`beneath`])
+//! and, where no syscall exists, the system's mkfs/wipefs/shred/blkid with a
+//! deadline; [`fake`] is a stateful stand-in with error injection for tests
+//! without root.
 
+pub mod beneath;
+mod block;
 pub mod fake;
 pub mod linux;
-mod loopdev;
+pub mod loopdev;
 pub mod mountinfo;
+mod probe;
+
+pub use beneath::Roots;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -39,11 +45,33 @@ pub(crate) fn io<'a>(op: &'static str, path: &'a Path) -> impl Fn(std::io::Error
     move |source| SysError::Io { op, path: path.to_path_buf(), source }
 }
 
+/// A file's identity: the device its filesystem is on and its inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// What is at a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    Dir,
+    Block,
+    /// A symlink (never followed), FIFO, socket or character device.
+    Other,
+}
+
 /// A loop device and the file behind it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoopDevice {
     pub device: PathBuf,
+    /// The backing file's path as the kernel reports it (for people).
     pub backing_file: PathBuf,
+    /// The backing file's identity (for comparisons).
+    pub backing: Option<FileId>,
+    /// Who attached it: an agent's [`Devices::loop_tag`], or anything else.
+    pub tag: String,
 }
 
 /// How a block device's data is destroyed.
@@ -55,6 +83,9 @@ pub enum Wipe {
     Shred(u32),
 }
 
+/// Every path argument below lies beneath one of the agent's roots and is
+/// resolved there without following symlinks (block device paths under
+/// `/dev` excepted); anything else is refused.
 pub trait Mounts: Send + Sync {
     fn mount_table(&self) -> Result<Vec<MountInfo>, SysError>;
     /// Whether `target` is a mount point (what `mount_table` would list at
@@ -63,11 +94,14 @@ pub trait Mounts: Send + Sync {
     fn is_mount_point(&self, _target: &Path) -> Result<Option<bool>, SysError> {
         Ok(None)
     }
-    /// Mount `source` (a device or network source) at `target`; `options`
-    /// is the comma-joined filesystem option string.
+    /// Mount `source` (a device under /dev or a network source) at `target`,
+    /// `nosuid,nodev`; `options` is the comma-joined filesystem option string.
     fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError>;
+    /// Bind the dir `source` at `target`, `nosuid,nodev` (and `noexec`
+    /// when `source` is), read-only when asked, with no moment in between.
     fn bind(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), SysError>;
-    /// Unmount `target`; with `force`, also when busy or unreachable (lazy).
+    /// Unmount `target` (never following it if it is a symlink); with
+    /// `force`, also when busy or unreachable (lazy).
     fn unmount(&self, target: &Path, force: bool) -> Result<(), SysError>;
     /// Create `dir` and missing parents; true when it did not exist.
     fn ensure_dir(&self, dir: &Path) -> Result<bool, SysError>;
@@ -76,15 +110,29 @@ pub trait Mounts: Send + Sync {
 }
 
 pub trait Devices: Send + Sync {
-    /// Attach `file` to a free loop device and return the device.
+    /// The tag loop devices attached through this carry.
+    fn loop_tag(&self) -> &str;
+    /// Attach the regular file `file` to a free loop device, tagged
+    /// [`loop_tag`](Self::loop_tag), and return the device.
     fn loop_attach(&self, file: &Path, read_only: bool) -> Result<PathBuf, SysError>;
     fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError>;
+    /// Detach the loop device `device` (`/dev/loopN` only).
     fn loop_detach(&self, device: &Path) -> Result<(), SysError>;
+    /// The identity of `file`; none when nothing is there.
+    fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError>;
+    /// What is at `path`, without opening it or following it; none when
+    /// nothing is there.
+    fn kind_of(&self, path: &Path) -> Result<Option<Kind>, SysError>;
+    /// The block device at `path` (beneath a root, not a symlink), as its
+    /// node under /dev: the path the tools and the mount table use.
+    fn block_device(&self, path: &Path) -> Result<PathBuf, SysError>;
 }
 
+/// `device` arguments are block devices under /dev.
 pub trait Filesystems: Send + Sync {
-    /// The filesystem (or other signature, e.g. a partition table) on
-    /// `device`; none when it is blank.
+    /// The filesystem (or other signature, e.g. a partition table or a RAID
+    /// member's superblock at the device's end) on `device`; none only
+    /// when a full probe finds nothing.
     fn probe(&self, device: &Path) -> Result<Option<String>, SysError>;
     /// [`probe`](Self::probe) of a loop device just attached to `file`
     /// (offset 0, whole file), nothing written through it since: it holds
@@ -92,7 +140,10 @@ pub trait Filesystems: Send + Sync {
     fn probe_attached(&self, device: &Path, _file: &Path) -> Result<Option<String>, SysError> {
         self.probe(device)
     }
+    /// Make a filesystem; refused when anything holds the device (mounted,
+    /// or opened exclusively).
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError>;
+    /// Destroy the device's data; refused like [`mkfs`](Self::mkfs).
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
 }
 
@@ -105,9 +156,10 @@ pub struct Sys {
 }
 
 impl Sys {
-    /// The real node.
-    pub fn linux() -> Sys {
-        let node = Arc::new(linux::Linux::default());
+    /// The real node, acting beneath `roots`; loop devices it attaches
+    /// carry `tag`.
+    pub fn linux(roots: Roots, tag: &str) -> Sys {
+        let node = Arc::new(linux::Linux::new(roots, tag));
         Sys { mounts: node.clone(), devices: node.clone(), filesystems: node }
     }
 
@@ -130,13 +182,15 @@ impl Sys {
         }
     }
 
-    /// Loop devices backed by `file`.
+    /// Loop devices backed by `file` (by identity: a file reached by another
+    /// path, or swapped for another under the same name, is told apart).
     pub fn loops_of(&self, file: &Path) -> Result<Vec<PathBuf>, SysError> {
+        let Some(id) = self.devices.file_id(file)? else { return Ok(Vec::new()) };
         Ok(self
             .devices
             .loop_devices()?
             .into_iter()
-            .filter(|l| l.backing_file == file)
+            .filter(|l| l.backing == Some(id))
             .map(|l| l.device)
             .collect())
     }
