@@ -30,7 +30,8 @@ pub async fn install_crds(client: &kube::Client) {
 /// A Node object with the Ready condition set as given.
 pub async fn create_node(client: &kube::Client, name: &str, ready: bool) {
     let api: Api<Node> = Api::all(client.clone());
-    let node = Node { metadata: ObjectMeta { name: Some(name.into()), ..Default::default() }, ..Default::default() };
+    let labels = [("kubernetes.io/hostname".to_string(), name.to_string())].into();
+    let node = Node { metadata: ObjectMeta { name: Some(name.into()), labels: Some(labels), ..Default::default() }, ..Default::default() };
     api.create(&PostParams::default(), &node).await.expect("create node");
     set_ready(client, name, ready).await;
 }

@@ -217,3 +217,37 @@ fn more_calls_than_pool_slots_fail_clearly_and_recover() {
     }
     still_serves(&plugin);
 }
+
+#[test]
+fn oversized_plans_are_refused_and_the_next_call_served() {
+    // Memory enough for the guest to build them.
+    let rt = Runtime::new(Limits { deadline: std::time::Duration::from_secs(5), memory_bytes: 512 << 20, ..Default::default() }).expect("runtime");
+    let plugin = load(&rt, MISBEHAVE);
+    // A million steps: wasmtime bounds what a call may copy out of a guest.
+    let err = attach_named(&plugin, "huge-plan").unwrap_err();
+    assert!(matches!(err, CallError::Trap { .. }), "{err}");
+    assert!(err.to_string().contains("too much data is being copied between the host and the guest"), "{err}");
+    still_serves(&plugin);
+    // Thousands: the plan's own limit.
+    let err = attach_named(&plugin, "big-plan").unwrap_err();
+    assert!(matches!(err, CallError::Plan { .. }), "{err}");
+    assert!(err.to_string().contains("the plan has 5000 steps, more than the 512 allowed"), "{err}");
+    still_serves(&plugin);
+    // Under the usual memory cap the guest cannot even build the million.
+    let rt = runtime(2000);
+    let plugin = load(&rt, MISBEHAVE);
+    assert!(matches!(attach_named(&plugin, "huge-plan"), Err(CallError::Memory { .. })));
+    still_serves(&plugin);
+}
+
+#[test]
+fn a_two_mib_refusal_is_cut_to_a_bounded_message() {
+    let rt = runtime(2000);
+    let plugin = load(&rt, MISBEHAVE);
+    let err = attach_named(&plugin, "huge-error").unwrap_err();
+    assert!(err.is_policy_refusal(), "{err}");
+    let failure = volagent::ops::Failure::new(volagent::socket::protocol::FailureKind::Failed, err.to_string());
+    assert!(failure.message.len() <= volagent::ops::MAX_MESSAGE, "{}", failure.message.len());
+    assert!(failure.message.ends_with("bytes cut)"), "{}", &failure.message[failure.message.len() - 40..]);
+    still_serves(&plugin);
+}

@@ -3,136 +3,18 @@
 //! through the installed `volagent-flex` driver with kubelet's exact argv
 //! and options JSON, on real loop devices and mounts. Needs root.
 
+#[path = "support/agent.rs"]
+mod agent_common;
 mod common;
 mod driver_common;
 
-use common::RootScratch;
+use agent_common::Node;
 use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
 use serde_json::Value;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// A scratch "cluster" on this machine: agents (one per node name) that
-/// share the plugin dir, the local disks dir and the embedded ledger, each
-/// with its own socket, kubelet root and volume plugin dir.
-struct Node {
-    scratch: RootScratch,
-    agents: Vec<(String, Child)>,
-    socket: PathBuf,
-}
-
-impl Node {
-    fn start() -> Node {
-        let scratch = RootScratch::enter();
-        for d in ["plugins", "disks"] {
-            std::fs::create_dir_all(scratch.path(d)).expect("dir");
-        }
-        std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
-        std::fs::copy(volagent_test_artifacts::SHARED_FILE, scratch.path("plugins/shared-file.wasm")).expect("plugin");
-        let socket = scratch.path("node-a/agent.sock");
-        let mut node = Node { scratch, agents: Vec::new(), socket };
-        node.spawn_agent("node-a");
-        node
-    }
-
-    fn spawn_agent(&mut self, name: &str) {
-        self.spawn_agent_with(name, None);
-    }
-
-    /// Start an agent that kills itself (SIGKILL) after `kill_after` steps of a plan.
-    fn spawn_agent_with(&mut self, name: &str, kill_after: Option<usize>) {
-        let env: Vec<(&str, String)> = kill_after.map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string())).into_iter().collect();
-        self.spawn_agent_env(name, &env, &[]);
-    }
-
-    fn spawn_agent_env(&mut self, name: &str, env: &[(&str, String)], extra: &[&str]) {
-        let s = &self.scratch;
-        let at = |p: &str| s.path(&format!("{name}/{p}"));
-        let socket = at("agent.sock");
-        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["agent", "--node-name", name])
-            .arg("--socket").arg(&socket)
-            .arg("--state-dir").arg(at("state"))
-            .arg("--runtime-dir").arg(at("run"))
-            .arg("--ledger").arg(s.path("ledger.redb"))
-            .arg("--ledger-shared")
-            .arg("--plugin-dir").arg(s.path("plugins"))
-            .arg("--kubelet-root").arg(at("kubelet"))
-            .arg("--discovery-dir").arg(s.path("disks"))
-            .arg("--volume-plugin-dir").arg(at("vpd"))
-            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
-            .args(extra)
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the agent");
-        self.agents.push((name.to_string(), child));
-        let start = Instant::now();
-        while UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent of {name} did not come up");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn stop_agent(&mut self) {
-        for (_, mut child) in self.agents.drain(..) {
-            stop(&mut child);
-        }
-    }
-
-    fn stop_agent_of(&mut self, name: &str) {
-        if let Some(i) = self.agents.iter().position(|(n, _)| n == name) {
-            stop(&mut self.agents.remove(i).1);
-        }
-    }
-
-    fn driver_path(&self) -> PathBuf {
-        self.driver_of("node-a", "local-pv")
-    }
-
-    fn driver_of(&self, node: &str, backend: &str) -> PathBuf {
-        self.scratch.path(&format!("{node}/vpd/volagent~{backend}/{backend}"))
-    }
-
-    /// Run the installed driver as kubelet does; its stdout must be exactly
-    /// one JSON object and its stderr empty.
-    fn driver(&self, args: &[&str]) -> (i32, Value) {
-        run_driver(Command::new(self.driver_path()).args(args))
-    }
-
-    fn image(&self, name: &str, mib: u64) -> String {
-        self.scratch.image(&format!("disks/{name}"), mib).display().to_string()
-    }
-
-    fn mount_dir(&self, pod_uid: &str, volume: &str) -> String {
-        self.mount_dir_of("node-a", "local-pv", pod_uid, volume)
-    }
-
-    fn mount_dir_of(&self, node: &str, backend: &str, pod_uid: &str, volume: &str) -> String {
-        let d = self.scratch.path(&format!("{node}/kubelet/pods/{pod_uid}/volumes/volagent~{backend}/{volume}"));
-        std::fs::create_dir_all(&d).expect("kubelet makes the pod's volume dir");
-        d.display().to_string()
-    }
-
-    fn mount(&self, dir: &str, options: &Value) -> (i32, Value) {
-        self.driver(&["mount", dir, &options.to_string()])
-    }
-}
-
-fn stop(child: &mut Child) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
-    let _ = child.wait();
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.stop_agent();
-    }
-}
 
 #[test]
 fn init_handshakes_and_other_calls_are_not_supported() {
@@ -502,7 +384,7 @@ fn orphans_under_volagents_dirs_are_cleaned_at_start_up() {
     // As node-a's agent would have attached and mounted them (its tag, its
     // roots), with every record of it lost.
     let roots = volagent::sys::Roots::open(&[node.scratch.path("node-a/kubelet"), node.scratch.path("disks")]).expect("roots");
-    let linux = volagent::sys::linux::Linux::new(roots, &volagent::ops::loop_tag("node-a"));
+    let linux = volagent::sys::linux::Linux::new(roots, &volagent::ops::loop_tag("node-a", &node.scratch.path("node-a/state")));
     let device = linux.loop_attach(std::path::Path::new(&image), false).expect("attach");
     let staging = node.scratch.path("node-a/kubelet/plugins/volagent/local-pv/mounts/pv-orphan");
     std::fs::create_dir_all(&staging).expect("dir");

@@ -69,6 +69,10 @@ impl Cluster {
     }
 
     fn spawn_agent(&mut self, node: &str) {
+        self.spawn_agent_with(node, &[]);
+    }
+
+    fn spawn_agent_with(&mut self, node: &str, extra: &[&str]) {
         let at = |p: &str| self.scratch.path(&format!("{node}/{p}"));
         let socket = at("run/agent.sock");
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
@@ -81,6 +85,7 @@ impl Cluster {
             .arg("--discovery-dir").arg(self.scratch.path("disks"))
             .arg("--volume-plugin-dir").arg(at("vpd"))
             .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -391,5 +396,86 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
     assert_eq!(c.record("pv-out").expect("the record is kept until the unmount is through").spec.consumers.len(), 1);
     assert_success(&c.unmount("node-a", &dir));
     assert!(c.record("pv-out").is_none(), "the retried unmount released the record");
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
+}
+
+/// With a cluster, a volume is what its PV says: options a request carries
+/// (a path, an access mode, a node) are ignored; the PV's node affinity
+/// holds; a pod gets a PV only through a claim it uses and with its own
+/// UID; an inline volume named like a PV is refused where inline volumes
+/// are not enabled.
+#[test]
+fn with_a_cluster_a_volume_is_what_its_pv_says() {
+    let c = Cluster::start(&["node-a", "node-b"]);
+    let (image, other) = (c.image("trust.img"), c.image("other.img"));
+    c.rt.block_on(kube_common::create_pv_with(&c.client(), "pv-trust", "shared-file", "ReadWriteOnce", &[("path", &image)], Some("node-a")));
+    let drive = |node: &str, uid: &str, opts: &Value| {
+        let dir = c.mount_dir(node, uid, "pv-trust");
+        (dir.clone(), run_driver(Command::new(c.driver(node)).args(["mount", &dir, &opts.to_string()])))
+    };
+
+    let uid = c.pod_uid("p1", "pv-trust");
+    let mut written = kubelet_options("pv-trust", "p1", &uid, "ext4", &other);
+    written["accessMode"] = Value::from("ReadWriteMany");
+    written["node"] = Value::from("node-b");
+    let (dir, r) = drive("node-a", &uid, &written);
+    assert_success(&r);
+    let rec = c.record("pv-trust").expect("record");
+    assert_eq!(rec.spec.source.as_ref().and_then(|s| s.options.as_ref()?.get("path").cloned()), Some(image.clone()), "the PV's path");
+    assert_eq!(rec.spec.access_mode, volagent::kube::crds::AccessMode::ReadWriteOnce, "the PV's mode");
+    let loops = volagent::sys::Devices::loop_devices(&volagent::sys::linux::Linux::unrooted()).expect("loops");
+    assert!(loops.iter().any(|l| l.backing_file == std::path::Path::new(&image)), "the PV's image is attached");
+    assert!(!loops.iter().any(|l| l.backing_file == std::path::Path::new(&other)), "the written one is not");
+
+    // The PV's node affinity holds (even for a pod of its claim).
+    let uid2 = c.pod_uid("p2", "pv-trust");
+    let (_, r) = drive("node-b", &uid2, &kubelet_options("pv-trust", "p2", &uid2, "ext4", &image));
+    assert_failure(&r, "PersistentVolume pv-trust's node affinity does not select node node-b");
+    // A pod that does not use the claim.
+    let uid3 = c.rt.block_on(kube_common::create_pod(&c.client(), "p3", &[], &[]));
+    let (_, r) = drive("node-a", &uid3, &kubelet_options("pv-trust", "p3", &uid3, "ext4", &image));
+    assert_failure(&r, "pod default/p3 uses no claim bound to PersistentVolume pv-trust");
+    // A request with another pod's UID.
+    let (_, r) = drive("node-a", "bogus-uid", &kubelet_options("pv-trust", "p2", "bogus-uid", "ext4", &image));
+    assert_failure(&r, "not bogus-uid as the request says");
+    // An inline volume named like the PV, pointing elsewhere.
+    let inline: kube_common::Inline = ("pv-trust", "shared-file", &[("path", other.as_str())]);
+    let uid4 = c.rt.block_on(kube_common::create_pod(&c.client(), "p4", &[], &[inline]));
+    let (_, r) = drive("node-a", &uid4, &kubelet_options("pv-trust", "p4", &uid4, "ext4", &other));
+    assert_failure(&r, "inline volumes of backend shared-file are not enabled on this node");
+    assert_eq!(c.record("pv-trust").expect("record").spec.consumers.len(), 1, "only p1 holds it");
+
+    assert_success(&c.unmount("node-a", &dir));
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
+}
+
+/// Where an admin enables inline volumes for a backend, each is its pod's
+/// own (keyed by the pod's UID): two pods naming "data" get two volumes,
+/// and never one the other's filesystem.
+#[test]
+fn inline_volumes_where_allowed_are_each_pods_own() {
+    let mut c = Cluster::start(&[]);
+    c.rt.block_on(kube_common::create_node(&c.client(), "node-a", true));
+    c.spawn_agent_with("node-a", &["--allow-inline-volumes", "shared-file"]);
+    let (shared, own) = (c.image("inline.img"), c.image("own.img"));
+    let mount = |pod: &str, path: &str| {
+        let inline: kube_common::Inline = ("data", "shared-file", &[("path", path)]);
+        let uid = c.rt.block_on(kube_common::create_pod(&c.client(), pod, &[], &[inline]));
+        let dir = c.mount_dir("node-a", &uid, "data");
+        let opts = kubelet_options("data", pod, &uid, "ext4", path);
+        (uid, dir.clone(), run_driver(Command::new(c.driver("node-a")).args(["mount", &dir, &opts.to_string()])))
+    };
+    let (uid1, dir1, r) = mount("q1", &shared);
+    assert_success(&r);
+    let rec = c.record(&format!("inline-{uid1}-data")).expect("keyed by the pod's UID");
+    assert_eq!(rec.spec.access_mode, volagent::kube::crds::AccessMode::ReadWriteOncePod);
+    let (_, _, r) = mount("q2", &shared);
+    assert_failure(&r, "one device serves one volume");
+    let (uid3, dir3, r) = mount("q3", &own);
+    assert_success(&r);
+    assert!(c.record(&format!("inline-{uid3}-data")).is_some());
+    assert!(c.record("data").is_none(), "no volume goes by the name alone");
+    assert_success(&c.unmount("node-a", &dir1));
+    assert_success(&c.unmount("node-a", &dir3));
     assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
 }

@@ -49,6 +49,19 @@ fn source(host: &dyn Host, volume: &Volume) -> Result<Source, PolicyError> {
     }
 }
 
+/// The loop device to detach when a volume is torn down: its file's —
+/// also when the path no longer leads to a regular file (removed,
+/// replaced, a symlink now), as the device attached from it may still be
+/// there; the host then finds it by what the plan unmounted. None for a
+/// directory or a block device, which have none.
+fn loop_spec(volume: &Volume, src: &Result<Source, PolicyError>) -> Option<DeviceSpec> {
+    match src {
+        Ok(Source::File(file)) => Some(DeviceSpec::Loop(file.clone())),
+        Ok(Source::Dir(_) | Source::Block(_)) => None,
+        Err(_) => options::get(volume, "path").filter(|p| p.starts_with('/')).map(|p| DeviceSpec::Loop(p.to_string())),
+    }
+}
+
 /// A local volume is usable on its own node only.
 fn check_node(volume: &Volume, consumer: &Consumer) -> Result<(), String> {
     let home = options::get(volume, "node").ok_or_else(|| {
@@ -162,11 +175,7 @@ impl Policy for LocalPv {
         local_holders: Vec<Holder>,
         paths: NodePaths,
     ) -> Result<Plan, PolicyError> {
-        // A file that vanished has no loop device left to look for: unmount only.
-        let spec = match source(host, &volume) {
-            Ok(Source::File(file)) => Some(DeviceSpec::Loop(file)),
-            _ => None,
-        };
+        let spec = loop_spec(&volume, &source(host, &volume));
         Ok(plans::unstage(&consumer, &local_holders, &paths, spec, false))
     }
 
@@ -178,10 +187,7 @@ impl Policy for LocalPv {
         let mut plan = Vec::new();
         for item in items {
             let src = source(host, &item.volume);
-            let spec = match &src {
-                Ok(Source::File(file)) => Some(DeviceSpec::Loop(file.clone())),
-                _ => None,
-            };
+            let spec = loop_spec(&item.volume, &src);
             match reason {
                 CleanupReason::StaleNode => plan.extend(plans::teardown(&item.holders, &item.paths, spec, false)),
                 CleanupReason::StorageClusterDeleted => {
@@ -329,6 +335,19 @@ mod tests {
         assert!(matches!(plan.as_slice(), [Step::Unmount(u)] if u.target == a.mount_dir));
         let plan = LocalPv::detach(&host, v, a, vec![], paths()).unwrap();
         assert!(matches!(plan.as_slice(), [Step::Unmount(_), Step::Unmount(_), Step::DetachDevice(_)]), "{plan:?}");
+    }
+
+    #[test]
+    fn a_file_that_is_no_longer_one_is_still_detached() {
+        let v = volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce);
+        let a = consumer("n1", "a");
+        for host in [FakeHost::default(), host_with("/mnt/disks/a.img", PathKind::Other)] {
+            let plan = LocalPv::detach(&host, v.clone(), a.clone(), vec![], paths()).unwrap();
+            assert!(matches!(plan.last(), Some(Step::DetachDevice(d)) if d.spec == DeviceSpec::Loop("/mnt/disks/a.img".into())), "{plan:?}");
+        }
+        let dir = host_with("/mnt/disks/a.img", PathKind::Directory);
+        let plan = LocalPv::detach(&dir, v, a, vec![], paths()).unwrap();
+        assert!(!plan.iter().any(|s| matches!(s, Step::DetachDevice(_))), "a directory has no device: {plan:?}");
     }
 
     fn released(method: &str) -> Result<Plan, PolicyError> {

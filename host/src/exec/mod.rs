@@ -73,7 +73,7 @@ impl Executor {
 
     /// Run `plan` (already checked by the policy validator) step by step.
     pub fn run(&self, plan: &[Step]) -> Result<Outcome, ExecError> {
-        let mut run = Run { sys: &self.sys, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new() };
+        let mut run = Run { sys: &self.sys, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new(), freed: Vec::new() };
         for (index, step) in plan.iter().enumerate() {
             if let Err(source) = run.step(step) {
                 let rollback_failures = run.rollback();
@@ -100,6 +100,8 @@ struct Run<'s> {
     /// Loop devices this run attached, with their backing files, until a
     /// step writes through them: until then they hold the file's bytes.
     fresh: BTreeMap<PathBuf, PathBuf>,
+    /// Devices of the filesystems this run unmounted.
+    freed: Vec<(u32, u32)>,
 }
 
 fn refused(what: String) -> StepError {
@@ -172,6 +174,9 @@ impl Run<'_> {
             Step::Unmount(u) => {
                 let target = Path::new(&u.target);
                 if self.sys.is_mounted(target)? {
+                    if let Some(device) = self.sys.mounts.device_of_mount(target)? {
+                        self.freed.push(device);
+                    }
                     self.sys.mounts.unmount(target, u.force)?;
                 }
                 // An empty mount point is ours to tidy (kubelet copes with its
@@ -226,10 +231,29 @@ impl Run<'_> {
         Ok(device)
     }
 
-    /// The devices attached for `spec` (none is fine: already detached).
+    /// The devices attached for `spec` (none is fine: already detached):
+    /// those over its file, and this agent's loop devices whose filesystem
+    /// this plan unmounted (the volume's own, even when its file can no
+    /// longer be reached by its path: replaced, removed, a symlink now).
     fn attached(&self, spec: &DeviceSpec) -> Result<Vec<PathBuf>, StepError> {
         let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
-        Ok(self.sys.loops_of(Path::new(file))?)
+        let mut devices = match self.sys.loops_of(Path::new(file)) {
+            Ok(found) => found,
+            Err(e @ SysError::Refused { .. }) => {
+                tracing::warn!(file, "its loop devices are not looked up by this path: {e}");
+                Vec::new()
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if !self.freed.is_empty() {
+            let tag = self.sys.devices.loop_tag();
+            for l in self.sys.devices.loop_devices()? {
+                if l.tag == tag && self.freed.contains(&l.number) && !devices.contains(&l.device) {
+                    devices.push(l.device);
+                }
+            }
+        }
+        Ok(devices)
     }
 
     /// The device a step names, as its node under /dev.

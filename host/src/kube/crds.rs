@@ -68,11 +68,14 @@ pub struct AttachmentSpec {
 }
 
 /// A volume's filesystem type and backend options, as the PV gives them.
+/// (Absent rather than empty: kube-apiserver 1.20 reads `""` as null.)
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct VolumeSourceSpec {
-    pub fs_type: String,
-    pub options: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fs_type: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub options: Option<BTreeMap<String, String>>,
 }
 
 /// Why an attachment was put on a node's cleanup list.
@@ -208,7 +211,7 @@ mod tests {
             backend: "rbd".into(),
             access_mode: AccessMode::ReadWriteOnce,
             storage_cluster: None,
-            source: Some(VolumeSourceSpec { fs_type: "ext4".into(), options: [("pool".into(), "rbd".into())].into() }),
+            source: Some(VolumeSourceSpec { fs_type: Some("ext4".into()), options: Some([("pool".into(), "rbd".into())].into()) }),
             consumers: vec![ConsumerEntry {
                 node: "n1".into(),
                 pod_namespace: "default".into(),

@@ -142,7 +142,10 @@ fn to_object(record: &Record, version: Option<&Version>) -> Attachment {
             backend: record.backend.clone(),
             access_mode: to_crd_mode(record.access_mode),
             storage_cluster: record.storage_cluster.clone(),
-            source: record.source.as_ref().map(|s| crds::VolumeSourceSpec { fs_type: s.fs_type.clone(), options: s.options.clone() }),
+            source: record.source.as_ref().map(|s| crds::VolumeSourceSpec {
+                fs_type: Some(s.fs_type.clone()).filter(|f| !f.is_empty()),
+                options: Some(s.options.clone()).filter(|o| !o.is_empty()),
+            }),
             consumers: record.holders.iter().map(to_entry).collect(),
         },
     }
@@ -155,7 +158,10 @@ pub fn from_object(a: &Attachment) -> (Record, Version) {
         backend: a.spec.backend.clone(),
         access_mode: from_crd_mode(a.spec.access_mode),
         storage_cluster: a.spec.storage_cluster.clone(),
-        source: a.spec.source.as_ref().map(|s| crate::ledger::VolumeSource { fs_type: s.fs_type.clone(), options: s.options.clone() }),
+        source: a.spec.source.as_ref().map(|s| crate::ledger::VolumeSource {
+            fs_type: s.fs_type.clone().unwrap_or_default(),
+            options: s.options.clone().unwrap_or_default(),
+        }),
         holders: a.spec.consumers.iter().map(from_entry).collect(),
     };
     (record, Version(a.metadata.resource_version.clone().unwrap_or_default()))

@@ -36,9 +36,18 @@ pub struct NodeConfig {
     pub inline_backends: Vec<String>,
 }
 
-/// The tag of the loop devices the agent of `node` attaches.
-pub fn loop_tag(node: &str) -> String {
-    format!("volagent:{node}")
+/// The tag of the loop devices the agent of `node` with state dir
+/// `state_dir` attaches: stable across its restarts, and not another
+/// agent's on the same machine (test nodes, two installs). At most 63
+/// bytes, the size of the field that carries it.
+pub fn loop_tag(node: &str, state_dir: &std::path::Path) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(state_dir.as_os_str().as_encoded_bytes());
+    let mut node = node.to_string();
+    while node.len() > 36 {
+        node.pop();
+    }
+    format!("volagent:{node}:{}", hex::encode(&digest[..8]))
 }
 
 impl NodeConfig {
@@ -630,6 +639,17 @@ pub fn now_rfc3339() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn loop_tags_are_per_agent_stable_and_fit_their_field() {
+        let a = loop_tag("node-a", Path::new("/var/lib/volagent"));
+        assert_eq!(a, loop_tag("node-a", Path::new("/var/lib/volagent")), "the same after a restart");
+        assert_ne!(a, loop_tag("node-a", Path::new("/tmp/test-1/state")), "another agent's on this machine");
+        assert_ne!(a, loop_tag("node-b", Path::new("/var/lib/volagent")));
+        assert!(a.starts_with("volagent:node-a:"), "{a}");
+        assert!(loop_tag(&"n".repeat(253), Path::new("/x")).len() <= 63);
+    }
 
     #[test]
     fn a_volume_takes_one_operation_at_a_time() {

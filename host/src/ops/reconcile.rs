@@ -51,6 +51,9 @@ impl Agent {
         // Holders on this node that the stash does not know never got as far
         // as a device or a mount.
         let records = self.ledger.list_by_node(&self.config.node).await.map_err(super::ledger_failure)?;
+        // A staging dir a record names is not an orphan: its stash entry
+        // may be lost or damaged, and its pods' unmounts will come.
+        let recorded: BTreeSet<String> = records.iter().map(|(r, _)| self.config.paths(&r.backend, &r.volume).staging_dir).collect();
         for (record, _) in records {
             for h in record.on_node(&self.config.node) {
                 let dir = &h.consumer.mount_dir;
@@ -67,7 +70,7 @@ impl Agent {
                 }
             }
         }
-        self.sweep_orphans(&mut report).await?;
+        self.sweep_orphans(&recorded, &mut report).await?;
         for line in &report.rolled_back {
             tracing::warn!(mount_dir = %line, "reconcile: rolled back an operation cut short");
         }
@@ -122,12 +125,13 @@ impl Agent {
 
     /// Staging mounts with no stashed consumer, and loop devices over local
     /// volume files that no stashed volume names and nothing mounts.
-    async fn sweep_orphans(&self, report: &mut Report) -> Result<(), Failure> {
+    async fn sweep_orphans(&self, recorded: &BTreeSet<String>, report: &mut Report) -> Result<(), Failure> {
         let stash = self.stash_op(|s| s.all()).await?;
         let staging_root = self.config.kubelet_root.join("plugins/volagent");
         // First the backends' own cleanup plans, for the staging mounts
         // whose backend is loaded.
-        let used: BTreeSet<String> = stash.iter().map(|e| e.paths.staging_dir.clone()).collect();
+        let mut used: BTreeSet<String> = stash.iter().map(|e| e.paths.staging_dir.clone()).collect();
+        used.extend(recorded.iter().cloned());
         let sys = self.sys.clone();
         let table = blocking(move || sys.mounts.mount_table()).await?.map_err(internal)?;
         for m in table.iter().rev() {
@@ -144,12 +148,12 @@ impl Agent {
         let sys = self.sys.clone();
         let found = blocking(move || -> Result<Vec<String>, crate::sys::SysError> {
             let mut removed = Vec::new();
-            let used_staging: BTreeSet<&str> = stash.iter().map(|e| e.paths.staging_dir.as_str()).collect();
+            let used_staging = used;
             let table = sys.mounts.mount_table()?;
             for m in table.iter().rev() {
                 let p = m.mount_point.display().to_string();
                 let under = m.mount_point.starts_with(&staging_root) && m.mount_point.components().count() == staging_root.components().count() + 3;
-                if under && clean_absolute(&p).is_ok() && !used_staging.contains(p.as_str()) {
+                if under && clean_absolute(&p).is_ok() && !used_staging.contains(&p) {
                     sys.mounts.unmount(&m.mount_point, false)?;
                     let _ = sys.mounts.remove_dir(&m.mount_point);
                     removed.push(format!("orphan mount {p} (from {})", m.source));

@@ -83,6 +83,12 @@ impl Mounts for Fake {
         Ok(Some(self.state().mounts.iter().any(|m| m.mount_point == target)))
     }
 
+    fn device_of_mount(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        let s = self.state();
+        let Some(m) = s.mounts.iter().rev().find(|m| m.mount_point == target) else { return Ok(None) };
+        Ok(Some(s.loops.iter().find(|l| l.device == Path::new(&m.source)).map(|l| l.number).unwrap_or(m.device)))
+    }
+
     fn mount(&self, source: &str, target: &Path, fs_type: &str, _options: &str, read_only: bool) -> Result<(), SysError> {
         let mut s = self.op("mount", target)?;
         if !s.dirs.contains(target) {
@@ -145,7 +151,7 @@ impl Devices for Fake {
         let mut s = self.op("loop-attach", file)?;
         let n = (0..).find(|n| !s.loops.iter().any(|l| l.device == Path::new(&format!("/dev/loop{n}")))).unwrap_or(0);
         let device = PathBuf::from(format!("/dev/loop{n}"));
-        s.loops.push(LoopDevice { device: device.clone(), backing_file: file.to_path_buf(), backing: Some(fake_id(file)), tag: self.loop_tag().into() });
+        s.loops.push(LoopDevice { device: device.clone(), backing_file: file.to_path_buf(), backing: Some(fake_id(file)), tag: self.loop_tag().into(), number: (7, n) });
         // The file's filesystem shows through the device.
         if let Some(fs) = s.filesystems.get(file).cloned() {
             s.filesystems.insert(device.clone(), fs);

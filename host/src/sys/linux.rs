@@ -197,6 +197,15 @@ impl Mounts for Linux {
         }
     }
 
+    fn device_of_mount(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
+        let Ok(handle) = self.roots.handle(target) else { return Ok(None) };
+        match rustix::fs::statx(&handle, c"", AtFlags::EMPTY_PATH, StatxFlags::TYPE) {
+            Ok(st) if st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) => Ok(Some((st.stx_dev_major, st.stx_dev_minor))),
+            _ => Ok(None),
+        }
+    }
+
     fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError> {
         let dir = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
         let (mut flags, data) = split_options(options);

@@ -136,17 +136,21 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
     }
 }
 
-/// The status of an attached device; none when it is not attached.
-fn status(device: &Path) -> Result<Option<LoopInfo64>, SysError> {
+/// The status and numbers of an attached device; none when it is not
+/// attached.
+fn status(device: &Path) -> Result<Option<(LoopInfo64, (u32, u32))>, SysError> {
+    use std::os::unix::fs::MetadataExt;
     let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io("open", device)(e)),
     };
+    let rdev = dev.metadata().map_err(io("stat", device))?.rdev();
+    let number = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
     let mut info = LoopInfo64::zeroed();
     // SAFETY: `info` is a loop_info64 the kernel fills; the fd is open.
     match unsafe { loop_get_status64(dev.as_fd().as_raw_fd(), &mut info) } {
-        Ok(_) => Ok(Some(info)),
+        Ok(_) => Ok(Some((info, number))),
         Err(nix::errno::Errno::ENXIO) => Ok(None),
         Err(e) => Err(errno("read loop device status", device)(e)),
     }
@@ -173,12 +177,13 @@ pub fn list() -> Result<Vec<LoopDevice>, SysError> {
             Err(e) if gone(&e) => continue,
             Err(e) => return Err(io("read", &backing)(e)),
         };
-        let Some(info) = status(&device)? else { continue };
+        let Some((info, number)) = status(&device)? else { continue };
         found.push(LoopDevice {
             device,
             backing_file,
             backing: Some(FileId { dev: info.lo_device, ino: info.lo_inode }),
             tag: field_str(&info.lo_file_name),
+            number,
         });
     }
     found.sort_by(|a, b| a.device.cmp(&b.device));

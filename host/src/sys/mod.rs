@@ -72,6 +72,8 @@ pub struct LoopDevice {
     pub backing: Option<FileId>,
     /// Who attached it: an agent's [`Devices::loop_tag`], or anything else.
     pub tag: String,
+    /// The device's numbers (major, minor).
+    pub number: (u32, u32),
 }
 
 /// How a block device's data is destroyed.
@@ -92,6 +94,11 @@ pub trait Mounts: Send + Sync {
     /// exactly that path), when that can be told without reading the
     /// table; none when only the table can tell.
     fn is_mount_point(&self, _target: &Path) -> Result<Option<bool>, SysError> {
+        Ok(None)
+    }
+    /// The device numbers of the filesystem mounted at `target`, when
+    /// `target` is a mount point (for a block filesystem: its device).
+    fn device_of_mount(&self, _target: &Path) -> Result<Option<(u32, u32)>, SysError> {
         Ok(None)
     }
     /// Mount `source` (a device under /dev or a network source) at `target`,

@@ -10,13 +10,17 @@
 //! - `escape`: attach bind-mounts onto /etc
 //! - `dotdot`: attach mounts at staging-dir/../../..
 //! - `refuse`: attach returns a policy error
+//! - `huge-plan`: attach returns a plan of a million steps
+//! - `big-plan`: attach returns a plan of 5000 steps
+//! - `huge-error`: attach refuses with a 2 MiB message
+//! - `ask-etc`: attach asks the host about /etc/shadow
 //! - anything else: fence grants, attach binds staging into the pod
 
 use std::hint::black_box;
 use volagent_guest_sdk::{
     AttachDevice, BackendInfo, BindMount, Capabilities, CleanupItem, CleanupReason, Consumer,
     Decision, DeviceKind, DeviceSpec, Holder, Host, LogLevel, NodeFacts, NodePaths, PathRoot,
-    Plan, Policy, PolicyError, RbdSpec, Step, StepKind, TakeOver, Volume, plans,
+    Plan, Policy, PolicyError, RbdSpec, Step, StepKind, TakeOver, Unmount, Volume, plans,
 };
 
 pub struct Misbehave;
@@ -73,7 +77,7 @@ impl Policy for Misbehave {
     }
 
     fn attach(
-        _host: &dyn Host,
+        host: &dyn Host,
         volume: Volume,
         requester: Consumer,
         _local_holders: Vec<Holder>,
@@ -95,6 +99,13 @@ impl Policy for Misbehave {
             "escape" => Ok(vec![bind(paths.staging_dir.clone(), "/etc".into())]),
             "dotdot" => Ok(vec![bind(paths.staging_dir.clone(), format!("{}/../../..", requester.mount_dir))]),
             "refuse" => Err(PolicyError::InvalidOptions(format!("volume {} is refused on request", volume.name))),
+            "huge-plan" => Ok((0..1_000_000).map(|_| Step::Unmount(Unmount { target: String::new(), force: false })).collect()),
+            "big-plan" => Ok((0..5_000).map(|_| Step::Unmount(Unmount { target: String::new(), force: false })).collect()),
+            "huge-error" => Err(PolicyError::InvalidOptions("x".repeat(2 << 20))),
+            "ask-etc" => {
+                let kind = host.path_kind("/etc/shadow");
+                Err(PolicyError::Unsupported(format!("the host answered {kind:?} about /etc/shadow")))
+            }
             _ => Ok(vec![plans::bind_into_pod(&paths, &requester)]),
         }
     }
