@@ -151,3 +151,101 @@ fn release_wipes_the_filesystem() {
     assert!(!std::path::Path::new(&format!("{}/secret", b.mount_dir)).exists(), "a quick reset leaves a fresh filesystem");
     unmount(&s, &exec, &b, &[]);
 }
+
+/// The mount options of the mount at `dir`.
+fn flags_of(dir: &str) -> Vec<String> {
+    let text = std::fs::read_to_string("/proc/thread-self/mountinfo").expect("mountinfo");
+    let table = volagent::sys::mountinfo::parse(&text).expect("parse");
+    let m = table.iter().rev().find(|m| m.mount_point == std::path::Path::new(dir)).expect("mounted");
+    m.options.split(',').map(String::from).collect()
+}
+
+/// A read-only bind of a `noexec` staging mount is `ro,nosuid,nodev,noexec`:
+/// its flags are set while it is detached, never lost to a remount.
+#[test]
+fn a_read_only_bind_keeps_nosuid_nodev_and_noexec() {
+    let s = setup("ext4", 64);
+    let exec = executor(&s);
+    let a = pod(&s, "a");
+    let dev = || BlockSource::Attached("dev".into());
+    let plan = vec![
+        Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Loop(s.volume.options[0].value.clone()), read_only: false }),
+        Step::Format(Format { device: dev(), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
+        Step::Mount(Mount { source: MountSource::Block(dev()), target: s.paths.staging_dir.clone(), fs_type: "ext4".into(), options: vec!["noexec".into(), "noatime".into()], read_only: false }),
+        Step::BindMount(BindMount { source: s.paths.staging_dir.clone(), target: a.mount_dir.clone(), read_only: true }),
+    ];
+    exec.run(&plan).unwrap_or_else(|e| panic!("{e}"));
+    let staging = flags_of(&s.paths.staging_dir);
+    for f in ["rw", "nosuid", "nodev", "noexec", "noatime"] {
+        assert!(staging.contains(&f.to_string()), "{f} on the staging mount: {staging:?}");
+    }
+    let bind = flags_of(&a.mount_dir);
+    for f in ["ro", "nosuid", "nodev", "noexec"] {
+        assert!(bind.contains(&f.to_string()), "{f} on the read-only bind: {bind:?}");
+    }
+    unmount(&s, &exec, &a, &[]);
+    assert!(s.scratch.mounts().is_empty() && s.scratch.loops().is_empty());
+}
+
+/// A block device in a discovery dir: a `mknod` node of a loop device the
+/// test attached (as an admin would put a disk there).
+fn disk_node(s: &Setup, name: &str, mib: u64) -> (std::path::PathBuf, String) {
+    use std::os::unix::fs::MetadataExt;
+    let image = s.scratch.image(&format!("{name}.img"), mib);
+    let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&image).output().expect("losetup");
+    let dev = String::from_utf8(out.stdout).expect("utf8").trim().to_string();
+    let rdev = std::fs::metadata(&dev).expect("stat").rdev();
+    let node = s.scratch.path(&format!("disks/{name}"));
+    nix::sys::stat::mknod(&node, nix::sys::stat::SFlag::S_IFBLK, nix::sys::stat::Mode::from_bits_truncate(0o600), rdev).expect("mknod");
+    (node, dev)
+}
+
+/// Destroying data is exclusive: a wipe or re-format of a block device in a
+/// discovery dir that is mounted (here, elsewhere) is refused and changes
+/// nothing; once it is free, the same steps go through.
+#[test]
+fn a_mounted_devices_wipe_or_format_is_refused() {
+    let s = setup("ext4", 64);
+    let exec = executor(&s);
+    let (node, dev) = disk_node(&s, "ssd0", 64);
+    assert!(std::process::Command::new("mkfs.ext4").args(["-F", "-q", &dev]).status().expect("mkfs").success());
+    let elsewhere = s.scratch.path("elsewhere");
+    std::fs::create_dir_all(&elsewhere).expect("dir");
+    nix::mount::mount(Some(dev.as_str()), &elsewhere, Some("ext4"), nix::mount::MsFlags::empty(), None::<&str>).expect("mount");
+    std::fs::write(elsewhere.join("data"), b"in use").expect("write");
+    let device = || BlockSource::Device(node.display().to_string());
+    for step in [
+        Step::Wipe(Wipe { device: device(), method: WipeMethod::Signatures }),
+        Step::Wipe(Wipe { device: device(), method: WipeMethod::Zero }),
+        Step::Wipe(Wipe { device: device(), method: WipeMethod::Discard }),
+        Step::Wipe(Wipe { device: device(), method: WipeMethod::Shred(1) }),
+        Step::Format(Format { device: device(), fs_type: "ext4".into(), mode: FormatMode::Always }),
+    ] {
+        let err = exec.run(std::slice::from_ref(&step)).unwrap_err();
+        assert!(err.to_string().contains("is in use (mounted, or held open exclusively by another program)"), "{err}");
+    }
+    assert_eq!(std::fs::read(elsewhere.join("data")).expect("read"), b"in use", "nothing changed");
+    nix::mount::umount2(&elsewhere, nix::mount::MntFlags::empty()).expect("unmount");
+    exec.run(&[Step::Wipe(Wipe { device: device(), method: WipeMethod::Zero })]).unwrap_or_else(|e| panic!("{e}"));
+    let head = std::fs::read(&dev).map(|b| b[..2048].iter().all(|x| *x == 0));
+    assert!(head.expect("read the device"), "zeroed once free");
+    let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
+}
+
+/// A block device reached through a symlink in a discovery dir (the way
+/// `/dev/disk/by-id` links look) is not followed by any step.
+#[test]
+fn a_symlink_to_a_block_device_is_not_followed() {
+    let s = setup("ext4", 64);
+    let exec = executor(&s);
+    let (node, dev) = disk_node(&s, "ssd1", 16);
+    let link = s.scratch.path("disks/by-id-link");
+    std::os::unix::fs::symlink(&node, &link).expect("symlink");
+    let err = exec
+        .run(&[Step::Format(Format { device: BlockSource::Device(link.display().to_string()), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted })])
+        .unwrap_err();
+    assert!(err.to_string().contains("symbolic link"), "{err}");
+    let out = std::process::Command::new("blkid").args(["-p", &dev]).output().expect("blkid");
+    assert_eq!(out.status.code(), Some(2), "nothing was made on it");
+    let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
+}
