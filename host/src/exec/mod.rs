@@ -237,23 +237,26 @@ impl Run<'_> {
     /// longer be reached by its path: replaced, removed, a symlink now).
     fn attached(&self, spec: &DeviceSpec) -> Result<Vec<PathBuf>, StepError> {
         let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
-        let mut devices = match self.sys.loops_of(Path::new(file)) {
-            Ok(found) => found,
+        let id = match self.sys.devices.file_id(Path::new(file)) {
+            Ok(id) => id,
             Err(e @ SysError::Refused { .. }) => {
                 tracing::warn!(file, "its loop devices are not looked up by this path: {e}");
-                Vec::new()
+                None
             }
             Err(e) => return Err(e.into()),
         };
-        if !self.freed.is_empty() {
-            let tag = self.sys.devices.loop_tag();
-            for l in self.sys.devices.loop_devices()? {
-                if l.tag == tag && self.freed.contains(&l.number) && !devices.contains(&l.device) {
-                    devices.push(l.device);
-                }
-            }
+        if id.is_none() && self.freed.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(devices)
+        let tag = self.sys.devices.loop_tag();
+        Ok(self
+            .sys
+            .devices
+            .loop_devices()?
+            .into_iter()
+            .filter(|l| (id.is_some() && l.backing == id) || (l.tag == tag && self.freed.contains(&l.number)))
+            .map(|l| l.device)
+            .collect())
     }
 
     /// The device a step names, as its node under /dev.

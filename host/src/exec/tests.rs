@@ -141,3 +141,25 @@ fn a_device_this_plan_attached_is_probed_through_its_file_until_written_to() {
     assert_eq!(probes.last().map(|p| p.as_str()), Some("probe /dev/loop0"), "{probes:?}");
     assert!(s.log.iter().any(|op| op == "mkfs /dev/loop0"), "the wiped device gets a filesystem: {:?}", s.log);
 }
+
+#[test]
+fn a_detach_frees_the_volumes_device_even_when_its_path_is_a_symlink_now() {
+    let (fake, exec) = node();
+    exec.run(&attach_plan()).unwrap();
+    fake.state().links.insert(FILE.into());
+    exec.run(&detach_plan()).unwrap();
+    let s = fake.state();
+    assert!(s.loops.is_empty(), "the device the plan unmounted was detached: {:?}", s.loops);
+    assert!(s.mounts.is_empty());
+}
+
+#[test]
+fn a_detach_leaves_other_agents_devices_alone() {
+    let (fake, exec) = node();
+    exec.run(&attach_plan()).unwrap();
+    // As if another agent on this machine had attached it.
+    fake.state().loops[0].tag = "volagent:someone-else".into();
+    fake.state().links.insert(FILE.into());
+    exec.run(&detach_plan()).unwrap();
+    assert_eq!(fake.state().loops.len(), 1, "not this agent's to detach");
+}

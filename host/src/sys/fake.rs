@@ -16,6 +16,8 @@ pub struct State {
     pub dirs: BTreeSet<PathBuf>,
     /// Regular files (what `kind_of` sees besides dirs).
     pub files: BTreeSet<PathBuf>,
+    /// Paths that are symlinks now: never followed.
+    pub links: BTreeSet<PathBuf>,
     /// Every operation, as "op path".
     pub log: Vec<String>,
     /// Fail the next operation whose "op path" starts with one of these
@@ -175,11 +177,17 @@ impl Devices for Fake {
     }
 
     fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError> {
+        if self.state().links.contains(file) {
+            return Err(SysError::Refused { path: file.to_path_buf(), what: "is or passes through a symbolic link".into() });
+        }
         Ok(Some(fake_id(file)))
     }
 
     fn kind_of(&self, path: &Path) -> Result<Option<super::Kind>, SysError> {
         let s = self.state();
+        if s.links.contains(path) {
+            return Ok(Some(super::Kind::Other));
+        }
         if s.dirs.contains(path) {
             return Ok(Some(super::Kind::Dir));
         }
