@@ -67,13 +67,18 @@ fn parse_line(line: &str) -> Result<MountInfo, &'static str> {
     Ok(MountInfo { id, parent, device, root, mount_point, options, propagation, fs_type, source, super_options })
 }
 
-/// The kernel escapes space, tab, newline and backslash as `\ooo`.
+/// The kernel escapes space, tab, newline and backslash as `\ooo`: the
+/// octal of one byte, so at most `\377`; anything above is left as it is.
 fn unescape(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && (b'0'..=b'3').contains(&b[i + 1])
+            && b[i + 2..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -115,6 +120,12 @@ mod tests {
         assert_eq!((e.line, e.reason), (1, "no \" - \" separator"));
         let e = parse("27 1 254:0 / / rw - ext4 /dev/vda rw\nx 1 0:1 / /a rw - tmpfs t rw\n").unwrap_err();
         assert_eq!((e.line, e.reason), (2, "bad mount id"));
+    }
+
+    #[test]
+    fn octal_escapes_above_a_byte_are_left_as_they_are() {
+        let m = parse("27 1 254:0 / /a\\777\\400\\377 rw - ext4 /dev/vda rw\n").unwrap();
+        assert_eq!(m[0].mount_point.as_os_str().as_encoded_bytes(), b"/a\\777\\400\xef\xbf\xbd");
     }
 
     #[test]
