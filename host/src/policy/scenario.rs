@@ -183,10 +183,17 @@ pub fn load(path: &Path, backend: &str) -> Result<Vec<Result<Prepared, Malformed
     let bytes = crate::sys::beneath::read_file(path, MAX_SCENARIO_BYTES)
         .map_err(|e| ScenarioError::Read { path: path.to_path_buf(), source: std::io::Error::other(e.to_string()) })?;
     let text = String::from_utf8(bytes).map_err(|e| parse_err(format!("not UTF-8: {e}")))?;
-    let file: ScenarioFile = if path.extension().is_some_and(|e| e == "json") {
-        serde_json::from_str(&text).map_err(|e| parse_err(e.to_string()))?
+    parse_str(path, &text, path.extension().is_some_and(|e| e == "json"), backend)
+}
+
+/// Parse scenario text for `backend`, JSON or YAML; `path` only names it in
+/// errors. Apart from [`load`] so that it can be fuzzed from memory.
+pub fn parse_str(path: &Path, text: &str, json: bool, backend: &str) -> Result<Vec<Result<Prepared, Malformed>>, ScenarioError> {
+    let parse_err = |message: String| ScenarioError::Parse { path: path.to_path_buf(), message };
+    let file: ScenarioFile = if json {
+        serde_json::from_str(text).map_err(|e| parse_err(e.to_string()))?
     } else {
-        serde_norway::from_str(&text).map_err(|e| parse_err(e.to_string()))?
+        serde_norway::from_str(text).map_err(|e| parse_err(e.to_string()))?
     };
     if let Some(expected) = &file.backend
         && expected != backend {
