@@ -136,9 +136,12 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
     }
 }
 
+/// A device's (major, minor).
+type Numbers = (u32, u32);
+
 /// The status and numbers of an attached device; none when it is not
 /// attached.
-fn status(device: &Path) -> Result<Option<(LoopInfo64, (u32, u32))>, SysError> {
+fn status(device: &Path) -> Result<Option<(LoopInfo64, Numbers)>, SysError> {
     use std::os::unix::fs::MetadataExt;
     let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
         Ok(f) => f,
