@@ -453,3 +453,29 @@ fn a_foreign_loop_device_is_kept() {
     assert_eq!(node.scratch.loops(), [PathBuf::from(&dev)], "the admin's device is still attached");
     let _ = Command::new("losetup").args(["-d", &dev]).status();
 }
+
+/// kubelet bind-mounts its root dir onto itself when it starts, which may
+/// be after the agent: the agent must act on the root as the mount table
+/// shows it then, or its mounts land under the bind, where neither kubelet
+/// nor a container sees them (and kubelet's cleanup finds a dir it cannot
+/// remove).
+#[test]
+fn a_root_mounted_over_after_start_up_is_acted_on_as_it_is_now() {
+    use nix::mount::{MsFlags, mount};
+    let node = Node::start();
+    let root = node.scratch.path("node-a/kubelet");
+    mount(Some(&root), &root, None::<&str>, MsFlags::MS_BIND, None::<&str>).expect("bind the kubelet root onto itself");
+    mount(None::<&str>, &root, None::<&str>, MsFlags::MS_SHARED | MsFlags::MS_REC, None::<&str>).expect("make it rshared");
+    let image = node.image("v.img", 64);
+    let dir = node.mount_dir("uid-a", "pv1");
+    assert_success(&node.mount(&dir, &options("pv1", "a", &image)));
+    // Seen through the path, as kubelet and the container runtime see it.
+    assert!(Path::new(&dir).join("lost+found").is_dir(), "the volume is visible at {dir}");
+    std::fs::write(Path::new(&dir).join("f"), b"x").expect("write into the volume");
+    assert_success(&node.driver(&["unmount", &dir]));
+    // The driver may remove the dir itself; if it is there, it is empty.
+    let left: Vec<_> = std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "after unmount the pod dir is gone or empty, as kubelet needs to remove it: {left:?}");
+    nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH).expect("unbind the root");
+    nothing_mounted(&node);
+}

@@ -13,11 +13,25 @@ use std::ffi::OsStr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-/// One trusted root: its resolved path and a handle on it.
+/// One trusted root: its resolved path. A handle on it is opened afresh
+/// for each action: one kept from start-up would still name the dir under
+/// whatever is mounted on the root later (kubelet bind-mounts its root dir
+/// onto itself when it starts), so mounts made through it would be hidden
+/// from every path lookup, kubelet's included.
 #[derive(Debug)]
 struct Root {
     path: PathBuf,
-    dir: OwnedFd,
+}
+
+impl Root {
+    /// A handle on the root as the mount table shows it now. The path was
+    /// resolved at start-up, so it has no symlink; one planted since is refused.
+    fn dir(&self) -> Result<OwnedFd, SysError> {
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        openat2(nix::fcntl::AT_FDCWD, &self.path, how).map_err(errno("open root dir", &self.path))
+    }
 }
 
 /// The roots the agent may act in. Cheap to share behind an `Arc`.
@@ -41,10 +55,9 @@ impl Roots {
     pub fn open(paths: &[PathBuf]) -> Result<Roots, SysError> {
         let mut roots = Vec::new();
         for p in paths {
-            let path = resolve(p)?;
-            let dir = nix::fcntl::open(&path, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-                .map_err(errno("open root dir", &path))?;
-            roots.push(Root { path, dir });
+            let root = Root { path: resolve(p)? };
+            root.dir()?;
+            roots.push(root);
         }
         // Longest first, so a root inside another is found first.
         roots.sort_by_key(|r| std::cmp::Reverse(r.path.as_os_str().len()));
@@ -89,7 +102,7 @@ impl Roots {
     /// following no symlink on the way or at its end.
     pub fn open_at(&self, path: &Path, flags: OFlag) -> Result<OwnedFd, SysError> {
         let (root, rel) = self.locate(path)?;
-        openat2(root.dir.as_fd(), rel, how(flags)).map_err(|e| resolve_error(path, e))
+        openat2(root.dir()?.as_fd(), rel, how(flags)).map_err(|e| resolve_error(path, e))
     }
 
     /// An `O_PATH` handle on `path` (no open of the object itself: FIFOs,
@@ -103,7 +116,7 @@ impl Roots {
         let (root, rel) = self.locate(path)?;
         let name = rel.file_name().ok_or_else(|| refused(path, "has no last component"))?;
         let parent = rel.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let dir = openat2(root.dir.as_fd(), parent, how(OFlag::O_PATH | OFlag::O_DIRECTORY)).map_err(|e| resolve_error(path, e))?;
+        let dir = openat2(root.dir()?.as_fd(), parent, how(OFlag::O_PATH | OFlag::O_DIRECTORY)).map_err(|e| resolve_error(path, e))?;
         Ok((dir, PathBuf::from(name)))
     }
 
@@ -111,7 +124,7 @@ impl Roots {
     /// at a time from a handle on the one before; true when `dir` was made.
     pub fn mkdir_all(&self, dir: &Path) -> Result<bool, SysError> {
         let (root, rel) = self.locate(dir)?;
-        let mut at = nix::unistd::dup(root.dir.as_fd()).map_err(errno("dup root handle", &root.path))?;
+        let mut at = root.dir()?;
         let mut made = false;
         for name in rel.iter() {
             made = match nix::sys::stat::mkdirat(at.as_fd(), name, Mode::from_bits_truncate(0o750)) {
