@@ -10,9 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 use volagent::plugin::install::{DRIVER_CONFIG, DriverConfig};
-use volagent::socket::protocol::{self, Request, Response};
+use volagent::socket::protocol::{self, DEFAULT_SOCKET, Request, Response};
 
-const DEFAULT_SOCKET: &str = "/run/volagent/agent.sock";
 /// kubelet applies no timeout to mount/unmount; the driver bounds its wait
 /// so a wedged agent cannot hang kubelet's operation forever.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(600);

@@ -3,6 +3,7 @@
 mod agent;
 mod controller;
 mod plugin;
+mod status;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -27,6 +28,12 @@ enum Command {
         args: Box<agent::AgentArgs>,
         #[command(flatten)]
         limits: LimitArgs,
+    },
+    /// Ask the running agent which volumes this node holds, and for which
+    /// pods; exit 1 if it cannot list them.
+    Status {
+        #[command(flatten)]
+        args: status::StatusArgs,
     },
     /// Offline tools for backend policy components.
     Plugin {
@@ -82,7 +89,7 @@ impl Cli {
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
             Command::Agent { .. } | Command::Controller { .. } => "info",
-            Command::Plugin { .. } | Command::Crds { .. } => "error",
+            Command::Plugin { .. } | Command::Status { .. } | Command::Crds { .. } => "error",
         }
     }
 }
@@ -91,6 +98,7 @@ impl Cli {
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Agent { args, limits } => agent::run(*args, limits.limits()),
+        Command::Status { args } => status::run(args),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
         Command::Controller { args } => controller::run(args),
         Command::Crds { dir: None } => {

@@ -36,7 +36,7 @@ pub enum PluginCommand {
     /// or waiting to be removed; exit 1 if any is.
     Status {
         /// The agent's socket.
-        #[arg(long, default_value = "/run/volagent/agent.sock")]
+        #[arg(long, default_value = crate::socket::protocol::DEFAULT_SOCKET)]
         socket: PathBuf,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -58,12 +58,9 @@ pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
 }
 
 fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
-    use crate::socket::protocol::{self, Request, Response};
-    use anyhow::Context;
-    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| format!("agent socket {}", socket.display()))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let response = protocol::exchange(&mut stream, Request::Status).with_context(|| format!("agent at {}", socket.display()))?;
-    let Response::Status { node, backends, problems } = response else {
+    use crate::socket::protocol::{Request, Response};
+    let response = crate::socket::client::ask(socket, Request::Status, Duration::from_secs(30))?;
+    let Response::Status { node, backends, problems, .. } = response else {
         anyhow::bail!("the agent at {} answered {response:?}, not a status", socket.display());
     };
     if json {

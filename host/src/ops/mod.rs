@@ -2,6 +2,8 @@
 //! execute, with the ledger entry rolled back when execution fails.
 
 pub mod cleanup;
+pub mod held;
+pub mod oplog;
 pub mod queries;
 pub mod reconcile;
 pub mod request;
@@ -12,6 +14,7 @@ use crate::ledger::{Ledger, LedgerError, Record, VolumeSource};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
 use crate::socket::protocol::{BackendStatus, FailureKind, Response};
 use crate::sys::Sys;
+use oplog::{Finished, Op, Subject};
 use queries::NodeQueries;
 use request::{MountDir, parse_mount, parse_mount_dir};
 use stash::{Entry, Stash};
@@ -216,21 +219,22 @@ impl Agent {
         *self.problems.write().unwrap_or_else(|p| p.into_inner()) = problems;
     }
 
-    pub fn status(&self) -> Response {
+    /// The loaded backends, for the status.
+    fn backend_status(&self) -> Vec<BackendStatus> {
         let plugins = self.plugins.read().unwrap_or_else(|p| p.into_inner());
-        Response::Status {
-            node: self.config.node.clone(),
-            backends: plugins
-                .values()
-                .map(|p| BackendStatus {
-                    name: p.name().to_string(),
-                    version: p.info().version.clone(),
-                    file: p.path().display().to_string(),
-                    sha256: p.sha256().to_string(),
-                })
-                .collect(),
-            problems: self.problems.read().unwrap_or_else(|p| p.into_inner()).clone(),
-        }
+        plugins
+            .values()
+            .map(|p| BackendStatus {
+                name: p.name().to_string(),
+                version: p.info().version.clone(),
+                file: p.path().display().to_string(),
+                sha256: p.sha256().to_string(),
+            })
+            .collect()
+    }
+
+    fn plugin_problems(&self) -> Vec<crate::socket::protocol::PluginProblem> {
+        self.problems.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// What `plugin`'s guest may ask this call: about the dirs it declared,
@@ -280,8 +284,11 @@ impl Agent {
     /// cluster as an Event on the pod.
     pub async fn mount(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
         let start = std::time::Instant::now();
-        let result = self.mount_volume(backend, mount_dir, options).await;
+        let mut subject = Subject::of_options(options);
+        let result = self.mount_volume(backend, mount_dir, options, &mut subject).await;
         crate::metrics::get().operation("mount", metric_backend(backend, &result), result_label(&result), start.elapsed());
+        let done = Finished { op: Op::Mount, node: &self.config.node, backend, mount_dir, subject: &subject, elapsed: start.elapsed() };
+        oplog::log(&done, &result);
         if let (Err(f), Some(cluster)) = (&result, &self.cluster) {
             let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
             let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
@@ -328,8 +335,10 @@ impl Agent {
         blocking(move || f(&stash)).await?.map_err(internal)
     }
 
-    async fn mount_volume(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
+    /// `subject` learns the volume as soon as it is known, for the log.
+    async fn mount_volume(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>, subject: &mut Subject) -> Result<Response, Failure> {
         let dir = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        subject.learn_dir(&dir);
         let req = parse_mount(&self.config.node, backend, &dir, options).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         let plugin = self.plugin(backend)?;
         let mut volume = req.volume;
@@ -359,6 +368,7 @@ impl Agent {
             volume.fs_type = defined.fs_type;
             volume.options = defined.options;
             me.read_only |= defined.read_only;
+            subject.volume = Some(volume.name.clone());
         }
         let mut lock = Some(self.lock(&volume.name)?);
         let paths = self.config.paths(backend, &volume.name);
@@ -449,8 +459,11 @@ impl Agent {
     /// an Event on the pod.
     pub async fn unmount(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
         let start = std::time::Instant::now();
-        let result = self.unmount_volume(backend, mount_dir).await;
+        let mut subject = Subject::default();
+        let result = self.unmount_volume(backend, mount_dir, &mut subject).await;
         crate::metrics::get().operation("unmount", metric_backend(backend, &result), result_label(&result), start.elapsed());
+        let done = Finished { op: Op::Unmount, node: &self.config.node, backend, mount_dir, subject: &subject, elapsed: start.elapsed() };
+        oplog::log(&done, &result);
         if let (Err(f), Some(cluster)) = (&result, &self.cluster)
             && f.kind != FailureKind::BadRequest
         {
@@ -466,8 +479,9 @@ impl Agent {
 
     /// What to undo comes from the stash; without a stash entry (a lost or
     /// damaged stash), from the ledger's record of the mounted dir.
-    async fn unmount_volume(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
+    async fn unmount_volume(&self, backend: &str, mount_dir: &str, subject: &mut Subject) -> Result<Response, Failure> {
         let parsed = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        subject.learn_dir(&parsed);
         let mount_dir = parsed.dir.display().to_string();
         let mount_dir = mount_dir.as_str();
         let dir = mount_dir.to_string();
@@ -495,6 +509,8 @@ impl Agent {
                 }
             }
         };
+        let c = &entry.consumer;
+        *subject = Subject { volume: Some(entry.volume.name.clone()), pod: oplog::pod_name(&c.pod_namespace, &c.pod, &c.pod_uid) };
         let plugin = self.plugin(backend)?;
         let volume: Volume = entry.volume.clone();
         let mut lock = Some(self.lock(&volume.name)?);
@@ -640,6 +656,23 @@ pub fn now_rfc3339() -> String {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    /// An agent of node `n1` with kubelet's root at `/k`, no backends, an
+    /// embedded ledger (returned too) and a fake node.
+    pub(super) fn test_agent(dir: &Path) -> (Agent, Arc<crate::ledger::embedded::EmbeddedLedger>, Arc<crate::sys::fake::Fake>) {
+        let config = NodeConfig {
+            node: "n1".into(),
+            kubelet_root: "/k".into(),
+            kubelet_root_given: "/k".into(),
+            state_dir: dir.join("state"),
+            discovery_dirs: vec![],
+            inline_backends: vec![],
+        };
+        let ledger = Arc::new(crate::ledger::embedded::EmbeddedLedger::open(&dir.join("ledger.redb"), false).unwrap());
+        let stash = Stash::open(&dir.join("stash.redb")).unwrap();
+        let fake = crate::sys::fake::Fake::new();
+        (Agent::new(config, Vec::new(), ledger.clone(), stash, fake.sys(), Duration::from_secs(5)), ledger, fake)
+    }
 
     #[test]
     fn loop_tags_are_per_agent_stable_and_fit_their_field() {

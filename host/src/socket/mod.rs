@@ -1,5 +1,7 @@
 //! The agent's Unix socket: the wire protocol (shared with the driver), the
-//! server and the dispatch of requests to operations.
+//! server and the dispatch of requests to operations, and the client the
+//! CLI's status commands use.
 
+pub mod client;
 pub mod protocol;
 pub mod server;

@@ -8,6 +8,9 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 
 pub const PROTOCOL_VERSION: u32 = 1;
+/// Where the agent listens unless told otherwise (`volagent agent
+/// --runtime-dir` default, plus `agent.sock`).
+pub const DEFAULT_SOCKET: &str = "/run/volagent/agent.sock";
 /// Largest frame either side accepts.
 pub const MAX_FRAME: u32 = 1 << 20;
 
@@ -27,7 +30,7 @@ pub enum Request {
     Mount { backend: String, mount_dir: String, options: BTreeMap<String, String> },
     /// kubelet's `unmount <mount-dir>`.
     Unmount { backend: String, mount_dir: String },
-    /// What the agent serves.
+    /// What the agent serves, and the volumes the node holds.
     Status,
 }
 
@@ -52,6 +55,18 @@ pub enum Response {
         /// Degraded backends and removals waiting for volumes.
         #[serde(default)]
         problems: Vec<PluginProblem>,
+        /// The volumes this node holds, by backend and name (absent from
+        /// older agents' answers).
+        #[serde(default)]
+        volumes: Vec<HeldVolume>,
+        /// How many held volumes were left out of `volumes` to keep the
+        /// answer within a frame.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        volumes_left_out: usize,
+        /// Why the held volumes could not be listed (the ledger could not
+        /// be read); `volumes` is then empty.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        volumes_error: Option<String>,
     },
     Failed { kind: FailureKind, message: String },
 }
@@ -62,6 +77,40 @@ pub struct BackendStatus {
     pub version: String,
     pub file: String,
     pub sha256: String,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// A volume this node holds: its attachment record's view of this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldVolume {
+    pub backend: String,
+    /// The record's key: the PV's name (an inline volume's key with a cluster).
+    pub volume: String,
+    /// `ReadWriteOnce`, `ReadOnlyMany`, `ReadWriteMany` or `ReadWriteOncePod`.
+    pub access_mode: String,
+    /// The device mounted at the staging dir, when one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    pub staging_dir: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_cluster: Option<String>,
+    /// The pods on this node holding it.
+    pub pods: Vec<HeldBy>,
+}
+
+/// A pod holding a volume on this node, as recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldBy {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub mount_dir: String,
+    pub read_only: bool,
+    /// When it was recorded, RFC 3339.
+    pub since: String,
 }
 
 /// Something wrong with a file in the plugin dir, or a removal waiting.
@@ -166,6 +215,44 @@ mod tests {
         assert_eq!(back, req);
         let json = String::from_utf8(bytes[4..].to_vec()).unwrap();
         assert!(json.starts_with(r#"{"version":1,"request":{"mount":{"backend":"local-pv""#), "{json}");
+    }
+
+    #[test]
+    fn a_status_without_volumes_is_read_as_holding_none() {
+        // An older agent's answer: no volume fields.
+        let old = br#"{"version":1,"response":{"status":{"node":"n1","backends":[]}}}"#;
+        let mut frame = (old.len() as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(old);
+        let back: ResponseFrame = read_frame(&mut frame.as_slice()).unwrap();
+        let Response::Status { volumes, volumes_left_out, volumes_error, .. } = back.response else { panic!("{back:?}") };
+        assert!(volumes.is_empty() && volumes_left_out == 0 && volumes_error.is_none());
+        // And a full answer goes out and comes back as it was.
+        let status = Response::Status {
+            node: "n1".into(),
+            backends: vec![],
+            problems: vec![],
+            volumes: vec![HeldVolume {
+                backend: "local-pv".into(),
+                volume: "pv1".into(),
+                access_mode: "ReadWriteOnce".into(),
+                device: Some("/dev/loop3".into()),
+                staging_dir: "/k/plugins/volagent/local-pv/mounts/pv1".into(),
+                storage_cluster: None,
+                pods: vec![HeldBy {
+                    namespace: "default".into(),
+                    name: "web-0".into(),
+                    uid: "u-1".into(),
+                    mount_dir: "/k/pods/u-1/volumes/volagent~local-pv/pv1".into(),
+                    read_only: false,
+                    since: "2026-01-01T00:00:00Z".into(),
+                }],
+            }],
+            volumes_left_out: 3,
+            volumes_error: None,
+        };
+        let bytes = encode(&ResponseFrame { version: 1, response: status.clone() }).unwrap();
+        let back: ResponseFrame = read_frame(&mut bytes.as_slice()).unwrap();
+        assert_eq!(back.response, status);
     }
 
     #[test]

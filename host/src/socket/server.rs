@@ -170,17 +170,26 @@ async fn dispatch(agent: &Agent, slots: &Semaphore, config: &ServerConfig, reque
     // Only the wait for a slot is cut short: a running operation is never
     // abandoned half-way (its lock would be released while its steps still
     // run); each of its steps has a deadline of its own instead.
-    let _slot = match tokio::time::timeout(config.slot_timeout, slots.acquire()).await {
-        Ok(Ok(slot)) => slot,
-        Ok(Err(_)) => return failed(FailureKind::Unavailable, "the agent is shutting down".into()),
-        Err(_) => return failed(FailureKind::Busy, format!("all {} operation slots stayed busy for {:?}; retry", config.max_concurrent, config.slot_timeout)),
+    let start = std::time::Instant::now();
+    let slot = match tokio::time::timeout(config.slot_timeout, slots.acquire()).await {
+        Ok(Ok(slot)) => Ok(slot),
+        Ok(Err(_)) => Err(Failure::new(FailureKind::Unavailable, "the agent is shutting down")),
+        Err(_) => Err(Failure::new(FailureKind::Busy, format!("all {} operation slots stayed busy for {:?}; retry", config.max_concurrent, config.slot_timeout))),
+    };
+    let _slot = match slot {
+        Ok(slot) => slot,
+        Err(f) => {
+            // A mount or unmount refused here still gets its log line.
+            agent.log_unserved(&request, &f, start.elapsed());
+            return f.into();
+        }
     };
     let result = match request {
         Request::Handshake { backend } => agent.plugin(&backend).map(|p| Response::Ok {
             message: format!("volagent serves {} {}", p.name(), p.info().version),
             device: None,
         }),
-        Request::Status => Ok(agent.status()),
+        Request::Status => Ok(agent.status().await),
         Request::Mount { backend, mount_dir, options } => agent.mount(&backend, &mount_dir, &options).await,
         Request::Unmount { backend, mount_dir } => agent.unmount(&backend, &mount_dir).await,
     };
