@@ -31,7 +31,13 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+use std::sync::Arc;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+pub mod node;
+mod ns;
+
+pub use ns::Namespaces;
 
 /// The Kubernetes version `scripts/kube-assets` builds.
 pub const KUBE_VERSION: &str = "1.20.2";
@@ -54,6 +60,8 @@ pub struct KubeEnv {
     users: Vec<User>,
     etcd: Mutex<Option<Child>>,
     apiserver: Mutex<Option<Child>>,
+    /// Where the children run: the caller's namespaces, or the process's.
+    namespaces: Option<Arc<Namespaces>>,
 }
 
 struct User {
@@ -66,6 +74,12 @@ impl KubeEnv {
     /// Starts a new, independent cluster and waits until its API server is
     /// ready (a few seconds).
     pub async fn start() -> anyhow::Result<KubeEnv> {
+        KubeEnv::start_in(None).await
+    }
+
+    /// Like [`Self::start`], with etcd and the API server in `namespaces`
+    /// (e.g. a test's private network namespace, where its kubelets run).
+    pub async fn start_in(namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<KubeEnv> {
         let assets = assets_dir()?;
         let dir = tempfile::Builder::new()
             .prefix("volagent-kube-env-")
@@ -129,7 +143,7 @@ impl KubeEnv {
                 // etcd 3.4 refuses to start on arm64 unless told.
                 cmd.env("ETCD_UNSUPPORTED_ARCH", "arm64");
             }
-            let mut child = spawn(cmd, &etcd_log, false)
+            let mut child = spawn_in(cmd, &etcd_log, false, namespaces.as_deref())
                 .with_context(|| format!("starting {}", assets.join("etcd").display()))?;
             match wait_etcd(&mut child, client_port, &etcd_log).await {
                 Ok(()) => break (child, client_url),
@@ -151,6 +165,7 @@ impl KubeEnv {
             users: Vec::new(),
             etcd: Mutex::new(Some(etcd)),
             apiserver: Mutex::new(None),
+            namespaces,
             dir,
         };
         let d = env.dir.path().to_owned();
@@ -261,7 +276,7 @@ impl KubeEnv {
             if slot.is_none() {
                 let mut cmd = Command::new(&self.apiserver_bin);
                 cmd.current_dir(self.dir.path()).args(&self.apiserver_args);
-                let child = spawn(cmd, &log, append_log)
+                let child = spawn_in(cmd, &log, append_log, self.namespaces.as_deref())
                     .with_context(|| format!("starting {}", self.apiserver_bin.display()))?;
                 *slot = Some(child);
             }
@@ -319,8 +334,9 @@ impl Drop for KubeEnv {
     }
 }
 
-/// The directory with `etcd` and `kube-apiserver`.
-fn assets_dir() -> anyhow::Result<PathBuf> {
+/// The directory with `etcd` and `kube-apiserver` (and, from
+/// `scripts/kube-assets`, `kube-controller-manager` and `kubelet`).
+pub fn assets_dir() -> anyhow::Result<PathBuf> {
     let has = |d: &Path| is_executable(&d.join("etcd")) && is_executable(&d.join("kube-apiserver"));
     if let Some(d) = std::env::var_os("KUBEBUILDER_ASSETS").filter(|d| !d.is_empty()) {
         let d = PathBuf::from(d);
@@ -355,14 +371,14 @@ fn is_executable(path: &Path) -> bool {
     fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-fn arg(flag: &str, path: &Path) -> OsString {
+pub(crate) fn arg(flag: &str, path: &Path) -> OsString {
     let mut s = OsString::from(flag);
     s.push(path);
     s
 }
 
 /// `n` distinct loopback ports that were free a moment ago.
-fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
     // Hold every listener until all are picked, so that they differ.
     let listeners = (0..n)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
@@ -465,7 +481,7 @@ fn kill(child: &mut Child) {
 }
 
 /// The last lines of a log file, for error messages.
-fn log_tail(log: &Path) -> String {
+pub fn log_tail(log: &Path) -> String {
     const LINES: usize = 40;
     match fs::read_to_string(log) {
         Ok(text) => {
@@ -482,8 +498,9 @@ fn log_tail(log: &Path) -> String {
 }
 
 /// Starts `cmd` with stdout and stderr going to `log`, and with `SIGKILL` as
-/// its parent-death signal, so it dies with the test process.
-fn spawn(mut cmd: Command, log: &Path, append: bool) -> anyhow::Result<Child> {
+/// its parent-death signal, so it dies with the test process; in
+/// `namespaces` when given.
+pub fn spawn_in(mut cmd: Command, log: &Path, append: bool, namespaces: Option<&Namespaces>) -> anyhow::Result<Child> {
     let out = OpenOptions::new()
         .create(true)
         .write(true)
@@ -495,6 +512,9 @@ fn spawn(mut cmd: Command, log: &Path, append: bool) -> anyhow::Result<Child> {
         .stdout(out.try_clone()?)
         .stderr(out);
     set_parent_death_signal(&mut cmd);
+    if let Some(ns) = namespaces {
+        ns.enter_on_exec(&mut cmd);
+    }
 
     // The parent-death signal fires when the *thread* that forked the child
     // ends, not the process; Tokio's threads come and go. So children are
