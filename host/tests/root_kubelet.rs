@@ -74,3 +74,200 @@ fn a_pod_writes_a_local_volume_and_the_next_pod_reads_it() {
     c.delete_pod("check");
     assert_nothing_left(&c, "node-a", "data");
 }
+
+/// Waits until the pod's container waits with `reason` (e.g. ContainerCreating).
+fn assert_waiting(c: &Cluster, pod: &str, reason: &str) {
+    let p = c.pod(pod);
+    assert_eq!(waiting_reason(p.as_ref()).as_deref(), Some(reason), "{pod} waits\n{}", c.diagnose(pod, p.as_ref()));
+}
+
+/// Two pods on one node share a ReadWriteOnce volume; a pod on the other
+/// node stays ContainerCreating with an Event naming a holder, and starts
+/// once the holders are gone.
+#[test]
+fn a_read_write_once_volume_is_shared_on_its_node_and_waited_for_elsewhere() {
+    let c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE]);
+    let image = c.image("shared.img", 64);
+    c.create_volume("shared", "shared-file", "ReadWriteOnce", &[("path", &image)]);
+    let vol = || [("data", claim("shared"))];
+    c.create_pod(pod_with("p1", "node-a", &serve("echo p1 > /data/from-p1"), &vol(), Some("test -f /data/from-p1"), "Never"));
+    c.create_pod(pod_with("p2", "node-a", &serve("true"), &vol(), Some("test -f /data/from-p1"), "Never"));
+    c.wait_pod("p1", "Ready", is_ready);
+    c.wait_pod("p2", "Ready (it sees what p1 wrote)", is_ready);
+
+    c.create_pod(pod_with("p3", "node-b", &serve("true"), &vol(), Some("test -f /data/from-p1"), "Never"));
+    let said = c.wait_event("p3", "VolumeFenced", &["volume shared (ReadWriteOnce) is in use by pod default/p", "on node node-a"]);
+    assert!(said.starts_with("volagent on node-b"), "{said}");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_waiting(&c, "p3", "ContainerCreating");
+    let rec = c.record("shared").expect("record");
+    let mut holders: Vec<_> = rec.spec.consumers.iter().map(|h| (h.node.as_str(), h.pod.as_str())).collect();
+    holders.sort();
+    assert_eq!(holders, [("node-a", "p1"), ("node-a", "p2")], "the record names the holders, not the waiting pod");
+
+    c.delete_pod("p1");
+    c.delete_pod("p2");
+    c.wait_pod("p3", "Ready once the holders are gone (and seeing their data)", is_ready);
+    let rec = c.record("shared").expect("record");
+    assert_eq!(rec.spec.consumers.iter().map(|h| h.node.as_str()).collect::<Vec<_>>(), ["node-b"]);
+    c.delete_pod("p3");
+    assert_nothing_left(&c, "node-b", "shared");
+}
+
+/// The holder's node dies. While it is merely NotReady the waiting pod on
+/// the other node is refused, with the reason; once the node is deleted the
+/// pod takes the volume over, after the guest's fence step detached what
+/// the dead node left attached.
+#[test]
+fn a_dead_nodes_volume_is_taken_over_only_once_it_is_gone_and_fenced() {
+    use volagent::sys::Devices as _;
+    let mut c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE]);
+    let image = c.image("tk.img", 64);
+    c.create_volume("tk", "shared-file", "ReadWriteOnce", &[("path", &image)]);
+    c.create_pod(pod_with("h", "node-a", &serve("echo h > /data/from-h"), &[("data", claim("tk"))], Some("test -f /data/from-h"), "Never"));
+    c.wait_pod("h", "Ready", is_ready);
+
+    // node-a's machine stops: its processes, its mounts, its loop devices,
+    // but a read-only mapping of the image is left behind (a device a
+    // crashed node could leave). Without the fence step node-b would reuse it.
+    c.crash_node("node-a");
+    let root = c.node("node-a").dir.clone();
+    for m in c.mounts_below(&root).into_iter().rev() {
+        nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).expect("unmount the dead node's mount");
+    }
+    let linux = volagent::sys::linux::Linux::unrooted();
+    for d in c.scratch.loops() {
+        linux.loop_detach(&d).expect("detach");
+    }
+    let roots = volagent::sys::Roots::open(&[c.scratch.path("disks")]).expect("roots");
+    let stale = volagent::sys::linux::Linux::new(roots, "volagent:dead-node");
+    let leftover = stale.loop_attach(std::path::Path::new(&image), true).expect("a leftover read-only mapping");
+
+    // NotReady (the node controller's verdict) is not gone.
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(c.client());
+    let start = std::time::Instant::now();
+    while c.rt.block_on(nodes.get("node-a")).ok().and_then(|n| n.status?.conditions).is_some_and(|cs| cs.iter().any(|x| x.type_ == "Ready" && x.status == "True")) {
+        assert!(start.elapsed() < Duration::from_secs(60), "node-a never became NotReady");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    c.create_pod(pod_with("w", "node-b", &serve("true"), &[("data", claim("tk"))], Some("test -f /data/from-h && echo w > /data/from-w"), "Never"));
+    c.wait_event("w", "VolumeFenced", &["is in use by pod default/h on node node-a", "node node-a is NotReady, but a volume is only taken over from a deleted node"]);
+    assert_waiting(&c, "w", "ContainerCreating");
+    assert!(c.scratch.loops().contains(&leftover), "nothing was fenced while node-a was only NotReady");
+
+    c.rt.block_on(nodes.delete("node-a", &Default::default())).expect("delete node-a");
+    c.wait_pod("w", "Ready after the take-over (it writes, so its device is read-write)", is_ready);
+    assert!(!c.scratch.loops().contains(&leftover) || std::fs::read_to_string(format!("/sys/block/{}/ro", leftover.file_name().unwrap().to_string_lossy())).is_ok_and(|ro| ro.trim() == "0"),
+        "the fence step detached the leftover read-only mapping {}", leftover.display());
+    let rec = c.record("tk").expect("record");
+    assert_eq!(rec.spec.consumers.iter().map(|h| (h.node.as_str(), h.pod.as_str())).collect::<Vec<_>>(), [("node-b", "w")], "the dead holder is gone from the record");
+    c.delete_pod("w");
+    assert_nothing_left(&c, "node-b", "tk");
+}
+
+/// A backend dropped into a running agent's plugin dir serves a new pod,
+/// with neither kubelet nor the agent restarted; a broken replacement
+/// leaves the running pod untouched, and its volume still comes down.
+#[test]
+fn a_backend_dropped_in_serves_new_pods_and_a_broken_one_harms_none() {
+    let c = Cluster::start(&[("node-a", &[])], &[SHARED_FILE]);
+    let (kubelet_pid, agent_pid) = (c.node("node-a").kubelet().pid(), c.node("node-a").agent.as_ref().map(|a| a.id()));
+    let image = c.image("hot.img", 64);
+    c.create_volume("hot", "local-pv", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
+    c.create_pod(pod_with("hot", "node-a", &serve("true"), &[("data", claim("hot"))], Some("date > /data/tick"), "Never"));
+    // kubelet finds no plugin for it (it says so in its log; the pod's
+    // Event only comes when its two-minute wait runs out).
+    let start = std::time::Instant::now();
+    while !std::fs::read_to_string(c.node("node-a").kubelet().log()).unwrap_or_default().contains("no volume plugin matched") {
+        assert!(start.elapsed() < Duration::from_secs(60), "kubelet never looked for the volume's plugin\n{}", c.diagnose("hot", c.pod("hot").as_ref()));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_waiting(&c, "hot", "ContainerCreating");
+
+    let plugins = c.node("node-a").plugin_dir();
+    let drop_in = |bytes: &[u8]| {
+        let tmp = plugins.join(".local-pv.wasm.new");
+        std::fs::write(&tmp, bytes).expect("write");
+        std::fs::rename(&tmp, plugins.join("local-pv.wasm")).expect("rename into place");
+    };
+    drop_in(&std::fs::read(volagent_test_artifacts::LOCAL_PV).expect("local-pv.wasm"));
+    c.wait_pod("hot", "Ready (served by the backend dropped in)", is_ready);
+
+    drop_in(b"\0asm\x01\0\0\0 this is not a component");
+    let start = std::time::Instant::now();
+    while !std::fs::read_to_string(c.node("node-a").agent_log()).unwrap_or_default().lines().any(|l| l.contains("local-pv") && (l.contains("\"WARN\"") || l.contains("\"ERROR\"")) && l.contains("load")) {
+        assert!(start.elapsed() < Duration::from_secs(30), "the agent never noticed the broken backend\n{}", tail(&c.node("node-a").agent_log()));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The running pod keeps its volume: its probe writes every second.
+    std::thread::sleep(Duration::from_secs(4));
+    let p = c.pod("hot");
+    assert!(is_ready(p.as_ref()) && restarts(p.as_ref()) == 0, "the running pod is untouched\n{}", c.diagnose("hot", p.as_ref()));
+    c.delete_pod("hot");
+    assert_nothing_left(&c, "node-a", "hot");
+    assert_eq!(c.node("node-a").kubelet().pid(), kubelet_pid, "kubelet was not restarted");
+    assert_eq!(c.node("node-a").agent.as_ref().map(|a| a.id()), agent_pid, "the agent was not restarted");
+}
+
+/// The agent dies (SIGKILL) in the middle of a mount kubelet asked for:
+/// kubelet's retry succeeds once the agent is back, with one mount of the
+/// volume, one bind into the pod and one record.
+#[test]
+fn an_agent_killed_while_kubelet_mounts_serves_kubelets_retry() {
+    let mut c = Cluster::start(&[("node-a", &[])], &[LOCAL_PV]);
+    let image = c.image("kill.img", 64);
+    c.create_volume("kill", "local-pv", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
+    // After the device is attached, before it is formatted and mounted.
+    c.kill_agent("node-a");
+    c.start_agent("node-a", &[(volagent::exec::KILL_AFTER_STEP_ENV, "1")]);
+    c.create_pod(pod_with("k", "node-a", &serve("true"), &[("data", claim("kill"))], Some("date > /data/tick"), "Never"));
+    c.wait_agent_exit("node-a", POD_WAIT);
+    c.wait_event("k", "FailedMount", &["kill"]);
+    assert_waiting(&c, "k", "ContainerCreating");
+
+    c.start_agent("node-a", &[]);
+    c.wait_pod("k", "Ready after kubelet's retry", is_ready);
+    let root = c.node("node-a").kubelet_root();
+    let mounts: Vec<_> = c.mounts_below(&root).into_iter().filter(|m| m.ends_with("kill")).collect();
+    assert_eq!(mounts.len(), 2, "one staging mount and one bind into the pod: {mounts:?}");
+    assert!(mounts.iter().any(|m| m.to_string_lossy().contains("/volumes/volagent~local-pv/")), "{mounts:?}");
+    assert_eq!(c.scratch.loops().len(), 1, "one loop device: {:?}", c.scratch.loops());
+    let rec = c.record("kill").expect("record");
+    assert_eq!(rec.spec.consumers.len(), 1, "one record with one consumer: {:?}", rec.spec.consumers);
+    c.delete_pod("k");
+    assert_nothing_left(&c, "node-a", "kill");
+}
+
+/// Pod-authored inline volumes get what the trust-boundary rules say:
+/// refused where an admin did not enable them; where enabled, each is its
+/// pod's own fresh volume, and one naming another pod's file or a path
+/// outside the discovery dirs is refused.
+#[test]
+fn inline_volumes_get_what_the_trust_rules_say() {
+    let c = Cluster::start(&[("node-a", &[]), ("node-b", &["--allow-inline-volumes", "local-pv"])], &[LOCAL_PV]);
+    let (img_a, img_b) = (c.image("inline-a.img", 64), c.image("inline-b.img", 64));
+
+    c.create_pod(pod_with("i1", "node-a", &serve("true"), &[("data", inline("local-pv", &[("path", &img_a), ("node", "node-a")]))], None, "Never"));
+    c.wait_event("i1", "VolumeRefused", &["inline volumes of backend local-pv are not enabled on this node"]);
+    assert_waiting(&c, "i1", "ContainerCreating");
+
+    // Its own, fresh filesystem: nothing but lost+found before it writes.
+    let fresh = "test \"$(ls -A /data)\" = lost+found && echo mine > /data/mine";
+    let uid = c.create_pod(pod_with("i2", "node-b", &serve(fresh), &[("data", inline("local-pv", &[("path", &img_b), ("node", "node-b")]))], Some("test -f /data/mine"), "Never"));
+    c.wait_pod("i2", "Ready", is_ready);
+    let rec = c.record(&format!("inline-{uid}-data")).expect("the inline volume's record is keyed by the pod's UID");
+    assert_eq!(rec.spec.access_mode, volagent::kube::crds::AccessMode::ReadWriteOncePod);
+
+    c.create_pod(pod_with("i3", "node-b", &serve("true"), &[("data", inline("local-pv", &[("path", &img_b), ("node", "node-b")]))], None, "Never"));
+    c.wait_event("i3", "VolumeMountFailed", &["one device serves one volume"]);
+    c.create_pod(pod_with("i4", "node-b", &serve("true"), &[("data", inline("local-pv", &[("path", "/etc"), ("node", "node-b")]))], None, "Never"));
+    c.wait_event("i4", "VolumeMountFailed", &["lookup-path /etc: outside the dirs this backend may ask about"]);
+    for p in ["i1", "i3", "i4"] {
+        assert_waiting(&c, p, "ContainerCreating");
+    }
+    for p in ["i1", "i2", "i3", "i4"] {
+        c.delete_pod(p);
+    }
+    assert_nothing_left(&c, "node-b", &format!("inline-{uid}-data"));
+    assert!(c.records().is_empty(), "no record left: {:?}", c.records());
+}

@@ -81,6 +81,9 @@ impl NodeConfig {
 pub struct Failure {
     pub kind: FailureKind,
     pub message: String,
+    /// Denied by the backend's fence decision (another holder), as opposed
+    /// to refused by a trust rule: the two get different Event reasons.
+    pub fenced: bool,
 }
 
 /// Longest message a failure carries: a guest's refusal or a tool's output
@@ -103,7 +106,12 @@ pub fn bounded(mut message: String, max: usize) -> String {
 
 impl Failure {
     pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
-        Failure { kind, message: bounded(message.into(), MAX_MESSAGE) }
+        Failure { kind, message: bounded(message.into(), MAX_MESSAGE), fenced: false }
+    }
+
+    /// A denial by the fence decision.
+    pub fn fenced(message: impl Into<String>) -> Failure {
+        Failure { fenced: true, ..Failure::new(FailureKind::Denied, message) }
     }
 }
 
@@ -292,7 +300,11 @@ impl Agent {
         if let (Err(f), Some(cluster)) = (&result, &self.cluster) {
             let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
             let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
-            let reason = if f.kind == FailureKind::Denied { "VolumeFenced" } else { "VolumeMountFailed" };
+            let reason = match f.kind {
+                FailureKind::Denied if f.fenced => "VolumeFenced",
+                FailureKind::Denied => "VolumeRefused",
+                _ => "VolumeMountFailed",
+            };
             if !ns.is_empty() && !pod.is_empty() && f.kind != FailureKind::BadRequest {
                 let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
                 let reason = reason.to_string();
@@ -395,7 +407,7 @@ impl Agent {
             crate::metrics::get().fence(backend, outcome);
             match decision {
                 Decision::Grant => {}
-                Decision::Deny(reason) => return Err(Failure::new(FailureKind::Denied, reason)),
+                Decision::Deny(reason) => return Err(Failure::fenced(reason)),
                 Decision::TakeOver(take) => {
                     self.run_plan(take.fence_steps.clone(), &mut lock).await?;
                     kept.retain(|h| !take.stale.contains(h));

@@ -505,3 +505,21 @@ pub fn enter_node_namespaces() -> anyhow::Result<Arc<Namespaces>> {
     }
     Ok(Arc::new(Namespaces::of_current_thread()?))
 }
+
+/// Detaches every mount below `dir` in the calling thread's mount
+/// namespace (containerd's snapshots and network namespaces, kubelet's
+/// binds), deepest first, so the dir can be removed.
+pub fn unmount_below(dir: &Path) {
+    let Ok(table) = fs::read_to_string("/proc/thread-self/mountinfo") else { return };
+    // Field 5 is the mount point, with space, tab, newline and backslash octal-escaped.
+    let mut points: Vec<PathBuf> = table
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(p.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    for p in points {
+        let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
+    }
+}

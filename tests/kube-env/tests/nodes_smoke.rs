@@ -16,6 +16,8 @@ fn two_nodes_run_pods() {
     node::become_subreaper().expect("subreaper");
     let ns = node::enter_node_namespaces().expect("namespaces");
     let scratch = tempfile::Builder::new().prefix("volagent-nodes-").tempdir_in("/var/tmp").expect("scratch");
+    // Dropped after the daemons, before the scratch dir, also on failure.
+    let _teardown = Teardown(scratch.path().to_owned());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let env = rt.block_on(KubeEnv::start_in(Some(ns.clone()))).expect("API server");
     let client = {
@@ -64,9 +66,13 @@ fn two_nodes_run_pods() {
             std::thread::sleep(Duration::from_millis(300));
         }
     }
-    drop(nodes);
-    drop(kcm);
-    drop(env);
-    let left = node::kill_descendants(Duration::from_secs(10));
-    eprintln!("killed at teardown: {left:?}");
+}
+
+struct Teardown(std::path::PathBuf);
+
+impl Drop for Teardown {
+    fn drop(&mut self) {
+        node::kill_descendants(Duration::from_secs(10));
+        node::unmount_below(&self.0);
+    }
 }
