@@ -402,9 +402,10 @@ impl Drop for Cluster {
         }
         self.kcm = None;
         self.env = None;
-        // Shims and containers (this process inherited them), then the
-        // scratch dir's mounts and loop devices (RootScratch's drop).
-        node::kill_descendants(Duration::from_secs(20));
+        // Shims and containers (this process inherited them) and their
+        // cgroups, then the scratch dir's mounts and loop devices (also
+        // RootScratch's drop).
+        node::teardown(&self.scratch.path(""));
     }
 }
 

@@ -405,6 +405,29 @@ pub fn kill_descendants(within: Duration) -> Vec<String> {
     kill_trees(&[], within)
 }
 
+/// Ends a box from [`enter_node_namespaces`] (call on its thread): kills
+/// every process it left, removes the cgroups of containers that were
+/// killed rather than deleted (runc's state under the namespace's
+/// `/run/containerd` names them), and detaches every mount below `dir`.
+pub fn teardown(dir: &Path) {
+    kill_descendants(Duration::from_secs(20));
+    remove_container_cgroups();
+    unmount_below(dir);
+}
+
+/// Removes `/sys/fs/cgroup/<hierarchy>/k8s.io/<id>` of each container runc
+/// still has state for; they are empty once their processes are reaped.
+fn remove_container_cgroups() {
+    let Ok(ids) = fs::read_dir("/run/containerd/runc/k8s.io") else { return };
+    let ids: Vec<std::ffi::OsString> = ids.flatten().map(|e| e.file_name()).collect();
+    let Ok(hierarchies) = fs::read_dir("/sys/fs/cgroup") else { return };
+    for h in hierarchies.flatten() {
+        for id in &ids {
+            let _ = fs::remove_dir(h.path().join("k8s.io").join(id));
+        }
+    }
+}
+
 /// Kills `roots` and their descendants, or with no roots every descendant
 /// of this process, and reaps those that are (or become) its children.
 fn kill_trees(roots: &[i32], within: Duration) -> Vec<String> {
@@ -487,7 +510,8 @@ pub async fn wait_node_ready(client: &kube::Client, name: &str, within: Duration
 
 /// Moves the calling thread into a new mount and network namespace fit for
 /// nodes: `/` private (nothing reaches the host), loopback up, and tmpfs on
-/// kubelet's fixed log dirs (`/var/log/pods`, `/var/log/containers`).
+/// kubelet's fixed log dirs (`/var/log/pods`, `/var/log/containers`) and on
+/// `/run/containerd`.
 /// Children join them through the returned handles. Needs root.
 pub fn enter_node_namespaces() -> anyhow::Result<Arc<Namespaces>> {
     use nix::mount::{MsFlags, mount};
@@ -499,7 +523,10 @@ pub fn enter_node_namespaces() -> anyhow::Result<Arc<Namespaces>> {
     if !status.success() {
         bail!("ip link set lo up: {status}");
     }
-    for d in ["/var/log/pods", "/var/log/containers"] {
+    // containerd's shims put their sockets, and runc its state, under
+    // /run/containerd whatever the config says: kept in the namespace, what
+    // a killed shim leaves there goes with it.
+    for d in ["/var/log/pods", "/var/log/containers", "/run/containerd"] {
         fs::create_dir_all(d).with_context(|| format!("creating {d}"))?;
         mount(Some("tmpfs"), d, Some("tmpfs"), MsFlags::empty(), Some("mode=0755")).with_context(|| format!("tmpfs on {d}"))?;
     }

@@ -72,7 +72,6 @@ struct Teardown(std::path::PathBuf);
 
 impl Drop for Teardown {
     fn drop(&mut self) {
-        node::kill_descendants(Duration::from_secs(10));
-        node::unmount_below(&self.0);
+        node::teardown(&self.0);
     }
 }
