@@ -119,7 +119,24 @@ fn a_read_write_once_volume_is_shared_on_its_node_and_waited_for_elsewhere() {
 /// pod takes the volume over, after the guest's fence step detached what
 /// the dead node left attached.
 #[test]
-fn a_dead_nodes_volume_is_taken_over_only_once_it_is_gone_and_fenced() {
+fn a_deleted_nodes_volume_is_taken_over_only_once_it_is_gone_and_fenced() {
+    take_over_from_a_dead_node(Gone::Deleted);
+}
+
+/// The same when the dead node is kept but tainted out-of-service.
+#[test]
+fn an_out_of_service_nodes_volume_is_taken_over_only_after_fencing() {
+    take_over_from_a_dead_node(Gone::OutOfService);
+}
+
+/// How a dead node is declared gone.
+#[derive(Debug, PartialEq)]
+enum Gone {
+    Deleted,
+    OutOfService,
+}
+
+fn take_over_from_a_dead_node(gone: Gone) {
     use volagent::sys::Devices as _;
     let mut c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE]);
     let image = c.image("tk.img", 64);
@@ -155,10 +172,15 @@ fn a_dead_nodes_volume_is_taken_over_only_once_it_is_gone_and_fenced() {
     assert_waiting(&c, "w", "ContainerCreating");
     assert!(c.scratch.loops().contains(&leftover), "nothing was fenced while node-a was only NotReady");
 
-    c.rt.block_on(nodes.delete("node-a", &Default::default())).expect("delete node-a");
+    match gone {
+        Gone::Deleted => {
+            c.rt.block_on(nodes.delete("node-a", &Default::default())).expect("delete node-a");
+        }
+        Gone::OutOfService => c.rt.block_on(kube_common::taint_out_of_service(&c.client(), "node-a")),
+    }
     c.wait_pod("w", "Ready after the take-over (it writes, so its device is read-write)", is_ready);
     assert!(!c.scratch.loops().contains(&leftover) || std::fs::read_to_string(format!("/sys/block/{}/ro", leftover.file_name().unwrap().to_string_lossy())).is_ok_and(|ro| ro.trim() == "0"),
-        "the fence step detached the leftover read-only mapping {}", leftover.display());
+        "{gone:?}: the fence step detached the leftover read-only mapping {}", leftover.display());
     let rec = c.record("tk").expect("record");
     assert_eq!(rec.spec.consumers.iter().map(|h| (h.node.as_str(), h.pod.as_str())).collect::<Vec<_>>(), [("node-b", "w")], "the dead holder is gone from the record");
     c.delete_pod("w");
