@@ -1,4 +1,6 @@
-//! Test support: a real etcd + kube-apiserver on loopback.
+//! Test support: a real etcd + kube-apiserver on loopback, and (in
+//! [`node`]) kube-controller-manager, containerd and kubelets for the
+//! kubelet tier.
 //!
 //! [`KubeEnv::start`] starts an independent single-node cluster — an etcd and
 //! a kube-apiserver (1.20.2) as child processes, on free loopback ports, with
@@ -349,12 +351,7 @@ pub fn assets_dir() -> anyhow::Result<PathBuf> {
             d.display()
         );
     }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .filter(|p| p.is_absolute())
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .context("neither KUBEBUILDER_ASSETS nor HOME is set")?;
-    let d = cache.join("volagent/kube-assets").join(KUBE_VERSION);
+    let d = cache_dir().context("neither KUBEBUILDER_ASSETS nor HOME is set")?.join("kube-assets").join(KUBE_VERSION);
     if has(&d) {
         return Ok(d);
     }
@@ -364,6 +361,16 @@ pub fn assets_dir() -> anyhow::Result<PathBuf> {
          or set KUBEBUILDER_ASSETS to a directory holding both",
         d.display()
     )
+}
+
+/// `${XDG_CACHE_HOME:-~/.cache}/volagent`, where the scripts keep what they
+/// build; None without a HOME.
+pub(crate) fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|c| c.join("volagent"))
 }
 
 fn is_executable(path: &Path) -> bool {

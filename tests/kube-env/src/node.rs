@@ -9,8 +9,9 @@
 //! private network and mount namespace ([`Namespaces`]).
 //!
 //! Teardown: the processes die with the test process (parent-death signal),
-//! and [`kill_descendants`] also ends what containerd started (shims and
-//! containers), which the test process inherits as a subreaper.
+//! and [`teardown`] also ends what containerd started (shims and
+//! containers, which the test process inherits as a subreaper), their
+//! cgroups and the mounts below the test's dir.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::{KubeEnv, Namespaces, arg, assets_dir, free_ports, kill, lock, log_tail, spawn_in};
+use crate::{KubeEnv, Namespaces, arg, assets_dir, cache_dir, free_ports, kill, lock, log_tail, spawn_in};
 
 /// The image `scripts/node-assets` builds: busybox, also the pod sandbox.
 pub const IMAGE: &str = "volagent.test/busybox:1";
@@ -45,12 +46,7 @@ pub fn node_assets() -> anyhow::Result<NodeAssets> {
     }
     let images = match std::env::var_os("VOLAGENT_NODE_ASSETS").filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d),
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .filter(|p| p.is_absolute())
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .context("neither VOLAGENT_NODE_ASSETS nor HOME is set")?
-            .join("volagent/node-assets"),
+        None => cache_dir().context("neither VOLAGENT_NODE_ASSETS nor HOME is set")?.join("node-assets"),
     };
     let image = images.join("busybox.tar");
     if !image.is_file() {
