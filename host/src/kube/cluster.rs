@@ -1,7 +1,7 @@
 //! What the agent reads from and tells the cluster: node facts for fencing,
 //! the access mode of a PV, and Events about pods.
 
-use crate::policy::{AccessMode, NodeFacts};
+use crate::policy::{AccessMode, NodeFacts, parse_access_mode};
 use k8s_openapi::api::core::v1::{Event, Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -57,17 +57,6 @@ pub fn facts_of(name: &str, node: Option<&Node>) -> NodeFacts {
         .and_then(|s| s.taints.as_ref())
         .is_some_and(|ts| ts.iter().any(|t| t.key == OUT_OF_SERVICE_TAINT));
     NodeFacts { name: name.to_string(), exists: true, ready, out_of_service }
-}
-
-/// Kubernetes' spelling of an access mode.
-pub fn parse_access_mode(s: &str) -> Option<AccessMode> {
-    Some(match s {
-        "ReadWriteOnce" => AccessMode::ReadWriteOnce,
-        "ReadOnlyMany" => AccessMode::ReadOnlyMany,
-        "ReadWriteMany" => AccessMode::ReadWriteMany,
-        "ReadWriteOncePod" => AccessMode::ReadWriteOncePod,
-        _ => return None,
-    })
 }
 
 /// The mode fencing applies to a PV listing `modes`: its only one; of

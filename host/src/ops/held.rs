@@ -5,7 +5,7 @@
 
 use super::{Agent, Failure, blocking, ledger_failure};
 use crate::ledger::Record;
-use crate::policy::AccessMode;
+use crate::policy::access_mode_name;
 use crate::socket::protocol::{HeldBy, HeldVolume, MAX_FRAME, PROTOCOL_VERSION, Response, ResponseFrame};
 use crate::sys::MountInfo;
 use std::path::Path;
@@ -51,15 +51,6 @@ impl Agent {
         });
         let records: Vec<Record> = records.into_iter().map(|(r, _)| r).collect();
         Ok(held_of(&records, &self.config.node, |r| self.config.paths(&r.backend, &r.volume).staging_dir, &table))
-    }
-}
-
-pub fn access_mode_name(mode: AccessMode) -> &'static str {
-    match mode {
-        AccessMode::ReadWriteOnce => "ReadWriteOnce",
-        AccessMode::ReadOnlyMany => "ReadOnlyMany",
-        AccessMode::ReadWriteMany => "ReadWriteMany",
-        AccessMode::ReadWriteOncePod => "ReadWriteOncePod",
     }
 }
 
@@ -127,7 +118,7 @@ pub fn fit(volumes: Vec<HeldVolume>, budget: usize) -> (Vec<HeldVolume>, usize) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{Consumer, Holder};
+    use crate::policy::{AccessMode, Consumer, Holder};
     use std::path::PathBuf;
 
     fn holder(node: &str, ns: &str, pod: &str, volume: &str, since: &str) -> Holder {

@@ -57,13 +57,7 @@ pub struct MountRequest {
 const K8S: &str = "kubernetes.io/";
 
 fn access_mode(value: &str) -> Result<AccessMode, String> {
-    Ok(match value {
-        "ReadWriteOnce" => AccessMode::ReadWriteOnce,
-        "ReadOnlyMany" => AccessMode::ReadOnlyMany,
-        "ReadWriteMany" => AccessMode::ReadWriteMany,
-        "ReadWriteOncePod" => AccessMode::ReadWriteOncePod,
-        other => return Err(format!("accessMode {other:?} is not a Kubernetes access mode")),
-    })
+    crate::policy::parse_access_mode(value).ok_or_else(|| format!("accessMode {value:?} is not a Kubernetes access mode"))
 }
 
 /// Build the request from kubelet's options (all strings; see the

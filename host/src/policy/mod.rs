@@ -22,3 +22,24 @@ pub const CONTRACT_PACKAGE: &str = "volagent:policy";
 pub const CONTRACT_VERSION: &str = "0.1.0";
 /// The interface every backend exports.
 pub const POLICY_INTERFACE: &str = "policy";
+
+/// Kubernetes' spelling of an access mode.
+pub fn parse_access_mode(s: &str) -> Option<AccessMode> {
+    Some(match s {
+        "ReadWriteOnce" => AccessMode::ReadWriteOnce,
+        "ReadOnlyMany" => AccessMode::ReadOnlyMany,
+        "ReadWriteMany" => AccessMode::ReadWriteMany,
+        "ReadWriteOncePod" => AccessMode::ReadWriteOncePod,
+        _ => return None,
+    })
+}
+
+/// The Kubernetes name of `mode`.
+pub fn access_mode_name(mode: AccessMode) -> &'static str {
+    match mode {
+        AccessMode::ReadWriteOnce => "ReadWriteOnce",
+        AccessMode::ReadOnlyMany => "ReadOnlyMany",
+        AccessMode::ReadWriteMany => "ReadWriteMany",
+        AccessMode::ReadWriteOncePod => "ReadWriteOncePod",
+    }
+}

@@ -343,11 +343,6 @@ impl Kubelet {
         self.daemon.stop();
     }
 
-    /// Starts it again with the same command line.
-    pub fn restart(&self) -> anyhow::Result<()> {
-        self.daemon.start()
-    }
-
     /// An error with the log's tail if the kubelet has exited.
     pub fn check(&self) -> anyhow::Result<()> {
         self.daemon.check()
