@@ -66,6 +66,9 @@ pub struct RootScratch {
     pub dir: tempfile::TempDir,
     /// The dir's resolved path: the agent names everything by resolved paths.
     root: PathBuf,
+    /// The files [`Self::image`] made: a loop device over one is the test's
+    /// even when attached through another path (e.g. inside a container).
+    images: std::sync::Mutex<Vec<volagent::sys::FileId>>,
 }
 
 impl RootScratch {
@@ -76,7 +79,7 @@ impl RootScratch {
         mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).expect("make / private");
         let dir = tempfile::Builder::new().prefix("volagent-root-").tempdir_in("/var/tmp").expect("scratch dir");
         let root = std::fs::canonicalize(dir.path()).expect("resolve the scratch dir");
-        RootScratch { dir, root }
+        RootScratch { dir, root, images: Default::default() }
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
@@ -88,6 +91,9 @@ impl RootScratch {
         let p = self.path(name);
         let f = std::fs::File::create(&p).expect("create image");
         f.set_len(mib << 20).expect("size image");
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = f.metadata().expect("stat image");
+        self.images.lock().unwrap_or_else(|e| e.into_inner()).push(volagent::sys::FileId { dev: meta.dev(), ino: meta.ino() });
         p
     }
 
@@ -102,15 +108,17 @@ impl RootScratch {
             .collect()
     }
 
-    /// Loop devices backed by files below the scratch dir.
+    /// Loop devices backed by files below the scratch dir (by path, or by
+    /// identity for the files [`Self::image`] made).
     pub fn loops(&self) -> Vec<PathBuf> {
         use volagent::sys::Devices;
         let root = &self.root;
+        let images = self.images.lock().unwrap_or_else(|e| e.into_inner()).clone();
         volagent::sys::linux::Linux::unrooted()
             .loop_devices()
             .expect("list loop devices")
             .into_iter()
-            .filter(|l| l.backing_file.starts_with(root))
+            .filter(|l| l.backing_file.starts_with(root) || l.backing.is_some_and(|b| images.contains(&b)))
             .map(|l| l.device)
             .collect()
     }

@@ -564,6 +564,10 @@ const AGENT_GRANTS: &[Grant] = &[
     grant("volagent.io", "storageclusters", READ),
     grant("", "nodes", READ),
     grant("", "persistentvolumes", READ),
+    // A mount's pod and its claim are read back (found by the DaemonSet
+    // tier: the agent in its pod was refused).
+    grant("", "pods", &["get"]),
+    grant("", "persistentvolumeclaims", &["get"]),
     grant("", "secrets", &["get"]),
     grant("", "events", &["create", "patch"]),
 ];

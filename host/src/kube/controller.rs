@@ -48,7 +48,8 @@ pub async fn run(client: kube::Client, config: ControllerConfig, state: Arc<Stat
                 l
             }
             Err(e) => {
-                tracing::warn!("leader election: {e}");
+                // With its causes: "client error (Connect)" alone does not say why.
+                tracing::warn!("leader election: {:#}", anyhow::Error::from(e));
                 state.reachable.store(false, Ordering::Relaxed);
                 false
             }

@@ -252,13 +252,7 @@ impl Cluster {
 
     /// (reason, message) of every Event about pod `name`.
     pub fn events_of(&self, name: &str) -> Vec<(String, String)> {
-        let api: Api<Event> = Api::namespaced(self.client(), "default");
-        let list = self.rt.block_on(api.list(&Default::default())).expect("list events");
-        list.items
-            .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(name))
-            .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
-            .collect()
+        events_about(&self.rt, &self.client(), "default", name)
     }
 
     /// Waits for an Event about pod `name` with `reason` whose message has
@@ -290,42 +284,7 @@ impl Cluster {
     /// A PV of driver `volagent/<backend>` and a claim for it (named
     /// `<pv>-claim`) that kube-controller-manager binds.
     pub fn create_volume(&self, pv: &str, backend: &str, mode: &str, options: &[(&str, &str)]) {
-        use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
-        let opts: serde_json::Map<String, Value> = options.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
-        let volume: PersistentVolume = serde_json::from_value(json!({
-            "metadata": { "name": pv },
-            "spec": {
-                "capacity": { "storage": "64Mi" },
-                "accessModes": [mode],
-                "storageClassName": "",
-                "flexVolume": { "driver": format!("volagent/{backend}"), "fsType": "ext4", "options": opts },
-            }
-        }))
-        .expect("a PV");
-        let claim: PersistentVolumeClaim = serde_json::from_value(json!({
-            "metadata": { "name": format!("{pv}-claim") },
-            "spec": {
-                "accessModes": [mode],
-                "storageClassName": "",
-                "volumeName": pv,
-                "resources": { "requests": { "storage": "64Mi" } },
-            }
-        }))
-        .expect("a PVC");
-        let client = self.client();
-        self.rt.block_on(Api::<PersistentVolume>::all(client.clone()).create(&PostParams::default(), &volume)).expect("create PV");
-        let claims: Api<PersistentVolumeClaim> = Api::namespaced(client, "default");
-        self.rt.block_on(claims.create(&PostParams::default(), &claim)).expect("create PVC");
-        // The PV controller binds them.
-        let start = Instant::now();
-        loop {
-            let c = self.rt.block_on(claims.get(&format!("{pv}-claim"))).expect("read PVC");
-            if c.status.and_then(|s| s.phase).as_deref() == Some("Bound") {
-                return;
-            }
-            assert!(start.elapsed() < Duration::from_secs(60), "claim of {pv} not Bound\n{}", tail(self.kcm.as_ref().expect("kcm").log()));
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        create_volume(&self.rt, &self.client(), pv, backend, mode, options, self.kcm.as_ref().expect("kcm").log());
     }
 
     /// A sparse image file of `mib` MiB in the discovery dir; its path.
@@ -506,4 +465,56 @@ pub fn tail_matching(log: &Path, what: &str, n: usize) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| l.contains(what)).collect();
     format!("--- {} lines of {} about {what} ---\n{}\n", lines.len().min(n), log.display(), lines[lines.len().saturating_sub(n)..].join("\n"))
+}
+
+/// (reason, message) of every Event about object `name` in `namespace`.
+pub fn events_about(rt: &tokio::runtime::Runtime, client: &kube::Client, namespace: &str, name: &str) -> Vec<(String, String)> {
+    let api: Api<Event> = Api::namespaced(client.clone(), namespace);
+    let list = rt.block_on(api.list(&Default::default())).expect("list events");
+    list.items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name))
+        .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
+        .collect()
+}
+
+/// A PV of driver `volagent/<backend>` and a claim for it in `default`
+/// (named `<pv>-claim`), and waits until kube-controller-manager (its log:
+/// `kcm_log`) has bound them.
+pub fn create_volume(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: &str, backend: &str, mode: &str, options: &[(&str, &str)], kcm_log: &Path) {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    let opts: serde_json::Map<String, Value> = options.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": { "name": pv },
+        "spec": {
+            "capacity": { "storage": "64Mi" },
+            "accessModes": [mode],
+            "storageClassName": "",
+            "flexVolume": { "driver": format!("volagent/{backend}"), "fsType": "ext4", "options": opts },
+        }
+    }))
+    .expect("a PV");
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": { "name": format!("{pv}-claim") },
+        "spec": {
+            "accessModes": [mode],
+            "storageClassName": "",
+            "volumeName": pv,
+            "resources": { "requests": { "storage": "64Mi" } },
+        }
+    }))
+    .expect("a PVC");
+    rt.block_on(Api::<PersistentVolume>::all(client.clone()).create(&PostParams::default(), &volume)).expect("create PV");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    rt.block_on(claims.create(&PostParams::default(), &claim)).expect("create PVC");
+    // The PV controller binds them.
+    let start = Instant::now();
+    loop {
+        let c = rt.block_on(claims.get(&format!("{pv}-claim"))).expect("read PVC");
+        if c.status.and_then(|s| s.phase).as_deref() == Some("Bound") {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "claim of {pv} not Bound\n{}", tail(kcm_log));
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }

@@ -16,10 +16,13 @@
 //!
 //! Authentication is by static tokens: [`ADMIN_USER`] is in `system:masters`,
 //! [`AGENT_USER`] is in no group, so it can do only what RBAC objects a test
-//! creates grant it. Authorization is RBAC. There is no controller-manager or
-//! scheduler: nothing garbage-collects, creates service accounts or schedules
-//! pods, and the `ServiceAccount` admission plugin is off so that pods can be
-//! created at all.
+//! creates grant it. Authorization is RBAC. [`KubeEnv::start`] starts no
+//! controller-manager or scheduler: nothing garbage-collects, creates service
+//! accounts or schedules pods, and the `ServiceAccount` admission plugin is
+//! off so that pods can be created at all. An in-cluster env
+//! ([`Options::in_cluster`], with [`node::ControllerManager::start_for_workloads`]
+//! and [`node::Scheduler`]) is a whole cluster: pods get service-account
+//! tokens and reach the API server at the `kubernetes` Service's address.
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
@@ -48,10 +51,34 @@ pub const ADMIN_USER: &str = "admin";
 /// A user in no group: may do only what the test's RBAC objects grant.
 pub const AGENT_USER: &str = "volagent-agent";
 
+/// The `kubernetes` Service's ClusterIP (the first of the service range):
+/// where pods find the API server. In an in-cluster env it is an address of
+/// the namespace's loopback, so it needs no kube-proxy.
+pub const SERVICE_IP: &str = "10.0.0.1";
+/// The API server's advertised address in an in-cluster env (the
+/// `kubernetes` Endpoints), also on the namespace's loopback.
+pub const CONTROL_PLANE_IP: &str = "10.245.255.254";
+
 /// How long etcd, and then the API server, may take to become ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Attempts with fresh ports when a port picked as free was taken meanwhile.
 const PORT_ATTEMPTS: usize = 3;
+
+/// How [`KubeEnv::start_with`] sets up the cluster.
+#[derive(Clone, Default)]
+pub struct Options {
+    /// Where etcd and the API server run: the caller's namespaces, or the
+    /// process's.
+    pub namespaces: Option<Arc<Namespaces>>,
+    /// Serve pods as a cluster does: the API server listens on port 443 of
+    /// every address, [`SERVICE_IP`] and [`CONTROL_PLANE_IP`] are added to
+    /// the loopback of `namespaces` (which must hold a private network
+    /// namespace), and the `ServiceAccount` admission plugin is on, so that
+    /// pods get service-account tokens (kube-controller-manager's token
+    /// controller makes them, see [`KubeEnv::ca_file`]) and find the API
+    /// server through `KUBERNETES_SERVICE_HOST`.
+    pub in_cluster: bool,
+}
 
 /// A running etcd + kube-apiserver; see the crate documentation.
 pub struct KubeEnv {
@@ -64,6 +91,7 @@ pub struct KubeEnv {
     apiserver: Mutex<Option<Child>>,
     /// Where the children run: the caller's namespaces, or the process's.
     namespaces: Option<Arc<Namespaces>>,
+    sa_key: PathBuf,
 }
 
 struct User {
@@ -82,6 +110,20 @@ impl KubeEnv {
     /// Like [`Self::start`], with etcd and the API server in `namespaces`
     /// (e.g. a test's private network namespace, where its kubelets run).
     pub async fn start_in(namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<KubeEnv> {
+        KubeEnv::start_with(Options { namespaces, in_cluster: false }).await
+    }
+
+    /// Starts a cluster as `options` say; see [`Options`].
+    pub async fn start_with(options: Options) -> anyhow::Result<KubeEnv> {
+        let Options { namespaces, in_cluster } = options;
+        if in_cluster {
+            let ns = namespaces.as_deref().context("an in-cluster kube-env needs a private network namespace")?;
+            for ip in [SERVICE_IP, CONTROL_PLANE_IP] {
+                let mut cmd = Command::new("ip");
+                cmd.args(["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
+                node::run_in(cmd, Some(ns), &format!("ip addr add {ip}/32 dev lo"))?;
+            }
+        }
         let assets = assets_dir()?;
         let dir = tempfile::Builder::new()
             .prefix("volagent-kube-env-")
@@ -168,6 +210,7 @@ impl KubeEnv {
             etcd: Mutex::new(Some(etcd)),
             apiserver: Mutex::new(None),
             namespaces,
+            sa_key: sa_key.clone(),
             dir,
         };
         let d = env.dir.path().to_owned();
@@ -175,13 +218,16 @@ impl KubeEnv {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let port = free_ports(1)?[0];
+            // In its own network namespace an in-cluster API server has
+            // port 443 to itself.
+            let port = if in_cluster { 443 } else { free_ports(1)?[0] };
             env.url = format!("https://127.0.0.1:{port}");
+            let (bind, advertise) = if in_cluster { ("0.0.0.0", CONTROL_PLANE_IP) } else { ("127.0.0.1", "127.0.0.1") };
             env.apiserver_args = vec![
                 format!("--etcd-servers={etcd_url}").into(),
                 format!("--secure-port={port}").into(),
-                "--bind-address=127.0.0.1".into(),
-                "--advertise-address=127.0.0.1".into(),
+                format!("--bind-address={bind}").into(),
+                format!("--advertise-address={advertise}").into(),
                 arg("--cert-dir=", &d.join("certs")),
                 arg("--token-auth-file=", &tokens),
                 "--authorization-mode=RBAC".into(),
@@ -189,10 +235,12 @@ impl KubeEnv {
                 arg("--service-account-key-file=", &sa_key),
                 arg("--service-account-signing-key-file=", &sa_key),
                 "--service-cluster-ip-range=10.0.0.0/24".into(),
-                "--disable-admission-plugins=ServiceAccount".into(),
                 "--allow-privileged=true".into(),
                 "--profiling=false".into(),
             ];
+            if !in_cluster {
+                env.apiserver_args.push("--disable-admission-plugins=ServiceAccount".into());
+            }
             env.users = Vec::new();
             for (name, token) in [(ADMIN_USER, &admin_token), (AGENT_USER, &agent_token)] {
                 let kubeconfig = if name == ADMIN_USER {
@@ -249,6 +297,20 @@ impl KubeEnv {
     /// The API server's URL, `https://127.0.0.1:<port>`.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The certificate the API server serves (its self-signed serving
+    /// certificate followed by the CA that signed it): what pods must trust,
+    /// kube-controller-manager's `--root-ca-file`.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join("certs/apiserver.crt")
+    }
+
+    /// The key service-account tokens are signed with (and checked by the
+    /// API server): kube-controller-manager's
+    /// `--service-account-private-key-file`.
+    pub fn service_account_key(&self) -> &Path {
+        &self.sa_key
     }
 
     /// The env's private directory (logs: `etcd.log`, `kube-apiserver.log`).

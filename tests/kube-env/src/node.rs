@@ -30,6 +30,9 @@ pub const IMAGE: &str = "volagent.test/busybox:1";
 pub struct NodeAssets {
     pub kubelet: PathBuf,
     pub controller_manager: PathBuf,
+    pub scheduler: PathBuf,
+    /// kubectl, whose `apply -k` is kustomize.
+    pub kubectl: PathBuf,
     /// The docker-archive of [`IMAGE`].
     pub image: PathBuf,
 }
@@ -39,9 +42,10 @@ pub struct NodeAssets {
 pub fn node_assets() -> anyhow::Result<NodeAssets> {
     let dir = assets_dir()?;
     let (kubelet, controller_manager) = (dir.join("kubelet"), dir.join("kube-controller-manager"));
-    for b in [&kubelet, &controller_manager] {
+    let (scheduler, kubectl) = (dir.join("kube-scheduler"), dir.join("kubectl"));
+    for b in [&kubelet, &controller_manager, &scheduler, &kubectl] {
         if !b.is_file() {
-            bail!("{} is missing: run scripts/kube-assets (it builds kubelet and kube-controller-manager)", b.display());
+            bail!("{} is missing: run scripts/kube-assets (it builds it)", b.display());
         }
     }
     let images = match std::env::var_os("VOLAGENT_NODE_ASSETS").filter(|d| !d.is_empty()) {
@@ -57,7 +61,21 @@ pub fn node_assets() -> anyhow::Result<NodeAssets> {
             bail!("{tool} is not installed: run scripts/node-assets");
         }
     }
-    Ok(NodeAssets { kubelet, controller_manager, image })
+    Ok(NodeAssets { kubelet, controller_manager, scheduler, kubectl, image })
+}
+
+/// The agent's image archive for the DaemonSet tier: `$VOLAGENT_IMAGE`, or
+/// where `scripts/build-image` writes it by default. Fails (never skips)
+/// when it is missing.
+pub fn agent_image() -> anyhow::Result<PathBuf> {
+    let path = match std::env::var_os("VOLAGENT_IMAGE").filter(|p| !p.is_empty()) {
+        Some(p) => PathBuf::from(p),
+        None => cache_dir().context("neither VOLAGENT_IMAGE nor HOME is set")?.join("image/volagent.tar"),
+    };
+    if !path.is_file() {
+        bail!("{} is missing: run scripts/build-image (scripts/test does)", path.display());
+    }
+    Ok(path)
 }
 
 fn on_path(tool: &str) -> bool {
@@ -142,6 +160,9 @@ impl Containerd {
                 "ipam": {
                     "type": "host-local",
                     "ranges": [[{ "subnet": format!("10.244.{index}.0/24") }]],
+                    // Through the bridge to the node, where the API server's
+                    // Service address is.
+                    "routes": [{ "dst": "0.0.0.0/0" }],
                     "dataDir": dir.join("ipam"),
                 },
             }],
@@ -204,9 +225,14 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        c.ctr(&["images", "import", &image.display().to_string()])
-            .with_context(|| format!("importing {}", image.display()))?;
+        c.import(image)?;
         Ok(c)
+    }
+
+    /// Imports the image archive `image` (docker-archive or OCI) for the
+    /// CRI plugin; its output names the images.
+    pub fn import(&self, image: &Path) -> anyhow::Result<String> {
+        self.ctr(&["images", "import", &image.display().to_string()]).with_context(|| format!("importing {}", image.display()))
     }
 
     /// `unix://<socket>`, for kubelet.
@@ -257,6 +283,24 @@ pub fn run_in(cmd: Command, namespaces: Option<&Namespaces>, what: &str) -> anyh
     Ok(text)
 }
 
+/// Where a kubelet keeps things and the address its Node reports.
+pub struct Layout {
+    pub root_dir: PathBuf,
+    pub plugin_dir: PathBuf,
+    /// `--node-ip`. kubelet ignores a loopback one (the Node then has no
+    /// address and pods no `status.hostIP`); a real one must be an address
+    /// of the kubelet's network namespace.
+    pub node_ip: String,
+}
+
+impl Layout {
+    /// Everything under `dir`, node IP 127.0.0.1: for many nodes in one
+    /// namespace.
+    pub fn under(dir: &Path) -> Layout {
+        Layout { root_dir: dir.join("kubelet"), plugin_dir: dir.join("volume-plugins"), node_ip: "127.0.0.1".into() }
+    }
+}
+
 /// One node's kubelet.
 pub struct Kubelet {
     pub name: String,
@@ -270,9 +314,14 @@ impl Kubelet {
     /// config and logs under `dir`, on `containerd`. It registers its Node
     /// itself; wait for that with [`wait_node_ready`].
     pub fn start(env: &KubeEnv, name: &str, dir: &Path, containerd: &Containerd, assets: &NodeAssets) -> anyhow::Result<Kubelet> {
-        let root_dir = dir.join("kubelet");
-        let plugin_dir = dir.join("volume-plugins");
-        for d in [&root_dir, &plugin_dir] {
+        Kubelet::start_with(env, name, dir, containerd, assets, Layout::under(dir))
+    }
+
+    /// Like [`Self::start`], with the root dir, plugin dir and node IP of
+    /// `layout` (config, certificates and logs still under `dir`).
+    pub fn start_with(env: &KubeEnv, name: &str, dir: &Path, containerd: &Containerd, assets: &NodeAssets, layout: Layout) -> anyhow::Result<Kubelet> {
+        let Layout { root_dir, plugin_dir, node_ip } = layout;
+        for d in [dir, &root_dir, &plugin_dir] {
             fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
         }
         let ports = free_ports(2)?;
@@ -313,7 +362,7 @@ impl Kubelet {
             arg("--root-dir=", &root_dir),
             arg("--cert-dir=", &dir.join("pki")),
             format!("--hostname-override={name}").into(),
-            "--node-ip=127.0.0.1".into(),
+            format!("--node-ip={node_ip}").into(),
             format!("--pod-infra-container-image={IMAGE}").into(),
             "--v=2".into(),
         ];
@@ -349,18 +398,35 @@ impl Kubelet {
     }
 }
 
-/// kube-controller-manager with the controllers volumes depend on: PV/PVC
-/// binding, attach/detach, node lifecycle (NotReady after 8 s of silence)
-/// and pod GC.
+/// The controllers volumes depend on: PV/PVC binding, attach/detach, node
+/// lifecycle (NotReady after 8 s of silence) and pod GC.
+const VOLUME_CONTROLLERS: &str = "persistentvolume-binder,attachdetach,nodelifecycle,podgc";
+
+/// kube-controller-manager with [`VOLUME_CONTROLLERS`] (and more, see
+/// [`ControllerManager::start_for_workloads`]).
 pub struct ControllerManager {
     daemon: Daemon,
 }
 
 impl ControllerManager {
     pub fn start(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<ControllerManager> {
-        let args = vec![
+        ControllerManager::launch(env, dir, assets, namespaces, VOLUME_CONTROLLERS, Vec::new())
+    }
+
+    /// Also runs what workloads need — DaemonSets, Deployments and their
+    /// ReplicaSets, owner-reference garbage collection, and service
+    /// accounts with their token Secrets (signed with the env's key, with
+    /// its CA) — for an in-cluster env ([`crate::Options::in_cluster`]).
+    pub fn start_for_workloads(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<ControllerManager> {
+        let controllers = format!("{VOLUME_CONTROLLERS},daemonset,deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token");
+        let extra = vec![arg("--service-account-private-key-file=", env.service_account_key()), arg("--root-ca-file=", &env.ca_file())];
+        ControllerManager::launch(env, dir, assets, namespaces, &controllers, extra)
+    }
+
+    fn launch(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>, controllers: &str, extra: Vec<std::ffi::OsString>) -> anyhow::Result<ControllerManager> {
+        let mut args = vec![
             arg("--kubeconfig=", env.kubeconfig_path()),
-            "--controllers=persistentvolume-binder,attachdetach,nodelifecycle,podgc".into(),
+            format!("--controllers={controllers}").into(),
             "--leader-elect=false".into(),
             "--port=0".into(),
             "--secure-port=0".into(),
@@ -370,6 +436,7 @@ impl ControllerManager {
             "--pvclaimbinder-sync-period=2s".into(),
             "--v=2".into(),
         ];
+        args.extend(extra);
         let daemon = Daemon::new("kube-controller-manager", &assets.controller_manager, args, dir.join("kube-controller-manager.log"), namespaces);
         daemon.start()?;
         Ok(ControllerManager { daemon })
@@ -382,6 +449,41 @@ impl ControllerManager {
     pub fn log(&self) -> &Path {
         &self.daemon.log
     }
+}
+
+/// kube-scheduler: places the pods of DaemonSets and Deployments.
+pub struct Scheduler {
+    daemon: Daemon,
+}
+
+impl Scheduler {
+    pub fn start(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<Scheduler> {
+        let args = vec![
+            arg("--kubeconfig=", env.kubeconfig_path()),
+            "--leader-elect=false".into(),
+            "--port=0".into(),
+            "--secure-port=0".into(),
+            "--v=2".into(),
+        ];
+        let daemon = Daemon::new("kube-scheduler", &assets.scheduler, args, dir.join("kube-scheduler.log"), namespaces);
+        daemon.start()?;
+        Ok(Scheduler { daemon })
+    }
+
+    pub fn check(&self) -> anyhow::Result<()> {
+        self.daemon.check()
+    }
+
+    pub fn log(&self) -> &Path {
+        &self.daemon.log
+    }
+}
+
+/// Runs kubectl as the env's admin, in `namespaces`; its stdout.
+pub fn kubectl(env: &KubeEnv, assets: &NodeAssets, namespaces: Option<&Namespaces>, args: &[&str]) -> anyhow::Result<String> {
+    let mut cmd = Command::new(&assets.kubectl);
+    cmd.arg(arg("--kubeconfig=", env.kubeconfig_path())).args(args);
+    run_in(cmd, namespaces, &format!("kubectl {}", args.join(" ")))
 }
 
 /// Makes the test process inherit the processes its children leave behind

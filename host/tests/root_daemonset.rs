@@ -1,0 +1,208 @@
+//! The DaemonSet tier: `deploy/` applied with `kubectl apply -k` to a
+//! one-node cluster in a box (real kubelet 1.20.2, containerd, scheduler and
+//! controller manager; see support/daemonset_cluster.rs), the agent running
+//! as the DaemonSet's privileged pod from the image `scripts/build-image`
+//! makes, the controller as its two-replica Deployment. Workload pods get
+//! their volumes from the agent in the pod. Needs root, scripts/kube-assets,
+//! scripts/node-assets and scripts/build-image; fails (never skips) without
+//! them.
+
+mod common;
+mod kube_common;
+#[path = "support/daemonset_cluster.rs"]
+mod daemonset_cluster;
+#[path = "support/kubelet_cluster.rs"]
+mod kubelet_cluster;
+
+use daemonset_cluster::*;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Api, Patch, PatchParams};
+use kubelet_cluster::{claim, create_volume, is_ready, pod_with, restarts, serve};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use volagent::kube::crds::Attachment;
+
+/// Where kubelet mounts volume `pv` of pod `uid` (and where the agent, in
+/// its container, binds it).
+fn volume_dir(uid: &str, pv: &str) -> PathBuf {
+    Path::new(NODE_PATHS[0].1).join(format!("pods/{uid}/volumes/volagent~local-pv/{pv}"))
+}
+
+/// A local-pv PV and claim over a new 64 MiB file in the node's /mnt/disks.
+fn local_volume(c: &DsCluster, pv: &str) {
+    let disk = c.disk(&format!("{pv}.img"), 64);
+    create_volume(&c.rt, &c.client(), pv, "local-pv", "ReadWriteOnce", &[("path", &disk), ("node", NODE)], c.kcm.as_ref().expect("kcm").log());
+}
+
+fn record(c: &DsCluster, volume: &str) -> Option<Attachment> {
+    let api: Api<Attachment> = Api::all(c.client());
+    c.rt.block_on(api.get_opt(volume)).expect("read the record")
+}
+
+fn lease_holder(c: &DsCluster) -> Option<String> {
+    let api: Api<Lease> = Api::namespaced(c.client(), SYSTEM);
+    c.rt.block_on(api.get_opt("volagent-controller")).expect("read the lease")?.spec?.holder_identity
+}
+
+fn name(p: &k8s_openapi::api::core::v1::Pod) -> String {
+    p.metadata.name.clone().expect("a name")
+}
+
+/// The fields of a JSON log line: at the top level or under "fields".
+fn field<'a>(line: &'a Value, key: &str) -> &'a Value {
+    if line[key].is_null() { &line["fields"][key] } else { &line[key] }
+}
+
+/// The "start-up reconciliation done" lines of agent pod `pod`, one per
+/// container it ran, oldest first.
+fn reconciliations(c: &DsCluster, pod: &k8s_openapi::api::core::v1::Pod) -> Vec<Value> {
+    c.json_lines_of(pod).into_iter().filter(|l| field(l, "message").as_str().is_some_and(|m| m.contains("start-up reconciliation done"))).collect()
+}
+
+/// What agent pod `pod` unmounted.
+fn unmounts(c: &DsCluster, pod: &k8s_openapi::api::core::v1::Pod) -> Vec<Value> {
+    c.json_lines_of(pod).into_iter().filter(|l| field(l, "op") == "unmount").collect()
+}
+
+/// The agent pod is the DaemonSet's (privileged, host network, the
+/// manifests' probes passing); it installs its drivers into the node's
+/// volume-plugin-dir; a workload pod on a PVC gets its volume from it and
+/// writes through the mount the agent made in its container. /healthz,
+/// /readyz and /metrics answer on the node's address, the agent logs JSON
+/// to /var/log/pods. The controller Deployment runs two replicas, non-root
+/// on a read-only root filesystem; one leads, and the other takes over when
+/// the leader's pod is deleted.
+#[test]
+fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
+    let c = DsCluster::start();
+
+    let agent = c.agent_pod();
+    let spec = agent.spec.as_ref().expect("spec");
+    assert_eq!(spec.host_network, Some(true), "the agent pod is on the host network");
+    assert_eq!(spec.node_name.as_deref(), Some(NODE));
+    assert!(c.kubectl(&["-n", SYSTEM, "get", "daemonset", "volagent-agent", "-o", "jsonpath={.spec.template.spec.containers[0].image}"]).contains(&c.image), "the overlay set the image");
+    let driver = Path::new(NODE_PATHS[1].1).join("volagent~local-pv/local-pv");
+    assert!(driver.is_file(), "the agent pod installed {} on the node", driver.display());
+    for path in ["/healthz", "/readyz"] {
+        let (code, body) = c.agent_http(path);
+        assert_eq!(code, 200, "GET {path} on the node's address: {body}");
+    }
+
+    local_volume(&c, "data");
+    let uid = c.create_pod(pod_with("app", NODE, &serve("echo written-by-app > /data/greeting"), &[("data", claim("data"))], Some("test -s /data/greeting"), "Never"));
+    c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
+    // The mount the agent made inside its container is the one the
+    // workload's container writes through: the node sees the file there.
+    let dir = volume_dir(&uid, "data");
+    assert!(!c.mounts_below(&dir).is_empty(), "{} is a mount on the node", dir.display());
+    assert_eq!(std::fs::read_to_string(dir.join("greeting")).expect("the file the app wrote").trim(), "written-by-app");
+    assert!(record(&c, "data").is_some(), "the agent in the pod recorded the attachment in the cluster");
+
+    // Logs: JSON, from the pod's CRI log, with the mount's operation line.
+    let ops = c.operation_lines();
+    assert!(
+        ops.iter().any(|l| field(l, "op") == "mount" && field(l, "outcome") == "ok" && field(l, "volume") == "data"),
+        "the agent pod's log has the mount of data:\n{ops:#?}"
+    );
+    let (code, metrics) = c.agent_http("/metrics");
+    assert_eq!(code, 200);
+    assert!(metrics.contains(r#"volagent_operations_total{operation="mount",backend="local-pv",result="ok"} 1"#), "/metrics counts the mount:\n{metrics}");
+
+    // The controller: two Ready replicas, one holding the lease, each
+    // running as 65532 on a read-only root.
+    let controllers = c.wait_ready(CONTROLLER_LABEL, 2);
+    let names: Vec<String> = controllers.iter().map(name).collect();
+    let leader = c.wait("a controller holding the lease", || lease_holder(&c).filter(|h| names.contains(h)));
+    for p in &controllers {
+        let pid = c.container_pid(p, "controller");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the controller's status");
+        let uids = status.lines().find(|l| l.starts_with("Uid:")).expect("a Uid line");
+        assert!(uids.split_whitespace().skip(1).all(|u| u == "65532"), "{} runs as 65532: {uids}", name(p));
+        let root = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).expect("the controller's mounts");
+        let root = root.lines().find(|l| l.split(' ').nth(4) == Some("/")).expect("a root mount");
+        assert!(root.split(' ').nth(5).is_some_and(|o| o.split(',').any(|o| o == "ro")), "{}'s root is read-only: {root}", name(p));
+    }
+    c.delete_pod(SYSTEM, &leader);
+    let next = c.wait("another controller leading", || lease_holder(&c).filter(|h| *h != leader));
+    let current: Vec<String> = c.pods(SYSTEM, CONTROLLER_LABEL).iter().map(name).collect();
+    assert!(current.contains(&next), "the lease passed to a running replica: {next}, replicas {current:?}");
+
+    c.delete_pod("default", "app");
+    c.wait("app gone", || c.pod("default", "app").is_none().then_some(()));
+    assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted at {}", dir.display());
+    c.wait("the record gone", || record(&c, "data").is_none().then_some(()));
+    c.wait("no loop device left", || c.scratch.loops().is_empty().then_some(()));
+}
+
+/// A workload keeps reading and writing its volume while the agent pod is
+/// deleted and recreated (the manifests' OnDelete way) and while the agent
+/// is killed (kubelet restarts the container): each new agent adopts the
+/// mount at start-up instead of tearing it down. A workload deleted while
+/// no agent runs on the node is cleaned up when the agent comes back.
+#[test]
+fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
+    let c = DsCluster::start();
+    local_volume(&c, "data");
+    // One line every 200 ms; Ready while the last write is under 3 s old.
+    let writer = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo $i >> /data/log || exit 1; tail -n1 /data/log >/dev/null || exit 1; sleep 0.2; done";
+    let fresh = "test $(( $(date +%s) - $(stat -c %Y /data/log) )) -lt 3";
+    let uid = c.create_pod(pod_with("app", NODE, writer, &[("data", claim("data"))], Some(fresh), "Never"));
+    c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
+    let dir = volume_dir(&uid, "data");
+    let lines = || std::fs::read_to_string(dir.join("log")).map(|s| s.lines().count()).unwrap_or(0);
+    let still_writing = |when: &str| {
+        let before = lines();
+        c.wait(&format!("app writing {when}"), || (lines() >= before + 5).then_some(()));
+        let app = c.pod("default", "app");
+        assert!(is_ready(app.as_ref()) && restarts(app.as_ref()) == 0, "app runs on, never restarted, {when}");
+        assert!(!c.mounts_below(&dir).is_empty(), "{} stays mounted {when}", dir.display());
+    };
+    still_writing("before");
+
+    // 1. Deleted; the DaemonSet controller makes a new agent pod.
+    let first = c.agent_pod();
+    assert_eq!(reconciliations(&c, &first).len(), 1);
+    c.delete_pod(SYSTEM, &name(&first));
+    let second = c.wait("a new agent pod Ready", || {
+        let p = c.agent_pod();
+        (p.metadata.uid != first.metadata.uid).then_some(p)
+    });
+    still_writing("after the agent pod was replaced");
+    let adopted = c.wait("the new agent's reconciliation", || reconciliations(&c, &second).first().cloned());
+    assert_eq!((field(&adopted, "kept").as_u64(), field(&adopted, "rolled_back").as_u64(), field(&adopted, "orphans").as_u64()), (Some(1), Some(0), Some(0)), "the new agent adopted the mount: {adopted}");
+
+    // 2. Killed: kubelet restarts the container in the same pod.
+    let id = container_id(&second, "agent");
+    c.containerd().ctr(&["tasks", "kill", "--signal", "SIGKILL", &id]).expect("kill the agent's container");
+    c.wait("the agent restarted and Ready", || {
+        let p = c.pod(SYSTEM, &name(&second));
+        (restarts(p.as_ref()) >= 1 && is_ready(p.as_ref())).then_some(())
+    });
+    still_writing("after the agent was killed");
+    let adopted = c.wait("the restarted agent's reconciliation", || reconciliations(&c, &second).get(1).cloned());
+    assert_eq!(field(&adopted, "kept").as_u64(), Some(1), "the restarted agent adopted the mount: {adopted}");
+    assert_eq!(unmounts(&c, &second), Vec::<Value>::new(), "no agent unmounted anything while the workload ran");
+
+    // 3. No agent on the node (the DaemonSet selects no node) while the
+    // workload is deleted: kubelet cannot unmount, so the volume stays.
+    let daemonsets: Api<DaemonSet> = Api::namespaced(c.client(), SYSTEM);
+    let select = |selector: Value| {
+        let patch = json!({ "spec": { "template": { "spec": { "nodeSelector": selector } } } });
+        c.rt.block_on(daemonsets.patch("volagent-agent", &PatchParams::default(), &Patch::Merge(&patch))).expect("patch the DaemonSet");
+    };
+    select(json!({ "volagent.test/agent": "off" }));
+    c.wait("no agent pod", || c.pods(SYSTEM, AGENT_LABEL).is_empty().then_some(()));
+    c.delete_pod("default", "app");
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(c.pod("default", "app").is_some(), "without an agent the workload's volume cannot be torn down, so its pod stays");
+    assert!(!c.mounts_below(&dir).is_empty(), "the volume stays mounted while no agent runs");
+
+    select(Value::Null);
+    c.agent_pod();
+    c.wait("app gone", || c.pod("default", "app").is_none().then_some(()));
+    assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted at {}", dir.display());
+    c.wait("the record gone", || record(&c, "data").is_none().then_some(()));
+    c.wait("no loop device left", || c.scratch.loops().is_empty().then_some(()));
+}
