@@ -33,7 +33,7 @@ fn volume_dir(uid: &str, pv: &str) -> PathBuf {
 /// A local-pv PV and claim over a new 64 MiB file in the node's /mnt/disks.
 fn local_volume(c: &DsCluster, pv: &str) {
     let disk = c.disk(&format!("{pv}.img"), 64);
-    create_volume(&c.rt, &c.client(), pv, "local-pv", "ReadWriteOnce", &[("path", &disk), ("node", NODE)], c.kcm.as_ref().expect("kcm").log());
+    create_volume(&c.rt, &c.client(), pv, "local-pv", "ReadWriteOnce", &[("path", &disk), ("node", &c.node)], c.kcm.as_ref().expect("kcm").log());
 }
 
 fn record(c: &DsCluster, volume: &str) -> Option<Attachment> {
@@ -76,12 +76,12 @@ fn unmounts(c: &DsCluster, pod: &k8s_openapi::api::core::v1::Pod) -> Vec<Value> 
 /// the leader's pod is deleted.
 #[test]
 fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
-    let c = DsCluster::start();
+    let c = DsCluster::start("node-serve");
 
     let agent = c.agent_pod();
     let spec = agent.spec.as_ref().expect("spec");
     assert_eq!(spec.host_network, Some(true), "the agent pod is on the host network");
-    assert_eq!(spec.node_name.as_deref(), Some(NODE));
+    assert_eq!(spec.node_name.as_deref(), Some(c.node.as_str()));
     assert!(c.kubectl(&["-n", SYSTEM, "get", "daemonset", "volagent-agent", "-o", "jsonpath={.spec.template.spec.containers[0].image}"]).contains(&c.image), "the overlay set the image");
     let driver = Path::new(NODE_PATHS[1].1).join("volagent~local-pv/local-pv");
     assert!(driver.is_file(), "the agent pod installed {} on the node", driver.display());
@@ -91,7 +91,7 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
     }
 
     local_volume(&c, "data");
-    let uid = c.create_pod(pod_with("app", NODE, &serve("echo written-by-app > /data/greeting"), &[("data", claim("data"))], Some("test -s /data/greeting"), "Never"));
+    let uid = c.create_pod(pod_with("app", &c.node, &serve("echo written-by-app > /data/greeting"), &[("data", claim("data"))], Some("test -s /data/greeting"), "Never"));
     c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
     // The mount the agent made inside its container is the one the
     // workload's container writes through: the node sees the file there.
@@ -143,12 +143,12 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
 /// no agent runs on the node is cleaned up when the agent comes back.
 #[test]
 fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
-    let c = DsCluster::start();
+    let c = DsCluster::start("node-life");
     local_volume(&c, "data");
     // One line every 200 ms; Ready while the last write is under 3 s old.
     let writer = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo $i >> /data/log || exit 1; tail -n1 /data/log >/dev/null || exit 1; sleep 0.2; done";
     let fresh = "test $(( $(date +%s) - $(stat -c %Y /data/log) )) -lt 3";
-    let uid = c.create_pod(pod_with("app", NODE, writer, &[("data", claim("data"))], Some(fresh), "Never"));
+    let uid = c.create_pod(pod_with("app", &c.node, writer, &[("data", claim("data"))], Some(fresh), "Never"));
     c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
     let dir = volume_dir(&uid, "data");
     let lines = || std::fs::read_to_string(dir.join("log")).map(|s| s.lines().count()).unwrap_or(0);

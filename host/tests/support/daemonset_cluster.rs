@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 use volagent_kube_env::node::{self, Containerd, ControllerManager, Kubelet, Layout, NodeAssets, Scheduler};
 use volagent_kube_env::{KubeEnv, Namespaces, Options};
 
-pub const NODE: &str = "node-a";
 /// The node's address (on the namespace's loopback): its InternalIP, the
 /// agent pod's `status.hostIP`, where the agent serves `/metrics`.
 pub const NODE_IP: &str = "10.245.0.1";
@@ -52,6 +51,10 @@ pub const NODE_PATHS: [(&str, &str); 5] = [
 ];
 
 pub struct DsCluster {
+    /// The node's name. Tests running at once name their nodes apart: they
+    /// share the kernel's loop devices, and an agent takes a loop device
+    /// tagged with its node's name (and state dir) for its own.
+    pub node: String,
     pub scheduler: Option<Scheduler>,
     pub kcm: Option<ControllerManager>,
     pub kubelet: Option<Kubelet>,
@@ -66,9 +69,10 @@ pub struct DsCluster {
 }
 
 impl DsCluster {
-    /// Starts the box, applies `deploy/` with the image overridden, and
-    /// waits until the agent pod and both controller pods are Ready.
-    pub fn start() -> DsCluster {
+    /// Starts the box with one node, `node`, applies `deploy/` with the
+    /// image overridden, and waits until the agent pod and both controller
+    /// pods are Ready.
+    pub fn start(node: &str) -> DsCluster {
         let scratch = RootScratch::enter();
         let assets = node::node_assets().expect("the kubelet tier's assets (scripts/kube-assets, scripts/node-assets)");
         let archive = node::agent_image().unwrap_or_else(|e| panic!("{e:#}"));
@@ -86,10 +90,11 @@ impl DsCluster {
         let containerd = Containerd::start(&scratch.path("containerd"), 1, &assets.image, Some(ns.clone())).expect("containerd");
         containerd.import(&archive).expect("import the agent image");
         let layout = Layout { root_dir: NODE_PATHS[0].1.into(), plugin_dir: NODE_PATHS[1].1.into(), node_ip: NODE_IP.into() };
-        let kubelet = Kubelet::start_with(&env, NODE, &scratch.path("node"), &containerd, &assets, layout).expect("kubelet");
+        let kubelet = Kubelet::start_with(&env, node, &scratch.path("node"), &containerd, &assets, layout).expect("kubelet");
         let kcm = ControllerManager::start_for_workloads(&env, &scratch.path(""), &assets, Some(ns.clone())).expect("kube-controller-manager");
         let scheduler = Scheduler::start(&env, &scratch.path(""), &assets, Some(ns.clone())).expect("kube-scheduler");
         let c = DsCluster {
+            node: node.into(),
             scheduler: Some(scheduler),
             kcm: Some(kcm),
             kubelet: Some(kubelet),
@@ -101,7 +106,7 @@ impl DsCluster {
             image,
             scratch,
         };
-        c.rt.block_on(node::wait_node_ready(&c.client(), NODE, Duration::from_secs(90), c.kubelet())).expect("node Ready");
+        c.rt.block_on(node::wait_node_ready(&c.client(), node, Duration::from_secs(90), c.kubelet())).expect("node Ready");
         c.apply_deploy();
         c.wait_ready(AGENT_LABEL, 1);
         c.wait_ready(CONTROLLER_LABEL, 2);
