@@ -161,12 +161,16 @@ fn a_non_root_caller_is_refused() {
 }
 
 #[test]
-fn with_the_agent_down_the_driver_fails_naming_the_socket() {
+fn with_the_agent_down_init_succeeds_and_operations_fail_naming_the_socket() {
     let mut node = Node::start();
     node.stop_agent();
-    let r = node.driver(&["init"]);
-    assert_failure(&r, &format!("volagent agent is not reachable at {}", node.socket.display()));
+    // kubelet probes a driver as soon as it is installed, before the agent
+    // serves; a failed init would make it drop the driver.
+    let (code, v) = node.driver(&["init"]);
+    assert_eq!((code, v["status"].as_str(), v["capabilities"]["attach"].as_bool()), (0, Some("Success"), Some(false)), "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| m.contains(&format!("not reachable at {}", node.socket.display()))), "init says the agent is not there yet: {v}");
     let dir = node.mount_dir("uid-a", "pv1");
+    assert_failure(&node.driver(&["mount", &dir, r#"{"kubernetes.io/fsType":"ext4"}"#]), &format!("volagent agent is not reachable at {}", node.socket.display()));
     assert_failure(&node.driver(&["unmount", &dir]), "is the volagent DaemonSet running");
 }
 

@@ -39,13 +39,45 @@ fn config(exe: &Path) -> DriverConfig {
         .unwrap_or(DriverConfig { socket: PathBuf::from(DEFAULT_SOCKET), backend })
 }
 
-fn ask(config: &DriverConfig, request: Request) -> Result<Response, String> {
+/// Why the agent could not be asked.
+enum AskError {
+    /// Nothing listens on the socket (yet): the agent is starting or down.
+    NotServing(String),
+    Other(String),
+}
+
+impl From<AskError> for String {
+    fn from(e: AskError) -> String {
+        match e {
+            AskError::NotServing(m) | AskError::Other(m) => m,
+        }
+    }
+}
+
+fn ask(config: &DriverConfig, request: Request) -> Result<Response, AskError> {
     let socket = config.socket.display();
-    let mut stream = UnixStream::connect(&config.socket)
-        .map_err(|e| format!("volagent agent is not reachable at {socket}: {e}; is the volagent DaemonSet running on this node?"))?;
+    let mut stream = UnixStream::connect(&config.socket).map_err(|e| {
+        let message = format!("volagent agent is not reachable at {socket}: {e}; is the volagent DaemonSet running on this node?");
+        match e.kind() {
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => AskError::NotServing(message),
+            _ => AskError::Other(message),
+        }
+    })?;
     let _ = stream.set_read_timeout(Some(AGENT_TIMEOUT));
     let _ = stream.set_write_timeout(Some(AGENT_TIMEOUT));
-    protocol::exchange(&mut stream, request).map_err(|e| format!("volagent agent at {socket}: {e}"))
+    protocol::exchange(&mut stream, request).map_err(|e| AskError::Other(format!("volagent agent at {socket}: {e}")))
+}
+
+/// `init`: the agent's handshake when it serves. When nothing listens yet,
+/// still Success: kubelet probes a driver the moment its files appear —
+/// which the agent installs before it serves — and kubelet 1.20 drops every
+/// driver probed in a round where one init failed, retrying only the failed
+/// one. Mounts wait for the agent instead (kubelet retries them).
+fn init(config: &DriverConfig) -> (Value, bool) {
+    match ask(config, Request::Handshake { backend: config.backend.clone() }) {
+        Err(AskError::NotServing(message)) => reply(Ok(Response::Ok { message: format!("{message} (mounts wait for it)"), device: None }), true),
+        other => reply(other.map_err(String::from), true),
+    }
 }
 
 fn reply(response: Result<Response, String>, init: bool) -> (Value, bool) {
@@ -74,7 +106,7 @@ fn run(args: &[String]) -> (Value, bool) {
     let config = config(&invoked);
     let backend = config.backend.clone();
     match args.get(1).map(String::as_str) {
-        Some("init") => reply(ask(&config, Request::Handshake { backend }), true),
+        Some("init") => init(&config),
         Some("mount") => {
             let (Some(dir), Some(json)) = (args.get(2), args.get(3)) else {
                 return failure("mount needs <mount-dir> <json-options>");
@@ -83,10 +115,10 @@ fn run(args: &[String]) -> (Value, bool) {
                 Ok(o) => o,
                 Err(e) => return failure(format!("mount options are not a JSON object of strings: {e}")),
             };
-            reply(ask(&config, Request::Mount { backend, mount_dir: dir.clone(), options }), false)
+            reply(ask(&config, Request::Mount { backend, mount_dir: dir.clone(), options }).map_err(String::from), false)
         }
         Some("unmount") => match args.get(2) {
-            Some(dir) => reply(ask(&config, Request::Unmount { backend, mount_dir: dir.clone() }), false),
+            Some(dir) => reply(ask(&config, Request::Unmount { backend, mount_dir: dir.clone() }).map_err(String::from), false),
             None => failure("unmount needs <mount-dir>"),
         },
         _ => (json!({"status": "Not supported"}), true),

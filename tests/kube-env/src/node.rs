@@ -1,12 +1,15 @@
-//! Test support for the kubelet tier: containerd, kubelet and
-//! kube-controller-manager as child processes, next to a [`KubeEnv`].
+//! Test support for the kubelet and DaemonSet tiers: containerd, kubelet,
+//! kube-controller-manager and kube-scheduler as child processes, next to a
+//! [`KubeEnv`], and kubectl.
 //!
 //! Each node is a kubelet with its own name, ports, root dir and volume
 //! plugin dir, and its own containerd: a kubelet kills every running pod
 //! its runtime lists that is not one of its own, so two kubelets cannot
 //! share a runtime. Pods get a network from containerd's CNI (a bridge per
 //! node), so nodes become Ready; the test is expected to run all of it in a
-//! private network and mount namespace ([`Namespaces`]).
+//! private network and mount namespace ([`Namespaces`]). Pods route
+//! through their node's bridge, so they reach an in-cluster env's API
+//! server at the `kubernetes` Service's address.
 //!
 //! Teardown: the processes die with the test process (parent-death signal),
 //! and [`teardown`] also ends what containerd started (shims and
