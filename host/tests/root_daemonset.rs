@@ -50,20 +50,15 @@ fn name(p: &k8s_openapi::api::core::v1::Pod) -> String {
     p.metadata.name.clone().expect("a name")
 }
 
-/// The fields of a JSON log line: at the top level or under "fields".
-fn field<'a>(line: &'a Value, key: &str) -> &'a Value {
-    if line[key].is_null() { &line["fields"][key] } else { &line[key] }
-}
-
 /// The "start-up reconciliation done" lines of agent pod `pod`, one per
 /// container it ran, oldest first.
 fn reconciliations(c: &DsCluster, pod: &k8s_openapi::api::core::v1::Pod) -> Vec<Value> {
-    c.json_lines_of(pod).into_iter().filter(|l| field(l, "message").as_str().is_some_and(|m| m.contains("start-up reconciliation done"))).collect()
+    c.json_lines_of(pod).into_iter().filter(|l| l["message"].as_str().is_some_and(|m| m.contains("start-up reconciliation done"))).collect()
 }
 
 /// What agent pod `pod` unmounted.
 fn unmounts(c: &DsCluster, pod: &k8s_openapi::api::core::v1::Pod) -> Vec<Value> {
-    c.json_lines_of(pod).into_iter().filter(|l| field(l, "op") == "unmount").collect()
+    c.json_lines_of(pod).into_iter().filter(|l| l["op"] == "unmount").collect()
 }
 
 /// The agent pod is the DaemonSet's (privileged, host network, the
@@ -103,7 +98,7 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
     // Logs: JSON, from the pod's CRI log, with the mount's operation line.
     let ops = c.operation_lines();
     assert!(
-        ops.iter().any(|l| field(l, "op") == "mount" && field(l, "outcome") == "ok" && field(l, "volume") == "data"),
+        ops.iter().any(|l| l["op"] == "mount" && l["outcome"] == "ok" && l["volume"] == "data"),
         "the agent pod's log has the mount of data:\n{ops:#?}"
     );
     let (code, metrics) = c.agent_http("/metrics");
@@ -171,7 +166,7 @@ fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
     });
     still_writing("after the agent pod was replaced");
     let adopted = c.wait("the new agent's reconciliation", || reconciliations(&c, &second).first().cloned());
-    assert_eq!((field(&adopted, "kept").as_u64(), field(&adopted, "rolled_back").as_u64(), field(&adopted, "orphans").as_u64()), (Some(1), Some(0), Some(0)), "the new agent adopted the mount: {adopted}");
+    assert_eq!((adopted["kept"].as_u64(), adopted["rolled_back"].as_u64(), adopted["orphans"].as_u64()), (Some(1), Some(0), Some(0)), "the new agent adopted the mount: {adopted}");
 
     // 2. Killed: kubelet restarts the container in the same pod.
     let id = container_id(&second, "agent");
@@ -182,7 +177,7 @@ fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
     });
     still_writing("after the agent was killed");
     let adopted = c.wait("the restarted agent's reconciliation", || reconciliations(&c, &second).get(1).cloned());
-    assert_eq!(field(&adopted, "kept").as_u64(), Some(1), "the restarted agent adopted the mount: {adopted}");
+    assert_eq!(adopted["kept"].as_u64(), Some(1), "the restarted agent adopted the mount: {adopted}");
     assert_eq!(unmounts(&c, &second), Vec::<Value>::new(), "no agent unmounted anything while the workload ran");
 
     // 3. No agent on the node (the DaemonSet selects no node) while the
