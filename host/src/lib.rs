@@ -10,6 +10,7 @@ pub mod init;
 pub mod kube;
 pub mod ledger;
 pub mod metrics;
+pub mod nbd;
 pub mod ops;
 pub mod plugin;
 pub mod policy;

@@ -2,6 +2,7 @@
 
 mod agent;
 mod controller;
+mod nbd;
 mod plugin;
 mod status;
 
@@ -48,6 +49,11 @@ enum Command {
         #[command(flatten)]
         args: controller::ControllerArgs,
     },
+    /// The agent's NBD server, on its own.
+    Nbd {
+        #[command(subcommand)]
+        command: nbd::NbdCommand,
+    },
     /// Print the CustomResourceDefinitions (volagent.io/v1alpha1) as YAML,
     /// or write one file per CRD into a dir.
     Crds {
@@ -88,7 +94,7 @@ impl Cli {
 
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
-            Command::Agent { .. } | Command::Controller { .. } => "info",
+            Command::Agent { .. } | Command::Controller { .. } | Command::Nbd { .. } => "info",
             Command::Plugin { .. } | Command::Status { .. } | Command::Crds { .. } => "error",
         }
     }
@@ -101,6 +107,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Status { args } => status::run(args),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
         Command::Controller { args } => controller::run(args),
+        Command::Nbd { command } => nbd::run(command),
         Command::Crds { dir: None } => {
             print!("{}", crate::kube::crds::yaml_stream());
             Ok(ExitCode::SUCCESS)

@@ -7,6 +7,7 @@
 
 pub mod beneath;
 mod block;
+pub mod export_file;
 pub mod fake;
 pub mod linux;
 pub mod loopdev;

@@ -1,0 +1,77 @@
+//! `volagent nbd serve`: the agent's NBD server on its own, exporting
+//! local files or block devices (for tests, benchmarks, and nodes that
+//! serve a disk to others over loopback or a Unix socket).
+
+use crate::nbd::{Exports, Listener, Server};
+use crate::sys::export_file::FileExport;
+use anyhow::Context;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum NbdCommand {
+    /// Serve exports until SIGTERM or Ctrl-C.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Listen on this Unix socket.
+    #[arg(long, required_unless_present = "tcp")]
+    unix: Option<PathBuf>,
+    /// Listen on this TCP address (loopback only).
+    #[arg(long, conflicts_with = "unix")]
+    tcp: Option<std::net::SocketAddr>,
+    /// NAME=PATH: serve the file or block device PATH as export NAME
+    /// (repeatable; an empty NAME is the default export).
+    #[arg(long = "export", value_name = "NAME=PATH", required = true, value_parser = parse_export)]
+    exports: Vec<(String, PathBuf)>,
+    /// Refuse writes.
+    #[arg(long)]
+    read_only: bool,
+    /// Clients served at once.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    max_connections: u64,
+}
+
+fn parse_export(s: &str) -> Result<(String, PathBuf), String> {
+    let (name, path) = s.split_once('=').ok_or("expected NAME=PATH")?;
+    if name.len() > 4096 || name.contains('\0') {
+        return Err("an export name is at most 4096 bytes, without NUL".into());
+    }
+    if path.is_empty() {
+        return Err("the export's PATH is empty".into());
+    }
+    Ok((name.to_string(), PathBuf::from(path)))
+}
+
+pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
+    let NbdCommand::Serve(args) = command;
+    let exports = Exports::default();
+    for (name, path) in &args.exports {
+        let export = FileExport::open(path, args.read_only).with_context(|| format!("export {name:?}"))?;
+        exports.insert(name, Arc::new(export));
+    }
+    let listener = match (&args.unix, args.tcp) {
+        (Some(path), _) => Listener::unix(path),
+        (None, Some(addr)) => Listener::tcp(addr),
+        (None, None) => unreachable!("clap requires one"),
+    }
+    .context("nbd listener")?;
+    let server = Server::start(listener, exports, args.max_connections as usize).context("nbd server")?;
+    tracing::info!(listener = %server.describe(), exports = args.exports.len(), "volagent nbd server serving");
+    // Readiness for scripts: the socket exists and accepts from now on.
+    println!("serving on {}", server.describe());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("tokio runtime")?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        anyhow::Ok(())
+    })?;
+    drop(server);
+    Ok(ExitCode::SUCCESS)
+}
