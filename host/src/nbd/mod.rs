@@ -16,6 +16,7 @@ pub use export::{Export, Extent};
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -151,15 +152,16 @@ impl Listener {
         }
     }
 
+    /// Wake a blocked `accept` for good: on Linux, shutting a listening
+    /// socket down makes it fail (no path or address needed, which may be
+    /// gone by then).
     fn wake(&self) {
-        match self {
-            Listener::Unix(_, p) => drop(UnixStream::connect(p)),
-            Listener::Tcp(l) => {
-                if let Ok(a) = l.local_addr() {
-                    drop(TcpStream::connect(a));
-                }
-            }
-        }
+        use std::os::fd::AsFd;
+        let fd = match self {
+            Listener::Unix(l, _) => l.as_fd(),
+            Listener::Tcp(l) => l.as_fd(),
+        };
+        let _ = nix::sys::socket::shutdown(fd.as_raw_fd(), nix::sys::socket::Shutdown::Both);
     }
 }
 
