@@ -145,7 +145,7 @@ fn main() {
     for _ in 0..rounds {
         for (t, s) in targets.iter().zip(samples.iter_mut()) {
             s[0].push(nbdcopy(&t.uri, "null:"));
-            s[1].push(nbdcopy(source.to_str().unwrap(), &t.uri));
+            s[1].push(nbdcopy(&source.display().to_string(), &t.uri));
             let engine = ["--ioengine=nbd", &format!("--uri={}", t.uri), "--bs=4k", "--iodepth=32", "--size=1g"].map(String::from);
             let engine: Vec<&str> = engine.iter().map(String::as_str).collect();
             s[2].push(fio(&engine, "randread", secs).iops);

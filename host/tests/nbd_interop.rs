@@ -2,6 +2,8 @@
 //! qemu-utils): nbdinfo, nbdcopy, nbdsh, qemu-img, qemu-io. Data written
 //! through one client is read back bit-identical through another. No root
 //! needed: Unix sockets and files. `scripts/setup` installs the tools.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -51,7 +51,7 @@ fn pod(s: &Setup, name: &str) -> Consumer {
 /// An executor acting beneath the setup's roots, as the agent's does.
 fn executor(s: &Setup) -> Executor {
     let roots = volagent::sys::Roots::open(&[s.scratch.path("kubelet"), s.scratch.path("disks"), s.scratch.path("state")]).expect("roots");
-    Executor::new(Sys::linux(roots, "volagent:n1"))
+    Executor::new(Sys::linux(roots, "volagent:n1", std::env::temp_dir().join("volagent-no-nbd")))
 }
 
 fn mount(s: &Setup, exec: &Executor, c: &Consumer, others: &[Holder]) {

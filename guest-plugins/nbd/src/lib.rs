@@ -1,13 +1,22 @@
 //! nbd: a network block device attached to an NBD export, formatted if
-//! needed, mounted. An NBD export has no cluster filesystem and no storage
-//! fencing, so it is a single-writer-node volume whatever its access mode.
+//! needed, mounted. An ext4 or xfs filesystem on a block device has one
+//! writer node: ReadWriteOnce is fenced across nodes through the ledger, and
+//! ReadWriteMany is refused unless the volume says its user is clustered.
 //!
-//! Options: `server` (required: "unix:/path.sock" or "host:port"), `export`
-//! (the export name; default the server's default export).
+//! Options:
+//! - `server` (required): "unix:/path.sock" or "host:port";
+//! - `export`: the export name (default: the server's default export);
+//! - `attach`: `auto` (default: the kernel's nbd driver where the node has
+//!   it, else userspace), `kernel`, or `userspace` (nbdfuse on a loop device);
+//! - `connections`: 1 to 16 (default 4) connections per attachment;
+//! - `read-only`: "true" attaches and mounts read-only on any number of
+//!   nodes, as ReadOnlyMany;
+//! - `clustered`: "true" lets ReadWriteMany through, for users that
+//!   coordinate writers themselves.
 
 use volagent_guest_sdk::{
     AccessMode, BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision,
-    DeviceKind, DeviceSpec, Holder, Host, NbdSpec, NodeFacts, NodePaths, PathRoot, Plan, Policy,
+    DeviceKind, DeviceSpec, Holder, Host, NbdAttach, NbdSpec, NodeFacts, NodePaths, PathRoot, Plan, Policy,
     PolicyError, StepKind, Volume, fence, options, plans,
 };
 
@@ -16,6 +25,8 @@ pub struct Nbd;
 volagent_guest_sdk::export_policy!(crate::Nbd);
 
 const FILESYSTEMS: &[&str] = &["ext4", "xfs"];
+const MAX_CONNECTIONS: u8 = 16;
+const DEFAULT_CONNECTIONS: u8 = 4;
 
 pub fn export_spec(volume: &Volume) -> Result<NbdSpec, PolicyError> {
     let server = options::required(volume, "server")?;
@@ -29,18 +40,42 @@ pub fn export_spec(volume: &Volume) -> Result<NbdSpec, PolicyError> {
             volume.name
         )));
     }
+    let attach = match options::get(volume, "attach").unwrap_or("auto") {
+        "auto" => NbdAttach::Auto,
+        "kernel" => NbdAttach::Kernel,
+        "userspace" => NbdAttach::Userspace,
+        other => {
+            return Err(PolicyError::InvalidOptions(format!(
+                "volume {}: attach \"{other}\" is not auto, kernel or userspace",
+                volume.name
+            )));
+        }
+    };
+    let connections = match options::get(volume, "connections") {
+        None => DEFAULT_CONNECTIONS,
+        Some(n) => n.parse::<u8>().ok().filter(|n| (1..=MAX_CONNECTIONS).contains(n)).ok_or_else(|| {
+            PolicyError::InvalidOptions(format!(
+                "volume {}: connections \"{n}\" is not a number from 1 to {MAX_CONNECTIONS}",
+                volume.name
+            ))
+        })?,
+    };
     Ok(NbdSpec {
         server: server.to_string(),
         export_name: options::get(volume, "export").unwrap_or("").to_string(),
+        attach,
+        connections,
     })
 }
 
-/// One writer node: ReadWriteMany is narrowed to ReadWriteOnce.
-fn effective_mode(mode: AccessMode) -> AccessMode {
-    match mode {
-        AccessMode::ReadWriteMany => AccessMode::ReadWriteOnce,
-        other => other,
+/// The volume as this backend serves it: a read-only export is
+/// ReadOnlyMany, whatever the PV says.
+fn effective(volume: &Volume) -> Result<Volume, PolicyError> {
+    let mut v = volume.clone();
+    if options::boolean(volume, "read-only", false)? {
+        v.access_mode = AccessMode::ReadOnlyMany;
     }
+    Ok(v)
 }
 
 impl Policy for Nbd {
@@ -74,13 +109,15 @@ impl Policy for Nbd {
         nodes: Vec<NodeFacts>,
     ) -> Result<Decision, PolicyError> {
         export_spec(&volume)?;
-        let mode = effective_mode(volume.access_mode);
-        Ok(match fence::standard(&volume.name, mode, &requester, &holders, &nodes) {
-            Decision::Deny(reason) if mode != volume.access_mode => Decision::Deny(format!(
-                "{reason}; nbd volumes have a single writer node, even when ReadWriteMany"
-            )),
-            other => other,
-        })
+        let volume = effective(&volume)?;
+        if volume.access_mode == AccessMode::ReadWriteMany && !options::boolean(&volume, "clustered", false)? {
+            return Ok(Decision::Deny(format!(
+                "volume {} is ReadWriteMany, but a filesystem on an NBD block device has one writer node; \
+                 use ReadWriteOnce, or set clustered: \"true\" if its users coordinate writers themselves",
+                volume.name
+            )));
+        }
+        Ok(fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes))
     }
 
     fn attach(
@@ -91,6 +128,7 @@ impl Policy for Nbd {
         paths: NodePaths,
     ) -> Result<Plan, PolicyError> {
         let spec = export_spec(&volume)?;
+        let volume = effective(&volume)?;
         let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
         Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Nbd(spec)), &fs, vec![], &requester, &local_holders, &paths))
     }
@@ -157,15 +195,68 @@ mod tests {
         }
     }
 
+    fn with(mut v: Volume, key: &str, value: &str) -> Volume {
+        v.options.push(KeyValue { key: key.into(), value: value.into() });
+        v
+    }
+
     #[test]
-    fn single_writer_node_even_for_rwx() {
+    fn rwx_is_refused_unless_clustered() {
+        let nodes = vec![live_node("n1"), live_node("n2")];
+        let rwx = volume(AccessMode::ReadWriteMany, "unix:/s");
+        let d = Nbd::fence(&FakeHost::default(), rwx.clone(), consumer("n1", "a"), vec![], nodes.clone()).unwrap();
+        assert!(matches!(&d, Decision::Deny(r) if r.contains("one writer node") && r.contains("clustered")), "{d:?}");
+        let clustered = with(rwx, "clustered", "true");
+        let held = vec![holder(&consumer("n1", "a"))];
+        let d = Nbd::fence(&FakeHost::default(), clustered, consumer("n2", "b"), held, nodes).unwrap();
+        assert_eq!(d, Decision::Grant);
+    }
+
+    #[test]
+    fn rwo_has_one_writer_node() {
         let held = vec![holder(&consumer("n1", "a"))];
         let nodes = vec![live_node("n1"), live_node("n2")];
-        let d = Nbd::fence(&FakeHost::default(), volume(AccessMode::ReadWriteMany, "unix:/s"), consumer("n2", "b"), held.clone(), nodes.clone()).unwrap();
-        assert!(matches!(&d, Decision::Deny(r) if r.contains("single writer") && r.contains("node n1")), "{d:?}");
-        // The same node is still fine.
-        let d = Nbd::fence(&FakeHost::default(), volume(AccessMode::ReadWriteMany, "unix:/s"), consumer("n1", "c"), held, nodes).unwrap();
+        let d = Nbd::fence(&FakeHost::default(), volume(AccessMode::ReadWriteOnce, "unix:/s"), consumer("n2", "b"), held.clone(), nodes.clone()).unwrap();
+        assert!(matches!(&d, Decision::Deny(r) if r.contains("node n1")), "{d:?}");
+        let d = Nbd::fence(&FakeHost::default(), volume(AccessMode::ReadWriteOnce, "unix:/s"), consumer("n1", "c"), held, nodes).unwrap();
         assert_eq!(d, Decision::Grant);
+    }
+
+    #[test]
+    fn a_read_only_export_is_read_only_many() {
+        let held = vec![holder(&consumer("n1", "a"))];
+        let nodes = vec![live_node("n1"), live_node("n2")];
+        let ro = with(volume(AccessMode::ReadWriteOnce, "unix:/s"), "read-only", "true");
+        let mut reader = consumer("n2", "b");
+        reader.read_only = true;
+        let d = Nbd::fence(&FakeHost::default(), ro.clone(), reader, held.clone(), nodes.clone()).unwrap();
+        assert_eq!(d, Decision::Grant, "readers on two nodes");
+        let d = Nbd::fence(&FakeHost::default(), ro.clone(), consumer("n2", "c"), held, nodes).unwrap();
+        assert!(matches!(&d, Decision::Deny(r) if r.contains("read-only")), "a writer is turned away: {d:?}");
+        let paths = NodePaths {
+            kubelet_root: "/k".into(),
+            staging_dir: "/k/plugins/volagent/nbd/mounts/pv1".into(),
+            state_dir: "/s".into(),
+            discovery_dirs: vec![],
+        };
+        let plan = Nbd::attach(&FakeHost::default(), ro, consumer("n2", "b"), vec![], paths).unwrap();
+        assert!(matches!(&plan[0], Step::AttachDevice(a) if a.read_only));
+        assert!(!plan.iter().any(|s| matches!(s, Step::Format(_))), "never formats a read-only export");
+        let bad = with(volume(AccessMode::ReadWriteOnce, "unix:/s"), "read-only", "yes");
+        assert!(matches!(effective(&bad), Err(PolicyError::InvalidOptions(m)) if m.contains("read-only")));
+    }
+
+    #[test]
+    fn attach_path_and_connections_are_chosen_and_checked() {
+        let v = volume(AccessMode::ReadWriteOnce, "unix:/s");
+        let spec = export_spec(&v).unwrap();
+        assert_eq!((spec.attach, spec.connections), (NbdAttach::Auto, DEFAULT_CONNECTIONS));
+        let spec = export_spec(&with(with(v.clone(), "attach", "userspace"), "connections", "1")).unwrap();
+        assert_eq!((spec.attach, spec.connections), (NbdAttach::Userspace, 1));
+        assert_eq!(export_spec(&with(v.clone(), "attach", "kernel")).unwrap().attach, NbdAttach::Kernel);
+        for (k, bad) in [("attach", "fuse"), ("connections", "0"), ("connections", "17"), ("connections", "many")] {
+            assert!(matches!(export_spec(&with(v.clone(), k, bad)), Err(PolicyError::InvalidOptions(m)) if m.contains(k)), "{k}={bad}");
+        }
     }
 
     #[test]

@@ -55,3 +55,16 @@ pub fn fs_type(volume: &Volume, default: &str, allowed: &[&str]) -> Result<Strin
         )))
     }
 }
+
+/// A yes/no option: "true" or "false" (default `default` when unset).
+pub fn boolean(volume: &Volume, key: &str, default: bool) -> Result<bool, PolicyError> {
+    match get(volume, key) {
+        None => Ok(default),
+        Some("true") => Ok(true),
+        Some("false") => Ok(false),
+        Some(other) => Err(PolicyError::InvalidOptions(format!(
+            "volume {}: option \"{key}\" is \"{other}\", not true or false",
+            volume.name
+        ))),
+    }
+}

@@ -170,7 +170,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         inline_backends: args.inline_backends.clone(),
     };
     let roots = crate::sys::Roots::open(&config.roots()).context("opening the root dirs")?;
-    let sys = Sys::linux(roots, &crate::ops::loop_tag(&node, &config.state_dir));
+    let sys = Sys::linux(roots, &crate::ops::loop_tag(&node, &config.state_dir), config.state_dir.join("nbd"));
     let mut agent = Agent::new(config, Vec::new(), ledger, stash, sys, Duration::from_secs(args.plan_deadline_secs));
     if let Some(c) = cluster.clone() {
         agent = agent.with_cluster(c);

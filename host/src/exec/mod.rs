@@ -2,7 +2,7 @@
 //! (already attached or mounted is success), and a failing step rolls back
 //! what the steps before it did.
 
-use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, Step, WipeMethod};
+use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, Step, WipeMethod};
 use crate::sys::{Sys, SysError, Wipe};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -44,6 +44,8 @@ pub struct Outcome {
 #[derive(Debug)]
 enum Undo {
     Detach(PathBuf),
+    /// Stop the userspace NBD client with this key.
+    NbdDisconnect(String),
     Unmount(PathBuf),
     RemoveDir(PathBuf),
 }
@@ -187,6 +189,13 @@ impl Run<'_> {
                 Ok(())
             }
             Step::DetachDevice(d) => {
+                if let DeviceSpec::Nbd(nbd) = &d.spec {
+                    let key = nbd_key(nbd);
+                    for device in self.loops_over(&self.sys.nbd.file(&key))? {
+                        self.sys.devices.loop_detach(&device)?;
+                    }
+                    return Ok(self.sys.nbd.disconnect(&key)?);
+                }
                 for device in self.attached(&d.spec)? {
                     self.sys.devices.loop_detach(&device)?;
                 }
@@ -220,6 +229,9 @@ impl Run<'_> {
     /// Attach, or find the device already attached for `spec` (the same
     /// file, by identity).
     fn attach(&mut self, spec: &DeviceSpec, read_only: bool) -> Result<PathBuf, StepError> {
+        if let DeviceSpec::Nbd(nbd) = spec {
+            return self.attach_nbd(nbd, read_only);
+        }
         let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
         let file = Path::new(file);
         if let Some(device) = self.sys.loops_of(file)?.into_iter().next() {
@@ -229,6 +241,55 @@ impl Run<'_> {
         self.undo.push(Undo::Detach(device.clone()));
         self.fresh.insert(device.clone(), file.to_path_buf());
         Ok(device)
+    }
+
+    /// An NBD export as a block device: a userspace client exposes it as a
+    /// file, on a loop device (or the device already there for it).
+    fn attach_nbd(&mut self, spec: &NbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
+        match spec.attach {
+            NbdAttach::Auto | NbdAttach::Userspace => {}
+            NbdAttach::Kernel if !self.sys.nbd.kernel_driver() => {
+                return Err(refused(format!(
+                    "nbd export {:?} at {}: the volume asks for the kernel's nbd driver, which this node does not have; \
+                     use attach: userspace (or auto)",
+                    spec.export_name, spec.server
+                )));
+            }
+            NbdAttach::Kernel => {
+                return Err(refused(format!(
+                    "nbd export {:?} at {}: attaching through the kernel's nbd driver is not supported by this agent yet; \
+                     use attach: userspace (or auto)",
+                    spec.export_name, spec.server
+                )));
+            }
+        }
+        let key = nbd_key(spec);
+        let file = self.sys.nbd.file(&key);
+        if let Some(device) = self.loops_over(&file)?.into_iter().next() {
+            return Ok(device);
+        }
+        let uri = crate::sys::nbd_client::uri(&spec.server, &spec.export_name);
+        if self.sys.nbd.connect(&key, &uri, spec.connections, read_only)? {
+            self.undo.push(Undo::NbdDisconnect(key));
+        }
+        let device = self.sys.devices.loop_attach(&file, read_only)?;
+        self.undo.push(Undo::Detach(device.clone()));
+        Ok(device)
+    }
+
+    /// This agent's loop devices over `file`, by the path the kernel
+    /// reports: a userspace client's file is never stat'ed, as that would
+    /// hang on a client that no longer answers.
+    fn loops_over(&self, file: &Path) -> Result<Vec<PathBuf>, StepError> {
+        let tag = self.sys.devices.loop_tag();
+        Ok(self
+            .sys
+            .devices
+            .loop_devices()?
+            .into_iter()
+            .filter(|l| l.tag == tag && l.backing_file == file)
+            .map(|l| l.device)
+            .collect())
     }
 
     /// The devices attached for `spec` (none is fine: already detached):
@@ -295,6 +356,7 @@ impl Run<'_> {
         while let Some(undo) = self.undo.pop() {
             let result = match &undo {
                 Undo::Detach(device) => self.sys.devices.loop_detach(device),
+                Undo::NbdDisconnect(key) => self.sys.nbd.disconnect(key),
                 Undo::Unmount(target) => self.sys.mounts.unmount(target, false),
                 Undo::RemoveDir(dir) => self.sys.mounts.remove_dir(dir),
             };
@@ -305,6 +367,17 @@ impl Run<'_> {
         }
         failures
     }
+}
+
+/// The name of the userspace client of an export: one per export on a
+/// node, whatever volume names it.
+pub fn nbd_key(spec: &NbdSpec) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(spec.server.as_bytes());
+    h.update([0]);
+    h.update(spec.export_name.as_bytes());
+    format!("export-{}", hex::encode(&h.finalize()[..12]))
 }
 
 fn unsupported(spec: &DeviceSpec) -> StepError {

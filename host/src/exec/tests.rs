@@ -115,11 +115,17 @@ fn unsupported_devices_and_fencing_are_refused_clearly() {
     let (_fake, exec) = node();
     let plan = [Step::AttachDevice(AttachDevice {
         id: "d".into(),
-        spec: DeviceSpec::Nbd(crate::policy::NbdSpec { server: "unix:/run/x".into(), export_name: "e".into() }),
+        spec: DeviceSpec::Rbd(crate::policy::RbdSpec {
+            monitors: vec!["10.0.0.1:6789".into()],
+            pool: "p".into(),
+            image: "i".into(),
+            user: "u".into(),
+            secret_key: None,
+        }),
         read_only: false,
     })];
     let err = exec.run(&plan).unwrap_err();
-    assert!(err.to_string().contains("nbd devices cannot be attached by this agent yet"), "{err}");
+    assert!(err.to_string().contains("rbd devices cannot be attached by this agent yet"), "{err}");
 }
 
 #[test]
@@ -162,4 +168,59 @@ fn a_detach_leaves_other_agents_devices_alone() {
     fake.state().links.insert(FILE.into());
     exec.run(&detach_plan()).unwrap();
     assert_eq!(fake.state().loops.len(), 1, "not this agent's to detach");
+}
+
+fn nbd_spec(attach: NbdAttach) -> NbdSpec {
+    NbdSpec { server: "unix:/run/nbd.sock".into(), export_name: "disk0".into(), attach, connections: 2 }
+}
+
+fn nbd_plans(attach: NbdAttach) -> (Vec<Step>, Vec<Step>) {
+    let mut attach_steps = attach_plan();
+    attach_steps[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(nbd_spec(attach)), read_only: false });
+    let mut detach_steps = detach_plan();
+    detach_steps[2] = Step::DetachDevice(DetachDevice { spec: DeviceSpec::Nbd(nbd_spec(attach)), force: false });
+    (attach_steps, detach_steps)
+}
+
+#[test]
+fn an_nbd_export_is_attached_through_a_userspace_client_and_detached_whole() {
+    let (fake, exec) = node();
+    let (attach, detach) = nbd_plans(NbdAttach::Auto);
+    let key = nbd_key(&nbd_spec(NbdAttach::Auto));
+    let file = Path::new("/fake-nbd").join(&key).join("nbd");
+    exec.run(&attach).unwrap();
+    {
+        let s = fake.state();
+        assert_eq!(s.nbd_clients.get(&key), Some(&("nbd+unix:///disk0?socket=/run/nbd.sock".to_string(), false)));
+        assert_eq!(s.loops.len(), 1);
+        assert_eq!(s.loops[0].backing_file, file);
+        assert_eq!(s.mounts.len(), 2);
+    }
+    // A rerun finds the device over the client's file: nothing new.
+    exec.run(&attach).unwrap();
+    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("nbd-connect")).count(), 1);
+    exec.run(&detach).unwrap();
+    let s = fake.state();
+    assert!(s.loops.is_empty() && s.mounts.is_empty() && s.nbd_clients.is_empty(), "{s:?}");
+    let tail: Vec<&String> = s.log.iter().rev().take(2).collect();
+    assert!(tail[1].starts_with("loop-detach") && tail[0].starts_with("nbd-disconnect"), "the loop goes before its client: {tail:?}");
+}
+
+#[test]
+fn a_failed_nbd_attach_rolls_back_the_client_too() {
+    let (fake, exec) = node();
+    let (attach, _) = nbd_plans(NbdAttach::Userspace);
+    fake.fail_next(&format!("mount {STAGING}"));
+    exec.run(&attach).unwrap_err();
+    let s = fake.state();
+    assert!(s.loops.is_empty() && s.nbd_clients.is_empty(), "{s:?}");
+}
+
+#[test]
+fn the_kernel_attach_path_is_refused_where_it_is_not_available() {
+    let (fake, exec) = node();
+    let (attach, _) = nbd_plans(NbdAttach::Kernel);
+    let err = exec.run(&attach).unwrap_err();
+    assert!(err.to_string().contains("kernel's nbd driver, which this node does not have"), "{err}");
+    assert!(fake.state().nbd_clients.is_empty());
 }

@@ -234,7 +234,7 @@ impl<S: Read + Write> Negotiation<'_, S> {
         let matches = |q: &str| {
             q == wire::BASE_ALLOCATION || (!set && (q == "base:" || q == "base"))
         };
-        let selected = if set { queries.iter().any(|q| *q == wire::BASE_ALLOCATION) } else { queries.is_empty() || queries.iter().any(|q| matches(q)) };
+        let selected = if set { queries.contains(&wire::BASE_ALLOCATION) } else { queries.is_empty() || queries.iter().any(|q| matches(q)) };
         if selected {
             let mut reply = wire::BASE_ALLOCATION_ID.to_be_bytes().to_vec();
             reply.extend_from_slice(wire::BASE_ALLOCATION.as_bytes());

@@ -204,6 +204,9 @@ impl Checker<'_> {
                 if let Some(sock) = nbd.server.strip_prefix("unix:") {
                     clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?;
                 }
+                if !(1..=16).contains(&nbd.connections) {
+                    return Err(format!("nbd connections {} is not from 1 to 16", nbd.connections));
+                }
                 Ok(())
             }
             DeviceSpec::Rbd(rbd) => {
@@ -595,7 +598,7 @@ mod tests {
         let e = refused(good(), 0, |s| {
             *s = Step::AttachDevice(AttachDevice {
                 id: "d".into(),
-                spec: DeviceSpec::Nbd(NbdSpec { server: "unix:/run/x".into(), export_name: String::new() }),
+                spec: DeviceSpec::Nbd(NbdSpec { server: "unix:/run/x".into(), export_name: String::new(), attach: NbdAttach::Auto, connections: 1 }),
                 read_only: false,
             })
         });

@@ -2,7 +2,7 @@
 //! every operation logged, and failures injected on request. For tests of
 //! the logic above `sys` that need no root.
 
-use super::{Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, Sys, SysError, Wipe};
+use super::{Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, NbdClients, Sys, SysError, Wipe};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -18,6 +18,8 @@ pub struct State {
     pub files: BTreeSet<PathBuf>,
     /// Paths that are symlinks now: never followed.
     pub links: BTreeSet<PathBuf>,
+    /// Userspace NBD clients running: key → (uri, read-only).
+    pub nbd_clients: BTreeMap<String, (String, bool)>,
     /// Every operation, as "op path".
     pub log: Vec<String>,
     /// Fail the next operation whose "op path" starts with one of these
@@ -36,7 +38,7 @@ impl Fake {
     }
 
     pub fn sys(self: &Arc<Self>) -> Sys {
-        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone() }
+        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone(), nbd: self.clone() }
     }
 
     pub fn state(&self) -> MutexGuard<'_, State> {
@@ -219,6 +221,36 @@ impl Filesystems for Fake {
     fn wipe(&self, device: &Path, _method: Wipe) -> Result<(), SysError> {
         let mut s = self.op("wipe", device)?;
         s.filesystems.remove(device);
+        Ok(())
+    }
+}
+
+/// Clients expose their export as `/fake-nbd/<key>/nbd`.
+impl NbdClients for Fake {
+    fn kernel_driver(&self) -> bool {
+        false
+    }
+
+    fn file(&self, key: &str) -> PathBuf {
+        Path::new("/fake-nbd").join(key).join("nbd")
+    }
+
+    fn connect(&self, key: &str, uri: &str, _connections: u8, read_only: bool) -> Result<bool, SysError> {
+        let file = self.file(key);
+        let mut s = self.op("nbd-connect", &file)?;
+        if s.nbd_clients.contains_key(key) {
+            return Ok(false);
+        }
+        s.nbd_clients.insert(key.to_string(), (uri.to_string(), read_only));
+        s.files.insert(file);
+        Ok(true)
+    }
+
+    fn disconnect(&self, key: &str) -> Result<(), SysError> {
+        let file = self.file(key);
+        let mut s = self.op("nbd-disconnect", &file)?;
+        s.nbd_clients.remove(key);
+        s.files.remove(&file);
         Ok(())
     }
 }

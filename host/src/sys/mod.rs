@@ -12,6 +12,7 @@ pub mod fake;
 pub mod linux;
 pub mod loopdev;
 pub mod mountinfo;
+pub mod nbd_client;
 mod probe;
 
 pub use beneath::Roots;
@@ -155,20 +156,37 @@ pub trait Filesystems: Send + Sync {
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
 }
 
+/// Userspace NBD clients, each exposing one export as a file, by a key
+/// the caller derives from the export.
+pub trait NbdClients: Send + Sync {
+    /// Whether this node's kernel has the nbd driver.
+    fn kernel_driver(&self) -> bool;
+    /// The file client `key` exposes its export as (running or not).
+    fn file(&self, key: &str) -> PathBuf;
+    /// Start client `key` for the export at `uri`, and return once it
+    /// serves [`file`](Self::file); true when it was started, false when it
+    /// was running already.
+    fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError>;
+    /// Stop client `key` and remove what it left; none running is fine.
+    fn disconnect(&self, key: &str) -> Result<(), SysError>;
+}
+
 /// The node's effects, passed to whoever needs them.
 #[derive(Clone)]
 pub struct Sys {
     pub mounts: Arc<dyn Mounts>,
     pub devices: Arc<dyn Devices>,
     pub filesystems: Arc<dyn Filesystems>,
+    pub nbd: Arc<dyn NbdClients>,
 }
 
 impl Sys {
     /// The real node, acting beneath `roots`; loop devices it attaches
-    /// carry `tag`.
-    pub fn linux(roots: Roots, tag: &str) -> Sys {
+    /// carry `tag`; userspace NBD clients live in `nbd_dir` (beneath the
+    /// agent's state dir).
+    pub fn linux(roots: Roots, tag: &str, nbd_dir: PathBuf) -> Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
-        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node }
+        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd_client::NbdFuse::new(nbd_dir)) }
     }
 
     /// The mount at exactly `target`, if any (the last one wins, as in the kernel).

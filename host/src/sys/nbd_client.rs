@@ -1,0 +1,226 @@
+//! Userspace NBD clients for nodes without the kernel's nbd driver:
+//! `nbdfuse` exposes an export as the file `<base>/<key>/nbd` (a FUSE mount
+//! at `<base>/<key>`), which the executor attaches to a loop device.
+//!
+//! A client runs in its own process group, so it outlives an agent restart (the
+//! next agent adopts it by its pid file). Stopping one unmounts it, waits
+//! for the process, and if it does not end — a client hung on a server
+//! that does not answer — aborts its FUSE connection (fusectl) and kills it.
+
+use super::{Mounts, NbdClients, SysError, errno, io};
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const FUSECTL: &str = "/sys/fs/fuse/connections";
+
+#[derive(Debug, Clone)]
+pub struct NbdFuse {
+    /// Where the clients' mounts, pid files and logs live (beneath the state dir).
+    base: PathBuf,
+    program: PathBuf,
+    /// How long a client may take to connect, and to end once unmounted.
+    pub ready_timeout: Duration,
+    pub stop_timeout: Duration,
+}
+
+impl NbdFuse {
+    pub fn new(base: PathBuf) -> NbdFuse {
+        NbdFuse { base, program: PathBuf::from("nbdfuse"), ready_timeout: Duration::from_secs(20), stop_timeout: Duration::from_secs(5) }
+    }
+
+    fn dir(&self, key: &str) -> PathBuf {
+        self.base.join(key)
+    }
+
+    fn pid_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.pid"))
+    }
+
+    fn log_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.log"))
+    }
+
+    /// The client's pid, when its process runs (and is nbdfuse, not a
+    /// process that took over a stale pid).
+    fn running(&self, key: &str) -> Option<nix::unistd::Pid> {
+        let pid: i32 = std::fs::read_to_string(self.pid_file(key)).ok()?.trim().parse().ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let argv0 = cmdline.split(|b| *b == 0).next()?;
+        Path::new(std::str::from_utf8(argv0).ok()?).file_name().is_some_and(|n| n == "nbdfuse").then(|| nix::unistd::Pid::from_raw(pid))
+    }
+
+    /// The FUSE mount at the client's dir: its connection number (the
+    /// mount's minor device number, as fusectl names it).
+    fn mounted(&self, key: &str) -> Result<Option<u32>, SysError> {
+        let dir = self.dir(key);
+        let table = super::linux::Linux::unrooted().mount_table()?;
+        Ok(table.iter().rev().find(|m| m.mount_point == dir && m.fs_type.starts_with("fuse")).map(|m| m.device.1))
+    }
+
+    fn log_tail(&self, key: &str) -> String {
+        let mut text = String::new();
+        if let Ok(mut f) = std::fs::File::open(self.log_file(key)) {
+            let _ = f.by_ref().take(64 * 1024).read_to_string(&mut text);
+        }
+        let lines: Vec<&str> = text.lines().rev().take(5).collect();
+        lines.into_iter().rev().collect::<Vec<_>>().join("; ")
+    }
+
+    /// Fail every request of FUSE connection `conn` and make it refuse new ones.
+    fn abort(&self, conn: u32) {
+        let fusectl = Path::new(FUSECTL);
+        if !fusectl.join(conn.to_string()).exists() {
+            let _ = nix::mount::mount(Some("fusectl"), fusectl, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+        }
+        match std::fs::write(fusectl.join(conn.to_string()).join("abort"), "1") {
+            Ok(()) => tracing::warn!(conn, "aborted a hung FUSE connection"),
+            Err(e) => tracing::warn!(conn, "cannot abort FUSE connection through fusectl: {e}"),
+        }
+    }
+
+    fn wait_gone(&self, pid: nix::unistd::Pid, key: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.running(key) == Some(pid) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+}
+
+/// `server` ("unix:/path" or "host:port") and `export` as an NBD URI.
+pub fn uri(server: &str, export: &str) -> String {
+    let export = percent_encode(export);
+    match server.strip_prefix("unix:") {
+        Some(socket) => format!("nbd+unix:///{export}?socket={}", percent_encode(socket)),
+        None => format!("nbd://{server}/{export}"),
+    }
+}
+
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+impl NbdClients for NbdFuse {
+    fn kernel_driver(&self) -> bool {
+        Path::new("/sys/module/nbd").exists() && Path::new("/dev/nbd0").exists()
+    }
+
+    fn file(&self, key: &str) -> PathBuf {
+        self.dir(key).join("nbd")
+    }
+
+    fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError> {
+        let dir = self.dir(key);
+        let stale = self.mounted(key)?;
+        if stale.is_some() && self.running(key).is_some() {
+            return Ok(false);
+        }
+        if let Some(conn) = stale {
+            // Its client is gone: the mount only fails (ENOTCONN).
+            self.abort(conn);
+            nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).map_err(errno("unmount stale nbdfuse", &dir))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(io("mkdir", &dir))?;
+        let pid_file = self.pid_file(key);
+        match std::fs::remove_file(&pid_file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &pid_file)(e)),
+            _ => {}
+        }
+        let log = std::fs::File::create(self.log_file(key)).map_err(io("create", &self.log_file(key)))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.arg("-P").arg(&pid_file).arg("-C").arg(connections.to_string());
+        if read_only {
+            cmd.arg("-r");
+        }
+        cmd.arg(self.file(key)).arg(uri);
+        cmd.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("dup", &self.log_file(key)))?).stderr(log);
+        // Its own process group: signals to the agent's (Ctrl-C, a
+        // supervisor stopping it) do not reach it.
+        cmd.process_group(0);
+        let mut child = cmd.spawn().map_err(io("run nbdfuse for", &dir))?;
+        let deadline = Instant::now() + self.ready_timeout;
+        loop {
+            if pid_file.exists() {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(SysError::Command { program: "nbdfuse", path: dir, message: format!("{status}: {}", self.log_tail(key)) });
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                if let Ok(Some(conn)) = self.mounted(key) {
+                    self.abort(conn);
+                    let _ = nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH);
+                }
+                let _ = std::fs::remove_dir(&dir);
+                return Err(SysError::Timeout { program: "nbdfuse", path: dir, secs: self.ready_timeout.as_secs() });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Reap it when it ends, while this agent runs.
+        std::thread::spawn(move || drop(child.wait()));
+        Ok(true)
+    }
+
+    fn disconnect(&self, key: &str) -> Result<(), SysError> {
+        let dir = self.dir(key);
+        let pid = self.running(key);
+        if let Some(conn) = self.mounted(key)? {
+            if let Err(e) = nix::mount::umount2(&dir, nix::mount::MntFlags::empty()) {
+                // Still held (a loop device not yet released): unmount
+                // lazily; the client ends when the last user lets go.
+                tracing::debug!(dir = %dir.display(), "nbdfuse unmount: {e}; detaching lazily");
+                nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).map_err(errno("unmount nbdfuse", &dir))?;
+            }
+            if let Some(pid) = pid
+                && !self.wait_gone(pid, key, self.stop_timeout)
+            {
+                self.abort(conn);
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                self.wait_gone(pid, key, self.stop_timeout);
+            }
+        } else if let Some(pid) = pid {
+            // Running but not mounted: not serving anything.
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            self.wait_gone(pid, key, self.stop_timeout);
+        }
+        for f in [self.pid_file(key), self.log_file(key)] {
+            match std::fs::remove_file(&f) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => tracing::warn!(file = %f.display(), "left in place: {e}"),
+                _ => {}
+            }
+        }
+        match std::fs::remove_dir(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &dir)(e)),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_encode_what_they_must() {
+        assert_eq!(uri("unix:/run/nbd.sock", "disk0"), "nbd+unix:///disk0?socket=/run/nbd.sock");
+        assert_eq!(uri("unix:/run/a b.sock", "x?y"), "nbd+unix:///x%3Fy?socket=/run/a%20b.sock");
+        assert_eq!(uri("10.0.0.5:10809", ""), "nbd://10.0.0.5:10809/");
+    }
+}

@@ -1,0 +1,230 @@
+//! NBD volumes end to end on a node without nbd.ko, as kubelet drives them:
+//! the installed `volagent-flex` driver, the real agent serving the built
+//! nbd policy, and real servers — qemu-nbd on a Unix socket, nbdkit on
+//! loopback TCP, volagent's own `nbd serve` — each reached through the
+//! userspace attach path (nbdfuse, a loop device), formatted and mounted.
+//! What a pod wrote is read back from the server's file with debugfs/xfs_db,
+//! not through volagent. Unmount leaves no loop device, FUSE mount, client
+//! process or directory behind. Needs root.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+#[path = "support/agent.rs"]
+mod agent_common;
+mod common;
+mod driver_common;
+
+use agent_common::Node;
+use driver_common::{assert_failure, assert_success, kubelet_options};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A server process, stopped on drop.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ready() {
+        assert!(Instant::now() < deadline, "{what} never became ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+enum Peer {
+    QemuNbd,
+    Nbdkit,
+    Volagent,
+}
+
+/// Serve `image` as export "disk0"; the `server` option that reaches it.
+fn serve(node: &Node, peer: Peer, image: &Path) -> (Server, String) {
+    match peer {
+        Peer::QemuNbd => {
+            let socket = node.scratch.path("qemu.sock");
+            let child = Command::new("qemu-nbd")
+                .args(["-f", "raw", "-t", "-e", "8", "-x", "disk0", "-k"])
+                .arg(&socket)
+                .arg(image)
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("qemu-nbd (scripts/setup installs it)");
+            wait_until("qemu-nbd", || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+            (Server(child), format!("unix:{}", socket.display()))
+        }
+        Peer::Nbdkit => {
+            let port = free_port();
+            let child = Command::new("nbdkit")
+                .args(["-f", "-i", "127.0.0.1", "-p", &port.to_string(), "-e", "disk0", "file"])
+                .arg(image)
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("nbdkit (scripts/setup installs it)");
+            wait_until("nbdkit", || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+            (Server(child), format!("127.0.0.1:{port}"))
+        }
+        Peer::Volagent => {
+            let socket = node.scratch.path("volagent-nbd.sock");
+            let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+                .args(["nbd", "serve", "--unix"])
+                .arg(&socket)
+                .arg(format!("--export=disk0={}", image.display()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("volagent nbd serve");
+            wait_until("volagent nbd serve", || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+            (Server(child), format!("unix:{}", socket.display()))
+        }
+    }
+}
+
+fn nbd_options(volume: &str, pod: &str, uid: &str, fs: &str, server: &str) -> Value {
+    let mut o = kubelet_options(volume, pod, uid, fs, "");
+    let o2 = o.as_object_mut().unwrap();
+    o2.remove("path");
+    o2.insert("server".into(), server.into());
+    o2.insert("export".into(), "disk0".into());
+    o2.insert("attach".into(), "userspace".into());
+    o
+}
+
+fn nbd_node() -> Node {
+    Node::start_with(&[(volagent_test_artifacts::NBD, "nbd")])
+}
+
+fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
+    driver_common::run_driver(Command::new(node.driver_of("node-a", "nbd")).args(args))
+}
+
+/// nbdfuse processes whose mount lies under `dir`.
+fn clients_under(dir: &Path) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if args.first().is_some_and(|a| a.ends_with("nbdfuse")) && args.iter().any(|a| Path::new(a).starts_with(dir)) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The contents of `/data` in the ext4 or xfs filesystem on `image`, read
+/// straight from the file.
+fn read_back(image: &Path, fs: &str) -> Vec<u8> {
+    let out = match fs {
+        "ext4" => Command::new("debugfs").args(["-R", "cat /data"]).arg(image).stderr(Stdio::null()).output().unwrap(),
+        _ => {
+            // xfs_db cannot cat a file: mount the file read-only instead.
+            let dir = image.with_extension("mnt");
+            std::fs::create_dir_all(&dir).unwrap();
+            assert!(Command::new("mount").args(["-o", "ro,loop,norecovery"]).arg(image).arg(&dir).status().unwrap().success());
+            let data = std::fs::read(dir.join("data")).unwrap();
+            assert!(Command::new("umount").arg("-d").arg(&dir).status().unwrap().success());
+            return data;
+        }
+    };
+    out.stdout
+}
+
+fn round_trip(peer: Peer, fs: &str) {
+    let node = nbd_node();
+    // mkfs.xfs wants 300 MB at least; the file is sparse.
+    let image = node.scratch.image("export.img", if fs == "xfs" { 320 } else { 64 });
+    let (server, address) = serve(&node, peer, &image);
+    let state = node.scratch.path("node-a/state");
+
+    let dir_a = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let r = driver(&node, &["mount", &dir_a, &nbd_options("pv1", "pod-a", "uid-a", fs, &address).to_string()]);
+    assert_success(&r);
+    let device = r.1["device"].as_str().unwrap_or_default().to_string();
+    assert!(device.starts_with("/dev/loop"), "{}", r.1);
+    // The loop device is over the client's file, under the agent's state dir.
+    let backing = std::fs::read_to_string(format!("/sys/block/{}/loop/backing_file", device.trim_start_matches("/dev/"))).unwrap();
+    assert!(Path::new(backing.trim()).starts_with(state.join("nbd")), "{backing}");
+    assert_eq!(clients_under(&state).len(), 1, "one nbdfuse client");
+    let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(format!("{dir_a}/data"), &payload).unwrap();
+
+    // A second pod on the node shares the staged mount: no second client.
+    let dir_b = node.mount_dir_of("node-a", "nbd", "uid-b", "pv1");
+    assert_success(&driver(&node, &["mount", &dir_b, &nbd_options("pv1", "pod-b", "uid-b", fs, &address).to_string()]));
+    assert_eq!(clients_under(&state).len(), 1);
+    assert_eq!(std::fs::read(format!("{dir_b}/data")).unwrap(), payload);
+    assert_success(&driver(&node, &["unmount", &dir_b]));
+    assert_success(&driver(&node, &["unmount", &dir_a]));
+
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
+    let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "the client left {left:?}");
+    // The data is in the server's file, as the filesystem wrote it.
+    drop(server);
+    assert_eq!(read_back(&image, fs), payload);
+}
+
+#[test]
+fn a_qemu_nbd_export_over_a_unix_socket_mounts_as_ext4() {
+    round_trip(Peer::QemuNbd, "ext4");
+}
+
+#[test]
+fn an_nbdkit_export_over_loopback_tcp_mounts_as_xfs() {
+    round_trip(Peer::Nbdkit, "xfs");
+}
+
+#[test]
+fn volagents_own_server_mounts_as_ext4() {
+    round_trip(Peer::Volagent, "ext4");
+}
+
+#[test]
+fn an_unreachable_server_or_a_kernel_only_volume_is_refused_and_leaves_nothing() {
+    let node = nbd_node();
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let nowhere = format!("unix:{}", node.scratch.path("nobody.sock").display());
+    let r = driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere).to_string()]);
+    assert_failure(&r, "nbdfuse");
+    let mut kernel = nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere);
+    kernel["attach"] = "kernel".into();
+    assert_failure(&driver(&node, &["mount", &dir, &kernel.to_string()]), "kernel's nbd driver");
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(clients_under(&state).is_empty());
+}
+
+#[test]
+fn clients_outlive_an_agent_restart_and_the_next_agent_detaches_them() {
+    let mut node = nbd_node();
+    let image = node.scratch.image("export.img", 64);
+    let (_server, address) = serve(&node, Peer::QemuNbd, &image);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    assert_success(&driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]));
+    let before = clients_under(&state);
+    node.stop_agent();
+    // The pod's volume works with no agent running.
+    std::fs::write(format!("{dir}/during"), b"agent down").unwrap();
+    nix::unistd::sync();
+    node.spawn_agent_env("node-a", &[], &[]);
+    assert_eq!(clients_under(&state), before, "the same client, adopted");
+    assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
+    assert_success(&driver(&node, &["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
+}
