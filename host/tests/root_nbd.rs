@@ -228,3 +228,62 @@ fn clients_outlive_an_agent_restart_and_the_next_agent_detaches_them() {
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
     wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
 }
+
+#[test]
+fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
+    let mut node = nbd_node();
+    node.stop_agent();
+    node.spawn_agent_env("node-a", &[], &["--nbd-hung-after", "2s"]);
+    let image = node.scratch.image("export.img", 64);
+    let (server, address) = serve(&node, Peer::QemuNbd, &image);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    assert_success(&driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]));
+    std::fs::write(format!("{dir}/before"), b"flushed").unwrap();
+    nix::unistd::sync();
+    // The server hangs: alive, connected, silent.
+    let server_pid = nix::unistd::Pid::from_raw(server.0.id() as i32);
+    nix::sys::signal::kill(server_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    std::fs::write(format!("{dir}/after"), vec![1u8; 1 << 20]).unwrap();
+    let start = Instant::now();
+    let first = driver(&node, &["unmount", &dir]);
+    // The watchdog aborts the client within a few seconds; the unmount
+    // (which flushes through it) then fails fast instead of hanging.
+    assert!(start.elapsed() < Duration::from_secs(60), "unmount took {:?}", start.elapsed());
+    if first.1["status"] != "Success" {
+        assert_success(&driver(&node, &["unmount", &dir]));
+    }
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    wait_until("the aborted client to be gone", || clients_under(&state).is_empty());
+    let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
+    assert!(log.contains("has not answered a flush"), "the agent says why it aborted the client");
+    nix::sys::signal::kill(server_pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+}
+
+#[test]
+fn start_up_reconciliation_removes_clients_nothing_uses() {
+    let mut node = nbd_node();
+    let image = node.scratch.image("export.img", 64);
+    let (_server, address) = serve(&node, Peer::QemuNbd, &image);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let r = driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]);
+    assert_success(&r);
+    let device = r.1["device"].as_str().unwrap().to_string();
+    let pid = node.pid_of("node-a");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    node.agents.clear();
+    // While no agent runs, someone tears the mounts and the device down by
+    // hand: the client is left serving nothing.
+    let staging = node.scratch.path("node-a/kubelet/plugins/volagent/nbd/mounts/pv1");
+    for m in [Path::new(&dir), staging.as_path()] {
+        assert!(Command::new("umount").arg(m).status().unwrap().success());
+    }
+    assert!(Command::new("losetup").arg("-d").arg(&device).status().unwrap().success());
+    assert_eq!(clients_under(&state).len(), 1);
+    node.spawn_agent_env("node-a", &[], &[]);
+    wait_until("the unused client to be stopped", || clients_under(&state).is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(std::fs::read_dir(state.join("nbd")).map(|d| d.count()).unwrap_or(0) == 0);
+}

@@ -85,6 +85,11 @@ pub struct AgentArgs {
     /// by the pod's author, not an admin; each is then its pod's alone.
     #[arg(long = "allow-inline-volumes", value_name = "BACKEND")]
     inline_backends: Vec<String>,
+    /// A userspace NBD client whose server has not answered a flush for
+    /// this long is aborted: I/O through it then fails instead of hanging
+    /// the mounts and unmounts that wait on it.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    nbd_hung_after: Duration,
     /// Operations run at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
     max_concurrent: u64,
@@ -171,6 +176,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     };
     let roots = crate::sys::Roots::open(&config.roots()).context("opening the root dirs")?;
     let sys = Sys::linux(roots, &crate::ops::loop_tag(&node, &config.state_dir), config.state_dir.join("nbd"));
+    spawn_nbd_watchdog(sys.nbd.clone(), args.nbd_hung_after);
     let mut agent = Agent::new(config, Vec::new(), ledger, stash, sys, Duration::from_secs(args.plan_deadline_secs));
     if let Some(c) = cluster.clone() {
         agent = agent.with_cluster(c);
@@ -244,6 +250,20 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         remove_socket(&socket);
         anyhow::Ok(ExitCode::SUCCESS)
     })
+}
+
+/// Check the userspace NBD clients' servers a few times per `hung_after`.
+fn spawn_nbd_watchdog(clients: Arc<dyn crate::sys::NbdClients>, hung_after: Duration) {
+    let every = (hung_after / 4).clamp(Duration::from_millis(250), Duration::from_secs(15));
+    let spawned = std::thread::Builder::new().name("nbd-watchdog".into()).spawn(move || {
+        loop {
+            std::thread::sleep(every);
+            clients.abort_hung(hung_after);
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!("hung NBD clients will not be detected: {e}");
+    }
 }
 
 fn remove_socket(path: &Path) {

@@ -277,17 +277,18 @@ impl Run<'_> {
         Ok(device)
     }
 
-    /// This agent's loop devices over `file`, by the path the kernel
-    /// reports: a userspace client's file is never stat'ed, as that would
-    /// hang on a client that no longer answers.
+    /// The loop devices over a userspace client's `file`, by the path the
+    /// kernel reports (the file lies in this agent's own state dir, so
+    /// they are this agent's, even when a dead client leaves their tag
+    /// unreadable). The file itself is never stat'ed: that would hang on a
+    /// client that no longer answers.
     fn loops_over(&self, file: &Path) -> Result<Vec<PathBuf>, StepError> {
-        let tag = self.sys.devices.loop_tag();
         Ok(self
             .sys
             .devices
             .loop_devices()?
             .into_iter()
-            .filter(|l| l.tag == tag && l.backing_file == file)
+            .filter(|l| l.backing_file == file)
             .map(|l| l.device)
             .collect())
     }

@@ -146,8 +146,9 @@ impl Agent {
             }
         }
         let sys = self.sys.clone();
-        let found = blocking(move || -> Result<Vec<String>, crate::sys::SysError> {
+        let found = blocking(move || -> Result<(Vec<String>, Vec<String>), crate::sys::SysError> {
             let mut removed = Vec::new();
+            let mut problems = Vec::new();
             let used_staging = used;
             let table = sys.mounts.mount_table()?;
             for m in table.iter().rev() {
@@ -179,11 +180,32 @@ impl Agent {
                     removed.push(format!("orphan loop device {} (over {})", l.device.display(), l.backing_file.display()));
                 }
             }
-            Ok(removed)
+            // Userspace NBD clients: one a loop device of ours still uses
+            // is adopted as it runs (it outlived the previous agent); one
+            // nothing uses is stopped.
+            let used: BTreeSet<PathBuf> = sys.devices.loop_devices()?.into_iter().map(|l| l.backing_file).collect();
+            for (key, running) in sys.nbd.clients()? {
+                let file = sys.nbd.file(&key);
+                match (used.contains(&file), running) {
+                    (true, true) => {}
+                    (true, false) => problems.push(format!(
+                        "the userspace NBD client {key} of a mounted volume is gone (its process ended, e.g. with the agent's container): \
+                         its loop device fails I/O until the pods using it are restarted"
+                    )),
+                    (false, _) => {
+                        sys.nbd.disconnect(&key)?;
+                        removed.push(format!("orphan NBD client {key}"));
+                    }
+                }
+            }
+            Ok((removed, problems))
         })
         .await?;
         match found {
-            Ok(removed) => report.orphans.extend(removed),
+            Ok((removed, problems)) => {
+                report.orphans.extend(removed);
+                report.errors.extend(problems);
+            }
             Err(e) => report.errors.push(e.to_string()),
         }
         Ok(())

@@ -253,4 +253,8 @@ impl NbdClients for Fake {
         s.files.remove(&file);
         Ok(())
     }
+
+    fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
+        Ok(self.state().nbd_clients.keys().map(|k| (k.clone(), true)).collect())
+    }
 }

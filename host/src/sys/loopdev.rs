@@ -139,13 +139,21 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
 /// A device's (major, minor).
 type Numbers = (u32, u32);
 
-/// The status and numbers of an attached device; none when it is not
-/// attached.
-fn status(device: &Path) -> Result<Option<(LoopInfo64, Numbers)>, SysError> {
+/// What [`status`] found.
+enum Status {
+    Detached,
+    Attached(LoopInfo64, Numbers),
+    /// Attached, but its status cannot be read: the kernel stats the
+    /// backing file for it, which fails on a dead FUSE mount (ENOTCONN).
+    Unreadable(Numbers, nix::errno::Errno),
+}
+
+/// The status and numbers of a device.
+fn status(device: &Path) -> Result<Status, SysError> {
     use std::os::unix::fs::MetadataExt;
     let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Status::Detached),
         Err(e) => return Err(io("open", device)(e)),
     };
     let rdev = dev.metadata().map_err(io("stat", device))?.rdev();
@@ -153,9 +161,9 @@ fn status(device: &Path) -> Result<Option<(LoopInfo64, Numbers)>, SysError> {
     let mut info = LoopInfo64::zeroed();
     // SAFETY: `info` is a loop_info64 the kernel fills; the fd is open.
     match unsafe { loop_get_status64(dev.as_fd().as_raw_fd(), &mut info) } {
-        Ok(_) => Ok(Some((info, number))),
-        Err(nix::errno::Errno::ENXIO) => Ok(None),
-        Err(e) => Err(errno("read loop device status", device)(e)),
+        Ok(_) => Ok(Status::Attached(info, number)),
+        Err(nix::errno::Errno::ENXIO) => Ok(Status::Detached),
+        Err(e) => Ok(Status::Unreadable(number, e)),
     }
 }
 
@@ -180,14 +188,22 @@ pub fn list() -> Result<Vec<LoopDevice>, SysError> {
             Err(e) if gone(&e) => continue,
             Err(e) => return Err(io("read", &backing)(e)),
         };
-        let Some((info, number)) = status(&device)? else { continue };
-        found.push(LoopDevice {
-            device,
-            backing_file,
-            backing: Some(FileId { dev: info.lo_device, ino: info.lo_inode }),
-            tag: field_str(&info.lo_file_name),
-            number,
-        });
+        match status(&device)? {
+            Status::Detached => continue,
+            Status::Attached(info, number) => found.push(LoopDevice {
+                device,
+                backing_file,
+                backing: Some(FileId { dev: info.lo_device, ino: info.lo_inode }),
+                tag: field_str(&info.lo_file_name),
+                number,
+            }),
+            // One broken device must not hide the others: listed by its
+            // backing file's path alone, with no tag (nobody's to detach by tag).
+            Status::Unreadable(number, e) => {
+                tracing::warn!(device = %device.display(), backing = %backing_file.display(), "loop device status unreadable: {e}");
+                found.push(LoopDevice { device, backing_file, backing: None, tag: String::new(), number });
+            }
+        }
     }
     found.sort_by(|a, b| a.device.cmp(&b.device));
     Ok(found)

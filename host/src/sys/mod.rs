@@ -169,6 +169,15 @@ pub trait NbdClients: Send + Sync {
     fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError>;
     /// Stop client `key` and remove what it left; none running is fine.
     fn disconnect(&self, key: &str) -> Result<(), SysError>;
+    /// Every client this node has a trace of, and whether it runs.
+    fn clients(&self) -> Result<Vec<(String, bool)>, SysError>;
+    /// Check that each running client's server still answers (a flush
+    /// through it); abort the clients whose check has not come back within
+    /// `after`, so that I/O through them fails instead of hanging. Call it
+    /// periodically; returns the keys aborted.
+    fn abort_hung(&self, _after: std::time::Duration) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The node's effects, passed to whoever needs them.

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 const FUSECTL: &str = "/sys/fs/fuse/connections";
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct NbdFuse {
     /// Where the clients' mounts, pid files and logs live (beneath the state dir).
     base: PathBuf,
@@ -24,11 +24,20 @@ pub struct NbdFuse {
     /// How long a client may take to connect, and to end once unmounted.
     pub ready_timeout: Duration,
     pub stop_timeout: Duration,
+    /// Liveness checks under way, by client: when each started, and
+    /// whether it came back.
+    checks: std::sync::Mutex<std::collections::BTreeMap<String, (Instant, std::sync::Arc<std::sync::atomic::AtomicBool>)>>,
 }
 
 impl NbdFuse {
     pub fn new(base: PathBuf) -> NbdFuse {
-        NbdFuse { base, program: PathBuf::from("nbdfuse"), ready_timeout: Duration::from_secs(20), stop_timeout: Duration::from_secs(5) }
+        NbdFuse {
+            base,
+            program: PathBuf::from("nbdfuse"),
+            ready_timeout: Duration::from_secs(20),
+            stop_timeout: Duration::from_secs(5),
+            checks: Default::default(),
+        }
     }
 
     fn dir(&self, key: &str) -> PathBuf {
@@ -210,6 +219,70 @@ impl NbdClients for NbdFuse {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &dir)(e)),
             _ => Ok(()),
         }
+    }
+
+    fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
+        let entries = match std::fs::read_dir(&self.base) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io("list", &self.base)(e)),
+        };
+        let mut keys = std::collections::BTreeSet::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let key = name.trim_end_matches(".pid").trim_end_matches(".log");
+            if key.starts_with("export-") && !key.contains(['/', '.']) {
+                keys.insert(key.to_string());
+            }
+        }
+        Ok(keys.into_iter().map(|k| {
+            let running = self.running(&k).is_some();
+            (k, running)
+        }).collect())
+    }
+
+    fn abort_hung(&self, after: Duration) -> Vec<String> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let mut aborted = Vec::new();
+        let Ok(clients) = self.clients() else { return aborted };
+        let mut checks = self.checks.lock().unwrap_or_else(|e| e.into_inner());
+        checks.retain(|k, _| clients.iter().any(|(c, running)| c == k && *running));
+        for (key, running) in clients {
+            if !running {
+                continue;
+            }
+            if let Some((started, done)) = checks.get(&key) {
+                if !done.load(Ordering::SeqCst) {
+                    if started.elapsed() < after {
+                        continue;
+                    }
+                    tracing::error!(client = %key, secs = after.as_secs(), "the NBD server behind this client has not answered a flush; aborting the client so that its I/O fails instead of hanging");
+                    if let Ok(Some(conn)) = self.mounted(&key) {
+                        self.abort(conn);
+                    }
+                    if let Some(pid) = self.running(&key) {
+                        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                    }
+                    checks.remove(&key);
+                    aborted.push(key);
+                    continue;
+                }
+            }
+            // A new check: a flush through the client reaches its server. The
+            // thread may block until an abort fails it.
+            let done = std::sync::Arc::new(AtomicBool::new(false));
+            let (file, flag) = (self.file(&key), done.clone());
+            let spawned = std::thread::Builder::new().name("nbd-check".into()).spawn(move || {
+                if let Ok(f) = std::fs::OpenOptions::new().read(true).open(&file) {
+                    let _ = f.sync_all();
+                }
+                flag.store(true, Ordering::SeqCst);
+            });
+            if spawned.is_ok() {
+                checks.insert(key, (Instant::now(), done));
+            }
+        }
+        aborted
     }
 }
 
