@@ -109,8 +109,12 @@ impl Listener {
         if UnixStream::connect(path).is_ok() {
             return Err(io::Error::new(io::ErrorKind::AddrInUse, format!("{}: a server already listens there", path.display())));
         }
-        match std::fs::remove_file(path) {
-            Ok(()) => {}
+        // Only a stale socket is replaced, never another kind of file.
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                std::fs::remove_file(path).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+            }
+            Ok(_) => return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("{}: exists and is not a socket", path.display()))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
         }
