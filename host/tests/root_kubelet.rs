@@ -15,23 +15,25 @@ use std::time::Duration;
 
 const LOCAL_PV: (&str, &str) = (volagent_test_artifacts::LOCAL_PV, "local-pv");
 const SHARED_FILE: (&str, &str) = (volagent_test_artifacts::SHARED_FILE, "shared-file");
+const NBD: (&str, &str) = (volagent_test_artifacts::NBD, "nbd");
 
 /// Nothing of `volume` is left on `node`: no mount below its kubelet root,
-/// no loop device of the scratch dir, no record.
+/// no loop device of the scratch dir, no record. The API server deletes a
+/// finished (Succeeded) pod at once, before kubelet has torn its volumes
+/// down, so this waits a while for the teardown first.
 fn assert_nothing_left(c: &Cluster, node: &str, volume: &str) {
     let root = c.node(node).kubelet_root();
-    let mounts: Vec<_> = c
-        .mounts_below(&root)
-        .into_iter()
-        .filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent")))
-        .collect();
-    assert!(mounts.is_empty(), "volume mounts left on {node}: {mounts:?}");
-    // The kernel may clear an auto-clearing loop device a moment after its
-    // last user goes.
+    let mounts = || -> Vec<std::path::PathBuf> {
+        c.mounts_below(&root)
+            .into_iter()
+            .filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent")))
+            .collect()
+    };
     let start = std::time::Instant::now();
-    while !c.scratch.loops().is_empty() && start.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(50));
+    while (!mounts().is_empty() || !c.scratch.loops().is_empty() || c.record(volume).is_some()) && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(100));
     }
+    assert!(mounts().is_empty(), "volume mounts left on {node}: {:?}", mounts());
     assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}\n{}", c.scratch.loops(), tail(&c.node(node).agent_log()));
     assert!(c.record(volume).is_none(), "the record of {volume} is left: {:?}", c.record(volume));
 }
@@ -294,4 +296,43 @@ fn inline_volumes_get_what_the_trust_rules_say() {
     }
     assert_nothing_left(&c, "node-b", &format!("inline-{uid}-data"));
     assert!(c.records().is_empty(), "no record left: {:?}", c.records());
+}
+
+/// PVC → PV (`volagent/nbd`) → an export of qemu-nbd, reached by the agent
+/// through nbdfuse on a loop device (this node has no nbd.ko): a pod writes,
+/// the next pod reads it back, and the last one leaves no client behind.
+#[test]
+fn a_pod_writes_an_nbd_volume_and_the_next_pod_reads_it() {
+    let c = Cluster::start(&[("node-a", &[])], &[NBD]);
+    let image = c.image("export.img", 64);
+    let socket = c.scratch.path("qemu.sock");
+    let mut server = std::process::Command::new("qemu-nbd")
+        .args(["-f", "raw", "-t", "-e", "8", "-x", "disk0", "-k"])
+        .arg(&socket)
+        .arg(&image)
+        .spawn()
+        .expect("qemu-nbd (scripts/setup installs it)");
+    let start = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(20), "qemu-nbd never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let server_option = format!("unix:{}", socket.display());
+    c.create_volume("export", "nbd", "ReadWriteOnce", &[("server", &server_option), ("export", "disk0"), ("attach", "userspace"), ("connections", "2")]);
+
+    c.create_pod(pod("writer", "node-a", "date +%s%N > /data/note && cat /data/note > /dev/termination-log", &[("data", claim("export"))]));
+    let done = c.wait_pod("writer", "Succeeded", |p| phase(p) == "Succeeded");
+    let written = output(done.as_ref()).expect("the writer's output");
+    c.delete_pod("writer");
+    assert_nothing_left(&c, "node-a", "export");
+
+    c.create_pod(pod("reader", "node-a", "cat /data/note > /dev/termination-log", &[("data", claim("export"))]));
+    let p = c.wait_pod("reader", "Succeeded", |p| phase(p) == "Succeeded");
+    assert_eq!(output(p.as_ref()).expect("output").trim(), written.trim(), "the next pod reads what the first wrote");
+    c.delete_pod("reader");
+    assert_nothing_left(&c, "node-a", "export");
+    let clients = std::fs::read_dir(c.node("node-a").dir.join("state/nbd")).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(clients, 0, "the nbdfuse client and its files are gone");
+    let _ = server.kill();
+    let _ = server.wait();
 }
