@@ -31,10 +31,15 @@ impl Drop for Server {
     }
 }
 
-fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
+fn wait_until(what: &str, ready: impl FnMut() -> bool) {
+    wait_or_say(what, ready, String::new);
+}
+
+/// Waits for `ready`; on timeout, fails with what `say` tells.
+fn wait_or_say(what: &str, mut ready: impl FnMut() -> bool, say: impl Fn() -> String) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !ready() {
-        assert!(Instant::now() < deadline, "{what} never became ready");
+        assert!(Instant::now() < deadline, "{what} never became ready\n{}", say());
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -256,6 +261,19 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
     wait_until("the aborted client to be gone", || clients_under(&state).is_empty());
+    // The aborted client's mount is gone, so the kernel names a device
+    // still over its file "/<key>": none may be left.
+    let key = volagent::exec::nbd_key(&volagent::policy::NbdSpec {
+        server: address.clone(),
+        export_name: "disk0".into(),
+        attach: volagent::policy::NbdAttach::Userspace,
+        connections: 4,
+    });
+    let stale: Vec<_> = {
+        use volagent::sys::Devices;
+        volagent::sys::linux::Linux::unrooted().loop_devices().unwrap().into_iter().filter(|l| l.backing_file == Path::new("/").join(&key)).collect()
+    };
+    assert!(stale.is_empty(), "loop devices left over the aborted client's file: {stale:?}");
     let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
     assert!(log.contains("has not answered a flush"), "the agent says why it aborted the client");
     nix::sys::signal::kill(server_pid, nix::sys::signal::Signal::SIGCONT).unwrap();
@@ -271,9 +289,11 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     let r = driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]);
     assert_success(&r);
     let device = r.1["device"].as_str().unwrap().to_string();
-    let pid = node.pid_of("node-a");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
-    node.agents.clear();
+    let (_, mut agent) = node.agents.remove(0);
+    agent.kill().unwrap();
+    // Gone only once it has left the kernel: a thread waiting on I/O
+    // through the client takes the kill when that I/O ends.
+    agent.wait().unwrap();
     // While no agent runs, someone tears the mounts and the device down by
     // hand: the client is left serving nothing.
     let staging = node.scratch.path("node-a/kubelet/plugins/volagent/nbd/mounts/pv1");
@@ -283,7 +303,7 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     assert!(Command::new("losetup").arg("-d").arg(&device).status().unwrap().success());
     assert_eq!(clients_under(&state).len(), 1);
     node.spawn_agent_env("node-a", &[], &[]);
-    wait_until("the unused client to be stopped", || clients_under(&state).is_empty());
+    wait_or_say("the unused client to be stopped", || clients_under(&state).is_empty(), || std::fs::read_to_string(node.log_path("node-a")).unwrap_or_default());
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
     assert!(std::fs::read_dir(state.join("nbd")).map(|d| d.count()).unwrap_or(0) == 0);
 }

@@ -277,18 +277,15 @@ impl Run<'_> {
         Ok(device)
     }
 
-    /// The loop devices over a userspace client's `file`, by the path the
-    /// kernel reports (the file lies in this agent's own state dir, so
-    /// they are this agent's, even when a dead client leaves their tag
-    /// unreadable). The file itself is never stat'ed: that would hang on a
-    /// client that no longer answers.
+    /// The loop devices over a userspace client's `file`.
     fn loops_over(&self, file: &Path) -> Result<Vec<PathBuf>, StepError> {
+        let tag = self.sys.devices.loop_tag();
         Ok(self
             .sys
             .devices
             .loop_devices()?
             .into_iter()
-            .filter(|l| l.backing_file == file)
+            .filter(|l| l.is_over_client_file(file, tag))
             .map(|l| l.device)
             .collect())
     }

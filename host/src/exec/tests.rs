@@ -187,7 +187,7 @@ fn an_nbd_export_is_attached_through_a_userspace_client_and_detached_whole() {
     let (fake, exec) = node();
     let (attach, detach) = nbd_plans(NbdAttach::Auto);
     let key = nbd_key(&nbd_spec(NbdAttach::Auto));
-    let file = Path::new("/fake-nbd").join(&key).join("nbd");
+    let file = Path::new("/fake-nbd").join(&key).join(&key);
     exec.run(&attach).unwrap();
     {
         let s = fake.state();

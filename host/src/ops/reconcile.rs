@@ -183,10 +183,11 @@ impl Agent {
             // Userspace NBD clients: one a loop device of ours still uses
             // is adopted as it runs (it outlived the previous agent); one
             // nothing uses is stopped.
-            let used: BTreeSet<PathBuf> = sys.devices.loop_devices()?.into_iter().map(|l| l.backing_file).collect();
+            let loops = sys.devices.loop_devices()?;
+            let tag = sys.devices.loop_tag();
             for (key, running) in sys.nbd.clients()? {
                 let file = sys.nbd.file(&key);
-                match (used.contains(&file), running) {
+                match (loops.iter().any(|l| l.is_over_client_file(&file, tag)), running) {
                     (true, true) => {}
                     (true, false) => problems.push(format!(
                         "the userspace NBD client {key} of a mounted volume is gone (its process ended, e.g. with the agent's container): \

@@ -225,14 +225,14 @@ impl Filesystems for Fake {
     }
 }
 
-/// Clients expose their export as `/fake-nbd/<key>/nbd`.
+/// Clients expose their export as `/fake-nbd/<key>/<key>`.
 impl NbdClients for Fake {
     fn kernel_driver(&self) -> bool {
         false
     }
 
     fn file(&self, key: &str) -> PathBuf {
-        Path::new("/fake-nbd").join(key).join("nbd")
+        Path::new("/fake-nbd").join(key).join(key)
     }
 
     fn connect(&self, key: &str, uri: &str, _connections: u8, read_only: bool) -> Result<bool, SysError> {

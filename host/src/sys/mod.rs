@@ -78,6 +78,23 @@ pub struct LoopDevice {
     pub number: (u32, u32),
 }
 
+impl LoopDevice {
+    /// Whether this device is over a userspace NBD client's `file` (which
+    /// lies in the agent's own state dir), by the path the kernel reports:
+    /// the whole path while the client's mount is reachable, or only
+    /// "/<file name>" once it is not (a dead client's mount, lazily
+    /// unmounted) — then only a device this agent tagged, or whose tag the
+    /// dead mount makes unreadable. The file itself is never stat'ed: that
+    /// would hang on a client that no longer answers.
+    pub fn is_over_client_file(&self, file: &Path, tag: &str) -> bool {
+        if self.backing_file == file {
+            return true;
+        }
+        let detached = file.file_name().is_some_and(|name| self.backing_file == Path::new("/").join(name));
+        detached && (self.tag == tag || self.tag.is_empty())
+    }
+}
+
 /// How a block device's data is destroyed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wipe {

@@ -1,5 +1,5 @@
 //! Userspace NBD clients for nodes without the kernel's nbd driver:
-//! `nbdfuse` exposes an export as the file `<base>/<key>/nbd` (a FUSE mount
+//! `nbdfuse` exposes an export as the file `<base>/<key>/<key>` (a FUSE mount
 //! at `<base>/<key>`), which the executor attaches to a loop device.
 //!
 //! A client runs in its own process group, so it outlives an agent restart (the
@@ -129,7 +129,10 @@ impl NbdClients for NbdFuse {
     }
 
     fn file(&self, key: &str) -> PathBuf {
-        self.dir(key).join("nbd")
+        // Named after the client: once its mount is gone (a dead client,
+        // lazily unmounted), the kernel reports a loop device's file as
+        // "/<key>", which still says whose it is.
+        self.dir(key).join(key)
     }
 
     fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError> {
@@ -289,6 +292,23 @@ impl NbdClients for NbdFuse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_device_is_over_a_client_file_by_its_whole_path_or_its_detached_name() {
+        let file = Path::new("/state/nbd/export-ab/export-ab");
+        let device = |backing: &str, tag: &str| crate::sys::LoopDevice {
+            device: "/dev/loop3".into(),
+            backing_file: backing.into(),
+            backing: None,
+            tag: tag.into(),
+            number: (7, 3),
+        };
+        assert!(device("/state/nbd/export-ab/export-ab", "someone").is_over_client_file(file, "us"));
+        assert!(device("/export-ab", "us").is_over_client_file(file, "us"));
+        assert!(device("/export-ab", "").is_over_client_file(file, "us"), "a dead mount hides the tag");
+        assert!(!device("/export-ab", "another agent").is_over_client_file(file, "us"));
+        assert!(!device("/export-cd", "us").is_over_client_file(file, "us"));
+    }
 
     #[test]
     fn uris_encode_what_they_must() {
