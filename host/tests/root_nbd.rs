@@ -213,14 +213,32 @@ fn an_unreachable_server_or_a_kernel_only_volume_is_refused_and_leaves_nothing()
     assert!(clients_under(&state).is_empty());
 }
 
+/// pod-a's ext4 volume pv1 on a fresh qemu-nbd export, mounted through
+/// the driver: the server, its address, the agent's state dir, the pod's
+/// mount dir and the device.
+struct Mounted {
+    server: Server,
+    address: String,
+    state: PathBuf,
+    dir: String,
+    device: String,
+}
+
+fn mount_on_qemu_nbd(node: &Node) -> Mounted {
+    let image = node.scratch.image("export.img", 64);
+    let (server, address) = serve(node, Peer::QemuNbd, &image);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let r = driver(node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]);
+    assert_success(&r);
+    let device = r.1["device"].as_str().unwrap_or_default().to_string();
+    Mounted { server, address, state, dir, device }
+}
+
 #[test]
 fn clients_outlive_an_agent_restart_and_the_next_agent_detaches_them() {
     let mut node = nbd_node();
-    let image = node.scratch.image("export.img", 64);
-    let (_server, address) = serve(&node, Peer::QemuNbd, &image);
-    let state = node.scratch.path("node-a/state");
-    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    assert_success(&driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]));
+    let Mounted { server: _server, state, dir, .. } = mount_on_qemu_nbd(&node);
     let before = clients_under(&state);
     node.stop_agent();
     // The pod's volume works with no agent running.
@@ -239,11 +257,7 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
     let mut node = nbd_node();
     node.stop_agent();
     node.spawn_agent_env("node-a", &[], &["--nbd-hung-after", "2s"]);
-    let image = node.scratch.image("export.img", 64);
-    let (server, address) = serve(&node, Peer::QemuNbd, &image);
-    let state = node.scratch.path("node-a/state");
-    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    assert_success(&driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]));
+    let Mounted { server, address, state, dir, .. } = mount_on_qemu_nbd(&node);
     std::fs::write(format!("{dir}/before"), b"flushed").unwrap();
     nix::unistd::sync();
     // The server hangs: alive, connected, silent.
@@ -282,13 +296,7 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
 #[test]
 fn start_up_reconciliation_removes_clients_nothing_uses() {
     let mut node = nbd_node();
-    let image = node.scratch.image("export.img", 64);
-    let (_server, address) = serve(&node, Peer::QemuNbd, &image);
-    let state = node.scratch.path("node-a/state");
-    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let r = driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]);
-    assert_success(&r);
-    let device = r.1["device"].as_str().unwrap().to_string();
+    let Mounted { server: _server, state, dir, device, .. } = mount_on_qemu_nbd(&node);
     let (_, mut agent) = node.agents.remove(0);
     agent.kill().unwrap();
     // Gone only once it has left the kernel: a thread waiting on I/O

@@ -201,8 +201,12 @@ impl Checker<'_> {
                 if nbd.server.is_empty() || nbd.server.contains(char::is_whitespace) {
                     return Err(format!("nbd server {:?} is not an address", nbd.server));
                 }
-                if let Some(sock) = nbd.server.strip_prefix("unix:") {
-                    clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?;
+                match nbd.server.strip_prefix("unix:") {
+                    Some(sock) => clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?,
+                    None => host_port(&nbd.server).map_err(|e| format!("nbd server {:?}: {e}", nbd.server))?,
+                }
+                if nbd.export_name.contains('\0') {
+                    return Err("nbd export name contains NUL".to_string());
                 }
                 if !(1..=16).contains(&nbd.connections) {
                     return Err(format!("nbd connections {} is not from 1 to 16", nbd.connections));
@@ -418,6 +422,21 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
     }
 }
 
+/// "host:port": a DNS name or IPv4 address, or an IPv6 address in
+/// brackets, and a port. Nothing else gets into the client's NBD URI (a
+/// '?', '/' or '@' there would add query parameters, paths or users).
+fn host_port(server: &str) -> Result<(), String> {
+    let (host, port) = server.rsplit_once(':').ok_or("not host:port")?;
+    if !port.parse::<u16>().is_ok_and(|p| p != 0) {
+        return Err(format!("port {port:?} is not from 1 to 65535"));
+    }
+    let ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => !host.is_empty() && host.len() <= 253 && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b)),
+    };
+    if ok { Ok(()) } else { Err(format!("host {host:?} is not a DNS name, an IPv4 address or a bracketed IPv6 address")) }
+}
+
 fn name_ok(what: &str, name: &str) -> Result<(), String> {
     if !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) && !name.starts_with('.') {
         Ok(())
@@ -591,6 +610,16 @@ mod tests {
     fn only_the_volumes_own_local_path_may_be_used() {
         let e = refused(good(), 0, |s| if let Step::AttachDevice(a) = s { a.spec = DeviceSpec::Loop("/mnt/disks/other.img".into()) });
         assert!(e.reason.contains("a local volume this plan's volume does not name"), "{e}");
+    }
+
+    #[test]
+    fn nbd_servers_are_host_and_port_and_nothing_more() {
+        for good in ["10.0.0.5:10809", "nbd.example.com:10809", "[::1]:10809", "[fd00::5]:1"] {
+            assert!(host_port(good).is_ok(), "{good}");
+        }
+        for bad in ["10.0.0.5", "h:0", "h:70000", ":10809", "h?tls-psk-file=/etc/shadow:10809", "u@h:10809", "h/x:10809", "[nonsense]:10809", "::1:10809"] {
+            assert!(host_port(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

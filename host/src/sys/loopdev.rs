@@ -142,7 +142,7 @@ type Numbers = (u32, u32);
 /// What [`status`] found.
 enum Status {
     Detached,
-    Attached(LoopInfo64, Numbers),
+    Attached(Box<LoopInfo64>, Numbers),
     /// Attached, but its status cannot be read: the kernel stats the
     /// backing file for it, which fails on a dead FUSE mount (ENOTCONN).
     Unreadable(Numbers, nix::errno::Errno),
@@ -161,7 +161,7 @@ fn status(device: &Path) -> Result<Status, SysError> {
     let mut info = LoopInfo64::zeroed();
     // SAFETY: `info` is a loop_info64 the kernel fills; the fd is open.
     match unsafe { loop_get_status64(dev.as_fd().as_raw_fd(), &mut info) } {
-        Ok(_) => Ok(Status::Attached(info, number)),
+        Ok(_) => Ok(Status::Attached(Box::new(info), number)),
         Err(nix::errno::Errno::ENXIO) => Ok(Status::Detached),
         Err(e) => Ok(Status::Unreadable(number, e)),
     }

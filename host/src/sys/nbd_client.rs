@@ -254,22 +254,23 @@ impl NbdClients for NbdFuse {
             if !running {
                 continue;
             }
-            if let Some((started, done)) = checks.get(&key) {
-                if !done.load(Ordering::SeqCst) {
-                    if started.elapsed() < after {
-                        continue;
-                    }
-                    tracing::error!(client = %key, secs = after.as_secs(), "the NBD server behind this client has not answered a flush; aborting the client so that its I/O fails instead of hanging");
-                    if let Ok(Some(conn)) = self.mounted(&key) {
-                        self.abort(conn);
-                    }
-                    if let Some(pid) = self.running(&key) {
-                        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-                    }
-                    checks.remove(&key);
-                    aborted.push(key);
+            // A check under way: wait for it, or give up on the client.
+            if let Some((started, done)) = checks.get(&key)
+                && !done.load(Ordering::SeqCst)
+            {
+                if started.elapsed() < after {
                     continue;
                 }
+                tracing::error!(client = %key, secs = after.as_secs(), "the NBD server behind this client has not answered a flush; aborting the client so that its I/O fails instead of hanging");
+                if let Ok(Some(conn)) = self.mounted(&key) {
+                    self.abort(conn);
+                }
+                if let Some(pid) = self.running(&key) {
+                    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                }
+                checks.remove(&key);
+                aborted.push(key);
+                continue;
             }
             // A new check: a flush through the client reaches its server. The
             // thread may block until an abort fails it.
