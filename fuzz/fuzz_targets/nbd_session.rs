@@ -1,6 +1,7 @@
 //! A whole NBD client stream against the server: handshake options, then
-//! requests, over a 64 KiB in-memory export. Whatever the bytes, the server
-//! answers or hangs up; it never panics, and it writes only inside the export.
+//! requests, over a 64 KiB in-memory export, on a server with or without
+//! required TLS. Whatever the bytes, the server answers or hangs up; it
+//! never panics, and it writes only inside the export.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -39,8 +40,15 @@ fuzz_target!(|data: &[u8]| {
     let disk = Arc::new(Memory::new(64 * 1024, false));
     exports.insert("", disk.clone());
     exports.insert("ro", Arc::new(Memory::new(4096, true)));
+    // The first byte picks a server that requires TLS: then only STARTTLS
+    // (or ABORT) may end the options, and never with a session.
+    let Some((&mode, data)) = data.split_first() else { return };
     let mut stream = Duplex { input: Cursor::new(data.to_vec()), output: Vec::new() };
-    if let Ok(Some(session)) = handshake::negotiate(&mut stream, &exports) {
+    if mode & 1 == 1 {
+        if let Ok(ending) = handshake::greet(&mut stream).and_then(|z| handshake::options(&mut stream, &exports, z, handshake::Tls::Required)) {
+            assert!(!matches!(ending, handshake::Ending::Go(_)), "a session without TLS on a server that requires it");
+        }
+    } else if let Ok(Some(session)) = handshake::negotiate(&mut stream, &exports) {
         let _ = transmission::serve(stream, &session);
     }
     assert_eq!(disk.snapshot().len(), 64 * 1024);

@@ -61,7 +61,7 @@ fn start_servers(dir: &Path, image: &Path) -> Vec<Target> {
     let exports = Exports::default();
     exports.insert("", Arc::new(FileExport::open(image, false).expect("export")));
     let ours = dir.join("volagent.sock");
-    let server = Server::start(Listener::unix(&ours).expect("listener"), exports, 64).expect("server");
+    let server = Server::start(Listener::unix(&ours).expect("listener"), exports, 64, None).expect("server");
     let qemu = dir.join("qemu.sock");
     // Shared by up to 8 clients, so that nbdcopy may open several connections.
     let q = Command::new("qemu-nbd")
@@ -185,7 +185,7 @@ fn attach_latency(image: &Path, secs: u64) {
     let exports = Exports::default();
     exports.insert("", Arc::new(FileExport::open(image, false).expect("export")));
     let socket = scratch.path("nbd.sock");
-    let _server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8).expect("server");
+    let _server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None).expect("server");
     let fuse_dir = scratch.path("fuse");
     std::fs::create_dir_all(&fuse_dir).expect("fuse dir");
     let pidfile = scratch.path("nbdfuse.pid");

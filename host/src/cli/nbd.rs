@@ -20,9 +20,19 @@ pub struct ServeArgs {
     /// Listen on this Unix socket.
     #[arg(long, required_unless_present = "tcp")]
     unix: Option<PathBuf>,
-    /// Listen on this TCP address (loopback only).
+    /// Listen on this TCP address (loopback only, unless with TLS).
     #[arg(long, conflicts_with = "unix")]
     tcp: Option<std::net::SocketAddr>,
+    /// Require TLS (STARTTLS) of every client, with this PEM certificate
+    /// chain (leaf first)...
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// ...and this PEM private key.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// With TLS: clients must present a certificate this PEM CA signed.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     /// NAME=PATH: serve the file or block device PATH as export NAME
     /// (repeatable; an empty NAME is the default export).
     #[arg(long = "export", value_name = "NAME=PATH", required = true, value_parser = parse_export)]
@@ -53,14 +63,19 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
         let export = FileExport::open(path, args.read_only).with_context(|| format!("export {name:?}"))?;
         exports.insert(name, Arc::new(export));
     }
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(crate::nbd::tls::server_config(cert, key, args.tls_client_ca.as_deref())?),
+        _ => None,
+    };
     let listener = match (&args.unix, args.tcp) {
         (Some(path), _) => Listener::unix(path),
-        (None, Some(addr)) => Listener::tcp(addr),
+        (None, Some(addr)) => Listener::tcp(addr, tls.is_some()),
         (None, None) => unreachable!("clap requires one"),
     }
     .context("nbd listener")?;
-    let server = Server::start(listener, exports, args.max_connections as usize).context("nbd server")?;
-    tracing::info!(listener = %server.describe(), exports = args.exports.len(), "volagent nbd server serving");
+    let with_tls = tls.is_some();
+    let server = Server::start(listener, exports, args.max_connections as usize, tls).context("nbd server")?;
+    tracing::info!(listener = %server.describe(), exports = args.exports.len(), tls = with_tls, "volagent nbd server serving");
     // Readiness for scripts: the socket exists and accepts from now on.
     println!("serving on {}", server.describe());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("tokio runtime")?;

@@ -64,13 +64,36 @@ struct Negotiation<'a, S> {
     stream: &'a mut S,
     exports: &'a Exports,
     no_zeroes: bool,
+    tls: Tls,
     structured: bool,
     /// The export the last SET_META_CONTEXT was for, and whether it selected base:allocation.
     meta: Option<(String, bool)>,
 }
 
-/// Run the handshake; `None` when the client left without choosing.
-pub fn negotiate<S: Read + Write>(stream: &mut S, exports: &Exports) -> Result<Option<Session>, ProtocolError> {
+/// Where a connection stands with TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tls {
+    /// Not offered: STARTTLS is refused.
+    Off,
+    /// Nothing but STARTTLS (or ABORT) is served until TLS is on.
+    Required,
+    /// On: the options now run inside it.
+    Established,
+}
+
+/// How option haggling ended.
+#[derive(Debug)]
+pub enum Ending {
+    Go(Session),
+    /// The client left (ABORT) without choosing.
+    Left,
+    /// STARTTLS was acknowledged: the TLS handshake comes next, then the
+    /// options again, inside it.
+    StartTls,
+}
+
+/// The greeting and the client's flags; whether the client asked for NO_ZEROES.
+pub fn greet<S: Read + Write>(stream: &mut S) -> Result<bool, ProtocolError> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&wire::NBDMAGIC.to_be_bytes());
     greeting.extend_from_slice(&wire::IHAVEOPT.to_be_bytes());
@@ -85,13 +108,21 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, exports: &Exports) -> Result<O
     if client & wire::CLIENT_FIXED_NEWSTYLE == 0 {
         return Err(ProtocolError::Handshake("the client does not speak fixed newstyle".into()));
     }
-    let mut n = Negotiation {
-        stream,
-        exports,
-        no_zeroes: client & wire::CLIENT_NO_ZEROES != 0,
-        structured: false,
-        meta: None,
-    };
+    Ok(client & wire::CLIENT_NO_ZEROES != 0)
+}
+
+/// A whole handshake without TLS; `None` when the client left without choosing.
+pub fn negotiate<S: Read + Write>(stream: &mut S, exports: &Exports) -> Result<Option<Session>, ProtocolError> {
+    let no_zeroes = greet(stream)?;
+    match options(stream, exports, no_zeroes, Tls::Off)? {
+        Ending::Go(session) => Ok(Some(session)),
+        Ending::Left | Ending::StartTls => Ok(None),
+    }
+}
+
+/// Options until the client chooses an export, leaves, or starts TLS.
+pub fn options<S: Read + Write>(stream: &mut S, exports: &Exports, no_zeroes: bool, tls: Tls) -> Result<Ending, ProtocolError> {
+    let mut n = Negotiation { stream, exports, no_zeroes, tls, structured: false, meta: None };
     for _ in 0..MAX_OPTIONS {
         let mut header = [0u8; wire::OPTION_HEADER_LEN];
         n.stream.read_exact(&mut header)?;
@@ -116,8 +147,15 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, exports: &Exports) -> Result<O
 }
 
 impl<S: Read + Write> Negotiation<'_, S> {
-    /// Handle one option; `Some` ends the handshake.
-    fn option(&mut self, option: u32, data: &[u8]) -> Result<Option<Option<Session>>, ProtocolError> {
+    /// Handle one option; `Some` ends the option haggling.
+    fn option(&mut self, option: u32, data: &[u8]) -> Result<Option<Ending>, ProtocolError> {
+        if self.tls == Tls::Required && ![wire::OPT_STARTTLS, wire::OPT_ABORT].contains(&option) {
+            if option == wire::OPT_EXPORT_NAME {
+                // The client has no way to hear an error here.
+                return Err(ProtocolError::Handshake("EXPORT_NAME before STARTTLS on a server that requires TLS".into()));
+            }
+            return self.error(option, wire::REP_ERR_TLS_REQD, "this server requires TLS: send STARTTLS first").map(|_| None);
+        }
         match option {
             wire::OPT_EXPORT_NAME => {
                 let Some(name) = std::str::from_utf8(data).ok().filter(|s| s.len() <= MAX_NAME && !s.contains('\0')) else {
@@ -134,12 +172,12 @@ impl<S: Read + Write> Negotiation<'_, S> {
                     reply.resize(10 + 124, 0);
                 }
                 self.stream.write_all(&reply)?;
-                Ok(Some(Some(self.session(name, export))))
+                Ok(Some(Ending::Go(self.session(name, export))))
             }
             wire::OPT_ABORT => {
                 // The client may already be gone.
                 let _ = self.reply(option, wire::REP_ACK, &[]);
-                Ok(Some(None))
+                Ok(Some(Ending::Left))
             }
             wire::OPT_LIST => {
                 if !data.is_empty() {
@@ -152,7 +190,12 @@ impl<S: Read + Write> Negotiation<'_, S> {
                 }
                 self.reply(option, wire::REP_ACK, &[]).map(|_| None)
             }
-            wire::OPT_STARTTLS => self.error(option, wire::REP_ERR_POLICY, "TLS is not configured on this listener").map(|_| None),
+            wire::OPT_STARTTLS => match self.tls {
+                Tls::Off => self.error(option, wire::REP_ERR_POLICY, "TLS is not configured on this server").map(|_| None),
+                Tls::Established => self.error(option, wire::REP_ERR_INVALID, "TLS is on already").map(|_| None),
+                Tls::Required if !data.is_empty() => self.error(option, wire::REP_ERR_INVALID, "STARTTLS takes no data").map(|_| None),
+                Tls::Required => self.reply(option, wire::REP_ACK, &[]).map(|_| Some(Ending::StartTls)),
+            },
             wire::OPT_INFO | wire::OPT_GO => self.info(option, data),
             wire::OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
@@ -171,7 +214,7 @@ impl<S: Read + Write> Negotiation<'_, S> {
         Session { name: name.to_string(), export, structured: self.structured, base_allocation }
     }
 
-    fn info(&mut self, option: u32, data: &[u8]) -> Result<Option<Option<Session>>, ProtocolError> {
+    fn info(&mut self, option: u32, data: &[u8]) -> Result<Option<Ending>, ProtocolError> {
         let mut f = Fields::new(data);
         let parsed = (|| {
             let name = f.string(MAX_NAME)?;
@@ -207,7 +250,7 @@ impl<S: Read + Write> Negotiation<'_, S> {
             self.reply(option, wire::REP_INFO, &reply)?;
         }
         self.reply(option, wire::REP_ACK, &[])?;
-        Ok((option == wire::OPT_GO).then(|| Some(self.session(name, export))))
+        Ok((option == wire::OPT_GO).then(|| Ending::Go(self.session(name, export))))
     }
 
     fn meta_context(&mut self, option: u32, data: &[u8]) -> Result<(), ProtocolError> {

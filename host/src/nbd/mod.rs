@@ -4,10 +4,12 @@
 //!
 //! One thread per connection: the handshake ([`handshake`]) with a deadline,
 //! then requests in order ([`transmission`]). Exports are looked up by name
-//! in [`Exports`], which the agent changes while serving.
+//! in [`Exports`], which the agent changes while serving. With a TLS
+//! configuration ([`tls`]), every client must STARTTLS before anything else.
 
 pub mod export;
 pub mod handshake;
+pub mod tls;
 pub mod transmission;
 pub mod wire;
 
@@ -87,14 +89,41 @@ impl Stream for TcpStream {
     }
 }
 
-/// One client, from greeting to disconnect.
-pub fn serve_connection<S: Stream>(mut stream: S, exports: &Exports) -> Result<(), ProtocolError> {
+/// One client, from greeting to disconnect; with `tls`, inside TLS.
+pub fn serve_connection<S: Stream>(mut stream: S, exports: &Exports, tls: Option<&tls::ServerConfig>) -> Result<(), ProtocolError> {
+    use handshake::{Ending, Tls};
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    let Some(session) = handshake::negotiate(&mut stream, exports)? else { return Ok(()) };
+    let no_zeroes = handshake::greet(&mut stream)?;
+    let Some(config) = tls else {
+        return match handshake::options(&mut stream, exports, no_zeroes, Tls::Off)? {
+            Ending::Go(session) => transmit(stream, &session),
+            Ending::Left | Ending::StartTls => Ok(()),
+        };
+    };
+    if !matches!(handshake::options(&mut stream, exports, no_zeroes, Tls::Required)?, Ending::StartTls) {
+        return Ok(());
+    }
+    let conn = rustls::ServerConnection::new(config.clone()).map_err(|e| ProtocolError::Handshake(format!("TLS: {e}")))?;
+    let mut secured = rustls::StreamOwned::new(conn, stream);
+    // The TLS handshake now, so that its failure is named as such.
+    while secured.conn.is_handshaking() {
+        secured.conn.complete_io(&mut secured.sock).map_err(|e| ProtocolError::Handshake(format!("TLS: {e}")))?;
+    }
+    match handshake::options(&mut secured, exports, no_zeroes, Tls::Established)? {
+        Ending::Go(session) => {
+            secured.sock.set_read_timeout(None)?;
+            tracing::debug!(export = %session.name, "nbd client connected over TLS");
+            transmission::serve(secured, &session)
+        }
+        Ending::Left | Ending::StartTls => Ok(()),
+    }
+}
+
+fn transmit<S: Stream>(stream: S, session: &handshake::Session) -> Result<(), ProtocolError> {
     // Clients may idle between requests as long as they like.
     stream.set_read_timeout(None)?;
     tracing::debug!(export = %session.name, structured = session.structured, "nbd client connected");
-    transmission::serve(stream, &session)
+    transmission::serve(stream, session)
 }
 
 /// Where the server listens.
@@ -122,13 +151,13 @@ impl Listener {
         Ok(Listener::Unix(listener, path.to_path_buf()))
     }
 
-    /// Listen on TCP at `addr`: loopback only, as the protocol carries the
-    /// data in the clear and this server has no TLS yet.
-    pub fn tcp(addr: std::net::SocketAddr) -> io::Result<Listener> {
-        if !addr.ip().is_loopback() {
+    /// Listen on TCP at `addr`. Without TLS only on loopback: the
+    /// protocol carries the data in the clear.
+    pub fn tcp(addr: std::net::SocketAddr, tls: bool) -> io::Result<Listener> {
+        if !addr.ip().is_loopback() && !tls {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
-                format!("{addr}: NBD over TCP is served on loopback only (no TLS here yet)"),
+                format!("{addr}: NBD beyond loopback is served only with TLS (give a certificate and key)"),
             ));
         }
         Ok(Listener::Tcp(TcpListener::bind(addr)?))
@@ -146,12 +175,12 @@ impl Listener {
         match self {
             Listener::Unix(l, _) => {
                 let (s, _) = l.accept()?;
-                Ok((s.shutdown_handle()?, Box::new(move |e: &Exports| serve_connection(s, e))))
+                Ok((s.shutdown_handle()?, Box::new(move |e: &Exports, t: Option<&tls::ServerConfig>| serve_connection(s, e, t))))
             }
             Listener::Tcp(l) => {
                 let (s, _) = l.accept()?;
                 s.set_nodelay(true)?;
-                Ok((s.shutdown_handle()?, Box::new(move |e: &Exports| serve_connection(s, e))))
+                Ok((s.shutdown_handle()?, Box::new(move |e: &Exports, t: Option<&tls::ServerConfig>| serve_connection(s, e, t))))
             }
         }
     }
@@ -170,7 +199,7 @@ impl Listener {
 }
 
 type ShutdownFn = Box<dyn Fn() + Send + Sync>;
-type Connection = Box<dyn FnOnce(&Exports) -> Result<(), ProtocolError> + Send>;
+type Connection = Box<dyn FnOnce(&Exports, Option<&tls::ServerConfig>) -> Result<(), ProtocolError> + Send>;
 
 /// A running server; dropping it stops accepting and closes every connection.
 pub struct Server {
@@ -181,15 +210,16 @@ pub struct Server {
 }
 
 impl Server {
-    /// Accept clients of `exports` on `listener`, at most `max_connections` at once.
-    pub fn start(listener: Listener, exports: Exports, max_connections: usize) -> io::Result<Server> {
+    /// Accept clients of `exports` on `listener`, at most `max_connections`
+    /// at once; with `tls`, each must STARTTLS first.
+    pub fn start(listener: Listener, exports: Exports, max_connections: usize, tls: Option<tls::ServerConfig>) -> io::Result<Server> {
         let listener = Arc::new(listener);
         let stopping = Arc::new(AtomicBool::new(false));
         let connections: Arc<Mutex<BTreeMap<u64, ShutdownFn>>> = Arc::default();
         let (l, s, c) = (listener.clone(), stopping.clone(), connections.clone());
         let accept = std::thread::Builder::new()
             .name("nbd-accept".into())
-            .spawn(move || accept_loop(&l, &exports, &s, &c, max_connections))?;
+            .spawn(move || accept_loop(&l, &exports, tls.as_ref(), &s, &c, max_connections))?;
         Ok(Server { listener, stopping, connections, accept: Some(accept) })
     }
 
@@ -222,6 +252,7 @@ impl Drop for Server {
 fn accept_loop(
     listener: &Listener,
     exports: &Exports,
+    tls: Option<&tls::ServerConfig>,
     stopping: &AtomicBool,
     connections: &Arc<Mutex<BTreeMap<u64, ShutdownFn>>>,
     max_connections: usize,
@@ -250,9 +281,9 @@ fn accept_loop(
             }
             live.insert(id, stop);
         }
-        let (exports, registry) = (exports.clone(), connections.clone());
+        let (exports, registry, tls) = (exports.clone(), connections.clone(), tls.cloned());
         let spawned = std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
-            let result = conn(&exports);
+            let result = conn(&exports, tls.as_ref());
             registry.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             match result {
                 Ok(()) => tracing::debug!("nbd client left"),

@@ -17,7 +17,7 @@ fn start(exports: &Exports) -> Client {
     let (c, s) = UnixStream::pair().unwrap();
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let e = exports.clone();
-    let server = std::thread::spawn(move || serve_connection(s, &e));
+    let server = std::thread::spawn(move || serve_connection(s, &e, None));
     let mut client = Client { s: c, server };
     let mut greeting = [0u8; 18];
     client.s.read_exact(&mut greeting).unwrap();
@@ -308,4 +308,47 @@ fn export_name_option_and_the_zero_padding() {
     assert!(reply[10..].iter().all(|b| *b == 0));
     c.request(CMD_READ, 0, 0, 8, &[]);
     assert_eq!(c.simple_reply(8).0, 0);
+}
+
+#[test]
+fn where_tls_is_required_nothing_but_starttls_is_served() {
+    use handshake::{Ending, Tls};
+    let (exports, _) = memory(4096, false);
+    let (c, mut s) = UnixStream::pair().unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let e = exports.clone();
+    let server = std::thread::spawn(move || handshake::options(&mut s, &e, true, Tls::Required));
+    let mut client = Client { s: c, server: std::thread::spawn(|| Ok(())) };
+    for option in [OPT_GO, OPT_INFO, OPT_LIST, OPT_STRUCTURED_REPLY] {
+        client.option(option, &go_data("disk"));
+        let (kind, msg) = client.option_reply();
+        assert_eq!(kind, REP_ERR_TLS_REQD, "option {option}");
+        assert!(String::from_utf8_lossy(&msg).contains("STARTTLS"));
+    }
+    client.option(OPT_STARTTLS, b"x");
+    assert_eq!(client.option_reply().0, REP_ERR_INVALID, "STARTTLS takes no data");
+    client.option(OPT_STARTTLS, &[]);
+    assert_eq!(client.option_reply().0, REP_ACK);
+    assert!(matches!(server.join().unwrap(), Ok(Ending::StartTls)));
+
+    // EXPORT_NAME cannot be answered with an error: the client is dropped.
+    let (mut c, mut s) = UnixStream::pair().unwrap();
+    let e = exports.clone();
+    let server = std::thread::spawn(move || handshake::options(&mut s, &e, true, Tls::Required));
+    let mut m = IHAVEOPT.to_be_bytes().to_vec();
+    m.extend_from_slice(&OPT_EXPORT_NAME.to_be_bytes());
+    m.extend_from_slice(&4u32.to_be_bytes());
+    m.extend_from_slice(b"disk");
+    c.write_all(&m).unwrap();
+    assert!(matches!(server.join().unwrap(), Err(ProtocolError::Handshake(m)) if m.contains("STARTTLS")));
+
+    // Once TLS is on, a second STARTTLS is an error, not a restart.
+    let (c, mut s) = UnixStream::pair().unwrap();
+    let server = std::thread::spawn(move || handshake::options(&mut s, &exports, true, Tls::Established));
+    let mut client = Client { s: c, server: std::thread::spawn(|| Ok(())) };
+    client.option(OPT_STARTTLS, &[]);
+    assert_eq!(client.option_reply().0, REP_ERR_INVALID);
+    client.option(OPT_ABORT, &[]);
+    assert_eq!(client.option_reply().0, REP_ACK);
+    assert!(matches!(server.join().unwrap(), Ok(Ending::Left)));
 }
