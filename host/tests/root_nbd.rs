@@ -280,6 +280,7 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
     let key = volagent::exec::nbd_key(&volagent::policy::NbdSpec {
         server: address.clone(),
         export_name: "disk0".into(),
+        local_file: None,
         attach: volagent::policy::NbdAttach::Userspace,
         connections: 4,
     });
@@ -314,4 +315,62 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     wait_or_say("the unused client to be stopped", || clients_under(&state).is_empty(), || std::fs::read_to_string(node.log_path("node-a")).unwrap_or_default());
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
     assert!(std::fs::read_dir(state.join("nbd")).map(|d| d.count()).unwrap_or(0) == 0);
+}
+
+/// Helper `volagent nbd serve` processes whose socket lies under `dir`.
+fn servers_under(dir: &Path) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if args.get(1..3) == Some(&["nbd".to_string(), "serve".to_string()][..]) && args.iter().any(|a| Path::new(a).starts_with(dir)) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[test]
+fn the_agent_serves_a_local_file_itself_across_a_restart() {
+    let mut node = nbd_node();
+    let image = node.image("own.img", 64);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
+    options.as_object_mut().unwrap().remove("server");
+    options["file"] = image.clone().into();
+    let r = driver(&node, &["mount", &dir, &options.to_string()]);
+    assert_success(&r);
+    let servers = servers_under(&state);
+    assert_eq!(servers.len(), 1, "one helper server");
+    assert_eq!(clients_under(&state).len(), 1, "one client of it");
+    std::fs::write(format!("{dir}/data"), b"through the agent's own export").unwrap();
+
+    // Both outlive the agent; the next one uses them.
+    node.stop_agent();
+    std::fs::write(format!("{dir}/during"), b"agent down").unwrap();
+    nix::unistd::sync();
+    node.spawn_agent_env("node-a", &[], &[]);
+    assert_eq!(servers_under(&state), servers, "the same helper server, adopted");
+    assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
+    assert_success(&driver(&node, &["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    wait_until("the client and the helper server to end", || clients_under(&state).is_empty() && servers_under(&state).is_empty());
+    let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_eq!(read_back(Path::new(&image), "ext4"), b"through the agent's own export");
+}
+
+#[test]
+fn a_local_file_outside_the_discovery_dirs_is_refused() {
+    let node = nbd_node();
+    let outside = node.scratch.image("outside.img", 16);
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
+    options.as_object_mut().unwrap().remove("server");
+    options["file"] = outside.display().to_string().into();
+    assert_failure(&driver(&node, &["mount", &dir, &options.to_string()]), "outside the dirs this backend may use");
+    assert!(servers_under(&node.scratch.path("node-a/state")).is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }

@@ -4,7 +4,9 @@
 //! ReadWriteMany is refused unless the volume says its user is clustered.
 //!
 //! Options:
-//! - `server` (required): "unix:/path.sock" or "host:port";
+//! - `server`: "unix:/path.sock" or "host:port"; or instead
+//! - `file`: a local file (beneath the node's discovery dirs) the agent
+//!   serves itself and attaches through its own NBD export;
 //! - `export`: the export name (default: the server's default export);
 //! - `attach`: `auto` (default: the kernel's nbd driver where the node has
 //!   it, else userspace), `kernel`, or `userspace` (nbdfuse on a loop device);
@@ -29,16 +31,35 @@ const MAX_CONNECTIONS: u8 = 16;
 const DEFAULT_CONNECTIONS: u8 = 4;
 
 pub fn export_spec(volume: &Volume) -> Result<NbdSpec, PolicyError> {
-    let server = options::required(volume, "server")?;
-    let valid = match server.strip_prefix("unix:") {
-        Some(path) => path.starts_with('/'),
-        None => server.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()),
+    let local_file = options::get(volume, "file").map(str::to_string);
+    let server = match (options::get(volume, "server"), &local_file) {
+        (Some(_), Some(_)) => {
+            return Err(PolicyError::InvalidOptions(format!(
+                "volume {}: give either server or file, not both",
+                volume.name
+            )));
+        }
+        (None, Some(_)) => "",
+        (_, None) => options::required(volume, "server")?,
     };
-    if !valid {
-        return Err(PolicyError::InvalidOptions(format!(
-            "volume {}: server \"{server}\" is neither unix:/absolute/path nor host:port",
-            volume.name
-        )));
+    if let Some(file) = &local_file {
+        if !file.starts_with('/') {
+            return Err(PolicyError::InvalidOptions(format!(
+                "volume {}: file \"{file}\" is not an absolute path",
+                volume.name
+            )));
+        }
+    } else {
+        let valid = match server.strip_prefix("unix:") {
+            Some(path) => path.starts_with('/'),
+            None => server.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()),
+        };
+        if !valid {
+            return Err(PolicyError::InvalidOptions(format!(
+                "volume {}: server \"{server}\" is neither unix:/absolute/path nor host:port",
+                volume.name
+            )));
+        }
     }
     let attach = match options::get(volume, "attach").unwrap_or("auto") {
         "auto" => NbdAttach::Auto,
@@ -63,6 +84,7 @@ pub fn export_spec(volume: &Volume) -> Result<NbdSpec, PolicyError> {
     Ok(NbdSpec {
         server: server.to_string(),
         export_name: options::get(volume, "export").unwrap_or("").to_string(),
+        local_file,
         attach,
         connections,
     })
@@ -96,7 +118,7 @@ impl Policy for Nbd {
                 device_kinds: vec![DeviceKind::Nbd],
                 filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
                 network_filesystems: vec![],
-                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir],
+                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs],
             },
         }
     }
@@ -244,6 +266,18 @@ mod tests {
         assert!(!plan.iter().any(|s| matches!(s, Step::Format(_))), "never formats a read-only export");
         let bad = with(volume(AccessMode::ReadWriteOnce, "unix:/s"), "read-only", "yes");
         assert!(matches!(effective(&bad), Err(PolicyError::InvalidOptions(m)) if m.contains("read-only")));
+    }
+
+    #[test]
+    fn a_local_file_is_served_by_the_agent_instead_of_a_server() {
+        let mut v = volume(AccessMode::ReadWriteOnce, "unix:/s");
+        v.options.retain(|kv| kv.key != "server");
+        let spec = export_spec(&with(v.clone(), "file", "/mnt/disks/vol.img")).unwrap();
+        assert_eq!((spec.server.as_str(), spec.local_file.as_deref()), ("", Some("/mnt/disks/vol.img")));
+        let both = with(with(v.clone(), "file", "/mnt/disks/vol.img"), "server", "unix:/s");
+        assert!(matches!(export_spec(&both), Err(PolicyError::InvalidOptions(m)) if m.contains("not both")));
+        assert!(matches!(export_spec(&with(v.clone(), "file", "vol.img")), Err(PolicyError::InvalidOptions(_))));
+        assert!(matches!(export_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("server")));
     }
 
     #[test]

@@ -35,14 +35,22 @@ pub struct ServeArgs {
     tls_client_ca: Option<PathBuf>,
     /// NAME=PATH: serve the file or block device PATH as export NAME
     /// (repeatable; an empty NAME is the default export).
-    #[arg(long = "export", value_name = "NAME=PATH", required = true, value_parser = parse_export)]
+    #[arg(long = "export", value_name = "NAME=PATH", required_unless_present = "export_stdin", value_parser = parse_export)]
     exports: Vec<(String, PathBuf)>,
+    /// Serve the file or block device open on standard input as export
+    /// NAME: how the agent hands its helper a file it opened beneath its roots.
+    #[arg(long, value_name = "NAME")]
+    export_stdin: Option<String>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
     /// Clients served at once.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
     max_connections: u64,
+}
+
+fn exports_count(args: &ServeArgs) -> usize {
+    args.exports.len() + usize::from(args.export_stdin.is_some())
 }
 
 fn parse_export(s: &str) -> Result<(String, PathBuf), String> {
@@ -63,6 +71,13 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
         let export = FileExport::open(path, args.read_only).with_context(|| format!("export {name:?}"))?;
         exports.insert(name, Arc::new(export));
     }
+    if let Some(name) = &args.export_stdin {
+        use std::os::fd::AsFd;
+        let fd = std::io::stdin().as_fd().try_clone_to_owned().context("standard input")?;
+        let export = FileExport::from_file(std::fs::File::from(fd), std::path::Path::new("/dev/stdin"), args.read_only)
+            .with_context(|| format!("export {name:?} from standard input"))?;
+        exports.insert(name, Arc::new(export));
+    }
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(crate::nbd::tls::server_config(cert, key, args.tls_client_ca.as_deref())?),
         _ => None,
@@ -75,7 +90,7 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
     .context("nbd listener")?;
     let with_tls = tls.is_some();
     let server = Server::start(listener, exports, args.max_connections as usize, tls).context("nbd server")?;
-    tracing::info!(listener = %server.describe(), exports = args.exports.len(), tls = with_tls, "volagent nbd server serving");
+    tracing::info!(listener = %server.describe(), exports = exports_count(&args), tls = with_tls, "volagent nbd server serving");
     // Readiness for scripts: the socket exists and accepts from now on.
     println!("serving on {}", server.describe());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("tokio runtime")?;

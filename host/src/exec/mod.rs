@@ -46,6 +46,8 @@ enum Undo {
     Detach(PathBuf),
     /// Stop the userspace NBD client with this key.
     NbdDisconnect(String),
+    /// Stop the helper NBD server with this key.
+    NbdStopServing(String),
     Unmount(PathBuf),
     RemoveDir(PathBuf),
 }
@@ -194,7 +196,9 @@ impl Run<'_> {
                     for device in self.loops_over(&self.sys.nbd.file(&key))? {
                         self.sys.devices.loop_detach(&device)?;
                     }
-                    return Ok(self.sys.nbd.disconnect(&key)?);
+                    self.sys.nbd.disconnect(&key)?;
+                    // The agent's own export of a local file: its server goes last.
+                    return Ok(self.sys.nbd.stop_serving(&key)?);
                 }
                 for device in self.attached(&d.spec)? {
                     self.sys.devices.loop_detach(&device)?;
@@ -268,7 +272,16 @@ impl Run<'_> {
         if let Some(device) = self.loops_over(&file)?.into_iter().next() {
             return Ok(device);
         }
-        let uri = crate::sys::nbd_client::uri(&spec.server, &spec.export_name);
+        let uri = match &spec.local_file {
+            Some(local) => {
+                let file = self.sys.devices.open_file(Path::new(local), !read_only)?;
+                if self.sys.nbd.serve(&key, file, read_only)? {
+                    self.undo.push(Undo::NbdStopServing(key.clone()));
+                }
+                crate::sys::nbd_client::uri(&self.sys.nbd.server_address(&key), "")
+            }
+            None => crate::sys::nbd_client::uri(&spec.server, &spec.export_name),
+        };
         if self.sys.nbd.connect(&key, &uri, spec.connections, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key));
         }
@@ -355,6 +368,7 @@ impl Run<'_> {
             let result = match &undo {
                 Undo::Detach(device) => self.sys.devices.loop_detach(device),
                 Undo::NbdDisconnect(key) => self.sys.nbd.disconnect(key),
+                Undo::NbdStopServing(key) => self.sys.nbd.stop_serving(key),
                 Undo::Unmount(target) => self.sys.mounts.unmount(target, false),
                 Undo::RemoveDir(dir) => self.sys.mounts.remove_dir(dir),
             };
@@ -367,14 +381,19 @@ impl Run<'_> {
     }
 }
 
-/// The name of the userspace client of an export: one per export on a
-/// node, whatever volume names it.
+/// The name of the userspace client of an export (and of the helper
+/// server of a local file): one per export on a node, whatever volume
+/// names it.
 pub fn nbd_key(spec: &NbdSpec) -> String {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
     h.update(spec.server.as_bytes());
     h.update([0]);
     h.update(spec.export_name.as_bytes());
+    if let Some(file) = &spec.local_file {
+        h.update([0]);
+        h.update(file.as_bytes());
+    }
     format!("export-{}", hex::encode(&h.finalize()[..12]))
 }
 

@@ -171,7 +171,7 @@ fn a_detach_leaves_other_agents_devices_alone() {
 }
 
 fn nbd_spec(attach: NbdAttach) -> NbdSpec {
-    NbdSpec { server: "unix:/run/nbd.sock".into(), export_name: "disk0".into(), attach, connections: 2 }
+    NbdSpec { server: "unix:/run/nbd.sock".into(), export_name: "disk0".into(), local_file: None, attach, connections: 2 }
 }
 
 fn nbd_plans(attach: NbdAttach) -> (Vec<Step>, Vec<Step>) {
@@ -202,8 +202,11 @@ fn an_nbd_export_is_attached_through_a_userspace_client_and_detached_whole() {
     exec.run(&detach).unwrap();
     let s = fake.state();
     assert!(s.loops.is_empty() && s.mounts.is_empty() && s.nbd_clients.is_empty(), "{s:?}");
-    let tail: Vec<&String> = s.log.iter().rev().take(2).collect();
-    assert!(tail[1].starts_with("loop-detach") && tail[0].starts_with("nbd-disconnect"), "the loop goes before its client: {tail:?}");
+    let tail: Vec<&String> = s.log.iter().rev().take(3).collect();
+    assert!(
+        tail[2].starts_with("loop-detach") && tail[1].starts_with("nbd-disconnect") && tail[0].starts_with("nbd-stop-serving"),
+        "the loop goes before its client (and any helper server last): {tail:?}"
+    );
 }
 
 #[test]
@@ -223,4 +226,40 @@ fn the_kernel_attach_path_is_refused_where_it_is_not_available() {
     let err = exec.run(&attach).unwrap_err();
     assert!(err.to_string().contains("kernel's nbd driver, which this node does not have"), "{err}");
     assert!(fake.state().nbd_clients.is_empty());
+}
+
+#[test]
+fn a_local_file_is_served_by_a_helper_and_attached_through_it() {
+    let (fake, exec) = node();
+    fake.state().files.insert(FILE.into());
+    let spec = NbdSpec { server: String::new(), export_name: String::new(), local_file: Some(FILE.into()), attach: NbdAttach::Auto, connections: 1 };
+    let key = nbd_key(&spec);
+    let mut attach = attach_plan();
+    attach[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(spec.clone()), read_only: false });
+    exec.run(&attach).unwrap();
+    {
+        let s = fake.state();
+        assert_eq!(s.nbd_servers.get(&key), Some(&false));
+        let socket = format!("/fake-nbd/{key}.sock");
+        assert_eq!(s.nbd_clients.get(&key).map(|c| c.0.clone()), Some(format!("nbd+unix:///?socket={socket}")));
+        assert!(s.log.iter().any(|op| op == &format!("open {FILE}")), "the file is opened beneath the roots by the agent");
+    }
+    let mut detach = detach_plan();
+    detach[2] = Step::DetachDevice(DetachDevice { spec: DeviceSpec::Nbd(spec.clone()), force: false });
+    exec.run(&detach).unwrap();
+    let s = fake.state();
+    assert!(s.nbd_servers.is_empty() && s.nbd_clients.is_empty() && s.loops.is_empty(), "{s:?}");
+    assert!(s.log.last().is_some_and(|op| op.starts_with("nbd-stop-serving")), "the server goes last: {:?}", s.log);
+}
+
+#[test]
+fn a_missing_local_file_starts_nothing() {
+    let (fake, exec) = node();
+    let spec = NbdSpec { server: String::new(), export_name: String::new(), local_file: Some(FILE.into()), attach: NbdAttach::Auto, connections: 1 };
+    let mut attach = attach_plan();
+    attach[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(spec), read_only: false });
+    let err = exec.run(&attach).unwrap_err();
+    assert!(err.to_string().contains(FILE), "{err}");
+    let s = fake.state();
+    assert!(s.nbd_servers.is_empty() && s.nbd_clients.is_empty());
 }

@@ -195,6 +195,7 @@ impl Agent {
                     )),
                     (false, _) => {
                         sys.nbd.disconnect(&key)?;
+                        sys.nbd.stop_serving(&key)?;
                         removed.push(format!("orphan NBD client {key}"));
                     }
                 }

@@ -198,12 +198,18 @@ impl Checker<'_> {
         match spec {
             DeviceSpec::Loop(file) => self.path("loop backing file", file, DEVICES),
             DeviceSpec::Nbd(nbd) => {
-                if nbd.server.is_empty() || nbd.server.contains(char::is_whitespace) {
+                if let Some(file) = &nbd.local_file {
+                    if !nbd.server.is_empty() {
+                        return Err(format!("nbd spec names both a server ({:?}) and a local file ({file})", nbd.server));
+                    }
+                    self.path("nbd local file", file, DEVICES)?;
+                } else if nbd.server.is_empty() || nbd.server.contains(char::is_whitespace) {
                     return Err(format!("nbd server {:?} is not an address", nbd.server));
-                }
-                match nbd.server.strip_prefix("unix:") {
-                    Some(sock) => clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?,
-                    None => host_port(&nbd.server).map_err(|e| format!("nbd server {:?}: {e}", nbd.server))?,
+                } else {
+                    match nbd.server.strip_prefix("unix:") {
+                        Some(sock) => clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?,
+                        None => host_port(&nbd.server).map_err(|e| format!("nbd server {:?}: {e}", nbd.server))?,
+                    }
                 }
                 if nbd.export_name.contains('\0') {
                     return Err("nbd export name contains NUL".to_string());
@@ -375,7 +381,9 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
     let spec = |spec: &DeviceSpec| -> Result<(), String> {
         match spec {
             DeviceSpec::Loop(file) => bounded("loop backing file", file, MAX_PATH),
-            DeviceSpec::Nbd(n) => bounded("nbd server", &n.server, MAX_TEXT).and(bounded("nbd export", &n.export_name, MAX_TEXT)),
+            DeviceSpec::Nbd(n) => bounded("nbd server", &n.server, MAX_TEXT)
+                .and(bounded("nbd export", &n.export_name, MAX_TEXT))
+                .and(bounded("nbd local file", n.local_file.as_deref().unwrap_or(""), MAX_PATH)),
             DeviceSpec::Rbd(r) => {
                 if r.monitors.len() > MAX_LIST {
                     return Err(format!("rbd image lists {} monitors, more than the {MAX_LIST} allowed", r.monitors.len()));
@@ -627,7 +635,7 @@ mod tests {
         let e = refused(good(), 0, |s| {
             *s = Step::AttachDevice(AttachDevice {
                 id: "d".into(),
-                spec: DeviceSpec::Nbd(NbdSpec { server: "unix:/run/x".into(), export_name: String::new(), attach: NbdAttach::Auto, connections: 1 }),
+                spec: DeviceSpec::Nbd(NbdSpec { server: "unix:/run/x".into(), export_name: String::new(), local_file: None, attach: NbdAttach::Auto, connections: 1 }),
                 read_only: false,
             })
         });

@@ -23,12 +23,18 @@ impl FileExport {
     /// followed) for serving; its size is fixed from now on.
     pub fn open(path: &Path, read_only: bool) -> Result<FileExport, super::SysError> {
         use std::os::unix::fs::OpenOptionsExt;
-        let mut file = std::fs::OpenOptions::new()
+        let file = std::fs::OpenOptions::new()
             .read(true)
             .write(!read_only)
             .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
             .open(path)
             .map_err(super::io("open export", path))?;
+        FileExport::from_file(file, path, read_only)
+    }
+
+    /// Serve `file`, already open (for writing too unless `read_only`);
+    /// `path` names it in errors and as the export's description.
+    pub fn from_file(mut file: File, path: &Path, read_only: bool) -> Result<FileExport, super::SysError> {
         let kind = file.metadata().map_err(super::io("stat export", path))?.file_type();
         let block_device = kind.is_block_device();
         if !kind.is_file() && !block_device {

@@ -20,6 +20,8 @@ pub struct State {
     pub links: BTreeSet<PathBuf>,
     /// Userspace NBD clients running: key → (uri, read-only).
     pub nbd_clients: BTreeMap<String, (String, bool)>,
+    /// Helper NBD servers running: key → read-only.
+    pub nbd_servers: BTreeMap<String, bool>,
     /// Every operation, as "op path".
     pub log: Vec<String>,
     /// Fail the next operation whose "op path" starts with one of these
@@ -199,6 +201,15 @@ impl Devices for Fake {
     fn block_device(&self, path: &Path) -> Result<PathBuf, SysError> {
         Ok(path.to_path_buf())
     }
+
+    /// Any file the state holds opens (as /dev/null: nothing reads it).
+    fn open_file(&self, file: &Path, _write: bool) -> Result<std::fs::File, SysError> {
+        let s = self.op("open", file)?;
+        if !s.files.contains(file) {
+            return Err(SysError::Errno { op: "open", path: file.to_path_buf(), errno: nix::errno::Errno::ENOENT });
+        }
+        std::fs::File::open("/dev/null").map_err(super::io("open", file))
+    }
 }
 
 impl Filesystems for Fake {
@@ -255,6 +266,23 @@ impl NbdClients for Fake {
     }
 
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
-        Ok(self.state().nbd_clients.keys().map(|k| (k.clone(), true)).collect())
+        let s = self.state();
+        let keys: BTreeSet<&String> = s.nbd_clients.keys().chain(s.nbd_servers.keys()).collect();
+        Ok(keys.into_iter().map(|k| (k.clone(), s.nbd_clients.contains_key(k))).collect())
+    }
+
+    fn serve(&self, key: &str, _file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
+        let mut s = self.op("nbd-serve", Path::new(key))?;
+        Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
+    }
+
+    fn server_address(&self, key: &str) -> String {
+        format!("unix:/fake-nbd/{key}.sock")
+    }
+
+    fn stop_serving(&self, key: &str) -> Result<(), SysError> {
+        let mut s = self.op("nbd-stop-serving", Path::new(key))?;
+        s.nbd_servers.remove(key);
+        Ok(())
     }
 }

@@ -307,6 +307,10 @@ impl Devices for Linux {
         }
         block::devnode(st.st_rdev, path)
     }
+
+    fn open_file(&self, file: &Path, write: bool) -> Result<File, SysError> {
+        self.open_regular(file, write)
+    }
 }
 
 /// A device argument: a block device node under /dev, never a symlink.

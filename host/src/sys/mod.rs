@@ -152,6 +152,9 @@ pub trait Devices: Send + Sync {
     /// The block device at `path` (beneath a root, not a symlink), as its
     /// node under /dev: the path the tools and the mount table use.
     fn block_device(&self, path: &Path) -> Result<PathBuf, SysError>;
+    /// The regular file `file` (beneath a root, not a symlink), open for
+    /// reading and, with `write`, writing.
+    fn open_file(&self, file: &Path, write: bool) -> Result<std::fs::File, SysError>;
 }
 
 /// `device` arguments are block devices under /dev.
@@ -186,7 +189,17 @@ pub trait NbdClients: Send + Sync {
     fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError>;
     /// Stop client `key` and remove what it left; none running is fine.
     fn disconnect(&self, key: &str) -> Result<(), SysError>;
-    /// Every client this node has a trace of, and whether it runs.
+    /// Serve `file` (opened by the caller beneath its roots) as the default
+    /// export of a helper server `key`, a process that outlives the agent,
+    /// at [`server_address`](Self::server_address); true when it was
+    /// started, false when it was running already (`file` is then unused).
+    fn serve(&self, key: &str, file: std::fs::File, read_only: bool) -> Result<bool, SysError>;
+    /// Where helper server `key` listens: "unix:/path".
+    fn server_address(&self, key: &str) -> String;
+    /// Stop helper server `key`; none running is fine.
+    fn stop_serving(&self, key: &str) -> Result<(), SysError>;
+    /// Every client (or helper server) this node has a trace of, and
+    /// whether its client runs.
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError>;
     /// Check that each running client's server still answers (a flush
     /// through it); abort the clients whose check has not come back within

@@ -2,6 +2,11 @@
 //! `nbdfuse` exposes an export as the file `<base>/<key>/<key>` (a FUSE mount
 //! at `<base>/<key>`), which the executor attaches to a loop device.
 //!
+//! For a local file the agent exports itself, a helper `volagent nbd
+//! serve` (this binary) serves it on `<base>/<key>.sock`, handed the file
+//! the agent opened beneath its roots on standard input; it too outlives
+//! the agent, since a client ends when its server does.
+//!
 //! A client runs in its own process group, so it outlives an agent restart (the
 //! next agent adopts it by its pid file). Stopping one unmounts it, waits
 //! for the process, and if it does not end — a client hung on a server
@@ -21,6 +26,8 @@ pub struct NbdFuse {
     /// Where the clients' mounts, pid files and logs live (beneath the state dir).
     base: PathBuf,
     program: PathBuf,
+    /// The helper server: this agent's own binary.
+    server_program: PathBuf,
     /// How long a client may take to connect, and to end once unmounted.
     pub ready_timeout: Duration,
     pub stop_timeout: Duration,
@@ -34,6 +41,7 @@ impl NbdFuse {
         NbdFuse {
             base,
             program: PathBuf::from("nbdfuse"),
+            server_program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("volagent")),
             ready_timeout: Duration::from_secs(20),
             stop_timeout: Duration::from_secs(5),
             checks: Default::default(),
@@ -50,6 +58,28 @@ impl NbdFuse {
 
     fn log_file(&self, key: &str) -> PathBuf {
         self.base.join(format!("{key}.log"))
+    }
+
+    fn socket(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.sock"))
+    }
+
+    fn server_pid_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.server.pid"))
+    }
+
+    fn server_log_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.server.log"))
+    }
+
+    /// The helper server's pid, when it runs ("<this binary> nbd serve").
+    fn server_running(&self, key: &str) -> Option<nix::unistd::Pid> {
+        let pid: i32 = std::fs::read_to_string(self.server_pid_file(key)).ok()?.trim().parse().ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let ours = self.server_program.file_name().map(|n| n.as_encoded_bytes());
+        let argv0 = Path::new(std::str::from_utf8(args.first()?).ok()?).file_name().map(|n| n.as_encoded_bytes());
+        (argv0 == ours && args.get(1) == Some(&&b"nbd"[..]) && args.get(2) == Some(&&b"serve"[..])).then(|| nix::unistd::Pid::from_raw(pid))
     }
 
     /// The client's pid, when its process runs (and is nbdfuse, not a
@@ -224,6 +254,67 @@ impl NbdClients for NbdFuse {
         }
     }
 
+    fn serve(&self, key: &str, file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
+        if self.server_running(key).is_some() {
+            return Ok(false);
+        }
+        std::fs::create_dir_all(&self.base).map_err(io("mkdir", &self.base))?;
+        let socket = self.socket(key);
+        let log_path = self.server_log_file(key);
+        let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
+        let mut cmd = Command::new(&self.server_program);
+        cmd.args(["nbd", "serve", "--unix"]).arg(&socket).args(["--export-stdin", ""]);
+        if read_only {
+            cmd.arg("--read-only");
+        }
+        cmd.stdin(file).stdout(Stdio::null()).stderr(log).process_group(0);
+        let mut child = cmd.spawn().map_err(io("run the nbd server helper for", &socket))?;
+        let pid_file = self.server_pid_file(key);
+        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
+        let deadline = Instant::now() + self.ready_timeout;
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                let _ = std::fs::remove_file(&pid_file);
+                let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
+                return Err(SysError::Command { program: "volagent nbd serve", path: socket, message: format!("{status}: {}", tail.trim()) });
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = std::fs::remove_file(&pid_file);
+                return Err(SysError::Timeout { program: "volagent nbd serve", path: socket, secs: self.ready_timeout.as_secs() });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::spawn(move || drop(child.wait()));
+        Ok(true)
+    }
+
+    fn server_address(&self, key: &str) -> String {
+        format!("unix:{}", self.socket(key).display())
+    }
+
+    fn stop_serving(&self, key: &str) -> Result<(), SysError> {
+        if let Some(pid) = self.server_running(key) {
+            // SIGTERM: it closes its connections and removes its socket.
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + self.stop_timeout;
+            while self.server_running(key) == Some(pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if self.server_running(key) == Some(pid) {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
+        }
+        for f in [self.server_pid_file(key), self.server_log_file(key), self.socket(key)] {
+            match std::fs::remove_file(&f) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &f)(e)),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
         let entries = match std::fs::read_dir(&self.base) {
             Ok(e) => e,
@@ -233,8 +324,9 @@ impl NbdClients for NbdFuse {
         let mut keys = std::collections::BTreeSet::new();
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let key = name.trim_end_matches(".pid").trim_end_matches(".log");
-            if key.starts_with("export-") && !key.contains(['/', '.']) {
+            // export-<hash>, and its .pid, .log, .sock, .server.pid, .server.log
+            let key = name.split('.').next().unwrap_or_default();
+            if key.starts_with("export-") && key.len() > "export-".len() {
                 keys.insert(key.to_string());
             }
         }
