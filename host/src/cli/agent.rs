@@ -86,8 +86,9 @@ pub struct AgentArgs {
     #[arg(long = "allow-inline-volumes", value_name = "BACKEND")]
     inline_backends: Vec<String>,
     /// A userspace NBD client whose server has not answered a flush for
-    /// this long is aborted: I/O through it then fails instead of hanging
-    /// the mounts and unmounts that wait on it.
+    /// this long is aborted, and a kernel nbd device fails a request its
+    /// server has not answered for this long: I/O then fails instead of
+    /// hanging the mounts and unmounts that wait on it.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     nbd_hung_after: Duration,
     /// Operations run at once.
@@ -175,7 +176,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         inline_backends: args.inline_backends.clone(),
     };
     let roots = crate::sys::Roots::open(&config.roots()).context("opening the root dirs")?;
-    let sys = Sys::linux(roots, &crate::ops::loop_tag(&node, &config.state_dir), config.state_dir.join("nbd"));
+    let mut nbd = crate::sys::nbd_client::NbdFuse::new(config.state_dir.join("nbd"));
+    nbd.kernel.request_timeout = args.nbd_hung_after;
+    let sys = Sys::linux_with(roots, &crate::ops::loop_tag(&node, &config.state_dir), nbd);
     spawn_nbd_watchdog(sys.nbd.clone(), args.nbd_hung_after);
     let mut agent = Agent::new(config, Vec::new(), ledger, stash, sys, Duration::from_secs(args.plan_deadline_secs));
     if let Some(c) = cluster.clone() {

@@ -46,6 +46,8 @@ enum Undo {
     Detach(PathBuf),
     /// Stop the userspace NBD client with this key.
     NbdDisconnect(String),
+    /// Disconnect the kernel nbd device connected for this key.
+    NbdKernelDisconnect(String),
     /// Stop the helper NBD server with this key.
     NbdStopServing(String),
     Unmount(PathBuf),
@@ -197,6 +199,7 @@ impl Run<'_> {
                         self.sys.devices.loop_detach(&device)?;
                     }
                     self.sys.nbd.disconnect(&key)?;
+                    self.sys.nbd.kernel_disconnect(&key)?;
                     // The agent's own export of a local file: its server goes last.
                     return Ok(self.sys.nbd.stop_serving(&key)?);
                 }
@@ -247,41 +250,48 @@ impl Run<'_> {
         Ok(device)
     }
 
-    /// An NBD export as a block device: a userspace client exposes it as a
-    /// file, on a loop device (or the device already there for it).
+    /// An NBD export as a block device: the kernel's nbd device, or a
+    /// userspace client exposing it as a file on a loop device (or the
+    /// device already there for it, whichever path made it).
     fn attach_nbd(&mut self, spec: &NbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
-        match spec.attach {
-            NbdAttach::Auto | NbdAttach::Userspace => {}
-            NbdAttach::Kernel if !self.sys.nbd.kernel_driver() => {
-                return Err(refused(format!(
-                    "nbd export {:?} at {}: the volume asks for the kernel's nbd driver, which this node does not have; \
-                     use attach: userspace (or auto)",
-                    spec.export_name, spec.server
-                )));
-            }
-            NbdAttach::Kernel => {
-                return Err(refused(format!(
-                    "nbd export {:?} at {}: attaching through the kernel's nbd driver is not supported by this agent yet; \
-                     use attach: userspace (or auto)",
-                    spec.export_name, spec.server
-                )));
-            }
-        }
         let key = nbd_key(spec);
+        if let Some(device) = self.sys.nbd.kernel_device(&key) {
+            return Ok(device);
+        }
         let file = self.sys.nbd.file(&key);
         if let Some(device) = self.loops_over(&file)?.into_iter().next() {
             return Ok(device);
         }
-        let uri = match &spec.local_file {
+        let kernel = match spec.attach {
+            NbdAttach::Auto => self.sys.nbd.kernel_driver(),
+            NbdAttach::Userspace => false,
+            NbdAttach::Kernel if self.sys.nbd.kernel_driver() => true,
+            NbdAttach::Kernel => {
+                return Err(refused(format!(
+                    "nbd export {:?} at {}: the volume asks for the kernel's nbd driver, which this node does not have \
+                     (no nbd module loaded); use attach: userspace (or auto)",
+                    spec.export_name, spec.server
+                )));
+            }
+        };
+        let (server, export) = match &spec.local_file {
             Some(local) => {
                 let file = self.sys.devices.open_file(Path::new(local), !read_only)?;
                 if self.sys.nbd.serve(&key, file, read_only)? {
                     self.undo.push(Undo::NbdStopServing(key.clone()));
                 }
-                crate::sys::nbd_client::uri(&self.sys.nbd.server_address(&key), "")
+                (self.sys.nbd.server_address(&key), String::new())
             }
-            None => crate::sys::nbd_client::uri(&spec.server, &spec.export_name),
+            None => (spec.server.clone(), spec.export_name.clone()),
         };
+        if kernel {
+            let (device, connected) = self.sys.nbd.kernel_connect(&key, &server, &export, spec.connections, read_only)?;
+            if connected {
+                self.undo.push(Undo::NbdKernelDisconnect(key));
+            }
+            return Ok(device);
+        }
+        let uri = crate::sys::nbd_client::uri(&server, &export);
         if self.sys.nbd.connect(&key, &uri, spec.connections, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key));
         }
@@ -368,6 +378,7 @@ impl Run<'_> {
             let result = match &undo {
                 Undo::Detach(device) => self.sys.devices.loop_detach(device),
                 Undo::NbdDisconnect(key) => self.sys.nbd.disconnect(key),
+                Undo::NbdKernelDisconnect(key) => self.sys.nbd.kernel_disconnect(key),
                 Undo::NbdStopServing(key) => self.sys.nbd.stop_serving(key),
                 Undo::Unmount(target) => self.sys.mounts.unmount(target, false),
                 Undo::RemoveDir(dir) => self.sys.mounts.remove_dir(dir),

@@ -202,9 +202,12 @@ fn an_nbd_export_is_attached_through_a_userspace_client_and_detached_whole() {
     exec.run(&detach).unwrap();
     let s = fake.state();
     assert!(s.loops.is_empty() && s.mounts.is_empty() && s.nbd_clients.is_empty(), "{s:?}");
-    let tail: Vec<&String> = s.log.iter().rev().take(3).collect();
+    let tail: Vec<&String> = s.log.iter().rev().take(4).collect();
     assert!(
-        tail[2].starts_with("loop-detach") && tail[1].starts_with("nbd-disconnect") && tail[0].starts_with("nbd-stop-serving"),
+        tail[3].starts_with("loop-detach")
+            && tail[2].starts_with("nbd-disconnect")
+            && tail[1].starts_with("nbd-kernel-disconnect")
+            && tail[0].starts_with("nbd-stop-serving"),
         "the loop goes before its client (and any helper server last): {tail:?}"
     );
 }
@@ -226,6 +229,64 @@ fn the_kernel_attach_path_is_refused_where_it_is_not_available() {
     let err = exec.run(&attach).unwrap_err();
     assert!(err.to_string().contains("kernel's nbd driver, which this node does not have"), "{err}");
     assert!(fake.state().nbd_clients.is_empty());
+}
+
+#[test]
+fn where_the_kernel_has_nbd_an_export_is_attached_through_it_and_detached_whole() {
+    let (fake, exec) = node();
+    fake.state().nbd_kernel_driver = true;
+    let (attach, detach) = nbd_plans(NbdAttach::Auto);
+    let key = nbd_key(&nbd_spec(NbdAttach::Auto));
+    exec.run(&attach).unwrap();
+    {
+        let s = fake.state();
+        assert_eq!(s.nbd_kernel.get(&key), Some(&("/dev/nbd0".into(), "unix:/run/nbd.sock".into(), "disk0".into(), false)));
+        assert!(s.loops.is_empty() && s.nbd_clients.is_empty(), "no userspace pieces: {s:?}");
+        assert!(s.mounts.iter().any(|m| m.source == "/dev/nbd0" && m.mount_point == Path::new(STAGING)), "{:?}", s.mounts);
+    }
+    // A rerun finds the connected device: nothing new.
+    exec.run(&attach).unwrap();
+    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("nbd-kernel-connect")).count(), 1);
+    exec.run(&detach).unwrap();
+    let s = fake.state();
+    assert!(s.nbd_kernel.is_empty() && s.mounts.is_empty(), "{s:?}");
+}
+
+#[test]
+fn a_volume_that_asks_for_userspace_gets_it_even_where_the_kernel_has_nbd() {
+    let (fake, exec) = node();
+    fake.state().nbd_kernel_driver = true;
+    let (attach, _) = nbd_plans(NbdAttach::Userspace);
+    exec.run(&attach).unwrap();
+    let s = fake.state();
+    assert!(s.nbd_kernel.is_empty() && s.nbd_clients.len() == 1 && s.loops.len() == 1, "{s:?}");
+}
+
+#[test]
+fn a_failed_mount_disconnects_the_kernel_device_it_connected() {
+    let (fake, exec) = node();
+    fake.state().nbd_kernel_driver = true;
+    let (attach, _) = nbd_plans(NbdAttach::Kernel);
+    fake.fail_next(&format!("mount {STAGING}"));
+    exec.run(&attach).unwrap_err();
+    let s = fake.state();
+    assert!(s.nbd_kernel.is_empty() && s.mounts.is_empty(), "{s:?}");
+    assert!(s.log.iter().any(|op| op.starts_with("nbd-kernel-disconnect")), "{:?}", s.log);
+}
+
+#[test]
+fn a_local_file_reaches_the_kernel_device_through_the_helper_server() {
+    let (fake, exec) = node();
+    fake.state().nbd_kernel_driver = true;
+    fake.state().files.insert(FILE.into());
+    let spec = NbdSpec { server: String::new(), export_name: String::new(), local_file: Some(FILE.into()), attach: NbdAttach::Auto, connections: 1 };
+    let key = nbd_key(&spec);
+    let mut attach = attach_plan();
+    attach[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(spec), read_only: false });
+    exec.run(&attach).unwrap();
+    let s = fake.state();
+    assert_eq!(s.nbd_servers.get(&key), Some(&false));
+    assert_eq!(s.nbd_kernel.get(&key).map(|c| (c.1.clone(), c.2.clone())), Some((format!("unix:/fake-nbd/{key}.sock"), String::new())));
 }
 
 #[test]

@@ -180,6 +180,20 @@ impl Agent {
                     removed.push(format!("orphan loop device {} (over {})", l.device.display(), l.backing_file.display()));
                 }
             }
+            // Kernel nbd devices: the kernel holds their connections across
+            // agent restarts; one a mount uses is kept, one nothing uses
+            // (or whose connection is gone) is disconnected.
+            let mut kernel_keys = BTreeSet::new();
+            for (key, device) in sys.nbd.kernel_connections() {
+                kernel_keys.insert(key.clone());
+                if device.as_ref().is_some_and(|d| mounted.contains(&d.display().to_string())) {
+                    continue;
+                }
+                sys.nbd.kernel_disconnect(&key)?;
+                sys.nbd.stop_serving(&key)?;
+                let what = device.map_or("gone".to_string(), |d| d.display().to_string());
+                removed.push(format!("orphan kernel NBD connection {key} ({what})"));
+            }
             // Userspace NBD clients: one a loop device of ours still uses
             // is adopted as it runs (it outlived the previous agent); one
             // nothing uses is stopped.
@@ -188,6 +202,8 @@ impl Agent {
             for (key, running) in sys.nbd.clients()? {
                 let file = sys.nbd.file(&key);
                 match (loops.iter().any(|l| l.is_over_client_file(&file, tag)), running) {
+                    // A kernel connection's (helper server), seen to above.
+                    (false, _) if kernel_keys.contains(&key) => {}
                     (true, true) => {}
                     (true, false) => problems.push(format!(
                         "the userspace NBD client {key} of a mounted volume is gone (its process ended, e.g. with the agent's container): \

@@ -22,6 +22,10 @@ pub struct State {
     pub nbd_clients: BTreeMap<String, (String, bool)>,
     /// Helper NBD servers running: key → read-only.
     pub nbd_servers: BTreeMap<String, bool>,
+    /// Whether the node has the kernel's nbd driver.
+    pub nbd_kernel_driver: bool,
+    /// Kernel nbd connections: key → (device, server, export, read-only).
+    pub nbd_kernel: BTreeMap<String, (PathBuf, String, String, bool)>,
     /// Every operation, as "op path".
     pub log: Vec<String>,
     /// Fail the next operation whose "op path" starts with one of these
@@ -239,7 +243,33 @@ impl Filesystems for Fake {
 /// Clients expose their export as `/fake-nbd/<key>/<key>`.
 impl NbdClients for Fake {
     fn kernel_driver(&self) -> bool {
-        false
+        self.state().nbd_kernel_driver
+    }
+
+    /// Devices are /dev/nbd0, /dev/nbd1, … in order of connection.
+    fn kernel_connect(&self, key: &str, server: &str, export: &str, _connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError> {
+        let mut s = self.op("nbd-kernel-connect", Path::new(key))?;
+        if let Some((device, ..)) = s.nbd_kernel.get(key) {
+            return Ok((device.clone(), false));
+        }
+        let taken: BTreeSet<&PathBuf> = s.nbd_kernel.values().map(|(d, ..)| d).collect();
+        let device = (0..).map(|n| PathBuf::from(format!("/dev/nbd{n}"))).find(|d| !taken.contains(d)).unwrap_or_default();
+        s.nbd_kernel.insert(key.to_string(), (device.clone(), server.to_string(), export.to_string(), read_only));
+        Ok((device, true))
+    }
+
+    fn kernel_device(&self, key: &str) -> Option<PathBuf> {
+        self.state().nbd_kernel.get(key).map(|(d, ..)| d.clone())
+    }
+
+    fn kernel_disconnect(&self, key: &str) -> Result<(), SysError> {
+        let mut s = self.op("nbd-kernel-disconnect", Path::new(key))?;
+        s.nbd_kernel.remove(key);
+        Ok(())
+    }
+
+    fn kernel_connections(&self) -> Vec<(String, Option<PathBuf>)> {
+        self.state().nbd_kernel.iter().map(|(k, (d, ..))| (k.clone(), Some(d.clone()))).collect()
     }
 
     fn file(&self, key: &str) -> PathBuf {

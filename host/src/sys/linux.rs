@@ -74,7 +74,7 @@ fn run(program: &'static str, args: &[&str], device: &Path, deadline: Duration) 
     run_with(Command::new(program).args(args).arg(device).stdout(Stdio::piped()), program, device, deadline)
 }
 
-fn run_with(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
+pub(super) fn run_with(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
     let mut child = cmd
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
@@ -97,7 +97,7 @@ fn run_with(cmd: &mut Command, program: &'static str, device: &Path, deadline: D
     child.wait_with_output().map_err(|source| SysError::Io { op: program, path: device.to_path_buf(), source })
 }
 
-fn check(program: &'static str, device: &Path, out: std::process::Output) -> Result<std::process::Output, SysError> {
+pub(super) fn check(program: &'static str, device: &Path, out: std::process::Output) -> Result<std::process::Output, SysError> {
     if out.status.success() {
         return Ok(out);
     }

@@ -13,6 +13,7 @@ pub mod linux;
 pub mod loopdev;
 pub mod mountinfo;
 pub mod nbd_client;
+pub mod nbd_kernel;
 mod probe;
 
 pub use beneath::Roots;
@@ -176,11 +177,22 @@ pub trait Filesystems: Send + Sync {
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
 }
 
-/// Userspace NBD clients, each exposing one export as a file, by a key
-/// the caller derives from the export.
+/// NBD clients, by a key the caller derives from the export: userspace
+/// ones, each exposing its export as a file, and the kernel's nbd devices.
 pub trait NbdClients: Send + Sync {
     /// Whether this node's kernel has the nbd driver.
     fn kernel_driver(&self) -> bool;
+    /// Connect the export `export` at `server` ("unix:/path" or
+    /// "host:port") to a free kernel nbd device for `key`; the device, and
+    /// whether it was connected now (false: it was already).
+    fn kernel_connect(&self, key: &str, server: &str, export: &str, connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError>;
+    /// The kernel nbd device connected for `key`, if any.
+    fn kernel_device(&self, key: &str) -> Option<PathBuf>;
+    /// Disconnect `key`'s kernel nbd device; none is fine.
+    fn kernel_disconnect(&self, key: &str) -> Result<(), SysError>;
+    /// Every export this node has a kernel connection record of, and its
+    /// device while connected.
+    fn kernel_connections(&self) -> Vec<(String, Option<PathBuf>)>;
     /// The file client `key` exposes its export as (running or not).
     fn file(&self, key: &str) -> PathBuf;
     /// Start client `key` for the export at `uri`, and return once it
@@ -224,8 +236,13 @@ impl Sys {
     /// carry `tag`; userspace NBD clients live in `nbd_dir` (beneath the
     /// agent's state dir).
     pub fn linux(roots: Roots, tag: &str, nbd_dir: PathBuf) -> Sys {
+        Sys::linux_with(roots, tag, nbd_client::NbdFuse::new(nbd_dir))
+    }
+
+    /// [`linux`](Self::linux) with NBD clients configured by the caller.
+    pub fn linux_with(roots: Roots, tag: &str, nbd: nbd_client::NbdFuse) -> Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
-        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd_client::NbdFuse::new(nbd_dir)) }
+        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd) }
     }
 
     /// The mount at exactly `target`, if any (the last one wins, as in the kernel).

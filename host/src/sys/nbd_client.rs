@@ -31,6 +31,8 @@ pub struct NbdFuse {
     /// How long a client may take to connect, and to end once unmounted.
     pub ready_timeout: Duration,
     pub stop_timeout: Duration,
+    /// The kernel path, where the node has the nbd driver.
+    pub kernel: super::nbd_kernel::KernelNbd,
     /// Liveness checks under way, by client: when each started, and
     /// whether it came back.
     checks: std::sync::Mutex<std::collections::BTreeMap<String, (Instant, std::sync::Arc<std::sync::atomic::AtomicBool>)>>,
@@ -39,6 +41,7 @@ pub struct NbdFuse {
 impl NbdFuse {
     pub fn new(base: PathBuf) -> NbdFuse {
         NbdFuse {
+            kernel: super::nbd_kernel::KernelNbd::new(base.clone()),
             base,
             program: PathBuf::from("nbdfuse"),
             server_program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("volagent")),
@@ -155,7 +158,23 @@ fn percent_encode(s: &str) -> String {
 
 impl NbdClients for NbdFuse {
     fn kernel_driver(&self) -> bool {
-        Path::new("/sys/module/nbd").exists() && Path::new("/dev/nbd0").exists()
+        self.kernel.available()
+    }
+
+    fn kernel_connect(&self, key: &str, server: &str, export: &str, connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError> {
+        self.kernel.connect(key, server, export, connections, read_only)
+    }
+
+    fn kernel_device(&self, key: &str) -> Option<PathBuf> {
+        self.kernel.device(key)
+    }
+
+    fn kernel_disconnect(&self, key: &str) -> Result<(), SysError> {
+        self.kernel.disconnect(key)
+    }
+
+    fn kernel_connections(&self) -> Vec<(String, Option<PathBuf>)> {
+        self.kernel.connected()
     }
 
     fn file(&self, key: &str) -> PathBuf {

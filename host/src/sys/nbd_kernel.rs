@@ -1,0 +1,222 @@
+//! NBD through the kernel's nbd driver: Debian's `nbd-client` negotiates
+//! with the server and hands the connected sockets to a free `/dev/nbdN`
+//! over netlink, then exits — the kernel holds the connection, so it
+//! outlives the agent and its container without any process of ours.
+//!
+//! Which device serves which export is recorded in `<base>/<key>.kernel`:
+//! the device, the pid the kernel reports for its connection and the boot
+//! it was made in. A device is ours only while all three still match — a
+//! device that was disconnected and taken by someone else, or a record from
+//! before a reboot, names nothing.
+
+use super::{SysError, io};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+#[derive(Debug)]
+pub struct KernelNbd {
+    base: PathBuf,
+    program: PathBuf,
+    /// How long one request may take before the kernel fails it (and the
+    /// connection): a server that stops answering makes I/O fail, not hang.
+    pub request_timeout: Duration,
+    /// How long `nbd-client` may take to connect or disconnect.
+    pub command_timeout: Duration,
+}
+
+/// A connection this agent made: the device and how to recognise it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Record {
+    device: String,
+    pid: String,
+    boot: String,
+}
+
+impl Record {
+    fn parse(text: &str) -> Option<Record> {
+        let mut words = text.split_whitespace();
+        let (device, pid, boot) = (words.next()?, words.next()?, words.next()?);
+        // Only a device name; nothing from the file reaches a path otherwise.
+        let n = device.strip_prefix("nbd")?;
+        (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && words.next().is_none())
+            .then(|| Record { device: device.into(), pid: pid.into(), boot: boot.into() })
+    }
+}
+
+fn read_trimmed(path: &Path) -> Option<String> {
+    Some(std::fs::read_to_string(path).ok()?.trim().to_string())
+}
+
+fn boot_id() -> String {
+    read_trimmed(Path::new("/proc/sys/kernel/random/boot_id")).unwrap_or_default()
+}
+
+/// The pid the kernel reports for `/dev/<name>`'s connection; none when
+/// the device is not connected.
+fn connection_pid(name: &str) -> Option<String> {
+    read_trimmed(&Path::new("/sys/block").join(name).join("pid")).filter(|p| !p.is_empty())
+}
+
+/// The nbd devices the kernel has, by number.
+fn devices() -> Vec<String> {
+    let mut found: Vec<(u32, String)> = std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_str()?.to_string();
+            let n = name.strip_prefix("nbd")?.parse().ok()?;
+            Some((n, name))
+        })
+        .collect();
+    found.sort();
+    found.into_iter().map(|(_, name)| name).collect()
+}
+
+/// `server` ("unix:/path" or "host:port") as nbd-client's arguments.
+fn server_args(server: &str) -> Vec<String> {
+    if let Some(socket) = server.strip_prefix("unix:") {
+        return vec!["-u".into(), socket.into()];
+    }
+    match server.rsplit_once(':') {
+        Some((host, port)) => vec![host.trim_start_matches('[').trim_end_matches(']').into(), port.into()],
+        None => vec![server.into()],
+    }
+}
+
+impl KernelNbd {
+    pub fn new(base: PathBuf) -> KernelNbd {
+        KernelNbd {
+            base,
+            program: PathBuf::from("nbd-client"),
+            request_timeout: Duration::from_secs(60),
+            command_timeout: Duration::from_secs(20),
+        }
+    }
+
+    fn record_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.kernel"))
+    }
+
+    /// Whether this node's kernel has the nbd driver (loaded, with devices).
+    pub fn available(&self) -> bool {
+        Path::new("/sys/module/nbd").exists() && !devices().is_empty()
+    }
+
+    /// The device connected for `key`, when its record still matches it.
+    pub fn device(&self, key: &str) -> Option<PathBuf> {
+        let record = Record::parse(&std::fs::read_to_string(self.record_file(key)).ok()?)?;
+        let live = connection_pid(&record.device)? == record.pid && record.boot == boot_id();
+        live.then(|| Path::new("/dev").join(&record.device))
+    }
+
+    /// Connect the export to a free device; the device, and whether it was
+    /// connected now (false: it was already).
+    pub fn connect(&self, key: &str, server: &str, export: &str, connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError> {
+        if let Some(device) = self.device(key) {
+            return Ok((device, false));
+        }
+        std::fs::create_dir_all(&self.base).map_err(io("mkdir", &self.base))?;
+        let mut last = None;
+        // Another connection may take a device between the look and the
+        // connect (the kernel then refuses: "already in use"): the next free one.
+        for name in devices().into_iter().filter(|n| connection_pid(n).is_none()) {
+            let device = Path::new("/dev").join(&name);
+            let mut cmd = Command::new(&self.program);
+            cmd.args(server_args(server)).arg(&device);
+            if !export.is_empty() {
+                cmd.arg("-N").arg(export);
+            }
+            cmd.args(["-C", &connections.max(1).to_string(), "-b", "4096"]);
+            cmd.args(["-t", &self.request_timeout.as_secs().max(1).to_string()]);
+            if read_only {
+                cmd.arg("-R");
+            }
+            cmd.stdout(Stdio::null());
+            let out = super::linux::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
+            match super::linux::check("nbd-client", &device, out) {
+                Ok(_) => {}
+                Err(e) if connection_pid(&name).is_some() && e.to_string().contains("in use") => {
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+            let pid = connection_pid(&name).ok_or_else(|| SysError::Refused {
+                path: device.clone(),
+                what: "nbd-client succeeded but the kernel reports no connection".into(),
+            })?;
+            let record = format!("{name} {pid} {}\n", boot_id());
+            let file = self.record_file(key);
+            if let Err(e) = std::fs::write(&file, record) {
+                // Unrecorded, it would be nobody's: undo it.
+                let _ = self.disconnect_device(&device);
+                return Err(io("write", &file)(e));
+            }
+            return Ok((device, true));
+        }
+        Err(last.unwrap_or_else(|| SysError::Refused {
+            path: PathBuf::from("/dev/nbd*"),
+            what: "no free nbd device (load the module with a larger nbds_max)".into(),
+        }))
+    }
+
+    fn disconnect_device(&self, device: &Path) -> Result<(), SysError> {
+        let mut cmd = Command::new(&self.program);
+        cmd.arg("-d").arg(device).stdout(Stdio::null());
+        let out = super::linux::run_with(&mut cmd, "nbd-client", device, self.command_timeout)?;
+        super::linux::check("nbd-client", device, out).map(drop)
+    }
+
+    /// Disconnect `key`'s device (only while it is still the one recorded)
+    /// and forget it; nothing connected is fine.
+    pub fn disconnect(&self, key: &str) -> Result<(), SysError> {
+        if let Some(device) = self.device(key) {
+            self.disconnect_device(&device)?;
+        }
+        let file = self.record_file(key);
+        match std::fs::remove_file(&file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &file)(e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every export with a record, and its device while it is connected.
+    pub fn connected(&self) -> Vec<(String, Option<PathBuf>)> {
+        let Ok(entries) = std::fs::read_dir(&self.base) else { return Vec::new() };
+        let mut keys: Vec<String> = entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.strip_suffix(".kernel").map(str::to_string))
+            .filter(|k| k.starts_with("export-"))
+            .collect();
+        keys.sort();
+        keys.into_iter().map(|k| {
+            let device = self.device(&k);
+            (k, device)
+        }).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_name_only_nbd_devices() {
+        assert_eq!(
+            Record::parse("nbd3 812 5d1c\n"),
+            Some(Record { device: "nbd3".into(), pid: "812".into(), boot: "5d1c".into() })
+        );
+        for bad in ["", "nbd3 812", "loop0 1 b", "nbd 1 b", "nbd../x 1 b", "nbd1 1 b extra"] {
+            assert_eq!(Record::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn servers_become_nbd_client_arguments() {
+        assert_eq!(server_args("unix:/run/a.sock"), ["-u", "/run/a.sock"]);
+        assert_eq!(server_args("10.0.0.5:10809"), ["10.0.0.5", "10809"]);
+        assert_eq!(server_args("[fd00::1]:10809"), ["fd00::1", "10809"]);
+    }
+}

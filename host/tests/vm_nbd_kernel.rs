@@ -1,0 +1,346 @@
+//! NBD volumes through the kernel's nbd driver, which this machine's kernel
+//! lacks. The tests in `in_the_vm` run inside a VM whose kernel has it: the
+//! test at the top boots Debian's kernel under qemu (scripts/vm-assets)
+//! with this machine's root, read-only under a tmpfs overlay, as its root,
+//! loads nbd, and runs this very binary there once per inner test. The inner
+//! tests are the same as the userspace path's (root_nbd.rs): the installed
+//! `volagent-flex` driver, the real agent and nbd policy, real servers —
+//! but the device is `/dev/nbdN`, connected by nbd-client over netlink.
+//! Outside the VM the inner tests are ignored; they fail, not pass, when
+//! run without the kernel's nbd driver.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+#[path = "support/agent.rs"]
+mod agent_common;
+mod common;
+mod driver_common;
+#[path = "support/nbd.rs"]
+mod nbd_common;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The inner tests, by name (each runs in its own process in the VM).
+const IN_THE_VM: &[&str] = &[
+    "an_export_is_mounted_through_a_kernel_nbd_device_and_detached_whole",
+    "the_agents_own_export_outlives_the_agent_on_the_kernel_device",
+    "a_mount_cut_short_after_the_connect_leaves_no_device_connected",
+    "start_up_reconciliation_disconnects_a_connection_no_record_names",
+    "a_server_that_stops_answering_fails_io_instead_of_hanging",
+    "an_unreachable_server_is_refused_and_connects_no_device",
+];
+
+/// How long the whole VM may run (qemu emulates the CPU: no KVM needed).
+const VM_DEADLINE: Duration = Duration::from_secs(20 * 60);
+
+#[test]
+fn every_test_for_the_vm_is_run_by_it() {
+    let out = Command::new(std::env::current_exe().unwrap()).args(["--list", "--ignored", "--format", "terse"]).output().unwrap();
+    let mut listed: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test")?.strip_prefix("in_the_vm::").map(str::to_string))
+        .collect();
+    listed.sort();
+    let mut run: Vec<String> = IN_THE_VM.iter().map(|s| s.to_string()).collect();
+    run.sort();
+    assert_eq!(listed, run, "IN_THE_VM must name every test in in_the_vm");
+}
+
+#[test]
+fn the_kernel_attach_path_works_in_a_vm_whose_kernel_has_nbd() {
+    let assets = PathBuf::from(std::env::var("VOLAGENT_VM_ASSETS").expect(
+        "VOLAGENT_VM_ASSETS: the dir with the VM tier's vmlinuz and initrd.gz (scripts/vm-assets makes it; scripts/test sets it)",
+    ));
+    // Under /var/tmp: the VM sees this machine's files there (its /tmp is its own).
+    let dir = tempfile::Builder::new().prefix("volagent-vm-").tempdir_in("/var/tmp").unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut script = String::from("#!/bin/sh\nstatus=0\nexport RUST_BACKTRACE=1\n");
+    for name in IN_THE_VM {
+        script.push_str(&format!("'{}' --ignored --exact --color never in_the_vm::{name} || status=1\n", exe.display()));
+    }
+    script.push_str("exit $status\n");
+    let run = dir.path().join("run.sh");
+    std::fs::write(&run, script).unwrap();
+    std::fs::set_permissions(&run, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let console = dir.path().join("console.log");
+
+    let started = Instant::now();
+    let mut qemu = Command::new("qemu-system-x86_64")
+        .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2048"])
+        .args(["-nographic", "-no-reboot", "-kernel"])
+        .arg(assets.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(assets.join("initrd.gz"))
+        .arg("-append")
+        .arg(format!("console=ttyS0 quiet loglevel=3 panic=-1 VOLAGENT_VM_RUN={}", run.display()))
+        .args(["-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap"])
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&console).unwrap())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("qemu-system-x86_64 (scripts/vm-assets installs it)");
+    let status = loop {
+        if let Some(status) = qemu.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > VM_DEADLINE {
+            let _ = qemu.kill();
+            let _ = qemu.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let output = String::from_utf8_lossy(&std::fs::read(&console).unwrap()).into_owned();
+    println!("--- the VM's console ({:?}) ---\n{output}", started.elapsed());
+    assert!(status.is_some(), "the VM did not finish within {VM_DEADLINE:?}");
+    assert!(!output.contains("VOLAGENT_VM_FAILED"), "the VM's set-up failed (see its console above)");
+    for name in IN_THE_VM {
+        assert!(output.contains(&format!("test in_the_vm::{name} ... ok")), "in the VM, {name} did not pass (see its console above)");
+    }
+    assert!(output.contains("VOLAGENT_VM_EXIT=0"), "the tests in the VM failed (see its console above)");
+}
+
+mod in_the_vm {
+    use super::agent_common::Node;
+    use super::driver_common::{assert_failure, assert_success};
+    use super::nbd_common::*;
+    use serde_json::Value;
+    use std::path::{Path, PathBuf};
+    use std::time::{Duration, Instant};
+
+    const WHY: &str = "needs the kernel's nbd driver: runs inside the VM (the_kernel_attach_path_works_in_a_vm_whose_kernel_has_nbd)";
+
+    /// A test's node; on drop, even after a failure, every nbd device
+    /// still connected is disconnected (the kernel's connections are not
+    /// the test's mount namespace's: they would outlive it).
+    struct VmNode(Node);
+
+    impl std::ops::Deref for VmNode {
+        type Target = Node;
+        fn deref(&self) -> &Node {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for VmNode {
+        fn deref_mut(&mut self) -> &mut Node {
+            &mut self.0
+        }
+    }
+
+    impl Drop for VmNode {
+        fn drop(&mut self) {
+            self.0.stop_agent();
+            for name in connected_devices() {
+                let _ = std::process::Command::new("nbd-client").arg("-d").arg(format!("/dev/{name}")).status();
+            }
+        }
+    }
+
+    /// The node for a test: the kernel must have nbd, or the test fails.
+    fn node() -> VmNode {
+        assert!(Path::new("/sys/module/nbd").exists() && Path::new("/dev/nbd0").exists(), "{WHY}");
+        VmNode(nbd_node())
+    }
+
+    /// The driver's options for an export, the attach path left to the
+    /// host (auto: the kernel's, where it has nbd).
+    fn options(volume: &str, pod: &str, uid: &str, server: &str) -> Value {
+        let mut o = nbd_options(volume, pod, uid, "ext4", server);
+        o.as_object_mut().unwrap().remove("attach");
+        o
+    }
+
+    /// Whether the kernel reports a connection on `/dev/nbdN`.
+    fn connected(device: &str) -> bool {
+        Path::new("/sys/block").join(device.trim_start_matches("/dev/")).join("pid").exists()
+    }
+
+    /// Every nbd device with a connection.
+    fn connected_devices() -> Vec<String> {
+        let mut found: Vec<String> = std::fs::read_dir("/sys/block")
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("nbd") && connected(n))
+            .collect();
+        found.sort();
+        found
+    }
+
+    fn left_in(dir: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
+    }
+
+    /// Mount pod `uid`'s pv1 on `server`; the device.
+    fn mount(node: &Node, uid: &str, server: &str) -> (String, String) {
+        let dir = node.mount_dir_of("node-a", "nbd", uid, "pv1");
+        let r = driver(node, &["mount", &dir, &options("pv1", &format!("pod-{uid}"), uid, server).to_string()]);
+        assert_success(&r);
+        let device = r.1["device"].as_str().unwrap_or_default().to_string();
+        (dir, device)
+    }
+
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn an_export_is_mounted_through_a_kernel_nbd_device_and_detached_whole() {
+        let node = node();
+        let image = node.scratch.image("export.img", 64);
+        let (server, address) = serve(&node, Peer::QemuNbd, &image);
+        let state = node.scratch.path("node-a/state");
+        let (dir_a, device) = mount(&node, "uid-a", &address);
+        assert!(device.starts_with("/dev/nbd"), "auto chose the kernel's device: {device}");
+        assert!(connected(&device), "{device} is connected");
+        assert!(clients_under(&state).is_empty() && node.scratch.loops().is_empty(), "no userspace client, no loop device");
+        let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(format!("{dir_a}/data"), &payload).unwrap();
+
+        // A second pod shares the staged mount, on the same device.
+        let (dir_b, _) = mount(&node, "uid-b", &address);
+        assert_eq!(connected_devices().len(), 1, "one connection for the export");
+        assert_eq!(std::fs::read(format!("{dir_b}/data")).unwrap(), payload);
+        assert_success(&driver(&node, &["unmount", &dir_b]));
+        assert!(connected(&device), "still used by pod a");
+        assert_success(&driver(&node, &["unmount", &dir_a]));
+
+        assert!(!connected(&device), "{device} was disconnected");
+        assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
+        drop(server);
+        assert_eq!(read_back(&image, "ext4"), payload, "the data is in the server's file");
+    }
+
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn the_agents_own_export_outlives_the_agent_on_the_kernel_device() {
+        let mut node = node();
+        let image = node.image("own.img", 64);
+        let state = node.scratch.path("node-a/state");
+        let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+        let mut o = options("pv1", "pod-a", "uid-a", "unused");
+        o.as_object_mut().unwrap().remove("server");
+        o["file"] = image.clone().into();
+        let r = driver(&node, &["mount", &dir, &o.to_string()]);
+        assert_success(&r);
+        let device = r.1["device"].as_str().unwrap_or_default().to_string();
+        assert!(device.starts_with("/dev/nbd") && connected(&device), "{}", r.1);
+        let servers = servers_under(&state);
+        assert_eq!(servers.len(), 1, "one helper server");
+        std::fs::write(format!("{dir}/data"), b"through the kernel and the agent's own export").unwrap();
+
+        // The kernel holds the connection, the helper serves it: no agent needed.
+        node.stop_agent();
+        std::fs::write(format!("{dir}/during"), b"agent down").unwrap();
+        nix::unistd::sync();
+        node.spawn_agent_env("node-a", &[], &[]);
+        assert!(connected(&device), "kept by the next agent's start-up reconciliation");
+        assert_eq!(servers_under(&state), servers, "the same helper server");
+        assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
+        assert_success(&driver(&node, &["unmount", &dir]));
+        assert!(!connected(&device));
+        wait_until("the helper server to end", || servers_under(&state).is_empty());
+        assert!(node.scratch.mounts().is_empty());
+        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
+        assert_eq!(read_back(Path::new(&image), "ext4"), b"through the kernel and the agent's own export");
+    }
+
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn a_mount_cut_short_after_the_connect_leaves_no_device_connected() {
+        let mut node = node();
+        let image = node.scratch.image("export.img", 64);
+        let (_server, address) = serve(&node, Peer::QemuNbd, &image);
+        let state = node.scratch.path("node-a/state");
+        // The agent dies (SIGKILL) right after the plan's first step: the attach.
+        node.stop_agent();
+        node.spawn_agent_with("node-a", Some(1));
+        let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+        let r = driver(&node, &["mount", &dir, &options("pv1", "pod-a", "uid-a", &address).to_string()]);
+        assert_ne!(r.1["status"], "Success", "{}", r.1);
+        let left = connected_devices();
+        assert_eq!(left.len(), 1, "the crash came after the connect: {left:?}");
+        node.stop_agent();
+        // The next agent's start-up reconciliation undoes it.
+        node.spawn_agent_env("node-a", &[], &[]);
+        assert!(connected_devices().is_empty(), "{:?} still connected", connected_devices());
+        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
+        assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+        // kubelet's retry mounts it.
+        assert_success(&driver(&node, &["mount", &dir, &options("pv1", "pod-a", "uid-a", &address).to_string()]));
+        assert_success(&driver(&node, &["unmount", &dir]));
+        assert!(connected_devices().is_empty());
+    }
+
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn start_up_reconciliation_disconnects_a_connection_no_record_names() {
+        let mut node = node();
+        let image = node.scratch.image("export.img", 64);
+        let (_server, address) = serve(&node, Peer::QemuNbd, &image);
+        let state = node.scratch.path("node-a/state");
+        let (_dir, device) = mount(&node, "uid-a", &address);
+        node.stop_agent();
+        // The agent's stash of what it mounted is lost (its runtime dir is
+        // a tmpfs that went), and the mounts went with the pods: only the
+        // connection and the record beside it remain.
+        for m in node.scratch.mounts().into_iter().rev() {
+            nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        }
+        std::fs::remove_dir_all(node.scratch.path("node-a/run")).unwrap();
+        assert!(connected(&device));
+        node.spawn_agent_env("node-a", &[], &[]);
+        assert!(!connected(&device), "the next agent disconnected {device}");
+        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
+        let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
+        assert!(log.contains("orphan kernel NBD connection"), "the agent says what it removed:\n{log}");
+    }
+
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn a_server_that_stops_answering_fails_io_instead_of_hanging() {
+        let mut node = node();
+        node.stop_agent();
+        node.spawn_agent_env("node-a", &[], &["--nbd-hung-after", "3s"]);
+        let image = node.scratch.image("export.img", 64);
+        let (server, address) = serve(&node, Peer::QemuNbd, &image);
+        let (dir, device) = mount(&node, "uid-a", &address);
+        std::fs::write(format!("{dir}/before"), b"flushed").unwrap();
+        nix::unistd::sync();
+        // The server hangs: alive, connected, silent.
+        let server_pid = nix::unistd::Pid::from_raw(server.0.id() as i32);
+        nix::sys::signal::kill(server_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        let start = Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let file = format!("{dir}/after");
+        std::thread::spawn(move || {
+            let written = std::fs::write(&file, vec![1u8; 1 << 20]).and_then(|()| std::fs::File::open(&file)?.sync_all());
+            let _ = tx.send(written);
+        });
+        let written = rx.recv_timeout(Duration::from_secs(120)).expect("the write neither failed nor finished: I/O hangs");
+        assert!(written.is_err(), "a write through a silent server cannot succeed");
+        println!("the write failed after {:?}: {:?}", start.elapsed(), written);
+        drop(server);
+        let first = driver(&node, &["unmount", &dir]);
+        if first.1["status"] != "Success" {
+            assert_success(&driver(&node, &["unmount", &dir]));
+        }
+        assert!(!connected(&device), "{device} was disconnected");
+        assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    }
+
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn an_unreachable_server_is_refused_and_connects_no_device() {
+        let node = node();
+        let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+        let nowhere = format!("unix:{}", node.scratch.path("nobody.sock").display());
+        let mut o = options("pv1", "pod-a", "uid-a", &nowhere);
+        o["attach"] = "kernel".into();
+        assert_failure(&driver(&node, &["mount", &dir, &o.to_string()]), "nbd-client");
+        assert!(connected_devices().is_empty(), "{:?}", connected_devices());
+        assert!(node.scratch.mounts().is_empty());
+        assert!(left_in(&node.scratch.path("node-a/state/nbd")).is_empty());
+    }
+}
