@@ -1,6 +1,7 @@
 //! `volagent nbd serve`: the agent's NBD server on its own, exporting
-//! local files or block devices (for tests, benchmarks, and nodes that
-//! serve a disk to others over loopback or a Unix socket).
+//! local files or block devices, or Ceph RBD images through librbd (for
+//! tests, benchmarks, the agent's helper servers, and nodes that serve a
+//! disk to others over loopback or a Unix socket).
 
 use crate::nbd::{Exports, Listener, Server};
 use crate::sys::export_file::FileExport;
@@ -35,12 +36,28 @@ pub struct ServeArgs {
     tls_client_ca: Option<PathBuf>,
     /// NAME=PATH: serve the file or block device PATH as export NAME
     /// (repeatable; an empty NAME is the default export).
-    #[arg(long = "export", value_name = "NAME=PATH", required_unless_present = "export_stdin", value_parser = parse_export)]
+    #[arg(long = "export", value_name = "NAME=PATH", required_unless_present_any = ["export_stdin", "rbd_exports"], value_parser = parse_export)]
     exports: Vec<(String, PathBuf)>,
     /// Serve the file or block device open on standard input as export
     /// NAME: how the agent hands its helper a file it opened beneath its roots.
     #[arg(long, value_name = "NAME")]
     export_stdin: Option<String>,
+    /// NAME=POOL/IMAGE: serve the Ceph RBD image as export NAME, through
+    /// librbd (repeatable), with the --ceph-* options below.
+    #[arg(long = "export-rbd", value_name = "NAME=POOL/IMAGE", value_parser = parse_rbd_export)]
+    rbd_exports: Vec<(String, String, String)>,
+    /// The ceph.conf naming the cluster's monitors.
+    #[arg(long, value_name = "FILE")]
+    ceph_conf: Option<PathBuf>,
+    /// The cluster's monitors ("host:port,…"), instead of or over the conf.
+    #[arg(long, value_name = "ADDRS")]
+    ceph_monitors: Option<String>,
+    /// The Ceph user, without "client.".
+    #[arg(long, default_value = "admin")]
+    ceph_user: String,
+    /// A keyring file with the user's key.
+    #[arg(long, value_name = "FILE")]
+    ceph_keyring: Option<PathBuf>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
@@ -50,7 +67,16 @@ pub struct ServeArgs {
 }
 
 fn exports_count(args: &ServeArgs) -> usize {
-    args.exports.len() + usize::from(args.export_stdin.is_some())
+    args.exports.len() + args.rbd_exports.len() + usize::from(args.export_stdin.is_some())
+}
+
+fn parse_rbd_export(s: &str) -> Result<(String, String, String), String> {
+    let (name, image) = s.split_once('=').ok_or("expected NAME=POOL/IMAGE")?;
+    if name.len() > 4096 || name.contains('\0') {
+        return Err("an export name is at most 4096 bytes, without NUL".into());
+    }
+    let (pool, image) = crate::sys::rbd_export::parse_image(image).ok_or("expected POOL/IMAGE")?;
+    Ok((name.to_string(), pool.to_string(), image.to_string()))
 }
 
 fn parse_export(s: &str) -> Result<(String, PathBuf), String> {
@@ -69,6 +95,18 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
     let exports = Exports::default();
     for (name, path) in &args.exports {
         let export = FileExport::open(path, args.read_only).with_context(|| format!("export {name:?}"))?;
+        exports.insert(name, Arc::new(export));
+    }
+    for (name, pool, image) in &args.rbd_exports {
+        let target = crate::sys::rbd_export::RbdTarget {
+            conf: args.ceph_conf.clone(),
+            monitors: args.ceph_monitors.clone(),
+            user: args.ceph_user.clone(),
+            keyring: args.ceph_keyring.clone(),
+            pool: pool.clone(),
+            image: image.clone(),
+        };
+        let export = crate::sys::rbd_export::RbdExport::open(&target, args.read_only).with_context(|| format!("export {name:?}"))?;
         exports.insert(name, Arc::new(export));
     }
     if let Some(name) = &args.export_stdin {

@@ -14,6 +14,7 @@ pub mod loopdev;
 pub mod mountinfo;
 pub mod nbd_client;
 pub mod nbd_kernel;
+pub mod rbd_export;
 mod probe;
 
 pub use beneath::Roots;

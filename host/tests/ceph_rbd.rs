@@ -1,0 +1,185 @@
+//! volagent's NBD server in front of librbd, against a real single-node
+//! Ceph (scripts/ceph-env, which scripts/test starts for the run): what a
+//! client writes through the server is in the RBD image bit for bit, as
+//! `rbd export` reads it back, and the other way round; read-only exports
+//! refuse writes; a missing image or a wrong key fails clearly, naming it.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The test cluster's dir (ceph.conf, keyrings), from the environment.
+fn ceph_dir() -> PathBuf {
+    let dir = PathBuf::from(std::env::var("VOLAGENT_CEPH_DIR").expect(
+        "VOLAGENT_CEPH_DIR: the single-node Ceph of this run (scripts/ceph-env start makes it; scripts/test sets it)",
+    ));
+    assert!(dir.join("ready").exists(), "no Ceph ready in {}", dir.display());
+    dir
+}
+
+fn rbd(dir: &Path, args: &[&str]) -> Output {
+    let out = Command::new("rbd").arg("-c").arg(dir.join("ceph.conf")).args(args).output().expect("rbd (ceph-common)");
+    assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+/// An image of `mib` MiB in pool `rbd`, removed on drop.
+struct Image {
+    dir: PathBuf,
+    name: String,
+}
+
+impl Image {
+    fn create(dir: &Path, mib: u64) -> Image {
+        let name = format!("test-{}-{}", std::process::id(), rand_suffix());
+        rbd(dir, &["create", "--size", &format!("{mib}M"), &format!("rbd/{name}")]);
+        Image { dir: dir.to_path_buf(), name }
+    }
+
+    fn spec(&self) -> String {
+        format!("rbd/{}", self.name)
+    }
+}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = Command::new("rbd").arg("-c").arg(self.dir.join("ceph.conf")).args(["rm", "--no-progress", &self.spec()]).output();
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u8(0);
+    h.finish()
+}
+
+/// A keyring file for client.volagent, in `scratch`.
+fn volagent_keyring(dir: &Path, scratch: &Path) -> PathBuf {
+    let key = std::fs::read_to_string(dir.join("volagent.key")).unwrap();
+    let keyring = scratch.join("volagent.keyring");
+    std::fs::write(&keyring, format!("[client.volagent]\n\tkey = {}\n", key.trim())).unwrap();
+    keyring
+}
+
+/// `volagent nbd serve` of an RBD image, stopped on drop.
+struct Server {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Drop for Server {
+    /// SIGTERM: the server closes the image (and its watch) before it
+    /// exits, so the image can be removed at once.
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Serve `image` as client.volagent, with `keyring` (by default, the
+/// user's real key).
+fn serve(dir: &Path, scratch: &Path, image: &Image, keyring: Option<&Path>, extra: &[&str]) -> Result<Server, String> {
+    let keyring = keyring.map_or_else(|| volagent_keyring(dir, scratch), Path::to_path_buf);
+    let socket = scratch.join("rbd.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+        .args(["nbd", "serve", "--unix"])
+        .arg(&socket)
+        .arg(format!("--export-rbd=disk0={}", image.spec()))
+        .arg("--ceph-conf")
+        .arg(dir.join("ceph.conf"))
+        .args(["--ceph-user", "volagent", "--ceph-keyring"])
+        .arg(keyring)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+            return Err(format!("{status}: {err}"));
+        }
+        assert!(Instant::now() < deadline, "volagent nbd serve did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(Server { child, socket })
+}
+
+fn uri(server: &Server) -> String {
+    format!("nbd+unix:///disk0?socket={}", server.socket.display())
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+#[test]
+fn what_a_client_writes_through_the_server_is_in_the_image_and_back() {
+    let dir = ceph_dir();
+    let scratch = tempfile::tempdir().unwrap();
+    let image = Image::create(&dir, 16);
+    let server = serve(&dir, scratch.path(), &image, None, &[]).unwrap();
+    let size = run(Command::new("nbdinfo").arg("--size").arg(uri(&server)));
+    assert_eq!(String::from_utf8_lossy(&size.stdout).trim(), (16u64 << 20).to_string());
+
+    let data: Vec<u8> = (0..16u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let input = scratch.path().join("in");
+    std::fs::write(&input, &data).unwrap();
+    run(Command::new("nbdcopy").args(["--connections", "4"]).arg(&input).arg(uri(&server)));
+    drop(server);
+    let exported = scratch.path().join("exported");
+    rbd(&dir, &["export", "--no-progress", &image.spec(), exported.to_str().unwrap()]);
+    assert!(std::fs::read(&exported).unwrap() == data, "rbd export reads what was written through the server");
+
+    // And the other way round: what rbd writes, a client reads.
+    let other: Vec<u8> = data.iter().map(|b| b ^ 0x5a).collect();
+    let input2 = scratch.path().join("in2");
+    std::fs::write(&input2, &other).unwrap();
+    rbd(&dir, &["import", "--no-progress", input2.to_str().unwrap(), &format!("{}-2", image.spec())]);
+    let image2 = Image { dir: dir.clone(), name: format!("{}-2", image.name) };
+    let server = serve(&dir, scratch.path(), &image2, None, &[]).unwrap();
+    let output = scratch.path().join("out");
+    run(Command::new("nbdcopy").arg(uri(&server)).arg(&output));
+    assert!(std::fs::read(&output).unwrap() == other);
+}
+
+#[test]
+fn a_read_only_export_refuses_writes() {
+    let dir = ceph_dir();
+    let scratch = tempfile::tempdir().unwrap();
+    let image = Image::create(&dir, 4);
+    let server = serve(&dir, scratch.path(), &image, None, &["--read-only"]).unwrap();
+    let input = scratch.path().join("in");
+    std::fs::write(&input, vec![1u8; 4 << 20]).unwrap();
+    let out = Command::new("nbdcopy").arg(&input).arg(uri(&server)).output().unwrap();
+    assert!(!out.status.success(), "a write to a read-only export must fail");
+    let info = run(Command::new("nbdinfo").arg(uri(&server)));
+    assert!(String::from_utf8_lossy(&info.stdout).contains("is_read_only: true"), "{}", String::from_utf8_lossy(&info.stdout));
+}
+
+#[test]
+fn a_missing_image_or_a_wrong_key_fails_naming_it() {
+    let dir = ceph_dir();
+    let scratch = tempfile::tempdir().unwrap();
+    let missing = Image { dir: dir.clone(), name: "no-such-image".into() };
+    let err = serve(&dir, scratch.path(), &missing, None, &[]).err().expect("no server for a missing image");
+    assert!(err.contains("rbd/no-such-image") && err.contains("open the image"), "{err}");
+
+    let image = Image::create(&dir, 4);
+    let bad = scratch.path().join("bad.keyring");
+    std::fs::write(&bad, "[client.volagent]\n\tkey = AQBh6J5kAAAAABAAkNIs4GpyXcfA7ZV5VyHz3Q==\n").unwrap();
+    let err = serve(&dir, scratch.path(), &image, Some(&bad), &[]).err().expect("no server with a wrong key");
+    assert!(err.contains(&image.spec()) && err.contains("connect to the cluster"), "{err}");
+}
