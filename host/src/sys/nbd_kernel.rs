@@ -120,7 +120,7 @@ impl KernelNbd {
         std::fs::create_dir_all(&self.base).map_err(io("mkdir", &self.base))?;
         let mut last = None;
         // Another connection may take a device between the look and the
-        // connect (the kernel then refuses: "already in use"): the next free one.
+        // connect (the kernel then refuses it): the next free one.
         for name in devices().into_iter().filter(|n| connection_pid(n).is_none()) {
             let device = Path::new("/dev").join(&name);
             let mut cmd = Command::new(&self.program);
@@ -137,7 +137,8 @@ impl KernelNbd {
             let out = super::linux::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
             match super::linux::check("nbd-client", &device, out) {
                 Ok(_) => {}
-                Err(e) if connection_pid(&name).is_some() && e.to_string().contains("in use") => {
+                // Taken meanwhile (the kernel says so only in its log).
+                Err(e) if connection_pid(&name).is_some() => {
                     last = Some(e);
                     continue;
                 }
