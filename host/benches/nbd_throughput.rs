@@ -9,6 +9,9 @@
 
 #[path = "../tests/common.rs"]
 mod common;
+mod support;
+
+use support::{env_or, median, run};
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,15 +22,6 @@ use volagent::sys::export_file::FileExport;
 
 const SIZE: u64 = 1 << 30;
 
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn wait_for_socket(socket: &Path) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -122,10 +116,6 @@ fn fio(args: &[&str], rw: &str, secs: u64) -> FioResult {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {

@@ -1,0 +1,168 @@
+//! An RBD image as a block device on a node without rbd.ko or nbd.ko, two
+//! ways, on the same image of a real Ceph in the same run: volagent's NBD
+//! server in front of librbd, reached through nbdfuse on a loop device (the
+//! agent's userspace attach path), against `rbd-fuse` on a loop device (the
+//! fallback Ceph itself ships). fio, direct I/O on each loop device (and
+//! the loop devices' own I/O to their files direct too, past the page cache):
+//! sequential read and write (1 MiB, depth 8), 4 KiB random read and write
+//! (depth 32). Ceph is single-node with a memstore OSD, so the figures
+//! measure the paths, not disks.
+//! Needs root and a cluster: `scripts/ceph-env start`, then
+//! `VOLAGENT_CEPH_DIR=/var/tmp/volagent-ceph cargo bench -p volagent --bench rbd_throughput`;
+//! `RBD_BENCH_ROUNDS` sets the rounds (median reported), `RBD_BENCH_SECS`
+//! fio's run time.
+
+#[path = "../tests/common.rs"]
+mod common;
+mod support;
+
+use support::{env_or, median, run};
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use volagent::nbd::{Exports, Listener, Server};
+use volagent::sys::rbd_export::{RbdExport, RbdTarget};
+
+const IMAGE_MIB: u64 = 512;
+
+
+fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready() {
+        assert!(Instant::now() < deadline, "{what} never became ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A FUSE daemon, unmounted and stopped on drop.
+struct Fuse {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Drop for Fuse {
+    fn drop(&mut self) {
+        let _ = Command::new("fusermount3").arg("-u").arg(&self.dir).status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn fio(device: &Path, rw: &str, bs: &str, depth: &str, secs: u64) -> (f64, f64) {
+    let out = run(Command::new("fio")
+        .args(["--name=bench", "--output-format=json", "--time_based", "--group_reporting", "--ioengine=libaio", "--direct=1"])
+        .arg(format!("--filename={}", device.display()))
+        .arg(format!("--runtime={secs}"))
+        .arg(format!("--rw={rw}"))
+        .arg(format!("--bs={bs}"))
+        .arg(format!("--iodepth={depth}")));
+    let json = out.find('{').map(|i| &out[i..]).unwrap_or(&out);
+    let json: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("fio json: {e}: {out}"));
+    let side = if rw.contains("write") { "write" } else { "read" };
+    let job = &json["jobs"][0][side];
+    (job["iops"].as_f64().unwrap_or(0.0), job["bw"].as_f64().unwrap_or(0.0) / 1024.0)
+}
+
+
+/// A loop device over `file` with direct I/O to it: reads reach the FUSE
+/// daemon (and Ceph) instead of the file's page cache.
+fn losetup(file: &Path) -> PathBuf {
+    let device = PathBuf::from(run(Command::new("losetup").args(["--find", "--show", "--direct-io=on"]).arg(file)).trim());
+    let name = device.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let dio = std::fs::read_to_string(format!("/sys/block/{name}/loop/dio")).unwrap_or_default();
+    assert_eq!(dio.trim(), "1", "{} over {} without direct I/O would measure the page cache", device.display(), file.display());
+    device
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // cargo's bench harness protocol
+    }
+    let Ok(ceph) = std::env::var("VOLAGENT_CEPH_DIR") else {
+        println!("rbd_throughput: skipped — set VOLAGENT_CEPH_DIR to a cluster's dir (scripts/ceph-env start prints it)");
+        return;
+    };
+    if !nix::unistd::geteuid().is_root() {
+        println!("rbd_throughput: skipped — needs root (loop devices and FUSE)");
+        return;
+    }
+    let ceph = PathBuf::from(ceph);
+    let conf = ceph.join("ceph.conf");
+    let rounds = env_or("RBD_BENCH_ROUNDS", 3).max(1) as usize;
+    let secs = env_or("RBD_BENCH_SECS", 4).max(1);
+    let scratch = common::RootScratch::enter();
+    let image = format!("bench-{}", std::process::id());
+    run(Command::new("rbd").arg("-c").arg(&conf).args(["create", "--size", &format!("{IMAGE_MIB}M"), &format!("rbd/{image}")]));
+
+    // volagent: librbd behind the NBD server, nbdfuse, a loop device.
+    let target = RbdTarget {
+        conf: Some(conf.clone()),
+        monitors: None,
+        user: "admin".into(),
+        keyring: Some(ceph.join("keyring")),
+        pool: "rbd".into(),
+        image: image.clone(),
+    };
+    let exports = Exports::default();
+    exports.insert("", Arc::new(RbdExport::open(&target, false).expect("open the image through librbd")));
+    let socket = scratch.path("nbd.sock");
+    let server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None).expect("server");
+    let nbd_dir = scratch.path("nbdfuse");
+    std::fs::create_dir_all(&nbd_dir).expect("nbdfuse dir");
+    let pid = scratch.path("nbdfuse.pid");
+    let nbdfuse = Fuse {
+        child: Command::new("nbdfuse")
+            .arg("-P")
+            .arg(&pid)
+            .arg(nbd_dir.join("disk"))
+            .arg(format!("nbd+unix:///?socket={}", socket.display()))
+            .spawn()
+            .expect("nbdfuse"),
+        dir: nbd_dir.clone(),
+    };
+    wait_for("nbdfuse", || pid.exists());
+    let ours = losetup(&nbd_dir.join("disk"));
+
+    // rbd-fuse: the image as a file, a loop device.
+    let rbd_dir = scratch.path("rbd-fuse");
+    std::fs::create_dir_all(&rbd_dir).expect("rbd-fuse dir");
+    let rbd_fuse = Fuse {
+        child: Command::new("rbd-fuse")
+            .arg(&rbd_dir)
+            .arg("-c")
+            .arg(&conf)
+            .args(["-p", "rbd", "-r", &image, "-f"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("rbd-fuse (scripts/ceph-env installs it)"),
+        dir: rbd_dir.clone(),
+    };
+    wait_for("rbd-fuse", || rbd_dir.join(&image).exists());
+    let theirs = losetup(&rbd_dir.join(&image));
+
+    let tests = [("seq read, 1M depth 8", "read", "1M", "8"), ("seq write, 1M depth 8", "write", "1M", "8"), ("4k randread, depth 32", "randread", "4k", "32"), ("4k randwrite, depth 32", "randwrite", "4k", "32")];
+    println!("RBD image ({IMAGE_MIB} MiB, single-node Ceph, memstore) as a block device, median of {rounds} rounds");
+    println!("{:<24} {:>22} {:>22} {:>8}", "", "volagent nbd + librbd", "rbd-fuse", "ratio");
+    for (what, rw, bs, depth) in tests {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let pick = |r: (f64, f64)| if bs == "1M" { r.1 } else { r.0 };
+            a.push(pick(fio(&ours, rw, bs, depth, secs)));
+            b.push(pick(fio(&theirs, rw, bs, depth, secs)));
+        }
+        let (a, b) = (median(a), median(b));
+        let unit = if bs == "1M" { "MiB/s" } else { "IOPS" };
+        println!("{what:<24} {a:>16.0} {unit:<5} {b:>16.0} {unit:<5} {:>7.2}x", a / b);
+    }
+
+    for dev in [&ours, &theirs] {
+        run(Command::new("losetup").arg("-d").arg(dev));
+    }
+    drop(rbd_fuse);
+    drop(nbdfuse);
+    drop(server);
+    let _ = Command::new("rbd").arg("-c").arg(&conf).args(["rm", "--no-progress", &format!("rbd/{image}")]).output();
+}
