@@ -60,13 +60,37 @@ fn write_atomic(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> Result<PathB
 }
 
 /// Install the driver for `config.backend`; returns the driver's path.
+///
+/// A new driver's dir is filled under a dot-name and renamed into place
+/// whole: kubelet probes a plugin dir the moment it appears, and a dir
+/// without its executable fails that probe — which makes kubelet 1.20 drop
+/// every driver of the same probe round.
 pub fn install_driver(volume_plugin_dir: &Path, driver_binary: &Path, config: &DriverConfig) -> Result<PathBuf, InstallError> {
-    let dir = volume_plugin_dir.join(format!("volagent~{}", config.backend));
-    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let name = format!("volagent~{}", config.backend);
+    let dir = volume_plugin_dir.join(&name);
     let json = serde_json::to_vec_pretty(config).map_err(|e| io(&dir)(std::io::Error::other(e)))?;
+    let binary = std::fs::read(driver_binary).map_err(io(driver_binary))?;
+    if !dir.exists() {
+        std::fs::create_dir_all(volume_plugin_dir).map_err(io(volume_plugin_dir))?;
+        let staging = volume_plugin_dir.join(format!(".{name}.new"));
+        match std::fs::remove_dir_all(&staging) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&staging)(e)),
+            _ => {}
+        }
+        std::fs::create_dir(&staging).map_err(io(&staging))?;
+        write_atomic(&staging, DRIVER_CONFIG, &json, 0o644)?;
+        write_atomic(&staging, &config.backend, &binary, 0o755)?;
+        match std::fs::rename(&staging, &dir) {
+            Ok(()) => return Ok(dir.join(&config.backend)),
+            // Someone made the dir meanwhile: update it in place below.
+            Err(_) if dir.is_dir() => {
+                let _ = std::fs::remove_dir_all(&staging);
+            }
+            Err(e) => return Err(io(&dir)(e)),
+        }
+    }
     // Config first: a driver that appears must find it.
     write_atomic(&dir, DRIVER_CONFIG, &json, 0o644)?;
-    let binary = std::fs::read(driver_binary).map_err(io(driver_binary))?;
     write_atomic(&dir, &config.backend, &binary, 0o755)
 }
 
@@ -132,6 +156,12 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
             .collect();
         assert!(leftovers.is_empty(), "no dot-files left behind");
+        let staged: Vec<_> = std::fs::read_dir(vpd.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
+            .collect();
+        assert!(staged.is_empty(), "the new driver's dir was staged under a dot-name and renamed: {staged:?}");
         // Reinstalling replaces in place.
         install_driver(vpd.path(), &bin, &config).unwrap();
     }
