@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use volagent::nbd::{Exports, Listener, Server};
-use volagent::sys::rbd_export::{RbdExport, RbdTarget};
+use volagent::sys::rbd_export::{CephClient, RbdExport, RbdTarget};
 
 const IMAGE_MIB: u64 = 512;
 
@@ -98,10 +98,7 @@ fn main() {
 
     // volagent: librbd behind the NBD server, nbdfuse, a loop device.
     let target = RbdTarget {
-        conf: Some(conf.clone()),
-        monitors: None,
-        user: "admin".into(),
-        keyring: Some(ceph.join("keyring")),
+        client: CephClient { conf: Some(conf.clone()), monitors: None, user: "admin".into(), keyring: Some(ceph.join("keyring")), key: None },
         pool: "rbd".into(),
         image: image.clone(),
     };

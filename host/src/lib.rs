@@ -14,6 +14,7 @@ pub mod nbd;
 pub mod ops;
 pub mod plugin;
 pub mod policy;
+pub mod secret;
 pub mod socket;
 pub mod stats;
 pub mod sys;

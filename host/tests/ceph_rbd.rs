@@ -6,61 +6,19 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/ceph.rs"]
+mod ceph_common;
+
+use ceph_common::{Image, ceph_dir, rbd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// The test cluster's dir (ceph.conf, keyrings), from the environment.
-fn ceph_dir() -> PathBuf {
-    let dir = PathBuf::from(std::env::var("VOLAGENT_CEPH_DIR").expect(
-        "VOLAGENT_CEPH_DIR: the single-node Ceph of this run (scripts/ceph-env start makes it; scripts/test sets it)",
-    ));
-    assert!(dir.join("ready").exists(), "no Ceph ready in {}", dir.display());
-    dir
-}
-
-fn rbd(dir: &Path, args: &[&str]) -> Output {
-    let out = Command::new("rbd").arg("-c").arg(dir.join("ceph.conf")).args(args).output().expect("rbd (ceph-common)");
-    assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    out
-}
-
-/// An image of `mib` MiB in pool `rbd`, removed on drop.
-struct Image {
-    dir: PathBuf,
-    name: String,
-}
-
-impl Image {
-    fn create(dir: &Path, mib: u64) -> Image {
-        let name = format!("test-{}-{}", std::process::id(), rand_suffix());
-        rbd(dir, &["create", "--size", &format!("{mib}M"), &format!("rbd/{name}")]);
-        Image { dir: dir.to_path_buf(), name }
-    }
-
-    fn spec(&self) -> String {
-        format!("rbd/{}", self.name)
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = Command::new("rbd").arg("-c").arg(self.dir.join("ceph.conf")).args(["rm", "--no-progress", &self.spec()]).output();
-    }
-}
-
-fn rand_suffix() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u8(0);
-    h.finish()
-}
-
 /// A keyring file for client.volagent, in `scratch`.
 fn volagent_keyring(dir: &Path, scratch: &Path) -> PathBuf {
-    let key = std::fs::read_to_string(dir.join("volagent.key")).unwrap();
+    let key = ceph_common::volagent_key(dir);
     let keyring = scratch.join("volagent.keyring");
-    std::fs::write(&keyring, format!("[client.volagent]\n\tkey = {}\n", key.trim())).unwrap();
+    std::fs::write(&keyring, format!("[client.volagent]\n\tkey = {}\n", key)).unwrap();
     keyring
 }
 

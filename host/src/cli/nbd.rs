@@ -58,6 +58,10 @@ pub struct ServeArgs {
     /// A keyring file with the user's key.
     #[arg(long, value_name = "FILE")]
     ceph_keyring: Option<PathBuf>,
+    /// Write each RBD export's Ceph client ("<global id> <address>") to
+    /// this file once it has opened its image.
+    #[arg(long, value_name = "FILE", requires = "rbd_exports")]
+    ceph_client_file: Option<PathBuf>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
@@ -99,14 +103,23 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
     }
     for (name, pool, image) in &args.rbd_exports {
         let target = crate::sys::rbd_export::RbdTarget {
-            conf: args.ceph_conf.clone(),
-            monitors: args.ceph_monitors.clone(),
-            user: args.ceph_user.clone(),
-            keyring: args.ceph_keyring.clone(),
+            client: crate::sys::rbd_export::CephClient {
+                conf: args.ceph_conf.clone(),
+                monitors: args.ceph_monitors.clone(),
+                user: args.ceph_user.clone(),
+                keyring: args.ceph_keyring.clone(),
+                key: None,
+            },
             pool: pool.clone(),
             image: image.clone(),
         };
         let export = crate::sys::rbd_export::RbdExport::open(&target, args.read_only).with_context(|| format!("export {name:?}"))?;
+        if let Some(file) = &args.ceph_client_file {
+            // Who this export is to the cluster: the agent places its
+            // watcher on this node, and fencing names it to blocklist.
+            let (id, address) = export.client();
+            std::fs::write(file, format!("{id} {address}\n")).with_context(|| format!("write {}", file.display()))?;
+        }
         exports.insert(name, Arc::new(export));
     }
     if let Some(name) = &args.export_stdin {

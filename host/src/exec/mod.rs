@@ -2,8 +2,11 @@
 //! (already attached or mounted is success), and a failing step rolls back
 //! what the steps before it did.
 
-use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, Step, WipeMethod};
+use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdSpec, Step, WipeMethod};
+use crate::secret::Secrets;
+use crate::sys::rbd_export::{CephClient, RbdTarget};
 use crate::sys::{Sys, SysError, Wipe};
+use std::sync::Arc;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -56,6 +59,8 @@ enum Undo {
 
 pub struct Executor {
     sys: Sys,
+    /// The volume's secret values, for steps that name a key.
+    secrets: Arc<Secrets>,
     kill_after: Option<usize>,
     stall_after: Option<(usize, u64)>,
 }
@@ -74,12 +79,18 @@ impl Executor {
         let stall_after = std::env::var(STALL_AFTER_STEP_ENV)
             .ok()
             .and_then(|v| v.split_once(':').and_then(|(s, ms)| Some((s.parse().ok()?, ms.parse().ok()?))));
-        Executor { sys, kill_after, stall_after }
+        Executor { sys, secrets: Arc::default(), kill_after, stall_after }
+    }
+
+    /// Steps that name a secret key use its value from `secrets`.
+    pub fn with_secrets(mut self, secrets: Arc<Secrets>) -> Self {
+        self.secrets = secrets;
+        self
     }
 
     /// Run `plan` (already checked by the policy validator) step by step.
     pub fn run(&self, plan: &[Step]) -> Result<Outcome, ExecError> {
-        let mut run = Run { sys: &self.sys, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new(), freed: Vec::new() };
+        let mut run = Run { sys: &self.sys, secrets: &self.secrets, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new(), freed: Vec::new() };
         for (index, step) in plan.iter().enumerate() {
             if let Err(source) = run.step(step) {
                 let rollback_failures = run.rollback();
@@ -101,6 +112,7 @@ impl Executor {
 
 struct Run<'s> {
     sys: &'s Sys,
+    secrets: &'s Secrets,
     outcome: Outcome,
     undo: Vec<Undo>,
     /// Loop devices this run attached, with their backing files, until a
@@ -193,15 +205,10 @@ impl Run<'_> {
                 Ok(())
             }
             Step::DetachDevice(d) => {
-                if let DeviceSpec::Nbd(nbd) = &d.spec {
-                    let key = nbd_key(nbd);
-                    for device in self.loops_over(&self.sys.nbd.file(&key))? {
-                        self.sys.devices.loop_detach(&device)?;
-                    }
-                    self.sys.nbd.disconnect(&key)?;
-                    self.sys.nbd.kernel_disconnect(&key)?;
-                    // The agent's own export of a local file: its server goes last.
-                    return Ok(self.sys.nbd.stop_serving(&key)?);
+                match &d.spec {
+                    DeviceSpec::Nbd(nbd) => return self.detach_export(&nbd_key(nbd)),
+                    DeviceSpec::Rbd(rbd) => return self.detach_export(&rbd_key(rbd)),
+                    DeviceSpec::Loop(_) => {}
                 }
                 for device in self.attached(&d.spec)? {
                     self.sys.devices.loop_detach(&device)?;
@@ -219,10 +226,11 @@ impl Run<'_> {
                 };
                 Ok(self.sys.filesystems.wipe(&device, method)?)
             }
-            Step::BlocklistClient(b) => Err(refused(format!(
-                "blocklisting storage client {} is not supported by this agent yet",
-                b.address
-            ))),
+            Step::BlocklistClient(b) => {
+                let client = self.ceph_client(&b.monitors, &b.user, b.secret_key.as_deref())?;
+                tracing::warn!(address = %b.address, monitors = %b.monitors.join(","), "blocklisting a storage client");
+                Ok(self.sys.storage.blocklist(&client, &b.address)?)
+            }
         }
     }
 
@@ -236,10 +244,11 @@ impl Run<'_> {
     /// Attach, or find the device already attached for `spec` (the same
     /// file, by identity).
     fn attach(&mut self, spec: &DeviceSpec, read_only: bool) -> Result<PathBuf, StepError> {
-        if let DeviceSpec::Nbd(nbd) = spec {
-            return self.attach_nbd(nbd, read_only);
-        }
-        let DeviceSpec::Loop(file) = spec else { return Err(unsupported(spec)) };
+        let file = match spec {
+            DeviceSpec::Nbd(nbd) => return self.attach_nbd(nbd, read_only),
+            DeviceSpec::Rbd(rbd) => return self.attach_rbd(rbd, read_only),
+            DeviceSpec::Loop(file) => file,
+        };
         let file = Path::new(file);
         if let Some(device) = self.sys.loops_of(file)?.into_iter().next() {
             return Ok(device);
@@ -255,11 +264,7 @@ impl Run<'_> {
     /// device already there for it, whichever path made it).
     fn attach_nbd(&mut self, spec: &NbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
         let key = nbd_key(spec);
-        if let Some(device) = self.sys.nbd.kernel_device(&key) {
-            return Ok(device);
-        }
-        let file = self.sys.nbd.file(&key);
-        if let Some(device) = self.loops_over(&file)?.into_iter().next() {
+        if let Some(device) = self.export_device(&key)? {
             return Ok(device);
         }
         let kernel = match spec.attach {
@@ -284,20 +289,84 @@ impl Run<'_> {
             }
             None => (spec.server.clone(), spec.export_name.clone()),
         };
+        self.connect_export(key, &server, &export, spec.connections, kernel, read_only)
+    }
+
+    /// An RBD image as a block device: the agent's helper NBD server in
+    /// front of librbd, reached through the kernel's nbd device where the
+    /// node has one, else through a userspace client and a loop device.
+    fn attach_rbd(&mut self, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
+        let key = rbd_key(spec);
+        if let Some(device) = self.export_device(&key)? {
+            return Ok(device);
+        }
+        let target = RbdTarget {
+            client: self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?,
+            pool: spec.pool.clone(),
+            image: spec.image.clone(),
+        };
+        if self.sys.nbd.serve_rbd(&key, &target, read_only)? {
+            self.undo.push(Undo::NbdStopServing(key.clone()));
+        }
+        let (server, kernel) = (self.sys.nbd.server_address(&key), self.sys.nbd.kernel_driver());
+        // librbd serves each request on its own threads: one connection
+        // per core keeps them busy without reordering a single stream.
+        self.connect_export(key, &server, "", RBD_CONNECTIONS, kernel, read_only)
+    }
+
+    /// How to reach a Ceph cluster as `user`, with the key the volume's
+    /// secret holds under `secret_key` (none: the node's own keyring).
+    fn ceph_client(&self, monitors: &[String], user: &str, secret_key: Option<&str>) -> Result<CephClient, StepError> {
+        let key = match secret_key {
+            Some(name) => Some(self.secrets.get(name).cloned().ok_or_else(|| {
+                refused(format!(
+                    "the volume's secret has no value for key {name:?} (kubelet passes a secret's values only on mount)"
+                ))
+            })?),
+            None => None,
+        };
+        if let Some(secret) = &key {
+            secret.ceph_key(secret_key.unwrap_or_default()).map_err(refused)?;
+        }
+        Ok(CephClient { conf: None, monitors: Some(monitors.join(",")), user: user.to_string(), keyring: None, key })
+    }
+
+    /// The device already there for export `key`, whichever path made it.
+    fn export_device(&self, key: &str) -> Result<Option<PathBuf>, StepError> {
+        if let Some(device) = self.sys.nbd.kernel_device(key) {
+            return Ok(Some(device));
+        }
+        Ok(self.loops_over(&self.sys.nbd.file(key))?.into_iter().next())
+    }
+
+    /// Connect `server`'s `export` as export `key`'s device: a kernel nbd
+    /// device, or a userspace client's file on a loop device.
+    fn connect_export(&mut self, key: String, server: &str, export: &str, connections: u8, kernel: bool, read_only: bool) -> Result<PathBuf, StepError> {
         if kernel {
-            let (device, connected) = self.sys.nbd.kernel_connect(&key, &server, &export, spec.connections, read_only)?;
+            let (device, connected) = self.sys.nbd.kernel_connect(&key, server, export, connections, read_only)?;
             if connected {
                 self.undo.push(Undo::NbdKernelDisconnect(key));
             }
             return Ok(device);
         }
-        let uri = crate::sys::nbd_client::uri(&server, &export);
-        if self.sys.nbd.connect(&key, &uri, spec.connections, read_only)? {
-            self.undo.push(Undo::NbdDisconnect(key));
+        let uri = crate::sys::nbd_client::uri(server, export);
+        if self.sys.nbd.connect(&key, &uri, connections, read_only)? {
+            self.undo.push(Undo::NbdDisconnect(key.clone()));
         }
-        let device = self.sys.devices.loop_attach(&file, read_only)?;
+        let device = self.sys.devices.loop_attach(&self.sys.nbd.file(&key), read_only)?;
         self.undo.push(Undo::Detach(device.clone()));
         Ok(device)
+    }
+
+    /// Undo what attaching export `key` did, whichever path it took; the
+    /// helper server (a local file's or an RBD image's) goes last.
+    fn detach_export(&mut self, key: &str) -> Result<(), StepError> {
+        for device in self.loops_over(&self.sys.nbd.file(key))? {
+            self.sys.devices.loop_detach(&device)?;
+        }
+        self.sys.nbd.disconnect(key)?;
+        self.sys.nbd.kernel_disconnect(key)?;
+        Ok(self.sys.nbd.stop_serving(key)?)
     }
 
     /// The loop devices over a userspace client's `file`.
@@ -405,6 +474,25 @@ pub fn nbd_key(spec: &NbdSpec) -> String {
         h.update([0]);
         h.update(file.as_bytes());
     }
+    format!("export-{}", hex::encode(&h.finalize()[..12]))
+}
+
+/// NBD connections from the client to an RBD helper.
+const RBD_CONNECTIONS: u8 = 2;
+
+/// The name of an RBD image's helper server and client on this node: one
+/// per image of a cluster, whatever volume names it.
+pub fn rbd_key(spec: &RbdSpec) -> String {
+    use sha2::Digest;
+    let mut monitors = spec.monitors.clone();
+    monitors.sort();
+    let mut h = sha2::Sha256::new();
+    h.update(b"rbd\0");
+    h.update(monitors.join(",").as_bytes());
+    h.update([0]);
+    h.update(spec.pool.as_bytes());
+    h.update([0]);
+    h.update(spec.image.as_bytes());
     format!("export-{}", hex::encode(&h.finalize()[..12]))
 }
 

@@ -110,22 +110,102 @@ fn a_failed_rollback_is_reported() {
     assert!(fake.state().loops.is_empty());
 }
 
+fn rbd_spec(secret_key: Option<&str>) -> crate::policy::RbdSpec {
+    crate::policy::RbdSpec {
+        monitors: vec!["10.0.0.1:6789".into(), "10.0.0.2:6789".into()],
+        pool: "p".into(),
+        image: "i".into(),
+        user: "u".into(),
+        secret_key: secret_key.map(Into::into),
+    }
+}
+
+fn rbd_plans(secret_key: Option<&str>) -> (Vec<Step>, Vec<Step>) {
+    let mut attach_steps = attach_plan();
+    attach_steps[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Rbd(rbd_spec(secret_key)), read_only: false });
+    let mut detach_steps = detach_plan();
+    detach_steps[2] = Step::DetachDevice(DetachDevice { spec: DeviceSpec::Rbd(rbd_spec(secret_key)), force: false });
+    (attach_steps, detach_steps)
+}
+
+fn secrets(pairs: &[(&str, &str)]) -> Arc<crate::secret::Secrets> {
+    Arc::new(pairs.iter().map(|(k, v)| (k.to_string(), crate::secret::Secret::new(v.as_bytes().to_vec()))).collect())
+}
+
 #[test]
-fn unsupported_devices_and_fencing_are_refused_clearly() {
-    let (_fake, exec) = node();
-    let plan = [Step::AttachDevice(AttachDevice {
-        id: "d".into(),
-        spec: DeviceSpec::Rbd(crate::policy::RbdSpec {
+fn an_rbd_image_is_served_by_a_helper_with_the_secrets_key_and_detached_whole() {
+    let fake = Fake::new();
+    fake.state().dirs.insert(POD.into());
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
+    let (attach, detach) = rbd_plans(Some("key"));
+    let key = rbd_key(&rbd_spec(None));
+    exec.run(&attach).unwrap();
+    {
+        let s = fake.state();
+        assert_eq!(s.rbd_servers.get(&key), Some(&("p/i".to_string(), Some("AQBkey==".to_string()), 5000)));
+        assert_eq!(s.nbd_clients.get(&key).map(|c| c.0.as_str()), Some(format!("nbd+unix:///?socket=/fake-nbd/{key}.sock").as_str()));
+        assert_eq!((s.loops.len(), s.mounts.len()), (1, 2));
+    }
+    exec.run(&attach).unwrap();
+    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("nbd-serve-rbd")).count(), 1, "a rerun reuses the device");
+    exec.run(&detach).unwrap();
+    let s = fake.state();
+    assert!(s.loops.is_empty() && s.mounts.is_empty() && s.nbd_clients.is_empty() && s.rbd_servers.is_empty(), "{s:?}");
+}
+
+#[test]
+fn an_rbd_key_names_the_image_of_a_cluster_whatever_order_its_monitors_come_in() {
+    let mut other_order = rbd_spec(Some("key"));
+    other_order.monitors.reverse();
+    assert_eq!(rbd_key(&rbd_spec(None)), rbd_key(&other_order));
+    let mut other_image = rbd_spec(None);
+    other_image.image = "j".into();
+    assert_ne!(rbd_key(&rbd_spec(None)), rbd_key(&other_image));
+    assert!(rbd_key(&other_image).starts_with("export-"), "reconciliation sweeps export-* keys");
+}
+
+#[test]
+fn an_rbd_attach_whose_secret_value_is_missing_or_not_a_key_starts_nothing() {
+    let (fake, exec) = node();
+    let err = exec.run(&rbd_plans(Some("key")).0).unwrap_err();
+    assert!(err.to_string().contains("no value for key \"key\""), "{err}");
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQB=\n[client.admin]")]));
+    let err = exec.run(&rbd_plans(Some("key")).0).unwrap_err();
+    assert!(err.to_string().contains("does not hold a Ceph key"), "{err}");
+    assert!(!err.to_string().contains("client.admin"), "the value is never quoted: {err}");
+    let s = fake.state();
+    assert!(s.rbd_servers.is_empty() && s.loops.is_empty(), "{s:?}");
+}
+
+#[test]
+fn a_failed_mount_of_an_rbd_image_stops_its_helper() {
+    let fake = Fake::new();
+    fake.state().dirs.insert(POD.into());
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
+    fake.fail_next("mount ");
+    assert!(exec.run(&rbd_plans(Some("key")).0).is_err());
+    let s = fake.state();
+    assert!(s.rbd_servers.is_empty() && s.nbd_clients.is_empty() && s.loops.is_empty(), "{s:?}");
+}
+
+#[test]
+fn blocklisting_uses_the_secrets_key_and_names_the_client() {
+    let fake = Fake::new();
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("admin", "AQBadmin==")]));
+    let step = |key: &str| {
+        [Step::BlocklistClient(crate::policy::BlocklistClient {
             monitors: vec!["10.0.0.1:6789".into()],
-            pool: "p".into(),
-            image: "i".into(),
-            user: "u".into(),
-            secret_key: None,
-        }),
-        read_only: false,
-    })];
-    let err = exec.run(&plan).unwrap_err();
-    assert!(err.to_string().contains("rbd devices cannot be attached by this agent yet"), "{err}");
+            user: "admin".into(),
+            secret_key: Some(key.into()),
+            address: "10.0.0.7:0/123".into(),
+        })]
+    };
+    exec.run(&step("admin")).unwrap();
+    assert_eq!(fake.state().blocklisted, vec![("10.0.0.7:0/123".to_string(), Some("AQBadmin==".to_string()))]);
+    fake.fail_next("blocklist");
+    let err = exec.run(&step("admin")).unwrap_err();
+    assert!(err.to_string().contains("10.0.0.7:0/123"), "{err}");
+    assert!(exec.run(&step("nope")).unwrap_err().to_string().contains("no value for key"));
 }
 
 #[test]

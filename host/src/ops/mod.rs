@@ -248,6 +248,10 @@ impl Agent {
     /// What `plugin`'s guest may ask this call: about the dirs it declared,
     /// within its own deadline.
     fn queries(&self, plugin: &Plugin, facts: &[NodeFacts]) -> Arc<NodeQueries> {
+        Arc::new(self.node_queries(plugin, facts))
+    }
+
+    fn node_queries(&self, plugin: &Plugin, facts: &[NodeFacts]) -> NodeQueries {
         let roots = plugin
             .info()
             .capabilities
@@ -261,7 +265,7 @@ impl Agent {
             })
             .collect();
         let deadline = plugin.limits().deadline;
-        Arc::new(NodeQueries::new(self.config.node.clone(), self.sys.clone(), roots, deadline).with_facts(facts.to_vec()))
+        NodeQueries::new(self.config.node.clone(), self.sys.clone(), roots, deadline).with_facts(facts.to_vec())
     }
 
     /// Facts of this node and of every holder's: from the cluster when
@@ -321,7 +325,12 @@ impl Agent {
     /// operation on the volume starts meanwhile. Records stay as they are:
     /// kubelet's retry (or, after a restart, reconciliation) settles them.
     async fn run_plan(&self, plan: Vec<crate::policy::Step>, lock: &mut Option<LockGuard>) -> Result<crate::exec::Outcome, Failure> {
-        let exec = Executor::new(self.sys.clone());
+        self.run_plan_with(plan, lock, Arc::default()).await
+    }
+
+    /// [`run_plan`](Self::run_plan) with the volume's secret values.
+    async fn run_plan_with(&self, plan: Vec<crate::policy::Step>, lock: &mut Option<LockGuard>, secrets: Arc<crate::secret::Secrets>) -> Result<crate::exec::Outcome, Failure> {
+        let exec = Executor::new(self.sys.clone()).with_secrets(secrets);
         let mut task = tokio::task::spawn_blocking(move || exec.run(&plan));
         match tokio::time::timeout(self.plan_deadline, &mut task).await {
             Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}")))?.map_err(internal),
@@ -355,6 +364,7 @@ impl Agent {
         let plugin = self.plugin(backend)?;
         let mut volume = req.volume;
         let mut me = req.consumer;
+        let secrets = Arc::new(req.secrets);
         if let Some(cluster) = &self.cluster {
             // What the volume is comes from the cluster (its PV, or the
             // pod's inline volume where an admin allows those), never from
@@ -396,7 +406,7 @@ impl Agent {
             }
             let holders = current.as_ref().map(|(r, _)| r.holders.clone()).unwrap_or_default();
             let nodes = self.node_facts(&holders).await?;
-            let queries = self.queries(&plugin, &nodes);
+            let queries = Arc::new(self.node_queries(&plugin, &nodes).with_ceph(ceph_client(&volume, &secrets)));
             let decision = plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
             let mut kept = holders.clone();
             let outcome = match &decision {
@@ -409,7 +419,7 @@ impl Agent {
                 Decision::Grant => {}
                 Decision::Deny(reason) => return Err(Failure::fenced(reason)),
                 Decision::TakeOver(take) => {
-                    self.run_plan(take.fence_steps.clone(), &mut lock).await?;
+                    self.run_plan_with(take.fence_steps.clone(), &mut lock, secrets.clone()).await?;
                     kept.retain(|h| !take.stale.contains(h));
                 }
             }
@@ -442,7 +452,7 @@ impl Agent {
         let result = async {
             let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal)?;
             self.stash_op(move |s| s.put(&entry)).await?;
-            self.run_plan(plan, &mut lock).await
+            self.run_plan_with(plan, &mut lock, secrets.clone()).await
         }
         .await;
         match result {
@@ -655,6 +665,25 @@ fn same_volume(recorded: &Record, backend: &str, source: &VolumeSource) -> Resul
 
 /// The option naming the StorageCluster a volume lives on.
 pub const STORAGE_CLUSTER_OPTION: &str = "storageCluster";
+
+/// How the host reaches the Ceph cluster of a volume for the guest's
+/// `image-watchers`: its `monitors`, `user` (default admin) and, from its
+/// secret, the key named by `secretKey` (default "key") — the rbd
+/// backend's option names. None when the volume names no monitors.
+fn ceph_client(volume: &Volume, secrets: &crate::secret::Secrets) -> Option<crate::sys::rbd_export::CephClient> {
+    let get = |k: &str| volume.options.iter().find(|kv| kv.key == k).map(|kv| kv.value.as_str());
+    let monitors: Vec<&str> = get("monitors")?.split(',').map(str::trim).filter(|m| !m.is_empty()).collect();
+    if monitors.is_empty() {
+        return None;
+    }
+    Some(crate::sys::rbd_export::CephClient {
+        conf: None,
+        monitors: Some(monitors.join(",")),
+        user: get("user").unwrap_or("admin").to_string(),
+        keyring: None,
+        key: secrets.get(get("secretKey").unwrap_or("key")).cloned(),
+    })
+}
 
 fn storage_cluster(volume: &Volume) -> Option<String> {
     volume.options.iter().find(|kv| kv.key == STORAGE_CLUSTER_OPTION).map(|kv| kv.value.clone())

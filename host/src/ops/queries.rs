@@ -6,6 +6,7 @@
 
 use crate::policy::validate::clean_absolute;
 use crate::policy::{MountEntry, NodeFacts, PathKind, Queries, QueryError, Watcher};
+use crate::sys::rbd_export::CephClient;
 use crate::sys::{Kind, MountInfo, Sys};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -24,6 +25,8 @@ pub struct NodeQueries {
     mounts: OnceLock<Vec<MountInfo>>,
     /// Node facts read from the cluster before the call.
     facts: Vec<NodeFacts>,
+    /// The volume's Ceph cluster, for `image-watchers`.
+    ceph: Option<CephClient>,
 }
 
 /// Query threads that may be blocked in the kernel at once: beyond this,
@@ -55,11 +58,17 @@ impl NodeQueries {
     /// Queries of a backend that may ask about `roots`, each answered
     /// within `deadline`.
     pub fn new(node: String, sys: Sys, roots: Vec<PathBuf>, deadline: Duration) -> NodeQueries {
-        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new() }
+        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new(), ceph: None }
     }
 
     pub fn with_facts(mut self, facts: Vec<NodeFacts>) -> NodeQueries {
         self.facts = facts;
+        self
+    }
+
+    /// Answer `image-watchers` from this cluster.
+    pub fn with_ceph(mut self, ceph: Option<CephClient>) -> NodeQueries {
+        self.ceph = ceph;
         self
     }
 
@@ -138,8 +147,27 @@ impl Queries for NodeQueries {
         }))
     }
 
-    fn image_watchers(&self, _pool: &str, _image: &str) -> Result<Vec<Watcher>, String> {
-        Err("this agent has no storage cluster connection configured".to_string())
+    /// Read from the cluster (librbd), within the guest's deadline. A
+    /// watcher that is one of this node's own helper servers is placed on
+    /// this node; any other is unplaced (the guest counts it as foreign).
+    fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String> {
+        let name = format!("{pool}/{image}");
+        let Some(client) = self.ceph.clone() else {
+            return Err(format!("image {name}: the volume names no monitors, so its cluster cannot be asked"));
+        };
+        let (sys, p, i) = (self.sys.clone(), pool.to_string(), image.to_string());
+        let listed = bounded("image-watchers", &name, self.deadline, move || sys.storage.rbd_watchers(&client, &p, &i))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let ours: Vec<u64> = self.sys.nbd.storage_clients().into_iter().map(|(_, id, _)| id).collect();
+        Ok(listed
+            .into_iter()
+            .map(|w| Watcher {
+                node: u64::try_from(w.id).ok().filter(|id| ours.contains(id)).map(|_| self.node.clone()),
+                client: format!("client.{}", w.id),
+                address: w.address,
+            })
+            .collect())
     }
 }
 
@@ -164,6 +192,23 @@ mod tests {
             assert!(matches!(q.mount_at(bad), Err(QueryError::OutsideRoots { .. })), "{bad}");
         }
         assert!(matches!(q.filesystem_type("/etc/passwd"), Err(QueryError::OutsideRoots { .. })));
+    }
+
+    #[test]
+    fn image_watchers_come_from_the_cluster_and_this_nodes_helpers_are_placed_here() {
+        let fake = Fake::new();
+        let target = crate::sys::rbd_export::RbdTarget { client: CephClient::default(), pool: "rbd".into(), image: "img".into() };
+        fake.sys().nbd.serve_rbd("export-1", &target, false).unwrap();
+        fake.state().rbd_watchers.insert("rbd/img".into(), vec![(5000, "10.0.0.9:0/5000".into()), (4100, "10.0.0.7:0/99".into())]);
+        let without = queries(&fake);
+        assert!(without.image_watchers("rbd", "img").unwrap_err().contains("names no monitors"));
+        let q = queries(&fake).with_ceph(Some(CephClient { monitors: Some("10.0.0.1:6789".into()), user: "admin".into(), ..Default::default() }));
+        let w = q.image_watchers("rbd", "img").unwrap();
+        assert_eq!(w.len(), 2);
+        assert_eq!((w[0].client.as_str(), w[0].node.as_deref()), ("client.5000", Some("n1")));
+        assert_eq!((w[1].client.as_str(), w[1].address.as_str(), w[1].node.as_deref()), ("client.4100", "10.0.0.7:0/99", None));
+        fake.fail_next("rbd-watchers");
+        assert!(q.image_watchers("rbd", "img").unwrap_err().contains("rbd/img"));
     }
 
     #[test]

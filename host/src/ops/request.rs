@@ -52,6 +52,8 @@ pub fn parse_mount_dir(kubelet_roots: &[&Path], backend: &str, dir: &str) -> Res
 pub struct MountRequest {
     pub volume: Volume,
     pub consumer: Consumer,
+    /// The volume's secret values: host-side only (the guest sees the keys).
+    pub secrets: crate::secret::Secrets,
 }
 
 const K8S: &str = "kubernetes.io/";
@@ -83,7 +85,8 @@ pub fn parse_mount(node: &str, backend: &str, dir: &MountDir, options: &BTreeMap
         "ro" => true,
         other => return Err(format!("option {K8S}readwrite is {other:?}, not rw or ro")),
     };
-    let secret_keys = options.keys().filter_map(|k| k.strip_prefix(&format!("{K8S}secret/"))).map(String::from).collect();
+    let secrets = crate::secret::from_options(options)?;
+    let secret_keys = secrets.keys().cloned().collect();
     let user: Vec<KeyValue> = options
         .iter()
         .filter(|(k, _)| !k.starts_with(K8S))
@@ -110,6 +113,7 @@ pub fn parse_mount(node: &str, backend: &str, dir: &MountDir, options: &BTreeMap
             mount_dir: dir.dir.display().to_string(),
             read_only,
         },
+        secrets,
     })
 }
 
@@ -165,6 +169,11 @@ mod tests {
         assert_eq!(r.volume.secret_keys, vec!["key"]);
         assert!(r.volume.options.iter().all(|kv| !kv.key.starts_with("kubernetes.io/")));
         assert!(r.volume.options.iter().all(|kv| kv.value != "c2VjcmV0"), "secret values never reach guests");
+        assert_eq!(r.secrets["key"].expose(), b"secret", "they stay host-side, decoded");
+        assert!(!format!("{r:?}").contains("c2VjcmV0") && !format!("{r:?}").contains("\"secret\""), "and never in Debug output");
+        let mut bad = opts(&base);
+        bad.insert("kubernetes.io/secret/key".into(), "%%%".into());
+        assert!(parse_mount("n1", "local-pv", &d, &bad).unwrap_err().contains("not base64"));
         assert!(r.consumer.read_only);
         assert_eq!((r.consumer.pod_namespace.as_str(), r.consumer.pod.as_str()), ("shop", "web-0"));
         // Older kubelets spell pod.UID.

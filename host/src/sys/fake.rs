@@ -22,6 +22,14 @@ pub struct State {
     pub nbd_clients: BTreeMap<String, (String, bool)>,
     /// Helper NBD servers running: key → read-only.
     pub nbd_servers: BTreeMap<String, bool>,
+    /// Helper servers of RBD images: key → ("pool/image", the key it was
+    /// given, its client's global id: 5000, 5001, … in order of start).
+    pub rbd_servers: BTreeMap<String, (String, Option<String>, u64)>,
+    pub rbd_started: u64,
+    /// Watchers of RBD images: "pool/image" → (global id, address).
+    pub rbd_watchers: BTreeMap<String, Vec<(i64, String)>>,
+    /// Addresses blocklisted, in order, with the user's key used.
+    pub blocklisted: Vec<(String, Option<String>)>,
     /// Whether the node has the kernel's nbd driver.
     pub nbd_kernel_driver: bool,
     /// Kernel nbd connections: key → (device, server, export, read-only).
@@ -44,7 +52,7 @@ impl Fake {
     }
 
     pub fn sys(self: &Arc<Self>) -> Sys {
-        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone(), nbd: self.clone() }
+        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone(), nbd: self.clone(), storage: self.clone() }
     }
 
     pub fn state(&self) -> MutexGuard<'_, State> {
@@ -306,6 +314,23 @@ impl NbdClients for Fake {
         Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
     }
 
+    fn serve_rbd(&self, key: &str, target: &super::rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError> {
+        let image = format!("{}/{}", target.pool, target.image);
+        let mut s = self.op("nbd-serve-rbd", Path::new(&image))?;
+        let secret = target.client.key.as_ref().map(|k| String::from_utf8_lossy(k.expose()).into_owned());
+        if !s.rbd_servers.contains_key(key) {
+            let id = 5000 + s.rbd_started;
+            s.rbd_started += 1;
+            s.rbd_servers.insert(key.to_string(), (image, secret, id));
+        }
+        Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
+    }
+
+    fn storage_clients(&self) -> Vec<(String, u64, String)> {
+        let s = self.state();
+        s.rbd_servers.iter().map(|(key, (_, _, id))| (key.clone(), *id, format!("10.0.0.9:0/{id}"))).collect()
+    }
+
     fn server_address(&self, key: &str) -> String {
         format!("unix:/fake-nbd/{key}.sock")
     }
@@ -313,6 +338,23 @@ impl NbdClients for Fake {
     fn stop_serving(&self, key: &str) -> Result<(), SysError> {
         let mut s = self.op("nbd-stop-serving", Path::new(key))?;
         s.nbd_servers.remove(key);
+        s.rbd_servers.remove(key);
+        Ok(())
+    }
+}
+
+impl super::Storage for Fake {
+    fn rbd_watchers(&self, _client: &super::rbd_export::CephClient, pool: &str, image: &str) -> Result<Vec<super::rbd_export::ImageWatcher>, SysError> {
+        let name = format!("{pool}/{image}");
+        let s = self.op("rbd-watchers", Path::new(&name))?;
+        let listed = s.rbd_watchers.get(&name).cloned().unwrap_or_default();
+        Ok(listed.into_iter().map(|(id, address)| super::rbd_export::ImageWatcher { address, id }).collect())
+    }
+
+    fn blocklist(&self, client: &super::rbd_export::CephClient, address: &str) -> Result<(), SysError> {
+        let mut s = self.op("blocklist", Path::new(address))?;
+        let key = client.key.as_ref().map(|k| String::from_utf8_lossy(k.expose()).into_owned());
+        s.blocklisted.push((address.to_string(), key));
         Ok(())
     }
 }

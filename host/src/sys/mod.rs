@@ -38,6 +38,8 @@ pub enum SysError {
     MountTable(#[from] mountinfo::ParseError),
     #[error("{}: {what}", path.display())]
     Refused { path: PathBuf, what: String },
+    #[error(transparent)]
+    Ceph(#[from] rbd_export::RbdError),
 }
 
 /// `map_err` helpers naming the operation and the path.
@@ -207,6 +209,15 @@ pub trait NbdClients: Send + Sync {
     /// at [`server_address`](Self::server_address); true when it was
     /// started, false when it was running already (`file` is then unused).
     fn serve(&self, key: &str, file: std::fs::File, read_only: bool) -> Result<bool, SysError>;
+    /// Serve the RBD image `target` through librbd as the default export
+    /// of helper server `key`, like [`serve`](Self::serve). A key in
+    /// `target` reaches the helper in a 0600 keyring file beneath the
+    /// state dir, removed once the helper has connected.
+    fn serve_rbd(&self, key: &str, target: &rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError>;
+    /// The Ceph client of each running rbd helper: key, global id, address.
+    fn storage_clients(&self) -> Vec<(String, u64, String)> {
+        Vec::new()
+    }
     /// Where helper server `key` listens: "unix:/path".
     fn server_address(&self, key: &str) -> String;
     /// Stop helper server `key`; none running is fine.
@@ -223,6 +234,14 @@ pub trait NbdClients: Send + Sync {
     }
 }
 
+/// What the agent asks of a Ceph cluster, and does to it, itself.
+pub trait Storage: Send + Sync {
+    /// The clients watching image `pool/image`.
+    fn rbd_watchers(&self, client: &rbd_export::CephClient, pool: &str, image: &str) -> Result<Vec<rbd_export::ImageWatcher>, SysError>;
+    /// Fence the client at `address` out of the cluster.
+    fn blocklist(&self, client: &rbd_export::CephClient, address: &str) -> Result<(), SysError>;
+}
+
 /// The node's effects, passed to whoever needs them.
 #[derive(Clone)]
 pub struct Sys {
@@ -230,6 +249,7 @@ pub struct Sys {
     pub devices: Arc<dyn Devices>,
     pub filesystems: Arc<dyn Filesystems>,
     pub nbd: Arc<dyn NbdClients>,
+    pub storage: Arc<dyn Storage>,
 }
 
 impl Sys {
@@ -243,7 +263,7 @@ impl Sys {
     /// [`linux`](Self::linux) with NBD clients configured by the caller.
     pub fn linux_with(roots: Roots, tag: &str, nbd: nbd_client::NbdFuse) -> Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
-        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd) }
+        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd), storage: Arc::new(rbd_export::LibCeph) }
     }
 
     /// The mount at exactly `target`, if any (the last one wins, as in the kernel).

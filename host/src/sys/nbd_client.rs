@@ -12,6 +12,7 @@
 //! for the process, and if it does not end — a client hung on a server
 //! that does not answer — aborts its FUSE connection (fusectl) and kills it.
 
+use super::rbd_export::RbdTarget;
 use super::{Mounts, NbdClients, SysError, errno, io};
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -75,6 +76,57 @@ impl NbdFuse {
         self.base.join(format!("{key}.server.log"))
     }
 
+    /// Who an rbd helper is to the Ceph cluster ("<global id> <address>").
+    fn client_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.client"))
+    }
+
+    /// The keyring an rbd helper reads at connect; removed after.
+    fn keyring_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.keyring"))
+    }
+
+    /// `<this binary> nbd serve` on `key`'s socket, its log as stderr.
+    fn helper_command(&self, key: &str, read_only: bool) -> Result<Command, SysError> {
+        std::fs::create_dir_all(&self.base).map_err(io("mkdir", &self.base))?;
+        let log_path = self.server_log_file(key);
+        let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
+        let mut cmd = Command::new(&self.server_program);
+        cmd.args(["nbd", "serve", "--unix"]).arg(self.socket(key));
+        if read_only {
+            cmd.arg("--read-only");
+        }
+        cmd.stdout(Stdio::null()).stderr(log).process_group(0);
+        Ok(cmd)
+    }
+
+    /// Start helper `key` and return once its socket accepts (it opens
+    /// its export before it listens).
+    fn start_helper(&self, key: &str, mut cmd: Command) -> Result<bool, SysError> {
+        let socket = self.socket(key);
+        let log_path = self.server_log_file(key);
+        let mut child = cmd.spawn().map_err(io("run the nbd server helper for", &socket))?;
+        let pid_file = self.server_pid_file(key);
+        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
+        let deadline = Instant::now() + self.ready_timeout;
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                let _ = std::fs::remove_file(&pid_file);
+                let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
+                return Err(SysError::Command { program: "volagent nbd serve", path: socket, message: format!("{status}: {}", last_lines(&tail, 5)) });
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = std::fs::remove_file(&pid_file);
+                return Err(SysError::Timeout { program: "volagent nbd serve", path: socket, secs: self.ready_timeout.as_secs() });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::spawn(move || drop(child.wait()));
+        Ok(true)
+    }
+
     /// The helper server's pid, when it runs ("<this binary> nbd serve").
     fn server_running(&self, key: &str) -> Option<nix::unistd::Pid> {
         let pid: i32 = std::fs::read_to_string(self.server_pid_file(key)).ok()?.trim().parse().ok()?;
@@ -133,6 +185,21 @@ impl NbdFuse {
         }
         true
     }
+}
+
+/// The last `n` lines of a log.
+fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.trim().lines().rev().take(n).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join("; ")
+}
+
+/// Create `file` readable by its owner alone, with `bytes`.
+fn write_private(file: &Path, bytes: &[u8]) -> Result<(), SysError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(file);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(file).map_err(io("create", file))?;
+    f.write_all(bytes).map_err(io("write", file))
 }
 
 /// `server` ("unix:/path" or "host:port") and `export` as an NBD URI.
@@ -277,36 +344,63 @@ impl NbdClients for NbdFuse {
         if self.server_running(key).is_some() {
             return Ok(false);
         }
-        std::fs::create_dir_all(&self.base).map_err(io("mkdir", &self.base))?;
-        let socket = self.socket(key);
-        let log_path = self.server_log_file(key);
-        let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
-        let mut cmd = Command::new(&self.server_program);
-        cmd.args(["nbd", "serve", "--unix"]).arg(&socket).args(["--export-stdin", ""]);
-        if read_only {
-            cmd.arg("--read-only");
+        let mut cmd = self.helper_command(key, read_only)?;
+        cmd.args(["--export-stdin", ""]).stdin(file);
+        self.start_helper(key, cmd)
+    }
+
+    fn serve_rbd(&self, key: &str, target: &RbdTarget, read_only: bool) -> Result<bool, SysError> {
+        if self.server_running(key).is_some() {
+            return Ok(false);
         }
-        cmd.stdin(file).stdout(Stdio::null()).stderr(log).process_group(0);
-        let mut child = cmd.spawn().map_err(io("run the nbd server helper for", &socket))?;
-        let pid_file = self.server_pid_file(key);
-        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
-        let deadline = Instant::now() + self.ready_timeout;
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            if let Ok(Some(status)) = child.try_wait() {
-                let _ = std::fs::remove_file(&pid_file);
-                let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
-                return Err(SysError::Command { program: "volagent nbd serve", path: socket, message: format!("{status}: {}", tail.trim()) });
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                let _ = std::fs::remove_file(&pid_file);
-                return Err(SysError::Timeout { program: "volagent nbd serve", path: socket, secs: self.ready_timeout.as_secs() });
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        let mut cmd = self.helper_command(key, read_only)?;
+        let client = &target.client;
+        cmd.arg("--export-rbd").arg(format!("={}/{}", target.pool, target.image)).args(["--ceph-user", &client.user]);
+        if let Some(monitors) = &client.monitors {
+            cmd.args(["--ceph-monitors", monitors]);
         }
-        std::thread::spawn(move || drop(child.wait()));
-        Ok(true)
+        if let Some(conf) = &client.conf {
+            cmd.arg("--ceph-conf").arg(conf);
+        }
+        let client_file = self.client_file(key);
+        let _ = std::fs::remove_file(&client_file);
+        cmd.arg("--ceph-client-file").arg(&client_file).stdin(Stdio::null());
+        // The key reaches the helper in a keyring file only it and root can
+        // read, for as long as it takes to connect: never on a command line.
+        let keyring = match &client.key {
+            Some(secret) => {
+                let key_text = secret.ceph_key("key").map_err(|what| SysError::Refused { path: self.keyring_file(key), what })?;
+                let file = self.keyring_file(key);
+                write_private(&file, format!("[client.{}]\n\tkey = {key_text}\n", client.user).as_bytes())?;
+                cmd.arg("--ceph-keyring").arg(&file);
+                Some(file)
+            }
+            None => client.keyring.as_ref().map(|k| {
+                cmd.arg("--ceph-keyring").arg(k);
+                PathBuf::new()
+            }),
+        };
+        let started = self.start_helper(key, cmd);
+        if let Some(file) = keyring.filter(|f| !f.as_os_str().is_empty()) {
+            // Read at connect; the helper serves only once it has connected.
+            if let Err(e) = std::fs::remove_file(&file) {
+                tracing::error!(file = %file.display(), "cannot remove a keyring after use: {e}");
+            }
+        }
+        started
+    }
+
+    fn storage_clients(&self) -> Vec<(String, u64, String)> {
+        let Ok(clients) = self.clients() else { return Vec::new() };
+        clients
+            .into_iter()
+            .filter(|(key, _)| self.server_running(key).is_some())
+            .filter_map(|(key, _)| {
+                let text = std::fs::read_to_string(self.client_file(&key)).ok()?;
+                let (id, address) = text.trim().split_once(' ')?;
+                Some((key, id.parse().ok()?, address.to_string()))
+            })
+            .collect()
     }
 
     fn server_address(&self, key: &str) -> String {
@@ -325,7 +419,7 @@ impl NbdClients for NbdFuse {
                 let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
             }
         }
-        for f in [self.server_pid_file(key), self.server_log_file(key), self.socket(key)] {
+        for f in [self.server_pid_file(key), self.server_log_file(key), self.socket(key), self.client_file(key), self.keyring_file(key)] {
             match std::fs::remove_file(&f) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &f)(e)),
                 _ => {}

@@ -11,15 +11,16 @@
 
 use crate::nbd::{Export, Extent};
 use libloading::Library;
+use crate::secret::Secret;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;
 use std::path::PathBuf;
 
 type Handle = *mut c_void;
 
-/// Where the image is and how to reach it.
-#[derive(Debug, Clone)]
-pub struct RbdTarget {
+/// How to reach a Ceph cluster, and as whom.
+#[derive(Debug, Clone, Default)]
+pub struct CephClient {
     /// A ceph.conf naming the monitors.
     pub conf: Option<PathBuf>,
     /// Monitor addresses, when there is no conf file ("host:port,…").
@@ -28,27 +29,74 @@ pub struct RbdTarget {
     pub user: String,
     /// A keyring file with the user's key (read at connect, then unused).
     pub keyring: Option<PathBuf>,
+    /// The user's key itself, for the agent's own short connections: it
+    /// stays in memory and is never written anywhere.
+    pub key: Option<Secret>,
+}
+
+impl CephClient {
+    fn describe(&self) -> String {
+        match (&self.monitors, &self.conf) {
+            (Some(m), _) => format!("ceph cluster at {m} (as client.{})", self.user),
+            (None, Some(c)) => format!("ceph cluster of {} (as client.{})", c.display(), self.user),
+            (None, None) => format!("ceph cluster (as client.{})", self.user),
+        }
+    }
+}
+
+/// Where the image is and how to reach it.
+#[derive(Debug, Clone)]
+pub struct RbdTarget {
+    pub client: CephClient,
     pub pool: String,
     pub image: String,
+}
+
+impl RbdTarget {
+    fn describe(&self) -> String {
+        format!("rbd image {}/{}", self.pool, self.image)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum RbdError {
     #[error("librbd/librados cannot be loaded ({0}): install Ceph's client libraries (Debian: librbd1)")]
     Library(String),
-    #[error("rbd image {pool}/{image}: {op}: {source}")]
-    Ceph { pool: String, image: String, op: &'static str, source: io::Error },
-    #[error("rbd image {pool}/{image}: {what}")]
-    Invalid { pool: String, image: String, what: String },
+    #[error("{object}: {op}: {source}")]
+    Ceph { object: String, op: &'static str, source: io::Error },
+    #[error("{object}: {what}")]
+    Invalid { object: String, what: String },
 }
 
-/// The C functions, resolved once.
+/// One client watching an image (`rbd status`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageWatcher {
+    /// The client's address, as blocklisting takes it ("ip:port/nonce").
+    pub address: String,
+    /// Its global id: "client.<id>".
+    pub id: i64,
+}
+
+/// librbd's `rbd_image_watcher_t`.
+#[repr(C)]
+struct RawWatcher {
+    addr: *mut c_char,
+    id: i64,
+    cookie: u64,
+}
+
+/// The C functions, resolved once per process.
 struct Api {
     rados_create: unsafe extern "C" fn(*mut Handle, *const c_char) -> c_int,
     rados_conf_read_file: unsafe extern "C" fn(Handle, *const c_char) -> c_int,
     rados_conf_set: unsafe extern "C" fn(Handle, *const c_char, *const c_char) -> c_int,
     rados_connect: unsafe extern "C" fn(Handle) -> c_int,
     rados_shutdown: unsafe extern "C" fn(Handle),
+    rados_get_instance_id: unsafe extern "C" fn(Handle) -> u64,
+    rados_getaddrs: unsafe extern "C" fn(Handle, *mut *mut c_char) -> c_int,
+    rados_mon_command:
+        unsafe extern "C" fn(Handle, *const *const c_char, usize, *const c_char, usize, *mut *mut c_char, *mut usize, *mut *mut c_char, *mut usize) -> c_int,
+    rados_buffer_free: unsafe extern "C" fn(*mut c_char),
     rados_ioctx_create: unsafe extern "C" fn(Handle, *const c_char, *mut Handle) -> c_int,
     rados_ioctx_destroy: unsafe extern "C" fn(Handle),
     rbd_open: unsafe extern "C" fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int,
@@ -60,22 +108,31 @@ struct Api {
     rbd_flush: unsafe extern "C" fn(Handle) -> c_int,
     rbd_discard: unsafe extern "C" fn(Handle, u64, u64) -> c_int,
     rbd_write_zeroes: unsafe extern "C" fn(Handle, u64, usize, c_int, c_int) -> isize,
-    /// Keeps the functions above valid.
+    rbd_watchers_list: unsafe extern "C" fn(Handle, *mut RawWatcher, *mut usize) -> c_int,
+    rbd_watchers_list_cleanup: unsafe extern "C" fn(*mut RawWatcher, usize),
+    /// Keeps the functions above valid; never unloaded (librados keeps
+    /// threads and static state that outlive a connection).
     _libraries: (Library, Library),
 }
 
+static API: std::sync::OnceLock<Result<Api, String>> = std::sync::OnceLock::new();
+
 impl Api {
-    fn load() -> Result<Api, RbdError> {
+    fn get() -> Result<&'static Api, RbdError> {
+        API.get_or_init(|| Api::load().map_err(|e| e.to_string())).as_ref().map_err(|e| RbdError::Library(e.clone()))
+    }
+
+    fn load() -> Result<Api, String> {
         let lib = |name: &str| {
             // SAFETY: loading Ceph's client libraries runs their
             // initialisers, which only set up their own state.
-            unsafe { Library::new(name) }.map_err(|e| RbdError::Library(format!("{name}: {e}")))
+            unsafe { Library::new(name) }.map_err(|e| format!("{name}: {e}"))
         };
         let (rados, rbd) = (lib("librados.so.2")?, lib("librbd.so.1")?);
         macro_rules! sym {
             ($lib:expr, $name:literal) => {
                 // SAFETY: the signature is the one librbd.h / librados.h declare.
-                *unsafe { $lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| RbdError::Library(format!("{}: {e}", $name)))?
+                *unsafe { $lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| format!("{}: {e}", $name))?
             };
         }
         Ok(Api {
@@ -84,6 +141,10 @@ impl Api {
             rados_conf_set: sym!(rados, "rados_conf_set"),
             rados_connect: sym!(rados, "rados_connect"),
             rados_shutdown: sym!(rados, "rados_shutdown"),
+            rados_get_instance_id: sym!(rados, "rados_get_instance_id"),
+            rados_getaddrs: sym!(rados, "rados_getaddrs"),
+            rados_mon_command: sym!(rados, "rados_mon_command"),
+            rados_buffer_free: sym!(rados, "rados_buffer_free"),
             rados_ioctx_create: sym!(rados, "rados_ioctx_create"),
             rados_ioctx_destroy: sym!(rados, "rados_ioctx_destroy"),
             rbd_open: sym!(rbd, "rbd_open"),
@@ -95,6 +156,8 @@ impl Api {
             rbd_flush: sym!(rbd, "rbd_flush"),
             rbd_discard: sym!(rbd, "rbd_discard"),
             rbd_write_zeroes: sym!(rbd, "rbd_write_zeroes"),
+            rbd_watchers_list: sym!(rbd, "rbd_watchers_list"),
+            rbd_watchers_list_cleanup: sym!(rbd, "rbd_watchers_list_cleanup"),
             _libraries: (rados, rbd),
         })
     }
@@ -105,15 +168,241 @@ fn check(ret: i64) -> io::Result<u64> {
     if ret < 0 { Err(io::Error::from_raw_os_error(i32::try_from(-ret).unwrap_or(nix::libc::EIO))) } else { Ok(ret as u64) }
 }
 
+fn cstring(object: &str, what: &str, value: &str) -> Result<CString, RbdError> {
+    CString::new(value).map_err(|_| RbdError::Invalid { object: object.to_string(), what: format!("{what} contains a NUL byte") })
+}
+
+/// A connected cluster handle, shut down on drop.
+struct Rados {
+    api: &'static Api,
+    cluster: Handle,
+    /// What errors name.
+    object: String,
+}
+
+impl Rados {
+    fn fail(&self, op: &'static str, ret: c_int) -> RbdError {
+        RbdError::Ceph { object: self.object.clone(), op, source: io::Error::from_raw_os_error(-ret) }
+    }
+
+    /// Connect to the cluster `client` names; errors name `object`.
+    fn connect(client: &CephClient, object: String) -> Result<Rados, RbdError> {
+        let api = Api::get()?;
+        let user = cstring(&object, "the user", &client.user)?;
+        let mut cluster: Handle = std::ptr::null_mut();
+        // SAFETY: `cluster` receives a handle; `user` is a valid C string.
+        let ret = unsafe { (api.rados_create)(&mut cluster, user.as_ptr()) };
+        if ret < 0 {
+            return Err(RbdError::Ceph { object, op: "create a cluster handle", source: io::Error::from_raw_os_error(-ret) });
+        }
+        // From here on the handle is released by Drop.
+        let rados = Rados { api, cluster, object };
+        if let Some(conf) = &client.conf {
+            let path = cstring(&rados.object, "the conf path", &conf.to_string_lossy())?;
+            // SAFETY: valid handle and C string.
+            let ret = unsafe { (api.rados_conf_read_file)(rados.cluster, path.as_ptr()) };
+            if ret < 0 {
+                return Err(rados.fail("read the ceph.conf", ret));
+            }
+        }
+        if let Some(monitors) = &client.monitors {
+            rados.set("mon_host", monitors)?;
+        }
+        if let Some(keyring) = &client.keyring {
+            rados.set("keyring", &keyring.to_string_lossy())?;
+        }
+        if let Some(key) = &client.key {
+            let key = key.ceph_key("key").map_err(|what| RbdError::Invalid { object: rados.object.clone(), what })?;
+            rados.set("key", &key)?;
+        }
+        // Requests to a cluster that does not answer fail instead of hanging.
+        rados.set("client_mount_timeout", "30")?;
+        rados.set("rados_mon_op_timeout", "30")?;
+        rados.set("rados_osd_op_timeout", "60")?;
+        // SAFETY: a configured cluster handle.
+        let ret = unsafe { (api.rados_connect)(rados.cluster) };
+        if ret < 0 {
+            return Err(rados.fail("connect to the cluster", ret));
+        }
+        Ok(rados)
+    }
+
+    fn set(&self, option: &str, value: &str) -> Result<(), RbdError> {
+        let (o, v) = (cstring(&self.object, option, option)?, cstring(&self.object, option, value)?);
+        // SAFETY: valid handle and C strings.
+        let ret = unsafe { (self.api.rados_conf_set)(self.cluster, o.as_ptr(), v.as_ptr()) };
+        if ret < 0 { Err(self.fail("set a client option", ret)) } else { Ok(()) }
+    }
+
+    /// This client's global id and address, as watchers and the
+    /// blocklist name it.
+    fn identity(&self) -> (u64, String) {
+        // SAFETY: connected handle.
+        let id = unsafe { (self.api.rados_get_instance_id)(self.cluster) };
+        let mut addrs: *mut c_char = std::ptr::null_mut();
+        // SAFETY: connected handle; `addrs` receives a buffer we free below.
+        let address = if unsafe { (self.api.rados_getaddrs)(self.cluster, &mut addrs) } >= 0 && !addrs.is_null() {
+            // SAFETY: a NUL-terminated string from librados, freed once.
+            let text = unsafe { std::ffi::CStr::from_ptr(addrs) }.to_string_lossy().into_owned();
+            // SAFETY: allocated by librados for the caller.
+            unsafe { (self.api.rados_buffer_free)(addrs) };
+            text
+        } else {
+            String::new()
+        };
+        (id, address)
+    }
+
+    /// Run a monitor command (JSON); its output text, or its error with
+    /// what the monitor said.
+    fn mon_command(&self, command: &str) -> Result<String, RbdError> {
+        let cmd = cstring(&self.object, "the command", command)?;
+        let cmds = [cmd.as_ptr()];
+        let (mut out, mut out_len, mut status, mut status_len) = (std::ptr::null_mut(), 0usize, std::ptr::null_mut(), 0usize);
+        // SAFETY: one valid C string; the out buffers are allocated by
+        // librados and freed below.
+        let ret = unsafe {
+            (self.api.rados_mon_command)(self.cluster, cmds.as_ptr(), 1, std::ptr::null(), 0, &mut out, &mut out_len, &mut status, &mut status_len)
+        };
+        let take = |buf: *mut c_char, len: usize| {
+            if buf.is_null() {
+                return String::new();
+            }
+            // SAFETY: librados allocated `len` bytes at `buf` for us.
+            let text = String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }).into_owned();
+            // SAFETY: as above; freed once.
+            unsafe { (self.api.rados_buffer_free)(buf) };
+            text
+        };
+        let (out, status) = (take(out, out_len), take(status, status_len));
+        if ret < 0 {
+            return Err(RbdError::Invalid {
+                object: self.object.clone(),
+                what: format!("monitor command failed: {} ({})", io::Error::from_raw_os_error(-ret), status.trim()),
+            });
+        }
+        Ok(if out.is_empty() { status } else { out })
+    }
+
+    /// An I/O context on `pool`, owning this connection.
+    fn into_pool(self, pool: &str) -> Result<Pool, RbdError> {
+        let name = cstring(&self.object, "the pool", pool)?;
+        let mut ioctx: Handle = std::ptr::null_mut();
+        // SAFETY: connected handle; `ioctx` receives a handle.
+        let ret = unsafe { (self.api.rados_ioctx_create)(self.cluster, name.as_ptr(), &mut ioctx) };
+        if ret < 0 {
+            return Err(self.fail("open the pool", ret));
+        }
+        Ok(Pool { ioctx, rados: self })
+    }
+}
+
+impl Drop for Rados {
+    fn drop(&mut self) {
+        // SAFETY: released once, after every ioctx and image of it.
+        unsafe { (self.api.rados_shutdown)(self.cluster) };
+    }
+}
+
+/// An I/O context and the connection it is on (released after it).
+struct Pool {
+    ioctx: Handle,
+    rados: Rados,
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // SAFETY: released once, after every image opened in it and
+        // before its cluster handle (the next field to drop).
+        unsafe { (self.rados.api.rados_ioctx_destroy)(self.ioctx) };
+    }
+}
+
+impl Pool {
+    /// Open `image`; read-only opens take no lock and register no watch.
+    fn open(&self, image: &str, read_only: bool) -> Result<Handle, RbdError> {
+        let api = self.rados.api;
+        let name = cstring(&self.rados.object, "the image", image)?;
+        let open = if read_only { api.rbd_open_read_only } else { api.rbd_open };
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: valid ioctx and C string; no snapshot (NULL).
+        let ret = unsafe { open(self.ioctx, name.as_ptr(), &mut handle, std::ptr::null()) };
+        if ret < 0 {
+            return Err(self.rados.fail("open the image", ret));
+        }
+        Ok(handle)
+    }
+}
+
+/// The clients watching `target`'s image (each client with the image open
+/// for writing has one), read without becoming one.
+pub fn watchers(target: &RbdTarget) -> Result<Vec<ImageWatcher>, RbdError> {
+    let pool = Rados::connect(&target.client, target.describe())?.into_pool(&target.pool)?;
+    let image = pool.open(&target.image, true)?;
+    let (rados, api) = (&pool.rados, pool.rados.api);
+    let mut capacity = 16usize;
+    let listed = loop {
+        let mut raw: Vec<RawWatcher> = (0..capacity).map(|_| RawWatcher { addr: std::ptr::null_mut(), id: 0, cookie: 0 }).collect();
+        let mut count = capacity;
+        // SAFETY: `raw` has room for `count` entries.
+        let ret = unsafe { (api.rbd_watchers_list)(image, raw.as_mut_ptr(), &mut count) };
+        if ret == -nix::libc::ERANGE && count > capacity && count <= 4096 {
+            capacity = count;
+            continue;
+        }
+        if ret < 0 {
+            break Err(rados.fail("list the image's watchers", ret));
+        }
+        let list = raw[..count]
+            .iter()
+            .map(|w| ImageWatcher {
+                // SAFETY: librbd filled `count` entries with C strings.
+                address: if w.addr.is_null() { String::new() } else { unsafe { std::ffi::CStr::from_ptr(w.addr) }.to_string_lossy().into_owned() },
+                id: w.id,
+            })
+            .collect();
+        // SAFETY: frees what librbd allocated in the first `count` entries.
+        unsafe { (api.rbd_watchers_list_cleanup)(raw.as_mut_ptr(), count) };
+        break Ok(list);
+    };
+    // SAFETY: opened above, closed once before its ioctx goes.
+    unsafe { (api.rbd_close)(image) };
+    listed
+}
+
+/// Fence the client at `address` ("ip:port/nonce") out of the cluster:
+/// the OSDs refuse its I/O from now on (`ceph osd blocklist add`).
+pub fn blocklist(client: &CephClient, address: &str) -> Result<(), RbdError> {
+    let rados = Rados::connect(client, client.describe())?;
+    let command = serde_json::json!({ "prefix": "osd blocklist", "blocklistop": "add", "addr": address }).to_string();
+    rados.mon_command(&command).map(drop).map_err(|e| match e {
+        RbdError::Invalid { object, what } => RbdError::Invalid { object, what: format!("blocklisting client {address}: {what}") },
+        e => e,
+    })
+}
+
+/// The [`Storage`](super::Storage) of a real node: librados and librbd.
+pub struct LibCeph;
+
+impl super::Storage for LibCeph {
+    fn rbd_watchers(&self, client: &CephClient, pool: &str, image: &str) -> Result<Vec<ImageWatcher>, super::SysError> {
+        Ok(watchers(&RbdTarget { client: client.clone(), pool: pool.to_string(), image: image.to_string() })?)
+    }
+
+    fn blocklist(&self, client: &CephClient, address: &str) -> Result<(), super::SysError> {
+        Ok(blocklist(client, address)?)
+    }
+}
+
 /// An open image: a cluster connection, an I/O context and the image.
 pub struct RbdExport {
-    api: Api,
-    cluster: Handle,
-    ioctx: Handle,
     image: Handle,
+    /// Released after the image (fields drop after `Drop::drop`).
+    pool: Pool,
     size: u64,
     read_only: bool,
     name: String,
+    identity: (u64, String),
 }
 
 // SAFETY: librbd image handles are safe to use from several threads at
@@ -123,107 +412,39 @@ unsafe impl Send for RbdExport {}
 // SAFETY: as above.
 unsafe impl Sync for RbdExport {}
 
-fn cstring(what: &str, value: &str, target: &RbdTarget) -> Result<CString, RbdError> {
-    CString::new(value).map_err(|_| RbdError::Invalid {
-        pool: target.pool.clone(),
-        image: target.image.clone(),
-        what: format!("{what} contains a NUL byte"),
-    })
-}
-
 impl RbdExport {
     /// Connect to the cluster and open the image (read-only: without the
     /// exclusive lock, so other readers may too).
     pub fn open(target: &RbdTarget, read_only: bool) -> Result<RbdExport, RbdError> {
-        let api = Api::load()?;
-        let fail = |op: &'static str, ret: c_int| RbdError::Ceph {
-            pool: target.pool.clone(),
-            image: target.image.clone(),
-            op,
-            source: io::Error::from_raw_os_error(-ret),
-        };
-        let user = cstring("the user", &target.user, target)?;
-        let mut cluster: Handle = std::ptr::null_mut();
-        // SAFETY: `cluster` receives a handle; `user` is a valid C string.
-        let ret = unsafe { (api.rados_create)(&mut cluster, user.as_ptr()) };
-        if ret < 0 {
-            return Err(fail("create a cluster handle", ret));
-        }
-        // From here on the handles are released by Drop (or below).
-        let mut export = RbdExport {
-            api,
-            cluster,
-            ioctx: std::ptr::null_mut(),
-            image: std::ptr::null_mut(),
-            size: 0,
-            read_only,
-            name: format!("{}/{}", target.pool, target.image),
-        };
-        let set = |export: &RbdExport, option: &str, value: &str| -> Result<(), RbdError> {
-            let (o, v) = (cstring(option, option, target)?, cstring(option, value, target)?);
-            // SAFETY: valid handle and C strings.
-            let ret = unsafe { (export.api.rados_conf_set)(export.cluster, o.as_ptr(), v.as_ptr()) };
-            if ret < 0 { Err(fail("set a client option", ret)) } else { Ok(()) }
-        };
-        if let Some(conf) = &target.conf {
-            let path = cstring("the conf path", &conf.to_string_lossy(), target)?;
-            // SAFETY: valid handle and C string.
-            let ret = unsafe { (export.api.rados_conf_read_file)(export.cluster, path.as_ptr()) };
-            if ret < 0 {
-                return Err(fail("read the ceph.conf", ret));
-            }
-        }
-        if let Some(monitors) = &target.monitors {
-            set(&export, "mon_host", monitors)?;
-        }
-        if let Some(keyring) = &target.keyring {
-            set(&export, "keyring", &keyring.to_string_lossy())?;
-        }
-        // Requests to a cluster that does not answer fail instead of hanging.
-        set(&export, "client_mount_timeout", "30")?;
-        set(&export, "rados_mon_op_timeout", "30")?;
-        set(&export, "rados_osd_op_timeout", "60")?;
-        // SAFETY: a configured cluster handle.
-        let ret = unsafe { (export.api.rados_connect)(export.cluster) };
-        if ret < 0 {
-            return Err(fail("connect to the cluster", ret));
-        }
-        let pool = cstring("the pool", &target.pool, target)?;
-        // SAFETY: connected handle; `ioctx` receives a handle.
-        let ret = unsafe { (export.api.rados_ioctx_create)(export.cluster, pool.as_ptr(), &mut export.ioctx) };
-        if ret < 0 {
-            return Err(fail("open the pool", ret));
-        }
-        let image = cstring("the image", &target.image, target)?;
-        let open = if read_only { export.api.rbd_open_read_only } else { export.api.rbd_open };
-        // SAFETY: valid ioctx and C string; no snapshot (NULL).
-        let ret = unsafe { open(export.ioctx, image.as_ptr(), &mut export.image, std::ptr::null()) };
-        if ret < 0 {
-            return Err(fail("open the image", ret));
-        }
+        let pool = Rados::connect(&target.client, target.describe())?.into_pool(&target.pool)?;
+        let image = pool.open(&target.image, read_only)?;
+        let identity = pool.rados.identity();
+        let mut export = RbdExport { image, pool, size: 0, read_only, name: format!("{}/{}", target.pool, target.image), identity };
         let mut size = 0u64;
         // SAFETY: open image.
-        let ret = unsafe { (export.api.rbd_get_size)(export.image, &mut size) };
+        let ret = unsafe { (export.api().rbd_get_size)(export.image, &mut size) };
         if ret < 0 {
-            return Err(fail("read the image's size", ret));
+            return Err(export.pool.rados.fail("read the image's size", ret));
         }
         export.size = size;
         Ok(export)
+    }
+
+    fn api(&self) -> &'static Api {
+        self.pool.rados.api
+    }
+
+    /// This export's client: its global id and address, as the image's
+    /// watchers list names it.
+    pub fn client(&self) -> (u64, &str) {
+        (self.identity.0, &self.identity.1)
     }
 }
 
 impl Drop for RbdExport {
     fn drop(&mut self) {
-        // SAFETY: each handle is released once, in reverse order of opening.
-        unsafe {
-            if !self.image.is_null() {
-                (self.api.rbd_close)(self.image);
-            }
-            if !self.ioctx.is_null() {
-                (self.api.rados_ioctx_destroy)(self.ioctx);
-            }
-            (self.api.rados_shutdown)(self.cluster);
-        }
+        // SAFETY: the image is closed once, before its pool and cluster.
+        unsafe { (self.api().rbd_close)(self.image) };
     }
 }
 
@@ -242,7 +463,7 @@ impl Export for RbdExport {
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         // SAFETY: `buf` is valid for `buf.len()` bytes.
-        let n = check(unsafe { (self.api.rbd_read2)(self.image, offset, buf.len(), buf.as_mut_ptr().cast(), 0) } as i64)?;
+        let n = check(unsafe { (self.api().rbd_read2)(self.image, offset, buf.len(), buf.as_mut_ptr().cast(), 0) } as i64)?;
         if n as usize != buf.len() {
             // Within the image (the server checks bounds): a short read is an error.
             return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
@@ -252,7 +473,7 @@ impl Export for RbdExport {
 
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         // SAFETY: `buf` is valid for `buf.len()` bytes.
-        let n = check(unsafe { (self.api.rbd_write2)(self.image, offset, buf.len(), buf.as_ptr().cast(), 0) } as i64)?;
+        let n = check(unsafe { (self.api().rbd_write2)(self.image, offset, buf.len(), buf.as_ptr().cast(), 0) } as i64)?;
         if n as usize != buf.len() {
             return Err(io::Error::from(io::ErrorKind::WriteZero));
         }
@@ -261,19 +482,19 @@ impl Export for RbdExport {
 
     fn flush(&self) -> io::Result<()> {
         // SAFETY: open image.
-        check(i64::from(unsafe { (self.api.rbd_flush)(self.image) })).map(drop)
+        check(i64::from(unsafe { (self.api().rbd_flush)(self.image) })).map(drop)
     }
 
     fn trim(&self, offset: u64, length: u64) -> io::Result<()> {
         // SAFETY: open image.
-        check(i64::from(unsafe { (self.api.rbd_discard)(self.image, offset, length) })).map(drop)
+        check(i64::from(unsafe { (self.api().rbd_discard)(self.image, offset, length) })).map(drop)
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, _punch: bool, _fast: bool) -> io::Result<()> {
         // librbd zeroes by discarding where whole objects are covered.
         let len = usize::try_from(length).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: open image.
-        check(unsafe { (self.api.rbd_write_zeroes)(self.image, offset, len, 0, 0) } as i64).map(drop)
+        check(unsafe { (self.api().rbd_write_zeroes)(self.image, offset, len, 0, 0) } as i64).map(drop)
     }
 
     fn extents(&self, _offset: u64, length: u32, _max: usize) -> io::Result<Vec<Extent>> {
