@@ -127,11 +127,34 @@ impl RootScratch {
 impl Drop for RootScratch {
     fn drop(&mut self) {
         use volagent::sys::Devices;
+        // Listed first: a loop device over an NBD client's file is known by
+        // that path only while the client's FUSE mount is there.
+        let loops = self.loops();
         for m in self.mounts().into_iter().rev() {
             let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
         }
-        for d in self.loops() {
+        for d in loops {
             let _ = volagent::sys::linux::Linux::unrooted().loop_detach(&d);
         }
+        // Helpers a failed test left (NBD servers and clients outlive the
+        // agent by design): every process with an argument under the root.
+        for pid in processes_naming(&self.root) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
     }
+}
+
+/// Processes (not this one) with a command-line argument under `root`.
+fn processes_naming(root: &Path) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|b| *b == 0).any(|a| Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(a)).starts_with(root)))
+        })
+        .collect()
 }

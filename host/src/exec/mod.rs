@@ -41,6 +41,9 @@ fn rollback_note(failures: &[String]) -> String {
 pub struct Outcome {
     /// Device of each attach-device step, by id.
     pub devices: BTreeMap<String, PathBuf>,
+    /// The storage clients the devices are served by (an RBD helper's
+    /// Ceph client): global id and address.
+    pub storage_clients: Vec<(u64, String)>,
 }
 
 /// An effect of this run that rollback undoes.
@@ -297,6 +300,16 @@ impl Run<'_> {
     /// node has one, else through a userspace client and a loop device.
     fn attach_rbd(&mut self, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
         let key = rbd_key(spec);
+        let device = self.attach_rbd_export(&key, spec, read_only)?;
+        // Who the helper is to the cluster, for the ledger: other nodes'
+        // agents place the image's watchers by it.
+        let clients = self.sys.nbd.storage_clients();
+        self.outcome.storage_clients.extend(clients.into_iter().filter(|(k, _, _)| *k == key).map(|(_, id, address)| (id, address)));
+        Ok(device)
+    }
+
+    fn attach_rbd_export(&mut self, key: &str, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
+        let key = key.to_string();
         if let Some(device) = self.export_device(&key)? {
             return Ok(device);
         }

@@ -65,6 +65,22 @@ pub struct AttachmentSpec {
     pub source: Option<VolumeSourceSpec>,
     #[serde(default)]
     pub consumers: Vec<ConsumerEntry>,
+    /// Each node's client of the storage system for the volume (an RBD
+    /// helper's Ceph client): how other nodes place the image's watchers,
+    /// and what a take-over blocklists.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub storage_clients: Vec<StorageClientEntry>,
+}
+
+/// A node's storage client, as the storage system names it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageClientEntry {
+    pub node: String,
+    /// Its global id ("client.<id>" in Ceph).
+    pub id: u64,
+    /// Its address, as blocklisting takes it ("ip:port/nonce").
+    pub address: String,
 }
 
 /// A volume's filesystem type and backend options, as the PV gives them.
@@ -221,6 +237,7 @@ mod tests {
                 read_only: false,
                 since: "2026-01-01T00:00:00Z".into(),
             }],
+            storage_clients: vec![],
         };
         let v = serde_json::to_value(&spec).unwrap();
         assert_eq!(v["accessMode"], "ReadWriteOnce");

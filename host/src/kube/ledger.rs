@@ -147,6 +147,11 @@ fn to_object(record: &Record, version: Option<&Version>) -> Attachment {
                 options: Some(s.options.clone()).filter(|o| !o.is_empty()),
             }),
             consumers: record.holders.iter().map(to_entry).collect(),
+            storage_clients: record
+                .storage_clients
+                .iter()
+                .map(|c| crds::StorageClientEntry { node: c.node.clone(), id: c.id, address: c.address.clone() })
+                .collect(),
         },
     }
 }
@@ -163,6 +168,12 @@ pub fn from_object(a: &Attachment) -> (Record, Version) {
             options: s.options.clone().unwrap_or_default(),
         }),
         holders: a.spec.consumers.iter().map(from_entry).collect(),
+        storage_clients: a
+            .spec
+            .storage_clients
+            .iter()
+            .map(|c| crate::ledger::StorageClient { node: c.node.clone(), id: c.id, address: c.address.clone() })
+            .collect(),
     };
     (record, Version(a.metadata.resource_version.clone().unwrap_or_default()))
 }

@@ -31,6 +31,12 @@ pub fn record(volume: &str, holders: &[(&str, &str)]) -> Record {
                 since: "2026-11-22T08:00:00Z".to_string(),
             })
             .collect(),
+        // Round-trips too: how other nodes place the image's watchers.
+        storage_clients: holders
+            .first()
+            .map(|(node, _)| super::StorageClient { node: node.to_string(), id: 4100, address: "10.0.0.7:0/3301".to_string() })
+            .into_iter()
+            .collect(),
     }
 }
 

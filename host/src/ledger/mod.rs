@@ -49,6 +49,21 @@ pub struct Record {
     #[serde(default)]
     pub source: Option<VolumeSource>,
     pub holders: Vec<Holder>,
+    /// The storage clients nodes opened the volume with (an RBD helper's
+    /// Ceph client), so that another node's agent can place the image's
+    /// watchers and fence a gone node's clients by address.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub storage_clients: Vec<StorageClient>,
+}
+
+/// A node's client of the storage system, as the storage names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StorageClient {
+    pub node: String,
+    /// Its global id ("client.<id>" in Ceph).
+    pub id: u64,
+    /// Its address, as blocklisting takes it.
+    pub address: String,
 }
 
 impl Record {

@@ -136,7 +136,7 @@ mod tests {
     }
 
     fn record(volume: &str, mode: AccessMode, holders: Vec<Holder>) -> Record {
-        Record { volume: volume.into(), backend: "local-pv".into(), access_mode: mode, storage_cluster: None, source: None, holders }
+        Record { volume: volume.into(), backend: "local-pv".into(), access_mode: mode, storage_cluster: None, source: None, holders, storage_clients: Vec::new() }
     }
 
     fn mount(point: &str, source: &str, root: &str) -> MountInfo {

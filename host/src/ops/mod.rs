@@ -10,7 +10,7 @@ pub mod request;
 pub mod stash;
 
 use crate::exec::Executor;
-use crate::ledger::{Ledger, LedgerError, Record, VolumeSource};
+use crate::ledger::{Ledger, LedgerError, Record, StorageClient, VolumeSource};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
 use crate::socket::protocol::{BackendStatus, FailureKind, Response};
 use crate::sys::Sys;
@@ -405,8 +405,13 @@ impl Agent {
                 same_volume(recorded, backend, &source)?;
             }
             let holders = current.as_ref().map(|(r, _)| r.holders.clone()).unwrap_or_default();
+            let mut clients = current.as_ref().map(|(r, _)| r.storage_clients.clone()).unwrap_or_default();
             let nodes = self.node_facts(&holders).await?;
-            let queries = Arc::new(self.node_queries(&plugin, &nodes).with_ceph(ceph_client(&volume, &secrets)));
+            let queries = Arc::new(
+                self.node_queries(&plugin, &nodes)
+                    .with_ceph(ceph_client(&volume, &secrets))
+                    .with_known_clients(clients.iter().map(|c| (c.id, c.node.clone())).collect()),
+            );
             let decision = plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
             let mut kept = holders.clone();
             let outcome = match &decision {
@@ -421,6 +426,8 @@ impl Agent {
                 Decision::TakeOver(take) => {
                     self.run_plan_with(take.fence_steps.clone(), &mut lock, secrets.clone()).await?;
                     kept.retain(|h| !take.stale.contains(h));
+                    // The gone nodes' clients were fenced with them.
+                    clients.retain(|c| !take.stale.iter().any(|h| h.consumer.node == c.node));
                 }
             }
             let already = kept.iter().any(|h| h.consumer.pod_uid == me.pod_uid && h.consumer.mount_dir == me.mount_dir);
@@ -435,10 +442,13 @@ impl Agent {
                 storage_cluster: storage_cluster(&volume),
                 source: Some(source.clone()),
                 holders: kept,
+                storage_clients: clients,
             };
             let written = match &current {
                 None => self.ledger.create(&record).await,
-                Some((r, v)) if record.holders != holders || r.source.is_none() => self.ledger.update(&record, v).await,
+                Some((r, v)) if record.holders != holders || r.source.is_none() || record.storage_clients != r.storage_clients => {
+                    self.ledger.update(&record, v).await
+                }
                 Some((_, v)) => Ok(v.clone()),
             };
             match written {
@@ -455,6 +465,14 @@ impl Agent {
             self.run_plan_with(plan, &mut lock, secrets.clone()).await
         }
         .await;
+        if let Ok(outcome) = &result
+            && !outcome.storage_clients.is_empty()
+            && let Err(e) = self.record_storage_clients(&volume.name, &outcome.storage_clients).await
+        {
+            // Fencing stays safe without it: other nodes cannot place this
+            // node's client, so they deny rather than take over.
+            tracing::warn!(volume = %volume.name, "recording the volume's storage client failed: {}", e.message);
+        }
         match result {
             Ok(outcome) => Ok(Response::Ok {
                 message: format!("volume {} mounted at {}", volume.name, me.mount_dir),
@@ -589,7 +607,30 @@ impl Agent {
         })
     }
 
-    /// Remove the holder at `mount_dir`; the record goes with its last holder.
+    /// Record this node's storage clients of `volume` (replacing earlier ones).
+    async fn record_storage_clients(&self, volume: &str, clients: &[(u64, String)]) -> Result<(), Failure> {
+        let node = &self.config.node;
+        for _ in 0..LEDGER_RETRIES {
+            let Some((mut record, version)) = self.ledger.get(volume).await.map_err(ledger_failure)? else {
+                return Ok(());
+            };
+            let mut wanted: Vec<StorageClient> = record.storage_clients.iter().filter(|c| c.node != *node).cloned().collect();
+            wanted.extend(clients.iter().map(|(id, address)| StorageClient { node: node.clone(), id: *id, address: address.clone() }));
+            if wanted == record.storage_clients {
+                return Ok(());
+            }
+            record.storage_clients = wanted;
+            match self.ledger.update(&record, &version).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.is_race() => continue,
+                Err(e) => return Err(ledger_failure(e)),
+            }
+        }
+        Err(Failure::new(FailureKind::Busy, format!("attachment record {volume} keeps changing; retry")))
+    }
+
+    /// Remove the holder at `mount_dir`; the record goes with its last
+    /// holder, and this node's storage clients with its last one here.
     async fn remove_holder(&self, volume: &str, mount_dir: &str) -> Result<(), Failure> {
         for _ in 0..LEDGER_RETRIES {
             let Some((mut record, version)) = self.ledger.get(volume).await.map_err(ledger_failure)? else {
@@ -599,6 +640,10 @@ impl Agent {
             record.holders.retain(|h| h.consumer.mount_dir != mount_dir);
             if record.holders.len() == before {
                 return Ok(());
+            }
+            let node = &self.config.node;
+            if !record.holders.iter().any(|h| h.consumer.node == *node) {
+                record.storage_clients.retain(|c| c.node != *node);
             }
             let result = if record.holders.is_empty() {
                 self.ledger.delete(volume, &version).await

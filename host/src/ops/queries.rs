@@ -27,6 +27,8 @@ pub struct NodeQueries {
     facts: Vec<NodeFacts>,
     /// The volume's Ceph cluster, for `image-watchers`.
     ceph: Option<CephClient>,
+    /// Storage clients the ledger records for the volume: global id, node.
+    known_clients: Vec<(u64, String)>,
 }
 
 /// Query threads that may be blocked in the kernel at once: beyond this,
@@ -58,11 +60,17 @@ impl NodeQueries {
     /// Queries of a backend that may ask about `roots`, each answered
     /// within `deadline`.
     pub fn new(node: String, sys: Sys, roots: Vec<PathBuf>, deadline: Duration) -> NodeQueries {
-        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new(), ceph: None }
+        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new(), ceph: None, known_clients: Vec::new() }
     }
 
     pub fn with_facts(mut self, facts: Vec<NodeFacts>) -> NodeQueries {
         self.facts = facts;
+        self
+    }
+
+    /// Place watchers that are these clients (global id, node) on their nodes.
+    pub fn with_known_clients(mut self, clients: Vec<(u64, String)>) -> NodeQueries {
+        self.known_clients = clients;
         self
     }
 
@@ -149,7 +157,8 @@ impl Queries for NodeQueries {
 
     /// Read from the cluster (librbd), within the guest's deadline. A
     /// watcher that is one of this node's own helper servers is placed on
-    /// this node; any other is unplaced (the guest counts it as foreign).
+    /// this node, one the ledger records for another node on that node;
+    /// any other is unplaced (the guest counts it as foreign).
     fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String> {
         let name = format!("{pool}/{image}");
         let Some(client) = self.ceph.clone() else {
@@ -163,7 +172,12 @@ impl Queries for NodeQueries {
         Ok(listed
             .into_iter()
             .map(|w| Watcher {
-                node: u64::try_from(w.id).ok().filter(|id| ours.contains(id)).map(|_| self.node.clone()),
+                node: u64::try_from(w.id).ok().and_then(|id| {
+                    if ours.contains(&id) {
+                        return Some(self.node.clone());
+                    }
+                    self.known_clients.iter().find(|(known, _)| *known == id).map(|(_, node)| node.clone())
+                }),
                 client: format!("client.{}", w.id),
                 address: w.address,
             })
@@ -207,6 +221,9 @@ mod tests {
         assert_eq!(w.len(), 2);
         assert_eq!((w[0].client.as_str(), w[0].node.as_deref()), ("client.5000", Some("n1")));
         assert_eq!((w[1].client.as_str(), w[1].address.as_str(), w[1].node.as_deref()), ("client.4100", "10.0.0.7:0/99", None));
+        let placed = q.with_known_clients(vec![(4100, "n2".into())]).image_watchers("rbd", "img").unwrap();
+        assert_eq!(placed[1].node.as_deref(), Some("n2"), "the ledger's record places another node's client");
+        let q = queries(&fake).with_ceph(Some(CephClient { monitors: Some("10.0.0.1:6789".into()), user: "admin".into(), ..Default::default() }));
         fake.fail_next("rbd-watchers");
         assert!(q.image_watchers("rbd", "img").unwrap_err().contains("rbd/img"));
     }
