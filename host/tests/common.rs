@@ -69,6 +69,33 @@ pub struct RootScratch {
     /// The files [`Self::image`] made: a loop device over one is the test's
     /// even when attached through another path (e.g. inside a container).
     images: std::sync::Mutex<Vec<volagent::sys::FileId>>,
+    /// Tells the FUSE watchdog the test is over.
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// How long a root test may run before its FUSE mounts are aborted:
+/// a FUSE request to a daemon that hangs blocks its caller in the kernel,
+/// where no signal reaches it, so a hung backend would hang CI instead of
+/// failing a test.
+const FUSE_WATCHDOG: Duration = Duration::from_secs(300);
+
+/// Abort every FUSE connection mounted below `root` (fusectl) and kill
+/// every process naming `root` (the FUSE daemons): blocked requests fail.
+fn abort_fuse_below(root: &Path) {
+    let fusectl = Path::new("/sys/fs/fuse/connections");
+    if std::fs::read_dir(fusectl).map(|mut d| d.next().is_none()).unwrap_or(true) {
+        let _ = nix::mount::mount(Some("fusectl"), fusectl, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+    }
+    let text = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
+    for m in volagent::sys::mountinfo::parse(&text).unwrap_or_default() {
+        if m.mount_point.starts_with(root) && m.fs_type.starts_with("fuse") {
+            eprintln!("FUSE watchdog: aborting the hung FUSE mount {} (connection {})", m.mount_point.display(), m.device.1);
+            let _ = std::fs::write(fusectl.join(m.device.1.to_string()).join("abort"), "1");
+        }
+    }
+    for pid in processes_naming(root) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
 }
 
 impl RootScratch {
@@ -79,7 +106,21 @@ impl RootScratch {
         mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).expect("make / private");
         let dir = tempfile::Builder::new().prefix("volagent-root-").tempdir_in("/var/tmp").expect("scratch dir");
         let root = std::fs::canonicalize(dir.path()).expect("resolve the scratch dir");
-        RootScratch { dir, root, images: Default::default() }
+        // Started after unshare: the watchdog thread sees the test's mounts.
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, below) = (done.clone(), root.clone());
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+                if start.elapsed() > FUSE_WATCHDOG {
+                    eprintln!("FUSE watchdog: the test has run for {FUSE_WATCHDOG:?}");
+                    abort_fuse_below(&below);
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        RootScratch { dir, root, images: Default::default(), done }
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
@@ -127,6 +168,7 @@ impl RootScratch {
 impl Drop for RootScratch {
     fn drop(&mut self) {
         use volagent::sys::Devices;
+        self.done.store(true, std::sync::atomic::Ordering::SeqCst);
         // Listed first: a loop device over an NBD client's file is known by
         // that path only while the client's FUSE mount is there.
         let loops = self.loops();

@@ -111,15 +111,70 @@ impl Cluster {
     /// kubelet's mount of PV `volume` for a new pod `pod` on `node`, with
     /// the Secret's key as kubelet passes it.
     fn mount(&self, node: &str, pod: &str, volume: &str, key: &str) -> (String, (i32, Value)) {
+        self.mount_with(node, pod, volume, Some(key))
+    }
+
+    /// [`mount`](Self::mount), with no Secret on the PV when `key` is None.
+    fn mount_with(&self, node: &str, pod: &str, volume: &str, key: Option<&str>) -> (String, (i32, Value)) {
         let uid = self.rt.block_on(kube_common::create_pod(&self.client(), pod, &[volume], &[]));
         let dir = self.scratch.path(&format!("{node}/kubelet/pods/{uid}/volumes/volagent~rbd/{volume}"));
         std::fs::create_dir_all(&dir).unwrap();
         let dir = dir.display().to_string();
         let mut opts = kubelet_options(volume, pod, &uid, "ext4", "");
         opts.as_object_mut().unwrap().remove("path");
-        opts["kubernetes.io/secret/key"] = base64::engine::general_purpose::STANDARD.encode(key).into();
+        if let Some(key) = key {
+            opts["kubernetes.io/secret/key"] = base64::engine::general_purpose::STANDARD.encode(key).into();
+        }
         let driver = self.scratch.path(&format!("{node}/vpd/volagent~rbd/rbd"));
         (dir.clone(), run_driver(Command::new(driver).args(["mount", &dir, &opts.to_string()])))
+    }
+
+    fn spawn_controller(&mut self) {
+        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+            .args(["controller", "--scan-interval", "1h", "--lease-duration", "3s", "--cluster-interval", "1s", "--namespace", "default", "--identity", "test-controller"])
+            .arg("--kubeconfig")
+            .arg(self.env.kubeconfig_path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.agents.push(("controller".into(), child));
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(self.client(), "default");
+        self.wait("the controller to take the lease", || {
+            self.rt.block_on(leases.get_opt("volagent-controller")).ok().flatten().and_then(|l| l.spec?.holder_identity).as_deref() == Some("test-controller")
+        });
+    }
+
+    fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !done() {
+            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// A StorageCluster of rbd at the run's Ceph, its key in Secret `secret`.
+    fn create_storage_cluster(&self, name: &str, secret: &str) {
+        use volagent::kube::crds::{SecretReference, StorageCluster, StorageClusterSpec};
+        let spec = StorageClusterSpec {
+            backend: "rbd".into(),
+            endpoints: vec!["127.0.0.1:6789".into()],
+            secret_ref: Some(SecretReference { namespace: "default".into(), name: secret.into() }),
+            parameters: [("user".to_string(), "volagent".to_string()), ("pool".to_string(), "rbd".to_string())].into(),
+        };
+        let api: Api<StorageCluster> = Api::all(self.client());
+        self.rt.block_on(api.create(&Default::default(), &StorageCluster::new(name, spec))).unwrap();
+    }
+
+    fn create_secret(&self, name: &str, key: &str) {
+        use k8s_openapi::api::core::v1::Secret;
+        let secret = Secret {
+            metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
+            data: Some([("key".to_string(), k8s_openapi::ByteString(key.as_bytes().to_vec()))].into()),
+            ..Default::default()
+        };
+        let api: Api<Secret> = Api::namespaced(self.client(), "default");
+        self.rt.block_on(api.create(&Default::default(), &secret)).unwrap();
     }
 
     fn record(&self, volume: &str) -> Attachment {
@@ -202,4 +257,54 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     let _ = Command::new("ceph").arg("-c").arg(dir.join("ceph.conf")).args(["osd", "blocklist", "rm", &clients[0].address]).output();
     let loops = std::fs::read_to_string(format!("/sys/block/{}/loop/backing_file", old_device.trim_start_matches("/dev/")));
     assert!(loops.is_err(), "{old_device} is still attached: {loops:?}");
+}
+
+/// A volume that names a StorageCluster gets its monitors, user and pool
+/// from it and the Ceph key from the Secret it references (kubelet passes
+/// none); a missing Secret is a clear error naming it. Deleting the
+/// StorageCluster force-cleans its volumes on every node: mounts, devices,
+/// helpers and the images' watchers all go, and so do the records.
+#[test]
+fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
+    let dir = ceph_dir();
+    let key = volagent_key(&dir);
+    let (one, two) = (Image::create(&dir, 64), Image::create(&dir, 64));
+    let mut c = Cluster::start(&["node-a", "node-b"]);
+    c.spawn_controller();
+    c.create_secret("ceph-volagent", &key);
+    c.create_storage_cluster("ceph", "ceph-volagent");
+    c.create_storage_cluster("ceph-unkeyed", "absent");
+    let clusters: Api<volagent::kube::crds::StorageCluster> = Api::all(c.client());
+    c.wait("the finalizer", || {
+        c.rt.block_on(clusters.get("ceph")).ok().and_then(|s| s.metadata.finalizers).is_some_and(|f| f.iter().any(|f| f == volagent::kube::crds::CLEANUP_FINALIZER))
+    });
+    for (pv, image, sc) in [("pv-sc-1", &one, "ceph"), ("pv-sc-2", &two, "ceph"), ("pv-unkeyed", &one, "ceph-unkeyed")] {
+        c.rt.block_on(kube_common::create_pv(&c.client(), pv, "rbd", "ReadWriteOnce", &[("storageCluster", sc), ("image", image.name.as_str())]));
+    }
+
+    let (_, r) = c.mount_with("node-a", "unkeyed", "pv-unkeyed", None);
+    assert_eq!(r.1["status"], "Failure", "{}", r.1);
+    let message = r.1["message"].as_str().unwrap();
+    assert!(message.contains("Secret default/absent (named by StorageCluster ceph-unkeyed) does not exist"), "{message}");
+
+    let (a, r) = c.mount_with("node-a", "a", "pv-sc-1", None);
+    assert_success(&r);
+    let (b, r) = c.mount_with("node-b", "b", "pv-sc-2", None);
+    assert_success(&r);
+    write_through(&format!("{a}/data"), b"on node-a").unwrap();
+    write_through(&format!("{b}/data"), b"on node-b").unwrap();
+    assert_eq!((watchers(&one).len(), watchers(&two).len()), (1, 1));
+    assert_eq!(c.record("pv-sc-1").spec.storage_cluster.as_deref(), Some("ceph"));
+
+    c.rt.block_on(clusters.delete("ceph", &Default::default())).unwrap();
+    c.wait("the StorageCluster to go", || c.rt.block_on(clusters.get_opt("ceph")).unwrap().is_none());
+    assert!(c.scratch.mounts().is_empty(), "every node's mounts are gone: {:?}", c.scratch.mounts());
+    assert!(c.scratch.loops().is_empty(), "and their devices");
+    for node in ["node-a", "node-b"] {
+        let st = c.scratch.path(&format!("{node}/state"));
+        wait_until("the NBD clients and helpers to end", || clients_under(&st).is_empty() && servers_under(&st).is_empty());
+    }
+    assert!(watchers(&one).is_empty() && watchers(&two).is_empty(), "no client is left on the images");
+    let api: Api<Attachment> = Api::all(c.client());
+    assert!(c.rt.block_on(api.get_opt("pv-sc-1")).unwrap().is_none() && c.rt.block_on(api.get_opt("pv-sc-2")).unwrap().is_none(), "the records went");
 }

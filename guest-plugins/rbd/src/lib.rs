@@ -1,6 +1,8 @@
 //! rbd: Ceph RBD images, mapped on the node, formatted if needed, mounted.
 //!
-//! Options: `monitors` (required, comma-separated "host:port"), `pool`
+//! Options: `monitors` (comma-separated "host:port"; required unless the
+//! volume names a StorageCluster, whose endpoints the host passes as
+//! `endpoints`, and whose parameters as options), `pool`
 //! (default "rbd"), `image` (required), `user` (default "admin"), `secretKey`
 //! (the key name in the volume's secret holding the user's key; default "key"
 //! when the secret has one, else the node's keyring).
@@ -23,10 +25,14 @@ const FILESYSTEMS: &[&str] = &["ext4", "xfs"];
 
 /// The image a volume names, from its options.
 pub fn image_spec(volume: &Volume) -> Result<RbdSpec, PolicyError> {
-    let monitors = options::list(volume, "monitors");
+    let mut monitors = options::list(volume, "monitors");
+    if monitors.is_empty() {
+        // The StorageCluster the volume names: the host passes its endpoints.
+        monitors = options::list(volume, "endpoints");
+    }
     if monitors.is_empty() {
         return Err(PolicyError::InvalidOptions(format!(
-            "volume {}: option \"monitors\" is required (comma-separated host:port)",
+            "volume {}: option \"monitors\" is required (comma-separated host:port), unless the volume names a StorageCluster with endpoints",
             volume.name
         )));
     }
@@ -245,6 +251,12 @@ mod tests {
         let mut v = volume(AccessMode::ReadWriteOnce);
         v.options.push(KeyValue { key: "secretKey".into(), value: "nope".into() });
         assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("nope")));
+        // A StorageCluster's endpoints stand in for monitors.
+        let mut v = volume(AccessMode::ReadWriteOnce);
+        v.options.retain(|kv| kv.key != "monitors");
+        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"monitors\"")));
+        v.options.push(KeyValue { key: "endpoints".into(), value: "10.0.0.3:6789".into() });
+        assert_eq!(image_spec(&v).unwrap().monitors, vec!["10.0.0.3:6789"]);
     }
 
     #[test]

@@ -77,8 +77,9 @@ pub struct AttachmentSpec {
 #[serde(rename_all = "camelCase")]
 pub struct StorageClientEntry {
     pub node: String,
-    /// Its global id ("client.<id>" in Ceph).
-    pub id: u64,
+    /// Its global id ("client.<id>" in Ceph; int64 as librbd reports it,
+    /// and a schema without the minimum an unsigned field would add).
+    pub id: i64,
     /// Its address, as blocklisting takes it ("ip:port/nonce").
     pub address: String,
 }

@@ -150,7 +150,8 @@ fn to_object(record: &Record, version: Option<&Version>) -> Attachment {
             storage_clients: record
                 .storage_clients
                 .iter()
-                .map(|c| crds::StorageClientEntry { node: c.node.clone(), id: c.id, address: c.address.clone() })
+                // Ceph's global ids are far below 2^63.
+                .filter_map(|c| Some(crds::StorageClientEntry { node: c.node.clone(), id: i64::try_from(c.id).ok()?, address: c.address.clone() }))
                 .collect(),
         },
     }
@@ -172,7 +173,7 @@ pub fn from_object(a: &Attachment) -> (Record, Version) {
             .spec
             .storage_clients
             .iter()
-            .map(|c| crate::ledger::StorageClient { node: c.node.clone(), id: c.id, address: c.address.clone() })
+            .filter_map(|c| Some(crate::ledger::StorageClient { node: c.node.clone(), id: u64::try_from(c.id).ok()?, address: c.address.clone() }))
             .collect(),
     };
     (record, Version(a.metadata.resource_version.clone().unwrap_or_default()))

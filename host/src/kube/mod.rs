@@ -7,4 +7,5 @@ pub mod cluster;
 pub mod node_tasks;
 pub mod controller;
 pub mod lease;
+pub mod storage;
 pub mod volumes;

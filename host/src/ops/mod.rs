@@ -364,7 +364,7 @@ impl Agent {
         let plugin = self.plugin(backend)?;
         let mut volume = req.volume;
         let mut me = req.consumer;
-        let secrets = Arc::new(req.secrets);
+        let mut secrets = req.secrets;
         if let Some(cluster) = &self.cluster {
             // What the volume is comes from the cluster (its PV, or the
             // pod's inline volume where an admin allows those), never from
@@ -391,7 +391,29 @@ impl Agent {
             volume.options = defined.options;
             me.read_only |= defined.read_only;
             subject.volume = Some(volume.name.clone());
+            if let Some(name) = storage_cluster(&volume) {
+                // Where the storage is and the credentials to reach it come
+                // from the StorageCluster (and the Secret it names) too.
+                let connection = cluster.storage_connection(&name, backend).await.map_err(|e| {
+                    let kind = match e {
+                        crate::kube::volumes::VolumeError::Api { .. } => FailureKind::Unavailable,
+                        crate::kube::volumes::VolumeError::Refused(_) => FailureKind::Denied,
+                    };
+                    Failure::new(kind, format!("volume {}: {e}", volume.name))
+                })?;
+                for (key, value) in connection.options() {
+                    if !volume.options.iter().any(|kv| kv.key == key) {
+                        volume.options.push(crate::policy::KeyValue { key, value });
+                    }
+                }
+                for (key, value) in connection.secrets {
+                    // A value kubelet passed (the PV's own secretRef) wins.
+                    secrets.entry(key).or_insert(value);
+                }
+                volume.secret_keys = secrets.keys().cloned().collect();
+            }
         }
+        let secrets = Arc::new(secrets);
         let mut lock = Some(self.lock(&volume.name)?);
         let paths = self.config.paths(backend, &volume.name);
 
@@ -712,12 +734,14 @@ fn same_volume(recorded: &Record, backend: &str, source: &VolumeSource) -> Resul
 pub const STORAGE_CLUSTER_OPTION: &str = "storageCluster";
 
 /// How the host reaches the Ceph cluster of a volume for the guest's
-/// `image-watchers`: its `monitors`, `user` (default admin) and, from its
-/// secret, the key named by `secretKey` (default "key") — the rbd
-/// backend's option names. None when the volume names no monitors.
+/// `image-watchers`: its `monitors` (or its StorageCluster's endpoints),
+/// `user` (default admin) and, from its secret, the key named by
+/// `secretKey` (default "key") — the rbd backend's option names. None when
+/// the volume names no monitors.
 fn ceph_client(volume: &Volume, secrets: &crate::secret::Secrets) -> Option<crate::sys::rbd_export::CephClient> {
     let get = |k: &str| volume.options.iter().find(|kv| kv.key == k).map(|kv| kv.value.as_str());
-    let monitors: Vec<&str> = get("monitors")?.split(',').map(str::trim).filter(|m| !m.is_empty()).collect();
+    let listed = get("monitors").or(get(crate::kube::storage::ENDPOINTS_OPTION))?;
+    let monitors: Vec<&str> = listed.split(',').map(str::trim).filter(|m| !m.is_empty()).collect();
     if monitors.is_empty() {
         return None;
     }

@@ -20,11 +20,18 @@ pub struct Deadlines {
     pub mkfs: Duration,
     /// Whole-device wipes (shred) take as long as the device is big.
     pub wipe: Duration,
+    /// A network filesystem's mount helper (gluster): the server may not answer.
+    pub network_mount: Duration,
 }
 
 impl Default for Deadlines {
     fn default() -> Self {
-        Deadlines { probe: Duration::from_secs(10), mkfs: Duration::from_secs(300), wipe: Duration::from_secs(6 * 3600) }
+        Deadlines {
+            probe: Duration::from_secs(10),
+            mkfs: Duration::from_secs(300),
+            wipe: Duration::from_secs(6 * 3600),
+            network_mount: Duration::from_secs(60),
+        }
     }
 }
 
@@ -208,6 +215,12 @@ impl Mounts for Linux {
 
     fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError> {
         let dir = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
+        if fs_type == "glusterfs" {
+            // The helper takes a path: the dir was just resolved beneath the
+            // roots (the agent's own staging dir, which nobody else writes).
+            drop(dir);
+            return super::gluster_mount::mount(source, target, options, read_only, self.deadlines.network_mount);
+        }
         let (mut flags, data) = split_options(options);
         flags |= MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
         if read_only {

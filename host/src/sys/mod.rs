@@ -9,6 +9,7 @@ pub mod beneath;
 mod block;
 pub mod export_file;
 pub mod fake;
+pub mod gluster_mount;
 pub mod linux;
 pub mod loopdev;
 pub mod mountinfo;
