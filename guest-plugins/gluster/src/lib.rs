@@ -1,8 +1,10 @@
 //! gluster: a GlusterFS volume mounted with the FUSE client. No device;
 //! many writers by nature (the standard access-mode rules still apply).
 //!
-//! Options: `servers` (required, comma-separated; the first is asked for the
-//! volfile, the rest are backups), `volume` (required: the gluster volume).
+//! Options: `servers` (comma-separated; the first is asked for the volfile,
+//! the rest are backups; required unless the volume names a StorageCluster,
+//! whose endpoints the host passes as `endpoints`), `volume` (required: the
+//! gluster volume).
 
 use volagent_guest_sdk::{
     BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision, Holder, Host,
@@ -16,10 +18,14 @@ volagent_guest_sdk::export_policy!(crate::Gluster);
 
 /// The mount of the volume at the staging dir.
 pub fn staging_mount(volume: &Volume, paths: &NodePaths) -> Result<Mount, PolicyError> {
-    let servers = options::list(volume, "servers");
+    let mut servers = options::list(volume, "servers");
+    if servers.is_empty() {
+        // The StorageCluster the volume names: the host passes its endpoints.
+        servers = options::list(volume, "endpoints");
+    }
     let Some((first, backups)) = servers.split_first() else {
         return Err(PolicyError::InvalidOptions(format!(
-            "volume {}: option \"servers\" is required (comma-separated gluster servers)",
+            "volume {}: option \"servers\" is required (comma-separated gluster servers), unless the volume names a StorageCluster with endpoints",
             volume.name
         )));
     };
@@ -148,6 +154,12 @@ mod tests {
         let single = staging_mount(&volume("g1"), &paths()).unwrap();
         assert!(!single.options.iter().any(|o| o.starts_with("backup-volfile-servers")));
         assert!(matches!(staging_mount(&volume(" , "), &paths()), Err(PolicyError::InvalidOptions(_))));
+        // A StorageCluster's endpoints stand in for servers.
+        let mut v = volume(" ");
+        v.options.push(KeyValue { key: "endpoints".into(), value: "g7,g8".into() });
+        let m = staging_mount(&v, &paths()).unwrap();
+        assert_eq!(m.source, MountSource::Network("g7:/gv0".into()));
+        assert_eq!(m.options[0], "backup-volfile-servers=g8");
     }
 
     #[test]

@@ -1,0 +1,141 @@
+//! rbd volumes under the kubelet tier: a real kubelet 1.20.2 and containerd
+//! on two nodes (support/kubelet_cluster.rs) mount a PV of `volagent/rbd`
+//! whose `secretRef` kubelet resolves and passes on as it does for any
+//! Flexvolume driver. The nodes live in a network namespace of their own,
+//! so the test starts its own single-node Ceph there (scripts/ceph-env with
+//! a dir in the scratch dir; Ceph's fixed ports are free in that
+//! namespace). Needs root and the kubelet tier's assets; fails (never
+//! skips) without them.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+mod kube_common;
+#[path = "support/kubelet_cluster.rs"]
+mod kubelet_cluster;
+
+use kube::api::{Api, PostParams};
+use kubelet_cluster::*;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// A single-node Ceph in the calling thread's network namespace, stopped
+/// on drop.
+struct Ceph {
+    dir: PathBuf,
+}
+
+fn ceph_env() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ceph-env")
+}
+
+impl Ceph {
+    fn start(dir: PathBuf) -> Ceph {
+        let out = Command::new("bash").arg(ceph_env()).arg("start").env("VOLAGENT_CEPH_DIR", &dir).output().unwrap();
+        assert!(out.status.success(), "scripts/ceph-env start: {}", String::from_utf8_lossy(&out.stderr));
+        Ceph { dir }
+    }
+
+    fn rbd(&self, args: &[&str]) -> String {
+        let out = Command::new("rbd").arg("-c").arg(self.dir.join("ceph.conf")).args(args).output().unwrap();
+        assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn watchers(&self, image: &str) -> usize {
+        let v: serde_json::Value = serde_json::from_str(&self.rbd(&["status", "--format", "json", image])).unwrap();
+        v["watchers"].as_array().unwrap().len()
+    }
+}
+
+impl Drop for Ceph {
+    fn drop(&mut self) {
+        let _ = Command::new("bash").arg(ceph_env()).arg("stop").env("VOLAGENT_CEPH_DIR", &self.dir).output();
+    }
+}
+
+/// PVC → PV (`volagent/rbd`, its Ceph key in a Secret kubelet reads) → a
+/// pod on node-a writes and keeps the ReadWriteOnce image; a pod on
+/// node-b waits, fenced, until it is gone, then reads what node-a wrote.
+/// After the last pod, nothing is left: no mount, loop device, helper,
+/// record, or watcher on the image.
+#[test]
+fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_free() {
+    let c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::RBD, "rbd")]);
+    let ceph = Ceph::start(c.scratch.path("ceph"));
+    ceph.rbd(&["create", "--size", "64M", "rbd/kubelet-0"]);
+    let key = std::fs::read_to_string(ceph.dir.join("volagent.key")).unwrap().trim().to_string();
+
+    let secret: k8s_openapi::api::core::v1::Secret =
+        serde_json::from_value(json!({
+            "metadata": { "name": "ceph-volagent" },
+            // kubelet hands a Flexvolume driver only a Secret of its own type.
+            "type": "volagent/rbd",
+            "stringData": { "key": key },
+        }))
+        .unwrap();
+    c.rt.block_on(Api::<k8s_openapi::api::core::v1::Secret>::namespaced(c.client(), "default").create(&PostParams::default(), &secret)).unwrap();
+    let pv: k8s_openapi::api::core::v1::PersistentVolume = serde_json::from_value(json!({
+        "metadata": { "name": "img" },
+        "spec": {
+            "capacity": { "storage": "64Mi" },
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "",
+            "flexVolume": {
+                "driver": "volagent/rbd",
+                "fsType": "ext4",
+                "secretRef": { "name": "ceph-volagent", "namespace": "default" },
+                "options": { "monitors": "127.0.0.1:6789", "pool": "rbd", "image": "kubelet-0", "user": "volagent" },
+            },
+        }
+    }))
+    .unwrap();
+    c.rt.block_on(Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(c.client()).create(&PostParams::default(), &pv)).unwrap();
+    let claim_of: k8s_openapi::api::core::v1::PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": { "name": "img-claim" },
+        "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": "img", "resources": { "requests": { "storage": "64Mi" } } }
+    }))
+    .unwrap();
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    c.rt.block_on(claims.create(&PostParams::default(), &claim_of)).unwrap();
+    let start = std::time::Instant::now();
+    while c.rt.block_on(claims.get("img-claim")).ok().and_then(|c| c.status?.phase).as_deref() != Some("Bound") {
+        assert!(start.elapsed() < Duration::from_secs(60), "the claim of PV img did not bind");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let vol = || [("data", claim("img"))];
+    c.create_pod(pod_with("writer", "node-a", &serve("echo from-node-a > /data/note"), &vol(), Some("test -s /data/note"), "Never"));
+    c.wait_pod("writer", "Ready", is_ready);
+    assert_eq!(ceph.watchers("rbd/kubelet-0"), 1, "node-a's helper holds the image");
+    let rec = c.record("img").expect("record");
+    assert_eq!(rec.spec.storage_clients.iter().map(|s| s.node.as_str()).collect::<Vec<_>>(), ["node-a"]);
+
+    c.create_pod(pod_with("reader", "node-b", &serve("cat /data/note > /dev/termination-log"), &vol(), Some("test -s /data/note"), "Never"));
+    let said = c.wait_event("reader", "VolumeFenced", &["volume img (ReadWriteOnce) is in use by pod default/writer", "on node node-a"]);
+    assert!(said.starts_with("volagent on node-b"), "{said}");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(waiting_reason(c.pod("reader").as_ref()).as_deref(), Some("ContainerCreating"));
+
+    c.delete_pod("writer");
+    c.wait_pod("reader", "Ready once the writer is gone (and seeing its note)", is_ready);
+    let rec = c.record("img").expect("record");
+    assert_eq!(rec.spec.consumers.iter().map(|h| h.node.as_str()).collect::<Vec<_>>(), ["node-b"]);
+    c.delete_pod("reader");
+
+    // Everything comes down with the last pod.
+    let start = std::time::Instant::now();
+    while (c.record("img").is_some() || ceph.watchers("rbd/kubelet-0") > 0 || !c.scratch.loops().is_empty()) && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(c.record("img").is_none(), "the record is left");
+    assert_eq!(ceph.watchers("rbd/kubelet-0"), 0, "a helper is left on the image\n{}", tail(&c.node("node-b").agent_log()));
+    assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}", c.scratch.loops());
+    for node in ["node-a", "node-b"] {
+        let root = c.node(node).kubelet_root();
+        let left: Vec<PathBuf> = c.mounts_below(&root).into_iter().filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))).collect();
+        assert!(left.is_empty(), "volume mounts left on {node}: {left:?}");
+    }
+}
