@@ -100,6 +100,11 @@ fn abort_fuse_below(root: &Path) {
 
 impl RootScratch {
     pub fn enter() -> RootScratch {
+        RootScratch::enter_with_watchdog(FUSE_WATCHDOG)
+    }
+
+    /// [`enter`](Self::enter), aborting FUSE mounts after `watchdog`.
+    pub fn enter_with_watchdog(watchdog: Duration) -> RootScratch {
         use nix::mount::{MsFlags, mount};
         assert!(nix::unistd::geteuid().is_root(), "needs root: this test uses loop devices and mounts (CI runs it as root)");
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("a private mount namespace");
@@ -112,8 +117,8 @@ impl RootScratch {
         std::thread::spawn(move || {
             let start = std::time::Instant::now();
             while !flag.load(std::sync::atomic::Ordering::SeqCst) {
-                if start.elapsed() > FUSE_WATCHDOG {
-                    eprintln!("FUSE watchdog: the test has run for {FUSE_WATCHDOG:?}");
+                if start.elapsed() > watchdog {
+                    eprintln!("FUSE watchdog: the test has run for {watchdog:?}");
                     abort_fuse_below(&below);
                     return;
                 }

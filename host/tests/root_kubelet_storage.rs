@@ -1,11 +1,12 @@
-//! rbd volumes under the kubelet tier: a real kubelet 1.20.2 and containerd
-//! on two nodes (support/kubelet_cluster.rs) mount a PV of `volagent/rbd`
-//! whose `secretRef` kubelet resolves and passes on as it does for any
-//! Flexvolume driver. The nodes live in a network namespace of their own,
-//! so the test starts its own single-node Ceph there (scripts/ceph-env with
-//! a dir in the scratch dir; Ceph's fixed ports are free in that
-//! namespace). Needs root and the kubelet tier's assets; fails (never
-//! skips) without them.
+//! rbd and gluster volumes under the kubelet tier: a real kubelet 1.20.2
+//! and containerd on two nodes (support/kubelet_cluster.rs) mount PVs of
+//! `volagent/rbd` (whose `secretRef` kubelet resolves and passes on, as for
+//! any Flexvolume driver) and `volagent/gluster`. The nodes live in a
+//! network namespace of their own, so each test starts its own storage
+//! there: a single-node Ceph (scripts/ceph-env, its dir in the scratch dir)
+//! or GlusterFS (scripts/gluster-env, under a /run of its own); their fixed
+//! ports are free in that namespace. Needs root and the kubelet tier's
+//! assets; fails (never skips) without them.
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
@@ -27,8 +28,37 @@ struct Ceph {
     dir: PathBuf,
 }
 
+fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts").join(name)
+}
+
 fn ceph_env() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ceph-env")
+    script("ceph-env")
+}
+
+/// A single-node GlusterFS in the calling thread's network namespace
+/// (glusterd's CLI socket in a /run of its own), stopped on drop.
+struct Gluster {
+    dir: PathBuf,
+}
+
+impl Gluster {
+    fn start(dir: PathBuf) -> Gluster {
+        let out = Command::new("unshare")
+            .args(["-m", "bash", "-c", "mount --make-rprivate / && mount -t tmpfs tmpfs /run && exec bash \"$0\" start"])
+            .arg(script("gluster-env"))
+            .env("VOLAGENT_GLUSTER_DIR", &dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "scripts/gluster-env start: {}", String::from_utf8_lossy(&out.stderr));
+        Gluster { dir }
+    }
+}
+
+impl Drop for Gluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash").arg(script("gluster-env")).arg("stop").env("VOLAGENT_GLUSTER_DIR", &self.dir).output();
+    }
 }
 
 impl Ceph {
@@ -133,6 +163,53 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
     assert!(c.record("img").is_none(), "the record is left");
     assert_eq!(ceph.watchers("rbd/kubelet-0"), 0, "a helper is left on the image\n{}", tail(&c.node("node-b").agent_log()));
     assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}", c.scratch.loops());
+    for node in ["node-a", "node-b"] {
+        let root = c.node(node).kubelet_root();
+        let left: Vec<PathBuf> = c.mounts_below(&root).into_iter().filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))).collect();
+        assert!(left.is_empty(), "volume mounts left on {node}: {left:?}");
+    }
+}
+
+/// Two pods on two nodes mount one gluster volume (ReadWriteMany) and each
+/// sees what the other wrote; after them nothing is left: no mount, no
+/// FUSE client, no record.
+#[test]
+fn pods_on_two_nodes_share_a_gluster_volume() {
+    let c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::GLUSTER, "gluster")]);
+    let _gluster = Gluster::start(c.scratch.path("gluster"));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+    c.create_volume("shared", "gluster", "ReadWriteMany", &[("servers", &host), ("volume", "v0")]);
+    let both = "test -f /data/from-node-a && test -f /data/from-node-b";
+    for node in ["node-a", "node-b"] {
+        let script = serve(&format!("echo {node} > /data/from-{node}"));
+        c.create_pod(pod_with(&format!("on-{node}"), node, &script, &[("data", claim("shared"))], Some(both), "Never"));
+    }
+    c.wait_pod("on-node-a", "Ready (it sees node-b's file)", is_ready);
+    c.wait_pod("on-node-b", "Ready (it sees node-a's file)", is_ready);
+    let rec = c.record("shared").expect("record");
+    let mut nodes: Vec<&str> = rec.spec.consumers.iter().map(|h| h.node.as_str()).collect();
+    nodes.sort();
+    assert_eq!(nodes, ["node-a", "node-b"]);
+
+    c.delete_pod("on-node-a");
+    c.delete_pod("on-node-b");
+    let clients = || -> usize {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+                let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+                args.first().is_some_and(|a| a.ends_with("glusterfs")) && args.iter().any(|a| a.starts_with(c.scratch.path("").to_str().unwrap()))
+            })
+            .count()
+    };
+    let start = std::time::Instant::now();
+    while (c.record("shared").is_some() || clients() > 0) && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(c.record("shared").is_none(), "the record is left");
+    assert_eq!(clients(), 0, "a FUSE client is left");
     for node in ["node-a", "node-b"] {
         let root = c.node(node).kubelet_root();
         let left: Vec<PathBuf> = c.mounts_below(&root).into_iter().filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))).collect();
