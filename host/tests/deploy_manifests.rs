@@ -594,6 +594,7 @@ const CONTROLLER_GRANTS: &[Grant] = &[
         &["get", "update", "patch"],
     ),
     grant("", "nodes", READ),
+    grant("", "secrets", &["get"]),
     grant("", "events", &["create", "patch"]),
     Grant {
         namespace: Some(NAMESPACE),
@@ -1371,11 +1372,16 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
         .await
         .context("the controller creates an event")?;
 
-    // No secrets, no PVs.
+    // A StorageCluster's Secret by name (to blocklist a vanished node's
+    // clients), but no listing; no PVs.
+    Api::<Secret>::namespaced(controller.clone(), "ceph")
+        .get("ceph-a-keyring")
+        .await
+        .context("the controller gets a StorageCluster's secret")?;
     forbidden(
-        "controller gets a backend secret",
+        "controller lists secrets",
         Api::<Secret>::namespaced(controller.clone(), "ceph")
-            .get("ceph-a-keyring")
+            .list(&ListParams::default())
             .await,
     )?;
     forbidden(

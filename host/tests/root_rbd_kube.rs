@@ -308,3 +308,45 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     let api: Api<Attachment> = Api::all(c.client());
     assert!(c.rt.block_on(api.get_opt("pv-sc-1")).unwrap().is_none() && c.rt.block_on(api.get_opt("pv-sc-2")).unwrap().is_none(), "the records went");
 }
+
+/// A node vanishes (its agent gone, its client still writing) while no
+/// other node wants its volume: the controller moves its records to its
+/// cleanup list and, first, blocklists its Ceph client at the volume's
+/// StorageCluster, so its writes fail from then on. The volume is then
+/// free: another node mounts it with no take-over, its image's stale
+/// watcher gone with the blocklisting.
+#[test]
+fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records() {
+    let dir = ceph_dir();
+    let key = volagent_key(&dir);
+    let image = Image::create(&dir, 64);
+    let mut c = Cluster::start(&["node-a", "node-b"]);
+    c.create_secret("ceph-volagent", &key);
+    c.create_storage_cluster("ceph", "ceph-volagent");
+    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-gone", "rbd", "ReadWriteOnce", &[("storageCluster", "ceph"), ("image", image.name.as_str())]));
+    let (old, r) = c.mount_with("node-b", "old", "pv-gone", None);
+    assert_success(&r);
+    write_through(&format!("{old}/data"), b"before").unwrap();
+    let client = c.record("pv-gone").spec.storage_clients[0].clone();
+    assert_eq!(client.node, "node-b");
+
+    c.kill_agent("node-b");
+    c.spawn_controller();
+    c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
+    let cleanups: Api<volagent::kube::crds::NodeCleanup> = Api::all(c.client());
+    c.wait("node-b's records to move", || c.rt.block_on(cleanups.get_opt("node-b")).ok().flatten().is_some_and(|l| l.spec.entries.len() == 1));
+    assert!(blocklist(&dir).contains(&client.address), "{}", blocklist(&dir));
+    let err = write_through(&format!("{old}/data"), b"too late").expect_err("the vanished node's write went through");
+    assert!(err.raw_os_error() == Some(nix::libc::EIO) || err.raw_os_error() == Some(nix::libc::EROFS), "{err}");
+
+    // The record is gone with its last consumer: node-a mounts afresh.
+    c.wait("the record to go", || {
+        let api: Api<Attachment> = Api::all(c.client());
+        c.rt.block_on(api.get_opt("pv-gone")).unwrap().is_none()
+    });
+    let (new, r) = c.mount_with("node-a", "new", "pv-gone", None);
+    assert_success(&r);
+    assert_eq!(std::fs::read(format!("{new}/data")).unwrap(), b"before");
+    assert_success(&run_driver(Command::new(c.scratch.path("node-a/vpd/volagent~rbd/rbd")).args(["unmount", &new])));
+    let _ = Command::new("ceph").arg("-c").arg(dir.join("ceph.conf")).args(["osd", "blocklist", "rm", &client.address]).output();
+}

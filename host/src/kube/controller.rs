@@ -1,6 +1,7 @@
 //! `volagent controller`: the cluster-wide half. While it holds the lease
 //! it moves the attachments of vanished nodes into those nodes' cleanup
-//! lists (a periodic scan, and at once on a Node deletion), and keeps a
+//! lists (a periodic scan, and at once on a Node deletion), blocklisting
+//! their storage clients at the storage first, and keeps a
 //! finalizer on every StorageCluster, released once no attachment record
 //! names a deleted one.
 
@@ -154,8 +155,11 @@ pub async fn move_node(client: &kube::Client, node: &str) -> anyhow::Result<usiz
                 moved_at: now.clone(),
             })
             .collect();
+        // Its storage clients are cut off at the storage first: a node that
+        // vanished from the API may still run and write (partitioned).
+        let fenced = fence_clients(client, &record, node).await;
         append_cleanup(client, node, entries).await?;
-        remove_consumers(&records, &volume, node).await?;
+        remove_consumers(&records, &volume, node, &fenced).await?;
         moved += mine.len();
     }
     Ok(moved)
@@ -188,7 +192,44 @@ async fn append_cleanup(client: &kube::Client, node: &str, entries: Vec<CleanupE
     anyhow::bail!("cleanup list {node} keeps changing")
 }
 
-async fn remove_consumers(api: &Api<Attachment>, volume: &str, node: &str) -> anyhow::Result<()> {
+/// Blocklist `node`'s storage clients of `record` at its StorageCluster;
+/// the ids of those blocklisted. One that could not be stays recorded, so
+/// other nodes keep placing its watcher on the gone node and deny (or take
+/// over with fencing) rather than write beside it.
+async fn fence_clients(client: &kube::Client, record: &Attachment, node: &str) -> Vec<i64> {
+    let volume = record.metadata.name.clone().unwrap_or_default();
+    let clients: Vec<_> = record.spec.storage_clients.iter().filter(|c| c.node == node).cloned().collect();
+    let Some(cluster) = record.spec.storage_cluster.clone().filter(|_| !clients.is_empty()) else { return Vec::new() };
+    let connection = match super::storage::connection(client, &cluster, &record.spec.backend, true).await {
+        Ok(c) => c.ceph_client(),
+        Err(e) => {
+            tracing::error!(%volume, %node, "cannot blocklist the gone node's storage clients: {e}");
+            return Vec::new();
+        }
+    };
+    let mut fenced = Vec::new();
+    for c in clients {
+        let (ceph, address) = (connection.clone(), c.address.clone());
+        let storage = crate::sys::rbd_export::LibCeph;
+        let done = tokio::time::timeout(
+            Duration::from_secs(60),
+            tokio::task::spawn_blocking(move || crate::sys::Storage::blocklist(&storage, &ceph, &address)),
+        )
+        .await;
+        match done {
+            Ok(Ok(Ok(()))) => {
+                tracing::warn!(%volume, %node, address = %c.address, "blocklisted the gone node's storage client");
+                fenced.push(c.id);
+            }
+            Ok(Ok(Err(e))) => tracing::error!(%volume, %node, "blocklisting {}: {e}", c.address),
+            Ok(Err(e)) => tracing::error!(%volume, %node, "blocklisting {}: {e}", c.address),
+            Err(_) => tracing::error!(%volume, %node, "blocklisting {}: no answer within 60 s", c.address),
+        }
+    }
+    fenced
+}
+
+async fn remove_consumers(api: &Api<Attachment>, volume: &str, node: &str, fenced: &[i64]) -> anyhow::Result<()> {
     for _ in 0..10 {
         let Some(mut record) = api.get_opt(volume).await? else { return Ok(()) };
         let before = record.spec.consumers.len();
@@ -196,6 +237,7 @@ async fn remove_consumers(api: &Api<Attachment>, volume: &str, node: &str) -> an
         if record.spec.consumers.len() == before {
             return Ok(());
         }
+        record.spec.storage_clients.retain(|c| !(c.node == node && fenced.contains(&c.id)));
         let result = if record.spec.consumers.is_empty() {
             let dp = DeleteParams { preconditions: Some(Preconditions { resource_version: record.metadata.resource_version.clone(), uid: None }), ..Default::default() };
             api.delete(volume, &dp).await.map(drop)
