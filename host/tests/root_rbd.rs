@@ -67,6 +67,12 @@ fn assert_nothing_left(node: &Node, image: &Image) {
     let st = state(node, "node-a");
     wait_until("the NBD client and helper to end", || clients_under(&st).is_empty() && servers_under(&st).is_empty());
     assert!(nbd_files(node, "node-a").is_empty(), "{:?}", nbd_files(node, "node-a"));
+    // The helper closed the image as it exited: its watch goes at once (a
+    // killed helper's would linger for the 30 s watch timeout).
+    let start = std::time::Instant::now();
+    while !watchers(image).is_empty() && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     assert!(watchers(image).is_empty(), "{:?}", watchers(image));
 }
 

@@ -97,6 +97,7 @@ fn parse_export(s: &str) -> Result<(String, PathBuf), String> {
 pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
     let NbdCommand::Serve(args) = command;
     let exports = Exports::default();
+    let mut images = Vec::new();
     for (name, path) in &args.exports {
         let export = FileExport::open(path, args.read_only).with_context(|| format!("export {name:?}"))?;
         exports.insert(name, Arc::new(export));
@@ -113,14 +114,15 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
             pool: pool.clone(),
             image: image.clone(),
         };
-        let export = crate::sys::rbd_export::RbdExport::open(&target, args.read_only).with_context(|| format!("export {name:?}"))?;
+        let export = Arc::new(crate::sys::rbd_export::RbdExport::open(&target, args.read_only).with_context(|| format!("export {name:?}"))?);
         if let Some(file) = &args.ceph_client_file {
             // Who this export is to the cluster: the agent places its
             // watcher on this node, and fencing names it to blocklist.
             let (id, address) = export.client();
             std::fs::write(file, format!("{id} {address}\n")).with_context(|| format!("write {}", file.display()))?;
         }
-        exports.insert(name, Arc::new(export));
+        exports.insert(name, export.clone());
+        images.push(export);
     }
     if let Some(name) = &args.export_stdin {
         use std::os::fd::AsFd;
@@ -154,5 +156,32 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
         anyhow::Ok(())
     })?;
     drop(server);
+    close_images(images);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Close each RBD image before exiting, once its connections have let go
+/// of it: closing removes the image's watch at once, where a process that
+/// just exits leaves it to time out (30 s), and the image would look in use
+/// by a client that is gone.
+fn close_images(images: Vec<Arc<crate::sys::rbd_export::RbdExport>>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    for mut image in images {
+        loop {
+            match Arc::try_unwrap(image) {
+                Ok(last) => {
+                    drop(last);
+                    break;
+                }
+                Err(shared) if std::time::Instant::now() < deadline => {
+                    image = shared;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(_) => {
+                    tracing::warn!("an RBD image is still in use by a connection at exit; its watch will time out");
+                    break;
+                }
+            }
+        }
+    }
 }

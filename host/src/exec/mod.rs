@@ -322,8 +322,8 @@ impl Run<'_> {
             self.undo.push(Undo::NbdStopServing(key.clone()));
         }
         let (server, kernel) = (self.sys.nbd.server_address(&key), self.sys.nbd.kernel_driver());
-        // librbd serves each request on its own threads: one connection
-        // per core keeps them busy without reordering a single stream.
+        // A second connection keeps requests in flight while librbd
+        // completes others.
         self.connect_export(key, &server, "", RBD_CONNECTIONS, kernel, read_only)
     }
 

@@ -367,21 +367,18 @@ impl NbdClients for NbdFuse {
         cmd.arg("--ceph-client-file").arg(&client_file).stdin(Stdio::null());
         // The key reaches the helper in a keyring file only it and root can
         // read, for as long as it takes to connect: never on a command line.
-        let keyring = match &client.key {
-            Some(secret) => {
-                let key_text = secret.ceph_key("key").map_err(|what| SysError::Refused { path: self.keyring_file(key), what })?;
-                let file = self.keyring_file(key);
-                write_private(&file, format!("[client.{}]\n\tkey = {key_text}\n", client.user).as_bytes())?;
-                cmd.arg("--ceph-keyring").arg(&file);
-                Some(file)
-            }
-            None => client.keyring.as_ref().map(|k| {
-                cmd.arg("--ceph-keyring").arg(k);
-                PathBuf::new()
-            }),
-        };
+        let mut written = None;
+        if let Some(secret) = &client.key {
+            let file = self.keyring_file(key);
+            let key_text = secret.ceph_key("key").map_err(|what| SysError::Refused { path: file.clone(), what })?;
+            write_private(&file, format!("[client.{}]\n\tkey = {key_text}\n", client.user).as_bytes())?;
+            cmd.arg("--ceph-keyring").arg(&file);
+            written = Some(file);
+        } else if let Some(keyring) = &client.keyring {
+            cmd.arg("--ceph-keyring").arg(keyring);
+        }
         let started = self.start_helper(key, cmd);
-        if let Some(file) = keyring.filter(|f| !f.as_os_str().is_empty()) {
+        if let Some(file) = written {
             // Read at connect; the helper serves only once it has connected.
             if let Err(e) = std::fs::remove_file(&file) {
                 tracing::error!(file = %file.display(), "cannot remove a keyring after use: {e}");
@@ -409,9 +406,11 @@ impl NbdClients for NbdFuse {
 
     fn stop_serving(&self, key: &str) -> Result<(), SysError> {
         if let Some(pid) = self.server_running(key) {
-            // SIGTERM: it closes its connections and removes its socket.
+            // SIGTERM: it closes its connections and removes its socket, and
+            // closes an RBD image (flushing it, dropping its watch and lock):
+            // give it longer than a client before killing it.
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let deadline = Instant::now() + self.stop_timeout;
+            let deadline = Instant::now() + self.stop_timeout * 3;
             while self.server_running(key) == Some(pid) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(10));
             }
