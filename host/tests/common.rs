@@ -193,6 +193,12 @@ impl Drop for RootScratch {
 
 /// Processes (not this one) with a command-line argument under `root`.
 fn processes_naming(root: &Path) -> Vec<i32> {
+    processes_under(root, |_| true)
+}
+
+/// Processes (not this one) whose command line `is` matches and has an
+/// argument under `dir`.
+pub fn processes_under(dir: &Path, is: impl Fn(&[String]) -> bool) -> Vec<i32> {
     let me = std::process::id() as i32;
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     entries
@@ -200,8 +206,9 @@ fn processes_naming(root: &Path) -> Vec<i32> {
         .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
         .filter(|pid| *pid != me)
         .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| c.split(|b| *b == 0).any(|a| Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(a)).starts_with(root)))
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
+            let args: Vec<String> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+            is(&args) && args.iter().any(|a| Path::new(a).starts_with(dir))
         })
         .collect()
 }

@@ -51,16 +51,7 @@ fn gluster_options(volume: &str, pod: &str, uid: &str, servers: &str, gluster_vo
 
 /// glusterfs client processes whose mount point lies under `dir`.
 fn clients_under(dir: &Path) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        if args.first().is_some_and(|a| a.ends_with("glusterfs")) && args.iter().any(|a| Path::new(a).starts_with(dir)) {
-            pids.push(pid);
-        }
-    }
-    pids
+    common::processes_under(dir, |a| a.first().is_some_and(|p| p.ends_with("glusterfs")))
 }
 
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {

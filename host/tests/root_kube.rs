@@ -3,120 +3,21 @@
 //! devices and mounts on this machine (both "nodes" are this machine, each
 //! agent with its own kubelet root, runtime and state dirs). Needs root.
 
+#[path = "support/api_cluster.rs"]
+mod api_cluster;
 mod common;
 mod driver_common;
 mod kube_common;
 
-use common::RootScratch;
+use api_cluster::Cluster;
+
+const SHARED_FILE: (&str, &str) = (volagent_test_artifacts::SHARED_FILE, "shared-file");
 use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
 use kube::api::Api;
 use serde_json::Value;
-use std::os::unix::net::UnixStream;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-use volagent::kube::crds::Attachment;
-use volagent_kube_env::KubeEnv;
-
-struct Cluster {
-    // Dropped in this order: agents, then the API server, then the scratch
-    // dir (unmounting and detaching what is left).
-    agents: Vec<(String, Child)>,
-    env: KubeEnv,
-    rt: tokio::runtime::Runtime,
-    scratch: RootScratch,
-    /// Pods made so far, by name: their UIDs.
-    pods: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for (_, mut c) in self.agents.drain(..) {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+use std::process::Command;
 
 impl Cluster {
-    fn start(nodes: &[&str]) -> Cluster {
-        // The mount namespace is per thread: unshare on the test thread, and
-        // run the async parts on it too (a current-thread runtime).
-        let scratch = RootScratch::enter();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let env = rt.block_on(KubeEnv::start()).expect("a real kube-apiserver (scripts/kube-assets)");
-        let client = {
-            let _in_runtime = rt.enter();
-            env.client()
-        };
-        rt.block_on(kube_common::install_crds(&client));
-        for n in nodes {
-            rt.block_on(kube_common::create_node(&client, n, true));
-        }
-        std::fs::create_dir_all(scratch.path("plugins")).expect("dir");
-        std::fs::create_dir_all(scratch.path("disks")).expect("dir");
-        std::fs::copy(volagent_test_artifacts::SHARED_FILE, scratch.path("plugins/shared-file.wasm")).expect("plugin");
-        let mut c = Cluster { agents: Vec::new(), env, rt, scratch, pods: Default::default() };
-        for n in nodes {
-            c.spawn_agent(n);
-        }
-        c
-    }
-
-    /// An admin client (made inside the runtime, which its I/O needs).
-    fn client(&self) -> kube::Client {
-        let _in_runtime = self.rt.enter();
-        self.env.client()
-    }
-
-    fn spawn_agent(&mut self, node: &str) {
-        self.spawn_agent_with(node, &[]);
-    }
-
-    fn spawn_agent_with(&mut self, node: &str, extra: &[&str]) {
-        let at = |p: &str| self.scratch.path(&format!("{node}/{p}"));
-        let socket = at("run/agent.sock");
-        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["agent", "--node-name", node])
-            .arg("--kubeconfig").arg(self.env.kubeconfig_path())
-            .arg("--runtime-dir").arg(at("run"))
-            .arg("--state-dir").arg(at("state"))
-            .arg("--plugin-dir").arg(self.scratch.path("plugins"))
-            .arg("--kubelet-root").arg(at("kubelet"))
-            .arg("--discovery-dir").arg(self.scratch.path("disks"))
-            .arg("--volume-plugin-dir").arg(at("vpd"))
-            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the agent");
-        self.agents.push((node.to_string(), child));
-        let start = Instant::now();
-        while UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent of {node} did not come up");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn kill_agent(&mut self, node: &str) {
-        if let Some(i) = self.agents.iter().position(|(n, _)| n == node) {
-            let (_, mut c) = self.agents.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// The UID of pod `pod` that uses the claim of PV `volume`, made on
-    /// first use (from the test's thread: it needs the API).
-    fn pod_uid(&self, pod: &str, volume: &str) -> String {
-        if let Some(uid) = self.pods.lock().expect("pods").get(pod) {
-            return uid.clone();
-        }
-        let uid = self.rt.block_on(kube_common::create_pod(&self.client(), pod, &[volume], &[]));
-        self.pods.lock().expect("pods").insert(pod.to_string(), uid.clone());
-        uid
-    }
-
     fn mount_dir(&self, node: &str, uid: &str, volume: &str) -> String {
         let d = self.scratch.path(&format!("{node}/kubelet/pods/{uid}/volumes/volagent~shared-file/{volume}"));
         std::fs::create_dir_all(&d).expect("kubelet makes the pod's dir");
@@ -141,11 +42,6 @@ impl Cluster {
         run_driver(Command::new(self.driver(node)).args(["unmount", dir]))
     }
 
-    fn record(&self, volume: &str) -> Option<Attachment> {
-        let api: Api<Attachment> = Api::all(self.client());
-        self.rt.block_on(api.get_opt(volume)).expect("read the record")
-    }
-
     fn image(&self, name: &str) -> String {
         let p = self.scratch.image(&format!("disks/{name}"), 64);
         let ok = Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&p).status().expect("mkfs").success();
@@ -158,7 +54,7 @@ impl Cluster {
 /// wins each round and the loser's error names the winner's pod and node.
 #[test]
 fn two_nodes_race_for_a_read_write_once_volume() {
-    let c = Cluster::start(&["node-a", "node-b"]);
+    let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
     let image = c.image("race.img");
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-race", "shared-file", "ReadWriteOnce", &[("path", &image)]));
     let mut wins = [0usize; 2];
@@ -207,7 +103,7 @@ fn two_nodes_race_for_a_read_write_once_volume() {
 #[test]
 fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     use volagent::sys::Devices;
-    let mut c = Cluster::start(&["node-a", "node-b", "node-c"]);
+    let mut c = Cluster::start(&["node-a", "node-b", "node-c"], &[SHARED_FILE]);
     // The gone node's view: it mapped files in the shared discovery dir.
     let roots = volagent::sys::Roots::open(&[c.scratch.path("disks")]).expect("roots");
     let loops = volagent::sys::linux::Linux::new(roots, "volagent:gone-node");
@@ -257,30 +153,6 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
 }
 
 impl Cluster {
-    fn spawn_controller(&mut self) {
-        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["controller", "--scan-interval", "1h", "--lease-duration", "3s", "--cluster-interval", "1s", "--namespace", "default", "--identity", "test-controller"])
-            .arg("--kubeconfig").arg(self.env.kubeconfig_path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the controller");
-        self.agents.push(("controller".into(), child));
-        // Leading once the Lease names it.
-        let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(self.client(), "default");
-        self.wait("the controller to take the lease", || {
-            self.rt.block_on(leases.get_opt("volagent-controller")).ok().flatten().and_then(|l| l.spec?.holder_identity).as_deref() == Some("test-controller")
-        });
-    }
-
-    fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
-        let start = Instant::now();
-        while !done() {
-            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
     fn cleanup_list(&self, node: &str) -> Option<volagent::kube::crds::NodeCleanup> {
         let api: Api<volagent::kube::crds::NodeCleanup> = Api::all(self.client());
         self.rt.block_on(api.get_opt(node)).expect("read the cleanup list")
@@ -298,7 +170,7 @@ impl Cluster {
 /// at once by a running controller.
 #[test]
 fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
-    let mut c = Cluster::start(&["node-a", "node-b", "node-c"]);
+    let mut c = Cluster::start(&["node-a", "node-b", "node-c"], &[SHARED_FILE]);
     let image = c.image("stale.img");
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-stale", "shared-file", "ReadWriteMany", &[("path", &image)]));
     let (_, r) = c.mount("node-b", "b1", "pv-stale", &image);
@@ -341,7 +213,7 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
 #[test]
 fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
     use volagent::kube::crds::{StorageCluster, StorageClusterSpec};
-    let mut c = Cluster::start(&["node-a", "node-b"]);
+    let mut c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
     c.spawn_controller();
     let clusters: Api<StorageCluster> = Api::all(c.client());
     let sc = StorageCluster::new("sc1", StorageClusterSpec { backend: "shared-file".into(), endpoints: vec![], secret_ref: None, parameters: Default::default() });
@@ -377,7 +249,7 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
 /// once it is back, with the record right.
 #[test]
 fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
-    let c = Cluster::start(&["node-a"]);
+    let c = Cluster::start(&["node-a"], &[SHARED_FILE]);
     let image = c.image("outage.img");
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-out", "shared-file", "ReadWriteOnce", &[("path", &image)]));
 
@@ -406,7 +278,7 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
 /// are not enabled.
 #[test]
 fn with_a_cluster_a_volume_is_what_its_pv_says() {
-    let c = Cluster::start(&["node-a", "node-b"]);
+    let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
     let (image, other) = (c.image("trust.img"), c.image("other.img"));
     c.rt.block_on(kube_common::create_pv_with(&c.client(), "pv-trust", "shared-file", "ReadWriteOnce", &[("path", &image)], Some("node-a")));
     let drive = |node: &str, uid: &str, opts: &Value| {
@@ -454,7 +326,7 @@ fn with_a_cluster_a_volume_is_what_its_pv_says() {
 /// and never one the other's filesystem.
 #[test]
 fn inline_volumes_where_allowed_are_each_pods_own() {
-    let mut c = Cluster::start(&[]);
+    let mut c = Cluster::start(&[], &[SHARED_FILE]);
     c.rt.block_on(kube_common::create_node(&c.client(), "node-a", true));
     c.spawn_agent_with("node-a", &["--allow-inline-volumes", "shared-file"]);
     let (shared, own) = (c.image("inline.img"), c.image("own.img"));

@@ -10,6 +10,8 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/ceph.rs"]
+mod ceph_common;
 mod common;
 mod kube_common;
 #[path = "support/kubelet_cluster.rs"]
@@ -67,17 +69,6 @@ impl Ceph {
         assert!(out.status.success(), "scripts/ceph-env start: {}", String::from_utf8_lossy(&out.stderr));
         Ceph { dir }
     }
-
-    fn rbd(&self, args: &[&str]) -> String {
-        let out = Command::new("rbd").arg("-c").arg(self.dir.join("ceph.conf")).args(args).output().unwrap();
-        assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn watchers(&self, image: &str) -> usize {
-        let v: serde_json::Value = serde_json::from_str(&self.rbd(&["status", "--format", "json", image])).unwrap();
-        v["watchers"].as_array().unwrap().len()
-    }
 }
 
 impl Drop for Ceph {
@@ -95,8 +86,8 @@ impl Drop for Ceph {
 fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_free() {
     let c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::RBD, "rbd")]);
     let ceph = Ceph::start(c.scratch.path("ceph"));
-    ceph.rbd(&["create", "--size", "64M", "rbd/kubelet-0"]);
-    let key = std::fs::read_to_string(ceph.dir.join("volagent.key")).unwrap().trim().to_string();
+    let image = ceph_common::Image::create(&ceph.dir, 64);
+    let key = ceph_common::volagent_key(&ceph.dir);
 
     let secret: k8s_openapi::api::core::v1::Secret =
         serde_json::from_value(json!({
@@ -117,7 +108,7 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
                 "driver": "volagent/rbd",
                 "fsType": "ext4",
                 "secretRef": { "name": "ceph-volagent", "namespace": "default" },
-                "options": { "monitors": "127.0.0.1:6789", "pool": "rbd", "image": "kubelet-0", "user": "volagent" },
+                "options": { "monitors": "127.0.0.1:6789", "pool": "rbd", "image": image.name, "user": "volagent" },
             },
         }
     }))
@@ -139,7 +130,7 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
     let vol = || [("data", claim("img"))];
     c.create_pod(pod_with("writer", "node-a", &serve("echo from-node-a > /data/note"), &vol(), Some("test -s /data/note"), "Never"));
     c.wait_pod("writer", "Ready", is_ready);
-    assert_eq!(ceph.watchers("rbd/kubelet-0"), 1, "node-a's helper holds the image");
+    assert_eq!(ceph_common::watchers(&image).len(), 1, "node-a's helper holds the image");
     let rec = c.record("img").expect("record");
     assert_eq!(rec.spec.storage_clients.iter().map(|s| s.node.as_str()).collect::<Vec<_>>(), ["node-a"]);
 
@@ -157,11 +148,11 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
 
     // Everything comes down with the last pod.
     let start = std::time::Instant::now();
-    while (c.record("img").is_some() || ceph.watchers("rbd/kubelet-0") > 0 || !c.scratch.loops().is_empty()) && start.elapsed() < Duration::from_secs(30) {
+    while (c.record("img").is_some() || !ceph_common::watchers(&image).is_empty() || !c.scratch.loops().is_empty()) && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(c.record("img").is_none(), "the record is left");
-    assert_eq!(ceph.watchers("rbd/kubelet-0"), 0, "a helper is left on the image\n{}", tail(&c.node("node-b").agent_log()));
+    assert_eq!(ceph_common::watchers(&image).len(), 0, "a helper is left on the image\n{}", tail(&c.node("node-b").agent_log()));
     assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}", c.scratch.loops());
     for node in ["node-a", "node-b"] {
         let root = c.node(node).kubelet_root();
@@ -193,17 +184,7 @@ fn pods_on_two_nodes_share_a_gluster_volume() {
 
     c.delete_pod("on-node-a");
     c.delete_pod("on-node-b");
-    let clients = || -> usize {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter(|e| {
-                let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-                let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-                args.first().is_some_and(|a| a.ends_with("glusterfs")) && args.iter().any(|a| a.starts_with(c.scratch.path("").to_str().unwrap()))
-            })
-            .count()
-    };
+    let clients = || common::processes_under(&c.scratch.path(""), |a| a.first().is_some_and(|p| p.ends_with("glusterfs"))).len();
     let start = std::time::Instant::now();
     while (c.record("shared").is_some() || clients() > 0) && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(200));

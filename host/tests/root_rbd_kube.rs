@@ -10,6 +10,8 @@
 
 #[path = "support/agent.rs"]
 mod agent_common;
+#[path = "support/api_cluster.rs"]
+mod api_cluster;
 #[path = "support/ceph.rs"]
 mod ceph_common;
 mod common;
@@ -18,96 +20,20 @@ mod kube_common;
 #[path = "support/nbd.rs"]
 mod nbd_common;
 
+use api_cluster::Cluster;
 use base64::Engine;
 use ceph_common::{Image, ceph_dir, volagent_key, watchers};
-use common::RootScratch;
 use driver_common::{assert_success, kubelet_options, run_driver};
 use kube::api::Api;
 use nbd_common::{clients_under, servers_under, wait_until};
 use serde_json::Value;
 use std::io::Write;
-use std::os::unix::net::UnixStream;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 use volagent::kube::crds::Attachment;
-use volagent_kube_env::KubeEnv;
 
-struct Cluster {
-    // Dropped in this order: agents, the API server, the scratch dir.
-    agents: Vec<(String, Child)>,
-    env: KubeEnv,
-    rt: tokio::runtime::Runtime,
-    scratch: RootScratch,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for (_, mut c) in self.agents.drain(..) {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+const RBD: (&str, &str) = (volagent_test_artifacts::RBD, "rbd");
 
 impl Cluster {
-    fn start(nodes: &[&str]) -> Cluster {
-        let scratch = RootScratch::enter();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let env = rt.block_on(KubeEnv::start()).expect("a real kube-apiserver (scripts/kube-assets)");
-        let client = {
-            let _in_runtime = rt.enter();
-            env.client()
-        };
-        rt.block_on(kube_common::install_crds(&client));
-        for n in nodes {
-            rt.block_on(kube_common::create_node(&client, n, true));
-        }
-        std::fs::create_dir_all(scratch.path("plugins")).unwrap();
-        std::fs::copy(volagent_test_artifacts::RBD, scratch.path("plugins/rbd.wasm")).unwrap();
-        let mut c = Cluster { agents: Vec::new(), env, rt, scratch };
-        for n in nodes {
-            c.spawn_agent(n);
-        }
-        c
-    }
-
-    fn client(&self) -> kube::Client {
-        let _in_runtime = self.rt.enter();
-        self.env.client()
-    }
-
-    fn spawn_agent(&mut self, node: &str) {
-        let at = |p: &str| self.scratch.path(&format!("{node}/{p}"));
-        let socket = at("run/agent.sock");
-        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["agent", "--node-name", node])
-            .arg("--kubeconfig").arg(self.env.kubeconfig_path())
-            .arg("--runtime-dir").arg(at("run"))
-            .arg("--state-dir").arg(at("state"))
-            .arg("--plugin-dir").arg(self.scratch.path("plugins"))
-            .arg("--kubelet-root").arg(at("kubelet"))
-            .arg("--volume-plugin-dir").arg(at("vpd"))
-            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(self.scratch.path(&format!("{node}.log"))).unwrap())
-            .spawn()
-            .unwrap();
-        self.agents.push((node.to_string(), child));
-        let start = Instant::now();
-        while UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent of {node} did not come up");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn kill_agent(&mut self, node: &str) {
-        if let Some(i) = self.agents.iter().position(|(n, _)| n == node) {
-            let (_, mut c) = self.agents.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
     /// kubelet's mount of PV `volume` for a new pod `pod` on `node`, with
     /// the Secret's key as kubelet passes it.
     fn mount(&self, node: &str, pod: &str, volume: &str, key: &str) -> (String, (i32, Value)) {
@@ -116,7 +42,7 @@ impl Cluster {
 
     /// [`mount`](Self::mount), with no Secret on the PV when `key` is None.
     fn mount_with(&self, node: &str, pod: &str, volume: &str, key: Option<&str>) -> (String, (i32, Value)) {
-        let uid = self.rt.block_on(kube_common::create_pod(&self.client(), pod, &[volume], &[]));
+        let uid = self.pod_uid(pod, volume);
         let dir = self.scratch.path(&format!("{node}/kubelet/pods/{uid}/volumes/volagent~rbd/{volume}"));
         std::fs::create_dir_all(&dir).unwrap();
         let dir = dir.display().to_string();
@@ -127,30 +53,6 @@ impl Cluster {
         }
         let driver = self.scratch.path(&format!("{node}/vpd/volagent~rbd/rbd"));
         (dir.clone(), run_driver(Command::new(driver).args(["mount", &dir, &opts.to_string()])))
-    }
-
-    fn spawn_controller(&mut self) {
-        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["controller", "--scan-interval", "1h", "--lease-duration", "3s", "--cluster-interval", "1s", "--namespace", "default", "--identity", "test-controller"])
-            .arg("--kubeconfig")
-            .arg(self.env.kubeconfig_path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        self.agents.push(("controller".into(), child));
-        let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(self.client(), "default");
-        self.wait("the controller to take the lease", || {
-            self.rt.block_on(leases.get_opt("volagent-controller")).ok().flatten().and_then(|l| l.spec?.holder_identity).as_deref() == Some("test-controller")
-        });
-    }
-
-    fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
-        let start = Instant::now();
-        while !done() {
-            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
     }
 
     /// A StorageCluster of rbd at the run's Ceph, its key in Secret `secret`.
@@ -176,11 +78,6 @@ impl Cluster {
         let api: Api<Secret> = Api::namespaced(self.client(), "default");
         self.rt.block_on(api.create(&Default::default(), &secret)).unwrap();
     }
-
-    fn record(&self, volume: &str) -> Attachment {
-        let api: Api<Attachment> = Api::all(self.client());
-        self.rt.block_on(api.get_opt(volume)).unwrap().expect("the volume's record")
-    }
 }
 
 /// Write `bytes` to `path` and push them to the device.
@@ -200,7 +97,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     let dir = ceph_dir();
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
-    let mut c = Cluster::start(&["node-a", "node-b"]);
+    let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
     let options = [("monitors", "127.0.0.1:6789"), ("pool", "rbd"), ("image", image.name.as_str()), ("user", "volagent")];
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-rbd", "rbd", "ReadWriteOnce", &options));
 
@@ -209,7 +106,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     assert_success(&r);
     let old_device = r.1["device"].as_str().unwrap().to_string();
     write_through(&format!("{old}/data"), b"before").unwrap();
-    let clients = c.record("pv-rbd").spec.storage_clients;
+    let clients = c.record("pv-rbd").expect("the volume\'s record").spec.storage_clients;
     assert_eq!(clients.len(), 1, "{clients:?}");
     assert_eq!(clients[0].node, "node-b");
     assert_eq!(watchers(&image), [format!("client.{}", clients[0].id)]);
@@ -227,7 +124,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     let (new, r) = c.mount("node-a", "new-2", "pv-rbd", &key);
     assert_success(&r);
     assert!(blocklist(&dir).contains(&clients[0].address), "{}", blocklist(&dir));
-    let rec = c.record("pv-rbd").spec;
+    let rec = c.record("pv-rbd").expect("the volume\'s record").spec;
     let nodes: Vec<&str> = rec.consumers.iter().map(|x| x.node.as_str()).collect();
     assert_eq!(nodes, ["node-a"]);
     assert!(rec.storage_clients.iter().all(|s| s.node == "node-a") && rec.storage_clients.len() == 1, "{:?}", rec.storage_clients);
@@ -269,7 +166,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     let dir = ceph_dir();
     let key = volagent_key(&dir);
     let (one, two) = (Image::create(&dir, 64), Image::create(&dir, 64));
-    let mut c = Cluster::start(&["node-a", "node-b"]);
+    let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
     c.spawn_controller();
     c.create_secret("ceph-volagent", &key);
     c.create_storage_cluster("ceph", "ceph-volagent");
@@ -294,7 +191,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     write_through(&format!("{a}/data"), b"on node-a").unwrap();
     write_through(&format!("{b}/data"), b"on node-b").unwrap();
     assert_eq!((watchers(&one).len(), watchers(&two).len()), (1, 1));
-    assert_eq!(c.record("pv-sc-1").spec.storage_cluster.as_deref(), Some("ceph"));
+    assert_eq!(c.record("pv-sc-1").expect("the volume\'s record").spec.storage_cluster.as_deref(), Some("ceph"));
 
     c.rt.block_on(clusters.delete("ceph", &Default::default())).unwrap();
     c.wait("the StorageCluster to go", || c.rt.block_on(clusters.get_opt("ceph")).unwrap().is_none());
@@ -320,14 +217,14 @@ fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records(
     let dir = ceph_dir();
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
-    let mut c = Cluster::start(&["node-a", "node-b"]);
+    let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
     c.create_secret("ceph-volagent", &key);
     c.create_storage_cluster("ceph", "ceph-volagent");
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-gone", "rbd", "ReadWriteOnce", &[("storageCluster", "ceph"), ("image", image.name.as_str())]));
     let (old, r) = c.mount_with("node-b", "old", "pv-gone", None);
     assert_success(&r);
     write_through(&format!("{old}/data"), b"before").unwrap();
-    let client = c.record("pv-gone").spec.storage_clients[0].clone();
+    let client = c.record("pv-gone").expect("the volume\'s record").spec.storage_clients[0].clone();
     assert_eq!(client.node, "node-b");
 
     c.kill_agent("node-b");

@@ -226,6 +226,9 @@ impl Checker<'_> {
                 if rbd.monitors.is_empty() {
                     return Err("rbd image has no monitors".to_string());
                 }
+                for m in &rbd.monitors {
+                    host_port(m).map_err(|e| format!("rbd monitor {m:?}: {e}"))?;
+                }
                 self.secret_key(rbd.secret_key.as_deref())
             }
         }
@@ -337,6 +340,9 @@ impl Checker<'_> {
                 }
                 if b.monitors.is_empty() {
                     return Err("blocklist-client has no monitors".to_string());
+                }
+                for m in &b.monitors {
+                    host_port(m).map_err(|e| format!("monitor {m:?}: {e}"))?;
                 }
                 name_ok("ceph user", &b.user)?;
                 self.secret_key(b.secret_key.as_deref())
@@ -646,6 +652,28 @@ mod tests {
         p.push(Step::BlocklistClient(BlocklistClient { monitors: vec!["m:1".into()], user: "u".into(), secret_key: None, address: "a".into() }));
         let e = check(&p, &volume(), &consumer()).unwrap_err();
         assert!(e.reason.contains("step kind blocklist-client"), "{e}");
+    }
+
+    #[test]
+    fn rbd_monitors_are_host_and_port_each() {
+        let mut c = caps();
+        c.device_kinds = vec![DeviceKind::Rbd];
+        c.steps.push(StepKind::BlocklistClient);
+        let rbd = |monitor: &str| {
+            let mut p = good();
+            p[0] = Step::AttachDevice(AttachDevice {
+                id: "d".into(),
+                spec: DeviceSpec::Rbd(RbdSpec { monitors: vec!["10.0.0.1:6789".into(), monitor.into()], pool: "rbd".into(), image: "i".into(), user: "u".into(), secret_key: None }),
+                read_only: false,
+            });
+            p.push(Step::BlocklistClient(BlocklistClient { monitors: vec![monitor.into()], user: "u".into(), secret_key: None, address: "10.0.0.7:0/1".into() }));
+            plan(&p, &c, &Operation::Attach { volume: &volume(), consumer: &consumer(), paths: &paths() })
+        };
+        rbd("ceph-mon.example:6789").unwrap();
+        for bad in ["--ceph-conf=/etc/x", "10.0.0.2", "m:0", "a b:6789"] {
+            let e = rbd(bad).expect_err(bad);
+            assert!(e.reason.contains("monitor"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -105,16 +105,7 @@ pub fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
 
 /// nbdfuse processes whose mount lies under `dir`.
 pub fn clients_under(dir: &Path) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        if args.first().is_some_and(|a| a.ends_with("nbdfuse")) && args.iter().any(|a| Path::new(a).starts_with(dir)) {
-            pids.push(pid);
-        }
-    }
-    pids
+    crate::common::processes_under(dir, |a| a.first().is_some_and(|p| p.ends_with("nbdfuse")))
 }
 
 /// The contents of `/data` in the ext4 or xfs filesystem on `image`, read
@@ -137,14 +128,5 @@ pub fn read_back(image: &Path, fs: &str) -> Vec<u8> {
 
 /// Helper `volagent nbd serve` processes whose socket lies under `dir`.
 pub fn servers_under(dir: &Path) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        if args.get(1..3) == Some(&["nbd".to_string(), "serve".to_string()][..]) && args.iter().any(|a| Path::new(a).starts_with(dir)) {
-            pids.push(pid);
-        }
-    }
-    pids
+    crate::common::processes_under(dir, |a| a.get(1..3).is_some_and(|c| c == ["nbd", "serve"]))
 }
