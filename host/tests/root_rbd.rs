@@ -3,7 +3,9 @@
 //! serving the built rbd policy, the Ceph user's key from the volume's
 //! Secret as kubelet passes it. On this node (no nbd.ko, no rbd.ko) the
 //! image is reached through the agent's helper NBD server on librbd, a
-//! userspace NBD client and a loop device. What a pod wrote is read back
+//! userspace NBD client and a loop device — or, where the volume asks for
+//! it, through rbd-fuse and a loop device. (The kernel rbd driver's path
+//! runs in the VM tier, vm_krbd.rs.) What a pod wrote is read back
 //! from the image with `rbd export`, not through volagent. Fencing asks
 //! the cluster who watches the image. Needs root.
 // Helpers outside #[test] fns: a failed setup step fails the test.
@@ -119,6 +121,59 @@ fn an_rbd_image_mounts_with_the_secrets_key_and_what_pods_write_is_in_the_image(
     assert_success(&driver(&node, "node-a", &["mount", &dir_b, &rbd_options("pv1", "pod-b", "uid-b", &image, Some(&key), "ReadWriteOnce").to_string()]));
     assert_eq!(std::fs::read(format!("{dir_b}/data")).unwrap(), payload);
     assert_eq!(watchers(&image).len(), 1, "still one client");
+    assert_success(&driver(&node, "node-a", &["unmount", &dir_b]));
+    assert_success(&driver(&node, "node-a", &["unmount", &dir_a]));
+    assert_nothing_left(&node, &image);
+    assert_eq!(data_in(&image, &node.scratch.path("")), payload);
+}
+
+#[test]
+fn a_volume_that_asks_for_rbd_fuse_is_mounted_through_it_and_shared_on_its_node() {
+    let dir = ceph_dir();
+    let key = volagent_key(&dir);
+    let node = rbd_node();
+    let image = Image::create(&dir, 64);
+    let options = |pod: &str, uid: &str| {
+        let mut o = rbd_options("pv1", pod, uid, &image, Some(&key), "ReadWriteOnce");
+        o["attach"] = "fuse".into();
+        o.to_string()
+    };
+    let dir_a = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
+    // A wrong key: rbd-fuse cannot connect; the error says so, quotes no
+    // key, and leaves nothing behind.
+    let wrong = "AQDNBwRrNnY7HRAANmjdyj4ec54XJkuAJ1eaPg==";
+    // (ReadWriteMany: an exclusive volume would be denied before, as its
+    // watchers cannot be listed with that key.)
+    let mut bad = rbd_options("pv1", "pod-a", "uid-a", &image, Some(wrong), "ReadWriteMany");
+    bad["attach"] = "fuse".into();
+    let r = driver(&node, "node-a", &["mount", &dir_a, &bad.to_string()]);
+    assert_failure(&r, "rbd-fuse");
+    assert!(!r.1.to_string().contains(wrong), "{}", r.1);
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(clients_under(&state(&node, "node-a")).is_empty());
+    assert!(nbd_files(&node, "node-a").is_empty(), "{:?}", nbd_files(&node, "node-a"));
+
+    let r = driver(&node, "node-a", &["mount", &dir_a, &options("pod-a", "uid-a")]);
+    assert_success(&r);
+    let device = r.1["device"].as_str().unwrap_or_default().to_string();
+    assert!(device.starts_with("/dev/loop"), "{}", r.1);
+    // The loop device is over rbd-fuse's file of the image; no helper runs.
+    let backing = std::fs::read_to_string(format!("/sys/block/{}/loop/backing_file", device.trim_start_matches("/dev/"))).unwrap();
+    assert!(backing.trim().ends_with(&format!("/{}", image.name)), "{backing}");
+    let st = state(&node, "node-a");
+    assert_eq!(clients_under(&st).len(), 1, "one rbd-fuse");
+    assert!(servers_under(&st).is_empty(), "no helper server on the rbd-fuse path");
+    assert_eq!(watchers(&image).len(), 1, "one client: rbd-fuse's");
+    let files = nbd_files(&node, "node-a");
+    assert!(!files.iter().any(|f| f.extension().is_some_and(|e| e == "keyring")), "the keyring went once rbd-fuse connected: {files:?}");
+    let payload: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 253) as u8).collect();
+    std::fs::write(format!("{dir_a}/data"), &payload).unwrap();
+
+    // A second pod on the node: rbd-fuse's client is known as this node's
+    // (the watcher it added), so the exclusive volume is shared here.
+    let dir_b = node.mount_dir_of("node-a", "rbd", "uid-b", "pv1");
+    assert_success(&driver(&node, "node-a", &["mount", &dir_b, &options("pod-b", "uid-b")]));
+    assert_eq!(std::fs::read(format!("{dir_b}/data")).unwrap(), payload);
     assert_success(&driver(&node, "node-a", &["unmount", &dir_b]));
     assert_success(&driver(&node, "node-a", &["unmount", &dir_a]));
     assert_nothing_left(&node, &image);

@@ -5,7 +5,10 @@
 //! `endpoints`, and whose parameters as options), `pool`
 //! (default "rbd"), `image` (required), `user` (default "admin"), `secretKey`
 //! (the key name in the volume's secret holding the user's key; default "key"
-//! when the secret has one, else the node's keyring).
+//! when the secret has one, else the node's keyring), `attach` (how the
+//! node maps the image: `auto` — the default — takes the kernel's rbd
+//! driver where the node has it, else the agent's NBD server on librbd,
+//! else rbd-fuse; `kernel`, `nbd` or `fuse` insist on one).
 //!
 //! Fencing adds two rules to the standard ones: an exclusive volume is denied
 //! while the image has watchers on another node, and a take-over blocklists
@@ -14,7 +17,7 @@
 use volagent_guest_sdk::{
     AccessMode, BackendInfo, BlocklistClient, Capabilities, CleanupItem, CleanupReason, Consumer,
     Decision, DeviceKind, DeviceSpec, Holder, Host, NodeFacts, NodePaths, PathRoot, Plan, Policy,
-    PolicyError, RbdSpec, Step, StepKind, Volume, Watcher, fence, options, plans,
+    PolicyError, RbdAttach, RbdSpec, Step, StepKind, Volume, Watcher, fence, options, plans,
 };
 
 pub struct Rbd;
@@ -47,12 +50,25 @@ pub fn image_spec(volume: &Volume) -> Result<RbdSpec, PolicyError> {
         }
         None => volume.secret_keys.iter().find(|k| *k == "key").cloned(),
     };
+    let attach = match options::get(volume, "attach").unwrap_or("auto") {
+        "auto" => RbdAttach::Auto,
+        "kernel" => RbdAttach::Kernel,
+        "nbd" => RbdAttach::Nbd,
+        "fuse" => RbdAttach::Fuse,
+        other => {
+            return Err(PolicyError::InvalidOptions(format!(
+                "volume {}: attach \"{other}\" is not auto, kernel, nbd or fuse",
+                volume.name
+            )));
+        }
+    };
     Ok(RbdSpec {
         monitors,
         pool: options::get(volume, "pool").unwrap_or("rbd").to_string(),
         image: options::required(volume, "image")?.to_string(),
         user: options::get(volume, "user").unwrap_or("admin").to_string(),
         secret_key,
+        attach,
     })
 }
 
@@ -245,6 +261,15 @@ mod tests {
         assert_eq!(s.monitors, vec!["10.0.0.1:6789", "10.0.0.2:6789"]);
         assert_eq!((s.pool.as_str(), s.image.as_str(), s.user.as_str()), ("kube", "img1", "admin"));
         assert_eq!(s.secret_key.as_deref(), Some("key"));
+        assert_eq!(s.attach, RbdAttach::Auto);
+        for (name, attach) in [("kernel", RbdAttach::Kernel), ("nbd", RbdAttach::Nbd), ("fuse", RbdAttach::Fuse)] {
+            let mut v = volume(AccessMode::ReadWriteOnce);
+            v.options.push(KeyValue { key: "attach".into(), value: name.into() });
+            assert_eq!(image_spec(&v).unwrap().attach, attach);
+        }
+        let mut v = volume(AccessMode::ReadWriteOnce);
+        v.options.push(KeyValue { key: "attach".into(), value: "krbd".into() });
+        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"krbd\" is not auto, kernel, nbd or fuse")));
         let mut v = volume(AccessMode::ReadWriteOnce);
         v.options.retain(|kv| kv.key != "image");
         assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"image\"")));

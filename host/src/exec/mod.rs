@@ -2,7 +2,7 @@
 //! (already attached or mounted is success), and a failing step rolls back
 //! what the steps before it did.
 
-use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdSpec, Step, WipeMethod};
+use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdAttach, RbdSpec, Step, WipeMethod};
 use crate::secret::Secrets;
 use crate::sys::rbd_export::{CephClient, RbdTarget};
 use crate::sys::{Sys, SysError, Wipe};
@@ -56,6 +56,8 @@ enum Undo {
     NbdKernelDisconnect(String),
     /// Stop the helper NBD server with this key.
     NbdStopServing(String),
+    /// Unmap the kernel rbd mapping with this id.
+    KrbdUnmap(u32),
     Unmount(PathBuf),
     RemoveDir(PathBuf),
 }
@@ -210,7 +212,7 @@ impl Run<'_> {
             Step::DetachDevice(d) => {
                 match &d.spec {
                     DeviceSpec::Nbd(nbd) => return self.detach_export(&nbd_key(nbd)),
-                    DeviceSpec::Rbd(rbd) => return self.detach_export(&rbd_key(rbd)),
+                    DeviceSpec::Rbd(rbd) => return self.detach_rbd(rbd, d.force),
                     DeviceSpec::Loop(_) => {}
                 }
                 for device in self.attached(&d.spec)? {
@@ -295,24 +297,132 @@ impl Run<'_> {
         self.connect_export(key, &server, &export, spec.connections, kernel, read_only)
     }
 
-    /// An RBD image as a block device: the agent's helper NBD server in
-    /// front of librbd, reached through the kernel's nbd device where the
-    /// node has one, else through a userspace client and a loop device.
+    /// An RBD image as a block device, by the path the volume's plan asks
+    /// for (or, for `auto`, the first the node has): the kernel's rbd
+    /// driver; the agent's helper NBD server in front of librbd, reached
+    /// through the kernel's nbd device or a userspace client on a loop
+    /// device; rbd-fuse's file of the image on a loop device. A device
+    /// already there for the image, whichever path made it, is reused.
     fn attach_rbd(&mut self, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
         let key = rbd_key(spec);
-        let device = self.attach_rbd_export(&key, spec, read_only)?;
-        // Who the helper is to the cluster, for the ledger: other nodes'
+        let device = match self.rbd_device(spec, &key)? {
+            Some(device) => device,
+            None => match self.rbd_path(spec)? {
+                RbdAttach::Kernel => self.attach_krbd(spec, read_only)?,
+                RbdAttach::Fuse => self.attach_rbd_fuse(&key, spec, read_only)?,
+                _ => self.attach_rbd_export(&key, spec, read_only)?,
+            },
+        };
+        // Who the node is to the cluster, for the ledger: other nodes'
         // agents place the image's watchers by it.
-        let clients = self.sys.nbd.storage_clients();
-        self.outcome.storage_clients.extend(clients.into_iter().filter(|(k, _, _)| *k == key).map(|(_, id, address)| (id, address)));
+        let mut clients: Vec<(u64, String)> =
+            self.krbd_mappings(spec)?.into_iter().map(|m| (m.client_id, m.client_addr)).collect();
+        clients.extend(self.sys.nbd.storage_clients().into_iter().filter(|(k, _, _)| *k == key).map(|(_, id, address)| (id, address)));
+        self.outcome.storage_clients.extend(clients);
+        Ok(device)
+    }
+
+    /// Which path maps `spec` on this node.
+    fn rbd_path(&self, spec: &RbdSpec) -> Result<RbdAttach, StepError> {
+        let image = format!("rbd image {}/{}", spec.pool, spec.image);
+        let (kernel, helper, fuse) = (
+            || self.sys.krbd.available(),
+            || self.sys.nbd.rbd_helper_available(),
+            || self.sys.nbd.rbd_fuse_available(),
+        );
+        let missing = |what: &str, option: &str| {
+            refused(format!("{image}: the volume asks for {what}, which this node does not have; use attach: {option}"))
+        };
+        match spec.attach {
+            RbdAttach::Auto if kernel() => Ok(RbdAttach::Kernel),
+            RbdAttach::Auto if helper() => Ok(RbdAttach::Nbd),
+            RbdAttach::Auto if fuse() => Ok(RbdAttach::Fuse),
+            RbdAttach::Auto => Err(refused(format!(
+                "{image}: this node has no way to map it: no kernel rbd driver, no librbd with an NBD client (nbd.ko or nbdfuse), no rbd-fuse"
+            ))),
+            RbdAttach::Kernel if !kernel() => Err(missing("the kernel's rbd driver (no rbd module)", "nbd, fuse or auto")),
+            RbdAttach::Nbd if !helper() => Err(missing("the agent's NBD server on librbd (librbd, and nbd.ko or nbdfuse)", "kernel, fuse or auto")),
+            RbdAttach::Fuse if !fuse() => Err(missing("rbd-fuse (not installed)", "kernel, nbd or auto")),
+            chosen => Ok(chosen),
+        }
+    }
+
+    /// The device already there for `spec` (key `key`), whichever path made it.
+    fn rbd_device(&self, spec: &RbdSpec, key: &str) -> Result<Option<PathBuf>, StepError> {
+        if let Some(m) = self.krbd_mappings(spec)?.into_iter().next() {
+            return Ok(Some(m.device));
+        }
+        if let Some(device) = self.export_device(key)? {
+            return Ok(Some(device));
+        }
+        Ok(self.loops_over(&self.sys.nbd.rbd_fuse_file(key, &spec.image))?.into_iter().next())
+    }
+
+    /// The agent's kernel mappings of `spec`'s image (none where the kernel
+    /// has no rbd driver): one an admin made by hand is never reused or
+    /// unmapped.
+    fn krbd_mappings(&self, spec: &RbdSpec) -> Result<Vec<crate::sys::krbd::KernelMapping>, StepError> {
+        if !self.sys.krbd.available() {
+            return Ok(Vec::new());
+        }
+        // Monitors that do not resolve now name no mapping that could be found.
+        let Ok(monitors) = crate::sys::krbd::kernel_monitors(&spec.monitors.join(",")) else { return Ok(Vec::new()) };
+        Ok(self.sys.krbd.mappings_of(&monitors, &spec.pool, &spec.image)?.into_iter().filter(|m| m.ours).collect())
+    }
+
+    fn attach_krbd(&mut self, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
+        let mut client = self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?;
+        let monitors = crate::sys::krbd::kernel_monitors(&spec.monitors.join(","))
+            .map_err(|e| refused(format!("rbd image {}/{}: {e}", spec.pool, spec.image)))?;
+        client.monitors = Some(monitors);
+        let (mapping, mapped) = self.sys.krbd.map(&client, &spec.pool, &spec.image, read_only)?;
+        if mapped {
+            self.undo.push(Undo::KrbdUnmap(mapping.id));
+        }
+        Ok(mapping.device)
+    }
+
+    /// rbd-fuse's file of the image on a loop device. rbd-fuse says
+    /// nothing of its Ceph client; the watcher that appears when the loop
+    /// device opens the image is it.
+    fn attach_rbd_fuse(&mut self, key: &str, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
+        let target = RbdTarget {
+            client: self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?,
+            pool: spec.pool.clone(),
+            image: spec.image.clone(),
+        };
+        // Best effort: without the lists the client stays unknown (other
+        // nodes then deny exclusive mounts of the image: fail closed).
+        let watchers = |run: &Self| match run.sys.storage.rbd_watchers(&target.client, &spec.pool, &spec.image) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!("cannot list the watchers of rbd image {}/{}: {e}", spec.pool, spec.image);
+                None
+            }
+        };
+        let before = watchers(self);
+        if self.sys.nbd.connect_rbd_fuse(key, &target, read_only)? {
+            self.undo.push(Undo::NbdDisconnect(key.to_string()));
+        }
+        let device = self.sys.devices.loop_attach(&self.sys.nbd.rbd_fuse_file(key, &spec.image), read_only)?;
+        self.undo.push(Undo::Detach(device.clone()));
+        let new: Vec<_> = match (before, watchers(self)) {
+            (Some(before), Some(after)) => after.into_iter().filter(|w| !before.iter().any(|b| b.id == w.id)).collect(),
+            _ => Vec::new(),
+        };
+        match new.as_slice() {
+            [w] => self.sys.nbd.set_storage_client(key, u64::try_from(w.id).unwrap_or_default(), &w.address)?,
+            other => tracing::warn!(
+                image = %format!("{}/{}", spec.pool, spec.image),
+                "rbd-fuse's Ceph client is not known ({} new watchers): other nodes cannot place it and deny exclusive mounts meanwhile",
+                other.len()
+            ),
+        }
         Ok(device)
     }
 
     fn attach_rbd_export(&mut self, key: &str, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
         let key = key.to_string();
-        if let Some(device) = self.export_device(&key)? {
-            return Ok(device);
-        }
         let target = RbdTarget {
             client: self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?,
             pool: spec.pool.clone(),
@@ -369,6 +479,18 @@ impl Run<'_> {
         let device = self.sys.devices.loop_attach(&self.sys.nbd.file(&key), read_only)?;
         self.undo.push(Undo::Detach(device.clone()));
         Ok(device)
+    }
+
+    /// Undo what attaching `spec` did, whichever path it took.
+    fn detach_rbd(&mut self, spec: &RbdSpec, force: bool) -> Result<(), StepError> {
+        for m in self.krbd_mappings(spec)? {
+            self.sys.krbd.unmap(m.id, force)?;
+        }
+        let key = rbd_key(spec);
+        for device in self.loops_over(&self.sys.nbd.rbd_fuse_file(&key, &spec.image))? {
+            self.sys.devices.loop_detach(&device)?;
+        }
+        self.detach_export(&key)
     }
 
     /// Undo what attaching export `key` did, whichever path it took; the
@@ -462,6 +584,7 @@ impl Run<'_> {
                 Undo::NbdDisconnect(key) => self.sys.nbd.disconnect(key),
                 Undo::NbdKernelDisconnect(key) => self.sys.nbd.kernel_disconnect(key),
                 Undo::NbdStopServing(key) => self.sys.nbd.stop_serving(key),
+                Undo::KrbdUnmap(id) => self.sys.krbd.unmap(*id, false),
                 Undo::Unmount(target) => self.sys.mounts.unmount(target, false),
                 Undo::RemoveDir(dir) => self.sys.mounts.remove_dir(dir),
             };

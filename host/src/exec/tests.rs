@@ -117,6 +117,7 @@ fn rbd_spec(secret_key: Option<&str>) -> crate::policy::RbdSpec {
         image: "i".into(),
         user: "u".into(),
         secret_key: secret_key.map(Into::into),
+        attach: crate::policy::RbdAttach::Auto,
     }
 }
 
@@ -151,6 +152,117 @@ fn an_rbd_image_is_served_by_a_helper_with_the_secrets_key_and_detached_whole() 
     exec.run(&detach).unwrap();
     let s = fake.state();
     assert!(s.loops.is_empty() && s.mounts.is_empty() && s.nbd_clients.is_empty() && s.rbd_servers.is_empty(), "{s:?}");
+}
+
+#[test]
+fn where_the_kernel_has_rbd_an_image_is_mapped_by_it_and_unmapped_whole() {
+    let fake = Fake::new();
+    {
+        let mut s = fake.state();
+        s.dirs.insert(POD.into());
+        s.krbd = true;
+    }
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
+    let (attach, detach) = rbd_plans(Some("key"));
+    let outcome = exec.run(&attach).unwrap();
+    assert_eq!(outcome.devices.get("dev").map(|d| d.display().to_string()).as_deref(), Some("/dev/rbd0"));
+    assert_eq!(outcome.storage_clients, vec![(7000, "10.0.0.9:0/70".to_string())], "the kernel client goes to the ledger");
+    {
+        let s = fake.state();
+        assert_eq!(s.krbd_mappings.len(), 1);
+        assert_eq!(s.krbd_mappings[0].monitors, "10.0.0.1:6789,10.0.0.2:6789");
+        assert!(s.rbd_servers.is_empty() && s.loops.is_empty(), "no helper, no loop device: {s:?}");
+    }
+    exec.run(&attach).unwrap();
+    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("krbd-map")).count(), 1, "a rerun reuses the mapping");
+    exec.run(&detach).unwrap();
+    assert!(fake.state().krbd_mappings.is_empty());
+    // A failed mount unmaps what the plan mapped.
+    fake.fail_next("mount ");
+    assert!(exec.run(&attach).is_err());
+    let s = fake.state();
+    assert!(s.krbd_mappings.is_empty() && s.mounts.is_empty(), "{s:?}");
+}
+
+#[test]
+fn an_admins_own_mapping_of_the_image_is_neither_reused_nor_unmapped() {
+    let fake = Fake::new();
+    {
+        let mut s = fake.state();
+        s.dirs.insert(POD.into());
+        s.krbd = true;
+        s.krbd_mappings.push(crate::sys::krbd::KernelMapping {
+            id: 0,
+            pool: "p".into(),
+            image: "i".into(),
+            monitors: "10.0.0.1:6789,10.0.0.2:6789".into(),
+            client_id: 1,
+            client_addr: "10.0.0.9:0/1".into(),
+            device: "/dev/rbd0".into(),
+            ours: false,
+        });
+    }
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
+    let (attach, detach) = rbd_plans(Some("key"));
+    exec.run(&attach).unwrap();
+    exec.run(&detach).unwrap();
+    let s = fake.state();
+    assert_eq!(s.krbd_mappings.len(), 1);
+    assert!(!s.krbd_mappings[0].ours);
+    assert!(!s.log.iter().any(|op| op.starts_with("krbd-unmap")), "{:?}", s.log);
+}
+
+#[test]
+fn without_the_kernel_driver_or_librbd_an_image_is_reached_through_rbd_fuse() {
+    let fake = Fake::new();
+    let key = rbd_key(&rbd_spec(None));
+    {
+        let mut s = fake.state();
+        s.dirs.insert(POD.into());
+        s.no_rbd_helper = true;
+        s.rbd_fuse = true;
+        // Another node's client watches the image already.
+        s.rbd_watchers.insert("p/i".into(), vec![(4000, "10.0.0.2:0/40".into())]);
+    }
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
+    let (attach, detach) = rbd_plans(Some("key"));
+    let outcome = exec.run(&attach).unwrap();
+    assert_eq!(outcome.storage_clients, vec![(4100, "10.0.0.9:0/41".to_string())], "the watcher rbd-fuse added is its client");
+    {
+        let s = fake.state();
+        assert_eq!(s.rbd_fuse_clients.get(&key), Some(&("p/i".to_string(), false)));
+        assert!(s.rbd_servers.is_empty(), "no helper: {s:?}");
+        assert_eq!(s.loops.len(), 1);
+        assert_eq!(s.loops[0].backing_file, Path::new("/fake-nbd").join(&key).join("i"));
+    }
+    exec.run(&attach).unwrap();
+    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("rbd-fuse-connect")).count(), 1, "a rerun reuses the device");
+    exec.run(&detach).unwrap();
+    let s = fake.state();
+    assert!(s.rbd_fuse_clients.is_empty() && s.loops.is_empty() && s.mounts.is_empty() && s.client_ids.is_empty(), "{s:?}");
+}
+
+#[test]
+fn a_volume_that_insists_on_a_path_the_node_lacks_is_refused_by_name() {
+    let (fake, _) = node();
+    for (attach, says) in [
+        (crate::policy::RbdAttach::Kernel, "the kernel's rbd driver"),
+        (crate::policy::RbdAttach::Fuse, "rbd-fuse (not installed)"),
+    ] {
+        let mut spec = rbd_spec(Some("key"));
+        spec.attach = attach;
+        let mut plan = rbd_plans(Some("key")).0;
+        plan[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Rbd(spec), read_only: false });
+        let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
+        let err = exec.run(&plan).unwrap_err().to_string();
+        assert!(err.contains("rbd image p/i") && err.contains(says), "{err}");
+    }
+    fake.state().no_rbd_helper = true;
+    let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
+    let err = exec.run(&rbd_plans(Some("key")).0).unwrap_err().to_string();
+    assert!(err.contains("no way to map it"), "{err}");
+    let s = fake.state();
+    assert!(s.rbd_servers.is_empty() && s.loops.is_empty() && s.krbd_mappings.is_empty(), "{s:?}");
 }
 
 #[test]

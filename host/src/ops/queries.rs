@@ -156,8 +156,8 @@ impl Queries for NodeQueries {
     }
 
     /// Read from the cluster (librbd), within the guest's deadline. A
-    /// watcher that is one of this node's own helper servers is placed on
-    /// this node, one the ledger records for another node on that node;
+    /// watcher that is one of this node's own clients (a helper server,
+    /// rbd-fuse, a kernel mapping) is placed on this node, one the ledger records for another node on that node;
     /// any other is unplaced (the guest counts it as foreign).
     fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String> {
         let name = format!("{pool}/{image}");
@@ -168,7 +168,11 @@ impl Queries for NodeQueries {
         let listed = bounded("image-watchers", &name, self.deadline, move || sys.storage.rbd_watchers(&client, &p, &i))
             .map_err(|e| e.to_string())?
             .map_err(|e| e.to_string())?;
-        let ours: Vec<u64> = self.sys.nbd.storage_clients().into_iter().map(|(_, id, _)| id).collect();
+        let mut ours: Vec<u64> = self.sys.nbd.storage_clients().into_iter().map(|(_, id, _)| id).collect();
+        if self.sys.krbd.available() {
+            let mappings = self.sys.krbd.mappings().map_err(|e| e.to_string())?;
+            ours.extend(mappings.into_iter().filter(|m| m.ours).map(|m| m.client_id));
+        }
         Ok(listed
             .into_iter()
             .map(|w| Watcher {

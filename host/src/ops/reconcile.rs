@@ -194,6 +194,16 @@ impl Agent {
                 let what = device.map_or("gone".to_string(), |d| d.display().to_string());
                 removed.push(format!("orphan kernel NBD connection {key} ({what})"));
             }
+            // The agent's kernel rbd mappings: one a mount uses is kept, one
+            // nothing uses is unmapped.
+            if sys.krbd.available() {
+                for m in sys.krbd.mappings()?.into_iter().filter(|m| m.ours) {
+                    if !mounted.contains(&m.device.display().to_string()) {
+                        sys.krbd.unmap(m.id, false)?;
+                        removed.push(format!("orphan kernel rbd mapping {} ({}/{})", m.device.display(), m.pool, m.image));
+                    }
+                }
+            }
             // Userspace NBD clients: one a loop device of ours still uses
             // is adopted as it runs (it outlived the previous agent); one
             // nothing uses is stopped.

@@ -663,7 +663,7 @@ mod tests {
             let mut p = good();
             p[0] = Step::AttachDevice(AttachDevice {
                 id: "d".into(),
-                spec: DeviceSpec::Rbd(RbdSpec { monitors: vec!["10.0.0.1:6789".into(), monitor.into()], pool: "rbd".into(), image: "i".into(), user: "u".into(), secret_key: None }),
+                spec: DeviceSpec::Rbd(RbdSpec { monitors: vec!["10.0.0.1:6789".into(), monitor.into()], pool: "rbd".into(), image: "i".into(), user: "u".into(), secret_key: None, attach: RbdAttach::Auto }),
                 read_only: false,
             });
             p.push(Step::BlocklistClient(BlocklistClient { monitors: vec![monitor.into()], user: "u".into(), secret_key: None, address: "10.0.0.7:0/1".into() }));

@@ -34,6 +34,18 @@ pub struct State {
     pub nbd_kernel_driver: bool,
     /// Kernel nbd connections: key → (device, server, export, read-only).
     pub nbd_kernel: BTreeMap<String, (PathBuf, String, String, bool)>,
+    /// Whether the agent's rbd helper cannot serve here (no librbd).
+    pub no_rbd_helper: bool,
+    /// Whether rbd-fuse is installed.
+    pub rbd_fuse: bool,
+    /// rbd-fuse clients running: key → ("pool/image", read-only).
+    pub rbd_fuse_clients: BTreeMap<String, (String, bool)>,
+    /// Storage clients recorded for clients: key → (global id, address).
+    pub client_ids: BTreeMap<String, (u64, String)>,
+    /// Whether the kernel has the rbd driver.
+    pub krbd: bool,
+    /// Kernel rbd mappings.
+    pub krbd_mappings: Vec<super::krbd::KernelMapping>,
     /// Every operation, as "op path".
     pub log: Vec<String>,
     /// Fail the next operation whose "op path" starts with one of these
@@ -52,7 +64,7 @@ impl Fake {
     }
 
     pub fn sys(self: &Arc<Self>) -> Sys {
-        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone(), nbd: self.clone(), storage: self.clone() }
+        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone(), nbd: self.clone(), storage: self.clone(), krbd: self.clone() }
     }
 
     pub fn state(&self) -> MutexGuard<'_, State> {
@@ -300,13 +312,45 @@ impl NbdClients for Fake {
         let mut s = self.op("nbd-disconnect", &file)?;
         s.nbd_clients.remove(key);
         s.files.remove(&file);
+        if let Some((image, _)) = s.rbd_fuse_clients.remove(key) {
+            let name = image.rsplit('/').next().unwrap_or_default().to_string();
+            s.files.remove(&file.with_file_name(name));
+        }
+        s.client_ids.remove(key);
+        Ok(())
+    }
+
+    fn rbd_helper_available(&self) -> bool {
+        !self.state().no_rbd_helper
+    }
+
+    fn rbd_fuse_available(&self) -> bool {
+        self.state().rbd_fuse
+    }
+
+    fn connect_rbd_fuse(&self, key: &str, target: &super::rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError> {
+        let file = self.rbd_fuse_file(key, &target.image);
+        let mut s = self.op("rbd-fuse-connect", &file)?;
+        if s.rbd_fuse_clients.contains_key(key) {
+            return Ok(false);
+        }
+        let image = format!("{}/{}", target.pool, target.image);
+        s.rbd_fuse_clients.insert(key.to_string(), (image.clone(), read_only));
+        s.files.insert(file);
+        // Its Ceph client watches the image.
+        s.rbd_watchers.entry(image).or_default().push((4100, "10.0.0.9:0/41".into()));
+        Ok(true)
+    }
+
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
+        self.state().client_ids.insert(key.to_string(), (id, address.to_string()));
         Ok(())
     }
 
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
         let s = self.state();
-        let keys: BTreeSet<&String> = s.nbd_clients.keys().chain(s.nbd_servers.keys()).collect();
-        Ok(keys.into_iter().map(|k| (k.clone(), s.nbd_clients.contains_key(k))).collect())
+        let keys: BTreeSet<&String> = s.nbd_clients.keys().chain(s.nbd_servers.keys()).chain(s.rbd_fuse_clients.keys()).collect();
+        Ok(keys.into_iter().map(|k| (k.clone(), s.nbd_clients.contains_key(k) || s.rbd_fuse_clients.contains_key(k))).collect())
     }
 
     fn serve(&self, key: &str, _file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
@@ -328,7 +372,8 @@ impl NbdClients for Fake {
 
     fn storage_clients(&self) -> Vec<(String, u64, String)> {
         let s = self.state();
-        s.rbd_servers.iter().map(|(key, (_, _, id))| (key.clone(), *id, format!("10.0.0.9:0/{id}"))).collect()
+        let helpers = s.rbd_servers.iter().map(|(key, (_, _, id))| (key.clone(), *id, format!("10.0.0.9:0/{id}")));
+        helpers.chain(s.client_ids.iter().map(|(key, (id, address))| (key.clone(), *id, address.clone()))).collect()
     }
 
     fn server_address(&self, key: &str) -> String {
@@ -355,6 +400,46 @@ impl super::Storage for Fake {
         let mut s = self.op("blocklist", Path::new(address))?;
         let key = client.key.as_ref().map(|k| String::from_utf8_lossy(k.expose()).into_owned());
         s.blocklisted.push((address.to_string(), key));
+        Ok(())
+    }
+}
+
+/// Mappings are numbered 0, 1, … in order; client ids start at 7000.
+impl super::KernelRbd for Fake {
+    fn available(&self) -> bool {
+        self.state().krbd
+    }
+
+    fn map(&self, client: &super::rbd_export::CephClient, pool: &str, image: &str, _read_only: bool) -> Result<(super::krbd::KernelMapping, bool), SysError> {
+        let name = format!("{pool}/{image}");
+        let mut s = self.op("krbd-map", Path::new(&name))?;
+        let monitors = client.monitors.clone().unwrap_or_default();
+        if let Some(m) = s.krbd_mappings.iter().find(|m| m.pool == pool && m.image == image && m.monitors == monitors) {
+            return Ok((m.clone(), false));
+        }
+        let id = (0..).find(|n| !s.krbd_mappings.iter().any(|m| m.id == *n)).unwrap_or_default();
+        let mapping = super::krbd::KernelMapping {
+            id,
+            pool: pool.into(),
+            image: image.into(),
+            monitors,
+            client_id: 7000 + u64::from(id),
+            client_addr: format!("10.0.0.9:0/7{id}"),
+            device: PathBuf::from(format!("/dev/rbd{id}")),
+            ours: true,
+        };
+        s.krbd_mappings.push(mapping.clone());
+        Ok((mapping, true))
+    }
+
+    fn mappings(&self) -> Result<Vec<super::krbd::KernelMapping>, SysError> {
+        Ok(self.state().krbd_mappings.clone())
+    }
+
+    fn unmap(&self, id: u32, force: bool) -> Result<(), SysError> {
+        let op = if force { "krbd-unmap-force" } else { "krbd-unmap" };
+        let mut s = self.op(op, Path::new(&format!("/dev/rbd{id}")))?;
+        s.krbd_mappings.retain(|m| m.id != id);
         Ok(())
     }
 }

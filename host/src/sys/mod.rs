@@ -10,6 +10,7 @@ mod block;
 pub mod export_file;
 pub mod fake;
 pub mod gluster_mount;
+pub mod krbd;
 pub mod linux;
 pub mod loopdev;
 pub mod mountinfo;
@@ -215,10 +216,29 @@ pub trait NbdClients: Send + Sync {
     /// `target` reaches the helper in a 0600 keyring file beneath the
     /// state dir, removed once the helper has connected.
     fn serve_rbd(&self, key: &str, target: &rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError>;
-    /// The Ceph client of each running rbd helper: key, global id, address.
+    /// The Ceph client of each running rbd helper or rbd-fuse client: key,
+    /// global id, address.
     fn storage_clients(&self) -> Vec<(String, u64, String)> {
         Vec::new()
     }
+    /// Whether an rbd helper can serve on this node: librbd loads, and the
+    /// node has a way to reach an export (the nbd driver or nbdfuse).
+    fn rbd_helper_available(&self) -> bool;
+    /// Whether rbd-fuse is installed.
+    fn rbd_fuse_available(&self) -> bool;
+    /// Start rbd-fuse as client `key` for the RBD image `target`, and
+    /// return once it serves [`rbd_fuse_file`](Self::rbd_fuse_file); true
+    /// when started, false when running already. A key in `target` reaches
+    /// it as with [`serve_rbd`](Self::serve_rbd). Stopped by
+    /// [`disconnect`](Self::disconnect).
+    fn connect_rbd_fuse(&self, key: &str, target: &rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError>;
+    /// The file rbd-fuse client `key` exposes `image` as.
+    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf {
+        self.file(key).with_file_name(image)
+    }
+    /// Record who client `key` is to its storage cluster (for
+    /// [`storage_clients`](Self::storage_clients)).
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError>;
     /// Where helper server `key` listens: "unix:/path".
     fn server_address(&self, key: &str) -> String;
     /// Stop helper server `key`; none running is fine.
@@ -243,6 +263,25 @@ pub trait Storage: Send + Sync {
     fn blocklist(&self, client: &rbd_export::CephClient, address: &str) -> Result<(), SysError>;
 }
 
+/// The kernel's rbd driver (krbd).
+pub trait KernelRbd: Send + Sync {
+    /// Whether the node's kernel has it.
+    fn available(&self) -> bool;
+    /// Map `pool/image`, or find it mapped; the mapping, and whether this
+    /// call made it.
+    fn map(&self, client: &rbd_export::CephClient, pool: &str, image: &str, read_only: bool) -> Result<(krbd::KernelMapping, bool), SysError>;
+    fn mappings(&self) -> Result<Vec<krbd::KernelMapping>, SysError>;
+    /// Unmap mapping `id`; `force` fails its outstanding I/O instead of
+    /// waiting (the cluster is gone). Unmapped already is fine.
+    fn unmap(&self, id: u32, force: bool) -> Result<(), SysError>;
+
+    /// The mappings of `pool/image` made with `monitors` (as
+    /// [`krbd::kernel_monitors`] gives them).
+    fn mappings_of(&self, monitors: &str, pool: &str, image: &str) -> Result<Vec<krbd::KernelMapping>, SysError> {
+        Ok(self.mappings()?.into_iter().filter(|m| m.monitors == monitors && m.pool == pool && m.image == image).collect())
+    }
+}
+
 /// The node's effects, passed to whoever needs them.
 #[derive(Clone)]
 pub struct Sys {
@@ -251,6 +290,7 @@ pub struct Sys {
     pub filesystems: Arc<dyn Filesystems>,
     pub nbd: Arc<dyn NbdClients>,
     pub storage: Arc<dyn Storage>,
+    pub krbd: Arc<dyn KernelRbd>,
 }
 
 impl Sys {
@@ -264,7 +304,8 @@ impl Sys {
     /// [`linux`](Self::linux) with NBD clients configured by the caller.
     pub fn linux_with(roots: Roots, tag: &str, nbd: nbd_client::NbdFuse) -> Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
-        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd), storage: Arc::new(rbd_export::LibCeph) }
+        let krbd = Arc::new(krbd::Krbd::new(nbd.base().to_path_buf()));
+        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd), storage: Arc::new(rbd_export::LibCeph), krbd }
     }
 
     /// The mount at exactly `target`, if any (the last one wins, as in the kernel).

@@ -52,6 +52,11 @@ impl NbdFuse {
         }
     }
 
+    /// Where the clients live.
+    pub fn base(&self) -> &Path {
+        &self.base
+    }
+
     fn dir(&self, key: &str) -> PathBuf {
         self.base.join(key)
     }
@@ -137,13 +142,16 @@ impl NbdFuse {
         (argv0 == ours && args.get(1) == Some(&&b"nbd"[..]) && args.get(2) == Some(&&b"serve"[..])).then(|| nix::unistd::Pid::from_raw(pid))
     }
 
-    /// The client's pid, when its process runs (and is nbdfuse, not a
-    /// process that took over a stale pid).
+    /// The client's pid, when its process runs (and is nbdfuse or
+    /// rbd-fuse, not a process that took over a stale pid).
     fn running(&self, key: &str) -> Option<nix::unistd::Pid> {
         let pid: i32 = std::fs::read_to_string(self.pid_file(key)).ok()?.trim().parse().ok()?;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
         let argv0 = cmdline.split(|b| *b == 0).next()?;
-        Path::new(std::str::from_utf8(argv0).ok()?).file_name().is_some_and(|n| n == "nbdfuse").then(|| nix::unistd::Pid::from_raw(pid))
+        Path::new(std::str::from_utf8(argv0).ok()?)
+            .file_name()
+            .is_some_and(|n| n == "nbdfuse" || n == "rbd-fuse")
+            .then(|| nix::unistd::Pid::from_raw(pid))
     }
 
     /// The FUSE mount at the client's dir: its connection number (the
@@ -175,6 +183,81 @@ impl NbdFuse {
         }
     }
 
+    /// A FUSE mount left at client `key`'s dir by a client that is gone
+    /// only fails (ENOTCONN): abort and detach it.
+    fn clear_stale_mount(&self, key: &str) -> Result<(), SysError> {
+        if let Some(conn) = self.mounted(key)? {
+            let dir = self.dir(key);
+            self.abort(conn);
+            nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).map_err(errno("unmount a stale FUSE client", &dir))?;
+        }
+        Ok(())
+    }
+
+    /// Wait for `child`, client `key`, to mount its dir; on failure or
+    /// timeout, stop it and say why (its log's last lines).
+    fn await_mount(&self, key: &str, mut child: std::process::Child, program: &'static str) -> Result<(), SysError> {
+        let (dir, pid_file) = (self.dir(key), self.pid_file(key));
+        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
+        let deadline = Instant::now() + self.ready_timeout;
+        while self.mounted(key)?.is_none() {
+            let failed = match child.try_wait() {
+                Ok(Some(status)) => Some(SysError::Command { program, path: dir.clone(), message: format!("{status}: {}", self.log_tail(key)) }),
+                _ if Instant::now() >= deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let _ = self.clear_stale_mount(key);
+                    Some(SysError::Timeout { program, path: dir.clone(), secs: self.ready_timeout.as_secs() })
+                }
+                _ => None,
+            };
+            if let Some(e) = failed {
+                // The error carries the log's last lines.
+                for f in [pid_file, self.log_file(key)] {
+                    let _ = std::fs::remove_file(f);
+                }
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::spawn(move || drop(child.wait()));
+        Ok(())
+    }
+
+    /// Wait (up to the ready timeout) for client `key`, process `pid`, to
+    /// serve `file`; on failure stop it and say why.
+    fn await_file(&self, key: &str, pid: nix::unistd::Pid, file: &Path) -> Result<(), SysError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let probe = file.to_path_buf();
+        // The first request through a FUSE mount waits for the daemon:
+        // asked from a thread, so a daemon that never answers costs only it.
+        std::thread::spawn(move || drop(tx.send(std::fs::metadata(&probe).map(|m| m.len()))));
+        let failed = match rx.recv_timeout(self.ready_timeout) {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => SysError::Command { program: "rbd-fuse", path: file.to_path_buf(), message: format!("{e}: {}", self.log_tail(key)) },
+            Err(_) => SysError::Timeout { program: "rbd-fuse", path: file.to_path_buf(), secs: self.ready_timeout.as_secs() },
+        };
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.clear_stale_mount(key);
+        for f in [self.pid_file(key), self.log_file(key)] {
+            let _ = std::fs::remove_file(f);
+        }
+        let _ = std::fs::remove_dir(self.dir(key));
+        Err(failed)
+    }
+
+    /// The key of `client`, in a keyring file only root can read, for a
+    /// process to read at connect: never on a command line.
+    fn write_keyring(&self, key: &str, client: &super::rbd_export::CephClient) -> Result<Option<PathBuf>, SysError> {
+        let Some(secret) = &client.key else { return Ok(None) };
+        std::fs::create_dir_all(&self.base).map_err(io("mkdir", &self.base))?;
+        let file = self.keyring_file(key);
+        let key_text = secret.ceph_key("key").map_err(|what| SysError::Refused { path: file.clone(), what })?;
+        write_private(&file, format!("[client.{}]\n\tkey = {key_text}\n", client.user).as_bytes())?;
+        Ok(Some(file))
+    }
+
     fn wait_gone(&self, pid: nix::unistd::Pid, key: &str, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         while self.running(key) == Some(pid) {
@@ -187,10 +270,27 @@ impl NbdFuse {
     }
 }
 
+/// Whether `program` is an executable file in a directory of `$PATH`.
+fn on_path(program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|dir| std::fs::metadata(dir.join(program)).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+    })
+}
+
 /// The last `n` lines of a log.
 fn last_lines(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.trim().lines().rev().take(n).collect();
     lines.into_iter().rev().collect::<Vec<_>>().join("; ")
+}
+
+/// Remove a keyring [`NbdFuse::write_keyring`] wrote, once read.
+fn remove_keyring(file: Option<PathBuf>) {
+    if let Some(file) = file
+        && let Err(e) = std::fs::remove_file(&file)
+    {
+        tracing::error!(file = %file.display(), "cannot remove a keyring after use: {e}");
+    }
 }
 
 /// Create `file` readable by its owner alone, with `bytes`.
@@ -253,15 +353,10 @@ impl NbdClients for NbdFuse {
 
     fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError> {
         let dir = self.dir(key);
-        let stale = self.mounted(key)?;
-        if stale.is_some() && self.running(key).is_some() {
+        if self.mounted(key)?.is_some() && self.running(key).is_some() {
             return Ok(false);
         }
-        if let Some(conn) = stale {
-            // Its client is gone: the mount only fails (ENOTCONN).
-            self.abort(conn);
-            nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).map_err(errno("unmount stale nbdfuse", &dir))?;
-        }
+        self.clear_stale_mount(key)?;
         std::fs::create_dir_all(&dir).map_err(io("mkdir", &dir))?;
         let pid_file = self.pid_file(key);
         match std::fs::remove_file(&pid_file) {
@@ -328,7 +423,7 @@ impl NbdClients for NbdFuse {
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
             self.wait_gone(pid, key, self.stop_timeout);
         }
-        for f in [self.pid_file(key), self.log_file(key)] {
+        for f in [self.pid_file(key), self.log_file(key), self.client_file(key)] {
             match std::fs::remove_file(&f) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => tracing::warn!(file = %f.display(), "left in place: {e}"),
                 _ => {}
@@ -365,33 +460,79 @@ impl NbdClients for NbdFuse {
         let client_file = self.client_file(key);
         let _ = std::fs::remove_file(&client_file);
         cmd.arg("--ceph-client-file").arg(&client_file).stdin(Stdio::null());
-        // The key reaches the helper in a keyring file only it and root can
-        // read, for as long as it takes to connect: never on a command line.
-        let mut written = None;
-        if let Some(secret) = &client.key {
-            let file = self.keyring_file(key);
-            let key_text = secret.ceph_key("key").map_err(|what| SysError::Refused { path: file.clone(), what })?;
-            write_private(&file, format!("[client.{}]\n\tkey = {key_text}\n", client.user).as_bytes())?;
-            cmd.arg("--ceph-keyring").arg(&file);
-            written = Some(file);
-        } else if let Some(keyring) = &client.keyring {
+        let written = self.write_keyring(key, &target.client)?;
+        if let Some(keyring) = written.as_ref().or(client.keyring.as_ref()) {
             cmd.arg("--ceph-keyring").arg(keyring);
         }
         let started = self.start_helper(key, cmd);
-        if let Some(file) = written {
-            // Read at connect; the helper serves only once it has connected.
-            if let Err(e) = std::fs::remove_file(&file) {
-                tracing::error!(file = %file.display(), "cannot remove a keyring after use: {e}");
-            }
-        }
+        // Read at connect; the helper serves only once it has connected.
+        remove_keyring(written);
         started
+    }
+
+    fn rbd_helper_available(&self) -> bool {
+        super::rbd_export::libraries_available() && (self.kernel.available() || on_path("nbdfuse"))
+    }
+
+    fn rbd_fuse_available(&self) -> bool {
+        on_path("rbd-fuse")
+    }
+
+    fn connect_rbd_fuse(&self, key: &str, target: &RbdTarget, read_only: bool) -> Result<bool, SysError> {
+        let dir = self.dir(key);
+        if self.mounted(key)?.is_some() && self.running(key).is_some() {
+            return Ok(false);
+        }
+        self.clear_stale_mount(key)?;
+        std::fs::create_dir_all(&dir).map_err(io("mkdir", &dir))?;
+        let client = &target.client;
+        // rbd-fuse takes the user, keyring and monitors as Ceph arguments in
+        // the environment; the key itself only in a 0600 keyring file that
+        // is removed once it has connected.
+        let written = self.write_keyring(key, client)?;
+        let mut ceph_args = format!("--id {}", client.user);
+        if let Some(keyring) = written.as_ref().or(client.keyring.as_ref()) {
+            ceph_args.push_str(&format!(" --keyring {}", keyring.display()));
+        }
+        if let Some(monitors) = &client.monitors {
+            ceph_args.push_str(&format!(" --mon-host {monitors}"));
+        }
+        // Connecting gives up with the client's own deadline, not librados' 300 s.
+        ceph_args.push_str(&format!(" --client-mount-timeout {}", self.ready_timeout.as_secs().max(1)));
+        let log_path = self.log_file(key);
+        let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
+        let mut cmd = Command::new("rbd-fuse");
+        cmd.arg("-f").arg("-c").arg(client.conf.as_deref().unwrap_or(Path::new("/dev/null")));
+        cmd.args(["-p", &target.pool, "-r", &target.image]);
+        if read_only {
+            cmd.args(["-o", "ro"]);
+        }
+        cmd.arg(&dir).env("CEPH_ARGS", ceph_args);
+        cmd.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("dup", &log_path))?).stderr(log).process_group(0);
+        let file = self.rbd_fuse_file(key, &target.image);
+        let ready = cmd.spawn().map_err(io("run rbd-fuse for", &dir)).and_then(|child| {
+            // It mounts first and connects to the cluster after, when the
+            // kernel's first request comes: the image's file is there
+            // once it has connected (and read the keyring).
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            self.await_mount(key, child, "rbd-fuse")?;
+            self.await_file(key, pid, &file)
+        });
+        remove_keyring(written);
+        ready?;
+        Ok(true)
+    }
+
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
+        let file = self.client_file(key);
+        std::fs::write(&file, format!("{id} {address}\n")).map_err(io("write", &file))
     }
 
     fn storage_clients(&self) -> Vec<(String, u64, String)> {
         let Ok(clients) = self.clients() else { return Vec::new() };
         clients
             .into_iter()
-            .filter(|(key, _)| self.server_running(key).is_some())
+            .filter(|(key, running)| *running || self.server_running(key).is_some())
             .filter_map(|(key, _)| {
                 let text = std::fs::read_to_string(self.client_file(&key)).ok()?;
                 let (id, address) = text.trim().split_once(' ')?;

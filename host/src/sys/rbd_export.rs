@@ -117,6 +117,11 @@ struct Api {
 
 static API: std::sync::OnceLock<Result<Api, String>> = std::sync::OnceLock::new();
 
+/// Whether Ceph's client libraries load on this node.
+pub fn libraries_available() -> bool {
+    Api::get().is_ok()
+}
+
 impl Api {
     fn get() -> Result<&'static Api, RbdError> {
         API.get_or_init(|| Api::load().map_err(|e| e.to_string())).as_ref().map_err(|e| RbdError::Library(e.clone()))

@@ -105,7 +105,7 @@ pub fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
 
 /// nbdfuse processes whose mount lies under `dir`.
 pub fn clients_under(dir: &Path) -> Vec<i32> {
-    crate::common::processes_under(dir, |a| a.first().is_some_and(|p| p.ends_with("nbdfuse")))
+    crate::common::processes_under(dir, |a| a.first().is_some_and(|p| p.ends_with("nbdfuse") || p.ends_with("rbd-fuse")))
 }
 
 /// The contents of `/data` in the ext4 or xfs filesystem on `image`, read

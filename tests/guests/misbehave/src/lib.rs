@@ -93,6 +93,7 @@ impl Policy for Misbehave {
                     image: "img".into(),
                     user: "admin".into(),
                     secret_key: None,
+                    attach: volagent_guest_sdk::RbdAttach::Auto,
                 }),
                 read_only: false,
             })]),

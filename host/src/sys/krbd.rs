@@ -1,0 +1,282 @@
+//! The kernel's rbd driver (krbd): an image mapped as `/dev/rbdN` through
+//! sysfs, as `rbd device map` does, without the `rbd` tool or a keyring
+//! file — the user's key goes to the kernel in the one write that maps.
+//!
+//! A mapping is found again by what sysfs says of it (pool, image, and the
+//! monitors it was mapped with, from `config_info`), so a retried attach
+//! reuses it. Which mappings are the agent's (an admin may map images by
+//! hand) is kept as a mark file per image, written before the map and
+//! removed after the unmap, so start-up reconciliation never touches one
+//! it did not make.
+
+use super::rbd_export::CephClient;
+use super::{KernelRbd, SysError, io};
+use std::net::ToSocketAddrs;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// One image mapped by the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelMapping {
+    /// Its number: `/sys/bus/rbd/devices/<id>`, `/dev/rbd<id>`.
+    pub id: u32,
+    pub pool: String,
+    pub image: String,
+    /// The monitors it was mapped with, as written ("ip:port,…").
+    pub monitors: String,
+    /// The kernel client's global id and address, as the cluster sees it.
+    pub client_id: u64,
+    pub client_addr: String,
+    pub device: PathBuf,
+    /// Whether this agent mapped it.
+    pub ours: bool,
+}
+
+#[derive(Debug)]
+pub struct Krbd {
+    bus: PathBuf,
+    dev: PathBuf,
+    /// The marks of the images this agent maps.
+    marks: PathBuf,
+    probed: std::sync::OnceLock<bool>,
+    /// How long the kernel may try to reach the cluster (its `mount_timeout`).
+    pub connect_timeout: Duration,
+}
+
+impl Krbd {
+    /// The node's driver; marks kept in `marks` (beneath the state dir).
+    pub fn new(marks: PathBuf) -> Self {
+        Krbd {
+            bus: PathBuf::from("/sys/bus/rbd"),
+            dev: PathBuf::from("/dev"),
+            marks,
+            probed: std::sync::OnceLock::new(),
+            connect_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// The monitors as the kernel takes them: resolved addresses, sorted, so
+/// that a mapping made from the same list reads back the same.
+pub fn kernel_monitors(monitors: &str) -> Result<String, String> {
+    let mut addrs = Vec::new();
+    for m in monitors.split(',').map(str::trim).filter(|m| !m.is_empty()) {
+        let resolved = m.to_socket_addrs().map_err(|e| format!("monitor {m}: {e}"))?;
+        // The kernel client speaks to one address per monitor.
+        let first = resolved.into_iter().next().ok_or_else(|| format!("monitor {m} resolves to no address"))?;
+        addrs.push(first.to_string());
+    }
+    if addrs.is_empty() {
+        return Err("no monitors".into());
+    }
+    addrs.sort();
+    addrs.dedup();
+    Ok(addrs.join(","))
+}
+
+/// The options of one map request, in the kernel's syntax.
+fn map_options(user: &str, key: &str, read_only: bool, timeout: Duration) -> String {
+    let mut options = format!("name={user},secret={key},mount_timeout={}", timeout.as_secs().max(1));
+    if read_only {
+        options.push_str(",read_only");
+    }
+    options
+}
+
+impl Krbd {
+    fn mark(&self, monitors: &str, pool: &str, image: &str) -> PathBuf {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(format!("{monitors}\0{pool}\0{image}").as_bytes());
+        self.marks.join(format!("krbd-{}", hex::encode(&digest[..12])))
+    }
+
+    fn add_file(&self) -> PathBuf {
+        self.bus.join("add_single_major")
+    }
+
+    fn remove_file(&self) -> PathBuf {
+        self.bus.join("remove_single_major")
+    }
+
+    fn attr(&self, id: &str, name: &str) -> Option<String> {
+        std::fs::read_to_string(self.bus.join("devices").join(id).join(name)).ok().map(|s| s.trim().to_string())
+    }
+}
+
+impl KernelRbd for Krbd {
+    /// The first ask tries to load the driver, as `rbd device map` would.
+    fn available(&self) -> bool {
+        *self.probed.get_or_init(|| {
+            if !self.add_file().exists() {
+                let loaded = std::process::Command::new("modprobe")
+                    .args(["-q", "rbd"])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status();
+                tracing::debug!(?loaded, "modprobe rbd");
+            }
+            self.add_file().exists()
+        })
+    }
+
+    fn mappings(&self) -> Result<Vec<KernelMapping>, SysError> {
+        let devices = self.bus.join("devices");
+        let entries = match std::fs::read_dir(&devices) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io("list", &devices)(e)),
+        };
+        let mut found = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Ok(id) = name.parse::<u32>() else { continue };
+            // Gone between the listing and the read: not a mapping any more.
+            let (Some(pool), Some(image)) = (self.attr(&name, "pool"), self.attr(&name, "name")) else { continue };
+            let monitors = self.attr(&name, "config_info").and_then(|c| c.split_whitespace().next().map(str::to_string)).unwrap_or_default();
+            let client_id = self.attr(&name, "client_id").and_then(|c| c.trim_start_matches("client").parse().ok()).unwrap_or_default();
+            let client_addr = self.attr(&name, "client_addr").unwrap_or_default();
+            let device = self.dev.join(format!("rbd{id}"));
+            let ours = self.mark(&monitors, &pool, &image).exists();
+            found.push(KernelMapping { id, pool, image, monitors, client_id, client_addr, device, ours });
+        }
+        found.sort_by_key(|m| m.id);
+        Ok(found)
+    }
+
+    fn map(&self, client: &CephClient, pool: &str, image: &str, read_only: bool) -> Result<(KernelMapping, bool), SysError> {
+        let what = PathBuf::from(format!("rbd image {pool}/{image}"));
+        let refuse = |why: String| SysError::Refused { path: what.clone(), what: why };
+        let monitors = kernel_monitors(client.monitors.as_deref().unwrap_or_default()).map_err(refuse)?;
+        if let Some(m) = self.mappings_of(&monitors, pool, image)?.into_iter().next() {
+            return Ok((m, false));
+        }
+        let key = match &client.key {
+            Some(secret) => secret.ceph_key("key").map_err(refuse)?,
+            None => return Err(refuse("the kernel's rbd driver needs the user's key from the volume's secret (it reads no keyring)".into())),
+        };
+        // Image and pool names reach the kernel as words of one line.
+        for (name, value) in [("pool", pool), ("image", image), ("user", client.user.as_str())] {
+            if value.is_empty() || value.chars().any(|c| c.is_whitespace() || c == ',' || c.is_control()) {
+                return Err(refuse(format!("{name} {value:?} cannot be mapped by the kernel")));
+            }
+        }
+        let line = zeroize::Zeroizing::new(format!("{monitors} {} {pool} {image}", map_options(&client.user, &key, read_only, self.connect_timeout)));
+        drop(zeroize::Zeroizing::new(key));
+        // Marked before it is mapped: a crash in between leaves a mark
+        // without a mapping, never a mapping of ours without a mark.
+        let mark = self.mark(&monitors, pool, image);
+        std::fs::create_dir_all(&self.marks).map_err(io("mkdir", &self.marks))?;
+        std::fs::write(&mark, format!("{monitors} {pool} {image}\n")).map_err(io("write", &mark))?;
+        let add = self.add_file();
+        let started = Instant::now();
+        // The write blocks until the kernel has mapped it or given up.
+        if let Err(e) = std::fs::write(&add, line.as_bytes()) {
+            let _ = std::fs::remove_file(&mark);
+            // The error names the request, never the line: it holds the key.
+            return Err(SysError::Refused {
+                path: what,
+                what: format!("the kernel's rbd driver refused to map it (monitors {monitors}, user {}): {e}", client.user),
+            });
+        }
+        tracing::debug!(ms = started.elapsed().as_millis() as u64, "krbd map {pool}/{image}");
+        let mapping = self
+            .mappings_of(&monitors, pool, image)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| refuse("mapped, but the kernel lists no such mapping".into()))?;
+        // devtmpfs makes the node; give it a moment where udev does.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !mapping.device.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if !mapping.device.exists() {
+            let _ = self.unmap(mapping.id, false);
+            return Err(refuse(format!("mapped as {}, but no device node appeared", mapping.device.display())));
+        }
+        Ok((mapping, true))
+    }
+
+    fn unmap(&self, id: u32, force: bool) -> Result<(), SysError> {
+        if !self.bus.join("devices").join(id.to_string()).exists() {
+            return Ok(());
+        }
+        let mapping = self.mappings()?.into_iter().find(|m| m.id == id);
+        let request = if force { format!("{id} force") } else { id.to_string() };
+        let remove = self.remove_file();
+        match std::fs::write(&remove, request) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => {}
+            Err(e) => return Err(SysError::Refused { path: self.dev.join(format!("rbd{id}")), what: format!("unmap: {e}") }),
+        }
+        // The image's mark goes with its last mapping.
+        if let Some(m) = mapping
+            && self.mappings_of(&m.monitors, &m.pool, &m.image)?.is_empty()
+        {
+            let mark = self.mark(&m.monitors, &m.pool, &m.image);
+            match std::fs::remove_file(&mark) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &mark)(e)),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn monitors_are_resolved_sorted_and_deduplicated() {
+        assert_eq!(kernel_monitors("127.0.0.2:6789, 127.0.0.1:6789,127.0.0.1:6789").unwrap(), "127.0.0.1:6789,127.0.0.2:6789");
+        assert_eq!(kernel_monitors("localhost:3300").unwrap().rsplit_once(':').unwrap().1, "3300");
+        assert!(kernel_monitors("").is_err());
+        assert!(kernel_monitors("no-such-host.invalid:6789").is_err());
+    }
+
+    #[test]
+    fn options_carry_the_timeout_and_read_only() {
+        assert_eq!(map_options("u", "K", false, Duration::from_secs(20)), "name=u,secret=K,mount_timeout=20");
+        assert_eq!(map_options("u", "K", true, Duration::from_millis(10)), "name=u,secret=K,mount_timeout=1,read_only");
+    }
+
+    #[test]
+    fn mappings_are_read_from_sysfs() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = dir.path().join("devices/3");
+        std::fs::create_dir_all(&dev).unwrap();
+        for (name, value) in [
+            ("pool", "rbd\n"),
+            ("name", "img\n"),
+            ("config_info", "127.0.0.1:6789 name=u,secret=K rbd img\n"),
+            ("client_id", "client4120\n"),
+            ("client_addr", "127.0.0.1:0/29\n"),
+        ] {
+            std::fs::write(dev.join(name), value).unwrap();
+        }
+        std::fs::create_dir_all(dir.path().join("devices/not-a-number")).unwrap();
+        let k = Krbd { bus: dir.path().to_path_buf(), dev: "/dev".into(), ..Krbd::new(dir.path().join("marks")) };
+        let found = k.mappings().unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(
+            found[0],
+            KernelMapping {
+                id: 3,
+                pool: "rbd".into(),
+                image: "img".into(),
+                monitors: "127.0.0.1:6789".into(),
+                client_id: 4120,
+                client_addr: "127.0.0.1:0/29".into(),
+                device: "/dev/rbd3".into(),
+                ours: false,
+            }
+        );
+        std::fs::create_dir_all(dir.path().join("marks")).unwrap();
+        std::fs::write(k.mark("127.0.0.1:6789", "rbd", "img"), "").unwrap();
+        assert!(k.mappings().unwrap()[0].ours, "marked: the agent's own");
+        assert_eq!(k.mappings_of("127.0.0.1:6789", "rbd", "img").unwrap().len(), 1);
+        assert!(k.mappings_of("127.0.0.2:6789", "rbd", "img").unwrap().is_empty());
+        // Unmapping what is not mapped is done already.
+        k.unmap(9, false).unwrap();
+    }
+}
