@@ -14,6 +14,25 @@ pub fn run_driver(cmd: &mut Command) -> (i32, Value) {
     (out.status.code().unwrap_or(-1), v)
 }
 
+/// kubelet's options for an rbd PV of `image` (pool `rbd`, the run's Ceph
+/// at 127.0.0.1:6789, user volagent) with `secret` (the Ceph key as the
+/// Secret holds it; kubelet sends base64 of it) under key "key".
+pub fn rbd_options(volume: &str, pod: &str, uid: &str, image: &str, secret: Option<&str>, mode: &str) -> Value {
+    use base64::Engine;
+    let mut o = kubelet_options(volume, pod, uid, "ext4", "");
+    let m = o.as_object_mut().expect("kubelet_options is an object");
+    m.remove("path");
+    m.insert("monitors".into(), "127.0.0.1:6789".into());
+    m.insert("pool".into(), "rbd".into());
+    m.insert("image".into(), image.into());
+    m.insert("user".into(), "volagent".into());
+    m.insert("accessMode".into(), mode.into());
+    if let Some(secret) = secret {
+        m.insert("kubernetes.io/secret/key".into(), base64::engine::general_purpose::STANDARD.encode(secret).into());
+    }
+    o
+}
+
 /// The options JSON kubelet sends for a PV-backed flexVolume.
 pub fn kubelet_options(volume: &str, pod: &str, pod_uid: &str, fs: &str, path: &str) -> Value {
     serde_json::json!({

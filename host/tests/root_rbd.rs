@@ -21,9 +21,8 @@ mod driver_common;
 mod nbd_common;
 
 use agent_common::Node;
-use base64::Engine;
 use ceph_common::{Image, ceph_dir, rbd, volagent_key, watchers};
-use driver_common::{assert_failure, assert_success, kubelet_options};
+use driver_common::{assert_failure, assert_success, rbd_options};
 use nbd_common::{clients_under, read_back, servers_under, wait_until};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -35,23 +34,6 @@ fn rbd_node() -> Node {
 
 fn driver(node: &Node, name: &str, args: &[&str]) -> (i32, Value) {
     driver_common::run_driver(Command::new(node.driver_of(name, "rbd")).args(args))
-}
-
-/// kubelet's options for an rbd PV of `image` with `secret` (the Ceph key
-/// as the Secret holds it; kubelet sends base64 of it) under key "key".
-fn rbd_options(volume: &str, pod: &str, uid: &str, image: &Image, secret: Option<&str>, mode: &str) -> Value {
-    let mut o = kubelet_options(volume, pod, uid, "ext4", "");
-    let m = o.as_object_mut().unwrap();
-    m.remove("path");
-    m.insert("monitors".into(), "127.0.0.1:6789".into());
-    m.insert("pool".into(), "rbd".into());
-    m.insert("image".into(), image.name.clone().into());
-    m.insert("user".into(), "volagent".into());
-    m.insert("accessMode".into(), mode.into());
-    if let Some(secret) = secret {
-        m.insert("kubernetes.io/secret/key".into(), base64::engine::general_purpose::STANDARD.encode(secret).into());
-    }
-    o
 }
 
 fn state(node: &Node, name: &str) -> PathBuf {
@@ -95,7 +77,7 @@ fn an_rbd_image_mounts_with_the_secrets_key_and_what_pods_write_is_in_the_image(
     let image = Image::create(&dir, 64);
 
     let dir_a = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
-    let r = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image, Some(&key), "ReadWriteOnce").to_string()]);
+    let r = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce").to_string()]);
     assert_success(&r);
     let device = r.1["device"].as_str().unwrap_or_default().to_string();
     assert!(device.starts_with("/dev/loop"), "{}", r.1);
@@ -118,7 +100,7 @@ fn an_rbd_image_mounts_with_the_secrets_key_and_what_pods_write_is_in_the_image(
     // A second pod on the node: the image's one watcher is this node's own
     // helper, so the exclusive volume is shared on the node, not fenced.
     let dir_b = node.mount_dir_of("node-a", "rbd", "uid-b", "pv1");
-    assert_success(&driver(&node, "node-a", &["mount", &dir_b, &rbd_options("pv1", "pod-b", "uid-b", &image, Some(&key), "ReadWriteOnce").to_string()]));
+    assert_success(&driver(&node, "node-a", &["mount", &dir_b, &rbd_options("pv1", "pod-b", "uid-b", &image.name, Some(&key), "ReadWriteOnce").to_string()]));
     assert_eq!(std::fs::read(format!("{dir_b}/data")).unwrap(), payload);
     assert_eq!(watchers(&image).len(), 1, "still one client");
     assert_success(&driver(&node, "node-a", &["unmount", &dir_b]));
@@ -134,7 +116,7 @@ fn a_volume_that_asks_for_rbd_fuse_is_mounted_through_it_and_shared_on_its_node(
     let node = rbd_node();
     let image = Image::create(&dir, 64);
     let options = |pod: &str, uid: &str| {
-        let mut o = rbd_options("pv1", pod, uid, &image, Some(&key), "ReadWriteOnce");
+        let mut o = rbd_options("pv1", pod, uid, &image.name, Some(&key), "ReadWriteOnce");
         o["attach"] = "fuse".into();
         o.to_string()
     };
@@ -144,7 +126,7 @@ fn a_volume_that_asks_for_rbd_fuse_is_mounted_through_it_and_shared_on_its_node(
     let wrong = "AQDNBwRrNnY7HRAANmjdyj4ec54XJkuAJ1eaPg==";
     // (ReadWriteMany: an exclusive volume would be denied before, as its
     // watchers cannot be listed with that key.)
-    let mut bad = rbd_options("pv1", "pod-a", "uid-a", &image, Some(wrong), "ReadWriteMany");
+    let mut bad = rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(wrong), "ReadWriteMany");
     bad["attach"] = "fuse".into();
     let r = driver(&node, "node-a", &["mount", &dir_a, &bad.to_string()]);
     assert_failure(&r, "rbd-fuse");
@@ -204,19 +186,19 @@ fn an_exclusive_mount_is_denied_while_a_client_volagent_does_not_know_writes_to_
     assert_eq!(outside.len(), 1);
 
     let dir_a = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
-    let r = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image, Some(&key), "ReadWriteOnce").to_string()]);
+    let r = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce").to_string()]);
     assert_failure(&r, &format!("image rbd/{} is in use by watcher {}", image.name, outside[0]));
     assert_failure(&r, "on a node volagent does not know");
     assert!(node.scratch.loops().is_empty() && servers_under(&state(&node, "node-a")).is_empty(), "a denied mount starts nothing");
 
     // Once the other client is gone, the volume mounts.
     agent_common::stop(&mut outsider);
-    assert_success(&driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image, Some(&key), "ReadWriteOnce").to_string()]));
+    assert_success(&driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce").to_string()]));
     // A second node is denied the exclusive volume while node-a has it.
     let mut node = node;
     node.spawn_agent("node-b");
     let dir_b = node.mount_dir_of("node-b", "rbd", "uid-b", "pv1");
-    let r = driver(&node, "node-b", &["mount", &dir_b, &rbd_options("pv1", "pod-b", "uid-b", &image, Some(&key), "ReadWriteOnce").to_string()]);
+    let r = driver(&node, "node-b", &["mount", &dir_b, &rbd_options("pv1", "pod-b", "uid-b", &image.name, Some(&key), "ReadWriteOnce").to_string()]);
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
     assert_eq!(watchers(&image).len(), 1, "node-b started no client");
     assert_success(&driver(&node, "node-a", &["unmount", &dir_a]));
@@ -231,7 +213,7 @@ fn a_missing_or_wrong_secret_is_a_clear_error_that_never_quotes_the_key_and_leav
     let dir_a = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
 
     // No Secret: the policy says which key it wanted.
-    let mut no_secret = rbd_options("pv1", "pod-a", "uid-a", &image, None, "ReadWriteOnce");
+    let mut no_secret = rbd_options("pv1", "pod-a", "uid-a", &image.name, None, "ReadWriteOnce");
     no_secret["secretKey"] = "key".into();
     assert_failure(&driver(&node, "node-a", &["mount", &dir_a, &no_secret.to_string()]), "secretKey \"key\" is not a key of the volume's secret");
 
@@ -240,11 +222,11 @@ fn a_missing_or_wrong_secret_is_a_clear_error_that_never_quotes_the_key_and_leav
     let right = volagent_key(&dir);
     let wrong = format!("AQB{}", &right[3..].chars().rev().collect::<String>());
     let wrong = wrong.as_str();
-    let refused = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image, Some(wrong), "ReadWriteOnce").to_string()]);
+    let refused = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(wrong), "ReadWriteOnce").to_string()]);
     assert_failure(&refused, &format!("rbd/{}", image.name));
     assert_failure(&refused, "connect to the cluster");
     // Not a Ceph key at all (it would add lines to a keyring file).
-    let malformed = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image, Some("AQB=\n[client.admin]"), "ReadWriteMany").to_string()]);
+    let malformed = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some("AQB=\n[client.admin]"), "ReadWriteMany").to_string()]);
     assert_failure(&malformed, "does not hold a Ceph key");
     for r in [&refused, &malformed] {
         assert!(!r.1.to_string().contains(wrong) && !r.1.to_string().contains("client.admin"), "{}", r.1);

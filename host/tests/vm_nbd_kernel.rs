@@ -17,10 +17,9 @@ mod common;
 mod driver_common;
 #[path = "support/nbd.rs"]
 mod nbd_common;
+#[path = "support/vm.rs"]
+mod vm;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// The inner tests, by name (each runs in its own process in the VM).
 const IN_THE_VM: &[&str] = &[
@@ -32,74 +31,17 @@ const IN_THE_VM: &[&str] = &[
     "an_unreachable_server_is_refused_and_connects_no_device",
 ];
 
-/// How long the whole VM may run (qemu emulates the CPU: no KVM needed).
-const VM_DEADLINE: Duration = Duration::from_secs(20 * 60);
-
 #[test]
 fn every_test_for_the_vm_is_run_by_it() {
-    let out = Command::new(std::env::current_exe().unwrap()).args(["--list", "--ignored", "--format", "terse"]).output().unwrap();
-    let mut listed: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.strip_suffix(": test")?.strip_prefix("in_the_vm::").map(str::to_string))
-        .collect();
-    listed.sort();
     let mut run: Vec<String> = IN_THE_VM.iter().map(|s| s.to_string()).collect();
     run.sort();
-    assert_eq!(listed, run, "IN_THE_VM must name every test in in_the_vm");
+    assert_eq!(vm::listed("in_the_vm"), run, "IN_THE_VM must name every test in in_the_vm");
 }
 
 #[test]
 fn the_kernel_attach_path_works_in_a_vm_whose_kernel_has_nbd() {
-    let assets = PathBuf::from(std::env::var("VOLAGENT_VM_ASSETS").expect(
-        "VOLAGENT_VM_ASSETS: the dir with the VM tier's vmlinuz and initrd.gz (scripts/vm-assets makes it; scripts/test sets it)",
-    ));
-    // Under /var/tmp: the VM sees this machine's files there (its /tmp is its own).
-    let dir = tempfile::Builder::new().prefix("volagent-vm-").tempdir_in("/var/tmp").unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let mut script = String::from("#!/bin/sh\nstatus=0\nexport RUST_BACKTRACE=1\n");
-    for name in IN_THE_VM {
-        script.push_str(&format!("'{}' --ignored --exact --color never in_the_vm::{name} || status=1\n", exe.display()));
-    }
-    script.push_str("exit $status\n");
-    let run = dir.path().join("run.sh");
-    std::fs::write(&run, script).unwrap();
-    std::fs::set_permissions(&run, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let console = dir.path().join("console.log");
-
-    let started = Instant::now();
-    let mut qemu = Command::new("qemu-system-x86_64")
-        .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2048"])
-        .args(["-nographic", "-no-reboot", "-kernel"])
-        .arg(assets.join("vmlinuz"))
-        .arg("-initrd")
-        .arg(assets.join("initrd.gz"))
-        .arg("-append")
-        .arg(format!("console=ttyS0 quiet loglevel=3 panic=-1 VOLAGENT_VM_RUN={}", run.display()))
-        .args(["-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap"])
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&console).unwrap())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("qemu-system-x86_64 (scripts/vm-assets installs it)");
-    let status = loop {
-        if let Some(status) = qemu.try_wait().unwrap() {
-            break Some(status);
-        }
-        if started.elapsed() > VM_DEADLINE {
-            let _ = qemu.kill();
-            let _ = qemu.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    let output = String::from_utf8_lossy(&std::fs::read(&console).unwrap()).into_owned();
-    println!("--- the VM's console ({:?}) ---\n{output}", started.elapsed());
-    assert!(status.is_some(), "the VM did not finish within {VM_DEADLINE:?}");
-    assert!(!output.contains("VOLAGENT_VM_FAILED"), "the VM's set-up failed (see its console above)");
-    for name in IN_THE_VM {
-        assert!(output.contains(&format!("test in_the_vm::{name} ... ok")), "in the VM, {name} did not pass (see its console above)");
-    }
-    assert!(output.contains("VOLAGENT_VM_EXIT=0"), "the tests in the VM failed (see its console above)");
+    let dir = vm::work_dir();
+    vm::run_tests(dir.path(), 2048, "", "in_the_vm", IN_THE_VM);
 }
 
 mod in_the_vm {

@@ -800,3 +800,22 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod seed_tests {
+    /// The plan fuzzer's seeds are plans of this contract: a seed that no
+    /// longer parses (a field added to a step) would start it from nothing.
+    #[test]
+    fn the_plan_fuzzers_seeds_parse_as_plans() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/plan");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("fuzz/seeds/plan") {
+            let path = entry.expect("entry").path();
+            let text = std::fs::read_to_string(&path).expect("seed");
+            let plan: Result<Vec<super::Step>, _> = serde_json::from_str(&text);
+            assert!(plan.is_ok(), "{}: {:?}", path.display(), plan.err());
+            seen += 1;
+        }
+        assert!(seen >= 5, "only {seen} seeds in {}", dir.display());
+    }
+}

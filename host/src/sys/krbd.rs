@@ -5,9 +5,12 @@
 //! A mapping is found again by what sysfs says of it (pool, image, and the
 //! monitors it was mapped with, from `config_info`), so a retried attach
 //! reuses it. Which mappings are the agent's (an admin may map images by
-//! hand) is kept as a mark file per image, written before the map and
-//! removed after the unmap, so start-up reconciliation never touches one
-//! it did not make.
+//! hand) is kept as a mark file per mapping, naming its kernel client's
+//! address (unique: it carries a nonce), written right after the map and
+//! removed with the unmap, so that neither an attach nor start-up
+//! reconciliation touches a mapping the agent did not make. Each mapping
+//! gets a kernel client of its own (`noshare`): blocklisting one volume's
+//! client fences that volume alone.
 
 use super::rbd_export::CephClient;
 use super::{KernelRbd, SysError, io};
@@ -36,7 +39,7 @@ pub struct KernelMapping {
 pub struct Krbd {
     bus: PathBuf,
     dev: PathBuf,
-    /// The marks of the images this agent maps.
+    /// The marks of the mappings this agent made.
     marks: PathBuf,
     probed: std::sync::OnceLock<bool>,
     /// How long the kernel may try to reach the cluster (its `mount_timeout`).
@@ -76,7 +79,7 @@ pub fn kernel_monitors(monitors: &str) -> Result<String, String> {
 
 /// The options of one map request, in the kernel's syntax.
 fn map_options(user: &str, key: &str, read_only: bool, timeout: Duration) -> String {
-    let mut options = format!("name={user},secret={key},mount_timeout={}", timeout.as_secs().max(1));
+    let mut options = format!("name={user},secret={key},mount_timeout={},noshare", timeout.as_secs().max(1));
     if read_only {
         options.push_str(",read_only");
     }
@@ -84,10 +87,13 @@ fn map_options(user: &str, key: &str, read_only: bool, timeout: Duration) -> Str
 }
 
 impl Krbd {
-    fn mark(&self, monitors: &str, pool: &str, image: &str) -> PathBuf {
-        use sha2::Digest;
-        let digest = sha2::Sha256::digest(format!("{monitors}\0{pool}\0{image}").as_bytes());
-        self.marks.join(format!("krbd-{}", hex::encode(&digest[..12])))
+    fn mark(&self, id: u32) -> PathBuf {
+        self.marks.join(format!("krbd-{id}"))
+    }
+
+    /// Whether mapping `id`, whose client is at `client_addr`, is ours.
+    fn marked(&self, id: u32, client_addr: &str) -> bool {
+        std::fs::read_to_string(self.mark(id)).is_ok_and(|m| m.split_whitespace().next() == Some(client_addr))
     }
 
     fn add_file(&self) -> PathBuf {
@@ -136,7 +142,7 @@ impl KernelRbd for Krbd {
             let client_id = self.attr(&name, "client_id").and_then(|c| c.trim_start_matches("client").parse().ok()).unwrap_or_default();
             let client_addr = self.attr(&name, "client_addr").unwrap_or_default();
             let device = self.dev.join(format!("rbd{id}"));
-            let ours = self.mark(&monitors, &pool, &image).exists();
+            let ours = self.marked(id, &client_addr);
             found.push(KernelMapping { id, pool, image, monitors, client_id, client_addr, device, ours });
         }
         found.sort_by_key(|m| m.id);
@@ -147,8 +153,9 @@ impl KernelRbd for Krbd {
         let what = PathBuf::from(format!("rbd image {pool}/{image}"));
         let refuse = |why: String| SysError::Refused { path: what.clone(), what: why };
         let monitors = kernel_monitors(client.monitors.as_deref().unwrap_or_default()).map_err(refuse)?;
-        if let Some(m) = self.mappings_of(&monitors, pool, image)?.into_iter().next() {
-            return Ok((m, false));
+        let before = self.mappings_of(&monitors, pool, image)?;
+        if let Some(m) = before.iter().find(|m| m.ours) {
+            return Ok((m.clone(), false));
         }
         let key = match &client.key {
             Some(secret) => secret.ceph_key("key").map_err(refuse)?,
@@ -162,16 +169,11 @@ impl KernelRbd for Krbd {
         }
         let line = zeroize::Zeroizing::new(format!("{monitors} {} {pool} {image}", map_options(&client.user, &key, read_only, self.connect_timeout)));
         drop(zeroize::Zeroizing::new(key));
-        // Marked before it is mapped: a crash in between leaves a mark
-        // without a mapping, never a mapping of ours without a mark.
-        let mark = self.mark(&monitors, pool, image);
         std::fs::create_dir_all(&self.marks).map_err(io("mkdir", &self.marks))?;
-        std::fs::write(&mark, format!("{monitors} {pool} {image}\n")).map_err(io("write", &mark))?;
         let add = self.add_file();
         let started = Instant::now();
         // The write blocks until the kernel has mapped it or given up.
         if let Err(e) = std::fs::write(&add, line.as_bytes()) {
-            let _ = std::fs::remove_file(&mark);
             // The error names the request, never the line: it holds the key.
             return Err(SysError::Refused {
                 path: what,
@@ -179,11 +181,18 @@ impl KernelRbd for Krbd {
             });
         }
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "krbd map {pool}/{image}");
-        let mapping = self
+        // The new one: of this image, and not there before.
+        let mut mapping = self
             .mappings_of(&monitors, pool, image)?
             .into_iter()
-            .next()
-            .ok_or_else(|| refuse("mapped, but the kernel lists no such mapping".into()))?;
+            .find(|m| !before.iter().any(|b| b.id == m.id))
+            .ok_or_else(|| refuse("mapped, but the kernel lists no new mapping of it".into()))?;
+        let mark = self.mark(mapping.id);
+        if let Err(e) = std::fs::write(&mark, format!("{} {monitors} {pool} {image}\n", mapping.client_addr)) {
+            let _ = self.unmap(mapping.id, false);
+            return Err(io("write", &mark)(e));
+        }
+        mapping.ours = true;
         // devtmpfs makes the node; give it a moment where udev does.
         let deadline = Instant::now() + Duration::from_secs(5);
         while !mapping.device.exists() && Instant::now() < deadline {
@@ -198,9 +207,10 @@ impl KernelRbd for Krbd {
 
     fn unmap(&self, id: u32, force: bool) -> Result<(), SysError> {
         if !self.bus.join("devices").join(id.to_string()).exists() {
+            // Gone already; so is its mark, then.
+            let _ = std::fs::remove_file(self.mark(id));
             return Ok(());
         }
-        let mapping = self.mappings()?.into_iter().find(|m| m.id == id);
         let request = if force { format!("{id} force") } else { id.to_string() };
         let remove = self.remove_file();
         match std::fs::write(&remove, request) {
@@ -208,15 +218,10 @@ impl KernelRbd for Krbd {
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => {}
             Err(e) => return Err(SysError::Refused { path: self.dev.join(format!("rbd{id}")), what: format!("unmap: {e}") }),
         }
-        // The image's mark goes with its last mapping.
-        if let Some(m) = mapping
-            && self.mappings_of(&m.monitors, &m.pool, &m.image)?.is_empty()
-        {
-            let mark = self.mark(&m.monitors, &m.pool, &m.image);
-            match std::fs::remove_file(&mark) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &mark)(e)),
-                _ => {}
-            }
+        let mark = self.mark(id);
+        match std::fs::remove_file(&mark) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &mark)(e)),
+            _ => {}
         }
         Ok(())
     }
@@ -236,8 +241,8 @@ mod tests {
 
     #[test]
     fn options_carry_the_timeout_and_read_only() {
-        assert_eq!(map_options("u", "K", false, Duration::from_secs(20)), "name=u,secret=K,mount_timeout=20");
-        assert_eq!(map_options("u", "K", true, Duration::from_millis(10)), "name=u,secret=K,mount_timeout=1,read_only");
+        assert_eq!(map_options("u", "K", false, Duration::from_secs(20)), "name=u,secret=K,mount_timeout=20,noshare");
+        assert_eq!(map_options("u", "K", true, Duration::from_millis(10)), "name=u,secret=K,mount_timeout=1,noshare,read_only");
     }
 
     #[test]
@@ -272,7 +277,9 @@ mod tests {
             }
         );
         std::fs::create_dir_all(dir.path().join("marks")).unwrap();
-        std::fs::write(k.mark("127.0.0.1:6789", "rbd", "img"), "").unwrap();
+        std::fs::write(k.mark(3), "127.0.0.1:0/28 127.0.0.1:6789 rbd img\n").unwrap();
+        assert!(!k.mappings().unwrap()[0].ours, "a mark of an earlier mapping with that number: not this one");
+        std::fs::write(k.mark(3), "127.0.0.1:0/29 127.0.0.1:6789 rbd img\n").unwrap();
         assert!(k.mappings().unwrap()[0].ours, "marked: the agent's own");
         assert_eq!(k.mappings_of("127.0.0.1:6789", "rbd", "img").unwrap().len(), 1);
         assert!(k.mappings_of("127.0.0.2:6789", "rbd", "img").unwrap().is_empty());

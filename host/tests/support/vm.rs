@@ -1,0 +1,84 @@
+//! The VM tier's runner: boots Debian's kernel under qemu (scripts/vm-assets)
+//! with this machine's root, read-only under a tmpfs overlay, as its root,
+//! and runs the calling test binary's inner tests there, one process each,
+//! after an optional prelude (shell). qemu emulates the CPU: no KVM needed.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long the whole VM may run.
+pub const VM_DEADLINE: Duration = Duration::from_secs(20 * 60);
+
+/// The VM's working dir: under /var/tmp, which the VM sees (its /tmp is its own).
+pub fn work_dir() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("volagent-vm-").tempdir_in("/var/tmp").unwrap()
+}
+
+/// The tests of this binary in module `module` that run in the VM, as
+/// listed by the binary (they are `#[ignore]`d outside it).
+pub fn listed(module: &str) -> Vec<String> {
+    let out = Command::new(std::env::current_exe().unwrap()).args(["--list", "--ignored", "--format", "terse"]).output().unwrap();
+    let prefix = format!("{module}::");
+    let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test")?.strip_prefix(prefix.as_str()).map(str::to_string))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Boot the VM in `dir` with `mem_mib` of memory; run `prelude`, then each
+/// of `tests` (in `module` of this binary); assert that each passed.
+pub fn run_tests(dir: &Path, mem_mib: u32, prelude: &str, module: &str, tests: &[&str]) {
+    let assets = PathBuf::from(std::env::var("VOLAGENT_VM_ASSETS").expect(
+        "VOLAGENT_VM_ASSETS: the dir with the VM tier's vmlinuz and initrd.gz (scripts/vm-assets makes it; scripts/test sets it)",
+    ));
+    let exe = std::env::current_exe().unwrap();
+    let mut script = format!("#!/bin/sh\nstatus=0\nexport RUST_BACKTRACE=1\n{prelude}\n");
+    for name in tests {
+        script.push_str(&format!("'{}' --ignored --exact --color never {module}::{name} || status=1\n", exe.display()));
+    }
+    script.push_str("exit $status\n");
+    let run = dir.join("run.sh");
+    std::fs::write(&run, script).unwrap();
+    std::fs::set_permissions(&run, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let console = dir.join("console.log");
+
+    let started = Instant::now();
+    let mut qemu = Command::new("qemu-system-x86_64")
+        .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", &mem_mib.to_string()])
+        .args(["-nographic", "-no-reboot", "-kernel"])
+        .arg(assets.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(assets.join("initrd.gz"))
+        .arg("-append")
+        .arg(format!("console=ttyS0 quiet loglevel=3 panic=-1 VOLAGENT_VM_RUN={}", run.display()))
+        .args(["-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap"])
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&console).unwrap())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("qemu-system-x86_64 (scripts/vm-assets installs it)");
+    let status = loop {
+        if let Some(status) = qemu.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > VM_DEADLINE {
+            let _ = qemu.kill();
+            let _ = qemu.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let output = String::from_utf8_lossy(&std::fs::read(&console).unwrap()).into_owned();
+    println!("--- the VM's console ({:?}) ---\n{output}", started.elapsed());
+    assert!(status.is_some(), "the VM did not finish within {VM_DEADLINE:?}");
+    assert!(!output.contains("VOLAGENT_VM_FAILED"), "the VM's set-up failed (see its console above)");
+    for name in tests {
+        assert!(output.contains(&format!("test {module}::{name} ... ok")), "in the VM, {name} did not pass (see its console above)");
+    }
+    assert!(output.contains("VOLAGENT_VM_EXIT=0"), "the tests in the VM failed (see its console above)");
+}
