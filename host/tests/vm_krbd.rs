@@ -53,7 +53,10 @@ fn the_kernel_rbd_path_works_in_a_vm_whose_kernel_has_rbd() {
          bash '{}/scripts/ceph-env' start >/dev/null || echo 'VOLAGENT_VM_FAILED: scripts/ceph-env start'",
         dir.path().display()
     );
-    vm::run_tests(dir.path(), 3072, &prelude, "in_the_vm", IN_THE_VM);
+    // On a failure: what the kernel and the cluster said.
+    let on_failure = "dmesg | tail -n 40; ceph -c /run/volagent-ceph/ceph.conf -s --connect-timeout 10; \
+                      tail -n 15 /run/volagent-ceph/log/*.log";
+    vm::run_tests(dir.path(), 3072, &prelude, "in_the_vm", IN_THE_VM, on_failure);
 }
 
 mod in_the_vm {

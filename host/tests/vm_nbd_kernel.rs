@@ -41,7 +41,7 @@ fn every_test_for_the_vm_is_run_by_it() {
 #[test]
 fn the_kernel_attach_path_works_in_a_vm_whose_kernel_has_nbd() {
     let dir = vm::work_dir();
-    vm::run_tests(dir.path(), 2048, "", "in_the_vm", IN_THE_VM);
+    vm::run_tests(dir.path(), 2048, "", "in_the_vm", IN_THE_VM, "dmesg | tail -n 40");
 }
 
 mod in_the_vm {

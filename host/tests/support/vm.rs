@@ -30,18 +30,26 @@ pub fn listed(module: &str) -> Vec<String> {
     names
 }
 
+/// How long one inner test may run before it is killed (and fails), so
+/// that a hung one cannot hold the VM until its deadline.
+const TEST_DEADLINE_SECS: u32 = 240;
+
 /// Boot the VM in `dir` with `mem_mib` of memory; run `prelude`, then each
-/// of `tests` (in `module` of this binary); assert that each passed.
-pub fn run_tests(dir: &Path, mem_mib: u32, prelude: &str, module: &str, tests: &[&str]) {
+/// of `tests` (in `module` of this binary), then, if one failed,
+/// `on_failure` (diagnostics for the console); assert that each passed.
+pub fn run_tests(dir: &Path, mem_mib: u32, prelude: &str, module: &str, tests: &[&str], on_failure: &str) {
     let assets = PathBuf::from(std::env::var("VOLAGENT_VM_ASSETS").expect(
         "VOLAGENT_VM_ASSETS: the dir with the VM tier's vmlinuz and initrd.gz (scripts/vm-assets makes it; scripts/test sets it)",
     ));
     let exe = std::env::current_exe().unwrap();
     let mut script = format!("#!/bin/sh\nstatus=0\nexport RUST_BACKTRACE=1\n{prelude}\n");
     for name in tests {
-        script.push_str(&format!("'{}' --ignored --exact --color never {module}::{name} || status=1\n", exe.display()));
+        script.push_str(&format!(
+            "timeout -s KILL {TEST_DEADLINE_SECS} '{}' --ignored --exact --color never {module}::{name} || {{ status=1; echo 'VOLAGENT_VM_TEST_FAILED: {name}'; }}\n",
+            exe.display()
+        ));
     }
-    script.push_str("exit $status\n");
+    script.push_str(&format!("if [ $status != 0 ]; then\n{on_failure}\nfi\nexit $status\n"));
     let run = dir.join("run.sh");
     std::fs::write(&run, script).unwrap();
     std::fs::set_permissions(&run, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
