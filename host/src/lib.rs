@@ -9,6 +9,7 @@ pub mod http;
 pub mod init;
 pub mod kube;
 pub mod ledger;
+pub mod local;
 pub mod metrics;
 pub mod nbd;
 pub mod ops;

@@ -2,6 +2,7 @@
 
 mod agent;
 mod controller;
+mod local;
 mod nbd;
 mod plugin;
 mod status;
@@ -49,6 +50,11 @@ enum Command {
         #[command(flatten)]
         args: controller::ControllerArgs,
     },
+    /// Local persistent volumes: discovery, as the agent does it.
+    Local {
+        #[command(subcommand)]
+        command: local::LocalCommand,
+    },
     /// The agent's NBD server, on its own.
     Nbd {
         #[command(subcommand)]
@@ -95,7 +101,7 @@ impl Cli {
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
             Command::Agent { .. } | Command::Controller { .. } | Command::Nbd { .. } => "info",
-            Command::Plugin { .. } | Command::Status { .. } | Command::Crds { .. } => "error",
+            Command::Plugin { .. } | Command::Status { .. } | Command::Crds { .. } | Command::Local { .. } => "error",
         }
     }
 }
@@ -108,6 +114,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
         Command::Controller { args } => controller::run(args),
         Command::Nbd { command } => nbd::run(command),
+        Command::Local { command } => local::run(command),
         Command::Crds { dir: None } => {
             print!("{}", crate::kube::crds::yaml_stream());
             Ok(ExitCode::SUCCESS)

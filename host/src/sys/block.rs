@@ -73,3 +73,9 @@ pub fn discard_all(f: &File, device: &Path, zero: bool) -> Result<(), SysError> 
     };
     result.map(drop).map_err(errno(if zero { "zero out" } else { "discard" }, device))
 }
+
+/// The size of block device `device`, opened read-only for the ioctl.
+pub fn size_of(device: &Path) -> Result<u64, SysError> {
+    let f = OpenOptions::new().read(true).custom_flags(nix::libc::O_NOFOLLOW).open(device).map_err(io("open", device))?;
+    size(&f, device)
+}

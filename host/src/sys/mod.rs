@@ -282,6 +282,17 @@ pub trait KernelRbd: Send + Sync {
     }
 }
 
+/// The node under /dev of block device `rdev` (checked: not a link, the
+/// same numbers); `what` names the path that led to it in errors.
+pub fn block_devnode(rdev: u64, what: &Path) -> Result<PathBuf, SysError> {
+    block::devnode(rdev, what)
+}
+
+/// The size in bytes of block device `device` (read-only).
+pub fn block_size(device: &Path) -> Result<u64, SysError> {
+    block::size_of(device)
+}
+
 /// The node's effects, passed to whoever needs them.
 #[derive(Clone)]
 pub struct Sys {

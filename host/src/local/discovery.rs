@@ -1,0 +1,211 @@
+//! Discovery of local volumes: every entry of a class's discovery dir that
+//! is a volume, read-only (nothing is opened for writing, nothing mounted):
+//!
+//! - a mount point: a filesystem volume, sized by its filesystem;
+//! - a block device node, or a symlink to one under `/dev` (an admin's
+//!   `/dev/disk/by-id` link): a block volume. The link is resolved here
+//!   only, and the volume records the device's stable identity, which the
+//!   data path checks before it touches the device;
+//! - a regular file: a file-backed block volume, for development.
+//!
+//! Anything else (a plain dir, a socket, a link to something that is not a
+//! block device under /dev) is skipped and reported, never followed.
+
+use super::{LocalClass, round_capacity};
+use crate::sys::mountinfo::MountInfo;
+use std::collections::BTreeMap;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+/// What kind of local volume an entry is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase", tag = "mode")]
+pub enum Kind {
+    /// A mounted filesystem (`volumeMode: Filesystem`).
+    Filesystem {
+        #[serde(rename = "fsType")]
+        fs_type: String,
+    },
+    /// A block device (`volumeMode: Block`).
+    Block {
+        /// The device's node under /dev, resolved at discovery.
+        device: PathBuf,
+        /// Its stable identity ("wwid:…", "serial:…", "loop:<backing
+        /// file>", else "dev:<major>:<minor>").
+        identity: String,
+    },
+    /// A regular file, attached as a loop device (development).
+    File,
+}
+
+/// One discovered volume.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Volume {
+    pub class: String,
+    /// Its path in the discovery dir (the link itself for a linked device).
+    pub path: PathBuf,
+    #[serde(flatten)]
+    pub kind: Kind,
+    /// Rounded down as the PV states it.
+    pub capacity_bytes: u64,
+}
+
+/// An entry that is not a volume, and why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Skipped {
+    pub path: PathBuf,
+    pub why: String,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Scan {
+    pub volumes: Vec<Volume>,
+    pub skipped: Vec<Skipped>,
+}
+
+/// Scan every class's dirs, with the node's mount table read once.
+pub fn scan(classes: &[LocalClass], table: &[MountInfo]) -> Scan {
+    // The last mount at a point is the one seen there.
+    let mounts: BTreeMap<&Path, &MountInfo> = table.iter().map(|m| (m.mount_point.as_path(), m)).collect();
+    let mut out = Scan::default();
+    for class in classes {
+        for dir in &class.dirs {
+            let entries = match std::fs::read_dir(dir) {
+                Ok(e) => e,
+                Err(e) => {
+                    out.skipped.push(Skipped { path: dir.clone(), why: format!("cannot list it: {e}") });
+                    continue;
+                }
+            };
+            let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+            paths.sort();
+            for path in paths {
+                match examine(&path, &mounts) {
+                    Ok((kind, bytes)) => out.volumes.push(Volume { class: class.name.clone(), path, kind, capacity_bytes: round_capacity(bytes) }),
+                    Err(why) => out.skipped.push(Skipped { path, why }),
+                }
+            }
+        }
+    }
+    out
+}
+
+fn examine(path: &Path, mounts: &BTreeMap<&Path, &MountInfo>) -> Result<(Kind, u64), String> {
+    if let Some(m) = mounts.get(path) {
+        let stat = nix::sys::statvfs::statvfs(path).map_err(|e| format!("statvfs: {e}"))?;
+        let bytes = stat.blocks().saturating_mul(stat.fragment_size());
+        return Ok((Kind::Filesystem { fs_type: m.fs_type.clone() }, bytes));
+    }
+    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("stat: {e}"))?;
+    let ft = meta.file_type();
+    if ft.is_block_device() {
+        return block(path, meta.rdev());
+    }
+    if ft.is_symlink() {
+        // Resolved once, here, and only to a block device under /dev.
+        let target = std::fs::canonicalize(path).map_err(|e| format!("a link that does not resolve: {e}"))?;
+        if !target.starts_with("/dev") {
+            return Err(format!("a link to {}, which is not under /dev", target.display()));
+        }
+        let meta = std::fs::symlink_metadata(&target).map_err(|e| format!("stat {}: {e}", target.display()))?;
+        if !meta.file_type().is_block_device() {
+            return Err(format!("a link to {}, which is not a block device", target.display()));
+        }
+        return block(&target, meta.rdev());
+    }
+    if ft.is_file() {
+        return Ok((Kind::File, meta.len()));
+    }
+    if ft.is_dir() {
+        return Err("a dir that is not a mount point".into());
+    }
+    Err("neither a mount point, a block device nor a file".into())
+}
+
+fn block(device: &Path, rdev: u64) -> Result<(Kind, u64), String> {
+    let node = crate::sys::block_devnode(rdev, device).map_err(|e| e.to_string())?;
+    let bytes = crate::sys::block_size(&node).map_err(|e| e.to_string())?;
+    let identity = identity(rdev);
+    Ok((Kind::Block { device: node, identity }, bytes))
+}
+
+/// What names the device whatever its number: the disk's WWID or serial,
+/// a loop device's backing file, else its numbers.
+pub fn identity(rdev: u64) -> String {
+    let (major, minor) = (nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
+    let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    let read = |p: &str| std::fs::read_to_string(sys.join(p)).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    if let Some(w) = read("device/wwid").or_else(|| read("wwid")) {
+        return format!("wwid:{w}");
+    }
+    if let Some(s) = read("device/serial").or_else(|| read("serial")) {
+        return format!("serial:{s}");
+    }
+    if let Some(b) = read("loop/backing_file") {
+        return format!("loop:{b}");
+    }
+    format!("dev:{major}:{minor}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn class(dir: &Path) -> Vec<LocalClass> {
+        vec![LocalClass { name: "fast".into(), dirs: vec![dir.to_path_buf()] }]
+    }
+
+    #[test]
+    fn files_are_volumes_and_plain_dirs_and_stray_links_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::write(d.join("disk1.img"), vec![0u8; 4096]).unwrap();
+        std::fs::create_dir(d.join("not-mounted")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", d.join("to-etc")).unwrap();
+        std::os::unix::fs::symlink("/dev/null", d.join("to-null")).unwrap();
+        std::os::unix::fs::symlink(d.join("nowhere"), d.join("dangling")).unwrap();
+        let scan = scan(&class(d), &[]);
+        assert_eq!(
+            scan.volumes,
+            vec![Volume { class: "fast".into(), path: d.join("disk1.img"), kind: Kind::File, capacity_bytes: 4096 }]
+        );
+        let why = |name: &str| scan.skipped.iter().find(|s| s.path == d.join(name)).map(|s| s.why.clone()).unwrap_or_default();
+        assert!(why("not-mounted").contains("not a mount point"), "{scan:?}");
+        assert!(why("to-etc").contains("not under /dev"), "{scan:?}");
+        assert!(why("to-null").contains("not a block device"), "{scan:?}");
+        assert!(why("dangling").contains("does not resolve"), "{scan:?}");
+    }
+
+    #[test]
+    fn a_mount_point_is_a_filesystem_volume_sized_by_its_filesystem() {
+        let dir = tempfile::tempdir().unwrap();
+        let vol = dir.path().join("vol1");
+        std::fs::create_dir(&vol).unwrap();
+        // The dir is not mounted; the table says it is: statvfs then reads
+        // the filesystem the dir is on, which is all the scan needs.
+        let table = vec![MountInfo {
+            id: 1,
+            parent: 0,
+            device: (0, 99),
+            root: "/".into(),
+            mount_point: vol.clone(),
+            options: "rw".into(),
+            propagation: vec![],
+            fs_type: "ext4".into(),
+            source: "/dev/loop9".into(),
+            super_options: "rw".into(),
+        }];
+        let scan = scan(&class(dir.path()), &table);
+        assert_eq!(scan.volumes.len(), 1, "{scan:?}");
+        assert_eq!(scan.volumes[0].kind, Kind::Filesystem { fs_type: "ext4".into() });
+        assert!(scan.volumes[0].capacity_bytes > 0);
+    }
+
+    #[test]
+    fn a_missing_dir_is_reported_not_fatal() {
+        let scan = scan(&class(Path::new("/nonexistent/volagent")), &[]);
+        assert!(scan.volumes.is_empty());
+        assert!(scan.skipped[0].why.contains("cannot list"), "{scan:?}");
+    }
+}
