@@ -70,39 +70,23 @@ mod in_the_vm {
     const WHY: &str = "needs the kernel's rbd driver: runs inside the VM (the_kernel_rbd_path_works_in_a_vm_whose_kernel_has_rbd)";
     const BUS: &str = "/sys/bus/rbd";
 
-    /// A test's node; on drop, even after a failure, every rbd mapping is
-    /// unmapped by force (the kernel's mappings are not the test's mount
-    /// namespace's: they would outlive it).
-    struct VmNode(Node);
+    /// A test's node; on drop, even after a failure, its mounts are
+    /// detached and every rbd mapping is unmapped by force.
+    type VmNode = super::vm::Guarded<Node>;
 
-    impl std::ops::Deref for VmNode {
-        type Target = Node;
-        fn deref(&self) -> &Node {
-            &self.0
+    fn release(node: &mut Node) {
+        node.stop_agent();
+        for m in node.scratch.mounts().into_iter().rev() {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
         }
-    }
-
-    impl std::ops::DerefMut for VmNode {
-        fn deref_mut(&mut self) -> &mut Node {
-            &mut self.0
-        }
-    }
-
-    impl Drop for VmNode {
-        fn drop(&mut self) {
-            self.0.stop_agent();
-            for m in self.0.scratch.mounts().into_iter().rev() {
-                let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
-            }
-            for id in mappings() {
-                let _ = std::fs::write(format!("{BUS}/remove_single_major"), format!("{id} force"));
-            }
+        for id in mappings() {
+            let _ = std::fs::write(format!("{BUS}/remove_single_major"), format!("{id} force"));
         }
     }
 
     fn node() -> VmNode {
         assert!(Path::new(BUS).join("add_single_major").exists(), "{WHY}");
-        let mut node = VmNode(Node::start_with(&[(volagent_test_artifacts::RBD, "rbd")]));
+        let mut node = VmNode::new(Node::start_with(&[(volagent_test_artifacts::RBD, "rbd")]), release);
         spawn(&mut node, None);
         node
     }

@@ -55,36 +55,20 @@ mod in_the_vm {
     const WHY: &str = "needs the kernel's nbd driver: runs inside the VM (the_kernel_attach_path_works_in_a_vm_whose_kernel_has_nbd)";
 
     /// A test's node; on drop, even after a failure, every nbd device
-    /// still connected is disconnected (the kernel's connections are not
-    /// the test's mount namespace's: they would outlive it).
-    struct VmNode(Node);
+    /// still connected is disconnected.
+    type VmNode = super::vm::Guarded<Node>;
 
-    impl std::ops::Deref for VmNode {
-        type Target = Node;
-        fn deref(&self) -> &Node {
-            &self.0
-        }
-    }
-
-    impl std::ops::DerefMut for VmNode {
-        fn deref_mut(&mut self) -> &mut Node {
-            &mut self.0
-        }
-    }
-
-    impl Drop for VmNode {
-        fn drop(&mut self) {
-            self.0.stop_agent();
-            for name in connected_devices() {
-                let _ = std::process::Command::new("nbd-client").arg("-d").arg(format!("/dev/{name}")).status();
-            }
+    fn release(node: &mut Node) {
+        node.stop_agent();
+        for name in connected_devices() {
+            let _ = std::process::Command::new("nbd-client").arg("-d").arg(format!("/dev/{name}")).status();
         }
     }
 
     /// The node for a test: the kernel must have nbd, or the test fails.
     fn node() -> VmNode {
         assert!(Path::new("/sys/module/nbd").exists() && Path::new("/dev/nbd0").exists(), "{WHY}");
-        VmNode(nbd_node())
+        VmNode::new(nbd_node(), release)
     }
 
     /// The driver's options for an export, the attach path left to the

@@ -138,7 +138,10 @@ impl KernelRbd for Krbd {
             let Ok(id) = name.parse::<u32>() else { continue };
             // Gone between the listing and the read: not a mapping any more.
             let (Some(pool), Some(image)) = (self.attr(&name, "pool"), self.attr(&name, "name")) else { continue };
-            let monitors = self.attr(&name, "config_info").and_then(|c| c.split_whitespace().next().map(str::to_string)).unwrap_or_default();
+            // config_info is the line that mapped it, key and all: only its
+            // first word (the monitors) is kept, and the rest wiped.
+            let config = zeroize::Zeroizing::new(self.attr(&name, "config_info").unwrap_or_default());
+            let monitors = config.split_whitespace().next().unwrap_or_default().to_string();
             let client_id = self.attr(&name, "client_id").and_then(|c| c.trim_start_matches("client").parse().ok()).unwrap_or_default();
             let client_addr = self.attr(&name, "client_addr").unwrap_or_default();
             let device = self.dev.join(format!("rbd{id}"));

@@ -90,3 +90,36 @@ pub fn run_tests(dir: &Path, mem_mib: u32, prelude: &str, module: &str, tests: &
     }
     assert!(output.contains("VOLAGENT_VM_EXIT=0"), "the tests in the VM failed (see its console above)");
 }
+
+/// A test's node inside the VM whose kernel state (nbd connections, rbd
+/// mappings) is not its mount namespace's and would outlive it: on drop,
+/// even after a failure, `release` undoes it.
+pub struct Guarded<T> {
+    inner: T,
+    release: fn(&mut T),
+}
+
+impl<T> Guarded<T> {
+    pub fn new(inner: T, release: fn(&mut T)) -> Self {
+        Guarded { inner, release }
+    }
+}
+
+impl<T> std::ops::Deref for Guarded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T> std::ops::DerefMut for Guarded<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.inner
+    }
+}
+
+impl<T> Drop for Guarded<T> {
+    fn drop(&mut self) {
+        (self.release)(&mut self.inner);
+    }
+}
