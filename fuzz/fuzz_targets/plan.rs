@@ -20,6 +20,7 @@ fn caps() -> Capabilities {
             StepKind::DetachDevice,
             StepKind::Wipe,
             StepKind::BlocklistClient,
+            StepKind::ClearDirectory,
         ],
         device_kinds: vec![DeviceKind::Loop, DeviceKind::Nbd, DeviceKind::Rbd],
         filesystems: vec!["ext4".into(), "xfs".into()],

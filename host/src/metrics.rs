@@ -36,8 +36,30 @@ pub struct CallLabels {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WipeLabels {
+    pub method: String,
+    /// The volume's size class: "<1Gi", "1-10Gi", "10-100Gi", "100Gi-1Ti", ">=1Ti".
+    pub size: String,
+    pub result: String,
+}
+
+/// A size as a few classes: labels must stay few.
+pub fn size_class(bytes: u64) -> &'static str {
+    const GIB: u64 = 1 << 30;
+    match bytes {
+        b if b < GIB => "<1Gi",
+        b if b < 10 * GIB => "1-10Gi",
+        b if b < 100 * GIB => "10-100Gi",
+        b if b < 1024 * GIB => "100Gi-1Ti",
+        _ => ">=1Ti",
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    pub local_wipe_seconds: Family<WipeLabels, Histogram>,
+    pub local_volumes: Gauge,
     pub operations: Family<OpLabels, Counter>,
     pub operation_seconds: Family<OpKind, Histogram>,
     pub fence_decisions: Family<FenceLabels, Counter>,
@@ -63,6 +85,9 @@ impl Metrics {
         let mut registry = Registry::with_prefix("volagent");
         let m = Metrics {
             registry: Registry::default(),
+            // 0.1 s to about 36 h.
+            local_wipe_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.1, 2.0, 21))),
+            local_volumes: Gauge::default(),
             operations: Family::default(),
             operation_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_5, 2.0, 18))),
             fence_decisions: Family::default(),
@@ -82,6 +107,8 @@ impl Metrics {
         registry.register("stash_quarantined", "Stash entries that could not be decoded and were set aside", m.stash_quarantined.clone());
         registry.register("plugin_reloads", "Passes over the plugin dir", m.plugin_reloads.clone());
         registry.register("backend_degraded", "1 while a backend's newest file is rejected", m.backends_degraded.clone());
+        registry.register("local_wipe_seconds", "Time to wipe a released local volume, by method, size and result", m.local_wipe_seconds.clone());
+        registry.register("local_volumes", "Local volumes the last discovery found on this node", m.local_volumes.clone());
         Metrics { registry, ..m }
     }
 
@@ -96,6 +123,11 @@ impl Metrics {
     pub fn operation(&self, operation: &str, backend: &str, result: &str, took: Duration) {
         self.operations.get_or_create(&OpLabels { operation: operation.into(), backend: backend.into(), result: result.into() }).inc();
         self.operation_seconds.get_or_create(&OpKind { operation: operation.into(), backend: backend.into() }).observe(took.as_secs_f64());
+    }
+
+    pub fn local_wipe(&self, method: &str, bytes: u64, result: &str, took: Duration) {
+        let labels = WipeLabels { method: method.into(), size: size_class(bytes).into(), result: result.into() };
+        self.local_wipe_seconds.get_or_create(&labels).observe(took.as_secs_f64());
     }
 
     pub fn fence(&self, backend: &str, decision: &str) {

@@ -14,10 +14,10 @@ fn every_backend_loads_and_declares_itself() {
     for (name, path) in BACKENDS {
         let plugin = load(&rt, path);
         assert_eq!(plugin.name(), *name);
-        assert_eq!(plugin.export(), "volagent:policy/policy@0.3.0");
+        assert_eq!(plugin.export(), "volagent:policy/policy@0.4.0");
         assert_eq!(plugin.sha256().len(), 64);
         // Only policies that ask the host something import `host`.
-        let asks = plugin.imports().iter().any(|i| i == "volagent:policy/host@0.3.0");
+        let asks = plugin.imports().iter().any(|i| i == "volagent:policy/host@0.4.0");
         assert_eq!(asks, matches!(*name, "rbd" | "local-pv"), "{name}: {:?}", plugin.imports());
         assert!(!plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")), "{name}: {:?}", plugin.imports());
         assert!(!plugin.info().capabilities.steps.is_empty());

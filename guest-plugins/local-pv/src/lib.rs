@@ -9,7 +9,7 @@ use volagent_guest_sdk::{
     BlockSource, Capabilities, CleanupItem, CleanupReason, Consumer, Decision,
     DeviceKind, DeviceSpec, Format, FormatMode, Holder, Host, BackendInfo, NodeFacts, NodePaths,
     PathKind, PathRoot, Plan, Policy, PolicyError, Step, StepKind, Volume, Wipe, WipeMethod,
-    AttachDevice, BindMount, DetachDevice, Unmount, fence, options, plans,
+    AttachDevice, BindMount, ClearDirectory, DetachDevice, Unmount, fence, options, plans,
 };
 
 pub struct LocalPv;
@@ -113,6 +113,7 @@ impl Policy for LocalPv {
                     StepKind::Unmount,
                     StepKind::DetachDevice,
                     StepKind::Wipe,
+                    StepKind::ClearDirectory,
                 ],
                 device_kinds: vec![DeviceKind::Loop],
                 filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
@@ -209,23 +210,24 @@ fn release(item: &CleanupItem, src: Source) -> Result<Plan, PolicyError> {
     let volume = &item.volume;
     let methods = wipe_method(volume)?;
     let quick_reset = methods == [WipeMethod::Signatures];
-    let fs = options::fs_type(volume, "ext4", FILESYSTEMS)?;
-    let (device, spec) = match src {
-        Source::File(file) => (BlockSource::Attached(plans::DEVICE_ID.into()), Some(DeviceSpec::Loop(file))),
-        Source::Block(dev) => (BlockSource::Device(dev), None),
-        Source::Dir(dir) => {
-            return Err(PolicyError::Unsupported(format!(
-                "volume {}: directory {dir} cannot be wiped by a plan; use a file or block device for wipeable volumes",
-                volume.name
-            )));
-        }
-    };
     let mut plan: Plan = item
         .holders
         .iter()
         .map(|h| Step::Unmount(Unmount { target: h.consumer.mount_dir.clone(), force: false }))
         .collect();
     plan.push(Step::Unmount(Unmount { target: item.paths.staging_dir.clone(), force: false }));
+    let (device, spec) = match src {
+        Source::File(file) => (BlockSource::Attached(plans::DEVICE_ID.into()), Some(DeviceSpec::Loop(file))),
+        Source::Block(dev) => (BlockSource::Device(dev), None),
+        // A filesystem volume (the admin's mount point): its contents go,
+        // whatever the method; the filesystem and the mount stay the admin's.
+        Source::Dir(dir) => {
+            plan.push(Step::ClearDirectory(ClearDirectory { path: dir }));
+            return Ok(plan);
+        }
+    };
+    // (A mount point's filesystem is the admin's, whatever it is.)
+    let fs = options::fs_type(volume, "ext4", FILESYSTEMS)?;
     if let Some(spec) = &spec {
         plan.push(Step::AttachDevice(AttachDevice { id: plans::DEVICE_ID.into(), spec: spec.clone(), read_only: false }));
     }
@@ -374,5 +376,16 @@ mod tests {
         assert!(!released("zero").unwrap().iter().any(|s| matches!(s, Step::Format(_))));
         assert!(matches!(released("shred:0"), Err(PolicyError::InvalidOptions(_))));
         assert!(matches!(released("rm -rf"), Err(PolicyError::InvalidOptions(_))));
+    }
+
+    #[test]
+    fn a_released_filesystem_volume_is_emptied_in_place() {
+        let host = host_with("/mnt/disks/fs1", PathKind::Directory);
+        let mut v = volume("/mnt/disks/fs1", AccessMode::ReadWriteOnce);
+        v.fs_type = "tmpfs".into();
+        let item = CleanupItem { volume: v, paths: paths(), holders: vec![] };
+        let plan = LocalPv::cleanup(&host, CleanupReason::LocalVolumeReleased, vec![item]).unwrap();
+        assert!(matches!(plan.last(), Some(Step::ClearDirectory(c)) if c.path == "/mnt/disks/fs1"), "{plan:?}");
+        assert!(!plan.iter().any(|s| matches!(s, Step::Wipe(_) | Step::Format(_) | Step::AttachDevice(_))), "{plan:?}");
     }
 }

@@ -64,6 +64,16 @@ pub struct AgentArgs {
     /// Dirs under which local volumes live (repeatable).
     #[arg(long = "discovery-dir", default_value = "/mnt/disks")]
     discovery_dirs: Vec<PathBuf>,
+    /// A local storage class and its discovery dirs, `<class>=<dir>[:<dir>…]`
+    /// (repeatable): with a cluster, each mount point, block device (or
+    /// link to one under /dev) and file in the dirs becomes a PV of the
+    /// class, and is wiped by the local-pv policy when released. The dirs
+    /// are discovery dirs too.
+    #[arg(long = "local-class", value_name = "CLASS=DIRS")]
+    local_classes: Vec<crate::local::LocalClass>,
+    /// How often the local classes' dirs are scanned.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    local_scan_interval: Duration,
     /// kubelet's --volume-plugin-dir; default: the first known one that exists.
     #[arg(long)]
     volume_plugin_dir: Option<PathBuf>,
@@ -137,6 +147,23 @@ fn raise_nofile() {
     }
 }
 
+/// The discovery dirs, the local classes' among them, resolved (each is a
+/// root the agent acts beneath).
+fn discovery_dirs(args: &AgentArgs) -> anyhow::Result<Vec<PathBuf>> {
+    let mut dirs: Vec<PathBuf> = args.discovery_dirs.clone();
+    for class in &args.local_classes {
+        dirs.extend(class.dirs.iter().cloned());
+    }
+    let mut resolved = Vec::new();
+    for d in dirs {
+        let r = crate::sys::beneath::resolve(&d).with_context(|| format!("discovery dir {}", d.display()))?;
+        if !resolved.contains(&r) {
+            resolved.push(r);
+        }
+    }
+    Ok(resolved)
+}
+
 pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     raise_nofile();
     let node = args.node_name.clone().unwrap_or_else(hostname);
@@ -172,10 +199,16 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         kubelet_root: root(&args.kubelet_root)?,
         kubelet_root_given: args.kubelet_root.clone(),
         state_dir: root(&args.state_dir)?,
-        discovery_dirs: args.discovery_dirs.iter().map(|d| root(d)).collect::<anyhow::Result<_>>()?,
+        discovery_dirs: discovery_dirs(&args)?,
         inline_backends: args.inline_backends.clone(),
     };
     let roots = crate::sys::Roots::open(&config.roots()).context("opening the root dirs")?;
+    // The classes' dirs as resolved: PVs name paths as the agent acts on them.
+    let local_classes: Vec<crate::local::LocalClass> = args
+        .local_classes
+        .iter()
+        .map(|c| Ok(crate::local::LocalClass { name: c.name.clone(), dirs: c.dirs.iter().map(|d| root(d)).collect::<anyhow::Result<_>>()? }))
+        .collect::<anyhow::Result<_>>()?;
     let mut nbd = crate::sys::nbd_client::NbdFuse::new(config.state_dir.join("nbd"));
     nbd.kernel.request_timeout = args.nbd_hung_after;
     let sys = Sys::linux_with(roots, &crate::ops::loop_tag(&node, &config.state_dir), nbd);
@@ -241,6 +274,14 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         });
         if let Some(c) = &cluster {
             tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
+            if !local_classes.is_empty() {
+                let state = Arc::new(crate::local::report::LocalState::default());
+                agent.manage_local(state.clone());
+                let config = crate::kube::local_volumes::LocalConfig { classes: local_classes.clone(), interval: args.local_scan_interval };
+                tokio::spawn(crate::kube::local_volumes::run(agent.clone(), c.clone(), config, state));
+            }
+        } else if !local_classes.is_empty() {
+            tracing::warn!("--local-class needs a cluster (--kubeconfig or --in-cluster): local volumes are not published");
         }
         serving.store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(node, socket = %socket.display(), backends = ?backends, "volagent agent serving");

@@ -23,6 +23,10 @@ pub struct ControllerArgs {
     /// How often deleted StorageClusters are checked for release.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     cluster_interval: Duration,
+    /// How often local volumes' PVs are checked besides on every change of
+    /// a node's local volumes or a local PV.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    local_interval: Duration,
     /// The namespace of the leader-election Lease.
     #[arg(long, env = "POD_NAMESPACE", default_value = "volagent-system")]
     namespace: String,
@@ -61,6 +65,7 @@ pub fn run(args: ControllerArgs) -> anyhow::Result<ExitCode> {
             lease_duration: args.lease_duration,
             scan_interval: args.scan_interval,
             cluster_interval: args.cluster_interval,
+            local_interval: args.local_interval,
         };
         tracing::info!(identity = %config.identity, scan_interval = ?config.scan_interval, "volagent controller starting");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;

@@ -2,7 +2,7 @@
 //! and for which pods, as a table for people or JSON for tools.
 
 use crate::socket::client;
-use crate::socket::protocol::{DEFAULT_SOCKET, HeldVolume, Request, Response};
+use crate::socket::protocol::{DEFAULT_SOCKET, HeldVolume, LocalReport, Request, Response};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -32,6 +32,9 @@ pub struct NodeVolumes {
     /// Why the agent could not list the volumes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub volumes_error: Option<String>,
+    /// Local volumes and running wipes, when the agent manages them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalReport>,
 }
 
 /// Exit 0 when the agent listed its volumes, 1 when it could not, and an
@@ -39,7 +42,7 @@ pub struct NodeVolumes {
 pub fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let response = client::ask(&args.socket, Request::Status, TIMEOUT)?;
     let status = match response {
-        Response::Status { node, volumes, volumes_left_out, volumes_error, .. } => NodeVolumes { node, volumes, volumes_left_out, volumes_error },
+        Response::Status { node, volumes, volumes_left_out, volumes_error, local, .. } => NodeVolumes { node, volumes, volumes_left_out, volumes_error, local },
         Response::Failed { kind, message } => anyhow::bail!("the agent at {} refused ({kind:?}): {message}", args.socket.display()),
         other => anyhow::bail!("the agent at {} answered {other:?}, not a status", args.socket.display()),
     };
@@ -103,6 +106,67 @@ pub fn table(status: &NodeVolumes) -> String {
     if let Some(e) = &status.volumes_error {
         out.push_str(&format!("the agent cannot list the volumes: {}\n", cell(e)));
     }
+    if let Some(local) = &status.local {
+        out.push_str(&local_table(local));
+    }
+    out
+}
+
+/// The local volumes, then the wipes running with their progress.
+fn local_table(local: &LocalReport) -> String {
+    let mut out = format!("\nlocal volumes: {}", local.volumes.len() + local.volumes_left_out);
+    if let Some(at) = &local.scanned_at {
+        out.push_str(&format!(" (scanned {})", cell(at)));
+    }
+    out.push('\n');
+    let rows: Vec<Vec<String>> = local
+        .volumes
+        .iter()
+        .map(|v| vec![cell(&v.name), cell(&v.class), cell(&v.kind), cell(&v.capacity), cell(&v.state), cell(&v.path)])
+        .collect();
+    out.push_str(&aligned(&["PV", "CLASS", "KIND", "CAPACITY", "STATE", "PATH"], &rows));
+    if local.volumes_left_out > 0 {
+        out.push_str(&format!("… and {} more\n", local.volumes_left_out));
+    }
+    if !local.wipes.is_empty() {
+        out.push_str(&format!("\nwipes running: {}\n", local.wipes.len()));
+        let rows: Vec<Vec<String>> = local
+            .wipes
+            .iter()
+            .map(|w| {
+                vec![
+                    cell(&w.volume),
+                    w.method.as_deref().map_or("-".into(), cell),
+                    format!("{}/{} {}", w.step, w.steps, cell(&w.step_kind)),
+                    format!("{}s", w.elapsed_secs),
+                    w.attempt.to_string(),
+                    cell(&w.started_at),
+                ]
+            })
+            .collect();
+        out.push_str(&aligned(&["PV", "METHOD", "STEP", "ELAPSED", "ATTEMPT", "STARTED"], &rows));
+    }
+    if let Some(e) = &local.error {
+        out.push_str(&format!("the last discovery failed: {}\n", cell(e)));
+    }
+    out
+}
+
+/// `rows` under `header`, columns as wide as their widest cell.
+fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let mut out = String::new();
+    for row in std::iter::once(&header).chain(rows) {
+        let line: Vec<String> = row.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
     out
 }
 
@@ -141,7 +205,43 @@ mod tests {
     }
 
     fn status(volumes: Vec<HeldVolume>) -> NodeVolumes {
-        NodeVolumes { node: "node-a".into(), volumes, volumes_left_out: 0, volumes_error: None }
+        NodeVolumes { node: "node-a".into(), volumes, volumes_left_out: 0, volumes_error: None, local: None }
+    }
+
+    #[test]
+    fn local_volumes_and_running_wipes_are_listed() {
+        use crate::socket::protocol::{LocalVolumeLine, WipeLine};
+        let mut s = status(vec![]);
+        let line = |name: &str, state: &str| LocalVolumeLine {
+            name: name.into(),
+            class: "fast".into(),
+            path: format!("/mnt/fast/{name}"),
+            kind: "Block".into(),
+            capacity: "100Gi".into(),
+            state: state.into(),
+        };
+        s.local = Some(LocalReport {
+            volumes: vec![line("local-aaa", "Available"), line("local-bbb", "Wiping")],
+            volumes_left_out: 0,
+            wipes: vec![WipeLine {
+                volume: "local-bbb".into(),
+                attempt: 2,
+                method: Some("shred:3".into()),
+                step: 3,
+                steps: 4,
+                step_kind: "wipe".into(),
+                started_at: "2026-01-02T03:04:05Z".into(),
+                elapsed_secs: 42,
+            }],
+            scanned_at: Some("2026-01-02T03:05:00Z".into()),
+            error: None,
+        });
+        let text = table(&s);
+        assert!(text.contains("local volumes: 2 (scanned 2026-01-02T03:05:00Z)"), "{text}");
+        let row = |name: &str, n: usize| text.lines().filter(|l| l.starts_with(name)).nth(n).map(|l| l.split_whitespace().collect::<Vec<_>>()).unwrap_or_default();
+        assert_eq!(row("local-aaa", 0), ["local-aaa", "fast", "Block", "100Gi", "Available", "/mnt/fast/local-aaa"]);
+        assert_eq!(row("local-bbb", 1), ["local-bbb", "shred:3", "3/4", "wipe", "42s", "2", "2026-01-02T03:04:05Z"], "{text}");
+        assert!(text.contains("wipes running: 1"), "{text}");
     }
 
     #[test]

@@ -68,7 +68,12 @@ pub struct Executor {
     secrets: Arc<Secrets>,
     kill_after: Option<usize>,
     stall_after: Option<(usize, u64)>,
+    /// Told (step index, step count, step kind) as each step starts.
+    progress: Option<Progress>,
 }
+
+/// A step-progress listener (a long wipe's status).
+pub type Progress = Arc<dyn Fn(usize, usize, &'static str) + Send + Sync>;
 
 /// Crash-test hook: the agent kills itself with SIGKILL right after this
 /// many steps of a plan, as a node failure would stop it.
@@ -84,7 +89,7 @@ impl Executor {
         let stall_after = std::env::var(STALL_AFTER_STEP_ENV)
             .ok()
             .and_then(|v| v.split_once(':').and_then(|(s, ms)| Some((s.parse().ok()?, ms.parse().ok()?))));
-        Executor { sys, secrets: Arc::default(), kill_after, stall_after }
+        Executor { sys, secrets: Arc::default(), kill_after, stall_after, progress: None }
     }
 
     /// Steps that name a secret key use its value from `secrets`.
@@ -93,10 +98,18 @@ impl Executor {
         self
     }
 
+    pub fn with_progress(mut self, progress: Progress) -> Self {
+        self.progress = Some(progress);
+        self
+    }
+
     /// Run `plan` (already checked by the policy validator) step by step.
     pub fn run(&self, plan: &[Step]) -> Result<Outcome, ExecError> {
         let mut run = Run { sys: &self.sys, secrets: &self.secrets, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new(), freed: Vec::new() };
         for (index, step) in plan.iter().enumerate() {
+            if let Some(p) = &self.progress {
+                p(index, plan.len(), step.kind().name());
+            }
             if let Err(source) = run.step(step) {
                 let rollback_failures = run.rollback();
                 return Err(ExecError { index, step: step.kind().name(), source, rollback_failures });
@@ -104,6 +117,7 @@ impl Executor {
             if let Some((_, ms)) = self.stall_after.filter(|(after, _)| *after == index + 1)
                 && !STALLED.swap(true, std::sync::atomic::Ordering::SeqCst)
             {
+                tracing::warn!("{STALL_AFTER_STEP_ENV}: stalling {ms} ms after step {}", index + 1);
                 std::thread::sleep(std::time::Duration::from_millis(ms));
             }
             if self.kill_after == Some(index + 1) {
@@ -230,6 +244,11 @@ impl Run<'_> {
                     WipeMethod::Shred(n) => Wipe::Shred(n),
                 };
                 Ok(self.sys.filesystems.wipe(&device, method)?)
+            }
+            Step::ClearDirectory(c) => {
+                let removed = self.sys.filesystems.clear_dir(Path::new(&c.path))?;
+                tracing::info!(dir = %c.path, removed, "cleared a released volume's dir");
+                Ok(())
             }
             Step::BlocklistClient(b) => {
                 let client = self.ceph_client(&b.monitors, &b.user, b.secret_key.as_deref())?;

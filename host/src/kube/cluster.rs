@@ -87,18 +87,37 @@ impl Cluster {
     /// A core/v1 Event about a pod, in the pod's namespace. Best effort: a
     /// failure is logged, never fails the operation.
     pub async fn pod_event(&self, namespace: &str, pod: &str, pod_uid: &str, warning: bool, reason: &str, message: &str) {
+        let about = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(pod.to_string()),
+            namespace: Some(namespace.to_string()),
+            uid: Some(pod_uid.to_string()),
+            ..Default::default()
+        };
+        self.event(namespace, about, warning, reason, message).await;
+    }
+
+    /// An Event about a PersistentVolume (cluster-scoped: its Events live
+    /// in `default`, where kubectl describe looks for them).
+    pub async fn pv_event(&self, pv: &str, pv_uid: &str, warning: bool, reason: &str, message: &str) {
+        let about = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("PersistentVolume".into()),
+            name: Some(pv.to_string()),
+            uid: Some(pv_uid.to_string()),
+            ..Default::default()
+        };
+        self.event("default", about, warning, reason, message).await;
+    }
+
+    async fn event(&self, namespace: &str, about: ObjectReference, warning: bool, reason: &str, message: &str) {
         let api: Api<Event> = Api::namespaced(self.client.clone(), namespace);
         let now = k8s_openapi::jiff::Timestamp::now();
+        let name = about.name.clone().unwrap_or_default();
         let event = Event {
-            metadata: ObjectMeta { generate_name: Some(format!("{pod}.volagent-")), namespace: Some(namespace.to_string()), ..Default::default() },
-            involved_object: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Pod".into()),
-                name: Some(pod.to_string()),
-                namespace: Some(namespace.to_string()),
-                uid: Some(pod_uid.to_string()),
-                ..Default::default()
-            },
+            metadata: ObjectMeta { generate_name: Some(format!("{name}.volagent-")), namespace: Some(namespace.to_string()), ..Default::default() },
+            involved_object: about,
             reason: Some(reason.to_string()),
             message: Some(message.chars().take(1024).collect()),
             type_: Some(if warning { "Warning" } else { "Normal" }.to_string()),
@@ -112,7 +131,7 @@ impl Cluster {
             ..Default::default()
         };
         if let Err(e) = api.create(&PostParams::default(), &event).await {
-            tracing::warn!(pod = %format!("{namespace}/{pod}"), reason, "cannot record an Event: {e}");
+            tracing::warn!(object = %name, reason, "cannot record an Event: {e}");
         }
     }
 }

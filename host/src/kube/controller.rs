@@ -3,7 +3,8 @@
 //! lists (a periodic scan, and at once on a Node deletion), blocklisting
 //! their storage clients at the storage first, and keeps a
 //! finalizer on every StorageCluster, released once no attachment record
-//! names a deleted one.
+//! names a deleted one; and makes PVs of the local volumes agents discover,
+//! asking the agents to wipe released ones (see `local_pvs`).
 
 use super::crds::{Attachment, CLEANUP_FINALIZER, CleanupEntry, CleanupReason, NodeCleanup, NodeCleanupSpec, StorageCluster, StorageClusterStatus};
 use super::lease::LeaderElector;
@@ -26,6 +27,8 @@ pub struct ControllerConfig {
     pub scan_interval: Duration,
     /// How often deleted StorageClusters are checked for release.
     pub cluster_interval: Duration,
+    /// How often local volumes' PVs are checked besides on every change.
+    pub local_interval: Duration,
 }
 
 /// What the controller's endpoints report.
@@ -115,7 +118,26 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
             }
         }
     };
-    tokio::join!(scan, deletions, clusters);
+    let local = {
+        let client = client.clone();
+        async move {
+            let lists = watcher(Api::<super::crds::NodeLocalVolumes>::all(client.clone()), watcher::Config::default()).default_backoff().map(|_| ());
+            let pvs = watcher(Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(client.clone()), watcher::Config::default().labels(super::local_pvs::NODE_LABEL))
+                .default_backoff()
+                .map(|_| ());
+            let mut changes = futures_util::stream::select(lists, pvs).boxed();
+            loop {
+                match super::local_pvs::sync(&client).await {
+                    Ok(s) if s != Default::default() => tracing::info!(created = s.created.len(), wipes_requested = s.requested.len(), deleted = s.deleted.len(), "local volumes"),
+                    Ok(_) => {}
+                    Err(e) => tracing::error!("local volumes: {e:#}"),
+                }
+                let _ = tokio::time::timeout(config.local_interval, changes.next()).await;
+                while let Ok(Some(())) = tokio::time::timeout(Duration::from_millis(200), changes.next()).await {}
+            }
+        }
+    };
+    tokio::join!(scan, deletions, clusters, local);
 }
 
 /// Move the consumers on nodes that no longer exist; how many moved.

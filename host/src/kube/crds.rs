@@ -185,9 +185,149 @@ pub struct StorageClusterStatus {
     pub pending_nodes: Vec<String>,
 }
 
+/// Held on a local volume's PV from its release until its wipe is done.
+pub const LOCAL_WIPE_FINALIZER: &str = "volagent.io/local-wipe";
+
+/// What the controller asks of a node's agent about one local volume.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum LocalOperationKind {
+    /// Wipe the released volume, so that it can be offered again.
+    Delete,
+}
+
+/// An operation the controller requests (the spec is the controller's).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LocalOperation {
+    /// The volume's PV name.
+    pub volume: String,
+    pub kind: LocalOperationKind,
+    /// The released PV's UID: the operation is about that PV, not a later
+    /// one of the same name.
+    #[serde(rename = "pvUID")]
+    pub pv_uid: String,
+    /// RFC 3339 time it was requested.
+    pub requested_at: String,
+}
+
+impl LocalOperation {
+    /// Whether `status` is about this request.
+    pub fn is(&self, status: &LocalOperationStatus) -> bool {
+        self.volume == status.volume && self.pv_uid == status.pv_uid && self.requested_at == status.requested_at
+    }
+}
+
+/// Where an operation stands (the status is the agent's).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum LocalOperationPhase {
+    InProgress,
+    Complete,
+    Error,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LocalOperationStatus {
+    pub volume: String,
+    #[serde(rename = "pvUID")]
+    pub pv_uid: String,
+    /// The request's time: a request made again is a new one.
+    pub requested_at: String,
+    pub phase: LocalOperationPhase,
+    /// How many times it was started (an agent restart starts it again).
+    pub attempt: i64,
+    /// The wipe method the volume's policy chose, once known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// Why it failed, or what it is doing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    pub started_at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+}
+
+/// A local volume the node's agent discovered.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DiscoveredVolume {
+    /// Its PV's name (a hash of node, class and path).
+    pub name: String,
+    /// Its StorageClass.
+    pub class: String,
+    /// Its path in the discovery dir.
+    pub path: String,
+    /// Filesystem (a mount point), Block (a device) or File (an image).
+    pub kind: String,
+    /// The filesystem of a mount point.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fs_type: Option<String>,
+    /// A block device's node under /dev, resolved at discovery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// A block device's stable identity, which the data path checks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
+    /// Rounded down as the PV states it (a Kubernetes quantity).
+    pub capacity: String,
+}
+
+/// An entry of a discovery dir that is not a volume.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct SkippedEntry {
+    pub path: String,
+    pub why: String,
+}
+
+/// A node's local volumes, named after the node: the controller writes the
+/// operations (spec), the node's agent the discovered list and how each
+/// operation stands (status) — never the same field.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "volagent.io",
+    version = "v1alpha1",
+    kind = "NodeLocalVolumes",
+    plural = "nodelocalvolumes",
+    shortname = "vlv",
+    status = "NodeLocalVolumesStatus",
+    printcolumn = r#"{"name":"Volumes","type":"integer","jsonPath":".status.volumeCount"}"#,
+    printcolumn = r#"{"name":"Wiping","type":"integer","jsonPath":".status.wiping"}"#,
+    printcolumn = r#"{"name":"Failed","type":"integer","jsonPath":".status.failed"}"#,
+    printcolumn = r#"{"name":"Skipped","type":"integer","jsonPath":".status.skippedCount","priority":1}"#,
+    printcolumn = r#"{"name":"Scanned","type":"date","jsonPath":".status.scannedAt"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeLocalVolumesSpec {
+    #[serde(default)]
+    pub operations: Vec<LocalOperation>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeLocalVolumesStatus {
+    #[serde(default)]
+    pub volumes: Vec<DiscoveredVolume>,
+    #[serde(default)]
+    pub operations: Vec<LocalOperationStatus>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedEntry>,
+    #[serde(default)]
+    pub volume_count: i64,
+    #[serde(default)]
+    pub wiping: i64,
+    #[serde(default)]
+    pub failed: i64,
+    #[serde(default)]
+    pub skipped_count: i64,
+    /// RFC 3339 time of the scan the list is from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scanned_at: Option<String>,
+}
+
 /// Every CRD with the file name `deploy/crds/` keeps it under.
 pub fn all() -> Vec<(String, String)> {
-    [Attachment::crd(), NodeCleanup::crd(), StorageCluster::crd()]
+    [Attachment::crd(), NodeCleanup::crd(), StorageCluster::crd(), NodeLocalVolumes::crd()]
         .into_iter()
         .map(|crd| {
             let name = crd.metadata.name.clone().unwrap_or_default();

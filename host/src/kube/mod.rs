@@ -7,5 +7,7 @@ pub mod cluster;
 pub mod node_tasks;
 pub mod controller;
 pub mod lease;
+pub mod local_pvs;
+pub mod local_volumes;
 pub mod storage;
 pub mod volumes;

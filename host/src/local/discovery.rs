@@ -148,9 +148,41 @@ pub fn identity(rdev: u64) -> String {
     format!("dev:{major}:{minor}")
 }
 
+/// The option a PV of a discovered block device carries its identity in.
+pub const IDENTITY_OPTION: &str = "identity";
+
+/// Check, before the data path touches it, that `device` is still the
+/// device a PV was made of: a block device node under /dev (not a link)
+/// whose identity is `identity`. Device numbers and by-id links move
+/// between boots and hot-plugs; a wrong disk must never be mounted or wiped.
+pub fn verify_device(device: &Path, identity: &str) -> Result<(), String> {
+    if !device.starts_with("/dev/") || device.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+        return Err(format!("{} is not a device node under /dev", device.display()));
+    }
+    let meta = std::fs::symlink_metadata(device).map_err(|e| format!("{}: {e}", device.display()))?;
+    if !meta.file_type().is_block_device() {
+        return Err(format!("{} is not a block device node", device.display()));
+    }
+    let found = self::identity(meta.rdev());
+    if found != identity {
+        return Err(format!(
+            "{} is now {found}, not the volume's {identity}: the disk moved or was replaced; the agent's next discovery will publish it anew",
+            device.display()
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_are_checked_by_identity_and_links_refused() {
+        assert!(verify_device(Path::new("/etc/hostname"), "dev:1:1").unwrap_err().contains("not a device node under /dev"));
+        assert!(verify_device(Path::new("/dev/null"), "dev:1:3").unwrap_err().contains("not a block device"));
+        assert!(verify_device(Path::new("/dev/../etc/hostname"), "x").is_err());
+    }
 
     fn class(dir: &Path) -> Vec<LocalClass> {
         vec![LocalClass { name: "fast".into(), dirs: vec![dir.to_path_buf()] }]

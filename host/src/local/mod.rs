@@ -3,6 +3,7 @@
 //! PVs the controller makes of it.
 
 pub mod discovery;
+pub mod report;
 
 /// One local storage class: the dirs whose entries are its volumes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +32,25 @@ impl std::str::FromStr for LocalClass {
             return Err(format!("class {name}: its dirs must be absolute paths"));
         }
         Ok(LocalClass { name: name.to_string(), dirs })
+    }
+}
+
+impl discovery::Volume {
+    /// What its PV's `path` names: the mount point, the file, or the
+    /// device node a link resolved to.
+    pub fn data_path(&self) -> &std::path::Path {
+        match &self.kind {
+            discovery::Kind::Block { device, .. } => device,
+            _ => &self.path,
+        }
+    }
+
+    pub fn kind_name(&self) -> &'static str {
+        match self.kind {
+            discovery::Kind::Filesystem { .. } => "Filesystem",
+            discovery::Kind::Block { .. } => "Block",
+            discovery::Kind::File => "File",
+        }
     }
 }
 

@@ -31,6 +31,7 @@ impl Agent {
             volumes: Vec::new(),
             volumes_left_out: 0,
             volumes_error,
+            local: self.local_report(),
         };
         let base = serde_json::to_vec(&ResponseFrame { version: PROTOCOL_VERSION, response: status.clone() }).map_or(0, |b| b.len());
         let (kept, left_out) = fit(volumes, (MAX_FRAME as usize).saturating_sub(base));
@@ -226,7 +227,7 @@ mod tests {
         // 20000 volumes of ~200 bytes: about 4 MiB, four frames' worth.
         let (kept, left_out) = fit((0..20_000).map(volume).collect(), MAX_FRAME as usize - 200);
         assert!(left_out > 0 && kept.len() + left_out == 20_000);
-        let status = Response::Status { node: "n1".into(), backends: vec![], problems: vec![], volumes: kept, volumes_left_out: left_out, volumes_error: None };
+        let status = Response::Status { node: "n1".into(), backends: vec![], problems: vec![], volumes: kept, volumes_left_out: left_out, volumes_error: None, local: None };
         crate::socket::protocol::encode(&ResponseFrame { version: PROTOCOL_VERSION, response: status }).expect("within a frame");
     }
 

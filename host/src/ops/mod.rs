@@ -3,6 +3,7 @@
 
 pub mod cleanup;
 pub mod held;
+pub mod release;
 pub mod oplog;
 pub mod queries;
 pub mod reconcile;
@@ -121,6 +122,18 @@ impl From<Failure> for Response {
     }
 }
 
+/// The device a discovered disk's PV names, checked to be that disk (by
+/// its identity) before any policy sees the volume; none for other volumes.
+async fn verified_devices(volume: &Volume) -> Result<Vec<String>, Failure> {
+    let Some(device) = crate::policy::validate::verified_device(volume) else { return Ok(Vec::new()) };
+    let identity = volume.options.iter().find(|kv| kv.key == crate::local::discovery::IDENTITY_OPTION).map(|kv| kv.value.clone()).unwrap_or_default();
+    let path = device.clone();
+    blocking(move || crate::local::discovery::verify_device(std::path::Path::new(&path), &identity))
+        .await?
+        .map_err(|m| Failure::new(FailureKind::Denied, format!("volume {}: {m}", volume.name)))?;
+    Ok(vec![device])
+}
+
 fn internal(e: impl std::fmt::Display) -> Failure {
     Failure::new(FailureKind::Failed, e.to_string())
 }
@@ -170,12 +183,14 @@ pub struct Agent {
     cluster: Option<crate::kube::cluster::Cluster>,
     /// Degraded backends and pending removals, from the last reload pass.
     problems: RwLock<Vec<crate::socket::protocol::PluginProblem>>,
+    /// Local volumes, when this agent manages them.
+    local: std::sync::OnceLock<Arc<crate::local::report::LocalState>>,
 }
 
 impl Agent {
     pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys, plan_deadline: Duration) -> Agent {
         let plugins = plugins.into_iter().map(|p| (p.name().to_string(), Arc::new(p))).collect();
-        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None, problems: RwLock::default() }
+        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None, problems: RwLock::default(), local: Default::default() }
     }
 
     /// Read node facts and PVs from `cluster`, and tell it of failures.
@@ -201,6 +216,15 @@ impl Agent {
 
     pub fn backend_names(&self) -> Vec<String> {
         self.plugins.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+    }
+
+    /// Report on local volumes in the status from now on.
+    pub fn manage_local(&self, state: Arc<crate::local::report::LocalState>) {
+        let _ = self.local.set(state);
+    }
+
+    pub fn local_report(&self) -> Option<crate::socket::protocol::LocalReport> {
+        self.local.get().map(|l| l.report())
     }
 
     pub fn cluster(&self) -> Option<&crate::kube::cluster::Cluster> {
@@ -288,6 +312,16 @@ impl Agent {
     }
 
     /// The pod mount dirs this node's stash holds.
+    /// Scan the local classes' dirs for volumes, with this node's mount table.
+    pub async fn discover_local(&self, classes: Vec<crate::local::LocalClass>) -> Result<crate::local::discovery::Scan, Failure> {
+        let sys = self.sys.clone();
+        blocking(move || {
+            let table = sys.mounts.mount_table().map_err(|e| internal(format!("discovery: {e}")))?;
+            Ok(crate::local::discovery::scan(&classes, &table))
+        })
+        .await?
+    }
+
     pub async fn stashed_mount_dirs(&self) -> Result<Vec<String>, Failure> {
         Ok(self.stash_op(|s| s.all()).await?.into_iter().map(|e| e.consumer.mount_dir).collect())
     }
@@ -414,6 +448,7 @@ impl Agent {
             }
         }
         let secrets = Arc::new(secrets);
+        let devices = verified_devices(&volume).await?;
         let mut lock = Some(self.lock(&volume.name)?);
         let paths = self.config.paths(backend, &volume.name);
 
@@ -431,6 +466,7 @@ impl Agent {
             let nodes = self.node_facts(&holders).await?;
             let queries = Arc::new(
                 self.node_queries(&plugin, &nodes)
+                    .with_devices(devices.clone())
                     .with_ceph(ceph_client(&volume, &secrets))
                     .with_known_clients(clients.iter().map(|c| (c.id, c.node.clone())).collect()),
             );

@@ -27,6 +27,9 @@ pub struct NodeQueries {
     facts: Vec<NodeFacts>,
     /// The volume's Ceph cluster, for `image-watchers`.
     ceph: Option<CephClient>,
+    /// Block devices under /dev the host verified to be the volume's (by
+    /// the identity its PV records): answered as block devices.
+    devices: Vec<String>,
     /// Storage clients the ledger records for the volume: global id, node.
     known_clients: Vec<(u64, String)>,
 }
@@ -60,7 +63,7 @@ impl NodeQueries {
     /// Queries of a backend that may ask about `roots`, each answered
     /// within `deadline`.
     pub fn new(node: String, sys: Sys, roots: Vec<PathBuf>, deadline: Duration) -> NodeQueries {
-        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new(), ceph: None, known_clients: Vec::new() }
+        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new(), ceph: None, known_clients: Vec::new(), devices: Vec::new() }
     }
 
     pub fn with_facts(mut self, facts: Vec<NodeFacts>) -> NodeQueries {
@@ -71,6 +74,12 @@ impl NodeQueries {
     /// Place watchers that are these clients (global id, node) on their nodes.
     pub fn with_known_clients(mut self, clients: Vec<(u64, String)>) -> NodeQueries {
         self.known_clients = clients;
+        self
+    }
+
+    /// Devices the host verified are the volume's.
+    pub fn with_devices(mut self, devices: Vec<String>) -> NodeQueries {
+        self.devices = devices;
         self
     }
 
@@ -111,6 +120,9 @@ impl Queries for NodeQueries {
     /// Looked at through an `O_PATH` handle resolved beneath the roots: no
     /// symlink is followed and nothing is opened (a FIFO cannot block it).
     fn lookup_path(&self, path: &str) -> Result<PathKind, QueryError> {
+        if self.devices.iter().any(|d| d == path) {
+            return Ok(PathKind::BlockDevice);
+        }
         self.scoped("lookup-path", path)?;
         let (sys, p) = (self.sys.clone(), PathBuf::from(path));
         let kind = bounded("lookup-path", path, self.deadline, move || sys.devices.kind_of(&p))?

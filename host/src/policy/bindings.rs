@@ -22,6 +22,7 @@ impl StepKind {
             StepKind::DetachDevice => "detach-device",
             StepKind::Wipe => "wipe",
             StepKind::BlocklistClient => "blocklist-client",
+            StepKind::ClearDirectory => "clear-directory",
         }
     }
 }
@@ -37,6 +38,7 @@ impl Step {
             Step::DetachDevice(_) => StepKind::DetachDevice,
             Step::Wipe(_) => StepKind::Wipe,
             Step::BlocklistClient(_) => StepKind::BlocklistClient,
+            Step::ClearDirectory(_) => StepKind::ClearDirectory,
         }
     }
 }

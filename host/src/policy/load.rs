@@ -146,7 +146,7 @@ impl Plugin {
     pub fn imports(&self) -> &[String] {
         &self.imports
     }
-    /// The policy export's full name, e.g. `volagent:policy/policy@0.3.0`.
+    /// The policy export's full name, e.g. `volagent:policy/policy@0.4.0`.
     pub fn export(&self) -> &str {
         &self.export
     }
@@ -232,22 +232,23 @@ mod tests {
 
     #[test]
     fn versions() {
-        assert!(version_compatible("0.3.0"));
-        assert!(version_compatible("0.3.7"));
+        assert!(version_compatible("0.4.0"));
+        assert!(version_compatible("0.4.7"));
         assert!(!version_compatible("0.1.0"), "0.2 changed nbd-spec: a 0.1 guest is refused");
         assert!(!version_compatible("0.2.0"), "0.3 changed rbd-spec: a 0.2 guest is refused");
-        assert!(!version_compatible("0.4.0"));
+        assert!(!version_compatible("0.3.0"), "0.4 added the clear-directory step: a 0.3 guest is refused");
+        assert!(!version_compatible("0.5.0"));
         assert!(!version_compatible("1.1.0"));
         assert!(!version_compatible("garbage"));
     }
 
     #[test]
     fn import_allow_list() {
-        assert!(import_allowed("volagent:policy/host@0.3.0"));
-        assert!(import_allowed("volagent:policy/types@0.3.2"));
+        assert!(import_allowed("volagent:policy/host@0.4.0"));
+        assert!(import_allowed("volagent:policy/types@0.4.2"));
         assert!(!import_allowed("volagent:policy/host@0.1.0"));
         assert!(!import_allowed("volagent:policy/host"));
-        assert!(!import_allowed("volagent:policy/secrets@0.3.0"));
+        assert!(!import_allowed("volagent:policy/secrets@0.4.0"));
         assert!(import_allowed("wasi:cli/environment@0.2.3"));
         assert!(import_allowed("wasi:io/streams@0.2.0"));
         assert!(!import_allowed("wasi:sockets/tcp@0.2.0"));
@@ -258,7 +259,7 @@ mod tests {
     #[test]
     fn export_version_is_checked() {
         let p = Path::new("x.wasm");
-        assert!(find_policy_export(p, &["volagent:policy/policy@0.3.3".into()]).is_ok());
+        assert!(find_policy_export(p, &["volagent:policy/policy@0.4.3".into()]).is_ok());
         assert!(matches!(
             find_policy_export(p, &["volagent:policy/policy@0.1.0".into()]),
             Err(LoadError::IncompatibleVersion { .. })

@@ -19,7 +19,7 @@ pub use runtime::{Limits, Runtime, RuntimeError};
 
 /// The contract version this host speaks.
 pub const CONTRACT_PACKAGE: &str = "volagent:policy";
-pub const CONTRACT_VERSION: &str = "0.3.0";
+pub const CONTRACT_VERSION: &str = "0.4.0";
 /// The interface every backend exports.
 pub const POLICY_INTERFACE: &str = "policy";
 

@@ -54,6 +54,10 @@ pub struct Scope {
     /// Absolute paths named by the volumes' options: within the discovery
     /// dirs, a plan may use only these (and what lies below them).
     pub volume_paths: Vec<String>,
+    /// Block devices under /dev that the volumes name together with their
+    /// identity: the host checks that identity before it asks the policy
+    /// (a discovered disk's PV), so a plan may use them.
+    pub devices: Vec<String>,
     /// Wipe and format-always are allowed (releasing a local volume).
     pub destructive: bool,
     /// A ReadOnlyMany volume: every attach, mount and bind is read-only.
@@ -96,6 +100,7 @@ impl Scope {
         self.discovery_dirs.extend(paths.discovery_dirs.iter().cloned());
         self.discovery_roots.extend(paths.discovery_dirs.iter().cloned());
         self.volume_paths.extend(volume.options.iter().map(|kv| kv.value.clone()).filter(|v| v.starts_with('/')));
+        self.devices.extend(verified_device(volume));
         self.read_only_volume |= volume.access_mode == AccessMode::ReadOnlyMany;
         self.secret_keys.extend(volume.secret_keys.iter().cloned());
     }
@@ -108,6 +113,15 @@ impl Scope {
             PathRoot::DiscoveryDirs => &self.discovery_dirs,
         }
     }
+}
+
+/// The device a volume names by `path` together with its `identity`: a
+/// clean path under /dev. (The host verifies the identity before any policy
+/// call of such a volume: `crate::local::discovery::verify_device`.)
+pub fn verified_device(volume: &Volume) -> Option<String> {
+    let get = |key: &str| volume.options.iter().find(|kv| kv.key == key).map(|kv| kv.value.clone());
+    get(crate::local::discovery::IDENTITY_OPTION).filter(|i| !i.is_empty())?;
+    get("path").filter(|p| p.starts_with("/dev/") && clean_absolute(p).is_ok())
 }
 
 /// Which roots a path in a given role may lie in.
@@ -247,6 +261,7 @@ impl Checker<'_> {
         match source {
             BlockSource::Attached(id) if self.attached.contains(id) => Ok(()),
             BlockSource::Attached(id) => Err(format!("device {id:?} is not attached by an earlier step of this plan")),
+            BlockSource::Device(path) if self.scope.devices.iter().any(|d| d == path) => Ok(()),
             BlockSource::Device(path) => self.path("block device", path, DEVICES),
         }
     }
@@ -280,7 +295,7 @@ impl Checker<'_> {
         if !self.caps.steps.contains(&kind) {
             return Err(format!("step kind {} is not declared in the backend's capabilities", kind.name()));
         }
-        let destructive = matches!(step, Step::Wipe(_) | Step::Format(Format { mode: FormatMode::Always, .. }));
+        let destructive = matches!(step, Step::Wipe(_) | Step::ClearDirectory(_) | Step::Format(Format { mode: FormatMode::Always, .. }));
         if destructive && !self.scope.destructive {
             return Err("destroys data, which only the cleanup of a released local volume may do".to_string());
         }
@@ -334,6 +349,8 @@ impl Checker<'_> {
                     }
                 self.block(&w.device)
             }
+            // Only the volume's own path (or below it) in a discovery dir.
+            Step::ClearDirectory(c) => self.path("directory to clear", &c.path, DEVICES),
             Step::BlocklistClient(b) => {
                 if b.address.is_empty() || b.address.contains(char::is_whitespace) {
                     return Err(format!("client address {:?} is malformed", b.address));
@@ -422,6 +439,7 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
             bounded("filesystem", &m.fs_type, MAX_TEXT)
         }
         Step::Wipe(w) => block(&w.device),
+        Step::ClearDirectory(c) => bounded("directory to clear", &c.path, MAX_PATH),
         Step::DetachDevice(d) => spec(&d.spec),
         Step::BlocklistClient(b) => {
             if b.monitors.len() > MAX_LIST {
@@ -527,7 +545,7 @@ mod tests {
 
     fn caps() -> Capabilities {
         Capabilities {
-            steps: vec![StepKind::AttachDevice, StepKind::Format, StepKind::Mount, StepKind::BindMount, StepKind::Unmount, StepKind::DetachDevice, StepKind::Wipe],
+            steps: vec![StepKind::AttachDevice, StepKind::Format, StepKind::Mount, StepKind::BindMount, StepKind::Unmount, StepKind::DetachDevice, StepKind::Wipe, StepKind::ClearDirectory],
             device_kinds: vec![DeviceKind::Loop],
             filesystems: vec!["ext4".into()],
             network_filesystems: vec![],
@@ -688,6 +706,22 @@ mod tests {
         let items = [CleanupItem { volume: volume(), paths: paths(), holders: vec![] }];
         plan(&release, &caps(), &Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items }).unwrap();
         assert!(plan(&release, &caps(), &Operation::Cleanup { reason: CleanupReason::StaleNode, items: &items }).is_err());
+    }
+
+    #[test]
+    fn only_a_released_volumes_own_dir_is_cleared() {
+        let mut dir_volume = volume();
+        dir_volume.options = vec![KeyValue { key: "path".into(), value: "/mnt/disks/fs1".into() }];
+        let items = [CleanupItem { volume: dir_volume, paths: paths(), holders: vec![] }];
+        let release = Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items };
+        let clear = |p: &str| [Step::ClearDirectory(ClearDirectory { path: p.into() })];
+        plan(&clear("/mnt/disks/fs1"), &caps(), &release).unwrap();
+        for bad in ["/mnt/disks/fs2", "/mnt/disks", "/etc", "/mnt/disks/fs1/../fs2", STAGING] {
+            assert!(plan(&clear(bad), &caps(), &release).is_err(), "{bad}");
+        }
+        let stale = Operation::Cleanup { reason: CleanupReason::StaleNode, items: &items };
+        let e = plan(&clear("/mnt/disks/fs1"), &caps(), &stale).unwrap_err();
+        assert!(e.reason.contains("destroys data"), "{e}");
     }
 
     #[test]

@@ -67,8 +67,55 @@ pub enum Response {
         /// be read); `volumes` is then empty.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         volumes_error: Option<String>,
+        /// The node's local volumes and running wipes, when the agent
+        /// manages local volumes (it has local classes and a cluster).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        local: Option<LocalReport>,
     },
     Failed { kind: FailureKind, message: String },
+}
+
+/// The node's discovered local volumes and the wipes running on it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LocalReport {
+    pub volumes: Vec<LocalVolumeLine>,
+    /// Volumes left out to keep the answer within a frame.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub volumes_left_out: usize,
+    pub wipes: Vec<WipeLine>,
+    /// RFC 3339 time of the last scan, and why it failed if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scanned_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalVolumeLine {
+    /// Its PV's name.
+    pub name: String,
+    pub class: String,
+    pub path: String,
+    /// Filesystem, Block or File.
+    pub kind: String,
+    pub capacity: String,
+    /// Available, WipeRequested, Wiping, WipeFailed or Wiped.
+    pub state: String,
+}
+
+/// A wipe in progress: which step of how many, since when.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WipeLine {
+    pub volume: String,
+    pub attempt: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// 1-based step now running, of `steps`, and its kind.
+    pub step: usize,
+    pub steps: usize,
+    pub step_kind: String,
+    pub started_at: String,
+    pub elapsed_secs: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -228,6 +275,7 @@ mod tests {
         assert!(volumes.is_empty() && volumes_left_out == 0 && volumes_error.is_none());
         // And a full answer goes out and comes back as it was.
         let status = Response::Status {
+            local: None,
             node: "n1".into(),
             backends: vec![],
             problems: vec![],

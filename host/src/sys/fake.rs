@@ -258,6 +258,11 @@ impl Filesystems for Fake {
         s.filesystems.remove(device);
         Ok(())
     }
+
+    fn clear_dir(&self, dir: &Path) -> Result<u64, SysError> {
+        drop(self.op("clear-dir", dir)?);
+        Ok(0)
+    }
 }
 
 /// Clients expose their export as `/fake-nbd/<key>/<key>`.

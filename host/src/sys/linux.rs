@@ -313,6 +313,13 @@ impl Devices for Linux {
     }
 
     fn block_device(&self, path: &Path) -> Result<PathBuf, SysError> {
+        if path.starts_with("/dev/") && !self.roots.contains(path) {
+            // A device node a PV names with its identity (checked by the
+            // caller); never a link.
+            dev_node(path)?;
+            let st = nix::sys::stat::lstat(path).map_err(errno("stat", path))?;
+            return block::devnode(st.st_rdev, path);
+        }
         let handle = self.roots.handle(path)?;
         let st = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
         if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFBLK {
@@ -412,11 +419,18 @@ impl Filesystems for Linux {
             Wipe::Shred(passes) => {
                 // shred writes to the device held here (its standard output).
                 let n = passes.to_string();
-                let mut cmd = Command::new("shred");
-                cmd.args(["-n", &n, "-z", "-"]).stdout(Stdio::from(held));
+                // Dies with the agent (setpriv --pdeathsig): a wipe cut
+                // short is started again, and must find the device free.
+                let mut cmd = Command::new("setpriv");
+                cmd.args(["--pdeathsig", "KILL", "--", "shred", "-n", &n, "-z", "-"]).stdout(Stdio::from(held));
                 check("shred", device, run_with(&mut cmd, "shred", device, self.deadlines.wipe)?).map(drop)
             }
         }
+    }
+
+    fn clear_dir(&self, dir: &Path) -> Result<u64, SysError> {
+        let fd = self.roots.open_at(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY)?;
+        super::clear_dir::clear(fd, dir)
     }
 }
 

@@ -7,6 +7,7 @@
 
 pub mod beneath;
 mod block;
+pub mod clear_dir;
 pub mod export_file;
 pub mod fake;
 pub mod gluster_mount;
@@ -155,8 +156,9 @@ pub trait Devices: Send + Sync {
     /// What is at `path`, without opening it or following it; none when
     /// nothing is there.
     fn kind_of(&self, path: &Path) -> Result<Option<Kind>, SysError>;
-    /// The block device at `path` (beneath a root, not a symlink), as its
-    /// node under /dev: the path the tools and the mount table use.
+    /// The block device at `path` (beneath a root, not a symlink; or a
+    /// device node under /dev a PV names with its identity), as its node
+    /// under /dev: the path the tools and the mount table use.
     fn block_device(&self, path: &Path) -> Result<PathBuf, SysError>;
     /// The regular file `file` (beneath a root, not a symlink), open for
     /// reading and, with `write`, writing.
@@ -180,6 +182,9 @@ pub trait Filesystems: Send + Sync {
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError>;
     /// Destroy the device's data; refused like [`mkfs`](Self::mkfs).
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
+    /// Remove everything inside the dir `dir` (beneath a root, not a
+    /// symlink), keeping `dir`; how many entries went.
+    fn clear_dir(&self, dir: &Path) -> Result<u64, SysError>;
 }
 
 /// NBD clients, by a key the caller derives from the export: userspace
@@ -279,6 +284,25 @@ pub trait KernelRbd: Send + Sync {
     /// [`krbd::kernel_monitors`] gives them).
     fn mappings_of(&self, monitors: &str, pool: &str, image: &str) -> Result<Vec<krbd::KernelMapping>, SysError> {
         Ok(self.mappings()?.into_iter().filter(|m| m.monitors == monitors && m.pool == pool && m.image == image).collect())
+    }
+}
+
+/// Make the calling thread (and the programs it starts) yield the disks
+/// and CPUs to everything else: the idle I/O class and nice 19. For long
+/// wipes, which must not slow the node's other volumes. Best effort: the
+/// scheduler may ignore I/O classes (none, mq-deadline).
+pub fn lower_thread_priority() {
+    let tid = rustix::thread::gettid();
+    // No safe binding of ioprio_set: util-linux's ionice sets it for a
+    // thread id as for a process.
+    match std::process::Command::new("ionice").args(["-c", "3", "-p", &tid.as_raw_nonzero().to_string()]).output() {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => tracing::debug!("ionice: {}", String::from_utf8_lossy(&o.stderr).trim()),
+        Err(e) => tracing::debug!("ionice: {e}"),
+    }
+    // On Linux, a thread's nice value is its own.
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), 19) {
+        tracing::debug!("setpriority: {e}");
     }
 }
 

@@ -75,6 +75,11 @@ impl Cluster {
     /// Start `node`'s agent with `extra` arguments; its log is `<node>.log`
     /// in the scratch dir.
     pub fn spawn_agent_with(&mut self, node: &str, extra: &[&str]) {
+        self.spawn_agent_env(node, extra, &[]);
+    }
+
+    /// [`spawn_agent_with`](Self::spawn_agent_with) with `env` set (test hooks).
+    pub fn spawn_agent_env(&mut self, node: &str, extra: &[&str], env: &[(&str, &str)]) {
         let at = |p: &str| self.scratch.path(&format!("{node}/{p}"));
         let socket = at("run/agent.sock");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.scratch.path(&format!("{node}.log"))).expect("agent log");
@@ -89,6 +94,7 @@ impl Cluster {
             .arg("--volume-plugin-dir").arg(at("vpd"))
             .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -115,7 +121,7 @@ impl Cluster {
             .args(["controller", "--scan-interval", "1h", "--lease-duration", "3s", "--cluster-interval", "1s", "--namespace", "default", "--identity", "test-controller"])
             .arg("--kubeconfig").arg(self.env.kubeconfig_path())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(self.scratch.path("controller.log")).expect("controller log"))
             .spawn()
             .expect("start the controller");
         self.agents.push(("controller".into(), child));

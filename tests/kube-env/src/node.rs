@@ -416,6 +416,12 @@ impl ControllerManager {
         ControllerManager::launch(env, dir, assets, namespaces, VOLUME_CONTROLLERS, Vec::new())
     }
 
+    /// Only `controllers` (kube-controller-manager's `--controllers`), e.g.
+    /// the PV binder and PV protection for a test of PVs without kubelets.
+    pub fn start_with(env: &KubeEnv, dir: &Path, assets: &NodeAssets, controllers: &str) -> anyhow::Result<ControllerManager> {
+        ControllerManager::launch(env, dir, assets, None, controllers, Vec::new())
+    }
+
     /// Also runs what workloads need — DaemonSets, Deployments and their
     /// ReplicaSets, owner-reference garbage collection, and service
     /// accounts with their token Secrets (signed with the env's key, with

@@ -1,0 +1,301 @@
+//! The agent's half of local volumes. It scans its local classes' dirs,
+//! publishes what it found in its node's NodeLocalVolumes status, and
+//! carries out the wipes the controller requests in the spec, moving each
+//! from InProgress to Complete or Error. It writes the status only; the
+//! spec is the controller's. A wipe an agent restart cut short is started
+//! again, never reported complete.
+
+use super::cluster::Cluster;
+use super::crds::{DiscoveredVolume, LocalOperation, LocalOperationPhase, LocalOperationStatus, NodeLocalVolumes, NodeLocalVolumesStatus, SkippedEntry};
+use crate::local::LocalClass;
+use crate::local::discovery::{self, Scan};
+use crate::local::report::{LocalState, RunningWipe};
+use crate::ops::{Agent, now_rfc3339};
+use crate::policy::{AccessMode, KeyValue, Volume};
+use crate::socket::protocol::LocalVolumeLine;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::PersistentVolume;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The backend whose policy decides local volumes' plans.
+pub const LOCAL_BACKEND: &str = "local-pv";
+
+#[derive(Debug, Clone)]
+pub struct LocalConfig {
+    pub classes: Vec<LocalClass>,
+    /// How often the dirs are scanned besides on every change of the spec.
+    pub interval: Duration,
+}
+
+/// A wipe's end, reported to the loop that owns the status.
+struct Done {
+    op: LocalOperation,
+    result: Result<String, String>,
+}
+
+struct Publisher {
+    agent: Arc<Agent>,
+    cluster: Cluster,
+    config: LocalConfig,
+    state: Arc<LocalState>,
+    /// The status as this agent last wrote (or, at start, found) it.
+    status: Option<NodeLocalVolumesStatus>,
+    written: Option<NodeLocalVolumesStatus>,
+    done: tokio::sync::mpsc::UnboundedSender<Done>,
+}
+
+/// Run until cancelled: scan, publish, start what the spec asks.
+pub async fn run(agent: Arc<Agent>, cluster: Cluster, config: LocalConfig, state: Arc<LocalState>) {
+    let node = cluster.node.clone();
+    let api: Api<NodeLocalVolumes> = Api::all(cluster.client.clone());
+    let mut changes = watcher(api, watcher::Config::default().fields(&format!("metadata.name={node}"))).default_backoff().map(|_| ()).boxed();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let interval = config.interval;
+    let mut me = Publisher { agent, cluster, config, state, status: None, written: None, done: tx };
+    loop {
+        if let Err(e) = me.round().await {
+            tracing::error!(node = %node, "local volumes: {e:#}");
+            me.state.set_error(format!("{e:#}"));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            Some(()) = changes.next() => {
+                // Coalesce a burst of watch events into one round.
+                while let Ok(Some(())) = tokio::time::timeout(Duration::from_millis(200), changes.next()).await {}
+            }
+            Some(done) = rx.recv() => me.finish(done),
+        }
+        while let Ok(done) = rx.try_recv() {
+            me.finish(done);
+        }
+    }
+}
+
+impl Publisher {
+    async fn round(&mut self) -> anyhow::Result<()> {
+        let node = self.cluster.node.clone();
+        let api: Api<NodeLocalVolumes> = Api::all(self.cluster.client.clone());
+        let object = match api.get_opt(&node).await? {
+            Some(o) => o,
+            None => match api.create(&PostParams::default(), &NodeLocalVolumes::new(&node, Default::default())).await {
+                Ok(o) => o,
+                Err(kube::Error::Api(s)) if s.code == 409 => api.get(&node).await?,
+                Err(e) => return Err(e.into()),
+            },
+        };
+        // What a previous run of this agent wrote: its attempts, and which
+        // wipes it had started (InProgress, not running here: cut short).
+        let mut status = match self.status.take() {
+            Some(s) => s,
+            None => object.status.clone().unwrap_or_default(),
+        };
+        let scan = self.agent.discover_local(self.config.classes.clone()).await.map_err(|f| anyhow::anyhow!(f.message))?;
+        let scanned_at = now_rfc3339();
+        status.volumes = scan.volumes.iter().map(|v| entry(&node, v)).collect();
+        status.skipped = scan.skipped.iter().map(|s| SkippedEntry { path: s.path.display().to_string(), why: s.why.clone() }).collect();
+        status.scanned_at = Some(scanned_at.clone());
+        let ops = object.spec.operations.clone();
+        status.operations.retain(|s| ops.iter().any(|o| o.is(s)));
+        let mut start = Vec::new();
+        for op in &ops {
+            match status.operations.iter_mut().find(|s| op.is(s)) {
+                Some(s) if s.phase != LocalOperationPhase::InProgress => {}
+                Some(_) if self.state.is_running(&op.volume) => {}
+                Some(s) => {
+                    s.attempt += 1;
+                    s.started_at = now_rfc3339();
+                    s.message = Some("started again: the agent stopped during the wipe".into());
+                    tracing::warn!(volume = %op.volume, attempt = s.attempt, "a wipe was cut short by an agent restart: starting it again");
+                    start.push((op.clone(), s.attempt));
+                }
+                None => {
+                    status.operations.push(LocalOperationStatus {
+                        volume: op.volume.clone(),
+                        pv_uid: op.pv_uid.clone(),
+                        requested_at: op.requested_at.clone(),
+                        phase: LocalOperationPhase::InProgress,
+                        attempt: 1,
+                        method: None,
+                        message: None,
+                        started_at: now_rfc3339(),
+                        finished_at: None,
+                    });
+                    start.push((op.clone(), 1));
+                }
+            }
+        }
+        for (op, attempt) in &start {
+            // Marked running before the status is written, so that a round
+            // in between does not start it twice.
+            self.state.start(&op.volume, RunningWipe { attempt: *attempt, method: None, step: 0, steps: 0, step_kind: "planning", started_at: now_rfc3339(), started: Instant::now() });
+        }
+        self.publish(&api, status, &scan, scanned_at).await?;
+        for (op, _) in start {
+            let discovered = scan.volumes.iter().find(|v| entry(&node, v).name == op.volume).cloned();
+            tokio::spawn(wipe(self.agent.clone(), self.cluster.clone(), op, discovered, self.state.clone(), self.done.clone()));
+        }
+        Ok(())
+    }
+
+    /// Counts, the status report, and the object's status when it changed.
+    async fn publish(&mut self, api: &Api<NodeLocalVolumes>, mut status: NodeLocalVolumesStatus, scan: &Scan, scanned_at: String) -> anyhow::Result<()> {
+        let phase_count = |p: LocalOperationPhase| status.operations.iter().filter(|s| s.phase == p).count() as i64;
+        status.volume_count = status.volumes.len() as i64;
+        status.wiping = phase_count(LocalOperationPhase::InProgress);
+        status.failed = phase_count(LocalOperationPhase::Error);
+        status.skipped_count = status.skipped.len() as i64;
+        crate::metrics::get().local_volumes.set(status.volume_count);
+        let lines = status
+            .volumes
+            .iter()
+            .zip(&scan.volumes)
+            .map(|(d, v)| LocalVolumeLine {
+                name: d.name.clone(),
+                class: d.class.clone(),
+                path: v.path.display().to_string(),
+                kind: d.kind.clone(),
+                capacity: d.capacity.clone(),
+                state: state_of(&status, &d.name).into(),
+            })
+            .collect();
+        self.state.set_scan(lines, scanned_at, None);
+        // The scan time alone changing is not worth a write.
+        let mut unchanged = self.written.clone();
+        if let Some(u) = &mut unchanged {
+            u.scanned_at = status.scanned_at.clone();
+        }
+        if unchanged.as_ref() != Some(&status) {
+            let patch = serde_json::json!({ "status": status });
+            api.patch_status(&self.cluster.node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+            self.written = Some(status.clone());
+        }
+        self.status = Some(status);
+        Ok(())
+    }
+
+    fn finish(&mut self, done: Done) {
+        self.state.finish(&done.op.volume);
+        let Some(status) = &mut self.status else { return };
+        let Some(s) = status.operations.iter_mut().find(|s| done.op.is(s)) else { return };
+        s.finished_at = Some(now_rfc3339());
+        match done.result {
+            Ok(method) => {
+                s.phase = LocalOperationPhase::Complete;
+                s.method = Some(method);
+                s.message = None;
+            }
+            Err(message) => {
+                s.phase = LocalOperationPhase::Error;
+                s.message = Some(crate::ops::bounded(message, 4096));
+            }
+        }
+    }
+}
+
+/// What the status says of a discovered volume.
+fn state_of(status: &NodeLocalVolumesStatus, volume: &str) -> &'static str {
+    match status.operations.iter().find(|s| s.volume == volume).map(|s| s.phase) {
+        None => "Available",
+        Some(LocalOperationPhase::InProgress) => "Wiping",
+        Some(LocalOperationPhase::Error) => "WipeFailed",
+        Some(LocalOperationPhase::Complete) => "Wiped",
+    }
+}
+
+/// A discovered volume as the status lists it.
+pub fn entry(node: &str, v: &discovery::Volume) -> DiscoveredVolume {
+    let (fs_type, device, identity) = match &v.kind {
+        discovery::Kind::Filesystem { fs_type } => (Some(fs_type.clone()), None, None),
+        discovery::Kind::Block { device, identity } => (None, Some(device.display().to_string()), Some(identity.clone())),
+        discovery::Kind::File => (None, None, None),
+    };
+    DiscoveredVolume {
+        name: crate::local::pv_name(node, &v.class, &v.path),
+        class: v.class.clone(),
+        path: v.path.display().to_string(),
+        kind: v.kind_name().into(),
+        fs_type,
+        device,
+        identity,
+        capacity: crate::local::quantity(v.capacity_bytes),
+    }
+}
+
+/// Wipe one released volume and report how it ended.
+async fn wipe(agent: Arc<Agent>, cluster: Cluster, op: LocalOperation, discovered: Option<discovery::Volume>, state: Arc<LocalState>, done: tokio::sync::mpsc::UnboundedSender<Done>) {
+    let started = Instant::now();
+    let bytes = discovered.as_ref().map_or(0, |v| v.capacity_bytes);
+    let result = wipe_volume(&agent, &cluster, &op, discovered, &state).await;
+    let took = started.elapsed();
+    let metrics = crate::metrics::get();
+    match &result {
+        Ok(method) => {
+            metrics.local_wipe(method, bytes, "complete", took);
+            tracing::info!(volume = %op.volume, method, secs = took.as_secs_f64(), "wiped a released local volume");
+            let message = format!("wiped by {method} in {:.1} s on node {}", took.as_secs_f64(), cluster.node);
+            cluster.pv_event(&op.volume, &op.pv_uid, false, "WipeComplete", &message).await;
+        }
+        Err(message) => {
+            metrics.local_wipe("unknown", bytes, "error", took);
+            tracing::error!(volume = %op.volume, "wipe of a released local volume failed: {message}");
+            cluster.pv_event(&op.volume, &op.pv_uid, true, "WipeFailed", message).await;
+        }
+    }
+    let _ = done.send(Done { op, result });
+}
+
+async fn wipe_volume(agent: &Arc<Agent>, cluster: &Cluster, op: &LocalOperation, discovered: Option<discovery::Volume>, state: &Arc<LocalState>) -> Result<String, String> {
+    let name = &op.volume;
+    // Only what this agent discovered is ever wiped, and only as its PV
+    // describes exactly that volume.
+    let v = discovered.ok_or_else(|| format!("volume {name} is not among the local volumes node {} discovered (gone, or outside its discovery dirs): nothing wiped", cluster.node))?;
+    let pvs: Api<PersistentVolume> = Api::all(cluster.client.clone());
+    let pv = pvs.get_opt(name).await.map_err(|e| format!("reading PV {name}: {e}"))?.ok_or_else(|| format!("PV {name} is gone: nothing wiped"))?;
+    if pv.metadata.uid.as_deref() != Some(op.pv_uid.as_str()) {
+        return Err(format!("PV {name} is not the released one (UID {}): nothing wiped", op.pv_uid));
+    }
+    let volume = volume_of(&pv, &v, &cluster.node)?;
+    cluster.pv_event(name, &op.pv_uid, false, "WipeStarted", &format!("wiping {} on node {}", v.path.display(), cluster.node)).await;
+    let progress_state = state.clone();
+    let progress_name = name.clone();
+    let progress: crate::exec::Progress = Arc::new(move |step, steps, kind| progress_state.step(&progress_name, step, steps, kind));
+    agent.release_local_volume(volume, |m| state.set_method(name, m), progress).await.map_err(|f| f.message)
+}
+
+/// The volume a wipe plan is asked for: the PV's own definition, checked
+/// to be the discovered volume on this node.
+fn volume_of(pv: &PersistentVolume, v: &discovery::Volume, node: &str) -> Result<Volume, String> {
+    let name = pv.metadata.name.clone().unwrap_or_default();
+    let flex = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.flex_volume.as_ref())
+        .filter(|f| f.driver == super::volumes::driver_name(LOCAL_BACKEND))
+        .ok_or_else(|| format!("PV {name} is not a {} volume: nothing wiped", super::volumes::driver_name(LOCAL_BACKEND)))?;
+    let options: BTreeMap<String, String> = flex.options.clone().unwrap_or_default();
+    let want = v.data_path().display().to_string();
+    if options.get("path") != Some(&want) || options.get("node").map(String::as_str) != Some(node) {
+        return Err(format!(
+            "PV {name} names path {:?} on node {:?}, not the discovered volume {want} on {node}: nothing wiped",
+            options.get("path").map_or("", |s| s.as_str()),
+            options.get("node").map_or("", |s| s.as_str())
+        ));
+    }
+    if let discovery::Kind::Block { identity, .. } = &v.kind
+        && options.get(discovery::IDENTITY_OPTION) != Some(identity)
+    {
+        return Err(format!("PV {name} records another device identity than the discovered {identity}: nothing wiped"));
+    }
+    Ok(Volume {
+        name,
+        backend: LOCAL_BACKEND.into(),
+        access_mode: AccessMode::ReadWriteOnce,
+        fs_type: flex.fs_type.clone().unwrap_or_default(),
+        options: options.into_iter().map(|(key, value)| KeyValue { key, value }).collect(),
+        secret_keys: vec![],
+    })
+}

@@ -1,0 +1,309 @@
+//! Local volumes end to end against a real etcd + kube-apiserver and
+//! kube-controller-manager's PV binder and PV protection: agents of two
+//! simulated nodes discover real volumes (a tmpfs mount point, a loop
+//! device through a by-id style link, a file image), the controller makes
+//! their PVs, and a claim's release has the volume wiped by the local-pv
+//! policy and offered again as a new PV. Needs root.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+#[path = "support/api_cluster.rs"]
+mod api_cluster;
+mod common;
+mod kube_common;
+
+use api_cluster::Cluster;
+use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use volagent::kube::crds::{LocalOperationPhase, NodeLocalVolumes};
+
+const LOCAL_PV: (&str, &str) = (volagent_test_artifacts::LOCAL_PV, "local-pv");
+const MARKER: &[u8] = b"volagent-marker: the last tenant's data";
+
+impl Cluster {
+    fn local(&self, node: &str) -> Option<NodeLocalVolumes> {
+        self.rt.block_on(Api::<NodeLocalVolumes>::all(self.client()).get_opt(node)).unwrap()
+    }
+
+    fn pv(&self, name: &str) -> Option<PersistentVolume> {
+        self.rt.block_on(Api::<PersistentVolume>::all(self.client()).get_opt(name)).unwrap()
+    }
+
+    fn local_pvs(&self) -> Vec<PersistentVolume> {
+        let lp = ListParams::default().labels(volagent::kube::local_pvs::NODE_LABEL);
+        self.rt.block_on(Api::<PersistentVolume>::all(self.client()).list(&lp)).unwrap().items
+    }
+
+    fn wait_for<T>(&self, what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            if start.elapsed() > Duration::from_secs(secs) {
+                let pvs: Vec<_> = self.local_pvs().iter().map(|p| (p.metadata.name.clone(), p.status.clone().and_then(|s| s.phase))).collect();
+                let lists = self.rt.block_on(Api::<NodeLocalVolumes>::all(self.client()).list(&Default::default())).map(|l| l.items);
+                let logs: Vec<String> = ["node-a.log", "node-b.log", "controller.log"]
+                    .iter()
+                    .map(|f| std::fs::read_to_string(self.scratch.path(f)).unwrap_or_default())
+                    .map(|t| t.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"))
+                    .collect();
+                panic!("timed out waiting for {what}; local PVs: {pvs:#?}\nNodeLocalVolumes: {lists:#?}\nlogs (agents, controller):\n{}", logs.join("\n----\n"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn storage_class(&self, name: &str, params: &[(&str, &str)]) {
+        let sc = StorageClass {
+            metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
+            provisioner: "kubernetes.io/no-provisioner".into(),
+            reclaim_policy: Some("Delete".into()),
+            volume_binding_mode: Some("Immediate".into()),
+            parameters: Some(params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+            ..Default::default()
+        };
+        self.rt.block_on(Api::<StorageClass>::all(self.client()).create(&PostParams::default(), &sc)).unwrap();
+    }
+
+    /// The agent of `node`, managing local class `class` in `dir`.
+    fn local_agent(&mut self, node: &str, class: &str, dir: &Path, env: &[(&str, &str)]) {
+        self.kill_agent(node);
+        let spec = format!("{class}={}", dir.display());
+        self.spawn_agent_env(node, &["--local-class", &spec, "--local-scan-interval", "1s"], env);
+    }
+
+    /// A claim on PV `pv` (pre-bound by name), bound by kube-controller-manager.
+    fn claim(&self, pv: &str, class: &str) -> String {
+        let name = format!("claim-{pv}");
+        let pvc = PersistentVolumeClaim {
+            metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
+            spec: Some(k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
+                access_modes: Some(vec!["ReadWriteOnce".into()]),
+                storage_class_name: Some(class.into()),
+                volume_name: Some(pv.into()),
+                resources: Some(k8s_openapi::api::core::v1::VolumeResourceRequirements {
+                    requests: Some([("storage".to_string(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("1Mi".into()))].into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client(), "default");
+        self.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
+        self.wait_for(&format!("PV {pv} Bound"), 60, || (phase(&self.pv(pv)?) == "Bound").then_some(()));
+        name
+    }
+
+    fn release(&self, claim: &str) {
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client(), "default");
+        self.rt.block_on(claims.delete(claim, &DeleteParams::default())).unwrap();
+    }
+
+    /// Waits until PV `name` is gone and back with another UID; the new PV.
+    fn comes_back(&self, name: &str, old_uid: &str, secs: u64) -> PersistentVolume {
+        self.wait_for(&format!("PV {name} back as a new PV"), secs, || {
+            self.pv(name).filter(|p| p.metadata.uid.as_deref() != Some(old_uid) && phase(p) == "Available")
+        })
+    }
+
+    fn events_of(&self, pv: &str) -> Vec<String> {
+        let events: Api<Event> = Api::namespaced(self.client(), "default");
+        let list = self.rt.block_on(events.list(&ListParams::default())).unwrap().items;
+        list.into_iter().filter(|e| e.involved_object.name.as_deref() == Some(pv)).filter_map(|e| e.reason).collect()
+    }
+
+    /// `volagent status --json` of `node`'s agent.
+    fn status(&self, node: &str) -> serde_json::Value {
+        let socket = self.scratch.path(&format!("{node}/run/agent.sock"));
+        let out = Command::new(env!("CARGO_BIN_EXE_volagent")).args(["status", "--json", "--socket"]).arg(&socket).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    fn controller_manager(&self) -> volagent_kube_env::node::ControllerManager {
+        let assets = volagent_kube_env::node::node_assets().expect("kube-controller-manager (scripts/node-assets)");
+        volagent_kube_env::node::ControllerManager::start_with(&self.env, &self.scratch.path(""), &assets, "persistentvolume-binder,pv-protection,pvc-protection").expect("kube-controller-manager")
+    }
+}
+
+fn phase(pv: &PersistentVolume) -> String {
+    pv.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default()
+}
+
+fn uid(pv: &PersistentVolume) -> String {
+    pv.metadata.uid.clone().unwrap()
+}
+
+fn losetup(file: &Path) -> String {
+    let out = Command::new("losetup").args(["--find", "--show"]).arg(file).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+fn write_at(path: &Path, offset: u64, bytes: &[u8]) {
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.write_all(bytes).unwrap();
+    f.sync_all().unwrap();
+}
+
+fn holds_at(path: &Path, offset: u64, bytes: &[u8]) -> bool {
+    let mut f = std::fs::File::open(path).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    let mut buf = vec![0u8; bytes.len()];
+    f.read_exact(&mut buf).unwrap();
+    buf == bytes
+}
+
+fn pv_name(node: &str, class: &str, path: &Path) -> String {
+    volagent::local::pv_name(node, class, path)
+}
+
+/// Three volumes on two nodes become three PVs, each bound to its node;
+/// two are claimed, written, released — wiped (their marker gone) and
+/// offered again as new PVs; a file outside the discovery dirs with the
+/// same marker is never touched.
+#[test]
+fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
+    let mut c = Cluster::start(&["node-a", "node-b"], &[LOCAL_PV]);
+    let _kcm = c.controller_manager();
+    c.storage_class("local-fast", &[("wipe", "zero")]);
+    let (dir_a, dir_b) = (c.scratch.path("local-a"), c.scratch.path("local-b"));
+    std::fs::create_dir_all(&dir_a).unwrap();
+    std::fs::create_dir_all(&dir_b).unwrap();
+    // node-a: a tmpfs mount point and a file image; node-b: a loop device
+    // through a by-id style link.
+    let fs1 = dir_a.join("fs1");
+    std::fs::create_dir(&fs1).unwrap();
+    nix::mount::mount(Some("tmpfs"), &fs1, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=32m")).unwrap();
+    let img = c.scratch.image("local-a/img1.img", 24);
+    let raw = c.scratch.image("raw-b.img", 24);
+    let dev = losetup(&raw);
+    std::os::unix::fs::symlink(&dev, dir_b.join("wwn-0xb")).unwrap();
+    let outside = c.scratch.image("outside.img", 4);
+    write_at(&outside, 0, MARKER);
+
+    c.local_agent("node-a", "local-fast", &dir_a, &[]);
+    c.local_agent("node-b", "local-fast", &dir_b, &[]);
+    c.spawn_controller();
+    let (pv_fs, pv_img, pv_blk) = (pv_name("node-a", "local-fast", &fs1), pv_name("node-a", "local-fast", &img), pv_name("node-b", "local-fast", &dir_b.join("wwn-0xb")));
+    c.wait_for("3 local PVs", 60, || (c.local_pvs().len() == 3).then_some(()));
+    for (pv, node, path) in [(&pv_fs, "node-a", fs1.display().to_string()), (&pv_img, "node-a", img.display().to_string()), (&pv_blk, "node-b", dev.clone())] {
+        let p = c.pv(pv).unwrap_or_else(|| panic!("PV {pv}"));
+        let spec = p.spec.clone().unwrap();
+        let term = &spec.node_affinity.unwrap().required.unwrap().node_selector_terms[0];
+        assert_eq!(term.match_expressions.as_ref().unwrap()[0].values, Some(vec![node.to_string()]), "{pv}");
+        let options = spec.flex_volume.unwrap().options.unwrap();
+        assert_eq!((options["path"].as_str(), options["node"].as_str()), (path.as_str(), node), "{pv}");
+        assert_eq!(spec.storage_class_name.as_deref(), Some("local-fast"));
+        assert_eq!(spec.persistent_volume_reclaim_policy.as_deref(), Some("Delete"));
+        assert_eq!(phase(&p), "Available", "{pv}");
+    }
+    assert_eq!(c.pv(&pv_blk).unwrap().spec.unwrap().flex_volume.unwrap().options.unwrap()["identity"], format!("loop:{}", raw.display()));
+    assert_eq!(c.pv(&pv_fs).unwrap().spec.unwrap().capacity.unwrap()["storage"].0, "32Mi");
+    let status = c.local("node-a").unwrap().status.unwrap();
+    assert_eq!(status.volume_count, 2, "{status:?}");
+    let shown = c.status("node-a");
+    let names: Vec<&str> = shown["local"]["volumes"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&pv_fs.as_str()) && names.contains(&pv_img.as_str()) && names.len() == 2, "{shown:#}");
+    assert_eq!(c.local("node-b").unwrap().status.unwrap().volume_count, 1);
+
+    // The tenants write; then their claims go.
+    let claim_fs = c.claim(&pv_fs, "local-fast");
+    let claim_blk = c.claim(&pv_blk, "local-fast");
+    std::fs::create_dir_all(fs1.join("app/data")).unwrap();
+    std::fs::write(fs1.join("app/data/marker"), MARKER).unwrap();
+    std::os::unix::fs::symlink(&outside, fs1.join("app/link-out")).unwrap();
+    write_at(Path::new(&dev), 1 << 20, MARKER);
+    let (uid_fs, uid_blk) = (uid(&c.pv(&pv_fs).unwrap()), uid(&c.pv(&pv_blk).unwrap()));
+    c.release(&claim_fs);
+    c.release(&claim_blk);
+
+    let new_fs = c.comes_back(&pv_fs, &uid_fs, 90);
+    let new_blk = c.comes_back(&pv_blk, &uid_blk, 90);
+    assert_eq!(std::fs::read_dir(&fs1).unwrap().count(), 0, "the filesystem volume was emptied");
+    assert!(!holds_at(Path::new(&dev), 1 << 20, MARKER), "the block volume was zeroed");
+    assert!(holds_at(&outside, 0, MARKER), "a file outside the discovery dirs is never touched (a link to it was removed, not followed)");
+    assert!(new_fs.metadata.finalizers.unwrap_or_default().contains(&"volagent.io/local-wipe".to_string()));
+    for pv in [&pv_fs, &pv_blk] {
+        let reasons = c.events_of(pv);
+        assert!(reasons.contains(&"WipeStarted".to_string()) && reasons.contains(&"WipeComplete".to_string()), "{pv}: {reasons:?}");
+    }
+    assert_eq!(phase(&new_blk), "Available");
+    // The operations are done with: the spec is empty again.
+    c.wait_for("the operations removed", 30, || c.local("node-a").unwrap().spec.operations.is_empty().then_some(()));
+    assert_eq!(c.local_pvs().len(), 3, "never two PVs for one volume");
+    assert!(c.pv(&pv_img).is_some_and(|p| phase(&p) == "Available"), "the unclaimed volume is left alone");
+}
+
+/// An agent killed mid-wipe starts the wipe again on restart and finishes
+/// it (never reporting the cut-short one complete); a wipe that fails ends
+/// in Error with the reason, and no PV is made for that volume.
+#[test]
+fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
+    let mut c = Cluster::start(&["node-a"], &[LOCAL_PV]);
+    let _kcm = c.controller_manager();
+    c.storage_class("local-slow", &[("wipe", "shred:2")]);
+    let dir = c.scratch.path("local-a");
+    std::fs::create_dir_all(&dir).unwrap();
+    let img = c.scratch.image("local-a/slow.img", 48);
+    let raw = c.scratch.image("busy.img", 24);
+    let dev = losetup(&raw);
+    std::os::unix::fs::symlink(&dev, dir.join("wwn-0xbusy")).unwrap();
+    // The first plan (the wipe: unmount, attach, shred, detach) stalls
+    // after its shred, as a long wipe would run on: the agent is killed then.
+    c.local_agent("node-a", "local-slow", &dir, &[(volagent::exec::STALL_AFTER_STEP_ENV, "3:120000")]);
+    c.spawn_controller();
+    let (pv_img, pv_busy) = (pv_name("node-a", "local-slow", &img), pv_name("node-a", "local-slow", &dir.join("wwn-0xbusy")));
+    c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
+
+    let claim = c.claim(&pv_img, "local-slow");
+    write_at(&img, 8 << 20, MARKER);
+    let old = uid(&c.pv(&pv_img).unwrap());
+    c.release(&claim);
+    c.wait_for("the wipe to start", 60, || {
+        let s = c.local("node-a")?.status?;
+        s.operations.iter().any(|o| o.volume == pv_img && o.phase == LocalOperationPhase::InProgress).then_some(())
+    });
+    c.wait_for("the wipe's shred", 30, || std::fs::read_to_string(c.scratch.path("node-a.log")).ok()?.contains("VOLAGENT_TEST_STALL").then_some(()));
+    let shown = c.status("node-a");
+    let wipe = &shown["local"]["wipes"][0];
+    assert_eq!((wipe["volume"].as_str(), wipe["method"].as_str(), wipe["step"].as_u64(), wipe["steps"].as_u64()), (Some(pv_img.as_str()), Some("shred:2"), Some(3), Some(4)), "{shown:#}");
+    c.kill_agent("node-a");
+    let status = c.local("node-a").unwrap().status.unwrap();
+    let op = status.operations.iter().find(|o| o.volume == pv_img).unwrap();
+    assert_eq!((op.phase, op.attempt), (LocalOperationPhase::InProgress, 1), "killed mid-wipe: {status:?}");
+    assert!(c.pv(&pv_img).is_some_and(|p| uid(&p) == old), "the PV stays while its wipe is unfinished");
+    c.local_agent("node-a", "local-slow", &dir, &[]);
+    c.comes_back(&pv_img, &old, 240);
+    assert!(!holds_at(&img, 8 << 20, MARKER), "the marker is gone");
+    let log = std::fs::read_to_string(c.scratch.path("node-a.log")).unwrap();
+    assert!(log.contains("cut short by an agent restart"), "{log}");
+
+    // A wipe that cannot run: the device is mounted elsewhere.
+    let claim = c.claim(&pv_busy, "local-slow");
+    assert!(Command::new("mkfs.ext4").args(["-q", &dev]).status().unwrap().success());
+    let busy_at = c.scratch.path("busy-mount");
+    std::fs::create_dir_all(&busy_at).unwrap();
+    nix::mount::mount(Some(dev.as_str()), &busy_at, Some("ext4"), nix::mount::MsFlags::empty(), None::<&str>).unwrap();
+    c.release(&claim);
+    let failed = c.wait_for("the wipe to fail", 60, || {
+        let s = c.local("node-a")?.status?;
+        s.operations.into_iter().find(|o| o.volume == pv_busy && o.phase == LocalOperationPhase::Error)
+    });
+    let message = failed.message.clone().unwrap_or_default();
+    assert!(message.contains(&dev) && message.contains("in use"), "the reason names the device: {message}");
+    assert!(c.events_of(&pv_busy).contains(&"WipeFailed".to_string()));
+    std::thread::sleep(Duration::from_secs(3));
+    let pv = c.pv(&pv_busy).expect("the released PV stays");
+    assert_eq!(phase(&pv), "Released", "no new PV for a volume whose wipe failed");
+    assert_eq!(c.local("node-a").unwrap().status.unwrap().failed, 1);
+    nix::mount::umount2(&busy_at, nix::mount::MntFlags::MNT_DETACH).unwrap();
+}
