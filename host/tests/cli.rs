@@ -84,7 +84,7 @@ fn plugin_test_of_a_non_backend_names_the_file() {
 fn plugin_inspect_shows_world_version_info_and_imports() {
     let (code, out, err) = volagent(&["plugin", "inspect", RBD]);
     assert_eq!(code, 0, "{err}");
-    for expected in ["world:       exports volagent:policy/policy@0.4.0", "backend:     rbd 0.1.0", "devices:     rbd", "blocklist-client", "volagent:policy/host@0.3.0"] {
+    for expected in ["world:       exports volagent:policy/policy@0.4.0", "backend:     rbd 0.1.0", "devices:     rbd", "blocklist-client", "volagent:policy/host@0.4.0"] {
         assert!(out.contains(expected), "missing {expected:?} in\n{out}");
     }
     let (code, out, _) = volagent(&["plugin", "inspect", "--json", RBD]);

@@ -500,8 +500,11 @@ const VERBS: [&str; 8] = [
 ];
 
 /// (group, resource, subresource, namespaced) checked for both accounts.
-const RESOURCES: [(&str, &str, &str, bool); 16] = [
+const RESOURCES: [(&str, &str, &str, bool); 19] = [
     ("volagent.io", "attachments", "", false),
+    ("volagent.io", "nodelocalvolumes", "", false),
+    ("volagent.io", "nodelocalvolumes", "status", false),
+    ("storage.k8s.io", "storageclasses", "", false),
     ("volagent.io", "nodecleanups", "", false),
     ("volagent.io", "storageclusters", "", false),
     ("volagent.io", "storageclusters", "status", false),
@@ -562,6 +565,9 @@ const AGENT_GRANTS: &[Grant] = &[
         &["get", "list", "watch", "update", "patch"],
     ),
     grant("volagent.io", "storageclusters", READ),
+    // Its node's local volumes: the object, and the status it writes.
+    grant("volagent.io", "nodelocalvolumes", &["get", "list", "watch", "create"]),
+    grant("volagent.io", "nodelocalvolumes/status", &["get", "patch", "update"]),
     grant("", "nodes", READ),
     grant("", "persistentvolumes", READ),
     // A mount's pod and its claim are read back (found by the DaemonSet
@@ -594,6 +600,11 @@ const CONTROLLER_GRANTS: &[Grant] = &[
         &["get", "update", "patch"],
     ),
     grant("", "nodes", READ),
+    // Local volumes: the operations it requests, the PVs it makes and
+    // deletes, the classes' reclaim policies and parameters.
+    grant("volagent.io", "nodelocalvolumes", &["get", "list", "watch", "patch", "update"]),
+    grant("", "persistentvolumes", &["get", "list", "watch", "create", "patch", "delete"]),
+    grant("storage.k8s.io", "storageclasses", READ),
     grant("", "secrets", &["get"]),
     grant("", "events", &["create", "patch"]),
     Grant {
@@ -1373,7 +1384,7 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
         .context("the controller creates an event")?;
 
     // A StorageCluster's Secret by name (to blocklist a vanished node's
-    // clients), but no listing; no PVs.
+    // clients), but no listing; PVs (local volumes') but no pods.
     Api::<Secret>::namespaced(controller.clone(), "ceph")
         .get("ceph-a-keyring")
         .await
@@ -1384,9 +1395,13 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
             .list(&ListParams::default())
             .await,
     )?;
+    Api::<PersistentVolume>::all(controller.clone())
+        .list(&ListParams::default())
+        .await
+        .context("the controller lists PVs (local volumes)")?;
     forbidden(
-        "controller lists PVs",
-        Api::<PersistentVolume>::all(controller.clone())
+        "controller lists pods",
+        Api::<k8s_openapi::api::core::v1::Pod>::all(controller.clone())
             .list(&ListParams::default())
             .await,
     )?;

@@ -34,7 +34,16 @@ pub struct LocalConfig {
 /// A wipe's end, reported to the loop that owns the status.
 struct Done {
     op: LocalOperation,
-    result: Result<String, String>,
+    result: Result<String, Refused>,
+}
+
+/// Why a wipe did not complete.
+#[derive(Debug)]
+enum Refused {
+    /// Not now (a pod on the node still has it mounted, another operation
+    /// on it runs): tried again next round, still InProgress.
+    Busy(String),
+    Failed(String),
 }
 
 struct Publisher {
@@ -46,6 +55,8 @@ struct Publisher {
     status: Option<NodeLocalVolumesStatus>,
     written: Option<NodeLocalVolumesStatus>,
     done: tokio::sync::mpsc::UnboundedSender<Done>,
+    /// Wipes that were busy, to be tried again (not restarts).
+    again: std::collections::BTreeSet<String>,
 }
 
 /// Run until cancelled: scan, publish, start what the spec asks.
@@ -55,7 +66,7 @@ pub async fn run(agent: Arc<Agent>, cluster: Cluster, config: LocalConfig, state
     let mut changes = watcher(api, watcher::Config::default().fields(&format!("metadata.name={node}"))).default_backoff().map(|_| ()).boxed();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let interval = config.interval;
-    let mut me = Publisher { agent, cluster, config, state, status: None, written: None, done: tx };
+    let mut me = Publisher { agent, cluster, config, state, status: None, written: None, done: tx, again: Default::default() };
     loop {
         if let Err(e) = me.round().await {
             tracing::error!(node = %node, "local volumes: {e:#}");
@@ -105,6 +116,7 @@ impl Publisher {
             match status.operations.iter_mut().find(|s| op.is(s)) {
                 Some(s) if s.phase != LocalOperationPhase::InProgress => {}
                 Some(_) if self.state.is_running(&op.volume) => {}
+                Some(s) if self.again.remove(&op.volume) => start.push((op.clone(), s.attempt)),
                 Some(s) => {
                     s.attempt += 1;
                     s.started_at = now_rfc3339();
@@ -169,7 +181,11 @@ impl Publisher {
             u.scanned_at = status.scanned_at.clone();
         }
         if unchanged.as_ref() != Some(&status) {
-            let patch = serde_json::json!({ "status": status });
+            // A merge patch leaves out what is absent: an emptied list must
+            // be sent as empty.
+            let mut value = serde_json::to_value(&status)?;
+            value["skipped"] = serde_json::json!(status.skipped);
+            let patch = serde_json::json!({ "status": value });
             api.patch_status(&self.cluster.node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
             self.written = Some(status.clone());
         }
@@ -188,7 +204,12 @@ impl Publisher {
                 s.method = Some(method);
                 s.message = None;
             }
-            Err(message) => {
+            Err(Refused::Busy(message)) => {
+                s.message = Some(crate::ops::bounded(format!("waiting: {message}"), 4096));
+                s.finished_at = None;
+                self.again.insert(done.op.volume.clone());
+            }
+            Err(Refused::Failed(message)) => {
                 s.phase = LocalOperationPhase::Error;
                 s.message = Some(crate::ops::bounded(message, 4096));
             }
@@ -239,7 +260,8 @@ async fn wipe(agent: Arc<Agent>, cluster: Cluster, op: LocalOperation, discovere
             let message = format!("wiped by {method} in {:.1} s on node {}", took.as_secs_f64(), cluster.node);
             cluster.pv_event(&op.volume, &op.pv_uid, false, "WipeComplete", &message).await;
         }
-        Err(message) => {
+        Err(Refused::Busy(message)) => tracing::info!(volume = %op.volume, "wipe of a released local volume waits: {message}"),
+        Err(Refused::Failed(message)) => {
             metrics.local_wipe("unknown", bytes, "error", took);
             tracing::error!(volume = %op.volume, "wipe of a released local volume failed: {message}");
             cluster.pv_event(&op.volume, &op.pv_uid, true, "WipeFailed", message).await;
@@ -248,22 +270,30 @@ async fn wipe(agent: Arc<Agent>, cluster: Cluster, op: LocalOperation, discovere
     let _ = done.send(Done { op, result });
 }
 
-async fn wipe_volume(agent: &Arc<Agent>, cluster: &Cluster, op: &LocalOperation, discovered: Option<discovery::Volume>, state: &Arc<LocalState>) -> Result<String, String> {
+async fn wipe_volume(agent: &Arc<Agent>, cluster: &Cluster, op: &LocalOperation, discovered: Option<discovery::Volume>, state: &Arc<LocalState>) -> Result<String, Refused> {
+    let checked = checked_volume(cluster, op, discovered).await.map_err(Refused::Failed)?;
     let name = &op.volume;
-    // Only what this agent discovered is ever wiped, and only as its PV
-    // describes exactly that volume.
+    cluster.pv_event(name, &op.pv_uid, false, "WipeStarted", &format!("wiping {} on node {}", checked.1.display(), cluster.node)).await;
+    let progress_state = state.clone();
+    let progress_name = name.clone();
+    let progress: crate::exec::Progress = Arc::new(move |step, steps, kind| progress_state.step(&progress_name, step, steps, kind));
+    agent.release_local_volume(checked.0, |m| state.set_method(name, m), progress).await.map_err(|f| match f.kind {
+        crate::socket::protocol::FailureKind::Busy => Refused::Busy(f.message),
+        _ => Refused::Failed(f.message),
+    })
+}
+
+/// The volume to wipe, as its PV defines it, and its path; only what this
+/// agent discovered, and only as its PV describes exactly that volume.
+async fn checked_volume(cluster: &Cluster, op: &LocalOperation, discovered: Option<discovery::Volume>) -> Result<(Volume, std::path::PathBuf), String> {
+    let name = &op.volume;
     let v = discovered.ok_or_else(|| format!("volume {name} is not among the local volumes node {} discovered (gone, or outside its discovery dirs): nothing wiped", cluster.node))?;
     let pvs: Api<PersistentVolume> = Api::all(cluster.client.clone());
     let pv = pvs.get_opt(name).await.map_err(|e| format!("reading PV {name}: {e}"))?.ok_or_else(|| format!("PV {name} is gone: nothing wiped"))?;
     if pv.metadata.uid.as_deref() != Some(op.pv_uid.as_str()) {
         return Err(format!("PV {name} is not the released one (UID {}): nothing wiped", op.pv_uid));
     }
-    let volume = volume_of(&pv, &v, &cluster.node)?;
-    cluster.pv_event(name, &op.pv_uid, false, "WipeStarted", &format!("wiping {} on node {}", v.path.display(), cluster.node)).await;
-    let progress_state = state.clone();
-    let progress_name = name.clone();
-    let progress: crate::exec::Progress = Arc::new(move |step, steps, kind| progress_state.step(&progress_name, step, steps, kind));
-    agent.release_local_volume(volume, |m| state.set_method(name, m), progress).await.map_err(|f| f.message)
+    Ok((volume_of(&pv, &v, &cluster.node)?, v.path))
 }
 
 /// The volume a wipe plan is asked for: the PV's own definition, checked

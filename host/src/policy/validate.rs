@@ -725,6 +725,25 @@ mod tests {
     }
 
     #[test]
+    fn a_device_under_dev_is_usable_only_when_named_with_its_identity() {
+        let attach = |options: Vec<KeyValue>| {
+            let mut v = volume();
+            v.options = options;
+            let p = vec![
+                Step::Format(Format { device: BlockSource::Device("/dev/loop7".into()), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
+                Step::Mount(Mount { source: MountSource::Block(BlockSource::Device("/dev/loop7".into())), target: STAGING.into(), fs_type: "ext4".into(), options: vec![], read_only: false }),
+            ];
+            plan(&p, &caps(), &Operation::Attach { volume: &v, consumer: &consumer(), paths: &paths() })
+        };
+        let kv = |k: &str, v: &str| KeyValue { key: k.into(), value: v.into() };
+        attach(vec![kv("path", "/dev/loop7"), kv("identity", "loop:/x.img")]).unwrap();
+        let e = attach(vec![kv("path", "/dev/loop7")]).unwrap_err();
+        assert!(e.reason.contains("outside"), "{e}");
+        assert!(attach(vec![kv("path", "/dev/loop8"), kv("identity", "loop:/x.img")]).is_err(), "another device than the one named");
+        assert!(attach(vec![kv("path", "/dev/../etc/x"), kv("identity", "i")]).is_err());
+    }
+
+    #[test]
     fn read_only_promises_are_kept() {
         let mut rox = volume();
         rox.access_mode = AccessMode::ReadOnlyMany;

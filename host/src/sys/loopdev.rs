@@ -127,6 +127,9 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
     let dev = match File::open(device) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        // ENXIO: the device is being torn down (its last user closed it with
+        // autoclear set): detached, as far as the caller is concerned.
+        Err(e) if e.raw_os_error() == Some(nix::libc::ENXIO) => return Ok(()),
         Err(e) => return Err(io("open", device)(e)),
     };
     // SAFETY: LOOP_CLR_FD takes no argument; the fd is open.

@@ -161,6 +161,11 @@ impl Cluster {
         }
     }
 
+    /// The agent arguments `name`'s agent starts with from now on.
+    pub fn set_agent_args(&mut self, name: &str, args: &[&str]) {
+        self.node_mut(name).agent_args = args.iter().map(|s| s.to_string()).collect();
+    }
+
     /// Kills `node`'s agent with SIGKILL.
     pub fn kill_agent(&mut self, name: &str) {
         if let Some(mut child) = self.node_mut(name).agent.take() {

@@ -401,9 +401,10 @@ impl Kubelet {
     }
 }
 
-/// The controllers volumes depend on: PV/PVC binding, attach/detach, node
+/// The controllers volumes depend on: PV/PVC binding and protection (the
+/// API server puts the protection finalizers on), attach/detach, node
 /// lifecycle (NotReady after 8 s of silence) and pod GC.
-const VOLUME_CONTROLLERS: &str = "persistentvolume-binder,attachdetach,nodelifecycle,podgc";
+const VOLUME_CONTROLLERS: &str = "persistentvolume-binder,pv-protection,pvc-protection,attachdetach,nodelifecycle,podgc";
 
 /// kube-controller-manager with [`VOLUME_CONTROLLERS`] (and more, see
 /// [`ControllerManager::start_for_workloads`]).

@@ -1,0 +1,143 @@
+//! Local volumes under the kubelet tier: a real kubelet 1.20.2 and
+//! containerd on two nodes, kube-scheduler and kube-controller-manager, the
+//! agents discovering a file image each, and the volagent controller making
+//! their PVs. A StatefulSet-like pair of pods, each with its claim on a
+//! `WaitForFirstConsumer` class, is placed by the scheduler on the nodes
+//! that have the volumes, writes, and is deleted with its claims; the
+//! volumes come back wiped as new PVs. Needs root and the kubelet tier's
+//! assets; fails (never skips) without them.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+mod kube_common;
+#[path = "support/kubelet_cluster.rs"]
+mod kubelet_cluster;
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use kubelet_cluster::*;
+use serde_json::json;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const CLASS: &str = "local-wffc";
+
+fn pv_phase(pv: &PersistentVolume) -> String {
+    pv.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default()
+}
+
+#[test]
+fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
+    let mut c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    let _scheduler = volagent_kube_env::node::Scheduler::start(c.env(), &c.scratch.path(""), &c.assets, Some(c.ns.clone())).expect("kube-scheduler");
+    let controller = {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
+        cmd.args(["controller", "--lease-duration", "3s", "--namespace", "default", "--identity", "test-controller", "--local-interval", "2s"]).arg("--kubeconfig").arg(c.env().kubeconfig_path());
+        volagent_kube_env::spawn_in(cmd, &c.scratch.path("controller.log"), false, Some(&c.ns)).expect("start the controller")
+    };
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _controller = Kill(controller);
+    let sc = StorageClass {
+        metadata: ObjectMeta { name: Some(CLASS.into()), ..Default::default() },
+        provisioner: "kubernetes.io/no-provisioner".into(),
+        reclaim_policy: Some("Delete".into()),
+        volume_binding_mode: Some("WaitForFirstConsumer".into()),
+        parameters: Some([("wipe".to_string(), "zero".to_string())].into()),
+        ..Default::default()
+    };
+    let client = c.client();
+    c.rt.block_on(Api::<StorageClass>::all(client.clone()).create(&PostParams::default(), &sc)).unwrap();
+    // One file image on each node, found by its agent.
+    let mut images = Vec::new();
+    for node in ["node-a", "node-b"] {
+        let dir = c.scratch.path(&format!("local-{node}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        images.push(c.scratch.image(&format!("local-{node}/disk.img"), 64));
+        let class = format!("{CLASS}={}", dir.display());
+        c.set_agent_args(node, &["--local-class", &class, "--local-scan-interval", "1s"]);
+        c.kill_agent(node);
+        c.start_agent(node, &[]);
+    }
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let local = || c.rt.block_on(pvs.list(&ListParams::default().labels(volagent::kube::local_pvs::NODE_LABEL))).unwrap().items;
+    let wait = |what: &str, secs: u64, done: &mut dyn FnMut() -> bool| {
+        let start = Instant::now();
+        while !done() {
+            let pvs_now: Vec<_> = local().iter().map(|p| (p.metadata.name.clone(), pv_phase(p), p.metadata.finalizers.clone(), p.metadata.deletion_timestamp.is_some())).collect();
+            let claims_now = c.rt.block_on(Api::<PersistentVolumeClaim>::namespaced(client.clone(), "default").list(&Default::default())).map(|l| l.items.into_iter().map(|p| (p.metadata.name, p.metadata.finalizers, p.metadata.deletion_timestamp.is_some(), p.status.and_then(|s| s.phase))).collect::<Vec<_>>());
+            assert!(
+                start.elapsed() < Duration::from_secs(secs),
+                "timed out waiting for {what}\nPVs: {pvs_now:?}\nclaims: {claims_now:?}\nkube-controller-manager: {}\ncontroller: {}\nnode-a: {}\nnode-b: {}",
+                tail_matching(c.kcm.as_ref().unwrap().log(), "protection", 30),
+                tail(&c.scratch.path("controller.log")),
+                tail(&c.node("node-a").agent_log()),
+                tail(&c.node("node-b").agent_log())
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    };
+    wait("a local PV on each node", 90, &mut || local().iter().filter(|p| pv_phase(p) == "Available").count() == 2);
+    let first: Vec<(String, String)> = local().iter().map(|p| (p.metadata.name.clone().unwrap(), p.metadata.uid.clone().unwrap())).collect();
+
+    // The pair: claims data-web-0 and data-web-1, pods placed by the scheduler.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    for i in 0..2 {
+        let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": { "name": format!("data-web-{i}") },
+            "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": CLASS, "resources": { "requests": { "storage": "32Mi" } } }
+        }))
+        .unwrap();
+        c.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
+        let script = format!("echo volagent-local-marker-web-{i} > /data/marker && sync && cat /data/marker > /dev/termination-log");
+        let mut pod = pod(&format!("web-{i}"), "", &script, &[("data", json!({ "persistentVolumeClaim": { "claimName": format!("data-web-{i}") } }))]);
+        pod["spec"].as_object_mut().unwrap().remove("nodeName");
+        c.create_pod(pod);
+    }
+    let mut placed = Vec::new();
+    for i in 0..2 {
+        let name = format!("web-{i}");
+        let p = c.wait_pod(&name, "Succeeded", |p| phase(p) == "Succeeded" || phase(p) == "Failed").expect("the pod");
+        assert_eq!(phase(Some(&p)), "Succeeded", "{}", c.diagnose(&name, Some(&p)));
+        assert_eq!(output(Some(&p)).as_deref().map(str::trim), Some(format!("volagent-local-marker-web-{i}").as_str()));
+        let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap();
+        let claim = c.rt.block_on(claims.get(&format!("data-web-{i}"))).unwrap();
+        let pv = c.rt.block_on(pvs.get(&claim.spec.unwrap().volume_name.unwrap())).unwrap();
+        let pv_node = pv.metadata.labels.unwrap()[volagent::kube::local_pvs::NODE_LABEL].clone();
+        assert_eq!(node, pv_node, "web-{i} runs where its volume is");
+        placed.push(node);
+    }
+    placed.sort();
+    assert_eq!(placed, ["node-a", "node-b"], "one pod on each node: each has one volume");
+    for (i, img) in images.iter().enumerate() {
+        let bytes = std::fs::read(img).unwrap();
+        let marker = b"volagent-local-marker-web-";
+        assert!(bytes.windows(marker.len()).any(|w| w == marker), "image {i} holds a pod's marker before the release");
+    }
+
+    // Deleted with their claims: the volumes are wiped and offered again.
+    for i in 0..2 {
+        c.delete_pod(&format!("web-{i}"));
+        c.rt.block_on(claims.delete(&format!("data-web-{i}"), &DeleteParams::default())).unwrap();
+    }
+    wait("both volumes back as new PVs", 180, &mut || {
+        let now = local();
+        now.len() == 2 && now.iter().all(|p| pv_phase(p) == "Available" && !first.iter().any(|(_, uid)| p.metadata.uid.as_ref() == Some(uid)))
+    });
+    for img in &images {
+        let bytes = std::fs::read(img).unwrap();
+        let marker = b"volagent-local-marker-web-";
+        assert!(!bytes.windows(marker.len()).any(|w| w == marker), "{} was zeroed", img.display());
+    }
+    let names: Vec<String> = local().iter().map(|p| p.metadata.name.clone().unwrap()).collect();
+    for (name, _) in &first {
+        assert!(names.contains(name), "the same volume, the same PV name: {names:?}");
+    }
+}
