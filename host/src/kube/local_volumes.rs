@@ -100,8 +100,8 @@ impl Publisher {
         };
         // What a previous run of this agent wrote: its attempts, and which
         // wipes it had started (InProgress, not running here: cut short).
-        let mut status = match self.status.take() {
-            Some(s) => s,
+        let mut status = match &self.status {
+            Some(s) => s.clone(),
             None => object.status.clone().unwrap_or_default(),
         };
         let scan = self.agent.discover_local(self.config.classes.clone()).await.map_err(|f| anyhow::anyhow!(f.message))?;
@@ -145,7 +145,15 @@ impl Publisher {
             // in between does not start it twice.
             self.state.start(&op.volume, RunningWipe { attempt: *attempt, method: None, step: 0, steps: 0, step_kind: "planning", started_at: now_rfc3339(), started: Instant::now() });
         }
-        self.publish(&api, status, &scan, scanned_at).await?;
+        if let Err(e) = self.publish(&api, status, &scan, scanned_at).await {
+            // Not started after all: the next round starts them (the
+            // status this agent holds says InProgress).
+            for (op, _) in &start {
+                self.state.finish(&op.volume);
+                self.again.insert(op.volume.clone());
+            }
+            return Err(e);
+        }
         for (op, _) in start {
             let discovered = scan.volumes.iter().find(|v| entry(&node, v).name == op.volume).cloned();
             tokio::spawn(wipe(self.agent.clone(), self.cluster.clone(), op, discovered, self.state.clone(), self.done.clone()));
@@ -180,6 +188,9 @@ impl Publisher {
         if let Some(u) = &mut unchanged {
             u.scanned_at = status.scanned_at.clone();
         }
+        // Held before it is written: what this agent knows stays its truth
+        // when the API server is away.
+        self.status = Some(status.clone());
         if unchanged.as_ref() != Some(&status) {
             // A merge patch leaves out what is absent: an emptied list must
             // be sent as empty.
@@ -187,9 +198,8 @@ impl Publisher {
             value["skipped"] = serde_json::json!(status.skipped);
             let patch = serde_json::json!({ "status": value });
             api.patch_status(&self.cluster.node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-            self.written = Some(status.clone());
+            self.written = Some(status);
         }
-        self.status = Some(status);
         Ok(())
     }
 
@@ -328,4 +338,56 @@ fn volume_of(pv: &PersistentVolume, v: &discovery::Volume, node: &str) -> Result
         options: options.into_iter().map(|(key, value)| KeyValue { key, value }).collect(),
         secret_keys: vec![],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{FlexPersistentVolumeSource, PersistentVolumeSpec};
+    use std::path::PathBuf;
+
+    fn pv(driver: &str, options: &[(&str, &str)]) -> PersistentVolume {
+        PersistentVolume {
+            metadata: kube::api::ObjectMeta { name: Some("local-1".into()), ..Default::default() },
+            spec: Some(PersistentVolumeSpec {
+                flex_volume: Some(FlexPersistentVolumeSource {
+                    driver: driver.into(),
+                    fs_type: Some("ext4".into()),
+                    options: Some(options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    fn block() -> discovery::Volume {
+        discovery::Volume {
+            class: "fast".into(),
+            path: PathBuf::from("/mnt/fast/wwn-1"),
+            kind: discovery::Kind::Block { device: "/dev/sdb".into(), identity: "wwid:naa.1".into() },
+            capacity_bytes: 1 << 30,
+        }
+    }
+
+    #[test]
+    fn only_the_pv_of_exactly_the_discovered_volume_is_wiped() {
+        let good = [("path", "/dev/sdb"), ("node", "n1"), ("identity", "wwid:naa.1"), ("wipe", "zero")];
+        let v = volume_of(&pv("volagent/local-pv", &good), &block(), "n1").unwrap();
+        assert_eq!((v.name.as_str(), v.backend.as_str(), v.fs_type.as_str()), ("local-1", "local-pv", "ext4"));
+        assert!(v.options.iter().any(|kv| kv.key == "wipe" && kv.value == "zero"));
+        // A PV edited to point elsewhere, at another node, another disk, or
+        // another driver is refused: nothing outside what was discovered.
+        for (bad, why) in [
+            (vec![("path", "/etc/passwd"), ("node", "n1"), ("identity", "wwid:naa.1")], "path"),
+            (vec![("path", "/dev/sdb"), ("node", "n2"), ("identity", "wwid:naa.1")], "node"),
+            (vec![("path", "/dev/sdb"), ("node", "n1"), ("identity", "wwid:other")], "identity"),
+            (vec![("path", "/dev/sdb"), ("node", "n1")], "identity"),
+        ] {
+            let e = volume_of(&pv("volagent/local-pv", &bad), &block(), "n1").unwrap_err();
+            assert!(e.contains("nothing wiped"), "{why}: {e}");
+        }
+        assert!(volume_of(&pv("volagent/rbd", &good), &block(), "n1").unwrap_err().contains("not a volagent/local-pv volume"));
+    }
 }
