@@ -109,6 +109,13 @@ impl Cluster {
                 "{who} has an inline {driver} volume {}, but inline volumes of backend {} are not enabled on this node (an admin enables them with --allow-inline-volumes {})",
                 req.name, req.backend, req.backend
             ))),
+            // A device under /dev named with its identity is for PVs an
+            // admin's controller made of discovered disks: a pod's author
+            // could name any disk of the node that way.
+            Some(flex) if flex.options.as_ref().is_some_and(|o| o.contains_key(crate::local::discovery::IDENTITY_OPTION)) => Err(VolumeError::Refused(format!(
+                "{who}'s inline volume {} names a device by its identity, which only a PV may do",
+                req.name
+            ))),
             Some(flex) => Ok(ClusterVolume {
                 key: inline_key(uid, req.name),
                 // Keyed by the pod: nobody else can ever share it.
