@@ -10,13 +10,14 @@
 
 #[path = "../tests/common.rs"]
 mod common;
+#[path = "support/kernel_cycle.rs"]
+mod kernel_cycle;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use volagent::stats::{Summary, summarize};
-use nix::mount::{MntFlags, MsFlags};
-use std::os::fd::AsFd;
+use kernel_cycle::Kernel;
 
 const CYCLES: usize = 200;
 
@@ -79,38 +80,6 @@ fn main() {
 /// Cycles to run; `MOUNT_CYCLE_CYCLES` overrides for quick looks.
 fn cycles() -> usize {
     std::env::var("MOUNT_CYCLE_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(CYCLES)
-}
-
-/// The kernel's own work for the cycle, as bare syscalls on plain paths.
-struct Kernel {
-    image: PathBuf,
-    staging: PathBuf,
-    pod: PathBuf,
-}
-
-impl Kernel {
-    fn new(scratch: &common::RootScratch, image: &Path) -> Kernel {
-        let (staging, pod) = (scratch.path("kernel/staging"), scratch.path("kernel/pod"));
-        std::fs::create_dir_all(&staging).expect("dir");
-        std::fs::create_dir_all(&pod).expect("dir");
-        Kernel { image: image.to_path_buf(), staging, pod }
-    }
-
-    fn cycle(&mut self, up: &mut Vec<Duration>, down: &mut Vec<Duration>) {
-        let t = Instant::now();
-        let file = std::fs::OpenOptions::new().read(true).write(true).open(&self.image).expect("open image");
-        let dev = volagent::sys::loopdev::attach(file.as_fd(), &self.image, false, "bench").expect("attach");
-        drop(file);
-        let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
-        nix::mount::mount(Some(&dev), &self.staging, Some("ext4"), flags, None::<&str>).expect("mount");
-        nix::mount::mount(Some(&self.staging), &self.pod, None::<&str>, MsFlags::MS_BIND, None::<&str>).expect("bind");
-        up.push(t.elapsed());
-        let t = Instant::now();
-        nix::mount::umount2(&self.pod, MntFlags::empty()).expect("unmount pod");
-        nix::mount::umount2(&self.staging, MntFlags::empty()).expect("unmount staging");
-        volagent::sys::loopdev::detach(&dev).expect("detach");
-        down.push(t.elapsed());
-    }
 }
 
 /// The agent, and kubelet's calls of the installed driver.

@@ -4,6 +4,7 @@
 //! Floors (arrows point down only): `cli` → `exec` → `policy`, `sys`.
 
 pub mod cli;
+pub mod csi;
 pub mod exec;
 pub mod http;
 pub mod init;

@@ -101,6 +101,11 @@ pub struct AgentArgs {
     /// hanging the mounts and unmounts that wait on it.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     nbd_hung_after: Duration,
+    /// Do not serve CSI drivers (by default each backend is also the CSI
+    /// driver `<backend>.csi.volagent.io`, registered with kubelet through
+    /// <kubelet-root>/plugins_registry).
+    #[arg(long)]
+    no_csi: bool,
     /// Operations run at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
     max_concurrent: u64,
@@ -221,12 +226,14 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     // The backends: loaded (and their drivers installed) by the first pass
     // over the plugin dir, then kept in line with it by the watch.
     let (volume_plugin_dir, driver_binary) = driver_target(&args);
+    let csi = (!args.no_csi).then(|| Arc::new(crate::csi::drivers::Drivers::new(agent.clone(), rt.handle().clone(), args.allowed_uids.clone())));
     let integration = Integration {
         volume_plugin_dir,
         driver_binary,
         socket: socket.clone(),
         kubelet_root: args.kubelet_root.clone(),
         pod: PodIdentity::from_env(),
+        csi: csi.clone(),
     };
     let mut reloader = Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
     reloader.pass();
@@ -267,6 +274,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             Err(f) => tracing::error!("start-up reconciliation failed: {}", f.message),
         }
         let listener = server::bind(&socket)?;
+        if let Some(csi) = &csi {
+            csi.start();
+        }
         tokio::spawn(async move {
             if let Err(e) = crate::plugin::watch::run(reloader).await {
                 tracing::error!("backends will not be reloaded: {e:#}");
@@ -292,6 +302,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             _ = term.recv() => tracing::info!("terminated"),
         }
         remove_socket(&socket);
+        if let Some(csi) = &csi {
+            csi.stop_all();
+        }
         anyhow::Ok(ExitCode::SUCCESS)
     })
 }

@@ -2,6 +2,7 @@
 //! execute, with the ledger entry rolled back when execution fails.
 
 pub mod cleanup;
+pub mod csi;
 pub mod held;
 pub mod release;
 pub mod oplog;
@@ -395,7 +396,7 @@ impl Agent {
         let dir = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         subject.learn_dir(&dir);
         let req = parse_mount(&self.config.node, backend, &dir, options).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
-        let plugin = self.plugin(backend)?;
+        self.plugin(backend)?;
         let mut volume = req.volume;
         let mut me = req.consumer;
         let mut secrets = req.secrets;
@@ -447,6 +448,15 @@ impl Agent {
                 volume.secret_keys = secrets.keys().cloned().collect();
             }
         }
+        self.attach(backend, volume, me, secrets).await
+    }
+
+    /// The pipeline once the volume and its consumer are known: lock, fence
+    /// and record, plan, stash, run — with the record and the stash entry
+    /// rolled back when the steps fail. Flexvolume mounts and CSI stages
+    /// both come here.
+    pub(crate) async fn attach(&self, backend: &str, volume: Volume, me: crate::policy::Consumer, secrets: crate::secret::Secrets) -> Result<Response, Failure> {
+        let plugin = self.plugin(backend)?;
         let secrets = Arc::new(secrets);
         let devices = verified_devices(&volume).await?;
         let mut lock = Some(self.lock(&volume.name)?);
@@ -609,6 +619,13 @@ impl Agent {
         };
         let c = &entry.consumer;
         *subject = Subject { volume: Some(entry.volume.name.clone()), pod: oplog::pod_name(&c.pod_namespace, &c.pod, &c.pod_uid) };
+        self.detach(backend, entry, mount_dir).await
+    }
+
+    /// Undo what the stash entry `entry` says was done at `mount_dir`:
+    /// the backend's detach plan, then the record and the entry go.
+    /// Flexvolume unmounts and CSI unstages both come here.
+    pub(crate) async fn detach(&self, backend: &str, entry: Entry, mount_dir: &str) -> Result<Response, Failure> {
         let plugin = self.plugin(backend)?;
         let volume: Volume = entry.volume.clone();
         let mut lock = Some(self.lock(&volume.name)?);
@@ -633,16 +650,16 @@ impl Agent {
     /// that dir on this node, with the source it was mounted from.
     async fn entry_from_ledger(&self, backend: &str, dir: &MountDir) -> Result<Option<Entry>, Failure> {
         for key in [dir.name.clone(), crate::kube::volumes::inline_key(&dir.pod_uid, &dir.name)] {
-            if let Some(entry) = self.entry_of_record(backend, dir, &key).await? {
+            if let Some(entry) = self.entry_of_record(backend, &dir.dir.display().to_string(), &key).await? {
                 return Ok(Some(entry));
             }
         }
         Ok(None)
     }
 
-    async fn entry_of_record(&self, backend: &str, dir: &MountDir, key: &str) -> Result<Option<Entry>, Failure> {
+    /// The stash entry of `path` rebuilt from the ledger's record `key`.
+    pub(crate) async fn entry_of_record(&self, backend: &str, path: &str, key: &str) -> Result<Option<Entry>, Failure> {
         let Some((record, _)) = self.ledger.get(key).await.map_err(ledger_failure)? else { return Ok(None) };
-        let path = dir.dir.display().to_string();
         let holder = record.holders.iter().find(|h| h.consumer.node == self.config.node && h.consumer.mount_dir == path);
         let (Some(holder), Some(source)) = (holder, &record.source) else { return Ok(None) };
         if record.backend != backend {

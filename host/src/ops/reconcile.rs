@@ -43,7 +43,8 @@ impl Agent {
             }
             // Cut short between recording and binding, or between unbinding
             // and forgetting: undo it; kubelet will ask again if it must.
-            match self.unmount(&entry.volume.backend, &dir).await {
+            let backend = entry.volume.backend.clone();
+            match self.detach(&backend, entry, &dir).await {
                 Ok(_) => report.rolled_back.push(dir),
                 Err(f) => report.errors.push(format!("{dir}: {}", f.message)),
             }
@@ -71,6 +72,9 @@ impl Agent {
             }
         }
         self.sweep_orphans(&recorded, &mut report).await?;
+        for target in self.forget_unmounted_publications().await? {
+            report.rolled_back.push(target);
+        }
         for line in &report.rolled_back {
             tracing::warn!(mount_dir = %line, "reconcile: rolled back an operation cut short");
         }
@@ -86,7 +90,7 @@ impl Agent {
         Ok(report)
     }
 
-    async fn mounted(&self, dir: &str) -> Result<bool, Failure> {
+    pub(super) async fn mounted(&self, dir: &str) -> Result<bool, Failure> {
         let sys = self.sys.clone();
         let dir = PathBuf::from(dir);
         Ok(blocking(move || sys.mount_at(&dir)).await?.map_err(internal)?.is_some())

@@ -10,6 +10,23 @@ use std::path::{Path, PathBuf};
 const ENTRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("mounts");
 /// Entries that could not be decoded, kept (for people) out of the way.
 const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
+/// CSI publications (a staged volume bound into a pod's target path), by
+/// target path: kubelet's NodeUnpublish gives only the volume and target.
+const PUBLISHED: TableDefinition<&str, &[u8]> = TableDefinition::new("published");
+
+/// A CSI volume published at `target` from its staging path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Publication {
+    pub volume: String,
+    pub backend: String,
+    pub staging: String,
+    pub target: String,
+    pub read_only: bool,
+    /// One pod on the node at a time (ReadWriteOncePod).
+    pub single_pod: bool,
+    /// `<namespace>/<name>` of the pod, when kubelet said (podInfoOnMount).
+    pub pod: String,
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
@@ -51,6 +68,7 @@ impl Stash {
         let txn = db.begin_write().map_err(|e| err(&e))?;
         txn.open_table(ENTRIES).map_err(|e| err(&e))?;
         txn.open_table(QUARANTINE).map_err(|e| err(&e))?;
+        txn.open_table(PUBLISHED).map_err(|e| err(&e))?;
         txn.commit().map_err(|e| err(&e))?;
         Ok(Stash { db, path: path.to_path_buf() })
     }
@@ -120,6 +138,35 @@ impl Stash {
         let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
         txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.remove(mount_dir).map_err(|e| self.err(&e))?;
         txn.commit().map_err(|e| self.err(&e))
+    }
+
+    pub fn put_publication(&self, p: &Publication) -> Result<(), StashError> {
+        let bytes = serde_json::to_vec(p).map_err(|e| self.err(&e))?;
+        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
+        txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.insert(p.target.as_str(), bytes.as_slice()).map_err(|e| self.err(&e))?;
+        txn.commit().map_err(|e| self.err(&e))
+    }
+
+    pub fn remove_publication(&self, target: &str) -> Result<(), StashError> {
+        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
+        txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.remove(target).map_err(|e| self.err(&e))?;
+        txn.commit().map_err(|e| self.err(&e))
+    }
+
+    /// Every publication; one that cannot be decoded is dropped (its target
+    /// is then unpublished from the mount table alone).
+    pub fn publications(&self) -> Result<Vec<Publication>, StashError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
+        let table = txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?;
+        let mut out = Vec::new();
+        for item in table.iter().map_err(|e| self.err(&e))? {
+            let (k, v) = item.map_err(|e| self.err(&e))?;
+            match serde_json::from_slice(v.value()) {
+                Ok(p) => out.push(p),
+                Err(e) => tracing::error!(stash = %self.path.display(), target = k.value(), "undecodable publication ignored: {e}"),
+            }
+        }
+        Ok(out)
     }
 
     /// Every entry that can be decoded; the others are quarantined.

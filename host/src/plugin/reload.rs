@@ -34,6 +34,8 @@ pub struct Integration {
     /// The agent's pod, for kubelet's plugin-containers registration
     /// (from the downward API); None outside a pod.
     pub pod: Option<PodIdentity>,
+    /// The CSI drivers, or None not to serve CSI.
+    pub csi: Option<Arc<crate::csi::drivers::Drivers>>,
 }
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -316,6 +318,11 @@ impl Reloader {
                 Err(e) => tracing::error!(backend, "Flexvolume driver not installed: {e}"),
             }
         }
+        if let Some(csi) = &i.csi
+            && let Err(e) = csi.add(backend)
+        {
+            tracing::error!(backend, "CSI driver not served: {e}");
+        }
         if let Some(pod) = &i.pod {
             match install::register_container(&i.kubelet_root, backend, pod) {
                 Ok(path) => tracing::info!(backend, file = %path.display(), "registered the agent's container for kubelet's mount utilities"),
@@ -326,6 +333,9 @@ impl Reloader {
 
     fn disintegrate(&self, backend: &str) {
         let i = &self.integration;
+        if let Some(csi) = &i.csi {
+            csi.remove(backend);
+        }
         if let Some(vpd) = &i.volume_plugin_dir
             && let Err(e) = install::uninstall_driver(vpd, backend)
         {

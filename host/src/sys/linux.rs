@@ -264,6 +264,21 @@ impl Mounts for Linux {
     fn remove_dir(&self, dir: &Path) -> Result<(), SysError> {
         self.roots.rmdir(dir)
     }
+
+    fn usage(&self, path: &Path) -> Result<super::Usage, SysError> {
+        let handle = self.roots.handle(path)?;
+        let st = rustix::fs::fstatvfs(&handle).map_err(rustix_errno("statvfs", path))?;
+        let frsize = st.f_frsize;
+        Ok(super::Usage {
+            bytes_total: st.f_blocks.saturating_mul(frsize),
+            bytes_available: st.f_bavail.saturating_mul(frsize),
+            bytes_used: st.f_blocks.saturating_sub(st.f_bfree).saturating_mul(frsize),
+            inodes_total: st.f_files,
+            inodes_free: st.f_ffree,
+            inodes_used: st.f_files.saturating_sub(st.f_ffree),
+            read_only: st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY),
+        })
+    }
 }
 
 impl Devices for Linux {

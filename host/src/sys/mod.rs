@@ -140,6 +140,23 @@ pub trait Mounts: Send + Sync {
     fn ensure_dir(&self, dir: &Path) -> Result<bool, SysError>;
     /// Remove an empty `dir`; a missing one is fine.
     fn remove_dir(&self, dir: &Path) -> Result<(), SysError>;
+    /// Space and inodes of the filesystem `path` is on.
+    fn usage(&self, path: &Path) -> Result<Usage, SysError> {
+        Err(SysError::Refused { path: path.to_path_buf(), what: "usage is not available here".into() })
+    }
+}
+
+/// What a filesystem holds and has free (statvfs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub bytes_total: u64,
+    /// Free to unprivileged users (what a pod can still write).
+    pub bytes_available: u64,
+    pub bytes_used: u64,
+    pub inodes_total: u64,
+    pub inodes_free: u64,
+    pub inodes_used: u64,
+    pub read_only: bool,
 }
 
 pub trait Devices: Send + Sync {

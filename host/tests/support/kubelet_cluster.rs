@@ -292,6 +292,11 @@ impl Cluster {
         create_volume(&self.rt, &self.client(), pv, backend, mode, options, self.kcm.as_ref().expect("kcm").log());
     }
 
+    /// A CSI PV of `driver` (handle: its name) and a bound claim `<pv>-claim`.
+    pub fn create_csi_volume(&self, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)]) {
+        create_csi_volume(&self.rt, &self.client(), pv, driver, mode, attributes, self.kcm.as_ref().expect("kcm").log());
+    }
+
     /// A sparse image file of `mib` MiB in the discovery dir; its path.
     pub fn image(&self, name: &str, mib: u64) -> String {
         self.scratch.image(&format!("disks/{name}"), mib).display().to_string()
@@ -487,18 +492,31 @@ pub fn events_about(rt: &tokio::runtime::Runtime, client: &kube::Client, namespa
 /// (named `<pv>-claim`), and waits until kube-controller-manager (its log:
 /// `kcm_log`) has bound them.
 pub fn create_volume(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: &str, backend: &str, mode: &str, options: &[(&str, &str)], kcm_log: &Path) {
-    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
     let opts: serde_json::Map<String, Value> = options.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
-    let volume: PersistentVolume = serde_json::from_value(json!({
-        "metadata": { "name": pv },
-        "spec": {
-            "capacity": { "storage": "64Mi" },
-            "accessModes": [mode],
-            "storageClassName": "",
-            "flexVolume": { "driver": format!("volagent/{backend}"), "fsType": "ext4", "options": opts },
-        }
-    }))
-    .expect("a PV");
+    let source = json!({ "flexVolume": { "driver": format!("volagent/{backend}"), "fsType": "ext4", "options": opts } });
+    create_pv_and_claim(rt, client, pv, mode, source, kcm_log);
+}
+
+/// A CSI PV of `driver` (volume handle: the PV's name) and its bound claim.
+pub fn create_csi_volume(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)], kcm_log: &Path) {
+    let attrs: serde_json::Map<String, Value> = attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+    let source = json!({ "csi": { "driver": driver, "volumeHandle": pv, "fsType": "ext4", "volumeAttributes": attrs } });
+    create_pv_and_claim(rt, client, pv, mode, source, kcm_log);
+}
+
+/// A PV with `source` (an object of one volume source) and a claim for it
+/// (`<pv>-claim`), waited for until kube-controller-manager binds them.
+fn create_pv_and_claim(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: &str, mode: &str, source: Value, kcm_log: &Path) {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    let mut spec = json!({
+        "capacity": { "storage": "64Mi" },
+        "accessModes": [mode],
+        "storageClassName": "",
+    });
+    for (k, v) in source.as_object().expect("a volume source") {
+        spec[k] = v.clone();
+    }
+    let volume: PersistentVolume = serde_json::from_value(json!({ "metadata": { "name": pv }, "spec": spec })).expect("a PV");
     let claim: PersistentVolumeClaim = serde_json::from_value(json!({
         "metadata": { "name": format!("{pv}-claim") },
         "spec": {

@@ -1,0 +1,153 @@
+//! NodeStage + NodePublish, then NodeUnpublish + NodeUnstage, of a
+//! pre-formatted local-pv volume over the agent's CSI socket, as kubelet
+//! makes them, against the kernel's own work for the same cycle measured
+//! in the same run (loop attach, mount, bind; two unmounts, loop detach,
+//! as bare syscalls). The difference is the agent's overhead: gRPC, policy
+//! calls, ledger and stash commits, the filesystem probe, the extra bind of
+//! its own staging dir. Needs root.
+//! Run: `cargo bench -p volagent --bench csi_cycle`; `CSI_CYCLE_CYCLES`
+//! sets the number of cycles.
+
+#[path = "../tests/common.rs"]
+mod common;
+#[path = "support/kernel_cycle.rs"]
+mod kernel_cycle;
+
+use kernel_cycle::Kernel;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use volagent::csi::proto::csi::node_client::NodeClient;
+use volagent::csi::proto::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use volagent::csi::proto::csi::*;
+use volagent::stats::{Summary, summarize};
+
+const CYCLES: usize = 200;
+
+fn cycles() -> usize {
+    std::env::var("CSI_CYCLE_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(CYCLES)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // cargo's bench harness protocol
+    }
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("csi_cycle needs root: loop devices and mounts");
+        std::process::exit(1);
+    }
+    let scratch = common::RootScratch::enter();
+    for d in ["plugins", "disks", "kubelet", "state", "run"] {
+        std::fs::create_dir_all(scratch.path(d)).expect("dir");
+    }
+    // As on a node: the runtime dir (socket, stash) on a tmpfs.
+    nix::mount::mount(Some("tmpfs"), &scratch.path("run"), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs for the runtime dir");
+    std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
+    let image = scratch.image("disks/vol.img", 64);
+    assert!(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&image).status().expect("mkfs").success());
+
+    let mut kernel = Kernel::new(&scratch, &image);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let mut agent = rt.block_on(AgentUnderTest::start(&scratch, &image));
+    // Interleaved, alternating which goes first: the disk's latency drifts
+    // with whatever else writes to it, so both sides must see the same disk.
+    let (mut up, mut down, mut k_up, mut k_down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..cycles() {
+        if i % 2 == 0 {
+            kernel.cycle(&mut k_up, &mut k_down);
+            rt.block_on(agent.cycle(&mut up, &mut down));
+        } else {
+            rt.block_on(agent.cycle(&mut up, &mut down));
+            kernel.cycle(&mut k_up, &mut k_down);
+        }
+    }
+    drop(agent);
+    let (stage, unstage) = (summarize(&mut up), summarize(&mut down));
+    let kernel = (summarize(&mut k_up), summarize(&mut k_down));
+    let row = |name: &str, s: &Summary| println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
+    println!("CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles", cycles());
+    row("agent: NodeStage + NodePublish", &stage);
+    row("agent: NodeUnpublish + NodeUnstage", &unstage);
+    row("kernel alone: attach + mount + bind", &kernel.0);
+    row("kernel alone: unmount x2 + detach", &kernel.1);
+    println!(
+        "agent overhead per stage + publish (p50, total minus kernel): {:.2} ms (target <= 1 ms); per unpublish + unstage: {:.2} ms",
+        (stage.p50 - kernel.0.p50) / 1e3,
+        (unstage.p50 - kernel.1.p50) / 1e3
+    );
+}
+
+struct AgentUnderTest {
+    agent: Child,
+    client: NodeClient<tonic::transport::Channel>,
+    image: String,
+    staging: PathBuf,
+    target: PathBuf,
+}
+
+impl AgentUnderTest {
+    async fn start(scratch: &common::RootScratch, image: &Path) -> AgentUnderTest {
+        let kubelet = scratch.path("kubelet");
+        let agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
+            .args(["agent", "--node-name", "node-a", "--no-driver-install"])
+            .arg("--state-dir").arg(scratch.path("state"))
+            .arg("--runtime-dir").arg(scratch.path("run"))
+            .arg("--plugin-dir").arg(scratch.path("plugins"))
+            .arg("--kubelet-root").arg(&kubelet)
+            .arg("--discovery-dir").arg(scratch.path("disks"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("agent");
+        let socket = volagent::csi::drivers::socket_path(&kubelet, "local-pv");
+        let start = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(60), "the agent's CSI socket did not come up");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let client = NodeClient::new(volagent::csi::client::connect(socket).await.expect("connect"));
+        let staging = kubelet.join("plugins/kubernetes.io/csi/pv/pv1/globalmount");
+        let target = kubelet.join("pods/uid-1/volumes/kubernetes.io~csi/pv1/mount");
+        std::fs::create_dir_all(target.parent().expect("parent")).expect("dir");
+        AgentUnderTest { agent, client, image: image.display().to_string(), staging, target }
+    }
+
+    async fn cycle(&mut self, up: &mut Vec<Duration>, down: &mut Vec<Duration>) {
+        let capability = Some(VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), ..Default::default() })),
+            access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        });
+        let (staging, target) = (self.staging.display().to_string(), self.target.display().to_string());
+        std::fs::create_dir_all(&self.staging).expect("kubelet makes the staging dir");
+        let stage = NodeStageVolumeRequest {
+            volume_id: "pv1".into(),
+            staging_target_path: staging.clone(),
+            volume_capability: capability.clone(),
+            volume_context: HashMap::from([("path".to_string(), self.image.clone()), ("node".to_string(), "node-a".to_string())]),
+            ..Default::default()
+        };
+        let publish = NodePublishVolumeRequest {
+            volume_id: "pv1".into(),
+            staging_target_path: staging.clone(),
+            target_path: target.clone(),
+            volume_capability: capability,
+            ..Default::default()
+        };
+        let t = Instant::now();
+        self.client.node_stage_volume(stage).await.expect("stage");
+        self.client.node_publish_volume(publish).await.expect("publish");
+        up.push(t.elapsed());
+        let t = Instant::now();
+        self.client.node_unpublish_volume(NodeUnpublishVolumeRequest { volume_id: "pv1".into(), target_path: target }).await.expect("unpublish");
+        self.client.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: "pv1".into(), staging_target_path: staging }).await.expect("unstage");
+        down.push(t.elapsed());
+    }
+}
+
+impl Drop for AgentUnderTest {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.agent.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let _ = self.agent.wait();
+    }
+}

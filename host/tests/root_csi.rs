@@ -1,0 +1,391 @@
+//! The CSI drivers as kubelet calls them: the real `volagent agent` binary
+//! serving the built local-pv component, reached over its CSI socket with
+//! a gRPC client, on real loop devices and mounts. Every RPC's success,
+//! idempotency and error codes; fencing across two nodes; registration;
+//! a restart in between. Needs root.
+
+#[path = "support/agent.rs"]
+mod agent_common;
+mod common;
+mod driver_common;
+
+use agent_common::Node;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use tonic::Code;
+use volagent::csi::proto::csi::identity_client::IdentityClient;
+use volagent::csi::proto::csi::node_client::NodeClient;
+use volagent::csi::proto::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use volagent::csi::proto::csi::*;
+use volagent::csi::proto::registration::registration_client::RegistrationClient;
+use volagent::csi::proto::registration::{InfoRequest, RegistrationStatus};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+}
+
+fn kubelet_root(node: &Node, name: &str) -> PathBuf {
+    node.scratch.path(&format!("{name}/kubelet"))
+}
+
+fn wait_for(path: &Path) {
+    let start = Instant::now();
+    while !path.exists() {
+        assert!(start.elapsed() < Duration::from_secs(30), "{} did not appear", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The node client of `backend`'s driver on node `name`.
+async fn node_client(node: &Node, name: &str, backend: &str) -> NodeClient<tonic::transport::Channel> {
+    let socket = volagent::csi::drivers::socket_path(&kubelet_root(node, name), backend);
+    wait_for(&socket);
+    NodeClient::new(volagent::csi::client::connect(socket).await.expect("connect to the driver"))
+}
+
+fn capability(mode: Mode, fs: &str) -> Option<VolumeCapability> {
+    Some(VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume { fs_type: fs.into(), ..Default::default() })),
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+    })
+}
+
+/// kubelet's staging path of volume `id` (as kubelet 1.20 names it), made.
+fn staging(node: &Node, id: &str) -> String {
+    let p = kubelet_root(node, "node-a").join(format!("plugins/kubernetes.io/csi/pv/{id}/globalmount"));
+    std::fs::create_dir_all(&p).expect("kubelet makes the staging dir");
+    p.display().to_string()
+}
+
+/// kubelet's target path of volume `id` in pod `uid`; its parent made (the
+/// driver makes the target).
+fn target(node: &Node, uid: &str, id: &str) -> String {
+    let p = kubelet_root(node, "node-a").join(format!("pods/{uid}/volumes/kubernetes.io~csi/{id}/mount"));
+    std::fs::create_dir_all(p.parent().expect("parent")).expect("kubelet makes the target's parent");
+    p.display().to_string()
+}
+
+fn stage_request(id: &str, staging: &str, image: &str, mode: Mode) -> NodeStageVolumeRequest {
+    NodeStageVolumeRequest {
+        volume_id: id.into(),
+        staging_target_path: staging.into(),
+        volume_capability: capability(mode, "ext4"),
+        volume_context: HashMap::from([("path".to_string(), image.to_string()), ("node".to_string(), "node-a".to_string())]),
+        ..Default::default()
+    }
+}
+
+fn publish_request(id: &str, staging: &str, target: &str, mode: Mode, pod: &str) -> NodePublishVolumeRequest {
+    NodePublishVolumeRequest {
+        volume_id: id.into(),
+        staging_target_path: staging.into(),
+        target_path: target.into(),
+        volume_capability: capability(mode, "ext4"),
+        volume_context: HashMap::from([
+            ("csi.storage.k8s.io/pod.name".to_string(), pod.to_string()),
+            ("csi.storage.k8s.io/pod.namespace".to_string(), "default".to_string()),
+        ]),
+        ..Default::default()
+    }
+}
+
+fn unstage(id: &str, staging: &str) -> NodeUnstageVolumeRequest {
+    NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging.into() }
+}
+
+fn unpublish(id: &str, target: &str) -> NodeUnpublishVolumeRequest {
+    NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target.into() }
+}
+
+#[track_caller]
+fn assert_code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>, code: Code, says: &str) {
+    match r {
+        Err(s) => {
+            assert_eq!(s.code(), code, "{s:?}");
+            assert!(s.message().contains(says), "{:?} does not say {says:?}", s.message());
+        }
+        Ok(r) => panic!("expected {code:?}, got {r:?}"),
+    }
+}
+
+#[test]
+fn identity_registration_and_node_info() {
+    let node = Node::start();
+    rt().block_on(async {
+        let socket = volagent::csi::drivers::socket_path(&kubelet_root(&node, "node-a"), "local-pv");
+        wait_for(&socket);
+        let channel = volagent::csi::client::connect(socket.clone()).await.expect("connect");
+        let mut identity = IdentityClient::new(channel.clone());
+        let info = identity.get_plugin_info(GetPluginInfoRequest {}).await.expect("GetPluginInfo").into_inner();
+        assert_eq!(info.name, "local-pv.csi.volagent.io");
+        assert_eq!(info.manifest["backend"], "local-pv");
+        assert_eq!(info.manifest["policy-sha256"].len(), 64);
+        assert_eq!(identity.probe(ProbeRequest {}).await.expect("Probe").into_inner().ready, Some(true));
+        assert!(identity.get_plugin_capabilities(GetPluginCapabilitiesRequest {}).await.expect("caps").into_inner().capabilities.is_empty(), "no controller service");
+
+        let mut node_rpc = NodeClient::new(channel);
+        let caps = node_rpc.node_get_capabilities(NodeGetCapabilitiesRequest {}).await.expect("caps").into_inner();
+        let kinds: Vec<i32> = caps
+            .capabilities
+            .iter()
+            .filter_map(|c| c.r#type.as_ref().map(|node_service_capability::Type::Rpc(r)| r.r#type))
+            .collect();
+        use node_service_capability::rpc::Type;
+        for want in [Type::StageUnstageVolume, Type::GetVolumeStats, Type::VolumeCondition, Type::SingleNodeMultiWriter] {
+            assert!(kinds.contains(&(want as i32)), "{want:?} missing from {kinds:?}");
+        }
+        let info = node_rpc.node_get_info(NodeGetInfoRequest {}).await.expect("NodeGetInfo").into_inner();
+        assert_eq!(info.node_id, "node-a");
+        assert_eq!(info.accessible_topology.expect("topology").segments["topology.volagent.io/node"], "node-a");
+
+        // kubelet's plugin watcher: what the registration socket says.
+        let reg_socket = volagent::csi::drivers::registration_path(&kubelet_root(&node, "node-a"), "local-pv");
+        wait_for(&reg_socket);
+        let mut reg = RegistrationClient::new(volagent::csi::client::connect(reg_socket).await.expect("connect"));
+        let info = reg.get_info(InfoRequest {}).await.expect("GetInfo").into_inner();
+        assert_eq!((info.r#type.as_str(), info.name.as_str()), ("CSIPlugin", "local-pv.csi.volagent.io"));
+        assert_eq!(Path::new(&info.endpoint), socket, "the endpoint kubelet dials");
+        assert_eq!(info.supported_versions, ["1.0.0"]);
+        reg.notify_registration_status(RegistrationStatus { plugin_registered: false, error: "test says no".into() }).await.expect("notify");
+        // Every backend is a driver of its own.
+        let other = volagent::csi::drivers::socket_path(&kubelet_root(&node, "node-a"), "shared-file");
+        wait_for(&other);
+    });
+    let log = std::fs::read_to_string(node.log_path("node-a")).expect("log");
+    assert!(log.contains("kubelet did not register the CSI driver") && log.contains("test says no"), "{log}");
+}
+
+#[test]
+fn stage_publish_write_unpublish_unstage_and_back() {
+    let node = Node::start();
+    let image = node.image("csi1.img", 64);
+    let (st, ta, tb) = (staging(&node, "pv1"), target(&node, "uid-a", "pv1"), target(&node, "uid-b", "pv1"));
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        let stage = stage_request("pv1", &st, &image, Mode::SingleNodeWriter);
+        c.node_stage_volume(stage.clone()).await.expect("stage");
+        c.node_stage_volume(stage.clone()).await.expect("stage again: idempotent");
+        let pa = publish_request("pv1", &st, &ta, Mode::SingleNodeWriter, "pod-a");
+        c.node_publish_volume(pa.clone()).await.expect("publish");
+        c.node_publish_volume(pa.clone()).await.expect("publish again: idempotent");
+        std::fs::write(format!("{ta}/data"), b"through CSI").expect("write");
+        // A second pod on the node shares a ReadWriteOnce volume.
+        c.node_publish_volume(publish_request("pv1", &st, &tb, Mode::SingleNodeWriter, "pod-b")).await.expect("second pod");
+        assert_eq!(std::fs::read(format!("{tb}/data")).expect("read"), b"through CSI");
+        // Read-only where asked.
+        let tr = target(&node, "uid-r", "pv1");
+        let mut ro = publish_request("pv1", &st, &tr, Mode::SingleNodeWriter, "pod-r");
+        ro.readonly = true;
+        c.node_publish_volume(ro).await.expect("read-only publish");
+        assert!(std::fs::write(format!("{tr}/x"), b"no").is_err(), "a read-only publication is read-only");
+        c.node_unpublish_volume(unpublish("pv1", &tr)).await.expect("unpublish ro");
+
+        let stats = c.node_get_volume_stats(NodeGetVolumeStatsRequest { volume_id: "pv1".into(), volume_path: ta.clone(), ..Default::default() }).await.expect("stats").into_inner();
+        let bytes = stats.usage.iter().find(|u| u.unit == volume_usage::Unit::Bytes as i32).expect("bytes");
+        let inodes = stats.usage.iter().find(|u| u.unit == volume_usage::Unit::Inodes as i32).expect("inodes");
+        assert!(bytes.total > 50 << 20 && bytes.total <= 64 << 20 && bytes.used > 0 && bytes.available > 0, "{bytes:?}");
+        assert!(inodes.total > 0 && inodes.used > 0, "{inodes:?}");
+        assert!(!stats.volume_condition.expect("condition").abnormal);
+        // Unstage while published is refused; nothing changes.
+        assert_code(c.node_unstage_volume(unstage("pv1", &st)).await, Code::FailedPrecondition, "still published");
+        assert_eq!(std::fs::read(format!("{ta}/data")).expect("still there"), b"through CSI");
+
+        for t in [&ta, &tb] {
+            c.node_unpublish_volume(unpublish("pv1", t)).await.expect("unpublish");
+            c.node_unpublish_volume(unpublish("pv1", t)).await.expect("unpublish again: idempotent");
+            assert!(!Path::new(t).exists(), "the driver removes the target it made: {t}");
+        }
+        c.node_unstage_volume(unstage("pv1", &st)).await.expect("unstage");
+        c.node_unstage_volume(unstage("pv1", &st)).await.expect("unstage again: idempotent");
+        assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+        assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+
+        // Staged again: the data is the volume's.
+        let st = staging(&node, "pv1");
+        c.node_stage_volume(stage).await.expect("stage");
+        let tc = target(&node, "uid-c", "pv1");
+        c.node_publish_volume(publish_request("pv1", &st, &tc, Mode::SingleNodeWriter, "pod-c")).await.expect("publish");
+        assert_eq!(std::fs::read(format!("{tc}/data")).expect("read back"), b"through CSI");
+        c.node_unpublish_volume(unpublish("pv1", &tc)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv1", &st)).await.expect("unstage");
+    });
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+#[test]
+fn error_codes_and_nothing_changes() {
+    let node = Node::start();
+    let image = node.image("csi2.img", 64);
+    let st = staging(&node, "pv2");
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        let good = stage_request("pv2", &st, &image, Mode::SingleNodeSingleWriter);
+        let mut r = good.clone();
+        r.volume_id.clear();
+        assert_code(c.node_stage_volume(r).await, Code::InvalidArgument, "volume_id is missing");
+        let mut r = good.clone();
+        r.staging_target_path.clear();
+        assert_code(c.node_stage_volume(r).await, Code::InvalidArgument, "staging_target_path is missing");
+        let mut r = good.clone();
+        r.volume_capability = None;
+        assert_code(c.node_stage_volume(r).await, Code::InvalidArgument, "volume_capability is missing");
+        let mut r = good.clone();
+        r.staging_target_path = "/etc".into();
+        assert_code(c.node_stage_volume(r).await, Code::InvalidArgument, "not under kubelet's root");
+        let mut r = good.clone();
+        r.staging_target_path = format!("{st}/../../../../../../../etc");
+        assert_code(c.node_stage_volume(r).await, Code::InvalidArgument, "staging_target_path");
+        let mut r = good.clone();
+        r.volume_id = "../etc".into();
+        assert_code(c.node_stage_volume(r).await, Code::InvalidArgument, "not a Kubernetes object name");
+        let mut r = good.clone();
+        r.volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "true".into());
+        assert_code(c.node_stage_volume(r).await, Code::FailedPrecondition, "ephemeral");
+        // The policy refuses a volume of another node (its fence), and a path outside the discovery dirs.
+        let mut r = good.clone();
+        r.volume_context.insert("node".into(), "node-b".into());
+        assert_code(c.node_stage_volume(r).await, Code::FailedPrecondition, "lives on node node-b");
+        let mut r = good.clone();
+        r.volume_context.insert("path".into(), "/etc/shadow".into());
+        assert!(c.node_stage_volume(r).await.is_err(), "a path outside the discovery dirs");
+        assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "refusals change nothing");
+
+        let (t1, t2) = (target(&node, "uid-1", "pv2"), target(&node, "uid-2", "pv2"));
+        let p1 = publish_request("pv2", &st, &t1, Mode::SingleNodeSingleWriter, "one");
+        assert_code(c.node_publish_volume(p1.clone()).await, Code::FailedPrecondition, "not staged");
+        let mut r = p1.clone();
+        r.target_path.clear();
+        assert_code(c.node_publish_volume(r).await, Code::InvalidArgument, "target_path is missing");
+        let mut r = p1.clone();
+        r.volume_capability = None;
+        assert_code(c.node_publish_volume(r).await, Code::InvalidArgument, "volume_capability is missing");
+
+        c.node_stage_volume(good.clone()).await.expect("stage");
+        // The staging path is pv2's: another volume or capability there is refused.
+        let mut other = stage_request("pv3", &st, &image, Mode::SingleNodeWriter);
+        assert_code(c.node_stage_volume(other.clone()).await, Code::AlreadyExists, "staging path of volume pv2");
+        other.volume_id = "pv2".into();
+        assert_code(c.node_stage_volume(other).await, Code::AlreadyExists, "another capability");
+
+        c.node_publish_volume(p1.clone()).await.expect("publish");
+        // ReadWriteOncePod: one pod.
+        assert_code(c.node_publish_volume(publish_request("pv2", &st, &t2, Mode::SingleNodeSingleWriter, "two")).await, Code::FailedPrecondition, "by pod default/one");
+        assert!(!Path::new(&t2).exists(), "the refused target was not made");
+        // The same target with another volume or read-only-ness.
+        let mut ro = p1.clone();
+        ro.readonly = true;
+        assert_code(c.node_publish_volume(ro).await, Code::AlreadyExists, "already published");
+        assert_code(c.node_unpublish_volume(unpublish("pv9", &t1)).await, Code::NotFound, "publishes volume pv2");
+
+        // Stats: missing fields, unknown volumes and paths.
+        let stats = |id: &str, path: &str| NodeGetVolumeStatsRequest { volume_id: id.into(), volume_path: path.into(), ..Default::default() };
+        assert_code(c.node_get_volume_stats(stats("", &t1)).await, Code::InvalidArgument, "volume_id is missing");
+        assert_code(c.node_get_volume_stats(stats("pv2", "")).await, Code::InvalidArgument, "volume_path is missing");
+        assert_code(c.node_get_volume_stats(stats("fake-vol-id", &t1)).await, Code::NotFound, "fake-vol-id");
+        assert_code(c.node_get_volume_stats(stats("Fake-Vol-ID", "some/path")).await, Code::NotFound, "");
+        assert_code(c.node_get_volume_stats(stats("pv2", &t2)).await, Code::NotFound, "neither staged nor published");
+        assert_code(
+            c.node_expand_volume(NodeExpandVolumeRequest { volume_id: "pv2".into(), volume_path: t1.clone(), ..Default::default() }).await,
+            Code::Unimplemented,
+            "EXPAND_VOLUME",
+        );
+        // A mount gone from under the driver is reported abnormal.
+        nix::mount::umount2(t1.as_str(), nix::mount::MntFlags::MNT_DETACH).expect("unmount behind the driver's back");
+        let s = c.node_get_volume_stats(stats("pv2", &t1)).await.expect("stats").into_inner();
+        let cond = s.volume_condition.expect("condition");
+        assert!(cond.abnormal && cond.message.contains("not mounted"), "{cond:?}");
+        c.node_unpublish_volume(unpublish("pv2", &t1)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv2", &st)).await.expect("unstage");
+    });
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+/// A ReadWriteOnce volume of a backend that may move between nodes (the
+/// shared-file test guest), staged on node-a, is refused on node-b (the
+/// backend's fence, through the shared ledger), then served there once
+/// node-a let go.
+#[test]
+fn fencing_across_nodes() {
+    let mut node = Node::start();
+    node.spawn_agent("node-b");
+    let image = node.image("csi3.img", 64);
+    let st_a = staging(&node, "pv3");
+    let st_b = kubelet_root(&node, "node-b").join("plugins/kubernetes.io/csi/pv/pv3/globalmount");
+    std::fs::create_dir_all(&st_b).expect("dir");
+    let st_b = st_b.display().to_string();
+    rt().block_on(async {
+        let mut a = node_client(&node, "node-a", "shared-file").await;
+        let mut b = node_client(&node, "node-b", "shared-file").await;
+        let mut on_a = stage_request("pv3", &st_a, &image, Mode::SingleNodeWriter);
+        let mut on_b = stage_request("pv3", &st_b, &image, Mode::SingleNodeWriter);
+        on_a.volume_context.remove("node");
+        on_b.volume_context.remove("node");
+        assert!(Command::new("mkfs.ext4").args(["-F", "-q", &image]).status().expect("mkfs").success());
+        a.node_stage_volume(on_a).await.expect("stage on node-a");
+        assert_code(b.node_stage_volume(on_b.clone()).await, Code::FailedPrecondition, "node-a");
+        a.node_unstage_volume(unstage("pv3", &st_a)).await.expect("unstage on node-a");
+        b.node_stage_volume(on_b).await.expect("stage on node-b once node-a let go");
+        b.node_unstage_volume(unstage("pv3", &st_b)).await.expect("unstage on node-b");
+    });
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+/// The agent restarted (SIGKILL) with a volume staged and published: the
+/// retried calls are answered from what it recorded, and it cleans up.
+#[test]
+fn a_restart_keeps_stages_and_publications() {
+    let mut node = Node::start();
+    let image = node.image("csi4.img", 64);
+    let (st, ta) = (staging(&node, "pv4"), target(&node, "uid-a", "pv4"));
+    let stage = stage_request("pv4", &st, &image, Mode::SingleNodeSingleWriter);
+    let publish = publish_request("pv4", &st, &ta, Mode::SingleNodeSingleWriter, "a");
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_stage_volume(stage.clone()).await.expect("stage");
+        c.node_publish_volume(publish.clone()).await.expect("publish");
+        std::fs::write(format!("{ta}/data"), b"kept").expect("write");
+    });
+    let pid = node.pid_of("node-a");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).expect("kill");
+    node.stop_agent();
+    node.spawn_agent("node-a");
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_stage_volume(stage).await.expect("stage retried after the restart");
+        c.node_publish_volume(publish).await.expect("publish retried after the restart");
+        // Still one pod: the publication outlived the restart.
+        let t2 = target(&node, "uid-b", "pv4");
+        assert_code(c.node_publish_volume(publish_request("pv4", &st, &t2, Mode::SingleNodeSingleWriter, "b")).await, Code::FailedPrecondition, "ReadWriteOncePod");
+        assert_eq!(std::fs::read(format!("{ta}/data")).expect("read"), b"kept");
+        c.node_unpublish_volume(unpublish("pv4", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv4", &st)).await.expect("unstage");
+    });
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+/// A backend dropped into the plugin dir becomes a driver (its sockets
+/// appear) with no restart; removed, its sockets go.
+#[test]
+fn a_hot_loaded_backend_is_a_driver_and_goes_with_its_file() {
+    let node = Node::start();
+    let root = kubelet_root(&node, "node-a");
+    let (socket, reg) = (volagent::csi::drivers::socket_path(&root, "nbd"), volagent::csi::drivers::registration_path(&root, "nbd"));
+    assert!(!socket.exists());
+    std::fs::copy(volagent_test_artifacts::NBD, node.scratch.path("plugins/.nbd.wasm")).expect("copy");
+    std::fs::rename(node.scratch.path("plugins/.nbd.wasm"), node.scratch.path("plugins/nbd.wasm")).expect("install");
+    wait_for(&socket);
+    wait_for(&reg);
+    rt().block_on(async {
+        let channel = volagent::csi::client::connect(socket.clone()).await.expect("connect");
+        let info = IdentityClient::new(channel).get_plugin_info(GetPluginInfoRequest {}).await.expect("info").into_inner();
+        assert_eq!(info.name, "nbd.csi.volagent.io");
+    });
+    std::fs::remove_file(node.scratch.path("plugins/nbd.wasm")).expect("remove");
+    let start = Instant::now();
+    while reg.exists() || socket.exists() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the removed backend's sockets stayed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
