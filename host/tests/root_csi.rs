@@ -167,6 +167,9 @@ fn stage_publish_write_unpublish_unstage_and_back() {
         let stage = stage_request("pv1", &st, &image, Mode::SingleNodeWriter);
         c.node_stage_volume(stage.clone()).await.expect("stage");
         c.node_stage_volume(stage.clone()).await.expect("stage again: idempotent");
+        // Staged right at kubelet's staging path and nowhere else: kubelet
+        // refuses to unstage a device that is mounted elsewhere too.
+        assert_eq!(node.scratch.mounts(), [PathBuf::from(&st)]);
         let pa = publish_request("pv1", &st, &ta, Mode::SingleNodeWriter, "pod-a");
         c.node_publish_volume(pa.clone()).await.expect("publish");
         c.node_publish_volume(pa.clone()).await.expect("publish again: idempotent");

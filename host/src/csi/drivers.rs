@@ -4,6 +4,7 @@
 //! socket in kubelet's `plugins_registry`, whose appearance makes kubelet
 //! register the driver and whose removal makes it deregister it.
 
+use super::authority::AuthorityFix;
 use super::identity::IdentityService;
 use super::node::NodeService;
 use super::proto::csi::identity_server::IdentityServer;
@@ -51,22 +52,25 @@ impl std::fmt::Debug for Drivers {
     }
 }
 
-/// Accepted connections from peers whose uid is allowed; others are closed.
-fn allowed(listener: UnixListener, uids: Vec<u32>, what: &'static str) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::UnixStream>> {
-    UnixListenerStream::new(listener).filter(move |conn| match conn {
-        Ok(stream) => match stream.peer_cred() {
-            Ok(cred) if uids.contains(&cred.uid()) => true,
-            Ok(cred) => {
-                tracing::warn!(uid = cred.uid(), socket = what, "refused a connection from a peer that is not allowed");
-                false
-            }
-            Err(e) => {
-                tracing::warn!(socket = what, "refused a connection whose peer is unknown: {e}");
-                false
-            }
-        },
-        Err(_) => true,
-    })
+/// Accepted connections from peers whose uid is allowed (others are
+/// closed), their header blocks mended for older kubelets.
+fn allowed(listener: UnixListener, uids: Vec<u32>, what: &'static str) -> impl tokio_stream::Stream<Item = std::io::Result<AuthorityFix<tokio::net::UnixStream>>> {
+    UnixListenerStream::new(listener)
+        .filter(move |conn| match conn {
+            Ok(stream) => match stream.peer_cred() {
+                Ok(cred) if uids.contains(&cred.uid()) => true,
+                Ok(cred) => {
+                    tracing::warn!(uid = cred.uid(), socket = what, "refused a connection from a peer that is not allowed");
+                    false
+                }
+                Err(e) => {
+                    tracing::warn!(socket = what, "refused a connection whose peer is unknown: {e}");
+                    false
+                }
+            },
+            Err(_) => true,
+        })
+        .map(|conn| conn.map(AuthorityFix::new))
 }
 
 impl Drivers {

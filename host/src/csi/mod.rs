@@ -4,6 +4,7 @@
 //! the driver without a registrar sidecar. The calls go through the same
 //! pipeline as the Flexvolume driver's (see [`crate::ops::csi`]).
 
+mod authority;
 pub mod client;
 pub mod drivers;
 mod identity;

@@ -77,6 +77,19 @@ pub struct VolumeStats {
     pub abnormal: Option<String>,
 }
 
+/// The paths of a CSI stage: the backend's plan stages the volume right at
+/// kubelet's staging path (its bind into the "pod" dir, the same path, is
+/// then already done). A second mount of the device elsewhere (the agent's
+/// own staging dir) would make kubelet refuse to unstage it: kubelet
+/// checks that nothing else mounts what its staging path mounts.
+fn csi_paths(config: &super::NodeConfig, backend: &str, volume: &str, staging: &str) -> crate::policy::NodePaths {
+    crate::policy::NodePaths { staging_dir: staging.to_string(), ..config.paths(backend, volume) }
+}
+
+/// How a CSI stage is named as a consumer in the ledger.
+pub const STAGE_NAMESPACE: &str = "csi";
+pub const STAGE_POD: &str = "staged";
+
 fn text(p: &Path) -> String {
     p.display().to_string()
 }
@@ -114,17 +127,19 @@ impl Agent {
             options: req.attributes.iter().map(|(k, v)| KeyValue { key: k.clone(), value: v.clone() }).collect(),
             secret_keys: req.secrets.keys().cloned().collect(),
         };
-        // The stage is the node's one consumer of the volume; its pods come
-        // with their publications.
+        // The stage is the node's one consumer of the volume (its pods come
+        // with their publications, which the node settles by itself). The
+        // record names it as a pseudo-pod `csi/staged`: records are read by
+        // people, and every consumer names a pod.
         let me = Consumer {
             node: self.config.node.clone(),
-            pod_namespace: String::new(),
-            pod: String::new(),
-            pod_uid: String::new(),
-            mount_dir: staging,
+            pod_namespace: STAGE_NAMESPACE.into(),
+            pod: STAGE_POD.into(),
+            pod_uid: format!("{STAGE_POD}-{}", self.config.node),
+            mount_dir: staging.clone(),
             read_only: req.access.read_only,
         };
-        self.attach(backend, volume, me, req.secrets).await?;
+        self.attach(backend, volume, me, req.secrets, csi_paths(&self.config, backend, &req.volume_id, &staging)).await?;
         Ok(())
     }
 
@@ -147,7 +162,10 @@ impl Agent {
             Some(e) => e,
             None if !self.mounted(&dir).await? => return Ok(()),
             None => match self.entry_of_record(backend, &dir, volume_id).await? {
-                Some(e) => e,
+                Some(mut e) => {
+                    e.paths = csi_paths(&self.config, backend, volume_id, &dir);
+                    e
+                }
                 None => {
                     return Err(CsiError::Precondition(format!("{dir} is mounted, but this agent has no record of staging volume {volume_id} there; refusing to guess")));
                 }

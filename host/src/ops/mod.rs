@@ -448,19 +448,19 @@ impl Agent {
                 volume.secret_keys = secrets.keys().cloned().collect();
             }
         }
-        self.attach(backend, volume, me, secrets).await
+        let paths = self.config.paths(backend, &volume.name);
+        self.attach(backend, volume, me, secrets, paths).await
     }
 
     /// The pipeline once the volume and its consumer are known: lock, fence
     /// and record, plan, stash, run — with the record and the stash entry
     /// rolled back when the steps fail. Flexvolume mounts and CSI stages
     /// both come here.
-    pub(crate) async fn attach(&self, backend: &str, volume: Volume, me: crate::policy::Consumer, secrets: crate::secret::Secrets) -> Result<Response, Failure> {
+    pub(crate) async fn attach(&self, backend: &str, volume: Volume, me: crate::policy::Consumer, secrets: crate::secret::Secrets, paths: NodePaths) -> Result<Response, Failure> {
         let plugin = self.plugin(backend)?;
         let secrets = Arc::new(secrets);
         let devices = verified_devices(&volume).await?;
         let mut lock = Some(self.lock(&volume.name)?);
-        let paths = self.config.paths(backend, &volume.name);
 
         // Fence and record, retrying lost races with a fresh read.
         let source = VolumeSource::of(&volume);
