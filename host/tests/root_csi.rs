@@ -133,7 +133,7 @@ fn identity_registration_and_node_info() {
             .filter_map(|c| c.r#type.as_ref().map(|node_service_capability::Type::Rpc(r)| r.r#type))
             .collect();
         use node_service_capability::rpc::Type;
-        for want in [Type::StageUnstageVolume, Type::GetVolumeStats, Type::VolumeCondition, Type::SingleNodeMultiWriter] {
+        for want in [Type::StageUnstageVolume, Type::GetVolumeStats, Type::ExpandVolume, Type::VolumeCondition, Type::SingleNodeMultiWriter] {
             assert!(kinds.contains(&(want as i32)), "{want:?} missing from {kinds:?}");
         }
         let info = node_rpc.node_get_info(NodeGetInfoRequest {}).await.expect("NodeGetInfo").into_inner();
@@ -289,11 +289,13 @@ fn error_codes_and_nothing_changes() {
         assert_code(c.node_get_volume_stats(stats("fake-vol-id", &t1)).await, Code::NotFound, "fake-vol-id");
         assert_code(c.node_get_volume_stats(stats("Fake-Vol-ID", "some/path")).await, Code::NotFound, "");
         assert_code(c.node_get_volume_stats(stats("pv2", &t2)).await, Code::NotFound, "neither staged nor published");
-        assert_code(
-            c.node_expand_volume(NodeExpandVolumeRequest { volume_id: "pv2".into(), volume_path: t1.clone(), ..Default::default() }).await,
-            Code::Unimplemented,
-            "EXPAND_VOLUME",
-        );
+        let expand = |id: &str, path: &str| NodeExpandVolumeRequest { volume_id: id.into(), volume_path: path.into(), ..Default::default() };
+        assert_code(c.node_expand_volume(expand("", &t1)).await, Code::InvalidArgument, "volume_id is missing");
+        assert_code(c.node_expand_volume(expand("pv2", "")).await, Code::InvalidArgument, "volume_path is missing");
+        assert_code(c.node_expand_volume(expand("fake-vol-id", &t1)).await, Code::NotFound, "fake-vol-id");
+        let mut more = expand("pv2", &t1);
+        more.capacity_range = Some(CapacityRange { required_bytes: 1 << 40, limit_bytes: 0 });
+        assert_code(c.node_expand_volume(more).await, Code::OutOfRange, "has not grown enough");
         // A mount gone from under the driver is reported abnormal.
         nix::mount::umount2(t1.as_str(), nix::mount::MntFlags::MNT_DETACH).expect("unmount behind the driver's back");
         let s = c.node_get_volume_stats(stats("pv2", &t1)).await.expect("stats").into_inner();
@@ -391,4 +393,64 @@ fn a_hot_loaded_backend_is_a_driver_and_goes_with_its_file() {
         assert!(start.elapsed() < Duration::from_secs(30), "the removed backend's sockets stayed");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Whether this process may use CAP_SYS_RESOURCE, which ext4's online
+/// resize needs (some sandboxes withhold it even from root).
+fn has_sys_resource() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).map(|v| u64::from_str_radix(v.trim(), 16).expect("hex")).expect("CapEff");
+    eff >> 24 & 1 == 1
+}
+
+/// The file under a volume grew: NodeExpandVolume grows the mounted
+/// filesystem (xfs by xfs_growfs, ext4 by resize2fs) through the loop
+/// device, online, and the stats show it; the data stays. Where the kernel
+/// refuses ext4's online resize (no CAP_SYS_RESOURCE), the call fails
+/// saying so, and the volume is unharmed.
+#[test]
+fn expansion_grows_a_mounted_filesystem() {
+    let node = Node::start();
+    for (fs, from, to) in [("xfs", 320u64, 480u64), ("ext4", 64, 160)] {
+        let id = format!("grow-{fs}");
+        let image = node.image(&format!("{id}.img"), from);
+        assert!(Command::new(format!("mkfs.{fs}")).arg(if fs == "xfs" { "-f" } else { "-F" }).arg("-q").arg(&image).status().expect("mkfs").success());
+        let (st, ta) = (staging(&node, &id), target(&node, "uid-g", &id));
+        rt().block_on(async {
+            let mut c = node_client(&node, "node-a", "local-pv").await;
+            let mut stage = stage_request(&id, &st, &image, Mode::SingleNodeWriter);
+            stage.volume_capability = capability(Mode::SingleNodeWriter, fs);
+            c.node_stage_volume(stage).await.expect("stage");
+            let mut publish = publish_request(&id, &st, &ta, Mode::SingleNodeWriter, "g");
+            publish.volume_capability = capability(Mode::SingleNodeWriter, fs);
+            c.node_publish_volume(publish).await.expect("publish");
+            std::fs::write(format!("{ta}/data"), b"before").expect("write");
+            let total = |c: &mut NodeClient<tonic::transport::Channel>| {
+                let req = NodeGetVolumeStatsRequest { volume_id: id.clone(), volume_path: ta.clone(), ..Default::default() };
+                let mut c = c.clone();
+                async move { c.node_get_volume_stats(req).await.expect("stats").into_inner().usage.iter().find(|u| u.unit == volume_usage::Unit::Bytes as i32).expect("bytes").total }
+            };
+            let before = total(&mut c).await;
+            std::fs::OpenOptions::new().write(true).open(&image).expect("image").set_len(to << 20).expect("grow the file");
+            let mut req = NodeExpandVolumeRequest { volume_id: id.clone(), volume_path: ta.clone(), ..Default::default() };
+            req.capacity_range = Some(CapacityRange { required_bytes: (to << 20) as i64, limit_bytes: 0 });
+            if fs == "ext4" && !has_sys_resource() {
+                eprintln!("ext4: this machine withholds CAP_SYS_RESOURCE; checking the refusal instead");
+                assert_code(c.node_expand_volume(req).await, Code::Internal, "Permission denied to resize");
+                assert_eq!(total(&mut c).await, before, "nothing changed");
+                assert_eq!(std::fs::read(format!("{ta}/data")).expect("read"), b"before");
+                c.node_unpublish_volume(unpublish(&id, &ta)).await.expect("unpublish");
+                c.node_unstage_volume(unstage(&id, &st)).await.expect("unstage");
+                return;
+            }
+            let grown = c.node_expand_volume(req).await.expect("expand").into_inner();
+            assert_eq!(grown.capacity_bytes, (to << 20) as i64, "{fs}: the device's new size");
+            let after = total(&mut c).await;
+            assert!(after > before + (((to - from) << 20) / 2) as i64, "{fs}: {before} -> {after}");
+            assert_eq!(std::fs::read(format!("{ta}/data")).expect("read"), b"before");
+            c.node_unpublish_volume(unpublish(&id, &ta)).await.expect("unpublish");
+            c.node_unstage_volume(unstage(&id, &st)).await.expect("unstage");
+        });
+    }
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }

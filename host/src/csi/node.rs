@@ -26,6 +26,7 @@ pub fn status(e: CsiError) -> Status {
         CsiError::NotFound(m) => Status::not_found(m),
         CsiError::Exists(m) => Status::already_exists(m),
         CsiError::Precondition(m) => Status::failed_precondition(m),
+        CsiError::OutOfRange(m) => Status::out_of_range(m),
         CsiError::Op(f) => match f.kind {
             FailureKind::BadRequest => Status::invalid_argument(f.message),
             FailureKind::Denied => Status::failed_precondition(f.message),
@@ -52,6 +53,7 @@ fn result_label<T>(r: &Result<T, CsiError>) -> &'static str {
         Err(CsiError::NotFound(_)) => "not_found",
         Err(CsiError::Exists(_)) => "exists",
         Err(CsiError::Precondition(_)) => "precondition",
+        Err(CsiError::OutOfRange(_)) => "out_of_range",
         Err(CsiError::Op(f)) => match f.kind {
             FailureKind::Denied => "denied",
             FailureKind::Busy => "busy",
@@ -164,14 +166,40 @@ impl Node for NodeService {
         Ok(Response::new(NodeGetVolumeStatsResponse { usage, volume_condition }))
     }
 
-    async fn node_expand_volume(&self, _req: Request<NodeExpandVolumeRequest>) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        Err(Status::unimplemented("NodeExpandVolume is not offered (no EXPAND_VOLUME capability)"))
+    async fn node_expand_volume(&self, req: Request<NodeExpandVolumeRequest>) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+        let start = std::time::Instant::now();
+        let r = req.into_inner();
+        let (agent, asked) = (self.agent.clone(), r.clone());
+        let result = detached(async move {
+            if asked.volume_id.is_empty() {
+                return Err(CsiError::Invalid("volume_id is missing".into()));
+            }
+            let id = request::volume_id(&asked.volume_id).map_err(|_| CsiError::NotFound(format!("no volume {:?} on this node", crate::ops::bounded(asked.volume_id.clone(), 300))))?;
+            if asked.volume_path.is_empty() {
+                return Err(CsiError::Invalid("volume_path is missing".into()));
+            }
+            if let Some(cap) = &asked.volume_capability
+                && matches!(cap.access_type, Some(volume_capability::AccessType::Block(_)))
+            {
+                return Err(CsiError::Invalid("block volumes are not served by this driver yet".into()));
+            }
+            let path = request::kubelet_path(&agent.config.kubelet_roots(), "volume_path", &asked.volume_path)
+                .map_err(|_| CsiError::NotFound(format!("volume {id} is not at {}", asked.volume_path)))?;
+            let size = agent.csi_expand(&id, &path).await?;
+            let required = asked.capacity_range.as_ref().map(|c| c.required_bytes).unwrap_or(0);
+            if required > 0 && (size as i128) < required as i128 {
+                return Err(CsiError::OutOfRange(format!("volume {id} grew to its device's {size} bytes, less than the {required} asked: the storage under it has not grown enough")));
+            }
+            Ok(size)
+        })
+        .await;
+        self.finish("csi_expand", &r.volume_id, start, result.map(|size| NodeExpandVolumeResponse { capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX) }))
     }
 
     async fn node_get_capabilities(&self, _req: Request<NodeGetCapabilitiesRequest>) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
         use node_service_capability::rpc::Type;
         let rpc = |t: Type| NodeServiceCapability { r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc { r#type: t as i32 })) };
-        let capabilities = vec![rpc(Type::StageUnstageVolume), rpc(Type::GetVolumeStats), rpc(Type::VolumeCondition), rpc(Type::SingleNodeMultiWriter)];
+        let capabilities = vec![rpc(Type::StageUnstageVolume), rpc(Type::GetVolumeStats), rpc(Type::ExpandVolume), rpc(Type::VolumeCondition), rpc(Type::SingleNodeMultiWriter)];
         Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
     }
 

@@ -23,6 +23,8 @@ pub enum CsiError {
     Exists(String),
     /// The request does not fit the volume's state (FAILED_PRECONDITION).
     Precondition(String),
+    /// The volume cannot be the size asked (OUT_OF_RANGE).
+    OutOfRange(String),
     /// The pipeline's own failure (busy → ABORTED, and so on).
     Op(Failure),
 }
@@ -269,16 +271,7 @@ impl Agent {
     /// is healthy there: mounted, and writable unless it was asked read-only.
     pub async fn csi_volume_stats(&self, volume_id: &str, path: &Path) -> Result<VolumeStats, CsiError> {
         let at = text(path);
-        let read_only = match self.publications().await?.into_iter().find(|p| p.target == at && p.volume == volume_id) {
-            Some(p) => p.read_only,
-            None => {
-                let key = at.clone();
-                match self.stash_op(move |s| s.get(&key)).await? {
-                    Some(e) if e.volume.name == volume_id => e.consumer.read_only,
-                    _ => return Err(CsiError::NotFound(format!("volume {volume_id} is neither staged nor published at {at}"))),
-                }
-            }
-        };
+        let read_only = self.volume_at(volume_id, &at).await?;
         if !self.mounted(&at).await? {
             return Ok(VolumeStats { usage: None, abnormal: Some(format!("{at} is not mounted")) });
         }
@@ -287,6 +280,38 @@ impl Agent {
         let abnormal = (usage.read_only && !read_only)
             .then(|| format!("{at} is read-only though published read-write (the filesystem may have been remounted read-only after an error)"));
         Ok(VolumeStats { usage: Some(usage), abnormal })
+    }
+
+    /// Grow the filesystem of a volume staged or published at `path` to its
+    /// device's size (after the storage under it grew); the size in bytes.
+    pub async fn csi_expand(&self, volume_id: &str, path: &Path) -> Result<u64, CsiError> {
+        let at = text(path);
+        self.volume_at(volume_id, &at).await?;
+        let mut _lock = self.lock(volume_id)?;
+        let (sys, p) = (self.sys.clone(), path.to_path_buf());
+        let mounted = blocking(move || sys.mount_at(&p)).await?.map_err(internal)?;
+        let m = mounted.ok_or_else(|| CsiError::Precondition(format!("{at} is not mounted; stage and publish the volume again")))?;
+        if !m.source.starts_with("/dev/") {
+            return Err(CsiError::Invalid(format!("volume {volume_id} at {at} is {} from {}, not a filesystem on a block device: nothing to grow here", m.fs_type, m.source)));
+        }
+        let (sys, device, mount_point, fs) = (self.sys.clone(), PathBuf::from(&m.source), path.to_path_buf(), m.fs_type.clone());
+        let size = blocking(move || sys.filesystems.grow_filesystem(&device, &mount_point, &fs)).await?.map_err(|e| match e {
+            crate::sys::SysError::Refused { .. } => CsiError::Invalid(format!("volume {volume_id}: {e}")),
+            other => CsiError::Op(internal(format!("volume {volume_id}: {other}"))),
+        })?;
+        Ok(size)
+    }
+
+    /// Whether `volume_id` is staged or published at `at`; read-only there?
+    async fn volume_at(&self, volume_id: &str, at: &str) -> Result<bool, CsiError> {
+        if let Some(p) = self.publications().await?.into_iter().find(|p| p.target == at && p.volume == volume_id) {
+            return Ok(p.read_only);
+        }
+        let key = at.to_string();
+        match self.stash_op(move |s| s.get(&key)).await? {
+            Some(e) if e.volume.name == volume_id => Ok(e.consumer.read_only),
+            _ => Err(CsiError::NotFound(format!("volume {volume_id} is neither staged nor published at {at}"))),
+        }
     }
 
     /// The stage of `volume_id` at `staging`, which must be in place.

@@ -405,6 +405,21 @@ impl Filesystems for Linux {
         self.full_probe(device)
     }
 
+    fn grow_filesystem(&self, device: &Path, mount_point: &Path, fs_type: &str) -> Result<u64, SysError> {
+        dev_node(device)?;
+        if loopdev::is_loop_path(device) {
+            loopdev::refresh_capacity(device)?;
+        }
+        // Both grow a mounted filesystem online; xfs_growfs names it by its
+        // mount point (checked mounted by the caller, beneath kubelet's root).
+        match fs_type {
+            "ext4" => check("resize2fs", device, run("resize2fs", &[], device, self.deadlines.mkfs)?).map(drop)?,
+            "xfs" => check("xfs_growfs", mount_point, run("xfs_growfs", &["-d"], mount_point, self.deadlines.mkfs)?).map(drop)?,
+            other => return Err(SysError::Refused { path: device.to_path_buf(), what: format!("cannot grow a {other:?} filesystem (ext4 and xfs grow online)") }),
+        }
+        super::block_size(device)
+    }
+
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {
         let (program, args): (&'static str, &[&str]) = match fs_type {
             "ext4" => ("mkfs.ext4", &["-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1"]),

@@ -70,6 +70,7 @@ nix::ioctl_none_bad!(loop_ctl_get_free, 0x4C82);
 nix::ioctl_write_ptr_bad!(loop_configure, 0x4C0A, LoopConfig);
 nix::ioctl_none_bad!(loop_clr_fd, 0x4C01);
 nix::ioctl_read_bad!(loop_get_status64, 0x4C05, LoopInfo64);
+nix::ioctl_none_bad!(loop_set_capacity, 0x4C07);
 
 /// A NUL-padded copy of `bytes` for a `LO_NAME_SIZE` field.
 fn name_field(bytes: &[u8]) -> [u8; LO_NAME_SIZE] {
@@ -117,6 +118,18 @@ pub fn is_loop_path(device: &Path) -> bool {
         .to_str()
         .and_then(|d| d.strip_prefix("/dev/loop"))
         .is_some_and(|n| !n.is_empty() && n.len() <= 7 && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Make `device` as big as its backing file is now (LOOP_SET_CAPACITY):
+/// a grown file's device grows, with the device in use.
+pub fn refresh_capacity(device: &Path) -> Result<(), SysError> {
+    if !is_loop_path(device) {
+        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a loop device path (/dev/loopN)".into() });
+    }
+    let dev = File::open(device).map_err(io("open", device))?;
+    // SAFETY: LOOP_SET_CAPACITY takes no argument; the fd is open.
+    unsafe { loop_set_capacity(dev.as_raw_fd()) }.map_err(errno("refresh the capacity of", device))?;
+    Ok(())
 }
 
 /// Detach `device`; a device that is not attached is fine.

@@ -197,6 +197,13 @@ pub trait Filesystems: Send + Sync {
     /// Make a filesystem; refused when anything holds the device (mounted,
     /// or opened exclusively).
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError>;
+    /// Grow the `fs_type` filesystem on `device`, mounted at `mount_point`,
+    /// to the device's size (a loop device first takes its file's size);
+    /// the device's size in bytes after.
+    fn grow_filesystem(&self, device: &Path, mount_point: &Path, fs_type: &str) -> Result<u64, SysError> {
+        let _ = (mount_point, fs_type);
+        Err(SysError::Refused { path: device.to_path_buf(), what: "growing a filesystem is not available here".into() })
+    }
     /// Destroy the device's data; refused like [`mkfs`](Self::mkfs).
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
     /// Remove everything inside the dir `dir` (beneath a root, not a
