@@ -153,6 +153,13 @@ fn identity_registration_and_node_info() {
         let other = volagent::csi::drivers::socket_path(&kubelet_root(&node, "node-a"), "shared-file");
         wait_for(&other);
     });
+    // `volagent status` lists the drivers and what kubelet said.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_volagent")).args(["status", "--json", "--socket"]).arg(&node.socket).output().expect("status");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let drivers = v["csi"]["drivers"].as_array().expect("drivers");
+    let local = drivers.iter().find(|d| d["name"] == "local-pv.csi.volagent.io").expect("local-pv's driver");
+    assert_eq!(local["registration"], "refused: test says no", "{v}");
+    assert!(drivers.iter().any(|d| d["name"] == "shared-file.csi.volagent.io"), "{v}");
     let log = std::fs::read_to_string(node.log_path("node-a")).expect("log");
     assert!(log.contains("kubelet did not register the CSI driver") && log.contains("test says no"), "{log}");
 }
@@ -182,6 +189,10 @@ fn stage_publish_write_unpublish_unstage_and_back() {
         let mut ro = publish_request("pv1", &st, &tr, Mode::SingleNodeWriter, "pod-r");
         ro.readonly = true;
         c.node_publish_volume(ro).await.expect("read-only publish");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_volagent")).args(["status", "--socket"]).arg(&node.socket).output().expect("status");
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(table.contains("CSI publications: 3") && table.contains("default/pod-r") && table.contains(&tr), "{table}");
+        assert!(table.contains("csi/staged") && table.contains("/dev/loop"), "the stage is listed with its device:\n{table}");
         assert!(std::fs::write(format!("{tr}/x"), b"no").is_err(), "a read-only publication is read-only");
         c.node_unpublish_volume(unpublish("pv1", &tr)).await.expect("unpublish ro");
 

@@ -95,7 +95,9 @@ fn status_lists_the_held_volumes_and_their_pods_and_every_operation_is_one_log_l
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines[0], "node node-a holds 2 volumes", "{table}");
     assert!(lines[1].starts_with("BACKEND") && lines[1].contains("MOUNT DIR"), "{table}");
-    let rows: Vec<Vec<&str>> = lines[2..].iter().map(|l| l.split_whitespace().collect()).collect();
+    // The volumes' rows end where the next section (CSI drivers) starts.
+    let rows: Vec<Vec<&str>> = lines[2..].iter().take_while(|l| !l.is_empty()).map(|l| l.split_whitespace().collect()).collect();
+    assert!(table.contains("CSI drivers: 2") && table.contains("local-pv.csi.volagent.io"), "{table}");
     let cells = |r: &Vec<&str>| (r[0].to_string(), r[1].to_string(), r[2].to_string(), r[4].to_string(), r[5].to_string(), r[6].to_string(), r[8].to_string());
     let got: Vec<_> = rows.iter().map(cells).collect();
     let row = |vol: &str, pod: &str, mode: &str, dir: &str| {
@@ -139,7 +141,8 @@ fn status_lists_the_held_volumes_and_their_pods_and_every_operation_is_one_log_l
     assert_success(&node.driver(&["unmount", &c]));
     expected.push(("unmount", Some("pv1"), Some("default/pod-c"), "ok", c.clone()));
     let (code, table, _) = status(&node.socket, &[]);
-    assert_eq!((code, table.as_str()), (0, "node node-a holds no volumes\n"));
+    assert_eq!((code, table.lines().next()), (0, Some("node node-a holds no volumes")), "{table}");
+    assert!(table.lines().nth(1) == Some("") && table.contains("\nCSI drivers: 2\n"), "then the CSI drivers: {table}");
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 
     // Exactly one line per operation, in order, with its fields.

@@ -227,6 +227,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     // over the plugin dir, then kept in line with it by the watch.
     let (volume_plugin_dir, driver_binary) = driver_target(&args);
     let csi = (!args.no_csi).then(|| Arc::new(crate::csi::drivers::Drivers::new(agent.clone(), rt.handle().clone(), args.allowed_uids.clone())));
+    if let Some(csi) = &csi {
+        agent.serve_csi(csi);
+    }
     let integration = Integration {
         volume_plugin_dir,
         driver_binary,

@@ -2,7 +2,7 @@
 //! and for which pods, as a table for people or JSON for tools.
 
 use crate::socket::client;
-use crate::socket::protocol::{DEFAULT_SOCKET, HeldVolume, LocalReport, Request, Response};
+use crate::socket::protocol::{CsiReport, DEFAULT_SOCKET, HeldVolume, LocalReport, Request, Response};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,6 +35,9 @@ pub struct NodeVolumes {
     /// Local volumes and running wipes, when the agent manages them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local: Option<LocalReport>,
+    /// CSI drivers and publications, when the agent serves CSI.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub csi: Option<CsiReport>,
 }
 
 /// Exit 0 when the agent listed its volumes, 1 when it could not, and an
@@ -42,7 +45,7 @@ pub struct NodeVolumes {
 pub fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let response = client::ask(&args.socket, Request::Status, TIMEOUT)?;
     let status = match response {
-        Response::Status { node, volumes, volumes_left_out, volumes_error, local, .. } => NodeVolumes { node, volumes, volumes_left_out, volumes_error, local },
+        Response::Status { node, volumes, volumes_left_out, volumes_error, local, csi, .. } => NodeVolumes { node, volumes, volumes_left_out, volumes_error, local, csi },
         Response::Failed { kind, message } => anyhow::bail!("the agent at {} refused ({kind:?}): {message}", args.socket.display()),
         other => anyhow::bail!("the agent at {} answered {other:?}, not a status", args.socket.display()),
     };
@@ -108,6 +111,32 @@ pub fn table(status: &NodeVolumes) -> String {
     }
     if let Some(local) = &status.local {
         out.push_str(&local_table(local));
+    }
+    if let Some(csi) = &status.csi {
+        out.push_str(&csi_table(csi));
+    }
+    out
+}
+
+/// The CSI drivers and what kubelet said of each, then the publications.
+fn csi_table(csi: &CsiReport) -> String {
+    let mut out = format!("
+CSI drivers: {}
+", csi.drivers.len());
+    let rows: Vec<Vec<String>> = csi.drivers.iter().map(|d| vec![cell(&d.name), cell(&d.backend), cell(&d.registration)]).collect();
+    if !rows.is_empty() {
+        out.push_str(&aligned(&["DRIVER", "BACKEND", "KUBELET"], &rows));
+    }
+    if !csi.publications.is_empty() {
+        out.push_str(&format!("
+CSI publications: {}
+", csi.publications.len()));
+        let rows: Vec<Vec<String>> = csi
+            .publications
+            .iter()
+            .map(|p| vec![cell(&p.backend), cell(&p.volume), if p.pod.is_empty() { "-".into() } else { cell(&p.pod) }, if p.read_only { "ro" } else { "rw" }.into(), cell(&p.target)])
+            .collect();
+        out.push_str(&aligned(&["BACKEND", "VOLUME", "POD", "MODE", "TARGET"], &rows));
     }
     out
 }
@@ -205,7 +234,7 @@ mod tests {
     }
 
     fn status(volumes: Vec<HeldVolume>) -> NodeVolumes {
-        NodeVolumes { node: "node-a".into(), volumes, volumes_left_out: 0, volumes_error: None, local: None }
+        NodeVolumes { node: "node-a".into(), volumes, volumes_left_out: 0, volumes_error: None, local: None, csi: None }
     }
 
     #[test]

@@ -9,7 +9,7 @@ pub mod client;
 pub mod drivers;
 mod identity;
 mod node;
-mod registration;
+pub mod registration;
 pub mod request;
 
 /// Code generated from `proto/` by the build script.

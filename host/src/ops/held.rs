@@ -32,6 +32,7 @@ impl Agent {
             volumes_left_out: 0,
             volumes_error,
             local: self.local_report(),
+            csi: self.csi_report().await,
         };
         let base = serde_json::to_vec(&ResponseFrame { version: PROTOCOL_VERSION, response: status.clone() }).map_or(0, |b| b.len());
         let (kept, left_out) = fit(volumes, (MAX_FRAME as usize).saturating_sub(base));
@@ -40,6 +41,33 @@ impl Agent {
             *volumes_left_out = left_out;
         }
         status
+    }
+
+    async fn csi_report(&self) -> Option<crate::socket::protocol::CsiReport> {
+        use crate::csi::registration::Registered;
+        use crate::socket::protocol::{CsiDriver, CsiPublication, CsiReport};
+        let drivers = self.csi_drivers()?;
+        let drivers = drivers
+            .backends()
+            .into_iter()
+            .map(|(backend, state)| CsiDriver {
+                name: crate::csi::driver_name(&backend),
+                backend,
+                registration: match state {
+                    Registered::Yes => "registered".into(),
+                    Registered::NotYet => "waiting for kubelet".into(),
+                    Registered::Refused(e) => format!("refused: {e}"),
+                },
+            })
+            .collect();
+        let publications = match self.publications().await {
+            Ok(p) => p.into_iter().map(|p| CsiPublication { volume: p.volume, backend: p.backend, pod: p.pod, target: p.target, read_only: p.read_only }).collect(),
+            Err(f) => {
+                tracing::warn!("status: publications left out: {}", f.message);
+                Vec::new()
+            }
+        };
+        Some(CsiReport { drivers, publications })
     }
 
     async fn held_volumes(&self) -> Result<Vec<HeldVolume>, Failure> {
@@ -51,7 +79,14 @@ impl Agent {
             Vec::new()
         });
         let records: Vec<Record> = records.into_iter().map(|(r, _)| r).collect();
-        Ok(held_of(&records, &self.config.node, |r| self.config.paths(&r.backend, &r.volume).staging_dir, &table))
+        // A CSI stage's staging dir is kubelet's, the stage's own mount dir.
+        let staging_dir = |r: &Record| {
+            r.on_node(&self.config.node)
+                .find(|h| h.consumer.pod_namespace == super::csi::STAGE_NAMESPACE && h.consumer.pod == super::csi::STAGE_POD)
+                .map(|h| h.consumer.mount_dir.clone())
+                .unwrap_or_else(|| self.config.paths(&r.backend, &r.volume).staging_dir)
+        };
+        Ok(held_of(&records, &self.config.node, staging_dir, &table))
     }
 }
 
@@ -227,7 +262,7 @@ mod tests {
         // 20000 volumes of ~200 bytes: about 4 MiB, four frames' worth.
         let (kept, left_out) = fit((0..20_000).map(volume).collect(), MAX_FRAME as usize - 200);
         assert!(left_out > 0 && kept.len() + left_out == 20_000);
-        let status = Response::Status { node: "n1".into(), backends: vec![], problems: vec![], volumes: kept, volumes_left_out: left_out, volumes_error: None, local: None };
+        let status = Response::Status { node: "n1".into(), backends: vec![], problems: vec![], volumes: kept, volumes_left_out: left_out, volumes_error: None, local: None, csi: None };
         crate::socket::protocol::encode(&ResponseFrame { version: PROTOCOL_VERSION, response: status }).expect("within a frame");
     }
 

@@ -186,12 +186,14 @@ pub struct Agent {
     problems: RwLock<Vec<crate::socket::protocol::PluginProblem>>,
     /// Local volumes, when this agent manages them.
     local: std::sync::OnceLock<Arc<crate::local::report::LocalState>>,
+    /// The CSI drivers, when this agent serves CSI (weak: they hold the agent).
+    csi: std::sync::OnceLock<std::sync::Weak<crate::csi::drivers::Drivers>>,
 }
 
 impl Agent {
     pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys, plan_deadline: Duration) -> Agent {
         let plugins = plugins.into_iter().map(|p| (p.name().to_string(), Arc::new(p))).collect();
-        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None, problems: RwLock::default(), local: Default::default() }
+        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None, problems: RwLock::default(), local: Default::default(), csi: Default::default() }
     }
 
     /// Read node facts and PVs from `cluster`, and tell it of failures.
@@ -222,6 +224,15 @@ impl Agent {
     /// Report on local volumes in the status from now on.
     pub fn manage_local(&self, state: Arc<crate::local::report::LocalState>) {
         let _ = self.local.set(state);
+    }
+
+    /// Report these CSI drivers in the status.
+    pub fn serve_csi(&self, drivers: &Arc<crate::csi::drivers::Drivers>) {
+        let _ = self.csi.set(Arc::downgrade(drivers));
+    }
+
+    pub(crate) fn csi_drivers(&self) -> Option<Arc<crate::csi::drivers::Drivers>> {
+        self.csi.get().and_then(std::sync::Weak::upgrade)
     }
 
     pub fn local_report(&self) -> Option<crate::socket::protocol::LocalReport> {

@@ -71,6 +71,9 @@ pub enum Response {
         /// manages local volumes (it has local classes and a cluster).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         local: Option<LocalReport>,
+        /// The CSI drivers and publications, when the agent serves CSI.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        csi: Option<CsiReport>,
     },
     Failed { kind: FailureKind, message: String },
 }
@@ -116,6 +119,35 @@ pub struct WipeLine {
     pub step_kind: String,
     pub started_at: String,
     pub elapsed_secs: u64,
+}
+
+/// The CSI side of a node: its drivers, what kubelet said of each, and the
+/// volumes published into pods.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CsiReport {
+    pub drivers: Vec<CsiDriver>,
+    pub publications: Vec<CsiPublication>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CsiDriver {
+    pub name: String,
+    pub backend: String,
+    /// `registered`, `waiting for kubelet`, or `refused: <kubelet's error>`.
+    pub registration: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CsiPublication {
+    pub volume: String,
+    pub backend: String,
+    /// `<namespace>/<name>`, when kubelet said.
+    pub pod: String,
+    pub target: String,
+    pub read_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -276,6 +308,7 @@ mod tests {
         // And a full answer goes out and comes back as it was.
         let status = Response::Status {
             local: None,
+            csi: None,
             node: "n1".into(),
             backends: vec![],
             problems: vec![],
