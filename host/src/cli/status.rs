@@ -45,7 +45,7 @@ pub struct NodeVolumes {
 pub fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let response = client::ask(&args.socket, Request::Status, TIMEOUT)?;
     let status = match response {
-        Response::Status { node, volumes, volumes_left_out, volumes_error, local, csi, .. } => NodeVolumes { node, volumes, volumes_left_out, volumes_error, local, csi },
+        Response::Status { node, volumes, volumes_left_out, volumes_error, local, csi, .. } => NodeVolumes { node, volumes, volumes_left_out, volumes_error, local, csi: csi.map(|c| *c) },
         Response::Failed { kind, message } => anyhow::bail!("the agent at {} refused ({kind:?}): {message}", args.socket.display()),
         other => anyhow::bail!("the agent at {} answered {other:?}, not a status", args.socket.display()),
     };

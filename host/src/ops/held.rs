@@ -32,7 +32,7 @@ impl Agent {
             volumes_left_out: 0,
             volumes_error,
             local: self.local_report(),
-            csi: self.csi_report().await,
+            csi: self.csi_report().await.map(Box::new),
         };
         let base = serde_json::to_vec(&ResponseFrame { version: PROTOCOL_VERSION, response: status.clone() }).map_or(0, |b| b.len());
         let (kept, left_out) = fit(volumes, (MAX_FRAME as usize).saturating_sub(base));

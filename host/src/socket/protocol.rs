@@ -73,7 +73,7 @@ pub enum Response {
         local: Option<LocalReport>,
         /// The CSI drivers and publications, when the agent serves CSI.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        csi: Option<CsiReport>,
+        csi: Option<Box<CsiReport>>,
     },
     Failed { kind: FailureKind, message: String },
 }
