@@ -312,6 +312,11 @@ fn error_codes_and_nothing_changes() {
         let s = c.node_get_volume_stats(stats("pv2", &t1)).await.expect("stats").into_inner();
         let cond = s.volume_condition.expect("condition");
         assert!(cond.abnormal && cond.message.contains("not mounted"), "{cond:?}");
+        // Its publication no longer counts: the target may be published anew (read-only now).
+        let mut again = p1.clone();
+        again.readonly = true;
+        c.node_publish_volume(again).await.expect("a publication whose mount is gone is replaced");
+        assert!(std::fs::write(format!("{t1}/x"), b"no").is_err(), "read-only this time");
         c.node_unpublish_volume(unpublish("pv2", &t1)).await.expect("unpublish");
         c.node_unstage_volume(unstage("pv2", &st)).await.expect("unstage");
     });

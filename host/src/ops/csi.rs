@@ -147,13 +147,12 @@ impl Agent {
 
     pub async fn csi_unstage(&self, backend: &str, volume_id: &str, staging: &Path) -> Result<(), CsiError> {
         let dir = text(staging);
+        // A publication whose target is no longer mounted does not hold the
+        // stage; it is left to its unpublish (or the next start-up), not
+        // removed here without the volume's lock.
         for p in self.publications().await? {
-            if p.staging == dir && p.volume == volume_id {
-                if self.mounted(&p.target).await? {
-                    return Err(CsiError::Precondition(format!("volume {volume_id} is still published at {}; unpublish it first", p.target)));
-                }
-                let target = p.target.clone();
-                self.stash_op(move |s| s.remove_publication(&target)).await?;
+            if p.staging == dir && p.volume == volume_id && self.mounted(&p.target).await? {
+                return Err(CsiError::Precondition(format!("volume {volume_id} is still published at {}; unpublish it first", p.target)));
             }
         }
         let key = dir.clone();
@@ -185,8 +184,12 @@ impl Agent {
         }
         let mut lock = Some(self.lock(&req.volume_id)?);
         let publications = self.publications().await?;
-        let mut retry = false;
-        if let Some(p) = publications.iter().find(|p| p.target == target) {
+        // A publication at the target counts while the target is mounted;
+        // one whose mount is gone (unmounted behind the agent's back) is
+        // replaced.
+        if let Some(p) = publications.iter().find(|p| p.target == target)
+            && self.mounted(&target).await?
+        {
             if p.volume != req.volume_id || p.staging != staging || p.read_only != req.read_only {
                 return Err(CsiError::Exists(format!(
                     "{target} is already published{} from {}{}",
@@ -195,10 +198,7 @@ impl Agent {
                     if p.read_only { " read-only" } else { "" }
                 )));
             }
-            if self.mounted(&target).await? {
-                return Ok(());
-            }
-            retry = true;
+            return Ok(());
         }
         if req.access.single_pod {
             for p in publications.iter().filter(|p| p.volume == req.volume_id && p.target != target) {
@@ -220,10 +220,8 @@ impl Agent {
             single_pod: req.access.single_pod,
             pod: req.pod.clone(),
         };
-        if !retry {
-            let p = publication.clone();
-            self.stash_op(move |s| s.put_publication(&p)).await?;
-        }
+        let p = publication.clone();
+        self.stash_op(move |s| s.put_publication(&p)).await?;
         let bind = crate::policy::Step::BindMount(crate::policy::BindMount {
             source: staging,
             target: target.clone(),
