@@ -239,6 +239,11 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         csi: csi.clone(),
     };
     let mut reloader = Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
+    // The watch starts before the first pass: a file that lands after the
+    // pass has read the dir (even before the socket appears) still counts.
+    let watch = crate::plugin::watch::DirWatch::start(&plugin_dir)
+        .map_err(|e| tracing::error!("backends will not be reloaded: {e:#}"))
+        .ok();
     reloader.pass();
     let backends: Vec<String> = agent.backend_names();
     if backends.is_empty() {
@@ -280,11 +285,13 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         if let Some(csi) = &csi {
             csi.start();
         }
-        tokio::spawn(async move {
-            if let Err(e) = crate::plugin::watch::run(reloader).await {
-                tracing::error!("backends will not be reloaded: {e:#}");
-            }
-        });
+        if let Some(watch) = watch {
+            tokio::spawn(async move {
+                if let Err(e) = crate::plugin::watch::run(watch, reloader).await {
+                    tracing::error!("backends will not be reloaded: {e:#}");
+                }
+            });
+        }
         if let Some(c) = &cluster {
             tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
             if !local_classes.is_empty() {

@@ -22,21 +22,34 @@ fn relevant(event: &notify::Event) -> bool {
         })
 }
 
-/// Watch and reload until cancelled. Fails only if the watch cannot start.
-pub async fn run(reloader: Reloader) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let dir = reloader.dir().to_path_buf();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
-        Ok(e) if relevant(&e) => {
-            let _ = tx.send(());
-        }
-        Ok(_) => {}
-        Err(e) => tracing::error!("plugin dir watch: {e}"),
-    })
-    .context("inotify watch of the plugin dir")?;
-    watcher.watch(&dir, RecursiveMode::NonRecursive).with_context(|| format!("watching {}", dir.display()))?;
-    tracing::info!(dir = %dir.display(), "watching the plugin dir for backends added, updated and removed");
+/// The plugin dir's inotify watch, started before the first pass so that no
+/// change made after that pass begins can be missed.
+pub struct DirWatch {
+    _watcher: notify::RecommendedWatcher,
+    rx: tokio::sync::mpsc::UnboundedReceiver<()>,
+}
+
+impl DirWatch {
+    pub fn start(dir: &std::path::Path) -> anyhow::Result<DirWatch> {
+        use anyhow::Context;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+            Ok(e) if relevant(&e) => {
+                let _ = tx.send(());
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!("plugin dir watch: {e}"),
+        })
+        .context("inotify watch of the plugin dir")?;
+        watcher.watch(dir, RecursiveMode::NonRecursive).with_context(|| format!("watching {}", dir.display()))?;
+        tracing::info!(dir = %dir.display(), "watching the plugin dir for backends added, updated and removed");
+        Ok(DirWatch { _watcher: watcher, rx })
+    }
+}
+
+/// Reload on the watch's events until cancelled.
+pub async fn run(watch: DirWatch, reloader: Reloader) -> anyhow::Result<()> {
+    let DirWatch { _watcher, mut rx } = watch;
     let reloader = Arc::new(Mutex::new(reloader));
     let mut last_pass = Instant::now() - WINDOW;
     loop {
