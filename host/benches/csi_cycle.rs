@@ -50,6 +50,8 @@ fn main() {
     let mut kernel = Kernel::new(&scratch, &image);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let mut agent = rt.block_on(AgentUnderTest::start(&scratch, &image));
+    let rpc = rt.block_on(agent.rpc_latency());
+    println!("gRPC round trip (NodeGetCapabilities): p50 {:.2} ms", rpc.p50 / 1e3);
     // Interleaved, alternating which goes first: the disk's latency drifts
     // with whatever else writes to it, so both sides must see the same disk.
     let (mut up, mut down, mut k_up, mut k_down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -111,6 +113,18 @@ impl AgentUnderTest {
         let target = kubelet.join("pods/uid-1/volumes/kubernetes.io~csi/pv1/mount");
         std::fs::create_dir_all(target.parent().expect("parent")).expect("dir");
         AgentUnderTest { agent, client, image: image.display().to_string(), staging, target }
+    }
+
+    /// The floor every call pays: a round trip on the socket through
+    /// HTTP/2 and the service, doing nothing.
+    async fn rpc_latency(&mut self) -> Summary {
+        let mut times = Vec::new();
+        for _ in 0..cycles() {
+            let t = Instant::now();
+            self.client.node_get_capabilities(NodeGetCapabilitiesRequest {}).await.expect("capabilities");
+            times.push(t.elapsed());
+        }
+        summarize(&mut times)
     }
 
     async fn cycle(&mut self, up: &mut Vec<Duration>, down: &mut Vec<Duration>) {

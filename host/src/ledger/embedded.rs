@@ -120,20 +120,20 @@ fn compare_and_write(
 
 #[async_trait::async_trait]
 impl Ledger for EmbeddedLedger {
+    /// Read inline: a read transaction neither waits for writers nor
+    /// syncs, and a trip to a blocking thread costs more than the read.
     async fn get(&self, volume: &str) -> Result<Option<(Record, Version)>, LedgerError> {
-        let volume = volume.to_string();
-        self.blocking(move |db, err| {
-            let txn = db.begin_read().map_err(|e| err(&e))?;
-            let table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
-            match table.get(volume.as_str()).map_err(|e| err(&e))? {
-                Some(v) => {
-                    let s = decode(v.value(), err)?;
-                    Ok(Some((s.record, Version(s.version.to_string()))))
-                }
-                None => Ok(None),
+        let store = self.path.display().to_string();
+        let err = |e: &dyn std::fmt::Display| LedgerError::Store { store: store.clone(), message: e.to_string() };
+        let txn = self.db.begin_read().map_err(|e| err(&e))?;
+        let table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
+        match table.get(volume).map_err(|e| err(&e))? {
+            Some(v) => {
+                let s = decode(v.value(), &err)?;
+                Ok(Some((s.record, Version(s.version.to_string()))))
             }
-        })
-        .await
+            None => Ok(None),
+        }
     }
 
     async fn create(&self, record: &Record) -> Result<Version, LedgerError> {

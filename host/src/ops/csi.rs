@@ -178,50 +178,12 @@ impl Agent {
 
     pub async fn csi_publish(&self, backend: &str, req: PublishRequest) -> Result<(), CsiError> {
         let (staging, target) = (text(&req.staging), text(&req.target));
-        let entry = self.staged(&req.volume_id, &staging).await?;
-        if entry.volume.backend != backend {
-            return Err(CsiError::Precondition(format!("volume {} is staged by backend {}, not {backend}", req.volume_id, entry.volume.backend)));
-        }
         let mut lock = Some(self.lock(&req.volume_id)?);
-        let publications = self.publications().await?;
-        // A publication at the target counts while the target is mounted;
-        // one whose mount is gone (unmounted behind the agent's back) is
-        // replaced.
-        if let Some(p) = publications.iter().find(|p| p.target == target)
-            && self.mounted(&target).await?
-        {
-            if p.volume != req.volume_id || p.staging != staging || p.read_only != req.read_only {
-                return Err(CsiError::Exists(format!(
-                    "{target} is already published{} from {}{}",
-                    if p.volume != req.volume_id { format!(" with volume {}", p.volume) } else { String::new() },
-                    p.staging,
-                    if p.read_only { " read-only" } else { "" }
-                )));
-            }
-            return Ok(());
-        }
-        if req.access.single_pod {
-            for p in publications.iter().filter(|p| p.volume == req.volume_id && p.target != target) {
-                if self.mounted(&p.target).await? {
-                    let by = if p.pod.is_empty() { String::new() } else { format!(" by pod {}", p.pod) };
-                    return Err(CsiError::Precondition(format!(
-                        "volume {} is ReadWriteOncePod and already published at {}{by}",
-                        req.volume_id, p.target
-                    )));
-                }
-            }
-        }
-        let publication = Publication {
-            volume: req.volume_id.clone(),
-            backend: backend.to_string(),
-            staging: staging.clone(),
-            target: target.clone(),
-            read_only: req.read_only,
-            single_pod: req.access.single_pod,
-            pod: req.pod.clone(),
-        };
-        let p = publication.clone();
-        self.stash_op(move |s| s.put_publication(&p)).await?;
+        // Every check and the publication's record in one trip to a
+        // blocking thread: each is a few syscalls, and each trip costs more.
+        let (stash, sys, backend_name, r) = (self.stash.clone(), self.sys.clone(), backend.to_string(), req.clone());
+        let entry = blocking(move || publish_checked(&stash, &sys, &backend_name, &r)).await??;
+        let Some(entry) = entry else { return Ok(()) };
         let bind = crate::policy::Step::BindMount(crate::policy::BindMount {
             source: staging,
             target: target.clone(),
@@ -312,20 +274,6 @@ impl Agent {
         }
     }
 
-    /// The stage of `volume_id` at `staging`, which must be in place.
-    async fn staged(&self, volume_id: &str, staging: &str) -> Result<Entry, CsiError> {
-        let key = staging.to_string();
-        let entry = match self.stash_op(move |s| s.get(&key)).await? {
-            Some(e) if e.volume.name == volume_id => e,
-            Some(e) => return Err(CsiError::Precondition(format!("{staging} is the staging path of volume {}, not {volume_id}", e.volume.name))),
-            None => return Err(CsiError::Precondition(format!("volume {volume_id} is not staged at {staging}; NodeStageVolume comes first"))),
-        };
-        if !self.mounted(staging).await? {
-            return Err(CsiError::Precondition(format!("volume {volume_id}'s staging path {staging} is not mounted; stage it again")));
-        }
-        Ok(entry)
-    }
-
     pub(crate) async fn publications(&self) -> Result<Vec<Publication>, Failure> {
         self.stash_op(|s| s.publications()).await
     }
@@ -343,4 +291,66 @@ impl Agent {
         }
         Ok(gone)
     }
+}
+
+fn stash_failure(e: super::stash::StashError) -> CsiError {
+    CsiError::Op(internal(e))
+}
+
+fn mounted_now(sys: &crate::sys::Sys, path: &str) -> Result<bool, CsiError> {
+    sys.is_mounted(Path::new(path)).map_err(|e| CsiError::Op(internal(e)))
+}
+
+/// The checks of a publish, then its publication recorded: the stage of the
+/// volume in place, the target free or already this very publication, and a
+/// ReadWriteOncePod volume published nowhere else. None: published already.
+fn publish_checked(stash: &super::stash::Stash, sys: &crate::sys::Sys, backend: &str, req: &PublishRequest) -> Result<Option<Entry>, CsiError> {
+    let (staging, target) = (text(&req.staging), text(&req.target));
+    let volume_id = &req.volume_id;
+    let entry = match stash.get(&staging).map_err(stash_failure)? {
+        Some(e) if e.volume.name == *volume_id => e,
+        Some(e) => return Err(CsiError::Precondition(format!("{staging} is the staging path of volume {}, not {volume_id}", e.volume.name))),
+        None => return Err(CsiError::Precondition(format!("volume {volume_id} is not staged at {staging}; NodeStageVolume comes first"))),
+    };
+    if !mounted_now(sys, &staging)? {
+        return Err(CsiError::Precondition(format!("volume {volume_id}'s staging path {staging} is not mounted; stage it again")));
+    }
+    if entry.volume.backend != backend {
+        return Err(CsiError::Precondition(format!("volume {volume_id} is staged by backend {}, not {backend}", entry.volume.backend)));
+    }
+    let publications = stash.publications().map_err(stash_failure)?;
+    // A publication at the target counts while the target is mounted; one
+    // whose mount is gone (unmounted behind the agent's back) is replaced.
+    if let Some(p) = publications.iter().find(|p| p.target == target)
+        && mounted_now(sys, &target)?
+    {
+        if p.volume != *volume_id || p.staging != staging || p.read_only != req.read_only {
+            return Err(CsiError::Exists(format!(
+                "{target} is already published{} from {}{}",
+                if p.volume != *volume_id { format!(" with volume {}", p.volume) } else { String::new() },
+                p.staging,
+                if p.read_only { " read-only" } else { "" }
+            )));
+        }
+        return Ok(None);
+    }
+    if req.access.single_pod {
+        for p in publications.iter().filter(|p| p.volume == *volume_id && p.target != target) {
+            if mounted_now(sys, &p.target)? {
+                let by = if p.pod.is_empty() { String::new() } else { format!(" by pod {}", p.pod) };
+                return Err(CsiError::Precondition(format!("volume {volume_id} is ReadWriteOncePod and already published at {}{by}", p.target)));
+            }
+        }
+    }
+    let publication = Publication {
+        volume: volume_id.clone(),
+        backend: backend.to_string(),
+        staging,
+        target,
+        read_only: req.read_only,
+        single_pod: req.access.single_pod,
+        pod: req.pod.clone(),
+    };
+    stash.put_publication(&publication).map_err(stash_failure)?;
+    Ok(Some(entry))
 }

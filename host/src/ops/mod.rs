@@ -371,15 +371,25 @@ impl Agent {
     /// operation on the volume starts meanwhile. Records stay as they are:
     /// kubelet's retry (or, after a restart, reconciliation) settles them.
     async fn run_plan(&self, plan: Vec<crate::policy::Step>, lock: &mut Option<LockGuard>) -> Result<crate::exec::Outcome, Failure> {
-        self.run_plan_with(plan, lock, Arc::default()).await
+        self.run_plan_with(plan, lock, Arc::default(), || Ok(())).await
     }
 
-    /// [`run_plan`](Self::run_plan) with the volume's secret values.
-    async fn run_plan_with(&self, plan: Vec<crate::policy::Step>, lock: &mut Option<LockGuard>, secrets: Arc<crate::secret::Secrets>) -> Result<crate::exec::Outcome, Failure> {
+    /// [`run_plan`](Self::run_plan) with the volume's secret values, after
+    /// `before` (on the same blocking thread: one trip there, not two).
+    async fn run_plan_with(
+        &self,
+        plan: Vec<crate::policy::Step>,
+        lock: &mut Option<LockGuard>,
+        secrets: Arc<crate::secret::Secrets>,
+        before: impl FnOnce() -> Result<(), Failure> + Send + 'static,
+    ) -> Result<crate::exec::Outcome, Failure> {
         let exec = Executor::new(self.sys.clone()).with_secrets(secrets);
-        let mut task = tokio::task::spawn_blocking(move || exec.run(&plan));
+        let mut task = tokio::task::spawn_blocking(move || {
+            before()?;
+            exec.run(&plan).map_err(internal)
+        });
         match tokio::time::timeout(self.plan_deadline, &mut task).await {
-            Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}")))?.map_err(internal),
+            Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}")))?,
             Err(_) => {
                 let guard = lock.take();
                 tokio::spawn(async move {
@@ -476,7 +486,7 @@ impl Agent {
         // Fence and record, retrying lost races with a fresh read.
         let source = VolumeSource::of(&volume);
         let mut attempt = 0;
-        let (local, added, queries) = loop {
+        let (added, plan) = loop {
             attempt += 1;
             let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
             if let Some((recorded, _)) = &current {
@@ -503,7 +513,7 @@ impl Agent {
                 Decision::Grant => {}
                 Decision::Deny(reason) => return Err(Failure::fenced(reason)),
                 Decision::TakeOver(take) => {
-                    self.run_plan_with(take.fence_steps.clone(), &mut lock, secrets.clone()).await?;
+                    self.run_plan_with(take.fence_steps.clone(), &mut lock, secrets.clone(), || Ok(())).await?;
                     kept.retain(|h| !take.stale.contains(h));
                     // The gone nodes' clients were fenced with them.
                     clients.retain(|c| !take.stale.iter().any(|h| h.consumer.node == c.node));
@@ -523,15 +533,26 @@ impl Agent {
                 holders: kept,
                 storage_clients: clients,
             };
-            let written = match &current {
-                None => self.ledger.create(&record).await,
-                Some((r, v)) if record.holders != holders || r.source.is_none() || record.storage_clients != r.storage_clients => {
-                    self.ledger.update(&record, v).await
-                }
-                Some((_, v)) => Ok(v.clone()),
+            // The record is written while the backend computes its plan
+            // from the same view: the plan has no effects, and is dropped
+            // when the write loses a race or fails.
+            let ledger = self.ledger.clone();
+            let changed = match &current {
+                None => true,
+                Some((r, _)) => record.holders != holders || r.source.is_none() || record.storage_clients != r.storage_clients,
             };
+            let version = current.as_ref().map(|(_, v)| v.clone());
+            let write = tokio::spawn(async move {
+                match version {
+                    None => ledger.create(&record).await,
+                    Some(v) if changed => ledger.update(&record, &v).await,
+                    Some(v) => Ok(v),
+                }
+            });
+            let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
+            let written = write.await.map_err(|e| internal(format!("agent task failed: {e}")))?;
             match written {
-                Ok(_) => break (local, !already, queries),
+                Ok(_) => break (!already, plan),
                 Err(e) if e.is_race() && attempt < LEDGER_RETRIES => continue,
                 Err(e) => return Err(ledger_failure(e)),
             }
@@ -539,9 +560,10 @@ impl Agent {
 
         let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone() };
         let result = async {
-            let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal)?;
-            self.stash_op(move |s| s.put(&entry)).await?;
-            self.run_plan_with(plan, &mut lock, secrets.clone()).await
+            let plan = plan?;
+            // Stashed before any step runs, on the steps' own thread.
+            let stash = self.stash.clone();
+            self.run_plan_with(plan, &mut lock, secrets.clone(), move || stash.put(&entry).map_err(internal)).await
         }
         .await;
         if let Ok(outcome) = &result

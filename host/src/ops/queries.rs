@@ -39,8 +39,46 @@ pub struct NodeQueries {
 const MAX_QUERY_THREADS: usize = 32;
 static QUERY_THREADS: AtomicUsize = AtomicUsize::new(0);
 
-/// Run `f` on a thread of its own and wait for it at most `deadline`; a
-/// thread that does not answer is left to finish (or not) on its own.
+/// Query threads kept waiting for the next query once theirs is answered:
+/// starting a thread costs more than most queries do.
+const IDLE_QUERY_THREADS: usize = 4;
+
+type Job = Box<dyn FnOnce() + Send>;
+static IDLE: std::sync::Mutex<Vec<std::sync::mpsc::Sender<Job>>> = std::sync::Mutex::new(Vec::new());
+
+fn idle() -> std::sync::MutexGuard<'static, Vec<std::sync::mpsc::Sender<Job>>> {
+    IDLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A query thread: runs jobs until, a job done, enough others are idle.
+fn query_thread(jobs: std::sync::mpsc::Receiver<Job>, me: std::sync::mpsc::Sender<Job>) {
+    while let Ok(job) = jobs.recv() {
+        job();
+        let mut idle = idle();
+        if idle.len() >= IDLE_QUERY_THREADS {
+            return;
+        }
+        idle.push(me.clone());
+    }
+}
+
+/// Hand `job` to an idle query thread, or to a new one.
+fn dispatch(job: Job) -> std::io::Result<()> {
+    let mut job = job;
+    while let Some(worker) = idle().pop() {
+        match worker.send(job) {
+            Ok(()) => return Ok(()),
+            Err(std::sync::mpsc::SendError(back)) => job = back,
+        }
+    }
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    // Cannot fail: the receiver is right here.
+    let _ = tx.send(job);
+    std::thread::Builder::new().name("volagent-query".into()).spawn(move || query_thread(rx, tx)).map(drop)
+}
+
+/// Run `f` on a query thread and wait for it at most `deadline`; a thread
+/// that does not answer is left to finish (or not) on its own.
 fn bounded<T: Send + 'static>(query: &'static str, path: &str, deadline: Duration, f: impl FnOnce() -> T + Send + 'static) -> Result<T, QueryError> {
     let failed = |message: String| QueryError::Failed { query, path: path.to_string(), message };
     if QUERY_THREADS.fetch_add(1, Ordering::SeqCst) >= MAX_QUERY_THREADS {
@@ -48,11 +86,11 @@ fn bounded<T: Send + 'static>(query: &'static str, path: &str, deadline: Duratio
         return Err(failed(format!("{MAX_QUERY_THREADS} earlier queries are still blocked (a hung filesystem?); not asking again")));
     }
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    let spawned = std::thread::Builder::new().name("volagent-query".into()).spawn(move || {
+    let job: Job = Box::new(move || {
         let _ = tx.send(f());
         QUERY_THREADS.fetch_sub(1, Ordering::SeqCst);
     });
-    if let Err(e) = spawned {
+    if let Err(e) = dispatch(job) {
         QUERY_THREADS.fetch_sub(1, Ordering::SeqCst);
         return Err(failed(format!("cannot start a query thread: {e}")));
     }

@@ -93,7 +93,7 @@ impl Agent {
     pub(super) async fn mounted(&self, dir: &str) -> Result<bool, Failure> {
         let sys = self.sys.clone();
         let dir = PathBuf::from(dir);
-        Ok(blocking(move || sys.mount_at(&dir)).await?.map_err(internal)?.is_some())
+        blocking(move || sys.is_mounted(&dir)).await?.map_err(internal)
     }
 
     /// An orphan staging mount, `<staging-root>/<backend>/mounts/<volume>`,
