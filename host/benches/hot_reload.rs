@@ -31,7 +31,7 @@ fn main() {
         .arg("--kubelet-root").arg(at("kubelet"))
         .arg("--discovery-dir").arg(at("disks"))
         .arg("--volume-plugin-dir").arg(at("vpd"))
-        .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+        .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -6,7 +6,7 @@
 //! commits, the filesystem probe. Needs root.
 //! Run: `cargo bench -p volagent --bench mount_cycle`. `MOUNT_CYCLE_CYCLES`
 //! sets the number of cycles; `MOUNT_CYCLE_FLEX_DRIVER` runs another build
-//! of the driver (a statically linked one, say) than cargo's.
+//! of the driver than the statically linked one that ships.
 
 #[path = "../tests/common.rs"]
 mod common;
@@ -102,7 +102,7 @@ impl AgentUnderTest {
             .arg("--kubelet-root").arg(scratch.path("kubelet"))
             .arg("--discovery-dir").arg(scratch.path("disks"))
             .arg("--volume-plugin-dir").arg(scratch.path("vpd"))
-            .arg("--flex-driver").arg(std::env::var_os("MOUNT_CYCLE_FLEX_DRIVER").unwrap_or(env!("CARGO_BIN_EXE_volagent-flex").into()))
+            .arg("--flex-driver").arg(std::env::var_os("MOUNT_CYCLE_FLEX_DRIVER").unwrap_or(volagent_test_artifacts::FLEX_DRIVER.into()))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -41,7 +41,7 @@ fn as_pid_1_the_agent_serves_reaps_orphans_and_stops_on_sigterm() {
         .arg("--kubelet-root").arg(s.path("kubelet"))
         .arg("--discovery-dir").arg(s.path("disks"))
         .arg("--volume-plugin-dir").arg(s.path("vpd"))
-        .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+        .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -48,7 +48,7 @@ impl Node {
             .arg("--kubelet-root").arg(scratch.path("kubelet"))
             .arg("--discovery-dir").arg(scratch.path("disks"))
             .arg("--volume-plugin-dir").arg(scratch.path("vpd"))
-            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
             .arg("--metrics-addr").arg(metrics.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

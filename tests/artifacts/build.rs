@@ -1,6 +1,7 @@
 //! Builds every guest component (the four backends and the test-only
-//! guests) for wasm32-wasip2 and writes their paths as constants, so a
-//! missing or broken guest fails the host's test build instead of skipping.
+//! guests) for wasm32-wasip2, and the Flexvolume driver as it ships
+//! (statically linked), and writes their paths as constants, so a missing
+//! or broken one fails the host's test build instead of skipping.
 
 use std::env;
 use std::path::PathBuf;
@@ -21,7 +22,7 @@ const GUESTS: &[(&str, &str, &str)] = &[
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let root = manifest.join("../..").canonicalize().expect("workspace root");
-    for dir in ["wit", "guest-plugins", "tests/guests", "Cargo.toml", "Cargo.lock"] {
+    for dir in ["wit", "guest-plugins", "tests/guests", "protocol", "flex", "Cargo.toml", "Cargo.lock"] {
         println!("cargo:rerun-if-changed={}", root.join(dir).display());
     }
     // A target dir of its own: the outer cargo holds the lock on its own.
@@ -46,10 +47,31 @@ fn main() {
     assert!(status.success(), "building the guest components failed (is the wasm32-wasip2 target installed? run scripts/setup)");
 
     let mut consts = String::new();
+    consts.push_str(&format!("pub const FLEX_DRIVER: &str = {:?};\n", flex_driver(&root, &out).display().to_string()));
     for (name, _, stem) in GUESTS {
         let path = target_dir.join("wasm32-wasip2/guest").join(format!("{stem}.wasm"));
         assert!(path.is_file(), "guest artifact {} is missing", path.display());
         consts.push_str(&format!("pub const {name}: &str = {:?};\n", path.display().to_string()));
     }
     std::fs::write(out.join("guests.rs"), consts).expect("write guests.rs");
+}
+
+/// The driver, built as scripts/build-flex builds it (same flags, same dir).
+fn flex_driver(root: &std::path::Path, out: &std::path::Path) -> PathBuf {
+    let target_dir = out.ancestors().nth(4).expect("OUT_DIR is inside the target dir").join("flex");
+    let triple = env::var("TARGET").expect("cargo sets TARGET");
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(root)
+        .args(["build", "--quiet", "--release", "--locked", "-p", "volagent-flex", "--target", &triple, "--target-dir"])
+        .arg(&target_dir);
+    for var in ["CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTC_WORKSPACE_WRAPPER"] {
+        cmd.env_remove(var);
+    }
+    cmd.env("RUSTFLAGS", "-C target-feature=+crt-static");
+    let status = cmd.status().expect("run cargo for the Flexvolume driver");
+    assert!(status.success(), "building the Flexvolume driver failed");
+    let path = target_dir.join(&triple).join("release/volagent-flex");
+    assert!(path.is_file(), "the Flexvolume driver {} is missing", path.display());
+    path
 }

@@ -3,7 +3,6 @@
 //! dot-name, fsync, rename: kubelet ignores dot-files), with the config file
 //! that tells the driver where the agent's socket is.
 
-use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -17,14 +16,8 @@ pub const KNOWN_VOLUME_PLUGIN_DIRS: &[&str] = &[
     "/etc/kubernetes/volumeplugins",
 ];
 
-/// The file beside each driver.
-pub const DRIVER_CONFIG: &str = "volagent.json";
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DriverConfig {
-    pub socket: PathBuf,
-    pub backend: String,
-}
+/// The file beside each driver, and what it says.
+pub use volagent_protocol::{DRIVER_CONFIG, DriverConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {

@@ -3,5 +3,5 @@
 //! CLI's status commands use.
 
 pub mod client;
-pub mod protocol;
+pub use volagent_protocol as protocol;
 pub mod server;

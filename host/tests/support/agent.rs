@@ -67,7 +67,7 @@ impl Node {
             .arg("--kubelet-root").arg(at("kubelet"))
             .arg("--discovery-dir").arg(s.path("disks"))
             .arg("--volume-plugin-dir").arg(at("vpd"))
-            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
             .args(extra)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())

@@ -92,7 +92,7 @@ impl Cluster {
             .arg("--kubelet-root").arg(at("kubelet"))
             .arg("--discovery-dir").arg(self.scratch.path("disks"))
             .arg("--volume-plugin-dir").arg(at("vpd"))
-            .arg("--flex-driver").arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
             .args(extra)
             .envs(env.iter().copied())
             .stdout(Stdio::null())

@@ -148,7 +148,7 @@ impl Cluster {
             .arg("--volume-plugin-dir")
             .arg(n.dir.join("volume-plugins"))
             .arg("--flex-driver")
-            .arg(env!("CARGO_BIN_EXE_volagent-flex"))
+            .arg(volagent_test_artifacts::FLEX_DRIVER)
             .args(&n.agent_args)
             .envs(env_vars);
         let child = volagent_kube_env::spawn_in(cmd, &n.agent_log(), true, Some(&ns)).expect("start the agent");

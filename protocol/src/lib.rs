@@ -1,7 +1,7 @@
 //! The agent socket protocol, version 1 (docs/protocol.md): one request and
 //! one response per connection, each a frame of a 4-byte big-endian length
-//! and that many bytes of JSON. Kept free of everything else, so that the
-//! Flexvolume driver links nothing but this.
+//! and that many bytes of JSON. A crate of its own, so that the Flexvolume
+//! driver links nothing but this.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -272,6 +272,16 @@ pub fn exchange(stream: &mut (impl Read + Write), request: Request) -> Result<Re
         return Err(FrameError::Version(frame.version));
     }
     Ok(frame.response)
+}
+
+/// The file beside an installed driver that tells it where the agent
+/// listens and which backend it is.
+pub const DRIVER_CONFIG: &str = "volagent.json";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DriverConfig {
+    pub socket: std::path::PathBuf,
+    pub backend: String,
 }
 
 #[cfg(test)]

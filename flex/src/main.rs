@@ -9,8 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
-use volagent::plugin::install::{DRIVER_CONFIG, DriverConfig};
-use volagent::socket::protocol::{self, DEFAULT_SOCKET, Request, Response};
+use volagent_protocol::{self as protocol, DEFAULT_SOCKET, DRIVER_CONFIG, DriverConfig, Request, Response};
 
 /// kubelet applies no timeout to mount/unmount; the driver bounds its wait
 /// so a wedged agent cannot hang kubelet's operation forever.
