@@ -21,6 +21,8 @@ fn caps() -> Capabilities {
             StepKind::Wipe,
             StepKind::BlocklistClient,
             StepKind::ClearDirectory,
+            StepKind::PublishBlock,
+            StepKind::GrowFilesystem,
         ],
         device_kinds: vec![DeviceKind::Loop, DeviceKind::Nbd, DeviceKind::Rbd],
         filesystems: vec!["ext4".into(), "xfs".into()],
@@ -35,6 +37,8 @@ fn volume() -> Volume {
         backend: "local-pv".into(),
         access_mode: AccessMode::ReadWriteOnce,
         fs_type: "ext4".into(),
+        mode: VolumeMode::Filesystem,
+        mount_flags: vec![],
         options: vec![KeyValue { key: "path".into(), value: "/mnt/disks/vol1.img".into() }],
         secret_keys: vec!["key".into()],
     }
@@ -48,6 +52,7 @@ fn consumer(node: &str, read_only: bool) -> Consumer {
         pod_uid: "uid-a".into(),
         mount_dir: POD.into(),
         read_only,
+        mount_group: None,
     }
 }
 

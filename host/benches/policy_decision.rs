@@ -69,6 +69,8 @@ fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
         backend: "local-pv".into(),
         access_mode: host::AccessMode::ReadWriteOnce,
         fs_type: "ext4".into(),
+        mode: host::VolumeMode::Filesystem,
+        mount_flags: vec![],
         options: vec![
             host::KeyValue { key: "path".into(), value: IMAGE.into() },
             host::KeyValue { key: "node".into(), value: "node-a".into() },
@@ -82,6 +84,7 @@ fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
         pod_uid: format!("uid-{pod}"),
         mount_dir: format!("/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~local-pv/pv1"),
         read_only: false,
+        mount_group: None,
     };
     let holders = vec![host::Holder { consumer: consumer("a"), since: "2026-11-01T10:00:00Z".into() }];
     let requester = consumer("b");
@@ -110,6 +113,8 @@ fn native_inputs() -> (sdk::fake::FakeHost, sdk::Volume, sdk::Consumer, Vec<sdk:
         backend: "local-pv".into(),
         access_mode: sdk::AccessMode::ReadWriteOnce,
         fs_type: "ext4".into(),
+        mode: sdk::VolumeMode::Filesystem,
+        mount_flags: vec![],
         options: vec![
             sdk::KeyValue { key: "path".into(), value: IMAGE.into() },
             sdk::KeyValue { key: "node".into(), value: "node-a".into() },

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use volagent::policy::scenario;
 use volagent::policy::*;
 use volagent_test_artifacts::BACKENDS;
@@ -14,10 +14,11 @@ fn every_backend_loads_and_declares_itself() {
     for (name, path) in BACKENDS {
         let plugin = load(&rt, path);
         assert_eq!(plugin.name(), *name);
-        assert_eq!(plugin.export(), "volagent:policy/policy@0.4.0");
+        assert_eq!(plugin.export(), "volagent:policy/policy@0.5.0");
+        assert_eq!(plugin.contract(), "0.5.0");
         assert_eq!(plugin.sha256().len(), 64);
         // Only policies that ask the host something import `host`.
-        let asks = plugin.imports().iter().any(|i| i == "volagent:policy/host@0.4.0");
+        let asks = plugin.imports().iter().any(|i| i == "volagent:policy/host@0.5.0");
         assert_eq!(asks, matches!(*name, "rbd" | "local-pv"), "{name}: {:?}", plugin.imports());
         assert!(!plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")), "{name}: {:?}", plugin.imports());
         assert!(!plugin.info().capabilities.steps.is_empty());
@@ -41,6 +42,80 @@ fn every_backend_passes_its_shipped_scenarios() {
         }
         assert!(ran >= 6, "{name}: only {ran} scenarios ran");
     }
+}
+
+/// The release builds of the four policies for the previous contract,
+/// kept as they were built (tests/fixtures/contract-0.4).
+fn previous_contract_builds() -> Vec<(&'static str, PathBuf)> {
+    let dir = workspace().join("tests/fixtures/contract-0.4");
+    BACKENDS.iter().map(|(name, _)| (*name, dir.join(format!("{name}.wasm")))).collect()
+}
+
+#[test]
+fn guests_of_the_previous_contract_load_and_pass_the_same_scenarios() {
+    let rt = runtime(500);
+    for (name, path) in previous_contract_builds() {
+        let plugin = load(&rt, path.to_str().expect("utf-8 path"));
+        assert_eq!(plugin.name(), name);
+        assert_eq!(plugin.export(), "volagent:policy/policy@0.4.0", "{name}");
+        assert_eq!(plugin.contract(), "0.4.0", "{name}");
+        let dir = workspace().join("guest-plugins").join(name).join("scenarios");
+        let mut ran = 0;
+        for file in scenario::files(&dir).unwrap_or_else(|e| panic!("{e}")) {
+            for outcome in scenario::run_file(&plugin, &file).unwrap_or_else(|e| panic!("{e}")) {
+                // Scenarios of what 0.4 could not be asked are 0.5's own.
+                if outcome.name.contains("(0.5)") {
+                    continue;
+                }
+                ran += 1;
+                if let Some(why) = outcome.failure {
+                    panic!("{name} built for 0.4: {}: {}\n{why}", file.display(), outcome.name);
+                }
+            }
+        }
+        assert!(ran >= 6, "{name}: only {ran} scenarios ran");
+    }
+}
+
+#[test]
+fn what_the_previous_contract_cannot_be_asked_is_refused_not_narrowed() {
+    let rt = runtime(500);
+    let (_, path) = previous_contract_builds().into_iter().find(|(n, _)| *n == "local-pv").expect("local-pv");
+    let old = load(&rt, path.to_str().expect("utf-8 path"));
+    let new = load(&rt, volagent_test_artifacts::LOCAL_PV);
+    let mut v = volume("pv1", "local-pv");
+    v.options = vec![
+        KeyValue { key: "path".into(), value: "/mnt/disks/a.img".into() },
+        KeyValue { key: "node".into(), value: "n1".into() },
+    ];
+    let mut q = RecordedQueries::default();
+    q.paths.insert("/mnt/disks/a.img".into(), PathKind::RegularFile);
+    let q = std::sync::Arc::new(q);
+    let mut c = consumer("n1", "a", "local-pv", "pv1");
+    let p = paths("local-pv", "pv1");
+    // The same filesystem request gets the same plan from both builds.
+    assert_eq!(old.attach(q.clone(), &v, &c, &[], &p).unwrap(), new.attach(q.clone(), &v, &c, &[], &p).unwrap());
+    // A block volume: the 0.5 build publishes the device; the 0.4 build is
+    // never asked, and the refusal says why.
+    v.mode = VolumeMode::Block;
+    c.mount_dir = format!("{}/pv1", p.staging_dir);
+    let plan = new.attach(q.clone(), &v, &c, &[], &p).unwrap();
+    assert!(matches!(plan.as_slice(), [Step::AttachDevice(_), Step::PublishBlock(b)] if b.target == c.mount_dir), "{plan:?}");
+    let err = old.attach(q.clone(), &v, &c, &[], &p).unwrap_err();
+    assert!(err.is_policy_refusal() && err.to_string().contains("0.4.0, which has no block volumes"), "{err}");
+    v.mode = VolumeMode::Filesystem;
+    v.mount_flags = vec!["noatime".into()];
+    let err = old.attach(q.clone(), &v, &c, &[], &p).unwrap_err();
+    assert!(err.to_string().contains("no mount flags"), "{err}");
+    let plan = new.attach(q.clone(), &v, &c, &[], &p).unwrap();
+    assert!(plan.iter().any(|s| matches!(s, Step::Mount(m) if m.options == ["noatime"])), "the 0.5 build passes the volume's mount flags: {plan:?}");
+    // Expansion: the 0.5 build decides (the filesystem at the consumer's
+    // dir grows); a 0.4 build gets what 0.4 hosts did, the same step.
+    v.mount_flags.clear();
+    let c = consumer("n1", "a", "local-pv", "pv1");
+    let grow = vec![Step::GrowFilesystem(GrowFilesystem { target: c.mount_dir.clone() })];
+    assert_eq!(new.expand(q.clone(), &v, &c, &p).unwrap(), grow);
+    assert_eq!(old.expand(q, &v, &c, &p).unwrap(), grow);
 }
 
 #[test]

@@ -84,14 +84,22 @@ fn plugin_test_of_a_non_backend_names_the_file() {
 fn plugin_inspect_shows_world_version_info_and_imports() {
     let (code, out, err) = volagent(&["plugin", "inspect", RBD]);
     assert_eq!(code, 0, "{err}");
-    for expected in ["world:       exports volagent:policy/policy@0.4.0", "backend:     rbd 0.1.0", "devices:     rbd", "blocklist-client", "volagent:policy/host@0.4.0"] {
+    for expected in ["world:       exports volagent:policy/policy@0.5.0\n", "backend:     rbd 0.1.0", "devices:     rbd", "blocklist-client", "publish-block", "volagent:policy/host@0.5.0"] {
         assert!(out.contains(expected), "missing {expected:?} in\n{out}");
     }
     let (code, out, _) = volagent(&["plugin", "inspect", "--json", RBD]);
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).expect("inspect --json prints JSON");
     assert_eq!(v["info"]["name"], "rbd");
-    assert_eq!(v["export"], "volagent:policy/policy@0.4.0");
+    assert_eq!(v["export"], "volagent:policy/policy@0.5.0");
+    assert_eq!(v["contract"], "0.5.0");
+    // A build for the previous contract says which it speaks, and that the
+    // host serves it through its adapter.
+    let old = common::workspace().join("tests/fixtures/contract-0.4/rbd.wasm");
+    let (code, out, err) = volagent(&["plugin", "inspect", old.to_str().expect("utf-8")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("exports volagent:policy/policy@0.4.0 (contract 0.4.0, served through the host's adapter)"), "{out}");
+    assert!(!out.contains("publish-block"), "{out}");
 }
 
 #[test]

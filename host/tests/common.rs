@@ -25,6 +25,8 @@ pub fn volume(name: &str, backend: &str) -> Volume {
         backend: backend.into(),
         access_mode: AccessMode::ReadWriteOnce,
         fs_type: String::new(),
+        mode: volagent::policy::VolumeMode::Filesystem,
+        mount_flags: Vec::new(),
         options: vec![],
         secret_keys: vec![],
     }
@@ -38,6 +40,7 @@ pub fn consumer(node: &str, pod: &str, backend: &str, volume: &str) -> Consumer 
         pod_uid: format!("uid-{pod}"),
         mount_dir: format!("/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~{backend}/{volume}"),
         read_only: false,
+        mount_group: None,
     }
 }
 

@@ -470,3 +470,122 @@ fn expansion_grows_a_mounted_filesystem() {
     }
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
+
+fn block_capability(mode: Mode) -> Option<VolumeCapability> {
+    Some(VolumeCapability { access_type: Some(AccessType::Block(Default::default())), access_mode: Some(AccessMode { mode: mode as i32 }) })
+}
+
+/// A block volume as kubelet 1.20 lays it out: the stage binds the loop
+/// device at a file named after the volume in kubelet's staging dir; each
+/// publish binds it again at kubelet's target file, which the container
+/// then gets as a device. Data written through one target is read through
+/// another; nothing is formatted or mounted; unpublish and unstage remove
+/// the files they made and detach the device.
+#[test]
+fn a_block_volume_is_published_as_a_device_node() {
+    let node = Node::start();
+    let image = node.image("blk.img", 16);
+    let root = kubelet_root(&node, "node-a");
+    let st = root.join("plugins/kubernetes.io/csi/volumeDevices/staging/blk1");
+    std::fs::create_dir_all(&st).expect("kubelet makes the staging dir");
+    let st = st.display().to_string();
+    let publish_dir = root.join("plugins/kubernetes.io/csi/volumeDevices/publish/blk1");
+    std::fs::create_dir_all(&publish_dir).expect("kubelet makes the publish dir");
+    let (ta, tb) = (publish_dir.join("uid-a").display().to_string(), publish_dir.join("uid-b").display().to_string());
+    let is_block = |p: &str| std::fs::metadata(p).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()));
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        let mut stage = stage_request("blk1", &st, &image, Mode::SingleNodeWriter);
+        stage.volume_capability = block_capability(Mode::SingleNodeWriter);
+        c.node_stage_volume(stage.clone()).await.expect("stage");
+        c.node_stage_volume(stage.clone()).await.expect("stage again: idempotent");
+        let staged = format!("{st}/blk1");
+        assert!(is_block(&staged), "the device is bound at {staged}");
+        assert_eq!(node.scratch.mounts(), [PathBuf::from(&staged)]);
+        // The same volume asked as a filesystem is another capability.
+        assert_code(c.node_stage_volume(stage_request("blk1", &st, &image, Mode::SingleNodeWriter)).await, Code::AlreadyExists, "another capability");
+
+        for (t, pod) in [(&ta, "pod-a"), (&tb, "pod-b")] {
+            let mut p = publish_request("blk1", &st, t, Mode::SingleNodeWriter, pod);
+            p.volume_capability = block_capability(Mode::SingleNodeWriter);
+            c.node_publish_volume(p.clone()).await.expect("publish");
+            c.node_publish_volume(p).await.expect("publish again: idempotent");
+            assert!(is_block(t), "{t} is the device");
+        }
+        // A filesystem publish of a block stage is refused.
+        let tc = publish_dir.join("uid-c").display().to_string();
+        assert_code(c.node_publish_volume(publish_request("blk1", &st, &tc, Mode::SingleNodeWriter, "pod-c")).await, Code::FailedPrecondition, "staged as a block volume");
+
+        // Raw data through one target, read through the other.
+        {
+            use std::io::{Read, Seek, Write};
+            let mut w = std::fs::OpenOptions::new().write(true).open(&ta).expect("open a");
+            w.seek(std::io::SeekFrom::Start(4096)).expect("seek");
+            w.write_all(b"raw through CSI").expect("write");
+            w.sync_all().expect("sync");
+            let mut r = std::fs::File::open(&tb).expect("open b");
+            r.seek(std::io::SeekFrom::Start(4096)).expect("seek");
+            let mut got = [0u8; 15];
+            r.read_exact(&mut got).expect("read");
+            assert_eq!(&got, b"raw through CSI");
+        }
+        let stats = c.node_get_volume_stats(NodeGetVolumeStatsRequest { volume_id: "blk1".into(), volume_path: ta.clone(), ..Default::default() }).await.expect("stats").into_inner();
+        assert!(stats.usage.is_empty() && !stats.volume_condition.expect("condition").abnormal, "a device has no filesystem usage");
+
+        for t in [&ta, &tb] {
+            c.node_unpublish_volume(unpublish("blk1", t)).await.expect("unpublish");
+            c.node_unpublish_volume(unpublish("blk1", t)).await.expect("unpublish again: idempotent");
+            assert!(!Path::new(t).exists(), "the target file is removed: {t}");
+        }
+        c.node_unstage_volume(unstage("blk1", &st)).await.expect("unstage");
+        c.node_unstage_volume(unstage("blk1", &st)).await.expect("unstage again: idempotent");
+        assert!(!Path::new(&staged).exists(), "the staged device file is removed");
+    });
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    let data = std::fs::read(&image).expect("image");
+    assert_eq!(&data[4096..4096 + 15], b"raw through CSI", "the data is in the volume's file");
+}
+
+/// local-pv as built for the previous contract (tests/fixtures), swapped in
+/// by hot reload, serves a filesystem volume through CSI as before; a block
+/// volume, which that contract cannot express, is refused and changes
+/// nothing.
+#[test]
+fn a_guest_of_the_previous_contract_serves_on() {
+    let node = Node::start();
+    let old = common::workspace().join("tests/fixtures/contract-0.4/local-pv.wasm");
+    std::fs::copy(&old, node.scratch.path("plugins/.local-pv.wasm")).expect("copy");
+    std::fs::rename(node.scratch.path("plugins/.local-pv.wasm"), node.scratch.path("plugins/local-pv.wasm")).expect("install");
+    let start = Instant::now();
+    loop {
+        let out = Command::new(env!("CARGO_BIN_EXE_volagent")).args(["plugin", "status", "--json", "--socket"]).arg(&node.socket).output().expect("status");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let sha = v["backends"].as_array().and_then(|b| b.iter().find(|b| b["name"] == "local-pv")).map(|b| b["sha256"].clone());
+        if sha.is_some_and(|s| s == volagent::policy::Plugin::load_file(&common::runtime(500), &old).expect("fixture").sha256()) {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the 0.4 build was not loaded: {v}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let image = node.image("old.img", 64);
+    let (st, ta) = (staging(&node, "pv-old"), target(&node, "uid-o", "pv-old"));
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_stage_volume(stage_request("pv-old", &st, &image, Mode::SingleNodeWriter)).await.expect("stage");
+        c.node_publish_volume(publish_request("pv-old", &st, &ta, Mode::SingleNodeWriter, "pod-o")).await.expect("publish");
+        std::fs::write(format!("{ta}/data"), b"0.4").expect("write");
+        assert_eq!(std::fs::read(format!("{ta}/data")).expect("read"), b"0.4");
+        c.node_unpublish_volume(unpublish("pv-old", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv-old", &st)).await.expect("unstage");
+
+        let blk = kubelet_root(&node, "node-a").join("plugins/kubernetes.io/csi/volumeDevices/staging/pv-blk");
+        std::fs::create_dir_all(&blk).expect("staging dir");
+        let mut stage = stage_request("pv-blk", &blk.display().to_string(), &image, Mode::SingleNodeWriter);
+        stage.volume_capability = block_capability(Mode::SingleNodeWriter);
+        let err = c.node_stage_volume(stage).await.expect_err("a 0.4 guest has no block volumes");
+        assert!(err.message().contains("0.4.0, which has no block volumes"), "{err:?}");
+    });
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+}

@@ -6,7 +6,7 @@
 //! whose endpoints the host passes as `endpoints`), `volume` (required: the
 //! gluster volume).
 
-use volagent_guest_sdk::{
+use volagent_guest_sdk::{VolumeMode, 
     BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision, Holder, Host,
     Mount, MountSource, NodeFacts, NodePaths, PathRoot, Plan, Policy, PolicyError, Step,
     StepKind, Volume, fence, options, plans,
@@ -29,8 +29,13 @@ pub fn staging_mount(volume: &Volume, paths: &NodePaths) -> Result<Mount, Policy
             volume.name
         )));
     };
+    if volume.mode == VolumeMode::Block {
+        return Err(PolicyError::Unsupported(format!("volume {}: a gluster volume is a filesystem; it has no block mode", volume.name)));
+    }
     let gluster_volume = options::required(volume, "volume")?;
-    let mut mount_options = Vec::new();
+    // The volume's own mount flags first; the policy's own after, so they
+    // are the ones that count.
+    let mut mount_options = volume.mount_flags.clone();
     if !backups.is_empty() {
         mount_options.push(format!("backup-volfile-servers={}", backups.join(":")));
     }
@@ -87,6 +92,11 @@ impl Policy for Gluster {
         Ok(vec![Step::Mount(mount), plans::bind_into_pod(&paths, &requester)])
     }
 
+    /// A gluster volume grows on its servers; the node has nothing to do.
+    fn expand(_host: &dyn Host, _volume: Volume, _consumer: Consumer, _paths: NodePaths) -> Result<Plan, PolicyError> {
+        Ok(Vec::new())
+    }
+
     fn detach(
         _host: &dyn Host,
         _volume: Volume,
@@ -125,6 +135,8 @@ mod tests {
             backend: "gluster".into(),
             access_mode: AccessMode::ReadWriteMany,
             fs_type: String::new(),
+            mode: volagent_guest_sdk::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: vec![
                 KeyValue { key: "servers".into(), value: servers.into() },
                 KeyValue { key: "volume".into(), value: "gv0".into() },

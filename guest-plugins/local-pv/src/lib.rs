@@ -5,7 +5,7 @@
 //! volume lives on), `wipe` (on release: `quick-reset` (default), `blkdiscard`,
 //! `zero`, `shred` or `shred:<passes>`).
 
-use volagent_guest_sdk::{
+use volagent_guest_sdk::{VolumeMode, 
     BlockSource, Capabilities, CleanupItem, CleanupReason, Consumer, Decision,
     DeviceKind, DeviceSpec, Format, FormatMode, Holder, Host, BackendInfo, NodeFacts, NodePaths,
     PathKind, PathRoot, Plan, Policy, PolicyError, Step, StepKind, Volume, Wipe, WipeMethod,
@@ -112,6 +112,8 @@ impl Policy for LocalPv {
                     StepKind::BindMount,
                     StepKind::Unmount,
                     StepKind::DetachDevice,
+                    StepKind::PublishBlock,
+                    StepKind::GrowFilesystem,
                     StepKind::Wipe,
                     StepKind::ClearDirectory,
                 ],
@@ -146,6 +148,13 @@ impl Policy for LocalPv {
         paths: NodePaths,
     ) -> Result<Plan, PolicyError> {
         check_node(&volume, &requester).map_err(PolicyError::Unsupported)?;
+        if volume.mode == VolumeMode::Block {
+            return match source(host, &volume)? {
+                Source::File(file) => Ok(plans::publish_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Loop(file)), &requester)),
+                Source::Block(device) => Ok(plans::publish_block(&volume, plans::BlockOrigin::Existing(device), &requester)),
+                Source::Dir(dir) => Err(PolicyError::Unsupported(format!("volume {}: {dir} is a directory, which has no block mode", volume.name))),
+            };
+        }
         if !local_holders.is_empty() {
             return Ok(vec![plans::bind_into_pod(&paths, &requester)]);
         }
@@ -160,11 +169,11 @@ impl Policy for LocalPv {
             ],
             Source::File(file) => {
                 let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-                plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Loop(file)), &fs, vec![], &requester, &local_holders, &paths)
+                plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Loop(file)), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths)
             }
             Source::Block(device) => {
                 let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-                plans::stage_block(&volume, plans::BlockOrigin::Existing(device), &fs, vec![], &requester, &local_holders, &paths)
+                plans::stage_block(&volume, plans::BlockOrigin::Existing(device), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths)
             }
         })
     }
@@ -255,6 +264,8 @@ mod tests {
             backend: "local-pv".into(),
             access_mode: mode,
             fs_type: String::new(),
+            mode: volagent_guest_sdk::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: vec![
                 KeyValue { key: "path".into(), value: path.into() },
                 KeyValue { key: "node".into(), value: "n1".into() },

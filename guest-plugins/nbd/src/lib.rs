@@ -114,6 +114,8 @@ impl Policy for Nbd {
                     StepKind::BindMount,
                     StepKind::Unmount,
                     StepKind::DetachDevice,
+                    StepKind::PublishBlock,
+                    StepKind::GrowFilesystem,
                 ],
                 device_kinds: vec![DeviceKind::Nbd],
                 filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
@@ -152,7 +154,7 @@ impl Policy for Nbd {
         let spec = export_spec(&volume)?;
         let volume = effective(&volume)?;
         let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Nbd(spec)), &fs, vec![], &requester, &local_holders, &paths))
+        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Nbd(spec)), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths))
     }
 
     fn detach(
@@ -199,6 +201,8 @@ mod tests {
             backend: "nbd".into(),
             access_mode: mode,
             fs_type: String::new(),
+            mode: volagent_guest_sdk::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: vec![
                 KeyValue { key: "server".into(), value: server.into() },
                 KeyValue { key: "export".into(), value: "disk0".into() },

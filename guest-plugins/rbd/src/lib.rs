@@ -97,6 +97,8 @@ impl Policy for Rbd {
                     StepKind::BindMount,
                     StepKind::Unmount,
                     StepKind::DetachDevice,
+                    StepKind::PublishBlock,
+                    StepKind::GrowFilesystem,
                     StepKind::BlocklistClient,
                 ],
                 device_kinds: vec![DeviceKind::Rbd],
@@ -189,7 +191,7 @@ impl Policy for Rbd {
     ) -> Result<Plan, PolicyError> {
         let spec = image_spec(&volume)?;
         let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Rbd(spec)), &fs, vec![], &requester, &local_holders, &paths))
+        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Rbd(spec)), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths))
     }
 
     fn detach(
@@ -237,6 +239,8 @@ mod tests {
             backend: "rbd".into(),
             access_mode: mode,
             fs_type: "xfs".into(),
+            mode: volagent_guest_sdk::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: [("monitors", "10.0.0.1:6789,10.0.0.2:6789"), ("pool", "kube"), ("image", "img1")]
                 .into_iter()
                 .map(|(k, v)| KeyValue { key: k.into(), value: v.into() })

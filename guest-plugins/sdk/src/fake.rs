@@ -51,6 +51,7 @@ pub fn consumer(node: &str, pod: &str) -> Consumer {
         pod_uid: format!("uid-{pod}"),
         mount_dir: format!("/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~test/pv"),
         read_only: false,
+        mount_group: None,
     }
 }
 

@@ -82,6 +82,12 @@ pub trait Policy {
         local_holders: Vec<Holder>,
         paths: NodePaths,
     ) -> Result<Plan, PolicyError>;
+    /// The plan growing `volume` where `consumer` has it. By default the
+    /// filesystem at the consumer's dir grows to its device's size (a
+    /// block volume has nothing on the node to grow).
+    fn expand(_host: &dyn Host, volume: Volume, consumer: Consumer, _paths: NodePaths) -> Result<Plan, PolicyError> {
+        Ok(plans::grow(&volume, &consumer))
+    }
     fn cleanup(
         host: &dyn Host,
         reason: CleanupReason,
@@ -125,6 +131,9 @@ macro_rules! export_policy {
                     paths: NodePaths,
                 ) -> Result<Plan, PolicyError> {
                     <$policy>::detach(&WasmHost, volume, consumer, local_holders, paths)
+                }
+                fn expand(volume: Volume, consumer: Consumer, paths: NodePaths) -> Result<Plan, PolicyError> {
+                    <$policy>::expand(&WasmHost, volume, consumer, paths)
                 }
                 fn cleanup(
                     reason: CleanupReason,

@@ -3,7 +3,8 @@
 
 use crate::{
     AccessMode, AttachDevice, BindMount, BlockSource, Consumer, DetachDevice, DeviceSpec, Format,
-    FormatMode, Holder, Mount, MountSource, NodePaths, Plan, Step, Unmount, Volume,
+    FormatMode, GrowFilesystem, Holder, Mount, MountSource, NodePaths, Plan, PublishBlock, Step, Unmount,
+    Volume, VolumeMode,
 };
 
 /// The id this crate gives the one device a plan attaches.
@@ -31,10 +32,40 @@ pub enum BlockOrigin {
     Existing(String),
 }
 
+/// A block volume: its device attached (or found attached: attaching is
+/// idempotent) and published as a device node at the requester's path.
+/// No filesystem is made or mounted.
+pub fn publish_block(volume: &Volume, origin: BlockOrigin, requester: &Consumer) -> Plan {
+    let read_only = volume_read_only(volume);
+    let mut plan = Vec::new();
+    let device = match origin {
+        BlockOrigin::Attach(spec) => {
+            plan.push(Step::AttachDevice(AttachDevice { id: DEVICE_ID.to_string(), spec, read_only }));
+            BlockSource::Attached(DEVICE_ID.to_string())
+        }
+        BlockOrigin::Existing(device) => BlockSource::Device(device),
+    };
+    plan.push(Step::PublishBlock(PublishBlock {
+        device,
+        target: requester.mount_dir.clone(),
+        read_only: read_only || requester.read_only,
+    }));
+    plan
+}
+
+/// Grow the filesystem at the consumer's dir; nothing for a block volume.
+pub fn grow(volume: &Volume, consumer: &Consumer) -> Plan {
+    match volume.mode {
+        VolumeMode::Block => Vec::new(),
+        VolumeMode::Filesystem => vec![Step::GrowFilesystem(GrowFilesystem { target: consumer.mount_dir.clone() })],
+    }
+}
+
 /// Attach the block device (or use the existing one), make a filesystem on
 /// it if it has none (never on a read-only volume), mount it at the staging
 /// dir and bind it into the pod. When the volume is already staged on this
-/// node (`local_holders` not empty), only the bind.
+/// node (`local_holders` not empty), only the bind. A block volume is
+/// published instead ([`publish_block`]).
 pub fn stage_block(
     volume: &Volume,
     origin: BlockOrigin,
@@ -44,6 +75,9 @@ pub fn stage_block(
     local_holders: &[Holder],
     paths: &NodePaths,
 ) -> Plan {
+    if volume.mode == VolumeMode::Block {
+        return publish_block(volume, origin, requester);
+    }
     if !local_holders.is_empty() {
         return vec![bind_into_pod(paths, requester)];
     }

@@ -127,6 +127,7 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
             "sha256": plugin.sha256(),
             "size": plugin.size(),
             "export": plugin.export(),
+            "contract": plugin.contract(),
             "imports": plugin.imports(),
             "info": info,
             "load_ms": compile.as_secs_f64() * 1e3,
@@ -139,7 +140,8 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
     println!("file:        {}", plugin.path().display());
     println!("sha256:      {}", plugin.sha256());
     println!("size:        {} bytes (compiled and checked in {:.1} ms)", plugin.size(), compile.as_secs_f64() * 1e3);
-    println!("world:       exports {}", plugin.export());
+    let adapted = if plugin.contract() == crate::policy::CONTRACT_VERSION { String::new() } else { format!(" (contract {}, served through the host's adapter)", plugin.contract()) };
+    println!("world:       exports {}{adapted}", plugin.export());
     println!("backend:     {} {}", info.name, info.version);
     println!("about:       {}", info.description);
     println!("steps:       {}", names(caps.steps.iter().map(|s| s.name()).collect()));

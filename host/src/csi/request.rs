@@ -5,7 +5,7 @@
 
 use super::proto::csi::{VolumeCapability, volume_capability};
 use crate::ops::csi::{Access, CsiError, PublishRequest, StageRequest};
-use crate::policy::AccessMode;
+use crate::policy::{AccessMode, VolumeMode};
 use crate::policy::validate::clean_absolute;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -62,24 +62,36 @@ pub fn kubelet_path(roots: &[&Path; 2], field: &str, path: &str) -> Result<PathB
     Ok(roots[0].join(rest))
 }
 
-/// The access a capability asks for; block volumes and mount flags are
-/// not served yet.
-pub fn access(capability: Option<&VolumeCapability>) -> Result<(Access, String), CsiError> {
+/// What a capability asks for: the access, and how the volume is consumed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    pub access: Access,
+    /// Empty for block volumes, and when unspecified.
+    pub fs_type: String,
+    pub mode: VolumeMode,
+    pub mount_flags: Vec<String>,
+}
+
+/// The access and shape a capability asks for. A volume mount group is not
+/// served: the driver does not offer VOLUME_MOUNT_GROUP, so kubelet applies
+/// the pod's fsGroup itself.
+pub fn access(capability: Option<&VolumeCapability>) -> Result<Shape, CsiError> {
     use volume_capability::access_mode::Mode;
     let cap = capability.ok_or_else(|| invalid("volume_capability is missing"))?;
-    let fs_type = match &cap.access_type {
+    let (fs_type, volume_mode, mount_flags) = match &cap.access_type {
         None => return Err(invalid("volume_capability has no access type (mount or block)")),
-        Some(volume_capability::AccessType::Block(_)) => {
-            return Err(invalid("block volumes are not served by this driver yet; use volumeMode: Filesystem"));
-        }
+        Some(volume_capability::AccessType::Block(_)) => (String::new(), VolumeMode::Block, Vec::new()),
         Some(volume_capability::AccessType::Mount(m)) => {
-            if !m.mount_flags.is_empty() {
-                return Err(invalid(format!("mount flags {:?} are not served by this driver yet", m.mount_flags)));
+            if m.mount_flags.len() > crate::policy::validate::MAX_LIST {
+                return Err(invalid(format!("{} mount flags, more than {}", m.mount_flags.len(), crate::policy::validate::MAX_LIST)));
+            }
+            if let Some(f) = m.mount_flags.iter().find(|f| f.is_empty() || f.len() > crate::policy::validate::MAX_TEXT || f.contains(['\0', ','])) {
+                return Err(invalid(format!("mount flag {:?} is empty, too long or holds a ',' (one flag per entry)", crate::ops::bounded(f.clone(), 64))));
             }
             if !m.volume_mount_group.is_empty() {
                 return Err(invalid("volume_mount_group is not served (the driver does not offer VOLUME_MOUNT_GROUP)"));
             }
-            m.fs_type.clone()
+            (m.fs_type.clone(), VolumeMode::Filesystem, m.mount_flags.clone())
         }
     };
     let mode = cap.access_mode.as_ref().map(|m| m.mode()).unwrap_or(Mode::Unknown);
@@ -92,7 +104,7 @@ pub fn access(capability: Option<&VolumeCapability>) -> Result<(Access, String),
         Mode::MultiNodeSingleWriter => return Err(invalid("access mode MULTI_NODE_SINGLE_WRITER is not served (Kubernetes has no such mode)")),
         Mode::Unknown => return Err(invalid("volume_capability has no access mode")),
     };
-    Ok((Access { mode, read_only, single_pod }, fs_type))
+    Ok(Shape { access: Access { mode, read_only, single_pod }, fs_type, mode: volume_mode, mount_flags })
 }
 
 fn bounded_map(field: &str, map: &std::collections::HashMap<String, String>) -> Result<(), CsiError> {
@@ -115,17 +127,17 @@ fn attributes(context: &std::collections::HashMap<String, String>) -> Result<BTr
 pub fn stage(roots: &[&Path; 2], r: super::proto::csi::NodeStageVolumeRequest) -> Result<StageRequest, CsiError> {
     let volume_id = volume_id(&r.volume_id)?;
     let staging = kubelet_path(roots, "staging_target_path", &r.staging_target_path)?;
-    let (access, fs_type) = access(r.volume_capability.as_ref())?;
+    let shape = access(r.volume_capability.as_ref())?;
     bounded_map("secrets", &r.secrets)?;
     let secrets = r.secrets.into_iter().map(|(k, v)| (k, crate::secret::Secret::new(v.into_bytes()))).collect();
-    Ok(StageRequest { volume_id, staging, fs_type, access, attributes: attributes(&r.volume_context)?, secrets })
+    Ok(StageRequest { volume_id, staging, shape, attributes: attributes(&r.volume_context)?, secrets })
 }
 
 pub fn publish(roots: &[&Path; 2], r: &super::proto::csi::NodePublishVolumeRequest) -> Result<PublishRequest, CsiError> {
     let volume_id = volume_id(&r.volume_id)?;
     let target = kubelet_path(roots, "target_path", &r.target_path)?;
     let staging = kubelet_path(roots, "staging_target_path", &r.staging_target_path)?;
-    let (access, _) = access(r.volume_capability.as_ref())?;
+    let shape = access(r.volume_capability.as_ref())?;
     attributes(&r.volume_context)?;
     let get = |k: &str| r.volume_context.get(k).map(String::as_str).unwrap_or("");
     let pod = match (get("csi.storage.k8s.io/pod.namespace"), get("csi.storage.k8s.io/pod.name")) {
@@ -135,7 +147,7 @@ pub fn publish(roots: &[&Path; 2], r: &super::proto::csi::NodePublishVolumeReque
     if target == staging {
         return Err(invalid("target_path is the staging_target_path"));
     }
-    Ok(PublishRequest { volume_id, staging, target, read_only: r.readonly || access.read_only, access, pod })
+    Ok(PublishRequest { volume_id, staging, target, read_only: r.readonly || shape.access.read_only, access: shape.access, mode: shape.mode, pod })
 }
 
 #[cfg(test)]
@@ -208,7 +220,12 @@ mod tests {
         assert!(code(stage(&roots(), r)).contains("no access mode"));
         let mut r = staged("pv1", path);
         r.volume_capability.as_mut().unwrap().access_type = Some(AccessType::Block(Default::default()));
-        assert!(code(stage(&roots(), r)).contains("block"));
+        assert_eq!(stage(&roots(), r).unwrap().shape.mode, VolumeMode::Block, "block volumes are served");
+        let mut r = staged("pv1", path);
+        if let Some(AccessType::Mount(m)) = &mut r.volume_capability.as_mut().unwrap().access_type {
+            m.mount_flags = vec!["noatime".into(), "ro,remount".into()];
+        }
+        assert!(code(stage(&roots(), r)).contains("holds a ','"), "one flag per entry");
         let mut r = staged("pv1", path);
         r.volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "true".into());
         assert!(matches!(stage(&roots(), r), Err(CsiError::Precondition(_))), "inline ephemeral volumes are refused");
@@ -220,12 +237,12 @@ mod tests {
         assert_eq!(ok.attributes.keys().collect::<Vec<_>>(), ["path"], "kubelet's keys are not the backend's options");
         assert_eq!(ok.secrets["key"].expose(), b"s3cret");
         assert!(!format!("{ok:?}").contains("s3cret"), "secrets stay out of Debug output");
-        assert_eq!((ok.access.mode, ok.access.read_only, ok.fs_type.as_str()), (AccessMode::ReadWriteOnce, false, "ext4"));
+        assert_eq!((ok.shape.access.mode, ok.shape.access.read_only, ok.shape.fs_type.as_str()), (AccessMode::ReadWriteOnce, false, "ext4"));
     }
 
     #[test]
     fn access_modes() {
-        let a = |m: Mode| access(mount(m).as_ref()).map(|(a, _)| (a.mode, a.read_only, a.single_pod));
+        let a = |m: Mode| access(mount(m).as_ref()).map(|s| (s.access.mode, s.access.read_only, s.access.single_pod));
         assert_eq!(a(Mode::SingleNodeSingleWriter).unwrap(), (AccessMode::ReadWriteOncePod, false, true));
         assert_eq!(a(Mode::MultiNodeReaderOnly).unwrap(), (AccessMode::ReadOnlyMany, true, false));
         assert_eq!(a(Mode::MultiNodeMultiWriter).unwrap(), (AccessMode::ReadWriteMany, false, false));

@@ -44,6 +44,9 @@ pub struct Outcome {
     /// The storage clients the devices are served by (an RBD helper's
     /// Ceph client): global id and address.
     pub storage_clients: Vec<(u64, String)>,
+    /// Size in bytes of each filesystem a grow-filesystem step grew, by
+    /// target.
+    pub grown: BTreeMap<String, u64>,
 }
 
 /// An effect of this run that rollback undoes.
@@ -60,6 +63,7 @@ enum Undo {
     KrbdUnmap(u32),
     Unmount(PathBuf),
     RemoveDir(PathBuf),
+    RemoveFile(PathBuf),
 }
 
 pub struct Executor {
@@ -218,9 +222,46 @@ impl Run<'_> {
                 }
                 // An empty mount point is ours to tidy (kubelet copes with its
                 // pod dir being gone); one still mounted over refuses (EBUSY).
-                if let Err(e) = self.sys.mounts.remove_dir(target) {
-                    tracing::debug!(dir = %target.display(), "left in place: {e}");
+                // A block publication's mount point is an empty file.
+                let removed = match self.sys.mounts.remove_dir(target) {
+                    Err(SysError::Errno { errno: nix::errno::Errno::ENOTDIR, .. }) => self.sys.mounts.remove_file(target),
+                    other => other,
+                };
+                if let Err(e) = removed {
+                    tracing::debug!(path = %target.display(), "left in place: {e}");
                 }
+                Ok(())
+            }
+            Step::PublishBlock(p) => {
+                let (device, target) = (self.device(&p.device)?, Path::new(&p.target));
+                if self.sys.is_mounted(target)? {
+                    let existing = self.sys.mounts.published_device(target)?;
+                    return if existing.is_some() && existing == self.sys.mounts.device_number(&device)? {
+                        Ok(())
+                    } else {
+                        Err(refused(format!("{} is already mounted, and not from {}", target.display(), device.display())))
+                    };
+                }
+                if let Some(dir) = target.parent() {
+                    self.ensure_dir(dir)?;
+                }
+                if self.sys.mounts.ensure_file(target)? {
+                    self.undo.push(Undo::RemoveFile(target.to_path_buf()));
+                }
+                self.sys.mounts.bind_device(&device, target, p.read_only)?;
+                self.undo.push(Undo::Unmount(target.to_path_buf()));
+                Ok(())
+            }
+            Step::GrowFilesystem(g) => {
+                let target = Path::new(&g.target);
+                let Some(mounted) = self.sys.mount_at(target)? else {
+                    return Err(refused(format!("{} is not mounted: nothing to grow", target.display())));
+                };
+                if !mounted.source.starts_with("/dev/") {
+                    return Err(refused(format!("{} is {} from {}, not a filesystem on a block device", target.display(), mounted.fs_type, mounted.source)));
+                }
+                let size = self.sys.filesystems.grow_filesystem(Path::new(&mounted.source), target, &mounted.fs_type)?;
+                self.outcome.grown.insert(g.target.clone(), size);
                 Ok(())
             }
             Step::DetachDevice(d) => {
@@ -606,6 +647,7 @@ impl Run<'_> {
                 Undo::KrbdUnmap(id) => self.sys.krbd.unmap(*id, false),
                 Undo::Unmount(target) => self.sys.mounts.unmount(target, false),
                 Undo::RemoveDir(dir) => self.sys.mounts.remove_dir(dir),
+                Undo::RemoveFile(file) => self.sys.mounts.remove_file(file),
             };
             if let Err(e) = result {
                 tracing::error!("rollback: {e}");

@@ -126,6 +126,7 @@ pub fn from_entry(e: &ConsumerEntry) -> Holder {
             pod_uid: e.pod_uid.clone(),
             mount_dir: e.mount_dir.clone(),
             read_only: e.read_only,
+            mount_group: None,
         },
         since: e.since.clone(),
     }

@@ -335,6 +335,8 @@ fn volume_of(pv: &PersistentVolume, v: &discovery::Volume, node: &str) -> Result
         backend: LOCAL_BACKEND.into(),
         access_mode: AccessMode::ReadWriteOnce,
         fs_type: flex.fs_type.clone().unwrap_or_default(),
+        mode: crate::policy::VolumeMode::Filesystem,
+        mount_flags: Vec::new(),
         options: options.into_iter().map(|(key, value)| KeyValue { key, value }).collect(),
         secret_keys: vec![],
     })

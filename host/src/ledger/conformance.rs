@@ -27,6 +27,7 @@ pub fn record(volume: &str, holders: &[(&str, &str)]) -> Record {
                     pod_uid: format!("uid-{pod}"),
                     mount_dir: format!("/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~local-pv/{volume}"),
                     read_only: false,
+                    mount_group: None,
                 },
                 since: "2026-11-22T08:00:00Z".to_string(),
             })

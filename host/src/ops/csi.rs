@@ -6,7 +6,7 @@
 
 use super::stash::{Entry, Publication};
 use super::{Agent, Failure, blocking, internal};
-use crate::policy::{AccessMode, Consumer, KeyValue, Volume};
+use crate::policy::{AccessMode, Consumer, KeyValue, Volume, VolumeMode};
 use crate::socket::protocol::FailureKind;
 use crate::sys::Usage;
 use std::collections::BTreeMap;
@@ -51,8 +51,7 @@ pub struct StageRequest {
     pub volume_id: String,
     /// Resolved beneath kubelet's root.
     pub staging: PathBuf,
-    pub fs_type: String,
-    pub access: Access,
+    pub shape: crate::csi::request::Shape,
     /// The PV's volume attributes, kubelet's own keys removed.
     pub attributes: BTreeMap<String, String>,
     pub secrets: crate::secret::Secrets,
@@ -66,6 +65,7 @@ pub struct PublishRequest {
     pub target: PathBuf,
     pub read_only: bool,
     pub access: Access,
+    pub mode: VolumeMode,
     /// `<namespace>/<name>` of the pod, when kubelet said.
     pub pod: String,
 }
@@ -88,6 +88,29 @@ fn csi_paths(config: &super::NodeConfig, backend: &str, volume: &str, staging: &
     crate::policy::NodePaths { staging_dir: staging.to_string(), ..config.paths(backend, volume) }
 }
 
+/// Where a stage puts its volume: a filesystem is mounted at the staging
+/// path itself; a block volume's device node is bound at a file named after
+/// the volume inside it (the staging path is kubelet's dir).
+fn stage_point(staging: &str, volume_id: &str, mode: VolumeMode) -> String {
+    match mode {
+        VolumeMode::Filesystem => staging.to_string(),
+        VolumeMode::Block => format!("{staging}/{volume_id}"),
+    }
+}
+
+/// The stash entry of `volume_id`'s stage at `staging`, of either mode.
+fn staged_entry(stash: &super::stash::Stash, staging: &str, volume_id: &str) -> Result<Option<Entry>, super::stash::StashError> {
+    for mode in [VolumeMode::Filesystem, VolumeMode::Block] {
+        let point = stage_point(staging, volume_id, mode);
+        if let Some(e) = stash.get(&point)?
+            && (e.volume.mode == mode || e.volume.name != volume_id)
+        {
+            return Ok(Some(e));
+        }
+    }
+    Ok(None)
+}
+
 /// How a CSI stage is named as a consumer in the ledger.
 pub const STAGE_NAMESPACE: &str = "csi";
 pub const STAGE_POD: &str = "staged";
@@ -100,23 +123,32 @@ impl Agent {
     pub async fn csi_stage(&self, backend: &str, req: StageRequest) -> Result<(), CsiError> {
         self.plugin(backend)?;
         let staging = text(&req.staging);
-        let key = staging.clone();
-        if let Some(entry) = self.stash_op(move |s| s.get(&key)).await? {
+        let shape = &req.shape;
+        let point = stage_point(&staging, &req.volume_id, shape.mode);
+        let (key, id) = (staging.clone(), req.volume_id.clone());
+        if let Some(entry) = self.stash_op(move |s| staged_entry(s, &key, &id)).await? {
             let v = &entry.volume;
             if v.name != req.volume_id {
                 return Err(CsiError::Exists(format!("{staging} is the staging path of volume {}, not {}", v.name, req.volume_id)));
             }
-            if v.backend != backend || v.fs_type != req.fs_type || v.access_mode != req.access.mode || entry.consumer.read_only != req.access.read_only {
+            if v.backend != backend
+                || v.fs_type != shape.fs_type
+                || v.mode != shape.mode
+                || v.mount_flags != shape.mount_flags
+                || v.access_mode != shape.access.mode
+                || entry.consumer.read_only != shape.access.read_only
+            {
                 return Err(CsiError::Exists(format!(
-                    "volume {} is staged at {staging} with another capability (backend {}, filesystem {:?}, {}{})",
+                    "volume {} is staged at {staging} with another capability (backend {}, {}, filesystem {:?}, {}{})",
                     v.name,
                     v.backend,
+                    if v.mode == VolumeMode::Block { "block" } else { "mount" },
                     v.fs_type,
                     crate::policy::access_mode_name(v.access_mode),
                     if entry.consumer.read_only { ", read-only" } else { "" }
                 )));
             }
-            if self.mounted(&staging).await? {
+            if self.mounted(&point).await? {
                 return Ok(());
             }
             // A stage cut short: the pipeline finishes it.
@@ -124,8 +156,10 @@ impl Agent {
         let volume = Volume {
             name: req.volume_id.clone(),
             backend: backend.to_string(),
-            access_mode: req.access.mode,
-            fs_type: req.fs_type.clone(),
+            access_mode: shape.access.mode,
+            fs_type: shape.fs_type.clone(),
+            mode: shape.mode,
+            mount_flags: shape.mount_flags.clone(),
             options: req.attributes.iter().map(|(k, v)| KeyValue { key: k.clone(), value: v.clone() }).collect(),
             secret_keys: req.secrets.keys().cloned().collect(),
         };
@@ -138,8 +172,9 @@ impl Agent {
             pod_namespace: STAGE_NAMESPACE.into(),
             pod: STAGE_POD.into(),
             pod_uid: format!("{STAGE_POD}-{}", self.config.node),
-            mount_dir: staging.clone(),
-            read_only: req.access.read_only,
+            mount_dir: point,
+            read_only: shape.access.read_only,
+            mount_group: None,
         };
         self.attach(backend, volume, me, req.secrets, csi_paths(&self.config, backend, &req.volume_id, &staging)).await?;
         Ok(())
@@ -155,24 +190,40 @@ impl Agent {
                 return Err(CsiError::Precondition(format!("volume {volume_id} is still published at {}; unpublish it first", p.target)));
             }
         }
-        let key = dir.clone();
-        let entry = match self.stash_op(move |s| s.get(&key)).await? {
+        let (key, id) = (dir.clone(), volume_id.to_string());
+        let entry = match self.stash_op(move |s| staged_entry(s, &key, &id)).await? {
             Some(e) if e.volume.name != volume_id => {
                 return Err(CsiError::NotFound(format!("volume {volume_id} is not staged at {dir} (volume {} is)", e.volume.name)));
             }
             Some(e) => e,
-            None if !self.mounted(&dir).await? => return Ok(()),
-            None => match self.entry_of_record(backend, &dir, volume_id).await? {
-                Some(mut e) => {
-                    e.paths = csi_paths(&self.config, backend, volume_id, &dir);
-                    e
+            None => {
+                // No entry: a stage of either mode that this agent lost,
+                // rebuilt from the ledger, or nothing to do.
+                let mut found = None;
+                for mode in [VolumeMode::Filesystem, VolumeMode::Block] {
+                    let point = stage_point(&dir, volume_id, mode);
+                    if !self.mounted(&point).await? {
+                        continue;
+                    }
+                    match self.entry_of_record(backend, &point, volume_id).await? {
+                        Some(mut e) => {
+                            e.paths = csi_paths(&self.config, backend, volume_id, &dir);
+                            found = Some(e);
+                            break;
+                        }
+                        None => {
+                            return Err(CsiError::Precondition(format!("{point} is mounted, but this agent has no record of staging volume {volume_id} there; refusing to guess")));
+                        }
+                    }
                 }
-                None => {
-                    return Err(CsiError::Precondition(format!("{dir} is mounted, but this agent has no record of staging volume {volume_id} there; refusing to guess")));
+                match found {
+                    Some(e) => e,
+                    None => return Ok(()),
                 }
-            },
+            }
         };
-        self.detach(backend, entry, &dir).await?;
+        let point = entry.consumer.mount_dir.clone();
+        self.detach(backend, entry, &point).await?;
         Ok(())
     }
 
@@ -184,11 +235,16 @@ impl Agent {
         let (stash, sys, backend_name, r) = (self.stash.clone(), self.sys.clone(), backend.to_string(), req.clone());
         let entry = blocking(move || publish_checked(&stash, &sys, &backend_name, &r)).await??;
         let Some(entry) = entry else { return Ok(()) };
-        let bind = crate::policy::Step::BindMount(crate::policy::BindMount {
-            source: staging,
-            target: target.clone(),
-            read_only: req.read_only || entry.consumer.read_only,
-        });
+        let read_only = req.read_only || entry.consumer.read_only;
+        let bind = match entry.volume.mode {
+            VolumeMode::Filesystem => crate::policy::Step::BindMount(crate::policy::BindMount { source: staging, target: target.clone(), read_only }),
+            // The staged device node, bound again at kubelet's target file.
+            VolumeMode::Block => crate::policy::Step::PublishBlock(crate::policy::PublishBlock {
+                device: crate::policy::BlockSource::Device(entry.consumer.mount_dir.clone()),
+                target: target.clone(),
+                read_only,
+            }),
+        };
         if let Err(f) = self.run_plan(vec![bind], &mut lock).await {
             if f.kind != FailureKind::TimedOut
                 && let Err(e) = self.stash_op(move |s| s.remove_publication(&target)).await
@@ -231,9 +287,13 @@ impl Agent {
     /// is healthy there: mounted, and writable unless it was asked read-only.
     pub async fn csi_volume_stats(&self, volume_id: &str, path: &Path) -> Result<VolumeStats, CsiError> {
         let at = text(path);
-        let read_only = self.volume_at(volume_id, &at).await?;
+        let (read_only, entry) = self.volume_at(volume_id, &at).await?;
         if !self.mounted(&at).await? {
             return Ok(VolumeStats { usage: None, abnormal: Some(format!("{at} is not mounted")) });
+        }
+        if entry.volume.mode == VolumeMode::Block {
+            // A device node: no filesystem of its own to count in.
+            return Ok(VolumeStats { usage: None, abnormal: None });
         }
         let (sys, p) = (self.sys.clone(), path.to_path_buf());
         let usage = blocking(move || sys.mounts.usage(&p)).await?.map_err(internal)?;
@@ -242,36 +302,40 @@ impl Agent {
         Ok(VolumeStats { usage: Some(usage), abnormal })
     }
 
-    /// Grow the filesystem of a volume staged or published at `path` to its
-    /// device's size (after the storage under it grew); the size in bytes.
+    /// Grow a volume where it is staged or published at `path` (after the
+    /// storage under it grew), as its backend's expand plan says; the size
+    /// in bytes of what grew (0: nothing on this node needed to).
     pub async fn csi_expand(&self, volume_id: &str, path: &Path) -> Result<u64, CsiError> {
         let at = text(path);
-        self.volume_at(volume_id, &at).await?;
-        let mut _lock = self.lock(volume_id)?;
-        let (sys, p) = (self.sys.clone(), path.to_path_buf());
-        let mounted = blocking(move || sys.mount_at(&p)).await?.map_err(internal)?;
-        let m = mounted.ok_or_else(|| CsiError::Precondition(format!("{at} is not mounted; stage and publish the volume again")))?;
-        if !m.source.starts_with("/dev/") {
-            return Err(CsiError::Invalid(format!("volume {volume_id} at {at} is {} from {}, not a filesystem on a block device: nothing to grow here", m.fs_type, m.source)));
+        let (_, entry) = self.volume_at(volume_id, &at).await?;
+        let mut lock = Some(self.lock(volume_id)?);
+        if !self.mounted(&at).await? {
+            return Err(CsiError::Precondition(format!("{at} is not mounted; stage and publish the volume again")));
         }
-        let (sys, device, mount_point, fs) = (self.sys.clone(), PathBuf::from(&m.source), path.to_path_buf(), m.fs_type.clone());
-        let size = blocking(move || sys.filesystems.grow_filesystem(&device, &mount_point, &fs)).await?.map_err(|e| match e {
-            crate::sys::SysError::Refused { .. } => CsiError::Invalid(format!("volume {volume_id}: {e}")),
-            other => CsiError::Op(internal(format!("volume {volume_id}: {other}"))),
+        let plugin = self.plugin(&entry.volume.backend)?;
+        let consumer = Consumer { mount_dir: at.clone(), ..entry.consumer.clone() };
+        let queries = self.queries(&plugin, &[]);
+        let plan = plugin.expand(queries, &entry.volume, &consumer, &entry.paths).map_err(|e| match e.is_policy_refusal() {
+            true => CsiError::Invalid(format!("volume {volume_id}: {e}")),
+            false => CsiError::Op(internal(e)),
         })?;
-        Ok(size)
+        let outcome = self.run_plan(plan, &mut lock).await?;
+        Ok(outcome.grown.values().copied().max().unwrap_or(0))
     }
 
-    /// Whether `volume_id` is staged or published at `at`; read-only there?
-    async fn volume_at(&self, volume_id: &str, at: &str) -> Result<bool, CsiError> {
-        if let Some(p) = self.publications().await?.into_iter().find(|p| p.target == at && p.volume == volume_id) {
-            return Ok(p.read_only);
-        }
-        let key = at.to_string();
-        match self.stash_op(move |s| s.get(&key)).await? {
-            Some(e) if e.volume.name == volume_id => Ok(e.consumer.read_only),
-            _ => Err(CsiError::NotFound(format!("volume {volume_id} is neither staged nor published at {at}"))),
-        }
+    /// Whether `volume_id` is staged or published at `at`: read-only there,
+    /// and its stage.
+    async fn volume_at(&self, volume_id: &str, at: &str) -> Result<(bool, Entry), CsiError> {
+        let (key, id) = (at.to_string(), volume_id.to_string());
+        let found = self
+            .stash_op(move |s| {
+                if let Some(p) = s.publications()?.into_iter().find(|p| p.target == key && p.volume == id) {
+                    return Ok(staged_entry(s, &p.staging, &id)?.map(|e| (p.read_only, e)));
+                }
+                Ok(s.get(&key)?.filter(|e| e.volume.name == id).map(|e| (e.consumer.read_only, e)))
+            })
+            .await?;
+        found.ok_or_else(|| CsiError::NotFound(format!("volume {volume_id} is neither staged nor published at {at}")))
     }
 
     pub(crate) async fn publications(&self) -> Result<Vec<Publication>, Failure> {
@@ -307,13 +371,17 @@ fn mounted_now(sys: &crate::sys::Sys, path: &str) -> Result<bool, CsiError> {
 fn publish_checked(stash: &super::stash::Stash, sys: &crate::sys::Sys, backend: &str, req: &PublishRequest) -> Result<Option<Entry>, CsiError> {
     let (staging, target) = (text(&req.staging), text(&req.target));
     let volume_id = &req.volume_id;
-    let entry = match stash.get(&staging).map_err(stash_failure)? {
+    let entry = match staged_entry(stash, &staging, volume_id).map_err(stash_failure)? {
         Some(e) if e.volume.name == *volume_id => e,
         Some(e) => return Err(CsiError::Precondition(format!("{staging} is the staging path of volume {}, not {volume_id}", e.volume.name))),
         None => return Err(CsiError::Precondition(format!("volume {volume_id} is not staged at {staging}; NodeStageVolume comes first"))),
     };
-    if !mounted_now(sys, &staging)? {
+    if !mounted_now(sys, &entry.consumer.mount_dir)? {
         return Err(CsiError::Precondition(format!("volume {volume_id}'s staging path {staging} is not mounted; stage it again")));
+    }
+    if entry.volume.mode != req.mode {
+        let m = |mode| if mode == VolumeMode::Block { "block" } else { "mount" };
+        return Err(CsiError::Precondition(format!("volume {volume_id} is staged as a {} volume, not {}", m(entry.volume.mode), m(req.mode))));
     }
     if entry.volume.backend != backend {
         return Err(CsiError::Precondition(format!("volume {volume_id} is staged by backend {}, not {backend}", entry.volume.backend)));

@@ -166,6 +166,7 @@ mod tests {
                 pod_uid: format!("uid-{pod}"),
                 mount_dir: format!("/k/pods/uid-{pod}/volumes/volagent~local-pv/{volume}"),
                 read_only: pod.ends_with("-ro"),
+                mount_group: None,
             },
             since: since.into(),
         }

@@ -703,6 +703,8 @@ impl Agent {
             backend: record.backend.clone(),
             access_mode: record.access_mode,
             fs_type: source.fs_type.clone(),
+            mode: crate::policy::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: source.options(),
             secret_keys: Vec::new(),
         };

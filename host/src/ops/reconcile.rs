@@ -113,6 +113,8 @@ impl Agent {
                 backend: backend.to_string(),
                 access_mode: crate::policy::AccessMode::ReadWriteOnce,
                 fs_type: String::new(),
+                mode: crate::policy::VolumeMode::Filesystem,
+                mount_flags: Vec::new(),
                 options: Vec::new(),
                 secret_keys: Vec::new(),
             },

@@ -102,6 +102,8 @@ pub fn parse_mount(node: &str, backend: &str, dir: &MountDir, options: &BTreeMap
             backend: backend.to_string(),
             access_mode: mode,
             fs_type: get("fsType").unwrap_or("").to_string(),
+            mode: crate::policy::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: user,
             secret_keys,
         },
@@ -112,6 +114,7 @@ pub fn parse_mount(node: &str, backend: &str, dir: &MountDir, options: &BTreeMap
             pod_uid: pod_uid.to_string(),
             mount_dir: dir.dir.display().to_string(),
             read_only,
+            mount_group: None,
         },
         secrets,
     })

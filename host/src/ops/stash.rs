@@ -35,6 +35,16 @@ pub struct Entry {
     pub paths: NodePaths,
 }
 
+/// An entry as stored, also by an agent of contract 0.4 (whose volumes
+/// had no mode or mount flags: filesystem volumes, none).
+fn decode_entry(bytes: &[u8]) -> Result<Entry, serde_json::Error> {
+    let mut value: serde_json::Value = serde_json::from_slice(bytes)?;
+    if let Some(volume) = value.get_mut("volume") {
+        crate::policy::volume_defaults(volume);
+    }
+    serde_json::from_value(value)
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("stash {}: {message}", path.display())]
 pub struct StashError {
@@ -121,7 +131,7 @@ impl Stash {
             let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
             let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
             match table.get(mount_dir).map_err(|e| self.err(&e))? {
-                Some(v) => serde_json::from_slice::<Entry>(v.value()),
+                Some(v) => decode_entry(v.value()),
                 None => return Ok(None),
             }
         };
@@ -178,7 +188,7 @@ impl Stash {
             let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
             for item in table.iter().map_err(|e| self.err(&e))? {
                 let (k, v) = item.map_err(|e| self.err(&e))?;
-                match serde_json::from_slice(v.value()) {
+                match decode_entry(v.value()) {
                     Ok(entry) => out.push(entry),
                     Err(e) => bad.push((k.value().to_string(), e)),
                 }
@@ -209,6 +219,8 @@ mod tests {
             backend: "local-pv".into(),
             access_mode: crate::policy::AccessMode::ReadWriteOnce,
             fs_type: "ext4".into(),
+            mode: crate::policy::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: vec![],
             secret_keys: vec![],
         };
@@ -219,6 +231,7 @@ mod tests {
             pod_uid: "u".into(),
             mount_dir: dir.into(),
             read_only: false,
+            mount_group: None,
         };
         let paths = NodePaths { kubelet_root: "/k".into(), staging_dir: "/k/s".into(), state_dir: "/s".into(), discovery_dirs: vec![] };
         Entry { volume, consumer, paths }

@@ -23,6 +23,8 @@ impl StepKind {
             StepKind::Wipe => "wipe",
             StepKind::BlocklistClient => "blocklist-client",
             StepKind::ClearDirectory => "clear-directory",
+            StepKind::PublishBlock => "publish-block",
+            StepKind::GrowFilesystem => "grow-filesystem",
         }
     }
 }
@@ -39,6 +41,8 @@ impl Step {
             Step::Wipe(_) => StepKind::Wipe,
             Step::BlocklistClient(_) => StepKind::BlocklistClient,
             Step::ClearDirectory(_) => StepKind::ClearDirectory,
+            Step::PublishBlock(_) => StepKind::PublishBlock,
+            Step::GrowFilesystem(_) => StepKind::GrowFilesystem,
         }
     }
 }

@@ -3,11 +3,13 @@
 //! or take-over checked before anyone acts on it.
 
 use super::bindings::{
-    Backend, BackendInfo, BackendPre, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts,
-    NodePaths, Plan, PolicyError, Volume,
+    Backend, BackendInfo, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts, NodePaths, Plan,
+    PolicyError, Volume,
 };
+use super::compat::v0_4::volagent::policy::types as old;
+use super::compat::{self, convert, v0_4};
 use super::imports::CallState;
-use super::load::Plugin;
+use super::load::{Plugin, Pre};
 use super::queries::Queries;
 use super::runtime::Runtime;
 use super::validate::{self, Operation, PlanError};
@@ -44,20 +46,20 @@ impl CallError {
 /// One call on a fresh store and instance, under the runtime's limits: a
 /// deadline and a memory cap. Nothing survives the call, so nothing leaks
 /// between calls, volumes or operations, and a trapped instance is gone.
-pub(crate) fn invoke<R>(
+pub(crate) fn invoke<I, R>(
     runtime: &Runtime,
-    pre: &BackendPre<CallState>,
     backend: &Arc<str>,
     queries: Arc<dyn Queries>,
     function: &'static str,
-    f: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<R>,
+    instantiate: impl FnOnce(&mut Store<CallState>) -> wasmtime::Result<I>,
+    f: impl FnOnce(&I, &mut Store<CallState>) -> wasmtime::Result<R>,
 ) -> Result<R, CallError> {
     let limits = runtime.limits;
     let mut store = Store::new(&runtime.engine, CallState::new(backend.clone(), queries, limits));
     store.limiter(|s| &mut s.memory);
     store.epoch_deadline_trap();
     store.set_epoch_deadline(limits.deadline_ticks());
-    let instance = match pre.instantiate(&mut store) {
+    let instance = match instantiate(&mut store) {
         Ok(instance) => instance,
         // A start function that traps or loops is the guest's fault;
         // anything else (e.g. every pool slot in use) is the host's.
@@ -72,6 +74,22 @@ pub(crate) fn invoke<R>(
         tracing::warn!(backend = &**backend, function, dropped, "guest log lines over the per-call limit were dropped");
     }
     result.map_err(|e| fault(&store, backend, function, e))
+}
+
+/// `info`, of a guest of either contract.
+pub(crate) fn call_info(runtime: &Runtime, pre: &Pre, backend: &Arc<str>, queries: Arc<dyn Queries>) -> Result<BackendInfo, CallError> {
+    match pre {
+        Pre::Current(pre) => invoke(runtime, backend, queries, "info", |s| pre.instantiate(s), |b, s| b.volagent_policy_policy().call_info(s)),
+        Pre::V0_4(pre) => invoke(runtime, backend, queries, "info", |s| pre.instantiate(s), |b, s| convert(&b.volagent_policy_policy().call_info(s)?)),
+    }
+}
+
+/// A 0.4 guest's answer as the 0.5 answer it is.
+fn up<A: serde::Serialize, E: serde::Serialize, B: serde::de::DeserializeOwned>(r: Result<A, E>) -> wasmtime::Result<Result<B, PolicyError>> {
+    Ok(match r {
+        Ok(a) => Ok(convert(&a)?),
+        Err(e) => Err(convert(&e)?),
+    })
 }
 
 fn fault(store: &Store<CallState>, backend: &str, function: &'static str, e: wasmtime::Error) -> CallError {
@@ -104,15 +122,23 @@ fn short(message: &str) -> String {
 /// The calls of a loaded backend. Each runs on a fresh instance, and every
 /// answer is checked before it is returned.
 impl Plugin {
-    fn invoke<R>(
+    /// One call, by the guest's contract: `current` for a 0.5 guest,
+    /// `v0_4` for a 0.4 one (which cannot be asked `unaskable`).
+    fn call<R>(
         &self,
         queries: Arc<dyn Queries>,
         function: &'static str,
-        f: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
+        unaskable: Option<PolicyError>,
+        current: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
+        v0_4: impl FnOnce(&v0_4::Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
     ) -> Result<R, CallError> {
         let start = std::time::Instant::now();
-        let result = invoke(&self.runtime, &self.pre, &self.name, queries, function, f)
-            .and_then(|r| r.map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error }));
+        let result = match (&self.pre, unaskable) {
+            (Pre::Current(pre), _) => invoke(&self.runtime, &self.name, queries, function, |s| pre.instantiate(s), current),
+            (Pre::V0_4(_), Some(refusal)) => Ok(Err(refusal)),
+            (Pre::V0_4(pre), None) => invoke(&self.runtime, &self.name, queries, function, |s| pre.instantiate(s), v0_4),
+        }
+        .and_then(|r| r.map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error }));
         let outcome = match &result {
             Ok(_) => "ok",
             Err(CallError::Policy { .. }) => "refused",
@@ -133,14 +159,23 @@ impl Plugin {
 
     /// `info` again (it was called once at load).
     pub fn call_info(&self, queries: Arc<dyn Queries>) -> Result<BackendInfo, CallError> {
-        invoke(&self.runtime, &self.pre, &self.name, queries, "info", |b, s| b.volagent_policy_policy().call_info(s))
+        call_info(&self.runtime, &self.pre, &self.name, queries)
     }
 
     /// May `requester` use `volume`? A take-over is checked: its stale
     /// holders must be recorded holders on provably gone nodes, and its
     /// fence steps storage-level steps the backend declared.
     pub fn fence(&self, q: Arc<dyn Queries>, volume: &Volume, requester: &Consumer, holders: &[Holder], nodes: &[NodeFacts]) -> Result<Decision, CallError> {
-        let decision = self.invoke(q, "fence", |b, s| b.volagent_policy_policy().call_fence(s, volume, requester, holders, nodes))?;
+        let decision = self.call(
+            q,
+            "fence",
+            compat::unaskable(volume, Some(requester)),
+            |b, s| b.volagent_policy_policy().call_fence(s, volume, requester, holders, nodes),
+            |b, s| {
+                let (h, n): (Vec<old::Holder>, Vec<old::NodeFacts>) = (convert(holders)?, convert(nodes)?);
+                up(b.volagent_policy_policy().call_fence(s, &convert(volume)?, &convert(requester)?, &h, &n)?)
+            },
+        )?;
         if let Decision::TakeOver(take) = &decision {
             validate::take_over(take, holders, nodes, &self.info().capabilities, volume)
                 .map_err(|reason| CallError::TakeOver { backend: self.name.to_string(), reason })?;
@@ -150,19 +185,62 @@ impl Plugin {
 
     /// The plan attaching `volume` for `requester`, checked.
     pub fn attach(&self, q: Arc<dyn Queries>, volume: &Volume, requester: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
-        let plan = self.invoke(q, "attach", |b, s| b.volagent_policy_policy().call_attach(s, volume, requester, local_holders, paths))?;
+        let plan = self.call(
+            q,
+            "attach",
+            compat::unaskable(volume, Some(requester)),
+            |b, s| b.volagent_policy_policy().call_attach(s, volume, requester, local_holders, paths),
+            |b, s| {
+                let h: Vec<old::Holder> = convert(local_holders)?;
+                up(b.volagent_policy_policy().call_attach(s, &convert(volume)?, &convert(requester)?, &h, &convert(paths)?)?)
+            },
+        )?;
         self.checked("attach", plan, &Operation::Attach { volume, consumer: requester, paths })
     }
 
     /// The plan detaching `volume` from `consumer`, checked.
     pub fn detach(&self, q: Arc<dyn Queries>, volume: &Volume, consumer: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
-        let plan = self.invoke(q, "detach", |b, s| b.volagent_policy_policy().call_detach(s, volume, consumer, local_holders, paths))?;
+        let plan = self.call(
+            q,
+            "detach",
+            compat::unaskable(volume, Some(consumer)),
+            |b, s| b.volagent_policy_policy().call_detach(s, volume, consumer, local_holders, paths),
+            |b, s| {
+                let h: Vec<old::Holder> = convert(local_holders)?;
+                up(b.volagent_policy_policy().call_detach(s, &convert(volume)?, &convert(consumer)?, &h, &convert(paths)?)?)
+            },
+        )?;
         self.checked("detach", plan, &Operation::Detach { volume, consumer, paths })
+    }
+
+    /// The plan growing `volume` where `consumer` has it, checked. A 0.4
+    /// guest was never asked: the host grows the filesystem at the
+    /// consumer's dir itself, as it did for 0.4.
+    pub fn expand(&self, q: Arc<dyn Queries>, volume: &Volume, consumer: &Consumer, paths: &NodePaths) -> Result<Plan, CallError> {
+        let grow = || vec![crate::policy::Step::GrowFilesystem(crate::policy::GrowFilesystem { target: consumer.mount_dir.clone() })];
+        if let Pre::V0_4(_) = self.pre {
+            if let Some(error) = compat::unaskable(volume, Some(consumer)) {
+                return Err(CallError::Policy { backend: self.name.to_string(), function: "expand", error });
+            }
+            return Ok(grow());
+        }
+        let plan = self.call(q, "expand", None, |b, s| b.volagent_policy_policy().call_expand(s, volume, consumer, paths), |_, _| Ok(Ok(grow())))?;
+        self.checked("expand", plan, &Operation::Expand { volume, consumer, paths })
     }
 
     /// The plan cleaning up `items`, checked against all their paths.
     pub fn cleanup(&self, q: Arc<dyn Queries>, reason: CleanupReason, items: &[CleanupItem]) -> Result<Plan, CallError> {
-        let plan = self.invoke(q, "cleanup", |b, s| b.volagent_policy_policy().call_cleanup(s, reason, items))?;
+        let unaskable = items.iter().find_map(|i| compat::unaskable(&i.volume, None));
+        let plan = self.call(
+            q,
+            "cleanup",
+            unaskable,
+            |b, s| b.volagent_policy_policy().call_cleanup(s, reason, items),
+            |b, s| {
+                let i: Vec<old::CleanupItem> = convert(items)?;
+                up(b.volagent_policy_policy().call_cleanup(s, convert(&reason)?, &i)?)
+            },
+        )?;
         self.checked("cleanup", plan, &Operation::Cleanup { reason, items })
     }
 }

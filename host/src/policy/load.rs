@@ -5,7 +5,8 @@ use super::bindings::{BackendInfo, BackendPre};
 use super::call::CallError;
 use super::queries::RecordedQueries;
 use super::runtime::Runtime;
-use super::{CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
+use super::compat;
+use super::{COMPAT_VERSIONS, CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,11 +32,11 @@ pub enum LoadError {
     CoreModule { path: PathBuf },
     #[error("{}: not a valid WebAssembly component: {message}", path.display())]
     Compile { path: PathBuf, message: String },
-    #[error("{}: imports `{import}`, which a backend may not use (allowed: {CONTRACT_PACKAGE}/host and the WASI cli, clocks, io, random and filesystem interfaces, linked with no access)", path.display())]
+    #[error("{}: imports `{import}`, which a backend may not use (allowed: {CONTRACT_PACKAGE}/host of the contract it exports and the WASI cli, clocks, io, random and filesystem interfaces, linked with no access)", path.display())]
     DisallowedImport { path: PathBuf, import: String },
     #[error("{}: does not export {CONTRACT_PACKAGE}/{POLICY_INTERFACE}, so it is not a volagent backend (its exports: {exports})", path.display())]
     WrongWorld { path: PathBuf, exports: String },
-    #[error("{}: speaks {found}, but this host speaks {CONTRACT_PACKAGE}@{CONTRACT_VERSION}; rebuild the policy against a compatible wit/", path.display())]
+    #[error("{}: speaks {found}, but this host speaks {CONTRACT_PACKAGE}@{CONTRACT_VERSION} (and serves {}); rebuild the policy against a compatible wit/", path.display(), COMPAT_VERSIONS.join(", "))]
     IncompatibleVersion { path: PathBuf, found: String },
     #[error("{}: does not match the {CONTRACT_PACKAGE}@{CONTRACT_VERSION} contract: {message}", path.display())]
     Contract { path: PathBuf, message: String },
@@ -45,9 +46,15 @@ pub enum LoadError {
     BadInfo { path: PathBuf, reason: String },
 }
 
+/// A component linked for the contract it speaks.
+pub(crate) enum Pre {
+    Current(BackendPre<super::imports::CallState>),
+    V0_4(compat::v0_4::BackendPre<super::imports::CallState>),
+}
+
 /// A loaded, checked backend, ready to be called. Cheap to share.
 pub struct Plugin {
-    pub(crate) pre: BackendPre<super::imports::CallState>,
+    pub(crate) pre: Pre,
     pub(crate) runtime: Arc<Runtime>,
     pub(crate) name: Arc<str>,
     info: BackendInfo,
@@ -91,24 +98,23 @@ impl Plugin {
             .map_err(|e| LoadError::Compile { path: path_buf(), message: format!("{e:#}") })?;
 
         let ty = component.component_type();
+        let exports: Vec<String> = ty.exports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
+        let (export, contract) = find_policy_export(path, &exports)?;
         let imports: Vec<String> = ty.imports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
-        if let Some(bad) = imports.iter().find(|i| !import_allowed(i)) {
+        if let Some(bad) = imports.iter().find(|i| !import_allowed(i, contract)) {
             return Err(LoadError::DisallowedImport { path: path_buf(), import: bad.clone() });
         }
-        let exports: Vec<String> = ty.exports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
-        let export = find_policy_export(path, &exports)?;
 
-        let instance_pre = runtime
-            .linker
-            .instantiate_pre(&component)
-            .map_err(|e| LoadError::Contract { path: path_buf(), message: format!("{e:#}") })?;
-        let pre = BackendPre::new(instance_pre)
-            .map_err(|e| LoadError::Contract { path: path_buf(), message: format!("{e:#}") })?;
+        let contract_err = |e: wasmtime::Error| LoadError::Contract { path: path_buf(), message: format!("{e:#}") };
+        let instance_pre = runtime.linker.instantiate_pre(&component).map_err(contract_err)?;
+        let pre = if contract == CONTRACT_VERSION {
+            Pre::Current(BackendPre::new(instance_pre).map_err(contract_err)?)
+        } else {
+            Pre::V0_4(compat::v0_4::BackendPre::new(instance_pre).map_err(contract_err)?)
+        };
 
         let provisional: Arc<str> = Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
-        let info = super::call::invoke(runtime, &pre, &provisional, Arc::new(RecordedQueries::default()), "info", |b, s| {
-            b.volagent_policy_policy().call_info(s)
-        })
+        let info = super::call::call_info(runtime, &pre, &provisional, Arc::new(RecordedQueries::default()))
             .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
         Ok(Plugin {
@@ -146,9 +152,17 @@ impl Plugin {
     pub fn imports(&self) -> &[String] {
         &self.imports
     }
-    /// The policy export's full name, e.g. `volagent:policy/policy@0.4.0`.
+    /// The policy export's full name, e.g. `volagent:policy/policy@0.5.0`.
     pub fn export(&self) -> &str {
         &self.export
+    }
+    /// The contract version the guest speaks, e.g. `0.5.0` (or `0.4.0`,
+    /// served through the adapter).
+    pub fn contract(&self) -> &'static str {
+        match self.pre {
+            Pre::Current(_) => CONTRACT_VERSION,
+            Pre::V0_4(_) => compat::VERSION,
+        }
     }
 }
 
@@ -171,32 +185,42 @@ fn split_version(name: &str) -> (&str, Option<&str>) {
     }
 }
 
-/// Same major version; while the major is 0, same minor too (semver's rule
-/// for 0.x, which is also how wasmtime matches import versions).
-pub(crate) fn version_compatible(found: &str) -> bool {
-    let (Ok(found), Ok(ours)) = (semver::Version::parse(found), semver::Version::parse(CONTRACT_VERSION)) else {
+/// Whether `found` is compatible with `contract`: same major version; while
+/// the major is 0, same minor too (semver's rule for 0.x, which is also how
+/// wasmtime matches import versions).
+fn same_line(found: &str, contract: &str) -> bool {
+    let (Ok(found), Ok(ours)) = (semver::Version::parse(found), semver::Version::parse(contract)) else {
         return false;
     };
     found.major == ours.major && (ours.major != 0 || found.minor == ours.minor)
 }
 
-fn import_allowed(import: &str) -> bool {
+/// The contract this host serves a guest speaking `found` under: its own,
+/// or one it keeps an adapter for.
+pub(crate) fn contract_of(found: &str) -> Option<&'static str> {
+    std::iter::once(CONTRACT_VERSION).chain(COMPAT_VERSIONS.iter().copied()).find(|c| same_line(found, c))
+}
+
+/// Our own interfaces only of the contract the guest exports (a guest
+/// mixing versions would get one version's types for another's).
+fn import_allowed(import: &str, contract: &str) -> bool {
     let (name, version) = split_version(import);
     if let Some(iface) = name.strip_prefix(CONTRACT_PACKAGE).and_then(|r| r.strip_prefix('/')) {
-        return ALLOWED_OWN_INTERFACES.contains(&iface) && version.is_some_and(version_compatible);
+        return ALLOWED_OWN_INTERFACES.contains(&iface) && version.is_some_and(|v| same_line(v, contract));
     }
     ALLOWED_WASI_PACKAGES.iter().any(|p| name.starts_with(p))
 }
 
-fn find_policy_export(path: &Path, exports: &[String]) -> Result<String, LoadError> {
+/// The policy export and the contract it is served under.
+fn find_policy_export(path: &Path, exports: &[String]) -> Result<(String, &'static str), LoadError> {
     let wanted = format!("{CONTRACT_PACKAGE}/{POLICY_INTERFACE}");
     let Some(export) = exports.iter().find(|e| split_version(e).0 == wanted) else {
         let list = if exports.is_empty() { "none".to_string() } else { exports.join(", ") };
         return Err(LoadError::WrongWorld { path: path.to_path_buf(), exports: list });
     };
-    match split_version(export).1 {
-        Some(v) if version_compatible(v) => Ok(export.clone()),
-        _ => Err(LoadError::IncompatibleVersion { path: path.to_path_buf(), found: export.clone() }),
+    match split_version(export).1.and_then(contract_of) {
+        Some(contract) => Ok((export.clone(), contract)),
+        None => Err(LoadError::IncompatibleVersion { path: path.to_path_buf(), found: export.clone() }),
     }
 }
 
@@ -232,34 +256,39 @@ mod tests {
 
     #[test]
     fn versions() {
-        assert!(version_compatible("0.4.0"));
-        assert!(version_compatible("0.4.7"));
-        assert!(!version_compatible("0.1.0"), "0.2 changed nbd-spec: a 0.1 guest is refused");
-        assert!(!version_compatible("0.2.0"), "0.3 changed rbd-spec: a 0.2 guest is refused");
-        assert!(!version_compatible("0.3.0"), "0.4 added the clear-directory step: a 0.3 guest is refused");
-        assert!(!version_compatible("0.5.0"));
-        assert!(!version_compatible("1.1.0"));
-        assert!(!version_compatible("garbage"));
+        assert_eq!(contract_of("0.5.0"), Some("0.5.0"));
+        assert_eq!(contract_of("0.5.7"), Some("0.5.0"));
+        assert_eq!(contract_of("0.4.0"), Some("0.4.0"), "0.4 guests are served through the adapter");
+        assert_eq!(contract_of("0.4.2"), Some("0.4.0"));
+        assert_eq!(contract_of("0.1.0"), None, "0.2 changed nbd-spec: a 0.1 guest is refused");
+        assert_eq!(contract_of("0.2.0"), None, "0.3 changed rbd-spec: a 0.2 guest is refused");
+        assert_eq!(contract_of("0.3.0"), None, "0.4 added the clear-directory step: a 0.3 guest is refused");
+        assert_eq!(contract_of("0.6.0"), None);
+        assert_eq!(contract_of("1.1.0"), None);
+        assert_eq!(contract_of("garbage"), None);
     }
 
     #[test]
     fn import_allow_list() {
-        assert!(import_allowed("volagent:policy/host@0.4.0"));
-        assert!(import_allowed("volagent:policy/types@0.4.2"));
-        assert!(!import_allowed("volagent:policy/host@0.1.0"));
-        assert!(!import_allowed("volagent:policy/host"));
-        assert!(!import_allowed("volagent:policy/secrets@0.4.0"));
-        assert!(import_allowed("wasi:cli/environment@0.2.3"));
-        assert!(import_allowed("wasi:io/streams@0.2.0"));
-        assert!(!import_allowed("wasi:sockets/tcp@0.2.0"));
-        assert!(!import_allowed("wasi:http/outgoing-handler@0.2.0"));
-        assert!(!import_allowed("evil:thing/x"));
+        assert!(import_allowed("volagent:policy/host@0.5.0", "0.5.0"));
+        assert!(import_allowed("volagent:policy/types@0.5.2", "0.5.0"));
+        assert!(import_allowed("volagent:policy/host@0.4.0", "0.4.0"));
+        assert!(!import_allowed("volagent:policy/host@0.4.0", "0.5.0"), "one contract's imports with another's export");
+        assert!(!import_allowed("volagent:policy/host@0.1.0", "0.5.0"));
+        assert!(!import_allowed("volagent:policy/host", "0.5.0"));
+        assert!(!import_allowed("volagent:policy/secrets@0.5.0", "0.5.0"));
+        assert!(import_allowed("wasi:cli/environment@0.2.3", "0.5.0"));
+        assert!(import_allowed("wasi:io/streams@0.2.0", "0.5.0"));
+        assert!(!import_allowed("wasi:sockets/tcp@0.2.0", "0.5.0"));
+        assert!(!import_allowed("wasi:http/outgoing-handler@0.2.0", "0.5.0"));
+        assert!(!import_allowed("evil:thing/x", "0.5.0"));
     }
 
     #[test]
     fn export_version_is_checked() {
         let p = Path::new("x.wasm");
-        assert!(find_policy_export(p, &["volagent:policy/policy@0.4.3".into()]).is_ok());
+        assert_eq!(find_policy_export(p, &["volagent:policy/policy@0.5.3".into()]).unwrap().1, "0.5.0");
+        assert_eq!(find_policy_export(p, &["volagent:policy/policy@0.4.0".into()]).unwrap().1, "0.4.0");
         assert!(matches!(
             find_policy_export(p, &["volagent:policy/policy@0.1.0".into()]),
             Err(LoadError::IncompatibleVersion { .. })

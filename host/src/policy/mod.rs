@@ -4,6 +4,7 @@
 
 pub mod bindings;
 mod call;
+mod compat;
 mod imports;
 mod load;
 pub mod queries;
@@ -19,9 +20,20 @@ pub use runtime::{Limits, Runtime, RuntimeError};
 
 /// The contract version this host speaks.
 pub const CONTRACT_PACKAGE: &str = "volagent:policy";
-pub const CONTRACT_VERSION: &str = "0.4.0";
+pub const CONTRACT_VERSION: &str = "0.5.0";
+/// Earlier versions whose guests this host still serves, through adapters.
+pub const COMPAT_VERSIONS: &[&str] = &["0.4.0"];
 /// The interface every backend exports.
 pub const POLICY_INTERFACE: &str = "policy";
+
+/// Fill in what a volume written before contract 0.5 lacks: a filesystem
+/// volume with no mount flags.
+pub fn volume_defaults(volume: &mut serde_json::Value) {
+    if let Some(v) = volume.as_object_mut() {
+        v.entry("mode").or_insert_with(|| serde_json::json!("Filesystem"));
+        v.entry("mount_flags").or_insert_with(|| serde_json::json!([]));
+    }
+}
 
 /// Kubernetes' spelling of an access mode.
 pub fn parse_access_mode(s: &str) -> Option<AccessMode> {

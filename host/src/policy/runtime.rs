@@ -98,6 +98,9 @@ impl Runtime {
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(RuntimeError::Link)?;
         Backend::add_to_linker::<CallState, HasSelf<CallState>>(&mut linker, |s| s)
             .map_err(RuntimeError::Link)?;
+        // The previous contract's `host`, for guests built against it.
+        super::compat::v0_4::Backend::add_to_linker::<CallState, HasSelf<CallState>>(&mut linker, |s| s)
+            .map_err(RuntimeError::Link)?;
 
         let ticker = Ticker::start(engine.clone()).map_err(RuntimeError::Ticker)?;
         Ok(Arc::new(Runtime { engine, linker, limits, ticker }))

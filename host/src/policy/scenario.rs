@@ -61,6 +61,7 @@ enum CallKind {
     Fence,
     Attach,
     Detach,
+    Expand,
     Cleanup,
 }
 
@@ -92,6 +93,14 @@ struct DetachInput {
     consumer: Consumer,
     #[serde(default)]
     local_holders: Vec<Holder>,
+    paths: NodePaths,
+}
+
+#[derive(Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct ExpandInput {
+    volume: Volume,
+    consumer: Consumer,
     paths: NodePaths,
 }
 
@@ -149,6 +158,7 @@ enum Call {
     Fence(FenceInput),
     Attach(AttachInput),
     Detach(DetachInput),
+    Expand(ExpandInput),
     Cleanup(CleanupInput),
 }
 
@@ -161,6 +171,7 @@ impl Prepared {
             Call::Fence(i) => outcome("decision", plugin.fence(q, &i.volume, &i.requester, &i.holders, &i.nodes)),
             Call::Attach(i) => outcome("plan", plugin.attach(q, &i.volume, &i.requester, &i.local_holders, &i.paths)),
             Call::Detach(i) => outcome("plan", plugin.detach(q, &i.volume, &i.consumer, &i.local_holders, &i.paths)),
+            Call::Expand(i) => outcome("plan", plugin.expand(q, &i.volume, &i.consumer, &i.paths)),
             Call::Cleanup(i) => outcome("plan", plugin.cleanup(q, i.reason, &i.items)),
         }
     }
@@ -232,6 +243,7 @@ impl CallKind {
             CallKind::Fence => &["volume", "requester", "holders", "nodes"],
             CallKind::Attach => &["volume", "requester", "local_holders", "paths"],
             CallKind::Detach => &["volume", "consumer", "local_holders", "paths"],
+            CallKind::Expand => &["volume", "consumer", "paths"],
             CallKind::Cleanup => &["reason", "items"],
         }
     }
@@ -239,7 +251,7 @@ impl CallKind {
 
 /// Keys no call takes are typos: refuse them rather than test nothing.
 fn check_default_keys(defaults: &Defaults) -> Result<(), String> {
-    let all = [CallKind::Fence, CallKind::Attach, CallKind::Detach, CallKind::Cleanup];
+    let all = [CallKind::Fence, CallKind::Attach, CallKind::Detach, CallKind::Expand, CallKind::Cleanup];
     match defaults.input.keys().find(|k| !all.iter().any(|c| c.keys().contains(&k.as_str()))) {
         Some(k) => Err(format!("defaults.input.{k} is not an input of any call")),
         None => Ok(()),
@@ -297,6 +309,7 @@ fn prepare(defaults: &Defaults, scenario: Scenario) -> Result<Prepared, String> 
         CallKind::Fence => Call::Fence(strict(input, &what)?),
         CallKind::Attach => Call::Attach(strict(input, &what)?),
         CallKind::Detach => Call::Detach(strict(input, &what)?),
+        CallKind::Expand => Call::Expand(strict(input, &what)?),
         CallKind::Cleanup => Call::Cleanup(strict(input, &what)?),
     };
     Ok(Prepared { name: scenario.name, call, queries: Arc::new(queries), expect: scenario.expect })
@@ -338,6 +351,9 @@ fn options_as_list(value: &mut Value) {
     match value {
         Value::Object(map) => {
             for (key, v) in map.iter_mut() {
+                if key == "volume" {
+                    super::volume_defaults(v);
+                }
                 if key == "volume"
                     && let Some(Value::Object(opts)) = v.get_mut("options") {
                         let list = opts

@@ -35,6 +35,8 @@ pub struct PlanError {
 pub enum Operation<'a> {
     Attach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
     Detach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
+    /// Growing a volume in place where `consumer` has it.
+    Expand { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
     Cleanup { reason: CleanupReason, items: &'a [CleanupItem] },
     /// A take-over's fence steps: no dirs, only the paths the volume names
     /// (a detach of a leftover mapping of its file).
@@ -71,7 +73,9 @@ impl Scope {
     pub fn of(op: &Operation) -> Scope {
         let mut scope = Scope::default();
         match op {
-            Operation::Attach { volume, consumer, paths } | Operation::Detach { volume, consumer, paths } => {
+            Operation::Attach { volume, consumer, paths }
+            | Operation::Detach { volume, consumer, paths }
+            | Operation::Expand { volume, consumer, paths } => {
                 scope.add(volume, paths);
                 scope.pod_mount_dirs.push(consumer.mount_dir.clone());
                 if consumer.read_only {
@@ -351,6 +355,12 @@ impl Checker<'_> {
             }
             // Only the volume's own path (or below it) in a discovery dir.
             Step::ClearDirectory(c) => self.path("directory to clear", &c.path, DEVICES),
+            Step::PublishBlock(p) => {
+                self.block(&p.device)?;
+                self.path("block publish target", &p.target, MOUNT_TARGETS)?;
+                self.read_only("the block publish", p.read_only, Some(&p.target))
+            }
+            Step::GrowFilesystem(g) => self.path("filesystem to grow", &g.target, MOUNT_TARGETS),
             Step::BlocklistClient(b) => {
                 if b.address.is_empty() || b.address.contains(char::is_whitespace) {
                     return Err(format!("client address {:?} is malformed", b.address));
@@ -450,7 +460,8 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
             }
             Ok(())
         }
-        Step::BindMount(_) | Step::Unmount(_) => Ok(()),
+        Step::PublishBlock(p) => block(&p.device),
+        Step::BindMount(_) | Step::Unmount(_) | Step::GrowFilesystem(_) => Ok(()),
     }
 }
 
@@ -559,6 +570,8 @@ mod tests {
             backend: "local-pv".into(),
             access_mode: AccessMode::ReadWriteOnce,
             fs_type: "ext4".into(),
+            mode: crate::policy::VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
             options: vec![KeyValue { key: "path".into(), value: "/mnt/disks/a.img".into() }],
             secret_keys: vec![],
         }
@@ -572,6 +585,7 @@ mod tests {
             pod_uid: "u".into(),
             mount_dir: POD.into(),
             read_only: false,
+            mount_group: None,
         }
     }
 

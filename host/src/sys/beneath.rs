@@ -137,6 +137,48 @@ impl Roots {
         Ok(made)
     }
 
+    /// Create the empty regular file `file` (its dir must exist); true when
+    /// it was made, false when a regular file is there already.
+    pub fn make_file(&self, file: &Path) -> Result<bool, SysError> {
+        let (parent, name) = self.parent(file)?;
+        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        match nix::fcntl::openat(parent.as_fd(), name.as_path(), flags, Mode::from_bits_truncate(0o600)) {
+            Ok(_) => Ok(true),
+            Err(nix::errno::Errno::EEXIST) => {
+                let st = nix::sys::stat::fstatat(parent.as_fd(), name.as_path(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno("inspect", file))?;
+                if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT == nix::sys::stat::SFlag::S_IFREG {
+                    Ok(false)
+                } else {
+                    Err(refused(file, "is there and is not a regular file"))
+                }
+            }
+            Err(e) => Err(errno("create file", file)(e)),
+        }
+    }
+
+    /// Remove `file` if it is an empty regular file (a block publication's
+    /// mount point); one already gone is fine, anything else stays.
+    pub fn remove_empty_file(&self, file: &Path) -> Result<(), SysError> {
+        let (parent, name) = match self.parent(file) {
+            Ok(p) => p,
+            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT, .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let st = match nix::sys::stat::fstatat(parent.as_fd(), name.as_path(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(nix::errno::Errno::ENOENT) => return Ok(()),
+            Err(e) => return Err(errno("inspect", file)(e)),
+        };
+        let regular = nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT == nix::sys::stat::SFlag::S_IFREG;
+        if !regular || st.st_size != 0 {
+            return Err(refused(file, "is not an empty regular file; left in place"));
+        }
+        match nix::unistd::unlinkat(parent.as_fd(), name.as_path(), nix::unistd::UnlinkatFlags::NoRemoveDir) {
+            Ok(()) | Err(nix::errno::Errno::ENOENT) => Ok(()),
+            Err(e) => Err(errno("remove file", file)(e)),
+        }
+    }
+
     /// Remove the empty dir `dir`; one already gone is fine.
     pub fn rmdir(&self, dir: &Path) -> Result<(), SysError> {
         let (parent, name) = match self.parent(dir) {

@@ -246,6 +246,50 @@ impl Mounts for Linux {
             .map_err(rustix_errno("bind-mount onto", target))
     }
 
+    fn bind_device(&self, device: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
+        use rustix::mount::{MoveMountFlags, OpenTreeFlags};
+        // The device is named by the plan's own attach or a verified path
+        // under /dev; it is opened without following a symlink at its end
+        // and must be a block device.
+        let from = nix::fcntl::open(device, OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty())
+            .map_err(errno("open device", device))?;
+        let st = nix::sys::stat::fstat(&from).map_err(errno("inspect device", device))?;
+        if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT != nix::sys::stat::SFlag::S_IFBLK {
+            return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a block device".into() });
+        }
+        let to = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_NOFOLLOW)?;
+        let tree = rustix::mount::open_tree(&from, c"", OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH)
+            .map_err(rustix_errno("bind device", device))?;
+        const RDONLY: u64 = 0x1;
+        const NOSUID: u64 = 0x2;
+        mount_setattr(&tree, NOSUID | if read_only { RDONLY } else { 0 }, target)?;
+        rustix::mount::move_mount(&tree, c"", &to, c"", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)
+            .map_err(rustix_errno("bind device onto", target))
+    }
+
+    fn published_device(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        use rustix::fs::{AtFlags, FileType, StatxFlags};
+        let handle = self.roots.handle(target)?;
+        let st = rustix::fs::statx(&handle, c"", AtFlags::EMPTY_PATH, StatxFlags::TYPE).map_err(rustix_errno("inspect", target))?;
+        let block = FileType::from_raw_mode(st.stx_mode.into()) == FileType::BlockDevice;
+        Ok(block.then_some((st.stx_rdev_major, st.stx_rdev_minor)))
+    }
+
+    fn device_number(&self, device: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        use rustix::fs::{AtFlags, FileType, StatxFlags};
+        let st = rustix::fs::statx(rustix::fs::CWD, device, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::TYPE).map_err(rustix_errno("inspect", device))?;
+        let block = FileType::from_raw_mode(st.stx_mode.into()) == FileType::BlockDevice;
+        Ok(block.then_some((st.stx_rdev_major, st.stx_rdev_minor)))
+    }
+
+    fn ensure_file(&self, file: &Path) -> Result<bool, SysError> {
+        self.roots.make_file(file)
+    }
+
+    fn remove_file(&self, file: &Path) -> Result<(), SysError> {
+        self.roots.remove_empty_file(file)
+    }
+
     /// Through a handle on the parent and the name, never followed: a
     /// handle on the mount itself would keep it busy.
     fn unmount(&self, target: &Path, force: bool) -> Result<(), SysError> {

@@ -133,6 +133,29 @@ pub trait Mounts: Send + Sync {
     /// Bind the dir `source` at `target`, `nosuid,nodev` (and `noexec`
     /// when `source` is), read-only when asked, with no moment in between.
     fn bind(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), SysError>;
+    /// Bind the block device `device` (a node under /dev) onto the file
+    /// `target`, `nosuid` (not `nodev`: the device is the point), read-only
+    /// when asked.
+    fn bind_device(&self, device: &Path, target: &Path, _read_only: bool) -> Result<(), SysError> {
+        Err(SysError::Refused { path: target.to_path_buf(), what: format!("publishing block device {} is not available here", device.display()) })
+    }
+    /// The device number of the block device node bound at `target`, when
+    /// a block device node is mounted there.
+    fn published_device(&self, _target: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        Ok(None)
+    }
+    /// The device number of the block device node `device`.
+    fn device_number(&self, _device: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        Ok(None)
+    }
+    /// Create the empty file `file`; true when it did not exist.
+    fn ensure_file(&self, file: &Path) -> Result<bool, SysError> {
+        Err(SysError::Refused { path: file.to_path_buf(), what: "files are not made here".into() })
+    }
+    /// Remove `file` if it is an empty regular file; a missing one is fine.
+    fn remove_file(&self, file: &Path) -> Result<(), SysError> {
+        Err(SysError::Refused { path: file.to_path_buf(), what: "files are not removed here".into() })
+    }
     /// Unmount `target` (never following it if it is a symlink); with
     /// `force`, also when busy or unreachable (lazy).
     fn unmount(&self, target: &Path, force: bool) -> Result<(), SysError>;
