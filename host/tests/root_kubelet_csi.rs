@@ -2,8 +2,9 @@
 //! agent's registration sockets (no registrar sidecar), lists the drivers
 //! in its CSINode, and mounts a CSI PV of `local-pv.csi.volagent.io` for a
 //! pod through NodeStage and NodePublish; a backend dropped in while the
-//! agent runs becomes a driver a new pod uses. Needs root and the kubelet
-//! tier's assets; fails (never skips) without them.
+//! agent runs becomes a driver a new pod uses; a block-mode claim is a
+//! device in the container; a PV's mount options reach its mount. Needs
+//! root and the kubelet tier's assets; fails (never skips) without them.
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
@@ -110,4 +111,45 @@ fn a_csi_volume_serves_pods_and_a_dropped_in_backend_becomes_a_driver() {
     assert_eq!(output(p.as_ref()).unwrap().trim(), "hello");
     c.delete_pod("newcomer");
     assert_unmounted(&c, "node-a", "csi-shared");
+}
+
+/// A block-mode PVC of a CSI PV: the container gets the volume as a device
+/// (`/dev/xvda`), writes through it, and a later pod reads it back; the
+/// bytes are in the volume's file. A PV's `mountOptions` reach the mount
+/// (the policy passes them on; the host checks each). (ReadWriteOncePod
+/// needs kubelet 1.22 or later; this tier's kubelet is 1.20.)
+#[test]
+fn a_block_volume_is_a_device_in_the_container_and_mount_options_reach_the_mount() {
+    let c = Cluster::start(&[("node-a", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    let drivers: Api<CSIDriver> = Api::all(c.client());
+    for d in shipped_csi_drivers() {
+        c.rt.block_on(drivers.create(&PostParams::default(), &d)).unwrap();
+    }
+    wait_driver(&c, "node-a", "local-pv.csi.volagent.io");
+
+    let image = c.image("blk.img", 64);
+    c.create_csi_block_volume("csi-blk", "local-pv.csi.volagent.io", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
+    let write = "printf 'raw-from-a-pod' | dd of=/dev/xvda bs=4096 seek=1 conv=notrunc,fsync 2>/dev/null && test -b /dev/xvda && echo ok > /dev/termination-log";
+    c.create_pod(block_pod("blk-writer", "node-a", write, "csi-blk"));
+    let done = c.wait_pod("blk-writer", "Succeeded", |p| phase(p) == "Succeeded");
+    assert_eq!(output(done.as_ref()).expect("the writer's output").trim(), "ok");
+    c.delete_pod("blk-writer");
+    let read = "dd if=/dev/xvda bs=4096 skip=1 count=1 2>/dev/null | head -c 14 > /dev/termination-log";
+    c.create_pod(block_pod("blk-reader", "node-a", read, "csi-blk"));
+    let done = c.wait_pod("blk-reader", "Succeeded", |p| phase(p) == "Succeeded");
+    assert_eq!(output(done.as_ref()).expect("the reader's output"), "raw-from-a-pod");
+    c.delete_pod("blk-reader");
+    let bytes = std::fs::read(&image).unwrap();
+    assert_eq!(&bytes[4096..4096 + 14], b"raw-from-a-pod", "the bytes are in the volume's file");
+    let ops = std::fs::read_to_string(c.node("node-a").agent_log()).unwrap();
+    assert!(ops.lines().any(|l| l.contains("csi call done") && l.contains("csi_unstage") && l.contains("csi-blk")), "kubelet unstaged the block volume");
+
+    let image = c.image("opts.img", 64);
+    c.create_csi_volume_with_options("csi-opts", "local-pv.csi.volagent.io", "ReadWriteOnce", &[("path", &image), ("node", "node-a")], &["noatime"]);
+    c.create_pod(pod("opts", "node-a", "grep ' /data ' /proc/mounts > /dev/termination-log", &[("data", claim("csi-opts"))]));
+    let done = c.wait_pod("opts", "Succeeded", |p| phase(p) == "Succeeded");
+    let line = output(done.as_ref()).expect("the mount line");
+    assert!(line.contains("noatime"), "the PV's mount option is on the mount: {line}");
+    c.delete_pod("opts");
+    assert_unmounted(&c, "node-a", "csi-opts");
 }

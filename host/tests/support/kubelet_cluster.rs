@@ -297,6 +297,20 @@ impl Cluster {
         create_csi_volume(&self.rt, &self.client(), pv, driver, mode, attributes, self.kcm.as_ref().expect("kcm").log());
     }
 
+    /// A CSI PV of `driver` in `volumeMode: Block`, and its claim, bound.
+    pub fn create_csi_block_volume(&self, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)]) {
+        let attrs: serde_json::Map<String, Value> = attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+        let source = json!({ "csi": { "driver": driver, "volumeHandle": pv, "volumeAttributes": attrs }, "volumeMode": "Block" });
+        create_pv_and_claim(&self.rt, &self.client(), pv, mode, source, self.kcm.as_ref().expect("kcm").log());
+    }
+
+    /// A CSI PV of `driver` whose `mountOptions` are `options`, and its claim.
+    pub fn create_csi_volume_with_options(&self, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)], options: &[&str]) {
+        let attrs: serde_json::Map<String, Value> = attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+        let source = json!({ "csi": { "driver": driver, "volumeHandle": pv, "fsType": "ext4", "volumeAttributes": attrs }, "mountOptions": options });
+        create_pv_and_claim(&self.rt, &self.client(), pv, mode, source, self.kcm.as_ref().expect("kcm").log());
+    }
+
     /// A sparse image file of `mib` MiB in the discovery dir; its path.
     pub fn image(&self, name: &str, mib: u64) -> String {
         self.scratch.image(&format!("disks/{name}"), mib).display().to_string()
@@ -425,6 +439,15 @@ pub fn pod_with(name: &str, node: &str, script: &str, volumes: &[(&str, Value)],
     })
 }
 
+/// A pod whose container runs `script` with the claim of block PV `pv` as
+/// the device `/dev/xvda`.
+pub fn block_pod(name: &str, node: &str, script: &str, pv: &str) -> Value {
+    let mut p = pod(name, node, script, &[]);
+    p["spec"]["containers"][0]["volumeDevices"] = json!([{ "name": "blk", "devicePath": "/dev/xvda" }]);
+    p["spec"]["volumes"] = json!([{ "name": "blk", "persistentVolumeClaim": { "claimName": format!("{pv}-claim") } }]);
+    p
+}
+
 /// A volume source: the claim of PV `pv` (see [`Cluster::create_volume`]).
 pub fn claim(pv: &str) -> Value {
     json!({ "persistentVolumeClaim": { "claimName": format!("{pv}-claim") } })
@@ -517,14 +540,19 @@ fn create_pv_and_claim(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: 
         spec[k] = v.clone();
     }
     let volume: PersistentVolume = serde_json::from_value(json!({ "metadata": { "name": pv }, "spec": spec })).expect("a PV");
+    let mut claim_spec = json!({
+        "accessModes": [mode],
+        "storageClassName": "",
+        "volumeName": pv,
+        "resources": { "requests": { "storage": "64Mi" } },
+    });
+    // A block PV binds only a block claim.
+    if let Some(m) = spec.get("volumeMode") {
+        claim_spec["volumeMode"] = m.clone();
+    }
     let claim: PersistentVolumeClaim = serde_json::from_value(json!({
         "metadata": { "name": format!("{pv}-claim") },
-        "spec": {
-            "accessModes": [mode],
-            "storageClassName": "",
-            "volumeName": pv,
-            "resources": { "requests": { "storage": "64Mi" } },
-        }
+        "spec": claim_spec,
     }))
     .expect("a PVC");
     rt.block_on(Api::<PersistentVolume>::all(client.clone()).create(&PostParams::default(), &volume)).expect("create PV");
