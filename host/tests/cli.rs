@@ -69,7 +69,7 @@ scenarios:
     assert!(out.contains("-    fs_type: ext4") && out.contains("+    fs_type: xfs"), "{out}");
     assert!(out.contains("invalid input for a Fence call"), "{out}");
     assert!(out.contains("unknown field host.nodes[0].out_of_servce"), "{out}");
-    assert!(out.contains("expect must have exactly one of decision, plan, info, error, refused"), "{out}");
+    assert!(out.contains("expect must have exactly one of decision, plan, info, condition, error, refused"), "{out}");
     assert!(out.trim_end().ends_with("rbd 0.1.0: 0 passed, 4 failed"), "{out}");
 }
 

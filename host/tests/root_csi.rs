@@ -589,3 +589,31 @@ fn a_guest_of_the_previous_contract_serves_on() {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
 }
+
+/// The backend judges a volume's health for NodeGetVolumeStats beyond the
+/// host's own checks: local-pv says so when the volume's file is gone from
+/// its path while it is mounted (the loop device still holds the data).
+#[test]
+fn the_backend_judges_the_volume_condition() {
+    let node = Node::start();
+    let image = node.image("cond.img", 64);
+    let (st, ta) = (staging(&node, "pv-cond"), target(&node, "uid-c", "pv-cond"));
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_stage_volume(stage_request("pv-cond", &st, &image, Mode::SingleNodeWriter)).await.expect("stage");
+        c.node_publish_volume(publish_request("pv-cond", &st, &ta, Mode::SingleNodeWriter, "pod-c")).await.expect("publish");
+        let stats = |c: &NodeClient<tonic::transport::Channel>| {
+            let (mut c, req) = (c.clone(), NodeGetVolumeStatsRequest { volume_id: "pv-cond".into(), volume_path: ta.clone(), ..Default::default() });
+            async move { c.node_get_volume_stats(req).await.expect("stats").into_inner().volume_condition.expect("condition") }
+        };
+        assert!(!stats(&c).await.abnormal);
+        std::fs::rename(&image, format!("{image}.moved")).expect("move the file away");
+        let cond = stats(&c).await;
+        assert!(cond.abnormal && cond.message.contains("does not exist on this node"), "{cond:?}");
+        std::fs::rename(format!("{image}.moved"), &image).expect("move it back");
+        assert!(!stats(&c).await.abnormal);
+        c.node_unpublish_volume(unpublish("pv-cond", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv-cond", &st)).await.expect("unstage");
+    });
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}

@@ -189,6 +189,14 @@ impl Policy for LocalPv {
         Ok(plans::unstage(&consumer, &local_holders, &paths, spec, false))
     }
 
+    /// A local volume whose file, disk or dir is gone from its path (removed
+    /// or replaced while in use) is not healthy, mounted or not.
+    fn condition(host: &dyn Host, volume: Volume, _consumer: Consumer, _paths: NodePaths) -> Option<String> {
+        source(host, &volume).err().map(|e| match e {
+            PolicyError::InvalidOptions(m) | PolicyError::Unsupported(m) => m,
+        })
+    }
+
     fn cleanup(
         host: &dyn Host,
         reason: CleanupReason,

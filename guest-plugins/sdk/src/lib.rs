@@ -88,6 +88,11 @@ pub trait Policy {
     fn expand(_host: &dyn Host, volume: Volume, consumer: Consumer, _paths: NodePaths) -> Result<Plan, PolicyError> {
         Ok(plans::grow(&volume, &consumer))
     }
+    /// Why the volume is not healthy where `consumer` has it; by default
+    /// nothing beyond what the host checked.
+    fn condition(_host: &dyn Host, _volume: Volume, _consumer: Consumer, _paths: NodePaths) -> Option<String> {
+        None
+    }
     fn cleanup(
         host: &dyn Host,
         reason: CleanupReason,
@@ -134,6 +139,9 @@ macro_rules! export_policy {
                 }
                 fn expand(volume: Volume, consumer: Consumer, paths: NodePaths) -> Result<Plan, PolicyError> {
                     <$policy>::expand(&WasmHost, volume, consumer, paths)
+                }
+                fn condition(volume: Volume, consumer: Consumer, paths: NodePaths) -> Option<String> {
+                    <$policy>::condition(&WasmHost, volume, consumer, paths)
                 }
                 fn cleanup(
                     reason: CleanupReason,

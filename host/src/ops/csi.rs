@@ -293,12 +293,16 @@ impl Agent {
         }
         if entry.volume.mode == VolumeMode::Block {
             // A device node: no filesystem of its own to count in.
-            return Ok(VolumeStats { usage: None, abnormal: None });
+            return Ok(VolumeStats { usage: None, abnormal: self.backend_condition(&entry, &at)? });
         }
         let (sys, p) = (self.sys.clone(), path.to_path_buf());
         let usage = blocking(move || sys.mounts.usage(&p)).await?.map_err(internal)?;
-        let abnormal = (usage.read_only && !read_only)
-            .then(|| format!("{at} is read-only though published read-write (the filesystem may have been remounted read-only after an error)"));
+        let abnormal = match (usage.read_only && !read_only)
+            .then(|| format!("{at} is read-only though published read-write (the filesystem may have been remounted read-only after an error)"))
+        {
+            Some(found) => Some(found),
+            None => self.backend_condition(&entry, &at)?,
+        };
         Ok(VolumeStats { usage: Some(usage), abnormal })
     }
 
@@ -321,6 +325,18 @@ impl Agent {
         })?;
         let outcome = self.run_plan(plan, &mut lock).await?;
         Ok(outcome.grown.values().copied().max().unwrap_or(0))
+    }
+
+    /// What the backend says of the volume's health at `at`. Its own
+    /// failure is reported as the condition (the volume cannot be judged).
+    fn backend_condition(&self, entry: &Entry, at: &str) -> Result<Option<String>, CsiError> {
+        let plugin = self.plugin(&entry.volume.backend)?;
+        let consumer = Consumer { mount_dir: at.to_string(), ..entry.consumer.clone() };
+        let queries = self.queries(&plugin, &[]);
+        Ok(match plugin.condition(queries, &entry.volume, &consumer, &entry.paths) {
+            Ok(said) => said,
+            Err(e) => Some(format!("the backend could not judge the volume: {e}")),
+        })
     }
 
     /// Whether `volume_id` is staged or published at `at`: read-only there,

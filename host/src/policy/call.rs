@@ -228,6 +228,13 @@ impl Plugin {
         self.checked("expand", plan, &Operation::Expand { volume, consumer, paths })
     }
 
+    /// Why `volume` is not healthy where `consumer` has it, by the backend;
+    /// a 0.4 guest was never asked (none). Bounded: it is shown to people.
+    pub fn condition(&self, q: Arc<dyn Queries>, volume: &Volume, consumer: &Consumer, paths: &NodePaths) -> Result<Option<String>, CallError> {
+        let said = self.call(q, "condition", None, |b, s| b.volagent_policy_policy().call_condition(s, volume, consumer, paths).map(Ok), |_, _| Ok(Ok(None)))?;
+        Ok(said.map(|m| crate::ops::bounded(m, 1024)))
+    }
+
     /// The plan cleaning up `items`, checked against all their paths.
     pub fn cleanup(&self, q: Arc<dyn Queries>, reason: CleanupReason, items: &[CleanupItem]) -> Result<Plan, CallError> {
         let unaskable = items.iter().find_map(|i| compat::unaskable(&i.volume, None));

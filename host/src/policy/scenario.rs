@@ -62,6 +62,7 @@ enum CallKind {
     Attach,
     Detach,
     Expand,
+    Condition,
     Cleanup,
 }
 
@@ -159,6 +160,7 @@ enum Call {
     Attach(AttachInput),
     Detach(DetachInput),
     Expand(ExpandInput),
+    Condition(ExpandInput),
     Cleanup(CleanupInput),
 }
 
@@ -172,6 +174,7 @@ impl Prepared {
             Call::Attach(i) => outcome("plan", plugin.attach(q, &i.volume, &i.requester, &i.local_holders, &i.paths)),
             Call::Detach(i) => outcome("plan", plugin.detach(q, &i.volume, &i.consumer, &i.local_holders, &i.paths)),
             Call::Expand(i) => outcome("plan", plugin.expand(q, &i.volume, &i.consumer, &i.paths)),
+            Call::Condition(i) => outcome("condition", plugin.condition(q, &i.volume, &i.consumer, &i.paths)),
             Call::Cleanup(i) => outcome("plan", plugin.cleanup(q, i.reason, &i.items)),
         }
     }
@@ -243,7 +246,7 @@ impl CallKind {
             CallKind::Fence => &["volume", "requester", "holders", "nodes"],
             CallKind::Attach => &["volume", "requester", "local_holders", "paths"],
             CallKind::Detach => &["volume", "consumer", "local_holders", "paths"],
-            CallKind::Expand => &["volume", "consumer", "paths"],
+            CallKind::Expand | CallKind::Condition => &["volume", "consumer", "paths"],
             CallKind::Cleanup => &["reason", "items"],
         }
     }
@@ -251,7 +254,7 @@ impl CallKind {
 
 /// Keys no call takes are typos: refuse them rather than test nothing.
 fn check_default_keys(defaults: &Defaults) -> Result<(), String> {
-    let all = [CallKind::Fence, CallKind::Attach, CallKind::Detach, CallKind::Expand, CallKind::Cleanup];
+    let all = [CallKind::Fence, CallKind::Attach, CallKind::Detach, CallKind::Expand, CallKind::Condition, CallKind::Cleanup];
     match defaults.input.keys().find(|k| !all.iter().any(|c| c.keys().contains(&k.as_str()))) {
         Some(k) => Err(format!("defaults.input.{k} is not an input of any call")),
         None => Ok(()),
@@ -284,7 +287,7 @@ fn strict<T: serde::de::DeserializeOwned + serde::Serialize>(value: Value, what:
     }
 }
 
-const OUTCOMES: &[&str] = &["decision", "plan", "info", "error", "refused"];
+const OUTCOMES: &[&str] = &["decision", "plan", "info", "condition", "error", "refused"];
 
 fn prepare(defaults: &Defaults, scenario: Scenario) -> Result<Prepared, String> {
     check_default_keys(defaults)?;
@@ -310,6 +313,7 @@ fn prepare(defaults: &Defaults, scenario: Scenario) -> Result<Prepared, String> 
         CallKind::Attach => Call::Attach(strict(input, &what)?),
         CallKind::Detach => Call::Detach(strict(input, &what)?),
         CallKind::Expand => Call::Expand(strict(input, &what)?),
+        CallKind::Condition => Call::Condition(strict(input, &what)?),
         CallKind::Cleanup => Call::Cleanup(strict(input, &what)?),
     };
     Ok(Prepared { name: scenario.name, call, queries: Arc::new(queries), expect: scenario.expect })
