@@ -68,6 +68,37 @@ impl Cluster {
         self.rt.block_on(api.create(&Default::default(), &StorageCluster::new(name, spec))).unwrap();
     }
 
+    /// NodeStage and NodePublish of CSI volume `pv` (attributes `attrs`, no
+    /// secrets) on `node`, as kubelet makes them; the target.
+    fn csi_stage_and_publish(&self, node: &str, pv: &str, attrs: &[(&str, &str)]) -> String {
+        use volagent::csi::proto::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+        use volagent::csi::proto::csi::*;
+        let kubelet = self.scratch.path(&format!("{node}/kubelet"));
+        let staging = kubelet.join(format!("plugins/kubernetes.io/csi/pv/{pv}/globalmount"));
+        let target = kubelet.join(format!("pods/uid-csi/volumes/kubernetes.io~csi/{pv}/mount"));
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        let capability = Some(VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), ..Default::default() })),
+            access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        });
+        let socket = volagent::csi::drivers::socket_path(&kubelet, "rbd");
+        let (staging, target) = (staging.display().to_string(), target.display().to_string());
+        self.rt.block_on(async {
+            let mut client = volagent::csi::proto::csi::node_client::NodeClient::new(volagent::csi::client::connect(socket).await.unwrap());
+            let context: std::collections::HashMap<String, String> = attrs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            client
+                .node_stage_volume(NodeStageVolumeRequest { volume_id: pv.into(), staging_target_path: staging.clone(), volume_capability: capability.clone(), volume_context: context, ..Default::default() })
+                .await
+                .unwrap();
+            client
+                .node_publish_volume(NodePublishVolumeRequest { volume_id: pv.into(), staging_target_path: staging, target_path: target.clone(), volume_capability: capability, ..Default::default() })
+                .await
+                .unwrap();
+        });
+        target
+    }
+
     fn create_secret(&self, name: &str, key: &str) {
         use k8s_openapi::api::core::v1::Secret;
         let secret = Secret {
@@ -175,6 +206,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     c.wait("the finalizer", || {
         c.rt.block_on(clusters.get("ceph")).ok().and_then(|s| s.metadata.finalizers).is_some_and(|f| f.iter().any(|f| f == volagent::kube::crds::CLEANUP_FINALIZER))
     });
+    let three = Image::create(&dir, 64);
     for (pv, image, sc) in [("pv-sc-1", &one, "ceph"), ("pv-sc-2", &two, "ceph"), ("pv-unkeyed", &one, "ceph-unkeyed")] {
         c.rt.block_on(kube_common::create_pv(&c.client(), pv, "rbd", "ReadWriteOnce", &[("storageCluster", sc), ("image", image.name.as_str())]));
     }
@@ -192,6 +224,12 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     write_through(&format!("{b}/data"), b"on node-b").unwrap();
     assert_eq!((watchers(&one).len(), watchers(&two).len()), (1, 1));
     assert_eq!(c.record("pv-sc-1").expect("the volume\'s record").spec.storage_cluster.as_deref(), Some("ceph"));
+    // Through CSI too: a PV whose attributes name only the StorageCluster
+    // and the image is staged with the monitors, user, pool and key the
+    // StorageCluster gives (kubelet passes no secret), and published.
+    let published = c.csi_stage_and_publish("node-b", "pv-sc-csi", &[("storageCluster", "ceph"), ("image", three.name.as_str())]);
+    write_through(&format!("{published}/data"), b"through CSI").unwrap();
+    assert_eq!(watchers(&three).len(), 1);
 
     c.rt.block_on(clusters.delete("ceph", &Default::default())).unwrap();
     c.wait("the StorageCluster to go", || c.rt.block_on(clusters.get_opt("ceph")).unwrap().is_none());
@@ -201,7 +239,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
         let st = c.scratch.path(&format!("{node}/state"));
         wait_until("the NBD clients and helpers to end", || clients_under(&st).is_empty() && servers_under(&st).is_empty());
     }
-    assert!(watchers(&one).is_empty() && watchers(&two).is_empty(), "no client is left on the images");
+    assert!(watchers(&one).is_empty() && watchers(&two).is_empty() && watchers(&three).is_empty(), "no client is left on the images");
     let api: Api<Attachment> = Api::all(c.client());
     assert!(c.rt.block_on(api.get_opt("pv-sc-1")).unwrap().is_none() && c.rt.block_on(api.get_opt("pv-sc-2")).unwrap().is_none(), "the records went");
 }

@@ -6,7 +6,7 @@
 
 use super::stash::Entry;
 use super::{Agent, Failure, internal, now_rfc3339};
-use crate::policy::{CleanupItem, CleanupReason, Holder};
+use crate::policy::{CleanupItem, CleanupReason, Holder, Step, Unmount};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,7 +73,16 @@ impl Agent {
             holders: entries.iter().map(|e| Holder { consumer: e.consumer.clone(), since: now_rfc3339() }).collect(),
         };
         let plan = plugin.cleanup(self.queries(&plugin, &[]), reason, std::slice::from_ref(&item)).map_err(internal)?;
-        self.run_plan(plan, &mut lock).await?;
+        // The volume's CSI publications (the host's binds into pods) go
+        // first: a device stays busy while any mount of it remains.
+        let publications: Vec<_> = self.publications().await?.into_iter().filter(|p| p.volume == volume.name).collect();
+        let force = reason == CleanupReason::StorageClusterDeleted;
+        let mut steps: Vec<Step> = publications.iter().map(|p| Step::Unmount(Unmount { target: p.target.clone(), force })).collect();
+        steps.extend(plan);
+        self.run_plan(steps, &mut lock).await?;
+        for p in publications {
+            self.stash_op(move |s| s.remove_publication(&p.target)).await?;
+        }
         for e in entries {
             self.remove_holder(&volume.name, &e.consumer.mount_dir).await?;
             let dir = e.consumer.mount_dir.clone();

@@ -153,7 +153,7 @@ impl Agent {
             }
             // A stage cut short: the pipeline finishes it.
         }
-        let volume = Volume {
+        let mut volume = Volume {
             name: req.volume_id.clone(),
             backend: backend.to_string(),
             access_mode: shape.access.mode,
@@ -176,7 +176,9 @@ impl Agent {
             read_only: shape.access.read_only,
             mount_group: None,
         };
-        self.attach(backend, volume, me, req.secrets, csi_paths(&self.config, backend, &req.volume_id, &staging)).await?;
+        let mut secrets = req.secrets;
+        self.connect_storage_cluster(backend, &mut volume, &mut secrets).await?;
+        self.attach(backend, volume, me, secrets, csi_paths(&self.config, backend, &req.volume_id, &staging)).await?;
         Ok(())
     }
 

@@ -447,30 +447,36 @@ impl Agent {
             volume.options = defined.options;
             me.read_only |= defined.read_only;
             subject.volume = Some(volume.name.clone());
-            if let Some(name) = storage_cluster(&volume) {
-                // Where the storage is and the credentials to reach it come
-                // from the StorageCluster (and the Secret it names) too.
-                let connection = cluster.storage_connection(&name, backend).await.map_err(|e| {
-                    let kind = match e {
-                        crate::kube::volumes::VolumeError::Api { .. } => FailureKind::Unavailable,
-                        crate::kube::volumes::VolumeError::Refused(_) => FailureKind::Denied,
-                    };
-                    Failure::new(kind, format!("volume {}: {e}", volume.name))
-                })?;
-                for (key, value) in connection.options() {
-                    if !volume.options.iter().any(|kv| kv.key == key) {
-                        volume.options.push(crate::policy::KeyValue { key, value });
-                    }
-                }
-                for (key, value) in connection.secrets {
-                    // A value kubelet passed (the PV's own secretRef) wins.
-                    secrets.entry(key).or_insert(value);
-                }
-                volume.secret_keys = secrets.keys().cloned().collect();
-            }
+            self.connect_storage_cluster(backend, &mut volume, &mut secrets).await?;
         }
         let paths = self.config.paths(backend, &volume.name);
         self.attach(backend, volume, me, secrets, paths).await
+    }
+
+    /// A volume that names a StorageCluster: where the storage is and the
+    /// credentials to reach it come from the StorageCluster (and the Secret
+    /// it names). Options and secrets the volume has win. Nothing to do
+    /// without a cluster or a StorageCluster.
+    pub(crate) async fn connect_storage_cluster(&self, backend: &str, volume: &mut Volume, secrets: &mut crate::secret::Secrets) -> Result<(), Failure> {
+        let (Some(cluster), Some(name)) = (&self.cluster, storage_cluster(volume)) else { return Ok(()) };
+        let connection = cluster.storage_connection(&name, backend).await.map_err(|e| {
+            let kind = match e {
+                crate::kube::volumes::VolumeError::Api { .. } => FailureKind::Unavailable,
+                crate::kube::volumes::VolumeError::Refused(_) => FailureKind::Denied,
+            };
+            Failure::new(kind, format!("volume {}: {e}", volume.name))
+        })?;
+        for (key, value) in connection.options() {
+            if !volume.options.iter().any(|kv| kv.key == key) {
+                volume.options.push(crate::policy::KeyValue { key, value });
+            }
+        }
+        for (key, value) in connection.secrets {
+            // A value kubelet passed (the PV's own secret) wins.
+            secrets.entry(key).or_insert(value);
+        }
+        volume.secret_keys = secrets.keys().cloned().collect();
+        Ok(())
     }
 
     /// The pipeline once the volume and its consumer are known: lock, fence
