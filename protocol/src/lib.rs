@@ -128,6 +128,9 @@ pub struct WipeLine {
 pub struct CsiReport {
     pub drivers: Vec<CsiDriver>,
     pub publications: Vec<CsiPublication>,
+    /// Publications not listed: the status frame has a size limit.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub publications_left_out: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -128,8 +128,9 @@ CSI drivers: {}
         out.push_str(&aligned(&["DRIVER", "BACKEND", "KUBELET"], &rows));
     }
     if !csi.publications.is_empty() {
+        let more = if csi.publications_left_out > 0 { format!(" ({} more not shown)", csi.publications_left_out) } else { String::new() };
         out.push_str(&format!("
-CSI publications: {}
+CSI publications: {}{more}
 ", csi.publications.len()));
         let rows: Vec<Vec<String>> = csi
             .publications

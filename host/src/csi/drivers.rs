@@ -98,6 +98,19 @@ impl Drivers {
         self.running().iter().map(|(b, r)| (b.clone(), r.state.lock().unwrap_or_else(|p| p.into_inner()).clone())).collect()
     }
 
+    /// Serve `router` on `listener` to allowed peers until `until` changes.
+    fn serve(&self, router: tonic::transport::server::Router, listener: UnixListener, socket: &'static str, mut until: tokio::sync::watch::Receiver<bool>, what: String) {
+        let incoming = allowed(listener, self.allowed_uids.clone(), socket);
+        self.rt.spawn(async move {
+            let stopped = async move {
+                let _ = until.changed().await;
+            };
+            if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
+                tracing::error!("{what} stopped serving: {e}");
+            }
+        });
+    }
+
     /// Serve `backend`'s driver (already served is fine).
     pub fn add(&self, backend: &str) -> Result<(), String> {
         if let Some(waiting) = self.waiting.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
@@ -119,21 +132,8 @@ impl Drivers {
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let node = NodeServer::new(NodeService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
         let identity = IdentityServer::new(IdentityService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
-        let incoming = allowed(driver_listener, self.allowed_uids.clone(), "csi");
-        let mut until = stopped.clone();
-        let name = driver.clone();
-        self.rt.spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(identity)
-                .add_service(node)
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = until.changed().await;
-                })
-                .await;
-            if let Err(e) = served {
-                tracing::error!(driver = %name, "CSI driver stopped serving: {e}");
-            }
-        });
+        let router = tonic::transport::Server::builder().add_service(identity).add_service(node);
+        self.serve(router, driver_listener, "csi", stopped.clone(), format!("CSI driver {driver}"));
         // The registration socket last: kubelet calls the driver as soon as
         // it sees it.
         let state = Arc::new(Mutex::new(Registered::NotYet));
@@ -146,20 +146,8 @@ impl Drivers {
             }
         };
         let service = RegistrationServer::new(RegistrationService { driver: driver.clone(), endpoint, state: state.clone() }).max_decoding_message_size(64 << 10);
-        let incoming = allowed(reg_listener, self.allowed_uids.clone(), "registration");
-        let mut until = stopped;
-        let name = driver.clone();
-        self.rt.spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = until.changed().await;
-                })
-                .await;
-            if let Err(e) = served {
-                tracing::error!(driver = %name, "CSI registration stopped serving: {e}");
-            }
-        });
+        let router = tonic::transport::Server::builder().add_service(service);
+        self.serve(router, reg_listener, "registration", stopped, format!("CSI registration of {driver}"));
         tracing::info!(backend, driver, socket = %socket.display(), registration = %registration.display(), "CSI driver serving");
         running.insert(backend.to_string(), Running { stop, socket, registration, state });
         Ok(())

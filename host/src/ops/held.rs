@@ -67,7 +67,9 @@ impl Agent {
                 Vec::new()
             }
         };
-        Some(CsiReport { drivers, publications })
+        // At most a quarter of the frame: the held volumes get the rest.
+        let (publications, publications_left_out) = fit(publications, MAX_FRAME as usize / 4);
+        Some(CsiReport { drivers, publications, publications_left_out })
     }
 
     async fn held_volumes(&self) -> Result<Vec<HeldVolume>, Failure> {
@@ -134,12 +136,12 @@ fn device_at(table: &[MountInfo], dir: &str) -> Option<String> {
 
 /// The first of `volumes` whose JSON fits in `budget` bytes, and how many
 /// were left out.
-pub fn fit(volumes: Vec<HeldVolume>, budget: usize) -> (Vec<HeldVolume>, usize) {
-    // Room for `"volumes_left_out":<n>,` besides the volumes.
+pub fn fit<T: serde::Serialize>(items: Vec<T>, budget: usize) -> (Vec<T>, usize) {
+    // Room for `"…_left_out":<n>,` besides the items.
     let mut left = budget.saturating_sub(64);
-    let total = volumes.len();
+    let total = items.len();
     let mut kept = Vec::new();
-    for v in volumes {
+    for v in items {
         let size = serde_json::to_vec(&v).map_or(usize::MAX, |b| b.len() + 1);
         if size > left {
             break;

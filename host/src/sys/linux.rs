@@ -454,11 +454,16 @@ impl Filesystems for Linux {
         if loopdev::is_loop_path(device) {
             loopdev::refresh_capacity(device)?;
         }
-        // Both grow a mounted filesystem online; xfs_growfs names it by its
-        // mount point (checked mounted by the caller, beneath kubelet's root).
+        // Both grow a mounted filesystem online. xfs_growfs names it by its
+        // mount point: it is given this process's handle on the dir, opened
+        // beneath the roots, so a path swapped meanwhile cannot redirect it.
         match fs_type {
             "ext4" => check("resize2fs", device, run("resize2fs", &[], device, self.deadlines.mkfs)?).map(drop)?,
-            "xfs" => check("xfs_growfs", mount_point, run("xfs_growfs", &["-d"], mount_point, self.deadlines.mkfs)?).map(drop)?,
+            "xfs" => {
+                let dir = self.roots.open_at(mount_point, OFlag::O_RDONLY | OFlag::O_DIRECTORY)?;
+                let held = PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), std::os::fd::AsRawFd::as_raw_fd(&dir)));
+                check("xfs_growfs", mount_point, run("xfs_growfs", &["-d"], &held, self.deadlines.mkfs)?).map(drop)?
+            }
             other => return Err(SysError::Refused { path: device.to_path_buf(), what: format!("cannot grow a {other:?} filesystem (ext4 and xfs grow online)") }),
         }
         super::block_size(device)
