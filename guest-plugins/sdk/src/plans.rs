@@ -32,19 +32,27 @@ pub enum BlockOrigin {
     Existing(String),
 }
 
+impl BlockOrigin {
+    /// The device as later steps name it; an attach-device step first
+    /// (added to `plan`) when the plan attaches it.
+    fn into_source(self, read_only: bool, plan: &mut Plan) -> BlockSource {
+        match self {
+            BlockOrigin::Attach(spec) => {
+                plan.push(Step::AttachDevice(AttachDevice { id: DEVICE_ID.to_string(), spec, read_only }));
+                BlockSource::Attached(DEVICE_ID.to_string())
+            }
+            BlockOrigin::Existing(device) => BlockSource::Device(device),
+        }
+    }
+}
+
 /// A block volume: its device attached (or found attached: attaching is
 /// idempotent) and published as a device node at the requester's path.
 /// No filesystem is made or mounted.
 pub fn publish_block(volume: &Volume, origin: BlockOrigin, requester: &Consumer) -> Plan {
     let read_only = volume_read_only(volume);
     let mut plan = Vec::new();
-    let device = match origin {
-        BlockOrigin::Attach(spec) => {
-            plan.push(Step::AttachDevice(AttachDevice { id: DEVICE_ID.to_string(), spec, read_only }));
-            BlockSource::Attached(DEVICE_ID.to_string())
-        }
-        BlockOrigin::Existing(device) => BlockSource::Device(device),
-    };
+    let device = origin.into_source(read_only, &mut plan);
     plan.push(Step::PublishBlock(PublishBlock {
         device,
         target: requester.mount_dir.clone(),
@@ -83,13 +91,7 @@ pub fn stage_block(
     }
     let read_only = volume_read_only(volume);
     let mut plan = Vec::new();
-    let source = match origin {
-        BlockOrigin::Attach(spec) => {
-            plan.push(Step::AttachDevice(AttachDevice { id: DEVICE_ID.to_string(), spec, read_only }));
-            BlockSource::Attached(DEVICE_ID.to_string())
-        }
-        BlockOrigin::Existing(device) => BlockSource::Device(device),
-    };
+    let source = origin.into_source(read_only, &mut plan);
     if !read_only {
         plan.push(Step::Format(Format {
             device: source.clone(),

@@ -65,7 +65,9 @@ fn query_thread(jobs: std::sync::mpsc::Receiver<Job>, me: std::sync::mpsc::Sende
 /// Hand `job` to an idle query thread, or to a new one.
 fn dispatch(job: Job) -> std::io::Result<()> {
     let mut job = job;
-    while let Some(worker) = idle().pop() {
+    loop {
+        // The list's lock is let go before the hand-over.
+        let Some(worker) = idle().pop() else { break };
         match worker.send(job) {
             Ok(()) => return Ok(()),
             Err(std::sync::mpsc::SendError(back)) => job = back,
