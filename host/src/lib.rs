@@ -16,6 +16,7 @@ pub mod nbd;
 pub mod ops;
 pub mod plugin;
 pub mod policy;
+pub mod runtime;
 pub mod secret;
 pub mod socket;
 pub mod stats;

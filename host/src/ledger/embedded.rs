@@ -6,7 +6,6 @@ use super::{Ledger, LedgerError, Record, Version};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("attachment-records");
 /// The store's revision: every write takes the next one as its version, so
@@ -21,7 +20,7 @@ struct Stored {
 }
 
 pub struct EmbeddedLedger {
-    db: Arc<Database>,
+    db: Database,
     path: PathBuf,
 }
 
@@ -46,23 +45,18 @@ impl EmbeddedLedger {
         txn.open_table(RECORDS).map_err(|e| err(&e))?;
         txn.open_table(META).map_err(|e| err(&e))?;
         txn.commit().map_err(|e| err(&e))?;
-        Ok(EmbeddedLedger { db: Arc::new(db), path: path.to_path_buf() })
+        Ok(EmbeddedLedger { db, path: path.to_path_buf() })
     }
 
-    /// Run `f` on a blocking thread: redb commits fsync.
+    /// Run `f` in place ([`crate::runtime::in_place`]): a commit is one
+    /// `fdatasync` on the state dir's disk.
     async fn blocking<R: Send + 'static>(
         &self,
         f: impl FnOnce(&Database, &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<R, LedgerError> + Send + 'static,
     ) -> Result<R, LedgerError> {
-        let db = self.db.clone();
         let store = self.path.display().to_string();
-        let task_store = store.clone();
-        tokio::task::spawn_blocking(move || {
-            let err = move |e: &dyn std::fmt::Display| LedgerError::Store { store: task_store.clone(), message: e.to_string() };
-            f(&db, &err)
-        })
-        .await
-        .map_err(|e| LedgerError::Store { store, message: format!("ledger task failed: {e}") })?
+        let err = move |e: &dyn std::fmt::Display| LedgerError::Store { store: store.clone(), message: e.to_string() };
+        crate::runtime::in_place(|| f(&self.db, &err))
     }
 }
 
@@ -181,6 +175,7 @@ impl Ledger for EmbeddedLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn conforms_alone_and_shared() {

@@ -7,10 +7,10 @@
 use super::stash::{Entry, Publication};
 use super::{Agent, Failure, blocking, internal};
 use crate::policy::{AccessMode, Consumer, KeyValue, Volume, VolumeMode};
-use crate::socket::protocol::FailureKind;
 use crate::sys::Usage;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Why a CSI call failed, in the terms the spec gives codes to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -230,32 +230,32 @@ impl Agent {
     }
 
     pub async fn csi_publish(&self, backend: &str, req: PublishRequest) -> Result<(), CsiError> {
-        let (staging, target) = (text(&req.staging), text(&req.target));
         let mut lock = Some(self.lock(&req.volume_id)?);
-        // Every check and the publication's record in one trip to a
-        // blocking thread: each is a few syscalls, and each trip costs more.
-        let (stash, sys, backend_name, r) = (self.stash.clone(), self.sys.clone(), backend.to_string(), req.clone());
-        let entry = blocking(move || publish_checked(&stash, &sys, &backend_name, &r)).await??;
-        let Some(entry) = entry else { return Ok(()) };
-        let read_only = req.read_only || entry.consumer.read_only;
-        let bind = match entry.volume.mode {
-            VolumeMode::Filesystem => crate::policy::Step::BindMount(crate::policy::BindMount { source: staging, target: target.clone(), read_only }),
-            // The staged device node, bound again at kubelet's target file.
-            VolumeMode::Block => crate::policy::Step::PublishBlock(crate::policy::PublishBlock {
-                device: crate::policy::BlockSource::Device(entry.consumer.mount_dir.clone()),
-                target: target.clone(),
-                read_only,
-            }),
-        };
-        if let Err(f) = self.run_plan(vec![bind], &mut lock).await {
-            if f.kind != FailureKind::TimedOut
-                && let Err(e) = self.stash_op(move |s| s.remove_publication(&target)).await
-            {
-                tracing::error!(volume = %req.volume_id, "rolling back the publication failed: {}", e.message);
+        // The checks, the publication's record and the bind in one trip to
+        // a blocking thread: each is a few syscalls, and each trip costs more.
+        let (stash, sys, backend) = (self.stash.clone(), self.sys.clone(), backend.to_string());
+        self.on_plan_thread(&mut lock, Arc::default(), move |exec| {
+            let Some(entry) = publish_checked(&stash, &sys, &backend, &req)? else { return Ok(()) };
+            let (staging, target) = (text(&req.staging), text(&req.target));
+            let read_only = req.read_only || entry.consumer.read_only;
+            let bind = match entry.volume.mode {
+                VolumeMode::Filesystem => crate::policy::Step::BindMount(crate::policy::BindMount { source: staging, target: target.clone(), read_only }),
+                // The staged device node, bound again at kubelet's target file.
+                VolumeMode::Block => crate::policy::Step::PublishBlock(crate::policy::PublishBlock {
+                    device: crate::policy::BlockSource::Device(entry.consumer.mount_dir.clone()),
+                    target: target.clone(),
+                    read_only,
+                }),
+            };
+            if let Err(e) = exec.run(&[bind]) {
+                if let Err(e) = stash.remove_publication(&target) {
+                    tracing::error!(volume = %req.volume_id, "rolling back the publication failed: {e}");
+                }
+                return Err(CsiError::from(internal(e)));
             }
-            return Err(f.into());
-        }
-        Ok(())
+            Ok(())
+        })
+        .await
     }
 
     pub async fn csi_unpublish(&self, volume_id: &str, target: &Path) -> Result<(), CsiError> {

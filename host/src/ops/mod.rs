@@ -383,11 +383,24 @@ impl Agent {
         secrets: Arc<crate::secret::Secrets>,
         before: impl FnOnce() -> Result<(), Failure> + Send + 'static,
     ) -> Result<crate::exec::Outcome, Failure> {
-        let exec = Executor::new(self.sys.clone()).with_secrets(secrets);
-        let mut task = tokio::task::spawn_blocking(move || {
+        self.on_plan_thread(lock, secrets, move |exec| {
             before()?;
             exec.run(&plan).map_err(internal)
-        });
+        })
+        .await
+    }
+
+    /// Run `job` with an executor on a blocking thread, under the plan
+    /// deadline: steps can hang in the kernel. When the deadline passes, the
+    /// volume's `lock` goes with the job, which holds it until it ends.
+    async fn on_plan_thread<R: Send + 'static, E: From<Failure> + Send + 'static>(
+        &self,
+        lock: &mut Option<LockGuard>,
+        secrets: Arc<crate::secret::Secrets>,
+        job: impl FnOnce(&Executor) -> Result<R, E> + Send + 'static,
+    ) -> Result<R, E> {
+        let exec = Executor::new(self.sys.clone()).with_secrets(secrets);
+        let mut task = tokio::task::spawn_blocking(move || job(&exec));
         match tokio::time::timeout(self.plan_deadline, &mut task).await {
             Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}")))?,
             Err(_) => {
@@ -402,14 +415,16 @@ impl Agent {
                         "the volume's steps were still running after {:?}; they go on, and the volume stays locked until they end; retry",
                         self.plan_deadline
                     ),
-                ))
+                )
+                .into())
             }
         }
     }
 
+    /// A stash read or write, in place: the stash is a small database in
+    /// the runtime dir (a tmpfs on a node).
     async fn stash_op<R: Send + 'static>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError> + Send + 'static) -> Result<R, Failure> {
-        let stash = self.stash.clone();
-        blocking(move || f(&stash)).await?.map_err(internal)
+        crate::runtime::in_place(|| f(&self.stash)).map_err(internal)
     }
 
     /// `subject` learns the volume as soon as it is known, for the log.
