@@ -20,4 +20,5 @@ pub mod runtime;
 pub mod secret;
 pub mod socket;
 pub mod stats;
+pub mod store;
 pub mod sys;

@@ -617,3 +617,102 @@ fn the_backend_judges_the_volume_condition() {
     });
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
+
+/// The stage holders in the record of `volume` in `node`'s private ledger
+/// (read with the agent stopped: it holds the file locked).
+fn recorded_holders(node: &Node, volume: &str) -> Vec<String> {
+    rt().block_on(async {
+        use volagent::ledger::Ledger;
+        let ledger = volagent::ledger::embedded::EmbeddedLedger::open(&node.ledger_path("node-a"), false).expect("open the ledger");
+        let record = ledger.get(volume).await.expect("read the ledger");
+        record.map(|(r, _)| r.holders.into_iter().map(|h| h.consumer.mount_dir).collect()).unwrap_or_default()
+    })
+}
+
+/// A standalone agent's own ledger is committed while the stage's steps
+/// run (its disk flush overlaps them, nobody else reads it): every stage is
+/// recorded all the same, and a holder that a crash kept from the disk is
+/// recorded again from the stash when the agent starts.
+#[test]
+fn a_private_ledger_records_every_stage_and_recovers_a_lost_holder() {
+    let mut node = Node::start_alone();
+    let image = node.image("alone.img", 64);
+    let (st, ta) = (staging(&node, "pv-alone"), target(&node, "uid-a", "pv-alone"));
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_stage_volume(stage_request("pv-alone", &st, &image, Mode::SingleNodeWriter)).await.expect("stage");
+        c.node_publish_volume(publish_request("pv-alone", &st, &ta, Mode::SingleNodeWriter, "pod-a")).await.expect("publish");
+    });
+    std::fs::write(format!("{ta}/data"), b"alone").expect("write");
+    node.stop_agent_of("node-a");
+    assert_eq!(recorded_holders(&node, "pv-alone"), [st.clone()]);
+
+    // A crash before the commit reached the disk: the record is not there.
+    rt().block_on(async {
+        use volagent::ledger::Ledger;
+        let ledger = volagent::ledger::embedded::EmbeddedLedger::open(&node.ledger_path("node-a"), false).expect("open the ledger");
+        let (_, version) = ledger.get("pv-alone").await.expect("read").expect("recorded");
+        ledger.delete("pv-alone", &version).await.expect("delete the record");
+    });
+    node.spawn_agent("node-a");
+    node.stop_agent_of("node-a");
+    assert_eq!(recorded_holders(&node, "pv-alone"), [st.clone()], "recorded again at start-up");
+    let log = std::fs::read_to_string(node.log_path("node-a")).expect("log");
+    assert!(log.contains("recorded a mounted holder the ledger had lost"), "{log}");
+
+    node.spawn_agent("node-a");
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        assert_eq!(std::fs::read(format!("{ta}/data")).expect("still published"), b"alone");
+        c.node_unpublish_volume(unpublish("pv-alone", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv-alone", &st)).await.expect("unstage");
+    });
+    node.stop_agent_of("node-a");
+    assert!(recorded_holders(&node, "pv-alone").is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+/// The state dir's disk full: a stage's record cannot be written, so the
+/// stage fails, saying so, and leaves nothing mounted or attached; once
+/// there is space again the agent stages, publishes and releases the
+/// volume, and its ledger reads back clean.
+#[test]
+fn a_full_state_disk_fails_a_stage_cleanly_and_the_agent_serves_again_with_space() {
+    let mut node = Node::start_alone();
+    node.stop_agent_of("node-a");
+    let state = node.scratch.path("node-a/state");
+    std::fs::remove_dir_all(&state).expect("clear the state dir");
+    std::fs::create_dir_all(&state).expect("state dir");
+    nix::mount::mount(Some("tmpfs"), &state, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=8m")).expect("a small disk for the state dir");
+    node.spawn_agent("node-a");
+    let image = node.image("full.img", 64);
+    let (st, ta) = (staging(&node, "pv-full"), target(&node, "uid-a", "pv-full"));
+    let volume_mounts = |node: &Node| node.scratch.mounts().into_iter().filter(|m| *m != state).collect::<Vec<_>>();
+
+    // Fill it.
+    let filler = state.join("filler");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).expect("filler");
+        let chunk = vec![0xa5u8; 64 << 10];
+        while f.write_all(&chunk).is_ok() {}
+    }
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        let stage = stage_request("pv-full", &st, &image, Mode::SingleNodeWriter);
+        let e = c.node_stage_volume(stage.clone()).await.expect_err("no space for the record");
+        assert!(e.message().contains("pv-full") && e.message().contains("No space left on device"), "{e:?}");
+        assert!(volume_mounts(&node).is_empty(), "{:?}", volume_mounts(&node));
+        assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+
+        std::fs::remove_file(&filler).expect("space again");
+        c.node_stage_volume(stage).await.expect("stage with space");
+        c.node_publish_volume(publish_request("pv-full", &st, &ta, Mode::SingleNodeWriter, "pod-a")).await.expect("publish");
+        std::fs::write(format!("{ta}/data"), b"room").expect("write");
+        c.node_unpublish_volume(unpublish("pv-full", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv-full", &st)).await.expect("unstage");
+    });
+    assert!(volume_mounts(&node).is_empty() && node.scratch.loops().is_empty());
+    node.stop_agent_of("node-a");
+    assert!(recorded_holders(&node, "pv-full").is_empty(), "the ledger reads back, with nothing held");
+}

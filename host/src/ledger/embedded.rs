@@ -20,8 +20,23 @@ struct Stored {
 }
 
 pub struct EmbeddedLedger {
-    db: Database,
+    db: crate::store::Reopening,
     path: PathBuf,
+    shared: bool,
+}
+
+/// Open the database, its tables made, so readers never meet a missing one.
+fn open_db(path: &Path, shared: bool) -> Result<Database, String> {
+    // Shared, redb serialises the agents' write transactions, and each
+    // commit takes two flushes (it records allocator state for the other
+    // writers); alone, a commit takes one.
+    let mode = if shared { redb::ConcurrencyMode::MultiWriter } else { redb::ConcurrencyMode::ExclusiveWriter };
+    let db = redb::Builder::new().set_concurrency_mode(mode).create(path).map_err(|e| e.to_string())?;
+    let txn = db.begin_write().map_err(|e| e.to_string())?;
+    txn.open_table(RECORDS).map_err(|e| e.to_string())?;
+    txn.open_table(META).map_err(|e| e.to_string())?;
+    txn.commit().map_err(|e| e.to_string())?;
+    Ok(db)
 }
 
 impl EmbeddedLedger {
@@ -32,31 +47,16 @@ impl EmbeddedLedger {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
         }
-        // Shared, redb serialises the agents' write transactions, and each
-        // commit takes two flushes (it records allocator state for the other
-        // writers); alone, a commit takes one.
-        let mode = if shared { redb::ConcurrencyMode::MultiWriter } else { redb::ConcurrencyMode::ExclusiveWriter };
-        let db = redb::Builder::new()
-            .set_concurrency_mode(mode)
-            .create(path)
-            .map_err(|e| err(&e))?;
-        // Create the table once, so readers never meet a missing one.
-        let txn = db.begin_write().map_err(|e| err(&e))?;
-        txn.open_table(RECORDS).map_err(|e| err(&e))?;
-        txn.open_table(META).map_err(|e| err(&e))?;
-        txn.commit().map_err(|e| err(&e))?;
-        Ok(EmbeddedLedger { db, path: path.to_path_buf() })
+        let db = crate::store::Reopening::open(path, move |p| open_db(p, shared)).map_err(|e| err(&e))?;
+        Ok(EmbeddedLedger { db, path: path.to_path_buf(), shared })
     }
 
-    /// Run `f` in place ([`crate::runtime::in_place`]): a commit is one
-    /// `fdatasync` on the state dir's disk.
-    async fn blocking<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Database, &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<R, LedgerError> + Send + 'static,
-    ) -> Result<R, LedgerError> {
+    /// Run `f` on the database, in place ([`crate::runtime::in_place`]): a
+    /// commit is one `fdatasync` on the state dir's disk.
+    fn blocking<R>(&self, f: impl FnOnce(&Database, &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<R, LedgerError>) -> Result<R, LedgerError> {
         let store = self.path.display().to_string();
         let err = move |e: &dyn std::fmt::Display| LedgerError::Store { store: store.clone(), message: e.to_string() };
-        crate::runtime::in_place(|| f(&self.db, &err))
+        crate::runtime::in_place(|| self.db.with(|db| f(db, &err), |why| err(&why)))
     }
 }
 
@@ -119,15 +119,20 @@ impl Ledger for EmbeddedLedger {
     async fn get(&self, volume: &str) -> Result<Option<(Record, Version)>, LedgerError> {
         let store = self.path.display().to_string();
         let err = |e: &dyn std::fmt::Display| LedgerError::Store { store: store.clone(), message: e.to_string() };
-        let txn = self.db.begin_read().map_err(|e| err(&e))?;
-        let table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
-        match table.get(volume).map_err(|e| err(&e))? {
-            Some(v) => {
-                let s = decode(v.value(), &err)?;
-                Ok(Some((s.record, Version(s.version.to_string()))))
-            }
-            None => Ok(None),
-        }
+        self.db.with(
+            |db| {
+                let txn = db.begin_read().map_err(|e| err(&e))?;
+                let table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
+                match table.get(volume).map_err(|e| err(&e))? {
+                    Some(v) => {
+                        let s = decode(v.value(), &err)?;
+                        Ok(Some((s.record, Version(s.version.to_string()))))
+                    }
+                    None => Ok(None),
+                }
+            },
+            |why| err(&why),
+        )
     }
 
     async fn create(&self, record: &Record) -> Result<Version, LedgerError> {
@@ -136,7 +141,6 @@ impl Ledger for EmbeddedLedger {
             compare_and_write(db, err, &record.volume, None, Some(&record))?
                 .ok_or_else(|| err(&"a create wrote no version"))
         })
-        .await
     }
 
     async fn update(&self, record: &Record, expected: &Version) -> Result<Version, LedgerError> {
@@ -145,12 +149,11 @@ impl Ledger for EmbeddedLedger {
             compare_and_write(db, err, &record.volume, Some(&expected), Some(&record))?
                 .ok_or_else(|| err(&"an update wrote no version"))
         })
-        .await
     }
 
     async fn delete(&self, volume: &str, expected: &Version) -> Result<(), LedgerError> {
         let (volume, expected) = (volume.to_string(), expected.clone());
-        self.blocking(move |db, err| compare_and_write(db, err, &volume, Some(&expected), None).map(drop)).await
+        self.blocking(move |db, err| compare_and_write(db, err, &volume, Some(&expected), None).map(drop))
     }
 
     async fn list_by_node(&self, node: &str) -> Result<Vec<(Record, Version)>, LedgerError> {
@@ -168,7 +171,11 @@ impl Ledger for EmbeddedLedger {
             }
             Ok(found)
         })
-        .await
+    }
+
+    /// Alone, redb holds the file locked for this process.
+    fn node_private(&self) -> bool {
+        !self.shared
     }
 }
 

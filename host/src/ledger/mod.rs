@@ -115,4 +115,11 @@ pub trait Ledger: Send + Sync {
     async fn delete(&self, volume: &str, expected: &Version) -> Result<(), LedgerError>;
     /// Every record with a holder on `node`.
     async fn list_by_node(&self, node: &str) -> Result<Vec<(Record, Version)>, LedgerError>;
+    /// Whether this agent alone reads and writes the store. Then no other
+    /// node acts on what a record says, and a record may become durable
+    /// while the steps it covers run: the stash holds the intent meanwhile,
+    /// and start-up reconciliation restores a holder a crash cut short.
+    fn node_private(&self) -> bool {
+        false
+    }
 }

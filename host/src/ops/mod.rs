@@ -506,8 +506,9 @@ impl Agent {
 
         // Fence and record, retrying lost races with a fresh read.
         let source = VolumeSource::of(&volume);
+        let private = self.ledger.node_private();
         let mut attempt = 0;
-        let (added, plan) = loop {
+        let (added, plan, pending) = loop {
             attempt += 1;
             let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
             if let Some((recorded, _)) = &current {
@@ -571,9 +572,15 @@ impl Agent {
                 }
             });
             let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
+            if private {
+                // No other writer: under the volume's lock the write
+                // cannot lose a race. Its commit (a disk flush) goes on
+                // while the steps run, and they wait for it at the end.
+                break (!already, plan, Some(write));
+            }
             let written = write.await.map_err(|e| internal(format!("agent task failed: {e}")))?;
             match written {
-                Ok(_) => break (!already, plan),
+                Ok(_) => break (!already, plan, None),
                 Err(e) if e.is_race() && attempt < LEDGER_RETRIES => continue,
                 Err(e) => return Err(ledger_failure(e)),
             }
@@ -581,10 +588,31 @@ impl Agent {
 
         let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone() };
         let result = async {
-            let plan = plan?;
+            let plan = match plan {
+                Ok(plan) => plan,
+                Err(f) => {
+                    // The record's write must end before the rollback
+                    // below removes the holder it adds.
+                    if let Some(write) = pending {
+                        let _ = write.await;
+                    }
+                    return Err(f);
+                }
+            };
             // Stashed before any step runs, on the steps' own thread.
             let stash = self.stash.clone();
-            self.run_plan_with(plan, &mut lock, secrets.clone(), move || stash.put(&entry).map_err(internal)).await
+            let runtime = tokio::runtime::Handle::current();
+            let name = volume.name.clone();
+            self.on_plan_thread(&mut lock, secrets.clone(), move |exec| {
+                stash.put(&entry).map_err(internal)?;
+                let recorded = move || match pending.map(|write| runtime.block_on(write)) {
+                    None | Some(Ok(Ok(_))) => Ok(()),
+                    Some(Ok(Err(e))) => Err(format!("recording the attachment of volume {name} failed: {e}")),
+                    Some(Err(e)) => Err(format!("recording the attachment of volume {name} failed: agent task failed: {e}")),
+                };
+                exec.run_then(&plan, recorded).map_err(internal)
+            })
+            .await
         }
         .await;
         if let Ok(outcome) = &result

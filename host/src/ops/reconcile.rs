@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 pub struct Report {
     /// Pod mount dirs whose mount was complete: kept.
     pub kept: Vec<String>,
+    /// Mounted dirs whose holder a crash kept from the (node-private)
+    /// ledger, recorded again.
+    pub recorded_again: Vec<String>,
     /// Pod mount dirs of operations cut short: rolled back.
     pub rolled_back: Vec<String>,
     /// Ledger holders on this node with no trace on the node: removed.
@@ -38,6 +41,16 @@ impl Agent {
             stashed_dirs.insert(dir.clone());
             let mounted = self.mounted(&dir).await?;
             if mounted {
+                // A node-private ledger's record is made durable while the
+                // steps run: a crash can leave a complete mount whose
+                // holder never reached the disk.
+                if self.ledger.node_private() {
+                    match self.record_holder_again(&entry).await {
+                        Ok(true) => report.recorded_again.push(dir.clone()),
+                        Ok(false) => {}
+                        Err(f) => report.errors.push(format!("{dir}: {}", f.message)),
+                    }
+                }
                 report.kept.push(dir);
                 continue;
             }
@@ -75,6 +88,9 @@ impl Agent {
         for target in self.forget_unmounted_publications().await? {
             report.rolled_back.push(target);
         }
+        for line in &report.recorded_again {
+            tracing::warn!(mount_dir = %line, "reconcile: recorded a mounted holder the ledger had lost");
+        }
         for line in &report.rolled_back {
             tracing::warn!(mount_dir = %line, "reconcile: rolled back an operation cut short");
         }
@@ -88,6 +104,37 @@ impl Agent {
             tracing::error!("reconcile: {line}");
         }
         Ok(report)
+    }
+
+    /// Add the stash entry's consumer to its volume's record if it is not
+    /// there; true when it was added.
+    async fn record_holder_again(&self, entry: &super::stash::Entry) -> Result<bool, Failure> {
+        let volume = &entry.volume;
+        let current = self.ledger.get(&volume.name).await.map_err(super::ledger_failure)?;
+        let holder = crate::policy::Holder { consumer: entry.consumer.clone(), since: super::now_rfc3339() };
+        let written = match current {
+            Some((mut record, version)) => {
+                if record.holders.iter().any(|h| h.consumer.mount_dir == entry.consumer.mount_dir) {
+                    return Ok(false);
+                }
+                record.holders.push(holder);
+                self.ledger.update(&record, &version).await.map(drop)
+            }
+            None => {
+                let record = crate::ledger::Record {
+                    volume: volume.name.clone(),
+                    backend: volume.backend.clone(),
+                    access_mode: volume.access_mode,
+                    storage_cluster: super::storage_cluster(volume),
+                    source: Some(crate::ledger::VolumeSource::of(volume)),
+                    holders: vec![holder],
+                    storage_clients: Vec::new(),
+                };
+                self.ledger.create(&record).await.map(drop)
+            }
+        };
+        written.map_err(super::ledger_failure)?;
+        Ok(true)
     }
 
     pub(super) async fn mounted(&self, dir: &str) -> Result<bool, Failure> {

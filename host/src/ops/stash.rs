@@ -53,34 +53,54 @@ pub struct StashError {
 }
 
 pub struct Stash {
-    db: Database,
+    db: crate::store::Reopening,
     path: PathBuf,
 }
 
+/// Open the stash at `path`, its tables made. A file redb finds corrupted
+/// is moved aside and a new one started: what it held is also in the ledger
+/// and the mount table, which unmounts fall back to.
+fn open_db(path: &Path) -> Result<Database, String> {
+    let db = match Database::create(path) {
+        Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(why))) => {
+            let aside = path.with_extension(format!("corrupt-{}", std::process::id()));
+            tracing::error!(stash = %path.display(), moved_to = %aside.display(), "the stash is corrupted ({why}); starting a new one");
+            std::fs::rename(path, &aside).map_err(|e| e.to_string())?;
+            Database::create(path).map_err(|e| e.to_string())?
+        }
+        other => other.map_err(|e| e.to_string())?,
+    };
+    let txn = db.begin_write().map_err(|e| e.to_string())?;
+    txn.open_table(ENTRIES).map_err(|e| e.to_string())?;
+    txn.open_table(QUARANTINE).map_err(|e| e.to_string())?;
+    txn.open_table(PUBLISHED).map_err(|e| e.to_string())?;
+    txn.commit().map_err(|e| e.to_string())?;
+    Ok(db)
+}
+
 impl Stash {
-    /// Open (or create) the stash. A file redb finds corrupted is moved
-    /// aside and a new one started: what it held is also in the ledger and
-    /// the mount table, which unmounts fall back to.
+    /// Open (or create) the stash.
     pub fn open(path: &Path) -> Result<Stash, StashError> {
         let err = |e: &dyn std::fmt::Display| StashError { path: path.to_path_buf(), message: e.to_string() };
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
         }
-        let db = match Database::create(path) {
-            Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(why))) => {
-                let aside = path.with_extension(format!("corrupt-{}", std::process::id()));
-                tracing::error!(stash = %path.display(), moved_to = %aside.display(), "the stash is corrupted ({why}); starting a new one");
-                std::fs::rename(path, &aside).map_err(|e| err(&e))?;
-                Database::create(path).map_err(|e| err(&e))?
-            }
-            other => other.map_err(|e| err(&e))?,
-        };
-        let txn = db.begin_write().map_err(|e| err(&e))?;
-        txn.open_table(ENTRIES).map_err(|e| err(&e))?;
-        txn.open_table(QUARANTINE).map_err(|e| err(&e))?;
-        txn.open_table(PUBLISHED).map_err(|e| err(&e))?;
-        txn.commit().map_err(|e| err(&e))?;
+        let db = crate::store::Reopening::open(path, open_db).map_err(|e| err(&e))?;
         Ok(Stash { db, path: path.to_path_buf() })
+    }
+
+    /// Run `f` on the database (opened again after a failed write).
+    fn with<R>(&self, f: impl FnOnce(&Database) -> Result<R, StashError>) -> Result<R, StashError> {
+        self.db.with(f, |why| self.err(&why))
+    }
+
+    /// A write transaction of `f`, committed.
+    fn write(&self, f: impl FnOnce(&redb::WriteTransaction) -> Result<(), StashError>) -> Result<(), StashError> {
+        self.with(|db| {
+            let txn = db.begin_write().map_err(|e| self.err(&e))?;
+            f(&txn)?;
+            txn.commit().map_err(|e| self.err(&e))
+        })
     }
 
     /// Move the entry of `key` out of the way: it cannot be decoded, and
@@ -88,26 +108,27 @@ impl Stash {
     fn quarantine(&self, key: &str, why: &dyn std::fmt::Display) -> Result<(), StashError> {
         tracing::error!(stash = %self.path.display(), mount_dir = key, "undecodable stash entry quarantined ({why}); that dir's unmount falls back to the ledger");
         crate::metrics::get().stash_quarantined.inc();
-        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
-        {
+        self.write(|txn| {
             let mut entries = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
             let raw = entries.remove(key).map_err(|e| self.err(&e))?.map(|v| v.value().to_vec());
             if let Some(raw) = raw {
                 txn.open_table(QUARANTINE).map_err(|e| self.err(&e))?.insert(key, raw.as_slice()).map_err(|e| self.err(&e))?;
             }
-        }
-        txn.commit().map_err(|e| self.err(&e))
+            Ok(())
+        })
     }
 
     /// The keys (mount dirs) of quarantined entries.
     pub fn quarantined(&self) -> Result<Vec<String>, StashError> {
-        let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
-        let table = txn.open_table(QUARANTINE).map_err(|e| self.err(&e))?;
-        let mut keys = Vec::new();
-        for item in table.iter().map_err(|e| self.err(&e))? {
-            keys.push(item.map_err(|e| self.err(&e))?.0.value().to_string());
-        }
-        Ok(keys)
+        self.with(|db| {
+            let txn = db.begin_read().map_err(|e| self.err(&e))?;
+            let table = txn.open_table(QUARANTINE).map_err(|e| self.err(&e))?;
+            let mut keys = Vec::new();
+            for item in table.iter().map_err(|e| self.err(&e))? {
+                keys.push(item.map_err(|e| self.err(&e))?.0.value().to_string());
+            }
+            Ok(keys)
+        })
     }
 
     fn err(&self, e: &dyn std::fmt::Display) -> StashError {
@@ -116,28 +137,24 @@ impl Stash {
 
     pub fn put(&self, entry: &Entry) -> Result<(), StashError> {
         let bytes = serde_json::to_vec(entry).map_err(|e| self.err(&e))?;
-        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
-        txn.open_table(ENTRIES)
-            .map_err(|e| self.err(&e))?
-            .insert(entry.consumer.mount_dir.as_str(), bytes.as_slice())
-            .map_err(|e| self.err(&e))?;
-        txn.commit().map_err(|e| self.err(&e))
+        self.write(|txn| {
+            txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.insert(entry.consumer.mount_dir.as_str(), bytes.as_slice()).map_err(|e| self.err(&e))?;
+            Ok(())
+        })
     }
 
     /// The entry of `mount_dir`; none when there is none or it could not
     /// be decoded (it is then quarantined).
     pub fn get(&self, mount_dir: &str) -> Result<Option<Entry>, StashError> {
-        let decoded = {
-            let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
+        let decoded = self.with(|db| {
+            let txn = db.begin_read().map_err(|e| self.err(&e))?;
             let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
-            match table.get(mount_dir).map_err(|e| self.err(&e))? {
-                Some(v) => decode_entry(v.value()),
-                None => return Ok(None),
-            }
-        };
+            Ok(table.get(mount_dir).map_err(|e| self.err(&e))?.map(|v| decode_entry(v.value())))
+        })?;
         match decoded {
-            Ok(entry) => Ok(Some(entry)),
-            Err(e) => {
+            None => Ok(None),
+            Some(Ok(entry)) => Ok(Some(entry)),
+            Some(Err(e)) => {
                 self.quarantine(mount_dir, &e)?;
                 Ok(None)
             }
@@ -145,46 +162,50 @@ impl Stash {
     }
 
     pub fn remove(&self, mount_dir: &str) -> Result<(), StashError> {
-        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
-        txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.remove(mount_dir).map_err(|e| self.err(&e))?;
-        txn.commit().map_err(|e| self.err(&e))
+        self.write(|txn| {
+            txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.remove(mount_dir).map_err(|e| self.err(&e))?;
+            Ok(())
+        })
     }
 
     pub fn put_publication(&self, p: &Publication) -> Result<(), StashError> {
         let bytes = serde_json::to_vec(p).map_err(|e| self.err(&e))?;
-        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
-        txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.insert(p.target.as_str(), bytes.as_slice()).map_err(|e| self.err(&e))?;
-        txn.commit().map_err(|e| self.err(&e))
+        self.write(|txn| {
+            txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.insert(p.target.as_str(), bytes.as_slice()).map_err(|e| self.err(&e))?;
+            Ok(())
+        })
     }
 
     pub fn remove_publication(&self, target: &str) -> Result<(), StashError> {
-        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
-        txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.remove(target).map_err(|e| self.err(&e))?;
-        txn.commit().map_err(|e| self.err(&e))
+        self.write(|txn| {
+            txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.remove(target).map_err(|e| self.err(&e))?;
+            Ok(())
+        })
     }
 
     /// Every publication; one that cannot be decoded is dropped (its target
     /// is then unpublished from the mount table alone).
     pub fn publications(&self) -> Result<Vec<Publication>, StashError> {
-        let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
-        let table = txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?;
-        let mut out = Vec::new();
-        for item in table.iter().map_err(|e| self.err(&e))? {
-            let (k, v) = item.map_err(|e| self.err(&e))?;
-            match serde_json::from_slice(v.value()) {
-                Ok(p) => out.push(p),
-                Err(e) => tracing::error!(stash = %self.path.display(), target = k.value(), "undecodable publication ignored: {e}"),
+        self.with(|db| {
+            let txn = db.begin_read().map_err(|e| self.err(&e))?;
+            let table = txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?;
+            let mut out = Vec::new();
+            for item in table.iter().map_err(|e| self.err(&e))? {
+                let (k, v) = item.map_err(|e| self.err(&e))?;
+                match serde_json::from_slice(v.value()) {
+                    Ok(p) => out.push(p),
+                    Err(e) => tracing::error!(stash = %self.path.display(), target = k.value(), "undecodable publication ignored: {e}"),
+                }
             }
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
     /// Every entry that can be decoded; the others are quarantined.
     pub fn all(&self) -> Result<Vec<Entry>, StashError> {
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        {
-            let txn = self.db.begin_read().map_err(|e| self.err(&e))?;
+        let (out, bad) = self.with(|db| {
+            let (mut out, mut bad) = (Vec::new(), Vec::new());
+            let txn = db.begin_read().map_err(|e| self.err(&e))?;
             let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
             for item in table.iter().map_err(|e| self.err(&e))? {
                 let (k, v) = item.map_err(|e| self.err(&e))?;
@@ -193,7 +214,8 @@ impl Stash {
                     Err(e) => bad.push((k.value().to_string(), e)),
                 }
             }
-        }
+            Ok((out, bad))
+        })?;
         for (key, why) in bad {
             self.quarantine(&key, &why)?;
         }
@@ -203,9 +225,10 @@ impl Stash {
     /// Store raw bytes as the entry of `key`: for tests of damaged state.
     #[doc(hidden)]
     pub fn put_raw(&self, key: &str, bytes: &[u8]) -> Result<(), StashError> {
-        let txn = self.db.begin_write().map_err(|e| self.err(&e))?;
-        txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.insert(key, bytes).map_err(|e| self.err(&e))?;
-        txn.commit().map_err(|e| self.err(&e))
+        self.write(|txn| {
+            txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.insert(key, bytes).map_err(|e| self.err(&e))?;
+            Ok(())
+        })
     }
 }
 

@@ -18,6 +18,9 @@ pub struct Node {
     pub scratch: RootScratch,
     pub agents: Vec<(String, Child)>,
     pub socket: PathBuf,
+    /// Agents keep their own ledger in their state dir, unshared, as a
+    /// standalone node's agent does (see [`Node::start_alone`]).
+    pub private_ledger: bool,
 }
 
 impl Node {
@@ -27,6 +30,16 @@ impl Node {
 
     /// Also serving these test guests (file, backend name).
     pub fn start_with(extra: &[(&str, &str)]) -> Node {
+        Node::start_as(extra, false)
+    }
+
+    /// One node whose agent keeps its own ledger (in its state dir, not
+    /// shared): the default of a standalone agent.
+    pub fn start_alone() -> Node {
+        Node::start_as(&[], true)
+    }
+
+    fn start_as(extra: &[(&str, &str)], private_ledger: bool) -> Node {
         let scratch = RootScratch::enter();
         for d in ["plugins", "disks"] {
             std::fs::create_dir_all(scratch.path(d)).expect("dir");
@@ -37,7 +50,7 @@ impl Node {
             std::fs::copy(file, scratch.path(&format!("plugins/{name}.wasm"))).expect("plugin");
         }
         let socket = scratch.path("node-a/agent.sock");
-        let mut node = Node { scratch, agents: Vec::new(), socket };
+        let mut node = Node { scratch, agents: Vec::new(), socket, private_ledger };
         node.spawn_agent("node-a");
         node
     }
@@ -56,13 +69,14 @@ impl Node {
         let s = &self.scratch;
         let at = |p: &str| s.path(&format!("{name}/{p}"));
         let socket = at("agent.sock");
+        let ledger: &[&str] = if self.private_ledger { &[] } else { &["--ledger-shared"] };
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(["agent", "--node-name", name])
             .arg("--socket").arg(&socket)
             .arg("--state-dir").arg(at("state"))
             .arg("--runtime-dir").arg(at("run"))
-            .arg("--ledger").arg(s.path("ledger.redb"))
-            .arg("--ledger-shared")
+            .arg("--ledger").arg(self.ledger_path(name))
+            .args(ledger)
             .arg("--plugin-dir").arg(s.path("plugins"))
             .arg("--kubelet-root").arg(at("kubelet"))
             .arg("--discovery-dir").arg(s.path("disks"))
@@ -79,6 +93,14 @@ impl Node {
         while UnixStream::connect(&socket).is_err() {
             assert!(start.elapsed() < Duration::from_secs(60), "the agent of {name} did not come up");
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The ledger file `name`'s agent uses.
+    pub fn ledger_path(&self, name: &str) -> PathBuf {
+        match self.private_ledger {
+            true => self.scratch.path(&format!("{name}/state/ledger.redb")),
+            false => self.scratch.path("ledger.redb"),
         }
     }
 
