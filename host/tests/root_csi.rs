@@ -645,7 +645,7 @@ fn a_private_ledger_records_every_stage_and_recovers_a_lost_holder() {
     });
     std::fs::write(format!("{ta}/data"), b"alone").expect("write");
     node.stop_agent_of("node-a");
-    assert_eq!(recorded_holders(&node, "pv-alone"), [st.clone()]);
+    assert_eq!(recorded_holders(&node, "pv-alone"), vec![st.clone()]);
 
     // A crash before the commit reached the disk: the record is not there.
     rt().block_on(async {
@@ -656,7 +656,7 @@ fn a_private_ledger_records_every_stage_and_recovers_a_lost_holder() {
     });
     node.spawn_agent("node-a");
     node.stop_agent_of("node-a");
-    assert_eq!(recorded_holders(&node, "pv-alone"), [st.clone()], "recorded again at start-up");
+    assert_eq!(recorded_holders(&node, "pv-alone"), vec![st.clone()], "recorded again at start-up");
     let log = std::fs::read_to_string(node.log_path("node-a")).expect("log");
     assert!(log.contains("recorded a mounted holder the ledger had lost"), "{log}");
 
