@@ -85,30 +85,77 @@ fn field_str(field: &[u8; LO_NAME_SIZE]) -> String {
     String::from_utf8_lossy(&field[..end]).into_owned()
 }
 
-/// Attach the open file `backing` (named `file` in errors) to a free loop device, tagged `tag`. Another process may
-/// take the free device between asking and configuring (EBUSY): then ask
-/// again.
+/// How long an attach keeps asking for a free device while the kernel
+/// hands out devices that are not free after all.
+const ATTACH_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Whether a failure to bind the device the kernel called free is a race
+/// that a fresh device (or the same one a moment later) resolves: another
+/// process bound it first (EBUSY), it is being torn down or was removed
+/// since (ENXIO, ENOENT), or created twice at once (EEXIST).
+fn transient(e: nix::errno::Errno) -> bool {
+    use nix::errno::Errno;
+    matches!(e, Errno::EBUSY | Errno::EEXIST | Errno::ENXIO | Errno::ENOENT)
+}
+
+/// Attach the open file `backing` (named `file` in errors) to a free loop
+/// device, tagged `tag`. The free device can be taken by another process
+/// between asking and binding, or still be released by the kernel (a
+/// detach completes after the last opener closes it, and udev probes every
+/// device that changes): then ask again, backing off, within a budget.
 pub fn attach(backing: BorrowedFd<'_>, file: &Path, read_only: bool, tag: &str) -> Result<PathBuf, SysError> {
     let control = OpenOptions::new().read(true).write(true).open(LOOP_CONTROL).map_err(io("open", Path::new(LOOP_CONTROL)))?;
     let mut info = LoopInfo64::zeroed();
     info.lo_flags = if read_only { LO_FLAGS_READ_ONLY } else { 0 };
     info.lo_file_name = name_field(tag.as_bytes());
     let config = LoopConfig { fd: backing.as_raw_fd() as u32, block_size: 0, info, reserved: [0; 8] };
-    let mut last = nix::errno::Errno::EBUSY;
-    for _ in 0..16 {
-        // SAFETY: LOOP_CTL_GET_FREE takes no argument; the fd is open.
-        let n = unsafe { loop_ctl_get_free(control.as_raw_fd()) }.map_err(errno("find a free loop device", Path::new(LOOP_CONTROL)))?;
-        let device = PathBuf::from(format!("/dev/loop{n}"));
-        let dev = OpenOptions::new().read(true).write(!read_only).custom_flags(nix::libc::O_CLOEXEC).open(&device).map_err(io("open", &device))?;
-        // SAFETY: `config` is a fully initialised loop_config that outlives
-        // the call; both fds are open.
-        match unsafe { loop_configure(dev.as_raw_fd(), &config) } {
-            Ok(_) => return Ok(device),
-            Err(nix::errno::Errno::EBUSY) => last = nix::errno::Errno::EBUSY,
-            Err(e) => return Err(errno("configure loop device", &device)(e)),
+    let start = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_micros(500);
+    loop {
+        let last = match bind_free(&control, &config, read_only) {
+            Ok(device) => return Ok(device),
+            Err(Bind::Fatal(e)) => return Err(e),
+            Err(Bind::Raced(device, e)) => (device, e),
+        };
+        if start.elapsed() + pause > ATTACH_BUDGET {
+            let (device, e) = last;
+            tracing::warn!(file = %file.display(), device = %device.display(), "no loop device could be bound in {ATTACH_BUDGET:?}: {e}");
+            return Err(SysError::Errno { op: "attach a loop device for", path: file.to_path_buf(), errno: e });
         }
+        tracing::debug!(file = %file.display(), device = %last.0.display(), "loop device taken or being released ({}); asking again", last.1);
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(50));
     }
-    Err(SysError::Errno { op: "attach a loop device for", path: file.to_path_buf(), errno: last })
+}
+
+enum Bind {
+    /// Another try may succeed: the device asked for, and why it failed.
+    Raced(PathBuf, nix::errno::Errno),
+    Fatal(SysError),
+}
+
+/// One try: ask the kernel for a free device and bind it.
+fn bind_free(control: &std::fs::File, config: &LoopConfig, read_only: bool) -> Result<PathBuf, Bind> {
+    // SAFETY: LOOP_CTL_GET_FREE takes no argument; the fd is open.
+    let n = unsafe { loop_ctl_get_free(control.as_raw_fd()) }.map_err(|e| Bind::Fatal(errno("find a free loop device", Path::new(LOOP_CONTROL))(e)))?;
+    let device = PathBuf::from(format!("/dev/loop{n}"));
+    let dev = match OpenOptions::new().read(true).write(!read_only).custom_flags(nix::libc::O_CLOEXEC).open(&device) {
+        Ok(dev) => dev,
+        Err(e) => {
+            let errno = nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0));
+            return Err(match transient(errno) {
+                true => Bind::Raced(device, errno),
+                false => Bind::Fatal(io("open", &device)(e)),
+            });
+        }
+    };
+    // SAFETY: `config` is a fully initialised loop_config that outlives
+    // the call; both fds are open.
+    match unsafe { loop_configure(dev.as_raw_fd(), config) } {
+        Ok(_) => Ok(device),
+        Err(e) if transient(e) => Err(Bind::Raced(device, e)),
+        Err(e) => Err(Bind::Fatal(errno("configure loop device", &device)(e))),
+    }
 }
 
 /// `/dev/loop<N>` and nothing else: a device path from a plan or a record
