@@ -90,3 +90,162 @@ fn a_free_loop_device_held_for_a_moment_is_waited_for() {
     linux.loop_detach(&device).expect("detach");
     settle(&scratch, 0);
 }
+
+/// The seed of this run's random choices, printed so a failure can be
+/// replayed (`VOLAGENT_CHAOS_SEED`); threads still interleave as they will.
+fn seed(test: &str) -> u64 {
+    let seed = std::env::var("VOLAGENT_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+    });
+    eprintln!("{test}: chaos seed {seed} (replay with VOLAGENT_CHAOS_SEED={seed})");
+    seed
+}
+
+const VOLUMES: usize = 200;
+const CONCURRENT: usize = 50;
+/// SIGKILLs of the agent per phase (fewer when the calls end first).
+const KILLS: usize = 5;
+/// kubelet's retry of a failed mount or unmount: exponential backoff (its
+/// 500 ms start is shortened here), within a budget.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+const RETRY_BUDGET: Duration = Duration::from_secs(120);
+
+use agent_common::Node;
+use driver_common::{kubelet_options, run_driver};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// A failure that says the agent was not there to answer (down, or killed
+/// mid-call): kubelet retries those. Anything else a running agent said.
+fn agent_absent(message: &str) -> bool {
+    message.contains("volagent agent is not reachable") || message.contains("volagent agent at ")
+}
+
+struct Volume {
+    name: String,
+    image: String,
+    dir: String,
+    staging: String,
+}
+
+/// Run `args_of(volume)` through the installed driver for every volume, 50
+/// at a time, each retried as kubelet retries until it succeeds. Meanwhile
+/// the agent is killed (SIGKILL) `kills` times at random moments and
+/// started again at once. Returns what running agents answered with a
+/// failure (every answer must be a success once the agent is up).
+fn under_kills(node: &mut Node, volumes: &[Volume], rng: &mut fastrand::Rng, kills: usize, args_of: &(dyn Fn(&Volume) -> Vec<String> + Sync)) -> Vec<String> {
+    let driver = node.driver_path();
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let refused = Mutex::new(Vec::new());
+    let retries = AtomicUsize::new(0);
+    let mut killed = 0;
+    std::thread::scope(|s| {
+        for _ in 0..CONCURRENT {
+            s.spawn(|| {
+                while let Some(v) = volumes.get(next.fetch_add(1, Ordering::SeqCst)) {
+                    let (start, mut backoff) = (Instant::now(), FIRST_BACKOFF);
+                    loop {
+                        let (code, reply) = run_driver(std::process::Command::new(&driver).args(args_of(v)));
+                        if code == 0 && reply["status"] == "Success" {
+                            break;
+                        }
+                        let message = reply["message"].as_str().unwrap_or_default().to_string();
+                        retries.fetch_add(1, Ordering::SeqCst);
+                        if !agent_absent(&message) {
+                            refused.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{}: {message}", v.name));
+                        }
+                        assert!(start.elapsed() < RETRY_BUDGET, "{} did not succeed within {RETRY_BUDGET:?}: {message}", v.name);
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                    }
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+        for _ in 0..kills {
+            std::thread::sleep(Duration::from_millis(rng.u64(50..1000)));
+            if done.load(Ordering::SeqCst) == volumes.len() {
+                break;
+            }
+            let at = done.load(Ordering::SeqCst);
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(node.pid_of("node-a")), nix::sys::signal::Signal::SIGKILL).expect("kill the agent");
+            node.stop_agent_of("node-a");
+            eprintln!("killed the agent with {at}/{} calls done", volumes.len());
+            killed += 1;
+            node.spawn_agent("node-a");
+        }
+    });
+    eprintln!("{} calls, {killed} kills, {} retries", volumes.len(), retries.load(Ordering::SeqCst));
+    refused.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How many times each path is a mount point now.
+fn mount_counts(node: &Node) -> std::collections::HashMap<String, usize> {
+    let mut counts = std::collections::HashMap::new();
+    for m in node.scratch.mounts() {
+        *counts.entry(m.display().to_string()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Every record in the agent's ledger (read with the agent stopped): volume
+/// and the mount dirs of its holders.
+fn records(node: &mut Node) -> std::collections::BTreeMap<String, Vec<String>> {
+    node.stop_agent_of("node-a");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let found = rt.block_on(async {
+        use volagent::ledger::Ledger;
+        let ledger = volagent::ledger::embedded::EmbeddedLedger::open(&node.ledger_path("node-a"), false).expect("open the ledger");
+        ledger.list_by_node("node-a").await.expect("list the ledger")
+    });
+    node.spawn_agent("node-a");
+    found.into_iter().map(|(r, _)| (r.volume, r.holders.into_iter().map(|h| h.consumer.mount_dir).collect())).collect()
+}
+
+/// 200 local volumes mounted and then unmounted by kubelet-style driver
+/// calls, 50 at a time, on one standalone agent killed with SIGKILL at
+/// random moments through both and started again: every call succeeds once
+/// an agent answers it, each staging dir and pod dir is mounted once, the
+/// records name exactly what is mounted, and nothing is left at the end.
+#[test]
+fn the_agent_killed_at_random_under_load_loses_nothing() {
+    let mut rng = fastrand::Rng::with_seed(seed("the_agent_killed_at_random_under_load_loses_nothing"));
+    let mut node = Node::start_alone();
+    let kubelet = node.scratch.path("node-a/kubelet");
+    let volumes: Vec<Volume> = (0..VOLUMES)
+        .map(|i| Volume {
+            name: format!("pv-c{i}"),
+            image: node.image(&format!("c{i}.img"), 16),
+            dir: node.mount_dir(&format!("uid-c{i}"), &format!("pv-c{i}")),
+            staging: kubelet.join(format!("plugins/volagent/local-pv/mounts/pv-c{i}")).display().to_string(),
+        })
+        .collect();
+
+    let mount = |v: &Volume| {
+        let i = &v.name[4..];
+        vec!["mount".into(), v.dir.clone(), kubelet_options(&v.name, &format!("pod-c{i}"), &format!("uid-c{i}"), "ext4", &v.image).to_string()]
+    };
+    let refused = under_kills(&mut node, &volumes, &mut rng, KILLS, &mount);
+    assert!(refused.is_empty(), "mounts a running agent failed: {refused:#?}");
+    let counts = mount_counts(&node);
+    for v in &volumes {
+        assert_eq!((counts.get(&v.dir), counts.get(&v.staging)), (Some(&1), Some(&1)), "{}: mounted once at its pod dir and its staging dir", v.name);
+    }
+    assert_eq!(counts.len(), 2 * VOLUMES, "nothing else is mounted: {counts:?}");
+    assert_eq!(node.scratch.loops().len(), VOLUMES, "one loop device per volume");
+    let recorded = records(&mut node);
+    assert_eq!(recorded.len(), VOLUMES);
+    for v in &volumes {
+        assert_eq!(recorded.get(&v.name), Some(&vec![v.dir.clone()]), "{}'s record names its one pod", v.name);
+    }
+
+    let unmount = |v: &Volume| vec!["unmount".into(), v.dir.clone()];
+    let refused = under_kills(&mut node, &volumes, &mut rng, KILLS, &unmount);
+    assert!(refused.is_empty(), "unmounts a running agent failed: {refused:#?}");
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(records(&mut node).is_empty(), "no record is left");
+}

@@ -216,7 +216,9 @@ fn status(device: &Path) -> Result<Status, SysError> {
     use std::os::unix::fs::MetadataExt;
     let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Status::Detached),
+        // Removed, or being torn down (its last user closed it with
+        // autoclear set) while the list was read: detached.
+        Err(e) if gone(&e) => return Ok(Status::Detached),
         Err(e) => return Err(io("open", device)(e)),
     };
     let rdev = dev.metadata().map_err(io("stat", device))?.rdev();
