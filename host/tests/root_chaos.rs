@@ -249,3 +249,84 @@ fn the_agent_killed_at_random_under_load_loses_nothing() {
     assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
     assert!(records(&mut node).is_empty(), "no record is left");
 }
+
+/// The faults injected at each step kind of a local volume's mount and
+/// unmount plans.
+const FAULTS: &[&str] = &["EIO", "ENOSPC", "EBUSY", "hang"];
+const MOUNT_STEPS: &[&str] = &["attach-device", "format", "mount", "bind-mount"];
+const UNMOUNT_STEPS: &[&str] = &["unmount", "detach-device"];
+
+/// Retry `args` through the driver as kubelet does until it succeeds.
+#[track_caller]
+fn until_success(node: &Node, args: &[&str]) {
+    let (start, mut backoff) = (Instant::now(), FIRST_BACKOFF);
+    loop {
+        let (code, reply) = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(args));
+        if code == 0 && reply["status"] == "Success" {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "{args:?} kept failing: {reply}");
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// Faults injected at the sys seam (a layer over the real node) into every
+/// step kind of a local volume's mount and unmount plans — EIO, ENOSPC,
+/// EBUSY, and a hang past the plan deadline: the call fails naming the step
+/// and the fault (or the deadline), the steps before it are rolled back (no
+/// mount or loop device of the volume is left), and once the fault is gone
+/// kubelet's retry succeeds and the volume unmounts clean.
+#[test]
+fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
+    let mut node = Node::start_alone();
+    let rules = node.scratch.path("faults");
+    node.stop_agent_of("node-a");
+    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &["--plan-deadline-secs", "2"]);
+    let expect_fault = |r: &(i32, serde_json::Value), step: &str, fault: &str| {
+        let said = |s: &str| r.1["message"].as_str().unwrap_or_default().contains(s);
+        assert_eq!(r.0, 1, "{step} {fault}: {}", r.1);
+        if fault == "hang" {
+            assert!(said("still running after"), "{step} {fault}: the deadline is said: {}", r.1);
+        } else {
+            assert!(said(&format!("({step}) failed")) && said("injected fault") && said(fault), "{step} {fault}: step and fault are said: {}", r.1);
+        }
+    };
+    let mut case = 0;
+    for step in MOUNT_STEPS.iter().chain(UNMOUNT_STEPS) {
+        for fault in FAULTS {
+            case += 1;
+            let (name, pod, uid) = (format!("pv-f{case}"), format!("pod-f{case}"), format!("uid-f{case}"));
+            let image = node.image(&format!("f{case}.img"), 16);
+            let dir = node.mount_dir(&uid, &name);
+            let opts = kubelet_options(&name, &pod, &uid, "ext4", &image).to_string();
+            let mount = ["mount", dir.as_str(), opts.as_str()];
+            let unmount = ["unmount", dir.as_str()];
+            let on_mount = MOUNT_STEPS.contains(step);
+            if !on_mount {
+                until_success(&node, &mount);
+            }
+            std::fs::write(&rules, format!("{step} {fault}\n")).expect("rules");
+            let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(if on_mount { &mount[..] } else { &unmount[..] }));
+            expect_fault(&r, step, fault);
+            if *fault == "hang" {
+                // Locked while the step hangs: the retry is told to wait.
+                let again = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(if on_mount { &mount[..] } else { &unmount[..] }));
+                assert!(again.1["message"].as_str().unwrap_or_default().contains("in progress"), "{step} hang: {}", again.1);
+            } else if on_mount {
+                assert!(node.scratch.mounts().is_empty(), "{step} {fault}: rolled back: {:?}", node.scratch.mounts());
+                assert!(node.scratch.loops().is_empty(), "{step} {fault}: rolled back: {:?}", node.scratch.loops());
+            }
+            std::fs::remove_file(&rules).expect("the fault is gone");
+            if on_mount {
+                until_success(&node, &mount);
+                std::fs::write(format!("{dir}/data"), b"after the fault").expect("write");
+            }
+            until_success(&node, &unmount);
+            assert!(node.scratch.mounts().is_empty(), "{step} {fault}: {:?}", node.scratch.mounts());
+            assert!(node.scratch.loops().is_empty(), "{step} {fault}: {:?}", node.scratch.loops());
+        }
+    }
+    eprintln!("{case} faults injected, {} per step kind", FAULTS.len());
+    assert!(records(&mut node).is_empty(), "no record is left");
+}

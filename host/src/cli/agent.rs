@@ -216,7 +216,11 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         .collect::<anyhow::Result<_>>()?;
     let mut nbd = crate::sys::nbd_client::NbdFuse::new(config.state_dir.join("nbd"));
     nbd.kernel.request_timeout = args.nbd_hung_after;
-    let sys = Sys::linux_with(roots, &crate::ops::loop_tag(&node, &config.state_dir), nbd);
+    let mut sys = Sys::linux_with(roots, &crate::ops::loop_tag(&node, &config.state_dir), nbd);
+    if let Some(file) = std::env::var_os(crate::sys::faults::FAULTS_FILE_ENV) {
+        tracing::warn!(rules = %std::path::Path::new(&file).display(), "fault injection on (a test hook): operations fail as the rules file says");
+        sys = sys.with_faults(file.into());
+    }
     spawn_nbd_watchdog(sys.nbd.clone(), args.nbd_hung_after);
     let mut agent = Agent::new(config, Vec::new(), ledger, stash, sys, Duration::from_secs(args.plan_deadline_secs));
     if let Some(c) = cluster.clone() {

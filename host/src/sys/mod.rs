@@ -10,6 +10,7 @@ mod block;
 pub mod clear_dir;
 pub mod export_file;
 pub mod fake;
+pub mod faults;
 pub mod gluster_mount;
 pub mod krbd;
 pub mod linux;
@@ -388,6 +389,18 @@ impl Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
         let krbd = Arc::new(krbd::Krbd::new(nbd.base().to_path_buf()));
         Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd), storage: Arc::new(rbd_export::LibCeph), krbd }
+    }
+
+    /// This node with the chaos tier's fault layer over its mounts, devices
+    /// and filesystems, following the rules in `file` ([`faults`]).
+    pub fn with_faults(self, file: PathBuf) -> Sys {
+        let rules = faults::Rules::new(file);
+        Sys {
+            mounts: Arc::new(faults::Faulty::new(self.mounts, rules.clone())),
+            devices: Arc::new(faults::Faulty::new(self.devices, rules.clone())),
+            filesystems: Arc::new(faults::Faulty::new(self.filesystems, rules)),
+            ..self
+        }
     }
 
     /// The mount at exactly `target`, if any (the last one wins, as in the kernel).
