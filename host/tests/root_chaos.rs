@@ -330,3 +330,66 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
     eprintln!("{case} faults injected, {} per step kind", FAULTS.len());
     assert!(records(&mut node).is_empty(), "no record is left");
 }
+
+/// Fill the filesystem `dir` is on (a small tmpfs) with a file in it.
+fn fill(dir: &std::path::Path) -> PathBuf {
+    use std::io::Write;
+    let filler = dir.join("filler");
+    let mut f = std::fs::File::create(&filler).expect("filler");
+    let chunk = vec![0x5au8; 64 << 10];
+    while f.write_all(&chunk).is_ok() {}
+    filler
+}
+
+/// The disks under the state dir (ledger) and the runtime dir (stash)
+/// full: a mount fails with a clear error and leaves nothing of its volume;
+/// a mounted volume stays mounted; both stores read back uncorrupted; and
+/// once there is space the agent serves again — without a restart.
+#[test]
+fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() {
+    let mut node = Node::start_alone();
+    node.stop_agent_of("node-a");
+    let (state, run) = (node.scratch.path("node-a/state"), node.scratch.path("node-a/run"));
+    for dir in [&state, &run] {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).expect("dir");
+        nix::mount::mount(Some("tmpfs"), dir, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=8m")).expect("a small disk");
+    }
+    node.spawn_agent("node-a");
+    let volume = |i: usize| {
+        let (name, uid) = (format!("pv-d{i}"), format!("uid-d{i}"));
+        let image = node.image(&format!("d{i}.img"), 16);
+        let dir = node.mount_dir(&uid, &name);
+        let opts = kubelet_options(&name, &format!("pod-d{i}"), &uid, "ext4", &image).to_string();
+        (dir, opts)
+    };
+    let volume_mounts = || node.scratch.mounts().into_iter().filter(|m| *m != state && *m != run).collect::<Vec<_>>();
+    let ((a_dir, a_opts), (b_dir, b_opts)) = (volume(1), volume(2));
+    until_success(&node, &["mount", &a_dir, &a_opts]);
+    std::fs::write(format!("{a_dir}/data"), b"mounted before").expect("write");
+    let before = volume_mounts();
+
+    let fillers = [fill(&state), fill(&run)];
+    let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["mount", &b_dir, &b_opts]));
+    assert_eq!(r.0, 1, "{}", r.1);
+    let message = r.1["message"].as_str().unwrap_or_default();
+    assert!(message.contains("No space left on device"), "the full disk is said: {message}");
+    assert_eq!(volume_mounts(), before, "nothing of the failed mount is left");
+    assert_eq!(node.scratch.loops().len(), 1);
+    assert_eq!(std::fs::read(format!("{a_dir}/data")).expect("still mounted"), b"mounted before");
+    // An unmount can still take the volume down, but not forget it: it
+    // fails, saying why, and its retry finishes the job.
+    let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["unmount", &a_dir]));
+    assert_eq!(r.0, 1, "{}", r.1);
+    assert!(r.1["message"].as_str().unwrap_or_default().contains("No space left on device"), "{}", r.1);
+
+    for f in &fillers {
+        std::fs::remove_file(f).expect("space again");
+    }
+    until_success(&node, &["mount", &b_dir, &b_opts]);
+    until_success(&node, &["unmount", &a_dir]);
+    until_success(&node, &["unmount", &b_dir]);
+    assert!(volume_mounts().is_empty(), "{:?}", volume_mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(records(&mut node).is_empty(), "the ledger reads back, with nothing held");
+}
