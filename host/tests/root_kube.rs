@@ -351,3 +351,148 @@ fn inline_volumes_where_allowed_are_each_pods_own() {
     assert_success(&c.unmount("node-a", &dir3));
     assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
 }
+
+/// A TCP proxy in front of the API server that holds each chunk it passes
+/// on for `delay_ms` (0: none): a slow API server, to the agents behind it.
+struct SlowProxy {
+    url: String,
+    delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SlowProxy {
+    fn start(upstream: &str) -> SlowProxy {
+        use std::sync::atomic::Ordering;
+        let target = upstream.trim_start_matches("https://").to_string();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("proxy listener");
+        let url = format!("https://{}", listener.local_addr().expect("addr"));
+        let delay_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let delay = delay_ms.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                // The API server down: the client's connection is closed, as
+                // a dead server's would be.
+                let Ok(server) = std::net::TcpStream::connect(&target) else { continue };
+                for (mut from, mut to) in [(client.try_clone(), server.try_clone()), (server.try_clone(), client.try_clone())].into_iter().filter_map(|(a, b)| Some((a.ok()?, b.ok()?))) {
+                    let delay = delay.clone();
+                    std::thread::spawn(move || {
+                        use std::io::{Read, Write};
+                        let mut buf = vec![0u8; 64 << 10];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            std::thread::sleep(std::time::Duration::from_millis(delay.load(Ordering::SeqCst)));
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        SlowProxy { url, delay_ms }
+    }
+}
+
+/// Three agents race for one ReadWriteOnce volume round after round while
+/// the API server is killed mid-race and started again, or made slow (a
+/// proxy holding each chunk 20–80 ms), at random (seed printed; replay with
+/// `VOLAGENT_CHAOS_SEED`). Each contender retries as kubelet does until it
+/// wins or is told who holds the volume: there is never more than one
+/// winner and, once the API server answers, always one; the record names
+/// exactly the winner and goes with its unmount (none is lost or left
+/// orphaned); every agent serves on.
+#[test]
+fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
+    const ROUNDS: usize = 12;
+    let seed = std::env::var("VOLAGENT_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+    });
+    eprintln!("chaos seed {seed} (replay with VOLAGENT_CHAOS_SEED={seed})");
+    let mut rng = fastrand::Rng::with_seed(seed);
+
+    let mut c = Cluster::start(&NODES, &[SHARED_FILE]);
+    let proxy = SlowProxy::start(c.env.url());
+    let kubeconfig = c.scratch.path("agents.kubeconfig");
+    let text = std::fs::read_to_string(c.env.kubeconfig_path()).expect("kubeconfig");
+    assert!(text.contains(c.env.url()), "the kubeconfig names the API server");
+    std::fs::write(&kubeconfig, text.replace(c.env.url(), &proxy.url)).expect("the agents' kubeconfig");
+    c.agent_kubeconfig = Some(kubeconfig);
+    for n in NODES {
+        c.kill_agent(n);
+        c.spawn_agent(n);
+    }
+    let image = c.image("chaos.img");
+    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-chaos", "shared-file", "ReadWriteOnce", &[("path", &image)]));
+
+    let (mut kills, mut slow) = (0, 0);
+    let retries = std::sync::atomic::AtomicUsize::new(0);
+    for round in 0..ROUNDS {
+        let pods: Vec<String> = NODES.iter().map(|n| format!("{n}-{round}")).collect();
+        for p in &pods {
+            c.pod_uid(p, "pv-chaos");
+        }
+        let chaos = rng.u8(0..3);
+        if chaos == 2 {
+            slow += 1;
+            proxy.delay_ms.store(rng.u64(20..80), Ordering::SeqCst);
+        }
+        let outcomes: Vec<(String, Option<String>)> = std::thread::scope(|s| {
+            let contenders: Vec<_> = NODES
+                .iter()
+                .zip(&pods)
+                .map(|(node, pod)| {
+                    let (c, image, retries) = (&c, &image, &retries);
+                    s.spawn(move || {
+                        let (start, mut backoff) = (Instant::now(), Duration::from_millis(100));
+                        loop {
+                            let (dir, r) = c.mount(node, pod, "pv-chaos", image);
+                            let message = r.1["message"].as_str().unwrap_or_default().to_string();
+                            if r.0 == 0 {
+                                return (node.to_string(), Some(dir));
+                            }
+                            if message.contains("is in use by pod") {
+                                return (node.to_string(), None);
+                            }
+                            assert!(start.elapsed() < Duration::from_secs(120), "round {round}: {node} got no answer: {message}");
+                            retries.fetch_add(1, Ordering::SeqCst);
+                            std::thread::sleep(backoff);
+                            backoff = (backoff * 2).min(Duration::from_secs(2));
+                        }
+                    })
+                })
+                .collect();
+            if chaos == 1 {
+                kills += 1;
+                std::thread::sleep(Duration::from_millis(rng.u64(0..60)));
+                c.env.stop_apiserver();
+                std::thread::sleep(Duration::from_millis(rng.u64(300..2000)));
+                c.rt.block_on(c.env.start_apiserver()).expect("the API server starts again");
+            }
+            contenders.into_iter().map(|t| t.join().expect("contender")).collect()
+        });
+        proxy.delay_ms.store(0, Ordering::SeqCst);
+        let winners: Vec<&(String, Option<String>)> = outcomes.iter().filter(|(_, won)| won.is_some()).collect();
+        assert_eq!(winners.len(), 1, "round {round} (chaos {chaos}): exactly one winner: {outcomes:?}");
+        let (winner, dir) = (&winners[0].0, winners[0].1.as_deref().expect("won"));
+        let record = c.record("pv-chaos").expect("the winner's record");
+        let holders: Vec<&str> = record.spec.consumers.iter().map(|h| h.node.as_str()).collect();
+        assert_eq!(holders, [winner.as_str()], "round {round}: the record names the winner alone");
+        let (start, mut backoff) = (Instant::now(), Duration::from_millis(100));
+        while c.unmount(winner, dir).0 != 0 {
+            assert!(start.elapsed() < Duration::from_secs(60), "round {round}: {winner} cannot unmount");
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+        assert!(c.record("pv-chaos").is_none(), "round {round}: the record goes with its last consumer");
+    }
+    eprintln!("{ROUNDS} rounds: {kills} with the API server killed mid-race, {slow} with it slow; {} mounts retried", retries.load(Ordering::SeqCst));
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "nothing left mounted or attached");
+    for (node, agent) in c.agents.iter_mut() {
+        assert!(agent.try_wait().expect("agent status").is_none(), "{node}'s agent serves on");
+    }
+}

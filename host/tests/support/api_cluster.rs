@@ -22,6 +22,9 @@ pub struct Cluster {
     pub scratch: RootScratch,
     /// Pods made so far, by name: their UIDs.
     pods: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
+    /// The kubeconfig agents started from now on use, when not the API
+    /// server's own (e.g. one that reaches it through a proxy).
+    pub agent_kubeconfig: Option<std::path::PathBuf>,
 }
 
 impl Drop for Cluster {
@@ -55,7 +58,7 @@ impl Cluster {
         for (file, name) in plugins {
             std::fs::copy(file, scratch.path(&format!("plugins/{name}.wasm"))).expect("plugin");
         }
-        let mut c = Cluster { agents: Vec::new(), env, rt, scratch, pods: Default::default() };
+        let mut c = Cluster { agents: Vec::new(), env, rt, scratch, pods: Default::default(), agent_kubeconfig: None };
         for n in nodes {
             c.spawn_agent(n);
         }
@@ -85,7 +88,7 @@ impl Cluster {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.scratch.path(&format!("{node}.log"))).expect("agent log");
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(["agent", "--node-name", node])
-            .arg("--kubeconfig").arg(self.env.kubeconfig_path())
+            .arg("--kubeconfig").arg(self.agent_kubeconfig.as_deref().unwrap_or(self.env.kubeconfig_path()))
             .arg("--runtime-dir").arg(at("run"))
             .arg("--state-dir").arg(at("state"))
             .arg("--plugin-dir").arg(self.scratch.path("plugins"))
