@@ -137,8 +137,10 @@ impl KernelNbd {
             let out = super::linux::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
             match super::linux::check("nbd-client", &device, out) {
                 Ok(_) => {}
-                // Taken meanwhile (the kernel says so only in its log).
-                Err(e) if connection_pid(&name).is_some() => {
+                // Taken meanwhile (the kernel says so only in its log), or
+                // still being released by a disconnect that has not ended
+                // (busy): the next free one.
+                Err(e) if connection_pid(&name).is_some() || e.to_string().to_ascii_lowercase().contains("busy") => {
                     last = Some(e);
                     continue;
                 }
