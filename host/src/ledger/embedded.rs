@@ -53,7 +53,7 @@ impl EmbeddedLedger {
 
     /// Run `f` on the database, in place ([`crate::runtime::in_place`]): a
     /// commit is one `fdatasync` on the state dir's disk.
-    fn blocking<R>(&self, f: impl FnOnce(&Database, &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<R, LedgerError>) -> Result<R, LedgerError> {
+    fn run<R>(&self, f: impl FnOnce(&Database, &dyn Fn(&dyn std::fmt::Display) -> LedgerError) -> Result<R, LedgerError>) -> Result<R, LedgerError> {
         let store = self.path.display().to_string();
         let err = move |e: &dyn std::fmt::Display| LedgerError::Store { store: store.clone(), message: e.to_string() };
         crate::runtime::in_place(|| self.db.with(|db| f(db, &err), |why| err(&why)))
@@ -137,7 +137,7 @@ impl Ledger for EmbeddedLedger {
 
     async fn create(&self, record: &Record) -> Result<Version, LedgerError> {
         let record = record.clone();
-        self.blocking(move |db, err| {
+        self.run(move |db, err| {
             compare_and_write(db, err, &record.volume, None, Some(&record))?
                 .ok_or_else(|| err(&"a create wrote no version"))
         })
@@ -145,7 +145,7 @@ impl Ledger for EmbeddedLedger {
 
     async fn update(&self, record: &Record, expected: &Version) -> Result<Version, LedgerError> {
         let (record, expected) = (record.clone(), expected.clone());
-        self.blocking(move |db, err| {
+        self.run(move |db, err| {
             compare_and_write(db, err, &record.volume, Some(&expected), Some(&record))?
                 .ok_or_else(|| err(&"an update wrote no version"))
         })
@@ -153,12 +153,12 @@ impl Ledger for EmbeddedLedger {
 
     async fn delete(&self, volume: &str, expected: &Version) -> Result<(), LedgerError> {
         let (volume, expected) = (volume.to_string(), expected.clone());
-        self.blocking(move |db, err| compare_and_write(db, err, &volume, Some(&expected), None).map(drop))
+        self.run(move |db, err| compare_and_write(db, err, &volume, Some(&expected), None).map(drop))
     }
 
     async fn list_by_node(&self, node: &str) -> Result<Vec<(Record, Version)>, LedgerError> {
         let node = node.to_string();
-        self.blocking(move |db, err| {
+        self.run(move |db, err| {
             let txn = db.begin_read().map_err(|e| err(&e))?;
             let table = txn.open_table(RECORDS).map_err(|e| err(&e))?;
             let mut found = Vec::new();

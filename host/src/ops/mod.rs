@@ -604,12 +604,16 @@ impl Agent {
             let runtime = tokio::runtime::Handle::current();
             let name = volume.name.clone();
             self.on_plan_thread(&mut lock, secrets.clone(), move |exec| {
-                stash.put(&entry).map_err(internal)?;
                 let recorded = move || match pending.map(|write| runtime.block_on(write)) {
                     None | Some(Ok(Ok(_))) => Ok(()),
                     Some(Ok(Err(e))) => Err(format!("recording the attachment of volume {name} failed: {e}")),
                     Some(Err(e)) => Err(format!("recording the attachment of volume {name} failed: agent task failed: {e}")),
                 };
+                if let Err(e) = stash.put(&entry) {
+                    // As above: the write ends before the rollback.
+                    let _ = recorded();
+                    return Err(internal(e));
+                }
                 exec.run_then(&plan, recorded).map_err(internal)
             })
             .await
