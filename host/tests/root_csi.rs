@@ -716,3 +716,71 @@ fn a_full_state_disk_fails_a_stage_cleanly_and_the_agent_serves_again_with_space
     node.stop_agent_of("node-a");
     assert!(recorded_holders(&node, "pv-full").is_empty(), "the ledger reads back, with nothing held");
 }
+
+/// Faults injected at the sys seam (the chaos tier's fault layer) into the
+/// step kinds only CSI uses: publishing a block device node and growing a
+/// mounted filesystem. The call fails naming the step and the fault, and
+/// leaves what it found; once the fault is gone the retry succeeds.
+#[test]
+fn faults_at_publish_block_and_grow_filesystem_fail_clearly_and_retries_succeed() {
+    let mut node = Node::start_alone();
+    let rules = node.scratch.path("faults");
+    node.stop_agent_of("node-a");
+    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &[]);
+    let inject = |rule: &str| std::fs::write(&rules, format!("{rule}\n")).expect("rules");
+    let clear = || std::fs::remove_file(&rules).expect("the fault is gone");
+    #[track_caller]
+    fn says<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>, step: &str) {
+        let m = r.expect_err("the injected fault fails the call").message().to_string();
+        assert!(m.contains(&format!("({step}) failed")) && m.contains("injected fault") && m.contains("EIO"), "{m}");
+    }
+
+    let image = node.image("fb.img", 16);
+    let root = kubelet_root(&node, "node-a");
+    let st = root.join("plugins/kubernetes.io/csi/volumeDevices/staging/fb");
+    let publish_dir = root.join("plugins/kubernetes.io/csi/volumeDevices/publish/fb");
+    std::fs::create_dir_all(&st).expect("kubelet makes the staging dir");
+    std::fs::create_dir_all(&publish_dir).expect("kubelet makes the publish dir");
+    let (st, ta) = (st.display().to_string(), publish_dir.join("uid-a").display().to_string());
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        let mut stage = stage_request("fb", &st, &image, Mode::SingleNodeWriter);
+        stage.volume_capability = block_capability(Mode::SingleNodeWriter);
+        inject("publish-block EIO");
+        says(c.node_stage_volume(stage.clone()).await, "publish-block");
+        assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "the stage is rolled back");
+        clear();
+        c.node_stage_volume(stage).await.expect("stage");
+        let mut publish = publish_request("fb", &st, &ta, Mode::SingleNodeWriter, "pod-a");
+        publish.volume_capability = block_capability(Mode::SingleNodeWriter);
+        inject("publish-block EIO");
+        says(c.node_publish_volume(publish.clone()).await, "publish-block");
+        assert_eq!(node.scratch.mounts().len(), 1, "the stage alone: {:?}", node.scratch.mounts());
+        clear();
+        c.node_publish_volume(publish).await.expect("publish");
+        c.node_unpublish_volume(unpublish("fb", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("fb", &st)).await.expect("unstage");
+    });
+
+    let image = node.image("fg.img", 320);
+    assert!(Command::new("mkfs.xfs").args(["-f", "-q"]).arg(&image).status().expect("mkfs").success());
+    let (st, ta) = (staging(&node, "fg"), target(&node, "uid-g", "fg"));
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        let mut stage = stage_request("fg", &st, &image, Mode::SingleNodeWriter);
+        stage.volume_capability = capability(Mode::SingleNodeWriter, "xfs");
+        c.node_stage_volume(stage).await.expect("stage");
+        let mut publish = publish_request("fg", &st, &ta, Mode::SingleNodeWriter, "g");
+        publish.volume_capability = capability(Mode::SingleNodeWriter, "xfs");
+        c.node_publish_volume(publish).await.expect("publish");
+        std::fs::OpenOptions::new().write(true).open(&image).expect("image").set_len(480 << 20).expect("grow the file");
+        let expand = NodeExpandVolumeRequest { volume_id: "fg".into(), volume_path: ta.clone(), ..Default::default() };
+        inject("grow-filesystem EIO");
+        says(c.node_expand_volume(expand.clone()).await, "grow-filesystem");
+        clear();
+        assert_eq!(c.node_expand_volume(expand).await.expect("expand").into_inner().capacity_bytes, 480 << 20);
+        c.node_unpublish_volume(unpublish("fg", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("fg", &st)).await.expect("unstage");
+    });
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
