@@ -70,7 +70,7 @@ fn main() {
     println!("soak: {secs} s, {volumes} volumes, seed {seed}, samples every {sample_every:?}, a restart about every {restart_every:?}");
     let mut rng = fastrand::Rng::with_seed(seed);
 
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone_for(Duration::from_secs(secs + 3600));
     let vols: Vec<(String, String)> = (0..volumes)
         .map(|i| {
             let name = format!("pv-s{i}");

@@ -39,8 +39,18 @@ impl Node {
         Node::start_as(&[], true)
     }
 
+    /// [`start_alone`](Self::start_alone) for a run of hours: the scratch
+    /// dir's watchdog (which aborts hung FUSE mounts and kills what runs
+    /// under the dir) waits `watchdog` instead of a test's few minutes.
+    pub fn start_alone_for(watchdog: std::time::Duration) -> Node {
+        Node::start_in(RootScratch::enter_with_watchdog(watchdog), &[], true)
+    }
+
     fn start_as(extra: &[(&str, &str)], private_ledger: bool) -> Node {
-        let scratch = RootScratch::enter();
+        Node::start_in(RootScratch::enter(), extra, private_ledger)
+    }
+
+    fn start_in(scratch: RootScratch, extra: &[(&str, &str)], private_ledger: bool) -> Node {
         for d in ["plugins", "disks"] {
             std::fs::create_dir_all(scratch.path(d)).expect("dir");
         }
