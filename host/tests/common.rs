@@ -215,3 +215,13 @@ pub fn processes_under(dir: &Path, is: impl Fn(&[String]) -> bool) -> Vec<i32> {
         })
         .collect()
 }
+
+/// The seed of this run's random choices, printed so a failure can be
+/// replayed (`VOLAGENT_CHAOS_SEED`); threads still interleave as they will.
+pub fn chaos_seed(test: &str) -> u64 {
+    let seed = std::env::var("VOLAGENT_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+    });
+    eprintln!("{test}: chaos seed {seed} (replay with VOLAGENT_CHAOS_SEED={seed})");
+    seed
+}

@@ -91,16 +91,6 @@ fn a_free_loop_device_held_for_a_moment_is_waited_for() {
     settle(&scratch, 0);
 }
 
-/// The seed of this run's random choices, printed so a failure can be
-/// replayed (`VOLAGENT_CHAOS_SEED`); threads still interleave as they will.
-fn seed(test: &str) -> u64 {
-    let seed = std::env::var("VOLAGENT_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
-    });
-    eprintln!("{test}: chaos seed {seed} (replay with VOLAGENT_CHAOS_SEED={seed})");
-    seed
-}
-
 const VOLUMES: usize = 200;
 const CONCURRENT: usize = 50;
 /// SIGKILLs of the agent per phase (fewer when the calls end first).
@@ -212,7 +202,7 @@ fn records(node: &mut Node) -> std::collections::BTreeMap<String, Vec<String>> {
 /// records name exactly what is mounted, and nothing is left at the end.
 #[test]
 fn the_agent_killed_at_random_under_load_loses_nothing() {
-    let mut rng = fastrand::Rng::with_seed(seed("the_agent_killed_at_random_under_load_loses_nothing"));
+    let mut rng = fastrand::Rng::with_seed(common::chaos_seed("the_agent_killed_at_random_under_load_loses_nothing"));
     let mut node = Node::start_alone();
     let kubelet = node.scratch.path("node-a/kubelet");
     let volumes: Vec<Volume> = (0..VOLUMES)

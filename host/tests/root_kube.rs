@@ -409,11 +409,7 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
     use std::time::{Duration, Instant};
     const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
     const ROUNDS: usize = 12;
-    let seed = std::env::var("VOLAGENT_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
-    });
-    eprintln!("chaos seed {seed} (replay with VOLAGENT_CHAOS_SEED={seed})");
-    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut rng = fastrand::Rng::with_seed(common::chaos_seed("races_for_a_volume_survive_the_api_server_dying_and_crawling"));
 
     let mut c = Cluster::start(&NODES, &[SHARED_FILE]);
     let proxy = SlowProxy::start(c.env.url());
