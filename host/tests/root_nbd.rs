@@ -238,3 +238,65 @@ fn a_local_file_outside_the_discovery_dirs_is_refused() {
     assert!(servers_under(&node.scratch.path("node-a/state")).is_empty());
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
+
+/// A FUSE mount of a memory disk served by nbdkit through nbdfuse at
+/// `<dir>/disk`: the client and its connection's number.
+fn memory_disk(dir: &Path) -> (std::process::Child, u32) {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::create_dir_all(dir).unwrap();
+    let pid_file = dir.with_extension("pid");
+    let _ = std::fs::remove_file(&pid_file);
+    let mut child = Command::new("nbdfuse").arg("-P").arg(&pid_file).arg(dir.join("disk")).args(["--command", "nbdkit", "-s", "--exit-with-parent", "memory", "1M"]).spawn().unwrap();
+    let start = Instant::now();
+    while !pid_file.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "nbdfuse ended before it mounted {}", dir.display());
+        assert!(start.elapsed() < Duration::from_secs(20), "nbdfuse did not mount {}", dir.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let dev = std::fs::metadata(dir).unwrap().dev();
+    (child, nix::sys::stat::minor(dev) as u32)
+}
+
+fn unmount_disk(dir: &Path, mut child: std::process::Child) {
+    nix::mount::umount2(dir, nix::mount::MntFlags::empty()).unwrap();
+    child.wait().unwrap();
+}
+
+/// Whether the disk at `<dir>/disk` answers a read.
+fn reads(dir: &Path) -> bool {
+    use std::io::Read;
+    let mut buf = [0u8; 4096];
+    std::fs::File::open(dir.join("disk")).and_then(|mut f| f.read_exact(&mut buf)).is_ok()
+}
+
+/// The kernel gives a FUSE connection's number to the next FUSE mount as
+/// soon as the old connection is gone. The agent opens a connection's
+/// abort switch while its client's mount is known to be there; pulled
+/// after that client ended and another client took the number, it must
+/// leave the other client serving (aborting by number would kill it).
+#[test]
+fn an_abort_switch_outliving_its_connection_spares_the_client_that_took_its_number() {
+    use volagent::sys::fusectl::AbortSwitch;
+    let scratch = common::RootScratch::enter();
+    // Other tests mount too: the number is not always the next one handed out.
+    for attempt in 1..=20 {
+        let (first_dir, second_dir) = (scratch.path(&format!("first-{attempt}")), scratch.path(&format!("second-{attempt}")));
+        let (first, conn) = memory_disk(&first_dir);
+        let switch = AbortSwitch::open(conn).unwrap();
+        assert!(reads(&first_dir));
+        unmount_disk(&first_dir, first);
+        let (second, taken) = memory_disk(&second_dir);
+        if taken != conn {
+            unmount_disk(&second_dir, second);
+            continue;
+        }
+        switch.pull();
+        assert!(reads(&second_dir), "the switch of connection {conn}, ended, aborted the client that took its number");
+        // The control: its own switch does abort it.
+        AbortSwitch::open(taken).unwrap().pull();
+        assert!(!reads(&second_dir), "a pulled switch aborts its own connection");
+        unmount_disk(&second_dir, second);
+        return;
+    }
+    panic!("in 20 tries the kernel never gave a FUSE connection's number to the next FUSE mount");
+}

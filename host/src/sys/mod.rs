@@ -9,6 +9,7 @@ pub mod beneath;
 mod block;
 pub mod clear_dir;
 pub mod export_file;
+pub mod fusectl;
 pub mod fake;
 pub mod faults;
 pub mod gluster_mount;

@@ -12,6 +12,7 @@
 //! for the process, and if it does not end — a client hung on a server
 //! that does not answer — aborts its FUSE connection (fusectl) and kills it.
 
+use super::fusectl::AbortSwitch;
 use super::rbd_export::RbdTarget;
 use super::{Mounts, NbdClients, SysError, errno, io};
 use std::io::Read;
@@ -19,8 +20,6 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-const FUSECTL: &str = "/sys/fs/fuse/connections";
 
 #[derive(Debug)]
 pub struct NbdFuse {
@@ -171,24 +170,30 @@ impl NbdFuse {
         lines.into_iter().rev().collect::<Vec<_>>().join("; ")
     }
 
-    /// Fail every request of FUSE connection `conn` and make it refuse new ones.
-    fn abort(&self, conn: u32) {
-        let fusectl = Path::new(FUSECTL);
-        if !fusectl.join(conn.to_string()).exists() {
-            let _ = nix::mount::mount(Some("fusectl"), fusectl, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
-        }
-        match std::fs::write(fusectl.join(conn.to_string()).join("abort"), "1") {
-            Ok(()) => tracing::warn!(conn, "aborted a hung FUSE connection"),
-            Err(e) => tracing::warn!(conn, "cannot abort FUSE connection through fusectl: {e}"),
+    /// The abort switch of the FUSE connection mounted at client `key`'s
+    /// dir, if one is: confirmed to be that mount's after it was opened
+    /// (between reading the mount table and opening it, the connection may
+    /// have ended and its number gone to another client).
+    fn switch(&self, key: &str) -> Result<Option<AbortSwitch>, SysError> {
+        let Some(conn) = self.mounted(key)? else { return Ok(None) };
+        match AbortSwitch::open(conn) {
+            Ok(switch) if self.mounted(key)? == Some(conn) => Ok(Some(switch)),
+            Ok(_) => Ok(None),
+            Err(e) => {
+                tracing::warn!(conn, client = key, "cannot open the FUSE connection's abort switch: {e}");
+                Ok(None)
+            }
         }
     }
 
     /// A FUSE mount left at client `key`'s dir by a client that is gone
     /// only fails (ENOTCONN): abort and detach it.
     fn clear_stale_mount(&self, key: &str) -> Result<(), SysError> {
-        if let Some(conn) = self.mounted(key)? {
+        if self.mounted(key)?.is_some() {
             let dir = self.dir(key);
-            self.abort(conn);
+            if let Some(switch) = self.switch(key)? {
+                switch.pull();
+            }
             nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).map_err(errno("unmount a stale FUSE client", &dir))?;
         }
         Ok(())
@@ -387,10 +392,7 @@ impl NbdClients for NbdFuse {
             if Instant::now() >= deadline {
                 let _ = child.kill();
                 let _ = child.wait();
-                if let Ok(Some(conn)) = self.mounted(key) {
-                    self.abort(conn);
-                    let _ = nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH);
-                }
+                let _ = self.clear_stale_mount(key);
                 let _ = std::fs::remove_dir(&dir);
                 return Err(SysError::Timeout { program: "nbdfuse", path: dir, secs: self.ready_timeout.as_secs() });
             }
@@ -404,7 +406,11 @@ impl NbdClients for NbdFuse {
     fn disconnect(&self, key: &str) -> Result<(), SysError> {
         let dir = self.dir(key);
         let pid = self.running(key);
-        if let Some(conn) = self.mounted(key)? {
+        if self.mounted(key)?.is_some() {
+            // Opened while the mount is here: once it is detached, the
+            // connection may end and its number go to another client
+            // before the switch is pulled.
+            let switch = self.switch(key)?;
             if let Err(e) = nix::mount::umount2(&dir, nix::mount::MntFlags::empty()) {
                 // Still held (a loop device not yet released): unmount
                 // lazily; the client ends when the last user lets go.
@@ -414,7 +420,9 @@ impl NbdClients for NbdFuse {
             if let Some(pid) = pid
                 && !self.wait_gone(pid, key, self.stop_timeout)
             {
-                self.abort(conn);
+                if let Some(switch) = switch {
+                    switch.pull();
+                }
                 let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
                 self.wait_gone(pid, key, self.stop_timeout);
             }
@@ -607,8 +615,8 @@ impl NbdClients for NbdFuse {
                     continue;
                 }
                 tracing::error!(client = %key, secs = after.as_secs(), "the NBD server behind this client has not answered a flush; aborting the client so that its I/O fails instead of hanging");
-                if let Ok(Some(conn)) = self.mounted(&key) {
-                    self.abort(conn);
+                if let Ok(Some(switch)) = self.switch(&key) {
+                    switch.pull();
                 }
                 if let Some(pid) = self.running(&key) {
                     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
