@@ -307,3 +307,77 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
     assert_eq!(c.local("node-a").unwrap().status.unwrap().failed, 1);
     nix::mount::umount2(&busy_at, nix::mount::MntFlags::MNT_DETACH).unwrap();
 }
+
+/// Faults injected at the sys seam into the two steps only a release runs:
+/// `wipe` (a device) fails with EIO, `clear-directory` (a mount point) with
+/// ENOSPC. Each operation ends in Error naming its step and the fault, the
+/// tenant's data is untouched, and no PV is made for either volume. Once
+/// the faults are gone and an admin removes the operations (as the docs
+/// say), the controller requests the wipes again and both complete — one
+/// after hanging in `clear-directory`, shown by `volagent status`, until the
+/// hang is lifted.
+#[test]
+fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds() {
+    let mut c = Cluster::start(&["node-a"], &[LOCAL_PV]);
+    let _kcm = c.controller_manager();
+    c.storage_class("local-faulty", &[("wipe", "zero")]);
+    let dir = c.scratch.path("local-a");
+    let fs1 = dir.join("fs1");
+    std::fs::create_dir_all(&fs1).unwrap();
+    nix::mount::mount(Some("tmpfs"), &fs1, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=16m")).unwrap();
+    let raw = c.scratch.image("raw-a.img", 16);
+    let dev = losetup(&raw);
+    std::os::unix::fs::symlink(&dev, dir.join("wwn-0xfault")).unwrap();
+    let faults = c.scratch.path("faults");
+    std::fs::write(&faults, "wipe EIO\nclear-directory ENOSPC\n").unwrap();
+    let faults_env = faults.display().to_string();
+    c.local_agent("node-a", "local-faulty", &dir, &[(volagent::sys::faults::FAULTS_FILE_ENV, faults_env.as_str())]);
+    c.spawn_controller();
+    let (pv_fs, pv_blk) = (pv_name("node-a", "local-faulty", &fs1), pv_name("node-a", "local-faulty", &dir.join("wwn-0xfault")));
+    c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
+
+    let claims = [c.claim(&pv_fs, "local-faulty"), c.claim(&pv_blk, "local-faulty")];
+    std::fs::write(fs1.join("marker"), MARKER).unwrap();
+    write_at(Path::new(&dev), 1 << 20, MARKER);
+    let (uid_fs, uid_blk) = (uid(&c.pv(&pv_fs).unwrap()), uid(&c.pv(&pv_blk).unwrap()));
+    for claim in &claims {
+        c.release(claim);
+    }
+    for (pv, step, errno) in [(&pv_blk, "wipe", "EIO"), (&pv_fs, "clear-directory", "ENOSPC")] {
+        let failed = c.wait_for(&format!("the wipe of {pv} to fail"), 60, || {
+            let s = c.local("node-a")?.status?;
+            s.operations.into_iter().find(|o| &o.volume == pv && o.phase == LocalOperationPhase::Error)
+        });
+        let message = failed.message.unwrap_or_default();
+        assert!(message.contains(&format!("{step} (injected fault)")) && message.contains(errno), "{pv}: the reason names the step and the fault: {message}");
+        assert!(c.events_of(pv).contains(&"WipeFailed".to_string()), "{pv}");
+    }
+    assert!(holds_at(Path::new(&dev), 1 << 20, MARKER) && std::fs::read(fs1.join("marker")).unwrap() == MARKER, "a failed step destroyed nothing");
+    std::thread::sleep(Duration::from_secs(3));
+    for pv in [&pv_fs, &pv_blk] {
+        assert_eq!(phase(&c.pv(pv).expect("the released PV stays")), "Released", "{pv}: no new PV while its wipe failed");
+    }
+    assert_eq!(c.local("node-a").unwrap().status.unwrap().failed, 2);
+
+    // The faults go but for a hang in clear-directory; the admin asks again.
+    std::fs::write(&faults, "clear-directory hang\n").unwrap();
+    let api: Api<NodeLocalVolumes> = Api::all(c.client());
+    let patch = serde_json::json!({ "spec": { "operations": [] } });
+    c.rt.block_on(api.patch("node-a", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))).unwrap();
+    c.comes_back(&pv_blk, &uid_blk, 90);
+    assert!(!holds_at(Path::new(&dev), 1 << 20, MARKER), "the block volume was zeroed on the retry");
+    let hung = c.wait_for("the retried wipe to hang in clear-directory", 60, || {
+        let shown = c.status("node-a");
+        let wipe = shown["local"]["wipes"].as_array()?.iter().find(|w| w["volume"].as_str() == Some(pv_fs.as_str()))?.clone();
+        (wipe["step_kind"].as_str() == Some("clear-directory")).then_some(wipe)
+    });
+    assert_eq!(hung["method"].as_str(), Some("clear-directory"), "{hung:#}");
+    assert!(c.pv(&pv_fs).is_some_and(|p| uid(&p) == uid_fs), "the PV stays while its wipe hangs");
+    std::fs::remove_file(&faults).unwrap();
+    c.comes_back(&pv_fs, &uid_fs, 90);
+    assert_eq!(std::fs::read_dir(&fs1).unwrap().count(), 0, "the filesystem volume was emptied on the retry");
+    c.wait_for("the operations removed", 30, || c.local("node-a").unwrap().spec.operations.is_empty().then_some(()));
+    let status = c.local("node-a").unwrap().status.unwrap();
+    assert_eq!((status.failed, status.wiping), (0, 0), "{status:?}");
+    assert_eq!(c.local_pvs().len(), 2, "never two PVs for one volume");
+}
