@@ -321,6 +321,65 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
     assert!(records(&mut node).is_empty(), "no record is left");
 }
 
+/// Someone (an admin, a cleanup script) detaches a volume's mounts lazily
+/// while a process still has a file open in it: the filesystem and its
+/// loop device live on, out of sight, until that file closes. kubelet's
+/// unmount then succeeds (the device's release waits for its last user),
+/// the next mount of the volume, for another pod, takes back the
+/// still-bound device (not a second one over the file) and gets the same
+/// filesystem — what the open file writes meanwhile included — and once
+/// all is closed and unmounted nothing is left.
+#[test]
+fn a_volume_torn_down_lazily_while_in_use_mounts_again_and_leaves_nothing() {
+    use std::io::Write;
+    let mut node = Node::start_alone();
+    let image = node.image("lazy.img", 16);
+    let staging = node.scratch.path("node-a/kubelet/plugins/volagent/local-pv/mounts/pv-lazy");
+    let options = |pod: &str, uid: &str| kubelet_options("pv-lazy", pod, uid, "ext4", &image).to_string();
+    let dir_a = node.mount_dir("uid-la", "pv-lazy");
+    until_success(&node, &["mount", &dir_a, &options("pod-la", "uid-la")]);
+    let mut held = std::fs::File::create(format!("{dir_a}/held")).expect("a file in the volume");
+    held.write_all(b"before; ").expect("write");
+    for m in [std::path::Path::new(&dir_a), staging.as_path()] {
+        nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH).expect("lazy unmount");
+    }
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert_eq!(node.scratch.loops().len(), 1, "the device lives on under the open file");
+    let device = node.scratch.loops()[0].clone();
+    let autoclear = || std::fs::read_to_string(format!("/sys/block/{}/loop/autoclear", device.display().to_string().trim_start_matches("/dev/"))).expect("autoclear").trim() == "1";
+
+    let first_try = |node: &Node, args: &[&str]| {
+        let (code, reply) = run_driver(std::process::Command::new(node.driver_path()).args(args));
+        assert!(code == 0 && reply["status"] == "Success", "{args:?}: {reply}");
+    };
+    first_try(&node, &["unmount", &dir_a]);
+    assert!(records(&mut node).is_empty(), "released: {:?}", records(&mut node));
+    assert!(autoclear(), "its detach waits for the open file");
+    let dir_b = node.mount_dir("uid-lb", "pv-lazy");
+    first_try(&node, &["mount", &dir_b, &options("pod-lb", "uid-lb")]);
+    assert_eq!(node.scratch.loops(), vec![device.clone()], "one device for the volume, the same");
+    assert!(!autoclear(), "taken back: the open file's close does not take the device from under pod b");
+    held.write_all(b"after").expect("write through the detached mount");
+    held.sync_all().expect("sync");
+    drop(held);
+    assert_eq!(std::fs::read(format!("{dir_b}/held")).expect("read"), b"before; after", "the same filesystem");
+    std::fs::write(format!("{dir_b}/data"), b"pod b").expect("write");
+
+    first_try(&node, &["unmount", &dir_b]);
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    settle(&node.scratch, 0);
+    assert!(records(&mut node).is_empty(), "no record is left");
+    // Written through to the file: mounted once more by hand, it holds both.
+    let check = node.scratch.path("check");
+    std::fs::create_dir_all(&check).expect("dir");
+    let out = std::process::Command::new("mount").args(["-o", "loop,ro"]).arg(&image).arg(&check).output().expect("mount");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (held, data) = (std::fs::read(check.join("held")), std::fs::read(check.join("data")));
+    nix::mount::umount2(&check, nix::mount::MntFlags::empty()).expect("unmount");
+    assert_eq!((held.expect("held"), data.expect("data")), (b"before; after".to_vec(), b"pod b".to_vec()));
+    settle(&node.scratch, 0);
+}
+
 /// Fill the filesystem `dir` is on (a small tmpfs) with a file in it.
 fn fill(dir: &std::path::Path) -> PathBuf {
     use std::io::Write;

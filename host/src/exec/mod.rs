@@ -325,7 +325,7 @@ impl Run<'_> {
             DeviceSpec::Loop(file) => file,
         };
         let file = Path::new(file);
-        if let Some(device) = self.sys.loops_of(file)?.into_iter().next() {
+        if let Some(device) = self.sys.reusable_loop(file)? {
             return Ok(device);
         }
         let device = self.sys.devices.loop_attach(file, read_only)?;

@@ -193,6 +193,10 @@ impl Devices for Fake {
         Ok(self.state().loops.clone())
     }
 
+    fn loop_keep(&self, device: &Path, backing: FileId) -> Result<bool, SysError> {
+        Ok(self.state().loops.iter().any(|l| l.device == device && l.backing == Some(backing)))
+    }
+
     fn loop_detach(&self, device: &Path) -> Result<(), SysError> {
         let mut s = self.op("loop-detach", device)?;
         if let Some(i) = s.loops.iter().position(|l| l.device == device) {

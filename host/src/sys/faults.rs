@@ -184,6 +184,9 @@ impl<T: Devices + ?Sized> Devices for Faulty<T> {
         self.rules.check("detach-device", device)?;
         self.inner.loop_detach(device)
     }
+    fn loop_keep(&self, device: &Path, backing: FileId) -> Result<bool, SysError> {
+        self.inner.loop_keep(device, backing)
+    }
     fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError> {
         self.inner.file_id(file)
     }

@@ -343,6 +343,10 @@ impl Devices for Linux {
         loopdev::detach(device)
     }
 
+    fn loop_keep(&self, device: &Path, backing: FileId) -> Result<bool, SysError> {
+        loopdev::keep(device, backing)
+    }
+
     fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError> {
         let handle = match self.roots.handle(file) {
             Ok(h) => h,

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 const LOOP_CONTROL: &str = "/dev/loop-control";
 const LO_FLAGS_READ_ONLY: u32 = 1;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_NAME_SIZE: usize = 64;
 const LO_KEY_SIZE: usize = 32;
 
@@ -70,6 +71,7 @@ nix::ioctl_none_bad!(loop_ctl_get_free, 0x4C82);
 nix::ioctl_write_ptr_bad!(loop_configure, 0x4C0A, LoopConfig);
 nix::ioctl_none_bad!(loop_clr_fd, 0x4C01);
 nix::ioctl_read_bad!(loop_get_status64, 0x4C05, LoopInfo64);
+nix::ioctl_write_ptr_bad!(loop_set_status64, 0x4C04, LoopInfo64);
 nix::ioctl_none_bad!(loop_set_capacity, 0x4C07);
 
 /// A NUL-padded copy of `bytes` for a `LO_NAME_SIZE` field.
@@ -197,6 +199,46 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
         Ok(_) | Err(nix::errno::Errno::ENXIO) => Ok(()),
         Err(e) => Err(errno("detach loop device", device)(e)),
     }
+}
+
+/// Keep `device` over the file `backing` for a new user. LOOP_CLR_FD on a
+/// device still held (a filesystem on it lazily unmounted while a process
+/// had a file open) only sets autoclear: the device goes when its last
+/// user closes it — under a new mount of the same file that reused it
+/// (which it must: a second device would put a second filesystem instance
+/// on the file, beside the detached one). Clearing the flag takes the
+/// device back. False when it is no longer over `backing`.
+pub fn keep(device: &Path, backing: FileId) -> Result<bool, SysError> {
+    if !is_loop_path(device) {
+        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a loop device path (/dev/loopN)".into() });
+    }
+    // Held open from the check to the change: the device cannot be torn
+    // down and handed to another file in between.
+    let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
+        Ok(f) => f,
+        Err(e) if gone(&e) => return Ok(false),
+        Err(e) => return Err(io("open", device)(e)),
+    };
+    let mut info = LoopInfo64::zeroed();
+    // SAFETY: `info` is a loop_info64 the kernel fills; the fd is open.
+    match unsafe { loop_get_status64(dev.as_raw_fd(), &mut info) } {
+        Ok(_) => {}
+        Err(nix::errno::Errno::ENXIO) => return Ok(false),
+        Err(e) => return Err(errno("read the status of loop device", device)(e)),
+    }
+    if (info.lo_device, info.lo_inode) != (backing.dev, backing.ino) {
+        return Ok(false);
+    }
+    if info.lo_flags & LO_FLAGS_AUTOCLEAR != 0 {
+        info.lo_flags &= !LO_FLAGS_AUTOCLEAR;
+        // SAFETY: `info` is the device's own status, one flag cleared; the fd is open.
+        match unsafe { loop_set_status64(dev.as_raw_fd(), &info) } {
+            Ok(_) => tracing::info!(device = %device.display(), "took back a loop device whose detach waited for its last user (a filesystem on it unmounted lazily while in use)"),
+            Err(nix::errno::Errno::ENXIO) => return Ok(false),
+            Err(e) => return Err(errno("keep loop device", device)(e)),
+        }
+    }
+    Ok(true)
 }
 
 /// A device's (major, minor).

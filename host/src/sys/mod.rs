@@ -191,8 +191,16 @@ pub trait Devices: Send + Sync {
     /// [`loop_tag`](Self::loop_tag), and return the device.
     fn loop_attach(&self, file: &Path, read_only: bool) -> Result<PathBuf, SysError>;
     fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError>;
-    /// Detach the loop device `device` (`/dev/loopN` only).
+    /// Detach the loop device `device` (`/dev/loopN` only). The kernel
+    /// defers it while something still holds the device (a filesystem on it
+    /// lazily unmounted while in use): the device then goes when its last
+    /// user closes it.
     fn loop_detach(&self, device: &Path) -> Result<(), SysError>;
+    /// Keep `device`, found over the file `backing`, for a new user: a
+    /// deferred detach of it is cancelled, so that it does not vanish under
+    /// the new user when the old one lets go. False when the device is no
+    /// longer over that file (detached or taken meanwhile).
+    fn loop_keep(&self, device: &Path, backing: FileId) -> Result<bool, SysError>;
     /// The identity of `file`; none when nothing is there.
     fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError>;
     /// What is at `path`, without opening it or following it; none when
@@ -423,16 +431,17 @@ impl Sys {
         }
     }
 
-    /// Loop devices backed by `file` (by identity: a file reached by another
-    /// path, or swapped for another under the same name, is told apart).
-    pub fn loops_of(&self, file: &Path) -> Result<Vec<PathBuf>, SysError> {
-        let Some(id) = self.devices.file_id(file)? else { return Ok(Vec::new()) };
-        Ok(self
-            .devices
-            .loop_devices()?
-            .into_iter()
-            .filter(|l| l.backing == Some(id))
-            .map(|l| l.device)
-            .collect())
+    /// The loop device over `file` (by identity: a file reached by another
+    /// path, or swapped for another under the same name, is told apart),
+    /// kept for a new user: one whose detach the kernel deferred is taken
+    /// back (see [`Devices::loop_keep`]).
+    pub fn reusable_loop(&self, file: &Path) -> Result<Option<PathBuf>, SysError> {
+        let Some(id) = self.devices.file_id(file)? else { return Ok(None) };
+        for l in self.devices.loop_devices()?.into_iter().filter(|l| l.backing == Some(id)) {
+            if self.devices.loop_keep(&l.device, id)? {
+                return Ok(Some(l.device));
+            }
+        }
+        Ok(None)
     }
 }
