@@ -3,9 +3,12 @@
 //! server under tonic refuses as malformed (PROTOCOL_ERROR). This reader
 //! sits between the socket and the server: it passes HTTP/2 frames through
 //! and re-encodes each header block, with an `:authority` that is not a
-//! valid authority replaced by `localhost` (what newer kubelets send). All
-//! header blocks are re-encoded, not only rewritten ones, so the server's
-//! HPACK state follows one encoder.
+//! valid authority replaced by `localhost` (what newer kubelets send). A
+//! client names one authority for all its calls on a connection: the first
+//! header block decides. Valid (kubelet 1.26 and later), the connection is
+//! passed through untouched from then on; not, every header block after is
+//! re-encoded, not only rewritten ones, so the server's HPACK state follows
+//! one encoder.
 
 use std::io;
 use std::pin::Pin;
@@ -31,6 +34,9 @@ struct Pending {
     end_stream: bool,
     priority: Option<[u8; 5]>,
     block: Vec<u8>,
+    /// The block's frames as they came (for the first block only: passed
+    /// on as they are when it needs no rewrite).
+    frames: Vec<u8>,
 }
 
 pub struct AuthorityFix<S> {
@@ -38,8 +44,11 @@ pub struct AuthorityFix<S> {
     input: Vec<u8>,
     output: Vec<u8>,
     preface_seen: bool,
-    /// Not HTTP/2 with the preface: passed through untouched.
+    /// Not HTTP/2 with the preface, or a client whose first header block
+    /// needed no rewrite: passed through untouched.
     passthrough: bool,
+    /// Whether the first header block has been seen (and re-encoding chosen).
+    rewriting: bool,
     pending: Option<Pending>,
     decoder: loona_hpack::Decoder<'static>,
     encoder: loona_hpack::Encoder<'static>,
@@ -54,6 +63,7 @@ impl<S> AuthorityFix<S> {
             output: Vec::new(),
             preface_seen: false,
             passthrough: false,
+            rewriting: false,
             pending: None,
             decoder: loona_hpack::Decoder::new(),
             encoder: loona_hpack::Encoder::new(),
@@ -128,6 +138,7 @@ impl<S> AuthorityFix<S> {
                     end_stream: flags & END_STREAM != 0,
                     priority,
                     block: payload[at..end].to_vec(),
+                    frames: if self.rewriting { Vec::new() } else { frame.clone() },
                 });
             }
             CONTINUATION => {
@@ -139,6 +150,9 @@ impl<S> AuthorityFix<S> {
                     return Err(invalid("a header block over 1 MiB"));
                 }
                 p.block.extend_from_slice(payload);
+                if !self.rewriting {
+                    p.frames.extend_from_slice(&frame);
+                }
             }
             _ => {
                 self.output.extend_from_slice(&frame);
@@ -160,13 +174,22 @@ impl<S> AuthorityFix<S> {
             .decoder
             .decode(&p.block)
             .map_err(|e| invalid(format!("HPACK: {e}")))?;
+        let mut rewritten = false;
         for (name, value) in &mut headers {
             if name.as_slice() == b":authority"
                 && http::uri::Authority::try_from(value.as_slice()).is_err()
             {
                 *value = b"localhost".to_vec();
+                rewritten = true;
             }
         }
+        if !self.rewriting && !rewritten {
+            // The first block is fine as it is: so is the connection.
+            self.output.extend_from_slice(&p.frames);
+            self.passthrough = true;
+            return Ok(());
+        }
+        self.rewriting = true;
         let block = self
             .encoder
             .encode(headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
@@ -377,6 +400,25 @@ mod tests {
             "other frames pass through"
         );
         assert!(out.starts_with(PREFACE));
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_first_authority_is_valid_passes_through_unchanged() {
+        let mut enc = loona_hpack::Encoder::new();
+        let req = [(&b":method"[..], &b"POST"[..]), (b":authority", b"localhost"), (b":path", b"/csi.v1.Node/NodeStageVolume")];
+        let first = enc.encode(req);
+        // Leans on the client's dynamic table: decodable only if nothing
+        // before it was re-encoded.
+        let second = enc.encode(req);
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+        bytes.extend(frame(HEADERS, 0, 1, &first[..3]));
+        bytes.extend(frame(CONTINUATION, END_HEADERS, 1, &first[3..]));
+        bytes.extend(frame(0x0, END_STREAM, 1, b"data"));
+        bytes.extend(frame(HEADERS, END_HEADERS | END_STREAM, 3, &second));
+        let out = through(bytes.clone()).await.unwrap();
+        assert_eq!(out, bytes, "byte for byte");
+        assert_eq!(blocks(&out)[1][1].1, b"localhost");
     }
 
     #[tokio::test]

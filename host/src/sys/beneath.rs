@@ -145,6 +145,19 @@ impl Roots {
             Err(nix::errno::Errno::ENOENT) => {}
             Err(e) => return Err(resolve_error(dir, e)),
         }
+        // Next most often only the last one is missing (a pod's target).
+        if let (Some(parent), Some(name)) = (rel.parent().filter(|p| !p.as_os_str().is_empty()), rel.file_name()) {
+            match root.open(parent, OFlag::O_PATH | OFlag::O_DIRECTORY) {
+                Ok(at) => match nix::sys::stat::mkdirat(at.as_fd(), name, Mode::from_bits_truncate(0o750)) {
+                    Ok(()) => return Ok(true),
+                    // Made meanwhile: the walk below checks what it is.
+                    Err(nix::errno::Errno::EEXIST) => {}
+                    Err(e) => return Err(errno("create dir", dir)(e)),
+                },
+                Err(nix::errno::Errno::ENOENT) => {}
+                Err(e) => return Err(resolve_error(dir, e)),
+            }
+        }
         let mut at = root.dir()?;
         let mut made = false;
         for name in rel.iter() {
@@ -340,6 +353,9 @@ mod tests {
         roots.rmdir(&root.join("x/y/z")).unwrap();
         roots.rmdir(&root.join("x/y/z")).expect("gone is fine");
         assert!(!root.join("x/y/z").exists());
+        assert!(roots.mkdir_all(&root.join("x/y/z")).unwrap(), "only the last one missing");
+        assert!(root.join("x/y/z").is_dir());
+        assert!(roots.mkdir_all(&root.join("link/deeper/evil")).is_err());
         assert!(roots.rmdir(&root.join("link")).is_err(), "a symlink is not a dir to remove");
     }
 

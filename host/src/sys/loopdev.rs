@@ -253,9 +253,8 @@ enum Status {
     Unreadable(Numbers, nix::errno::Errno),
 }
 
-/// The status and numbers of a device.
-fn status(device: &Path) -> Result<Status, SysError> {
-    use std::os::unix::fs::MetadataExt;
+/// The status of `device`, numbered `number` (as /proc/partitions says).
+fn status(device: &Path, number: Numbers) -> Result<Status, SysError> {
     let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
         Ok(f) => f,
         // Removed, or being torn down (its last user closed it with
@@ -263,8 +262,6 @@ fn status(device: &Path) -> Result<Status, SysError> {
         Err(e) if gone(&e) => return Ok(Status::Detached),
         Err(e) => return Err(io("open", device)(e)),
     };
-    let rdev = dev.metadata().map_err(io("stat", device))?.rdev();
-    let number = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
     let mut info = LoopInfo64::zeroed();
     // SAFETY: `info` is a loop_info64 the kernel fills; the fd is open.
     match unsafe { loop_get_status64(dev.as_fd().as_raw_fd(), &mut info) } {
@@ -272,6 +269,17 @@ fn status(device: &Path) -> Result<Status, SysError> {
         Err(nix::errno::Errno::ENXIO) => Ok(Status::Detached),
         Err(e) => Ok(Status::Unreadable(number, e)),
     }
+}
+
+/// A path in a sysfs attribute, in one read (open, read, close: this runs
+/// for every loop device on every lookup). sysfs gives at most a page.
+fn read_path_attribute(path: &Path) -> std::io::Result<PathBuf> {
+    use std::io::Read;
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = vec![0u8; 4096];
+    let n = File::open(path)?.read(&mut buf)?;
+    let text = buf[..n].strip_suffix(b"\n").unwrap_or(&buf[..n]);
+    Ok(PathBuf::from(std::ffi::OsStr::from_bytes(text)))
 }
 
 /// Every attached loop device: its backing file (by path, as the kernel
@@ -283,19 +291,24 @@ pub fn list() -> Result<Vec<LoopDevice>, SysError> {
     let partitions = Path::new("/proc/partitions");
     let text = std::fs::read_to_string(partitions).map_err(io("read", partitions))?;
     let mut found = Vec::new();
-    for name in text.lines().filter_map(|l| l.split_whitespace().nth(3)).filter(|n| n.starts_with("loop")) {
+    for fields in text.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()) {
+        let [major, minor, _, name] = fields[..] else { continue };
+        let (Ok(major), Ok(minor)) = (major.parse(), minor.parse()) else { continue };
+        if !name.starts_with("loop") {
+            continue;
+        }
         let device = PathBuf::from(format!("/dev/{name}"));
         if !is_loop_path(&device) {
             continue; // a partition of a loop device (loop0p1)
         }
         let backing = Path::new("/sys/block").join(name).join("loop/backing_file");
-        let backing_file = match std::fs::read_to_string(&backing) {
-            Ok(text) => PathBuf::from(text.trim_end_matches('\n')),
+        let backing_file = match read_path_attribute(&backing) {
+            Ok(path) => path,
             // Detached while we looked (ENOENT, ENODEV, ENXIO).
             Err(e) if gone(&e) => continue,
             Err(e) => return Err(io("read", &backing)(e)),
         };
-        match status(&device)? {
+        match status(&device, (major, minor))? {
             Status::Detached => continue,
             Status::Attached(info, number) => found.push(LoopDevice {
                 device,
