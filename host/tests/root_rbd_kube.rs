@@ -3,8 +3,9 @@
 //! is deleted while its client still writes (its agent gone, its helper,
 //! NBD client and mount still up: a partitioned machine) is taken over
 //! only after its Ceph client was blocklisted by the address its agent
-//! recorded at attach; from then on its writes fail with EIO while the new
-//! node's succeed. Needs root.
+//! recorded at attach (not while the blocklisting fails: a fault injected
+//! there leaves the volume with the old node); from then on its writes fail
+//! with EIO while the new node's succeed. Needs root.
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
@@ -129,6 +130,11 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
     let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
+    // node-a's agent runs with the chaos tier's fault layer (no fault yet).
+    let faults = c.scratch.path("faults");
+    let faults_env = faults.display().to_string();
+    c.kill_agent("node-a");
+    c.spawn_agent_env("node-a", &[], &[(volagent::sys::faults::FAULTS_FILE_ENV, faults_env.as_str())]);
     let options = [("monitors", "127.0.0.1:6789"), ("pool", "rbd"), ("image", image.name.as_str()), ("user", "volagent")];
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-rbd", "rbd", "ReadWriteOnce", &options));
 
@@ -150,9 +156,21 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
     assert!(!blocklist(&dir).contains(&clients[0].address), "nobody was blocklisted yet");
 
-    // node-b is deleted: node-a fences its client at the cluster, then takes over.
+    // node-b is deleted: node-a must fence its client at the cluster before
+    // it takes over. While the blocklisting fails, it does not take over.
     c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
+    std::fs::write(&faults, "blocklist-client EIO\n").unwrap();
+    let (failed_dir, r) = c.mount("node-a", "new-2", "pv-rbd", &key);
+    let said = r.1["message"].as_str().unwrap_or_default().to_string();
+    assert!(r.1["status"] == "Failure" && said.contains("blocklist-client (injected fault)") && said.contains("EIO"), "the fence's failure is said: {}", r.1);
+    assert!(!blocklist(&dir).contains(&clients[0].address));
+    let rec = c.record("pv-rbd").expect("the volume's record").spec;
+    assert!(rec.consumers.iter().all(|x| x.node == "node-b"), "not taken over: {:?}", rec.consumers);
+    assert!(!c.scratch.mounts().iter().any(|m| m.starts_with(c.scratch.path("node-a"))), "nothing mounted on node-a: {:?}", c.scratch.mounts());
+    assert_eq!(watchers(&image), [format!("client.{}", clients[0].id)], "node-a did not open the image");
+    std::fs::remove_file(&faults).unwrap();
     let (new, r) = c.mount("node-a", "new-2", "pv-rbd", &key);
+    assert_eq!(new, failed_dir);
     assert_success(&r);
     assert!(blocklist(&dir).contains(&clients[0].address), "{}", blocklist(&dir));
     let rec = c.record("pv-rbd").expect("the volume\'s record").spec;

@@ -9,7 +9,8 @@
 //! `hang` (block until the rule is removed, at most [`MAX_HANG`], then
 //! carry on with the real operation).
 
-use super::{Devices, FileId, Filesystems, Kind, LoopDevice, MountInfo, Mounts, SysError, Usage, Wipe};
+use super::rbd_export::{CephClient, ImageWatcher};
+use super::{Devices, FileId, Filesystems, Kind, LoopDevice, MountInfo, Mounts, Storage, SysError, Usage, Wipe};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +21,7 @@ pub const FAULTS_FILE_ENV: &str = "VOLAGENT_TEST_FAULTS_FILE";
 pub const MAX_HANG: Duration = Duration::from_secs(120);
 /// The operations faults can be injected into, each named after the step
 /// kind it serves.
-pub const OPERATIONS: &[&str] = &["attach-device", "detach-device", "format", "mount", "bind-mount", "publish-block", "unmount", "wipe", "clear-directory", "grow-filesystem"];
+pub const OPERATIONS: &[&str] = &["attach-device", "detach-device", "format", "mount", "bind-mount", "publish-block", "unmount", "wipe", "clear-directory", "grow-filesystem", "blocklist-client"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -88,6 +89,7 @@ fn injected(op: &str) -> &'static str {
         "unmount" => "unmount (injected fault)",
         "wipe" => "wipe (injected fault)",
         "clear-directory" => "clear-directory (injected fault)",
+        "blocklist-client" => "blocklist-client (injected fault)",
         _ => "grow-filesystem (injected fault)",
     }
 }
@@ -108,7 +110,7 @@ fn errno_named(name: &str) -> Option<nix::errno::Errno> {
     })
 }
 
-/// The fault layer over a node's mounts, devices and filesystems.
+/// The fault layer over a node's mounts, devices, filesystems and storage cluster.
 pub struct Faulty<T: ?Sized> {
     inner: Arc<T>,
     rules: Rules,
@@ -223,6 +225,16 @@ impl<T: Filesystems + ?Sized> Filesystems for Faulty<T> {
     fn clear_dir(&self, dir: &Path) -> Result<u64, SysError> {
         self.rules.check("clear-directory", dir)?;
         self.inner.clear_dir(dir)
+    }
+}
+
+impl<T: Storage + ?Sized> Storage for Faulty<T> {
+    fn rbd_watchers(&self, client: &CephClient, pool: &str, image: &str) -> Result<Vec<ImageWatcher>, SysError> {
+        self.inner.rbd_watchers(client, pool, image)
+    }
+    fn blocklist(&self, client: &CephClient, address: &str) -> Result<(), SysError> {
+        self.rules.check("blocklist-client", Path::new(address))?;
+        self.inner.blocklist(client, address)
     }
 }
 

@@ -400,14 +400,15 @@ impl Sys {
         Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd), storage: Arc::new(rbd_export::LibCeph), krbd }
     }
 
-    /// This node with the chaos tier's fault layer over its mounts, devices
-    /// and filesystems, following the rules in `file` ([`faults`]).
+    /// This node with the chaos tier's fault layer over its mounts, devices,
+    /// filesystems and storage cluster, following the rules in `file` ([`faults`]).
     pub fn with_faults(self, file: PathBuf) -> Sys {
         let rules = faults::Rules::new(file);
         Sys {
             mounts: Arc::new(faults::Faulty::new(self.mounts, rules.clone())),
             devices: Arc::new(faults::Faulty::new(self.devices, rules.clone())),
-            filesystems: Arc::new(faults::Faulty::new(self.filesystems, rules)),
+            filesystems: Arc::new(faults::Faulty::new(self.filesystems, rules.clone())),
+            storage: Arc::new(faults::Faulty::new(self.storage, rules)),
             ..self
         }
     }
