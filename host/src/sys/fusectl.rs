@@ -34,16 +34,11 @@ impl AbortSwitch {
         Ok(AbortSwitch { conn, file })
     }
 
-    /// The connection's number when the switch was opened.
-    pub fn conn(&self) -> u32 {
-        self.conn
-    }
-
     /// Fail every request of the connection and make it refuse new ones;
     /// nothing if it has ended.
     pub fn pull(mut self) {
         match self.file.write_all(b"1") {
-            Ok(()) => tracing::warn!(conn = self.conn, "aborted a hung FUSE connection"),
+            Ok(()) => tracing::warn!(conn = self.conn, "aborted a FUSE connection (nothing happens if it had ended)"),
             Err(e) => tracing::warn!(conn = self.conn, "cannot abort FUSE connection through fusectl: {e}"),
         }
     }
