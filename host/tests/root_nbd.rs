@@ -300,3 +300,47 @@ fn an_abort_switch_outliving_its_connection_spares_the_client_that_took_its_numb
     }
     panic!("in 20 tries the kernel never gave a FUSE connection's number to the next FUSE mount");
 }
+
+/// Faults injected at the sys seam into an NBD volume's device steps: the
+/// loop device over the client's file cannot be attached (EIO) once the
+/// nbdfuse client is up, or detached (EBUSY) on unmount. A failed mount
+/// rolls back to nothing — no mount, loop device or client process; once
+/// the fault is gone, kubelet's retry of either succeeds, and the volume
+/// ends unmounted clean with what the pod wrote in the server's file.
+#[test]
+fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
+    let mut node = nbd_node();
+    let rules = node.scratch.path("faults");
+    node.stop_agent();
+    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &[]);
+    let image = node.scratch.image("export.img", 64);
+    let (_server, address) = serve(&node, Peer::QemuNbd, &image);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let options = nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string();
+    let said = |r: &(i32, serde_json::Value), what: &str| {
+        let message = r.1["message"].as_str().unwrap_or_default();
+        assert!(r.1["status"] == "Failure" && message.contains(what) && message.contains("injected fault"), "{what}: {}", r.1);
+    };
+
+    std::fs::write(&rules, "attach-device EIO\n").unwrap();
+    let r = driver(&node, &["mount", &dir, &options]);
+    said(&r, "EIO");
+    assert!(node.scratch.mounts().is_empty(), "rolled back: {:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "rolled back: {:?}", node.scratch.loops());
+    wait_until("the rolled back nbdfuse client to end", || clients_under(&state).is_empty());
+    std::fs::remove_file(&rules).unwrap();
+    assert_success(&driver(&node, &["mount", &dir, &options]));
+    std::fs::write(format!("{dir}/data"), b"after the fault").unwrap();
+    assert_eq!(clients_under(&state).len(), 1);
+
+    std::fs::write(&rules, "detach-device EBUSY\n").unwrap();
+    let r = driver(&node, &["unmount", &dir]);
+    said(&r, "EBUSY");
+    std::fs::remove_file(&rules).unwrap();
+    assert_success(&driver(&node, &["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
+    assert_eq!(read_back(&image, "ext4"), b"after the fault");
+}
