@@ -55,6 +55,7 @@ pub(crate) fn invoke<I, R>(
     f: impl FnOnce(&I, &mut Store<CallState>) -> wasmtime::Result<R>,
 ) -> Result<R, CallError> {
     let limits = runtime.limits;
+    let _calling = runtime.calling();
     let mut store = Store::new(&runtime.engine, CallState::new(backend.clone(), queries, limits));
     store.limiter(|s| &mut s.memory);
     store.epoch_deadline_trap();

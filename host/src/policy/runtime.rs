@@ -1,10 +1,10 @@
 //! One engine per process: Cranelift, component model, pooling allocator and
-//! epoch interruption ticked from a dedicated thread.
+//! epoch interruption ticked from a dedicated thread — only while a guest
+//! call runs, so that an idle agent does not wake 200 times a second.
 
 use super::bindings::Backend;
 use super::imports::CallState;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use wasmtime::component::{HasSelf, Linker};
@@ -113,30 +113,111 @@ impl Drop for Runtime {
     }
 }
 
-/// Advances the engine's epoch every [`EPOCH_TICK`] so that guest calls
-/// past their deadline trap.
+impl Runtime {
+    /// Held for the length of a guest call: the epoch advances meanwhile.
+    pub(crate) fn calling(&self) -> Calling<'_> {
+        self.ticker.begin()
+    }
+}
+
+/// Guest calls running, and whether the ticker is to stop.
+#[derive(Default)]
+struct TickerState {
+    calls: usize,
+    stop: bool,
+    /// Ticks so far (for the tests).
+    ticks: u64,
+}
+
+/// Advances the engine's epoch every [`EPOCH_TICK`] while a guest call
+/// runs, so that calls past their deadline trap; parked while none does.
 struct Ticker {
-    stop: Arc<AtomicBool>,
+    state: Arc<(Mutex<TickerState>, Condvar)>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// A guest call, for the ticker: counted until dropped.
+pub(crate) struct Calling<'t> {
+    ticker: &'t Ticker,
+}
+
+impl Drop for Calling<'_> {
+    fn drop(&mut self) {
+        let mut s = self.ticker.state.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.calls = s.calls.saturating_sub(1);
+    }
 }
 
 impl Ticker {
     fn start(engine: Engine) -> std::io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let state: Arc<(Mutex<TickerState>, Condvar)> = Arc::default();
+        let shared = state.clone();
         let thread = std::thread::Builder::new().name("volagent-epoch".into()).spawn(move || {
-            while !flag.load(Ordering::Relaxed) {
+            let (lock, wake) = &*shared;
+            loop {
+                {
+                    let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    while s.calls == 0 && !s.stop {
+                        s = wake.wait(s).unwrap_or_else(|e| e.into_inner());
+                    }
+                    if s.stop {
+                        return;
+                    }
+                }
+                // A call started before this tick counts it: its deadline
+                // is at least one full tick longer than asked.
                 std::thread::sleep(EPOCH_TICK);
                 engine.increment_epoch();
+                lock.lock().unwrap_or_else(|e| e.into_inner()).ticks += 1;
             }
         })?;
-        Ok(Ticker { stop, thread: Some(thread) })
+        Ok(Ticker { state, thread: Some(thread) })
+    }
+
+    fn begin(&self) -> Calling<'_> {
+        let (lock, wake) = &*self.state;
+        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+        s.calls += 1;
+        if s.calls == 1 {
+            wake.notify_one();
+        }
+        Calling { ticker: self }
     }
 
     fn stop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        let (lock, wake) = &*self.state;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        wake.notify_one();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ticks(rt: &Runtime) -> u64 {
+        rt.ticker.state.0.lock().unwrap().ticks
+    }
+
+    #[test]
+    fn the_epoch_advances_only_while_a_call_runs() {
+        let rt = Runtime::new(Limits::default()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(ticks(&rt), 0, "parked with no call");
+        let calling = rt.calling();
+        let start = std::time::Instant::now();
+        while ticks(&rt) < 2 {
+            assert!(start.elapsed() < Duration::from_secs(5), "no tick while a call runs");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(calling);
+        // The tick under way when the call ended still lands.
+        std::thread::sleep(Duration::from_millis(250));
+        let after = ticks(&rt);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(ticks(&rt), after, "parked again");
     }
 }
