@@ -164,8 +164,8 @@ impl Ticker {
                         return;
                     }
                 }
-                // A call started before this tick counts it: its deadline
-                // is at least one full tick longer than asked.
+                // A call that starts during this sleep counts its end as a
+                // tick: deadline_ticks' extra tick covers that.
                 std::thread::sleep(EPOCH_TICK);
                 engine.increment_epoch();
                 lock.lock().unwrap_or_else(|e| e.into_inner()).ticks += 1;

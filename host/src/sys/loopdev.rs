@@ -276,7 +276,7 @@ fn status(device: &Path, number: Numbers) -> Result<Status, SysError> {
 fn read_path_attribute(path: &Path) -> std::io::Result<PathBuf> {
     use std::io::Read;
     use std::os::unix::ffi::OsStrExt;
-    let mut buf = vec![0u8; 4096];
+    let mut buf = [0u8; 4096];
     let n = File::open(path)?.read(&mut buf)?;
     let text = buf[..n].strip_suffix(b"\n").unwrap_or(&buf[..n]);
     Ok(PathBuf::from(std::ffi::OsStr::from_bytes(text)))
