@@ -265,6 +265,21 @@ fn host_queries_on_a_fifo_or_a_hung_fuse_mount_fail_in_time() {
     assert_failure(&r, "lookup-path");
     assert_failure(&r, "no answer within 500 ms");
     assert!(start.elapsed() < Duration::from_secs(5), "failed in time: {:?}", start.elapsed());
+    // The in-place answer asks nothing of the hung server: its mount's
+    // root is known without it, what is below it is not answered there.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let hung = disks.join("hung");
+    let roots = volagent::sys::Roots::open(std::slice::from_ref(&disks)).expect("roots");
+    std::thread::spawn(move || {
+        use volagent::sys::{Devices, Kind};
+        let linux = volagent::sys::linux::Linux::new(roots, "volagent:trust");
+        let root = linux.kind_of_cached(&hung).map(|r| r.map_err(|e| e.to_string()));
+        let below = linux.kind_of_cached(&hung.join("vol.img")).map(|r| r.map_err(|e| e.to_string()));
+        let _ = tx.send((root == Some(Ok(Some(Kind::Dir))), below));
+    });
+    let (root_known, below) = rx.recv_timeout(Duration::from_secs(5)).expect("an in-place lookup waited on the hung server");
+    assert!(root_known, "the FUSE mount's root is a dir the kernel knows");
+    assert_eq!(below, None, "a path below the hung mount is left to a query thread");
     // The agent serves on.
     assert_eq!(node.driver(&["init"]).0, 0);
     let image = node.image("ok.img", 64);

@@ -23,7 +23,7 @@ pub struct Cleaned {
 impl Agent {
     /// Tear down every volume with a stashed mount that `pick` selects.
     pub async fn clean_volumes(self: &Arc<Self>, reason: CleanupReason, pick: impl Fn(&Entry) -> bool) -> Result<Cleaned, Failure> {
-        let entries = self.stash_op(|s| s.all()).await?;
+        let entries = self.stash_read(|s| s.all())?;
         let mut by_volume: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
         for e in entries.into_iter().filter(|e| pick(e)) {
             by_volume.entry(e.volume.name.clone()).or_default().push(e);

@@ -126,7 +126,7 @@ impl Agent {
         let shape = &req.shape;
         let point = stage_point(&staging, &req.volume_id, shape.mode);
         let (key, id) = (staging.clone(), req.volume_id.clone());
-        if let Some(entry) = self.stash_op(move |s| staged_entry(s, &key, &id)).await? {
+        if let Some(entry) = self.stash_read(move |s| staged_entry(s, &key, &id))? {
             let v = &entry.volume;
             if v.name != req.volume_id {
                 return Err(CsiError::Exists(format!("{staging} is the staging path of volume {}, not {}", v.name, req.volume_id)));
@@ -193,7 +193,7 @@ impl Agent {
             }
         }
         let (key, id) = (dir.clone(), volume_id.to_string());
-        let entry = match self.stash_op(move |s| staged_entry(s, &key, &id)).await? {
+        let entry = match self.stash_read(move |s| staged_entry(s, &key, &id))? {
             Some(e) if e.volume.name != volume_id => {
                 return Err(CsiError::NotFound(format!("volume {volume_id} is not staged at {dir} (volume {} is)", e.volume.name)));
             }
@@ -345,19 +345,17 @@ impl Agent {
     /// and its stage.
     async fn volume_at(&self, volume_id: &str, at: &str) -> Result<(bool, Entry), CsiError> {
         let (key, id) = (at.to_string(), volume_id.to_string());
-        let found = self
-            .stash_op(move |s| {
-                if let Some(p) = s.publications()?.into_iter().find(|p| p.target == key && p.volume == id) {
-                    return Ok(staged_entry(s, &p.staging, &id)?.map(|e| (p.read_only, e)));
-                }
-                Ok(s.get(&key)?.filter(|e| e.volume.name == id).map(|e| (e.consumer.read_only, e)))
-            })
-            .await?;
+        let found = self.stash_read(move |s| {
+            if let Some(p) = s.publications()?.into_iter().find(|p| p.target == key && p.volume == id) {
+                return Ok(staged_entry(s, &p.staging, &id)?.map(|e| (p.read_only, e)));
+            }
+            Ok(s.get(&key)?.filter(|e| e.volume.name == id).map(|e| (e.consumer.read_only, e)))
+        })?;
         found.ok_or_else(|| CsiError::NotFound(format!("volume {volume_id} is neither staged nor published at {at}")))
     }
 
     pub(crate) async fn publications(&self) -> Result<Vec<Publication>, Failure> {
-        self.stash_op(|s| s.publications()).await
+        self.stash_read(|s| s.publications())
     }
 
     /// Forget publications whose target is no longer mounted (an agent

@@ -159,14 +159,22 @@ impl Queries for NodeQueries {
 
     /// Looked at through an `O_PATH` handle resolved beneath the roots: no
     /// symlink is followed and nothing is opened (a FIFO cannot block it).
+    /// From the kernel's caches in place when they can answer; otherwise
+    /// on a query thread, as the filesystem must be asked.
     fn lookup_path(&self, path: &str) -> Result<PathKind, QueryError> {
         if self.devices.iter().any(|d| d == path) {
             return Ok(PathKind::BlockDevice);
         }
         self.scoped("lookup-path", path)?;
-        let (sys, p) = (self.sys.clone(), PathBuf::from(path));
-        let kind = bounded("lookup-path", path, self.deadline, move || sys.devices.kind_of(&p))?
-            .map_err(|e| QueryError::Failed { query: "lookup-path", path: path.to_string(), message: e.to_string() })?;
+        let cached = self.sys.devices.kind_of_cached(Path::new(path));
+        let kind = match cached {
+            Some(answer) => answer,
+            None => {
+                let (sys, p) = (self.sys.clone(), PathBuf::from(path));
+                bounded("lookup-path", path, self.deadline, move || sys.devices.kind_of(&p))?
+            }
+        }
+        .map_err(|e| QueryError::Failed { query: "lookup-path", path: path.to_string(), message: e.to_string() })?;
         Ok(match kind {
             None => PathKind::Missing,
             Some(Kind::File) => PathKind::RegularFile,

@@ -33,8 +33,8 @@ pub struct Report {
 impl Agent {
     pub async fn reconcile(&self) -> Result<Report, Failure> {
         let mut report = Report::default();
-        let stash = self.stash_op(|s| s.all()).await?;
-        report.quarantined = self.stash_op(|s| s.quarantined()).await?;
+        let stash = self.stash_read(|s| s.all())?;
+        report.quarantined = self.stash_read(|s| s.quarantined())?;
         let mut stashed_dirs = BTreeSet::new();
         for entry in stash {
             let dir = entry.consumer.mount_dir.clone();
@@ -179,7 +179,7 @@ impl Agent {
     /// Staging mounts with no stashed consumer, and loop devices over local
     /// volume files that no stashed volume names and nothing mounts.
     async fn sweep_orphans(&self, recorded: &BTreeSet<String>, report: &mut Report) -> Result<(), Failure> {
-        let stash = self.stash_op(|s| s.all()).await?;
+        let stash = self.stash_read(|s| s.all())?;
         let staging_root = self.config.kubelet_root.join("plugins/volagent");
         // First the backends' own cleanup plans, for the staging mounts
         // whose backend is loaded.

@@ -34,7 +34,7 @@ impl Agent {
     pub async fn release_local_volume(&self, volume: Volume, method: impl FnOnce(&str), progress: Progress) -> Result<String, Failure> {
         let plugin = self.plugin(&volume.backend)?;
         let name = volume.name.clone();
-        let held = self.stash_op(|s| s.all()).await?;
+        let held = self.stash_read(|s| s.all())?;
         if let Some(e) = held.iter().find(|e| e.volume.name == name) {
             return Err(Failure::new(
                 FailureKind::Busy,

@@ -44,6 +44,17 @@ impl Root {
             .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
         openat2(nix::fcntl::AT_FDCWD, &self.path.join(rel), how)
     }
+
+    /// [`open`](Self::open) of an `O_PATH` handle from the kernel's caches
+    /// alone (`RESOLVE_CACHED`): `EAGAIN` when a part of the path is not in
+    /// the dentry cache or would need revalidating (a FUSE or network
+    /// filesystem's entry past its timeout), so the walk never waits on a
+    /// filesystem.
+    fn handle_cached(&self, rel: &Path) -> rustix::io::Result<OwnedFd> {
+        use rustix::fs::{Mode, OFlags, ResolveFlags};
+        let resolve = ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::CACHED;
+        rustix::fs::openat2(rustix::fs::CWD, self.path.join(rel), OFlags::PATH | OFlags::CLOEXEC, Mode::empty(), resolve)
+    }
 }
 
 /// The roots the agent may act in. Cheap to share behind an `Arc`.
@@ -121,6 +132,18 @@ impl Roots {
     /// devices and files on a FUSE mount are not opened by it).
     pub fn handle(&self, path: &Path) -> Result<OwnedFd, SysError> {
         self.open_at(path, OFlag::O_PATH)
+    }
+
+    /// [`handle`](Self::handle) when the kernel can give it without asking
+    /// the filesystem; none when it would have to (or cannot tell: a
+    /// kernel older than 5.12), and the caller must go the slow way.
+    pub fn handle_cached(&self, path: &Path) -> Result<Option<OwnedFd>, SysError> {
+        let (root, rel) = self.locate(path)?;
+        match root.handle_cached(rel) {
+            Ok(fd) => Ok(Some(fd)),
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INVAL) => Ok(None),
+            Err(e) => Err(resolve_error(path, nix::errno::Errno::from_raw(e.raw_os_error()))),
+        }
     }
 
     /// A handle on the dir holding `path`, and `path`'s last component.
@@ -339,6 +362,23 @@ mod tests {
         // Not clean paths never reach the kernel.
         assert!(roots.handle(&root.join("a/../a/file")).is_err());
         assert!(roots.handle(&root.join("a/./file")).is_err());
+    }
+
+    #[test]
+    fn a_cached_handle_follows_no_symlink_either() {
+        let (t, roots) = setup();
+        let root = std::fs::canonicalize(t.path().join("root")).unwrap();
+        // Just made, so in the dentry cache.
+        assert!(roots.handle_cached(&root.join("a/file")).unwrap().is_some());
+        for bad in ["link/x", "rel-link/file"] {
+            // Refused, or not answered from the cache: never followed.
+            match roots.handle_cached(&root.join(bad)) {
+                Ok(found) => assert!(found.is_none(), "{bad}: followed a link"),
+                Err(e) => assert!(e.to_string().contains("symbolic link"), "{bad}: {e}"),
+            }
+        }
+        assert!(roots.handle_cached(Path::new("/etc/passwd")).unwrap_err().to_string().contains("outside the dirs"));
+        assert!(roots.handle_cached(&root.join("a/../a/file")).is_err());
     }
 
     #[test]

@@ -195,6 +195,9 @@ impl<T: Devices + ?Sized> Devices for Faulty<T> {
     fn kind_of(&self, path: &Path) -> Result<Option<Kind>, SysError> {
         self.inner.kind_of(path)
     }
+    fn kind_of_cached(&self, path: &Path) -> Option<Result<Option<Kind>, SysError>> {
+        self.inner.kind_of_cached(path)
+    }
     fn block_device(&self, path: &Path) -> Result<PathBuf, SysError> {
         self.inner.block_device(path)
     }

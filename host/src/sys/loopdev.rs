@@ -289,7 +289,9 @@ fn read_path_attribute(path: &Path) -> std::io::Result<PathBuf> {
 /// /sys/block/loop* node, of which a busy node has many.
 pub fn list() -> Result<Vec<LoopDevice>, SysError> {
     let partitions = Path::new("/proc/partitions");
-    let text = std::fs::read_to_string(partitions).map_err(io("read", partitions))?;
+    // Made afresh at every read(2) by walking all the kernel's block devices
+    // (a node has hundreds of unattached loop nodes): few reads matter.
+    let text = super::read_proc(partitions).map_err(io("read", partitions))?;
     let mut found = Vec::new();
     for fields in text.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()) {
         let [major, minor, _, name] = fields[..] else { continue };

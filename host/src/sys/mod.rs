@@ -63,6 +63,15 @@ pub struct FileId {
     pub ino: u64,
 }
 
+/// A procfs file, in one or two reads: proc files report no size, so
+/// std's read would grow its buffer from 32 bytes, a syscall per doubling.
+pub(crate) fn read_proc(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::with_capacity(64 << 10);
+    std::fs::File::open(path)?.read_to_string(&mut text)?;
+    Ok(text)
+}
+
 /// What is at a path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -206,6 +215,12 @@ pub trait Devices: Send + Sync {
     /// What is at `path`, without opening it or following it; none when
     /// nothing is there.
     fn kind_of(&self, path: &Path) -> Result<Option<Kind>, SysError>;
+    /// [`kind_of`](Self::kind_of) from the kernel's caches alone, so that
+    /// it cannot wait on a hung filesystem: none when answering would need
+    /// the filesystem (the caller then asks `kind_of` where it may block).
+    fn kind_of_cached(&self, _path: &Path) -> Option<Result<Option<Kind>, SysError>> {
+        None
+    }
     /// The block device at `path` (beneath a root, not a symlink; or a
     /// device node under /dev a PV names with its identity), as its node
     /// under /dev: the path the tools and the mount table use.
