@@ -38,12 +38,16 @@ pub fn status(e: CsiError) -> Status {
     }
 }
 
-/// Run a call's work on a task of its own: kubelet cancelling the call at
-/// its deadline must not cut the pipeline short half-way (a lock dropped,
-/// a record not rolled back). The work finishes; kubelet's retry finds it
-/// done, or in progress (ABORTED).
-async fn detached<T: Send + 'static>(work: impl std::future::Future<Output = Result<T, CsiError>> + Send + 'static) -> Result<T, CsiError> {
-    tokio::spawn(work).await.map_err(|e| CsiError::Op(crate::ops::Failure::new(FailureKind::Failed, format!("agent task failed: {e}"))))?
+/// Run a call's work on a task of its own ([`crate::ops::served`]):
+/// kubelet cancelling the call at its deadline must not cut the pipeline
+/// short half-way (a lock dropped, a record not rolled back), and a step
+/// hanging past the plan deadline gets DEADLINE_EXCEEDED while it goes on.
+/// Kubelet's retry finds the work done, or in progress (ABORTED).
+async fn detached<T: Send + 'static>(
+    agent: &Agent,
+    work: impl std::future::Future<Output = Result<T, CsiError>> + Send + 'static,
+) -> Result<T, CsiError> {
+    crate::ops::served(agent.plan_deadline(), work).await?
 }
 
 fn result_label<T>(r: &Result<T, CsiError>) -> &'static str {
@@ -89,7 +93,7 @@ impl Node for NodeService {
         let r = req.into_inner();
         let id = r.volume_id.clone();
         let (agent, backend) = (self.agent.clone(), self.backend.clone());
-        let result = detached(async move {
+        let result = detached(&self.agent, async move {
             let staged = request::stage(&agent.config.kubelet_roots(), r)?;
             agent.csi_stage(&backend, staged).await
         })
@@ -101,7 +105,7 @@ impl Node for NodeService {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, backend, asked) = (self.agent.clone(), self.backend.clone(), r.clone());
-        let result = detached(async move {
+        let result = detached(&self.agent, async move {
             let id = request::volume_id(&asked.volume_id)?;
             let staging = request::kubelet_path(&agent.config.kubelet_roots(), "staging_target_path", &asked.staging_target_path)?;
             agent.csi_unstage(&backend, &id, &staging).await
@@ -114,7 +118,7 @@ impl Node for NodeService {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, backend, asked) = (self.agent.clone(), self.backend.clone(), r.clone());
-        let result = detached(async move {
+        let result = detached(&self.agent, async move {
             let p = request::publish(&agent.config.kubelet_roots(), &asked)?;
             agent.csi_publish(&backend, p).await
         })
@@ -126,7 +130,7 @@ impl Node for NodeService {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, asked) = (self.agent.clone(), r.clone());
-        let result = detached(async move {
+        let result = detached(&self.agent, async move {
             let id = request::volume_id(&asked.volume_id)?;
             let target = request::kubelet_path(&agent.config.kubelet_roots(), "target_path", &asked.target_path)?;
             agent.csi_unpublish(&id, &target).await
@@ -170,7 +174,7 @@ impl Node for NodeService {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, asked) = (self.agent.clone(), r.clone());
-        let result = detached(async move {
+        let result = detached(&self.agent, async move {
             if asked.volume_id.is_empty() {
                 return Err(CsiError::Invalid("volume_id is missing".into()));
             }

@@ -248,6 +248,11 @@ impl Agent {
         self.plugins.write().unwrap_or_else(|p| p.into_inner()).remove(backend)
     }
 
+    /// How long a request waits for its operation's steps.
+    pub fn plan_deadline(&self) -> Duration {
+        self.plan_deadline
+    }
+
     /// Volumes of `backend` this node has mounted (from the stash).
     pub async fn volumes_of(&self, backend: &str) -> Result<Vec<String>, Failure> {
         let backend = backend.to_string();
@@ -347,21 +352,28 @@ impl Agent {
         crate::metrics::get().operation("mount", metric_backend(backend, &result), result_label(&result), start.elapsed());
         let done = Finished { op: Op::Mount, node: &self.config.node, backend, mount_dir, subject: &subject, elapsed: start.elapsed() };
         oplog::log(&done, &result);
-        if let (Err(f), Some(cluster)) = (&result, &self.cluster) {
-            let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
-            let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
-            let reason = match f.kind {
-                FailureKind::Denied if f.fenced => "VolumeFenced",
-                FailureKind::Denied => "VolumeRefused",
-                _ => "VolumeMountFailed",
-            };
-            if !ns.is_empty() && !pod.is_empty() && f.kind != FailureKind::BadRequest {
-                let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
-                let reason = reason.to_string();
-                tokio::spawn(async move { cluster.pod_event(&ns, &pod, &uid, true, &reason, &message).await });
-            }
+        if let Err(f) = &result {
+            self.tell_pod_mount_failed(options, f);
         }
         result
+    }
+
+    /// A failed mount as an Event on its pod, when there is a cluster and
+    /// kubelet named the pod.
+    pub fn tell_pod_mount_failed(&self, options: &BTreeMap<String, String>, f: &Failure) {
+        let Some(cluster) = &self.cluster else { return };
+        let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
+        let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
+        let reason = match f.kind {
+            FailureKind::Denied if f.fenced => "VolumeFenced",
+            FailureKind::Denied => "VolumeRefused",
+            _ => "VolumeMountFailed",
+        };
+        if !ns.is_empty() && !pod.is_empty() && f.kind != FailureKind::BadRequest {
+            let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
+            let reason = reason.to_string();
+            tokio::spawn(async move { cluster.pod_event(&ns, &pod, &uid, true, &reason, &message).await });
+        }
     }
 
     /// Run `plan`, waiting at most the plan deadline. A step that hangs
@@ -393,6 +405,8 @@ impl Agent {
     /// Run `job` with an executor on a blocking thread, under the plan
     /// deadline: steps can hang in the kernel. When the deadline passes, the
     /// volume's `lock` goes with the job, which holds it until it ends.
+    /// In a request [`served`] with its answer bounded, the job runs right
+    /// here instead (see there).
     async fn on_plan_thread<R: Send + 'static, E: From<Failure> + Send + 'static>(
         &self,
         lock: &mut Option<LockGuard>,
@@ -400,6 +414,9 @@ impl Agent {
         job: impl FnOnce(&Executor) -> Result<R, E> + Send + 'static,
     ) -> Result<R, E> {
         let exec = Executor::new(self.sys.clone()).with_secrets(secrets);
+        if STEPS_IN_PLACE.try_with(|_| ()).is_ok() {
+            return crate::runtime::in_place(|| job(&exec));
+        }
         let mut task = tokio::task::spawn_blocking(move || job(&exec));
         match tokio::time::timeout(self.plan_deadline, &mut task).await {
             Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}")))?,
@@ -831,6 +848,34 @@ impl Agent {
 
 }
 
+tokio::task_local! {
+    /// Set on the task of a request [`served`] with a bounded answer.
+    static STEPS_IN_PLACE: ();
+}
+
+/// A kubelet request's operation, on a task of its own, answered within
+/// `deadline`. Its steps run on that task's own thread (after the runtime
+/// has moved the thread's other tasks elsewhere), not on a blocking thread:
+/// the hand-off there and back is two thread wake-ups, ~100 µs on a small
+/// VM, on every stage, publish and mount. A step can still hang in the
+/// kernel: at the deadline the request is answered `timed_out`, and the
+/// operation goes on, holding the volume's lock until it ends; it then
+/// finishes or rolls back as it would have, and kubelet's retry finds the
+/// volume done or the operation in progress. Kubelet cancelling the call
+/// cannot cut the operation short half-way either.
+/// The operation's own result, or why it has none: still running at the
+/// deadline (or its task failed).
+pub async fn served<R: Send + 'static>(deadline: Duration, work: impl std::future::Future<Output = R> + Send + 'static) -> Result<R, Failure> {
+    let mut task = tokio::spawn(STEPS_IN_PLACE.scope((), work));
+    match tokio::time::timeout(deadline, &mut task).await {
+        Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}"))),
+        Err(_) => Err(Failure::new(
+            FailureKind::TimedOut,
+            format!("the operation was still running after {deadline:?} (a step hanging?); it goes on, and the volume stays locked until it ends; retry"),
+        )),
+    }
+}
+
 /// Run blocking work (syscalls, tools, fsync) off the async workers.
 async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, Failure> {
     tokio::task::spawn_blocking(f).await.map_err(|e| internal(format!("agent task failed: {e}")))
@@ -927,7 +972,7 @@ mod tests {
             inline_backends: vec![],
         };
         let ledger = Arc::new(crate::ledger::embedded::EmbeddedLedger::open(&dir.join("ledger.redb"), false).unwrap());
-        let stash = Stash::open(&dir.join("stash.redb")).unwrap();
+        let stash = Stash::open(&dir.join("stash")).unwrap();
         let fake = crate::sys::fake::Fake::new();
         (Agent::new(config, Vec::new(), ledger.clone(), stash, fake.sys(), Duration::from_secs(5)), ledger, fake)
     }

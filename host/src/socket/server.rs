@@ -166,7 +166,7 @@ async fn read_request(stream: &mut UnixStream) -> Result<RequestFrame, protocol:
     Ok(serde_json::from_slice(&body)?)
 }
 
-async fn dispatch(agent: &Agent, slots: &Semaphore, config: &ServerConfig, request: Request) -> Response {
+async fn dispatch(agent: &Arc<Agent>, slots: &Semaphore, config: &ServerConfig, request: Request) -> Response {
     // Only the wait for a slot is cut short: a running operation is never
     // abandoned half-way (its lock would be released while its steps still
     // run); each of its steps has a deadline of its own instead.
@@ -184,14 +184,39 @@ async fn dispatch(agent: &Agent, slots: &Semaphore, config: &ServerConfig, reque
             return f.into();
         }
     };
-    let result = match request {
-        Request::Handshake { backend } => agent.plugin(&backend).map(|p| Response::Ok {
+    let result = match &request {
+        Request::Handshake { backend } => agent.plugin(backend).map(|p| Response::Ok {
             message: format!("volagent serves {} {}", p.name(), p.info().version),
             device: None,
         }),
         Request::Status => Ok(agent.status().await),
-        Request::Mount { backend, mount_dir, options } => agent.mount(&backend, &mount_dir, &options).await,
-        Request::Unmount { backend, mount_dir } => agent.unmount(&backend, &mount_dir).await,
+        Request::Mount { backend, mount_dir, options } => {
+            let (a, b, d, o) = (agent.clone(), backend.clone(), mount_dir.clone(), options.clone());
+            served(agent, &request, start, async move { a.mount(&b, &d, &o).await }).await
+        }
+        Request::Unmount { backend, mount_dir } => {
+            let (a, b, d) = (agent.clone(), backend.clone(), mount_dir.clone());
+            served(agent, &request, start, async move { a.unmount(&b, &d).await }).await
+        }
     };
     result.unwrap_or_else(Failure::into)
+}
+
+/// A mount or unmount on a task of its own, answered by the plan deadline
+/// (`ops::served`): a hanging step does not hold the answer back.
+async fn served(
+    agent: &Agent,
+    request: &Request,
+    start: std::time::Instant,
+    op: impl std::future::Future<Output = Result<Response, Failure>> + Send + 'static,
+) -> Result<Response, Failure> {
+    crate::ops::served(agent.plan_deadline(), op).await.unwrap_or_else(|f| {
+        // The operation logs itself (and tells the pod) when it ends; the
+        // answer given before that is logged here.
+        agent.log_unserved(request, &f, start.elapsed());
+        if let Request::Mount { options, .. } = request {
+            agent.tell_pod_mount_failed(options, &f);
+        }
+        Err(f)
+    })
 }

@@ -282,6 +282,38 @@ fn read_path_attribute(path: &Path) -> std::io::Result<PathBuf> {
     Ok(PathBuf::from(std::ffi::OsStr::from_bytes(text)))
 }
 
+/// /proc/partitions, mostly in one read. The kernel makes it afresh at
+/// every read(2) by walking all its block devices (hundreds of unattached
+/// loop nodes on a busy node), the read that only finds the end included.
+/// A read of it stops short only at the end, at a full user buffer, or
+/// when the kernel's page-sized buffer cannot take the next line; its
+/// lines are under 100 bytes, so one read returning less than half a page
+/// into a larger buffer has reached the end.
+fn read_partitions(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    const SURELY_ALL: usize = 2048;
+    let mut file = File::open(path)?;
+    let mut bytes = vec![0u8; 16 << 10];
+    let mut len = 0;
+    loop {
+        if len == bytes.len() {
+            bytes.resize(len * 2, 0);
+        }
+        match file.read(&mut bytes[len..]) {
+            Ok(0) => break,
+            Ok(n) if len == 0 && n < SURELY_ALL => {
+                len = n;
+                break;
+            }
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    bytes.truncate(len);
+    String::from_utf8(bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
 /// Every attached loop device: its backing file (by path, as the kernel
 /// reports it, and by identity) and its tag. /proc/partitions lists the loop
 /// devices that have a size, i.e. are attached (a device over an empty file
@@ -289,9 +321,7 @@ fn read_path_attribute(path: &Path) -> std::io::Result<PathBuf> {
 /// /sys/block/loop* node, of which a busy node has many.
 pub fn list() -> Result<Vec<LoopDevice>, SysError> {
     let partitions = Path::new("/proc/partitions");
-    // Made afresh at every read(2) by walking all the kernel's block devices
-    // (a node has hundreds of unattached loop nodes): few reads matter.
-    let text = super::read_proc(partitions).map_err(io("read", partitions))?;
+    let text = read_partitions(partitions).map_err(io("read", partitions))?;
     let mut found = Vec::new();
     for fields in text.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()) {
         let [major, minor, _, name] = fields[..] else { continue };
@@ -346,6 +376,19 @@ mod tests {
         }
         for bad in ["/dev/sda", "/dev/loop", "/dev/loop0p1", "/dev/loop/0", "/etc/loop0", "/dev/loop1/../sda", "/dev/loop99999999"] {
             assert!(!is_loop_path(Path::new(bad)), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_partition_list_is_read_whole() {
+        let listed = read_partitions(Path::new("/proc/partitions")).unwrap();
+        assert!(listed.starts_with("major minor") && listed.ends_with('\n'), "{listed}");
+        // Any length, short or over the first buffer.
+        let dir = tempfile::tempdir().unwrap();
+        for len in [0, 100, 40 << 10] {
+            let text: String = (0..len).map(|i| if i % 50 == 49 { '\n' } else { 'x' }).collect();
+            std::fs::write(dir.path().join("f"), &text).unwrap();
+            assert_eq!(read_partitions(&dir.path().join("f")).unwrap(), text, "{len} bytes");
         }
     }
 
