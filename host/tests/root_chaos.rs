@@ -426,11 +426,12 @@ fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() 
     assert_eq!(volume_mounts(), before, "nothing of the failed mount is left");
     assert_eq!(node.scratch.loops().len(), 1);
     assert_eq!(std::fs::read(format!("{a_dir}/data")).expect("still mounted"), b"mounted before");
-    // An unmount can still take the volume down, but not forget it: it
-    // fails, saying why, and its retry finishes the job.
+    // An unmount still takes the volume down. Forgetting it takes no room
+    // in the stash (a file removed); the ledger's commit may find none: the
+    // unmount then fails, saying why, and its retry finishes the job.
     let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["unmount", &a_dir]));
-    assert_eq!(r.0, 1, "{}", r.1);
-    assert!(r.1["message"].as_str().unwrap_or_default().contains("No space left on device"), "{}", r.1);
+    assert!(r.0 == 0 || r.1["message"].as_str().unwrap_or_default().contains("No space left on device"), "{}", r.1);
+    assert!(volume_mounts().is_empty(), "taken down: {:?}", volume_mounts());
 
     for f in &fillers {
         std::fs::remove_file(f).expect("space again");

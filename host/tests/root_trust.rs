@@ -434,7 +434,7 @@ fn damaged_or_lost_stash_entries_strand_no_pod() {
     assert_success(&node.mount(&a, &options("pv1", "a", &one)));
     assert_success(&node.mount(&b, &options("pv2", "b", &two)));
     node.stop_agent();
-    let stash_path = node.scratch.path("node-a/run/stash.redb");
+    let stash_path = node.scratch.path("node-a/run/stash");
     {
         let stash = volagent::ops::stash::Stash::open(&stash_path).expect("stash");
         stash.put_raw(&a, b"{\"volume\": garbage").expect("damage a's entry");
@@ -448,7 +448,7 @@ fn damaged_or_lost_stash_entries_strand_no_pod() {
 
     // The whole stash gone (not a reboot: the mounts stay).
     node.stop_agent();
-    std::fs::remove_file(&stash_path).expect("lose the stash");
+    std::fs::remove_dir_all(&stash_path).expect("lose the stash");
     node.spawn_agent("node-a");
     assert_eq!(node.scratch.mounts().len(), 2, "pv2 stays mounted for its pod");
     assert_success(&node.driver(&["unmount", &b]));

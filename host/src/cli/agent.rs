@@ -194,7 +194,8 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             Arc::new(EmbeddedLedger::open(&ledger_path, args.ledger_shared)?)
         }
     };
-    let stash = Stash::open(&args.runtime_dir.join("stash.redb"))?;
+    let stash = Stash::open(&args.runtime_dir.join("stash"))?;
+    stash.import_legacy(&args.runtime_dir.join("stash.redb"))?;
     let socket = args.socket();
     // The dirs the agent acts in, resolved once: every path it acts on is
     // then resolved beneath one of them, following no symlink.

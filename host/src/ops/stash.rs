@@ -3,16 +3,11 @@
 //! gives only the dir, and teardown must work with no API at all.
 
 use crate::policy::{Consumer, NodePaths, Volume};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
+use sha2::Digest;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-const ENTRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("mounts");
-/// Entries that could not be decoded, kept (for people) out of the way.
-const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
-/// CSI publications (a staged volume bound into a pod's target path), by
-/// target path: kubelet's NodeUnpublish gives only the volume and target.
-const PUBLISHED: TableDefinition<&str, &[u8]> = TableDefinition::new("published");
 
 /// A CSI volume published at `target` from its staging path.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,172 +47,248 @@ pub struct StashError {
     message: String,
 }
 
+/// Entries by pod mount dir (or CSI staging path).
+const MOUNTS: &str = "mounts";
+/// CSI publications, by target path: kubelet's NodeUnpublish gives only
+/// the volume and the target.
+const PUBLISHED: &str = "published";
+/// Entries that could not be decoded, kept (for people) out of the way.
+const QUARANTINE: &str = "quarantine";
+
+/// No stash file is larger: one that is has been tampered with.
+const MAX_FILE: u64 = 1 << 20;
+
+/// One small file per entry in a dir of the runtime dir (a tmpfs on a
+/// node: the stash lives as long as the mounts it describes), and the same
+/// in memory: the agent is the stash's one writer, so reads need not touch
+/// the files. A write goes whole to a temporary name and is renamed over
+/// the entry, so an agent killed mid-write leaves the old entry or the new
+/// one, never part of one. A write costs a few syscalls; a database
+/// transaction cost 30–60 µs, on every mount's path.
 pub struct Stash {
-    db: crate::store::Reopening,
-    path: PathBuf,
+    dir: PathBuf,
+    /// Table → key → value, as the files hold them.
+    tables: std::sync::Mutex<BTreeMap<&'static str, BTreeMap<String, Vec<u8>>>>,
 }
 
-/// Open the stash at `path`, its tables made. A file redb finds corrupted
-/// is moved aside and a new one started: what it held is also in the ledger
-/// and the mount table, which unmounts fall back to.
-fn open_db(path: &Path) -> Result<Database, String> {
-    let db = match Database::create(path) {
-        Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(why))) => {
-            let aside = path.with_extension(format!("corrupt-{}", std::process::id()));
-            tracing::error!(stash = %path.display(), moved_to = %aside.display(), "the stash is corrupted ({why}); starting a new one");
-            std::fs::rename(path, &aside).map_err(|e| e.to_string())?;
-            Database::create(path).map_err(|e| e.to_string())?
-        }
-        other => other.map_err(|e| e.to_string())?,
-    };
-    let txn = db.begin_write().map_err(|e| e.to_string())?;
-    txn.open_table(ENTRIES).map_err(|e| e.to_string())?;
-    txn.open_table(QUARANTINE).map_err(|e| e.to_string())?;
-    txn.open_table(PUBLISHED).map_err(|e| e.to_string())?;
-    txn.commit().map_err(|e| e.to_string())?;
-    Ok(db)
+/// A file's name: the key's hash (keys are paths, longer than a name may be).
+fn file_name(key: &str) -> String {
+    hex::encode(sha2::Sha256::digest(key.as_bytes()))
 }
+
+/// A file holds its key (the name is only its hash) and the value:
+/// the key's length (u32, little-endian), the key, the value.
+fn encode_record(key: &str, value: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + key.len() + value.len());
+    out.extend_from_slice(&u32::try_from(key.len()).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(value);
+    out
+}
+
+fn decode_record(bytes: &[u8]) -> Option<(String, &[u8])> {
+    let (len, rest) = bytes.split_first_chunk::<4>()?;
+    let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
+    if len > rest.len() {
+        return None;
+    }
+    let (key, value) = rest.split_at(len);
+    Some((String::from_utf8(key.to_vec()).ok()?, value))
+}
+
+type Tables = BTreeMap<&'static str, BTreeMap<String, Vec<u8>>>;
 
 impl Stash {
-    /// Open (or create) the stash.
-    pub fn open(path: &Path) -> Result<Stash, StashError> {
-        let err = |e: &dyn std::fmt::Display| StashError { path: path.to_path_buf(), message: e.to_string() };
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
+    /// Open (or create) the stash in `dir` and read it. Temporary files
+    /// an agent killed mid-write left behind are removed; a file that is
+    /// no record (damaged, or too large) is quarantined under its name.
+    pub fn open(dir: &Path) -> Result<Stash, StashError> {
+        let err = |path: &Path, e: &dyn std::fmt::Display| StashError { path: path.to_path_buf(), message: e.to_string() };
+        let mut tables = Tables::new();
+        let mut damaged = Vec::new();
+        // The runtime dir as it comes (others reach the socket in it); the
+        // stash's own dirs are the agent's alone.
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| err(parent, &e))?;
         }
-        let db = crate::store::Reopening::open(path, open_db).map_err(|e| err(&e))?;
-        Ok(Stash { db, path: path.to_path_buf() })
-    }
-
-    /// Run `f` on the database (opened again after a failed write).
-    fn with<R>(&self, f: impl FnOnce(&Database) -> Result<R, StashError>) -> Result<R, StashError> {
-        self.db.with(f, |why| self.err(&why))
-    }
-
-    /// A write transaction of `f`, committed.
-    fn write(&self, f: impl FnOnce(&redb::WriteTransaction) -> Result<(), StashError>) -> Result<(), StashError> {
-        self.with(|db| {
-            let txn = db.begin_write().map_err(|e| self.err(&e))?;
-            f(&txn)?;
-            txn.commit().map_err(|e| self.err(&e))
-        })
-    }
-
-    /// Move the entry of `key` out of the way: it cannot be decoded, and
-    /// must neither fail every read of the stash nor be acted on.
-    fn quarantine(&self, key: &str, why: &dyn std::fmt::Display) -> Result<(), StashError> {
-        tracing::error!(stash = %self.path.display(), mount_dir = key, "undecodable stash entry quarantined ({why}); that dir's unmount falls back to the ledger");
-        crate::metrics::get().stash_quarantined.inc();
-        self.write(|txn| {
-            let mut entries = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
-            let raw = entries.remove(key).map_err(|e| self.err(&e))?.map(|v| v.value().to_vec());
-            if let Some(raw) = raw {
-                txn.open_table(QUARANTINE).map_err(|e| self.err(&e))?.insert(key, raw.as_slice()).map_err(|e| self.err(&e))?;
+        let private_dir = |path: &Path| match std::fs::DirBuilder::new().mode(0o700).create(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(err(path, &e)),
+            _ => Ok(()),
+        };
+        private_dir(dir)?;
+        for table in [MOUNTS, PUBLISHED, QUARANTINE] {
+            let path = dir.join(table);
+            private_dir(&path)?;
+            let rows = tables.entry(table).or_default();
+            for item in std::fs::read_dir(&path).map_err(|e| err(&path, &e))? {
+                let item = item.map_err(|e| err(&path, &e))?;
+                let name = item.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') {
+                    let _ = std::fs::remove_file(item.path());
+                    continue;
+                }
+                let record = match read_bounded(&item.path()) {
+                    Ok(record) => record,
+                    // Too large, or a symlink: no record the agent wrote.
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData || e.raw_os_error() == Some(nix::libc::ELOOP) => Vec::new(),
+                    Err(e) => return Err(err(&item.path(), &e)),
+                };
+                match decode_record(&record) {
+                    Some((key, value)) if file_name(&key) == name => {
+                        rows.insert(key, value.to_vec());
+                    }
+                    _ if table == QUARANTINE => {
+                        rows.insert(name, record);
+                    }
+                    _ => damaged.push((table, name)),
+                }
             }
-            Ok(())
-        })
+        }
+        let stash = Stash { dir: dir.to_path_buf(), tables: std::sync::Mutex::new(tables) };
+        for (table, name) in damaged {
+            match table {
+                MOUNTS => stash.quarantine(&name, &name, &"not a stash record")?,
+                _ => {
+                    tracing::error!(stash = %dir.display(), file = name, "undecodable publication ignored: not a stash record");
+                }
+            }
+        }
+        Ok(stash)
     }
 
-    /// The keys (mount dirs) of quarantined entries.
-    pub fn quarantined(&self) -> Result<Vec<String>, StashError> {
-        self.with(|db| {
-            let txn = db.begin_read().map_err(|e| self.err(&e))?;
-            let table = txn.open_table(QUARANTINE).map_err(|e| self.err(&e))?;
-            let mut keys = Vec::new();
-            for item in table.iter().map_err(|e| self.err(&e))? {
-                keys.push(item.map_err(|e| self.err(&e))?.0.value().to_string());
-            }
-            Ok(keys)
-        })
+    fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn err_at(&self, path: &Path, e: &dyn std::fmt::Display) -> StashError {
+        StashError { path: path.to_path_buf(), message: e.to_string() }
     }
 
     fn err(&self, e: &dyn std::fmt::Display) -> StashError {
-        StashError { path: self.path.clone(), message: e.to_string() }
+        self.err_at(&self.dir, e)
+    }
+
+    /// Write the file of `key`, then (under the same lock, so that the
+    /// two agree) its value in memory.
+    fn write(&self, table: &'static str, key: &str, value: &[u8]) -> Result<(), StashError> {
+        use std::io::Write;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let mut tables = self.tables();
+        let name = file_name(key);
+        let path = self.dir.join(table).join(&name);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self.dir.join(table).join(format!(".{name}.{}.{n}", std::process::id()));
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(&encode_record(key, value)))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(self.err_at(&path, &e));
+        }
+        tables.entry(table).or_default().insert(key.to_string(), value.to_vec());
+        Ok(())
+    }
+
+    fn read(&self, table: &str, key: &str) -> Option<Vec<u8>> {
+        self.tables().get(table).and_then(|rows| rows.get(key).cloned())
+    }
+
+    fn remove_key(&self, table: &'static str, key: &str) -> Result<(), StashError> {
+        let mut tables = self.tables();
+        let path = self.dir.join(table).join(file_name(key));
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(self.err_at(&path, &e)),
+            _ => {
+                tables.entry(table).or_default().remove(key);
+                Ok(())
+            }
+        }
+    }
+
+    fn rows(&self, table: &str) -> Vec<(String, Vec<u8>)> {
+        self.tables().get(table).map(|rows| rows.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default()
+    }
+
+    /// Move the entry of `key` (its file `name`) out of the way: it cannot
+    /// be decoded, and must neither fail every read of the stash nor be
+    /// acted on.
+    fn quarantine(&self, key: &str, name: &str, why: &dyn std::fmt::Display) -> Result<(), StashError> {
+        tracing::error!(stash = %self.dir.display(), mount_dir = key, "undecodable stash entry quarantined ({why}); that dir's unmount falls back to the ledger");
+        crate::metrics::get().stash_quarantined.inc();
+        let mut tables = self.tables();
+        let (from, to) = (self.dir.join(MOUNTS).join(name), self.dir.join(QUARANTINE).join(name));
+        match std::fs::rename(&from, &to) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(self.err_at(&from, &e)),
+            _ => {}
+        }
+        let value = tables.entry(MOUNTS).or_default().remove(key).unwrap_or_default();
+        tables.entry(QUARANTINE).or_default().insert(key.to_string(), value);
+        Ok(())
+    }
+
+    /// The keys (mount dirs) of quarantined entries; a file that was no
+    /// record is named by its file name.
+    pub fn quarantined(&self) -> Result<Vec<String>, StashError> {
+        Ok(self.rows(QUARANTINE).into_iter().map(|(key, _)| key).collect())
     }
 
     pub fn put(&self, entry: &Entry) -> Result<(), StashError> {
         let bytes = serde_json::to_vec(entry).map_err(|e| self.err(&e))?;
-        self.write(|txn| {
-            txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.insert(entry.consumer.mount_dir.as_str(), bytes.as_slice()).map_err(|e| self.err(&e))?;
-            Ok(())
-        })
+        self.write(MOUNTS, &entry.consumer.mount_dir, &bytes)
     }
 
     /// The entry of `mount_dir`; none when there is none or it could not
     /// be decoded (it is then quarantined).
     pub fn get(&self, mount_dir: &str) -> Result<Option<Entry>, StashError> {
-        let decoded = self.with(|db| {
-            let txn = db.begin_read().map_err(|e| self.err(&e))?;
-            let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
-            Ok(table.get(mount_dir).map_err(|e| self.err(&e))?.map(|v| decode_entry(v.value())))
-        })?;
-        match decoded {
-            None => Ok(None),
-            Some(Ok(entry)) => Ok(Some(entry)),
-            Some(Err(e)) => {
-                self.quarantine(mount_dir, &e)?;
+        let Some(bytes) = self.read(MOUNTS, mount_dir) else { return Ok(None) };
+        match decode_entry(&bytes) {
+            Ok(entry) => Ok(Some(entry)),
+            Err(e) => {
+                self.quarantine(mount_dir, &file_name(mount_dir), &e)?;
                 Ok(None)
             }
         }
     }
 
     pub fn remove(&self, mount_dir: &str) -> Result<(), StashError> {
-        self.write(|txn| {
-            txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.remove(mount_dir).map_err(|e| self.err(&e))?;
-            Ok(())
-        })
+        self.remove_key(MOUNTS, mount_dir)
     }
 
     pub fn put_publication(&self, p: &Publication) -> Result<(), StashError> {
         let bytes = serde_json::to_vec(p).map_err(|e| self.err(&e))?;
-        self.write(|txn| {
-            txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.insert(p.target.as_str(), bytes.as_slice()).map_err(|e| self.err(&e))?;
-            Ok(())
-        })
+        self.write(PUBLISHED, &p.target, &bytes)
     }
 
     pub fn remove_publication(&self, target: &str) -> Result<(), StashError> {
-        self.write(|txn| {
-            txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?.remove(target).map_err(|e| self.err(&e))?;
-            Ok(())
-        })
+        self.remove_key(PUBLISHED, target)
     }
 
     /// Every publication; one that cannot be decoded is dropped (its target
     /// is then unpublished from the mount table alone).
     pub fn publications(&self) -> Result<Vec<Publication>, StashError> {
-        self.with(|db| {
-            let txn = db.begin_read().map_err(|e| self.err(&e))?;
-            let table = txn.open_table(PUBLISHED).map_err(|e| self.err(&e))?;
-            let mut out = Vec::new();
-            for item in table.iter().map_err(|e| self.err(&e))? {
-                let (k, v) = item.map_err(|e| self.err(&e))?;
-                match serde_json::from_slice(v.value()) {
-                    Ok(p) => out.push(p),
-                    Err(e) => tracing::error!(stash = %self.path.display(), target = k.value(), "undecodable publication ignored: {e}"),
-                }
+        let mut out = Vec::new();
+        for (target, bytes) in self.rows(PUBLISHED) {
+            match serde_json::from_slice(&bytes) {
+                Ok(p) => out.push(p),
+                Err(e) => tracing::error!(stash = %self.dir.display(), target, "undecodable publication ignored: {e}"),
             }
-            Ok(out)
-        })
+        }
+        Ok(out)
     }
 
     /// Every entry that can be decoded; the others are quarantined.
     pub fn all(&self) -> Result<Vec<Entry>, StashError> {
-        let (out, bad) = self.with(|db| {
-            let (mut out, mut bad) = (Vec::new(), Vec::new());
-            let txn = db.begin_read().map_err(|e| self.err(&e))?;
-            let table = txn.open_table(ENTRIES).map_err(|e| self.err(&e))?;
-            for item in table.iter().map_err(|e| self.err(&e))? {
-                let (k, v) = item.map_err(|e| self.err(&e))?;
-                match decode_entry(v.value()) {
-                    Ok(entry) => out.push(entry),
-                    Err(e) => bad.push((k.value().to_string(), e)),
-                }
+        let mut out = Vec::new();
+        for (key, bytes) in self.rows(MOUNTS) {
+            match decode_entry(&bytes) {
+                Ok(entry) => out.push(entry),
+                Err(e) => self.quarantine(&key, &file_name(&key), &e)?,
             }
-            Ok((out, bad))
-        })?;
-        for (key, why) in bad {
-            self.quarantine(&key, &why)?;
         }
         Ok(out)
     }
@@ -225,10 +296,110 @@ impl Stash {
     /// Store raw bytes as the entry of `key`: for tests of damaged state.
     #[doc(hidden)]
     pub fn put_raw(&self, key: &str, bytes: &[u8]) -> Result<(), StashError> {
-        self.write(|txn| {
-            txn.open_table(ENTRIES).map_err(|e| self.err(&e))?.insert(key, bytes).map_err(|e| self.err(&e))?;
-            Ok(())
-        })
+        self.write(MOUNTS, key, bytes)
+    }
+
+    /// Take in the stash an earlier agent kept in a redb database at
+    /// `file` (an agent upgraded while its volumes stay mounted), then set
+    /// the file aside. Entries this stash already has win. A file redb
+    /// cannot read is set aside too: what it held is also in the ledger
+    /// and the mount table, which unmounts fall back to.
+    pub fn import_legacy(&self, file: &Path) -> Result<usize, StashError> {
+        if !file.exists() {
+            return Ok(0);
+        }
+        let imported = legacy::read(file).and_then(|tables| {
+            let mut n = 0;
+            for (table, rows) in [(MOUNTS, tables.mounts), (PUBLISHED, tables.published), (QUARANTINE, tables.quarantine)] {
+                for (key, value) in rows {
+                    if self.read(table, &key).is_none() {
+                        self.write(table, &key, &value)?;
+                        n += 1;
+                    }
+                }
+            }
+            Ok(n)
+        });
+        let aside = file.with_extension("redb-imported");
+        std::fs::rename(file, &aside).map_err(|e| self.err_at(file, &e))?;
+        match imported {
+            Ok(n) => {
+                tracing::info!(from = %file.display(), to = %self.dir.display(), entries = n, "took in the earlier stash database");
+                Ok(n)
+            }
+            Err(e) => {
+                tracing::error!(from = %file.display(), moved_to = %aside.display(), "the earlier stash database is unreadable ({e}); unmounts of what it held fall back to the ledger");
+                Ok(0)
+            }
+        }
+    }
+}
+
+/// A file of at most [`MAX_FILE`] bytes (`InvalidData` past that), not
+/// followed if it is a symlink.
+fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC).open(path)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_FILE {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("over {MAX_FILE} bytes")));
+    }
+    Ok(bytes)
+}
+
+/// The redb database earlier agents kept the stash in.
+mod legacy {
+    use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+    use std::path::Path;
+
+    const ENTRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("mounts");
+    const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
+    const PUBLISHED: TableDefinition<&str, &[u8]> = TableDefinition::new("published");
+
+    pub struct Tables {
+        pub mounts: Vec<(String, Vec<u8>)>,
+        pub published: Vec<(String, Vec<u8>)>,
+        pub quarantine: Vec<(String, Vec<u8>)>,
+    }
+
+    pub fn read(file: &Path) -> Result<Tables, super::StashError> {
+        let err = |e: &dyn std::fmt::Display| super::StashError { path: file.to_path_buf(), message: e.to_string() };
+        let db = Database::open(file).map_err(|e| err(&e))?;
+        let txn = db.begin_read().map_err(|e| err(&e))?;
+        let rows = |def: TableDefinition<&str, &[u8]>| -> Result<Vec<(String, Vec<u8>)>, super::StashError> {
+            let table = match txn.open_table(def) {
+                Ok(t) => t,
+                Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+                Err(e) => return Err(err(&e)),
+            };
+            let mut out = Vec::new();
+            for item in table.iter().map_err(|e| err(&e))? {
+                let (k, v) = item.map_err(|e| err(&e))?;
+                out.push((k.value().to_string(), v.value().to_vec()));
+            }
+            Ok(out)
+        };
+        Ok(Tables { mounts: rows(ENTRIES)?, published: rows(PUBLISHED)?, quarantine: rows(QUARANTINE)? })
+    }
+
+    /// A database as an earlier agent left it (for the tests).
+    #[cfg(test)]
+    pub fn write(file: &Path, mounts: &[(&str, &[u8])], published: &[(&str, &[u8])]) {
+        let db = Database::create(file).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut t = txn.open_table(ENTRIES).unwrap();
+            for (k, v) in mounts {
+                t.insert(*k, *v).unwrap();
+            }
+            let mut t = txn.open_table(PUBLISHED).unwrap();
+            for (k, v) in published {
+                t.insert(*k, *v).unwrap();
+            }
+            txn.open_table(QUARANTINE).unwrap();
+        }
+        txn.commit().unwrap();
     }
 }
 
@@ -263,7 +434,7 @@ mod tests {
     #[test]
     fn an_undecodable_entry_is_quarantined_not_fatal() {
         let dir = tempfile::tempdir().unwrap();
-        let stash = Stash::open(&dir.path().join("stash.redb")).unwrap();
+        let stash = Stash::open(&dir.path().join("stash")).unwrap();
         stash.put(&entry("/k/pods/a")).unwrap();
         stash.put_raw("/k/pods/b", b"{not json").unwrap();
         let all = stash.all().expect("the good entries");
@@ -274,5 +445,68 @@ mod tests {
         assert!(stash.get("/k/pods/c").unwrap().is_none());
         assert_eq!(stash.quarantined().unwrap().len(), 2);
         assert!(stash.get("/k/pods/a").unwrap().is_some());
+        // Files damaged while no agent ran — no record at all, or too
+        // large — go the same way when the stash is opened.
+        drop(stash);
+        std::fs::write(dir.path().join("stash/mounts/junk"), b"\x01").unwrap();
+        std::fs::write(dir.path().join("stash/mounts/big"), vec![b'x'; (MAX_FILE + 1) as usize]).unwrap();
+        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        assert_eq!(stash.all().unwrap(), vec![entry("/k/pods/a")]);
+        assert_eq!(stash.quarantined().unwrap(), ["/k/pods/b", "/k/pods/c", "big", "junk"]);
+        assert!(!dir.path().join("stash/mounts/junk").exists() && dir.path().join("stash/quarantine/junk").exists());
+    }
+
+    #[test]
+    fn entries_and_publications_round_trip_and_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        // Keys longer than a file name may be.
+        let long = format!("/k/pods/{}", "d/".repeat(200));
+        for key in ["/k/pods/a", long.as_str()] {
+            stash.put(&entry(key)).unwrap();
+            assert_eq!(stash.get(key).unwrap(), Some(entry(key)));
+        }
+        let mut changed = entry("/k/pods/a");
+        changed.consumer.read_only = true;
+        stash.put(&changed).unwrap();
+        assert_eq!(stash.all().unwrap(), vec![changed, entry(&long)]);
+        let p = Publication { volume: "pv1".into(), backend: "local-pv".into(), staging: "/s".into(), target: "/t".into(), read_only: false, single_pod: true, pod: "ns/p".into() };
+        stash.put_publication(&p).unwrap();
+        assert_eq!(stash.publications().unwrap(), vec![p]);
+        stash.remove_publication("/t").unwrap();
+        stash.remove_publication("/t").expect("gone is fine");
+        stash.remove("/k/pods/a").unwrap();
+        stash.remove("/k/pods/a").expect("gone is fine");
+        assert!(stash.publications().unwrap().is_empty());
+        assert_eq!(stash.all().unwrap(), vec![entry(&long)]);
+        // What an agent killed mid-write left is cleared when the stash opens;
+        // the entries stay.
+        std::fs::write(dir.path().join("stash/mounts/.half-written"), b"x").unwrap();
+        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        assert!(!dir.path().join("stash/mounts/.half-written").exists());
+        assert_eq!(stash.all().unwrap(), vec![entry(&long)]);
+        assert!(stash.quarantined().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_earlier_agents_database_is_taken_in_and_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("stash.redb");
+        let (a, b) = (serde_json::to_vec(&entry("/k/pods/a")).unwrap(), serde_json::to_vec(&entry("/k/pods/b")).unwrap());
+        let p = Publication { volume: "pv1".into(), backend: "local-pv".into(), staging: "/s".into(), target: "/t".into(), read_only: false, single_pod: false, pod: String::new() };
+        legacy::write(&file, &[("/k/pods/a", &a), ("/k/pods/b", &b)], &[("/t", &serde_json::to_vec(&p).unwrap())]);
+        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let mut newer = entry("/k/pods/b");
+        newer.consumer.read_only = true;
+        stash.put(&newer).unwrap();
+        assert_eq!(stash.import_legacy(&file).unwrap(), 2, "a and the publication; b is newer here");
+        assert_eq!(stash.all().unwrap(), vec![entry("/k/pods/a"), newer]);
+        assert_eq!(stash.publications().unwrap(), vec![p]);
+        assert!(!file.exists() && dir.path().join("stash.redb-imported").exists(), "set aside");
+        assert_eq!(stash.import_legacy(&file).unwrap(), 0, "once");
+        // An unreadable one is set aside, not fatal.
+        std::fs::write(&file, b"not a database").unwrap();
+        assert_eq!(stash.import_legacy(&file).unwrap(), 0);
+        assert!(!file.exists());
     }
 }
