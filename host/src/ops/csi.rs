@@ -125,8 +125,7 @@ impl Agent {
         let staging = text(&req.staging);
         let shape = &req.shape;
         let point = stage_point(&staging, &req.volume_id, shape.mode);
-        let (key, id) = (staging.clone(), req.volume_id.clone());
-        if let Some(entry) = self.stash_read(move |s| staged_entry(s, &key, &id))? {
+        if let Some(entry) = self.stash_read(|s| staged_entry(s, &staging, &req.volume_id))? {
             let v = &entry.volume;
             if v.name != req.volume_id {
                 return Err(CsiError::Exists(format!("{staging} is the staging path of volume {}, not {}", v.name, req.volume_id)));
@@ -192,8 +191,7 @@ impl Agent {
                 return Err(CsiError::Precondition(format!("volume {volume_id} is still published at {}; unpublish it first", p.target)));
             }
         }
-        let (key, id) = (dir.clone(), volume_id.to_string());
-        let entry = match self.stash_read(move |s| staged_entry(s, &key, &id))? {
+        let entry = match self.stash_read(|s| staged_entry(s, &dir, volume_id))? {
             Some(e) if e.volume.name != volume_id => {
                 return Err(CsiError::NotFound(format!("volume {volume_id} is not staged at {dir} (volume {} is)", e.volume.name)));
             }
@@ -344,12 +342,11 @@ impl Agent {
     /// Whether `volume_id` is staged or published at `at`: read-only there,
     /// and its stage.
     async fn volume_at(&self, volume_id: &str, at: &str) -> Result<(bool, Entry), CsiError> {
-        let (key, id) = (at.to_string(), volume_id.to_string());
-        let found = self.stash_read(move |s| {
-            if let Some(p) = s.publications()?.into_iter().find(|p| p.target == key && p.volume == id) {
-                return Ok(staged_entry(s, &p.staging, &id)?.map(|e| (p.read_only, e)));
+        let found = self.stash_read(|s| {
+            if let Some(p) = s.publications()?.into_iter().find(|p| p.target == at && p.volume == volume_id) {
+                return Ok(staged_entry(s, &p.staging, volume_id)?.map(|e| (p.read_only, e)));
             }
-            Ok(s.get(&key)?.filter(|e| e.volume.name == id).map(|e| (e.consumer.read_only, e)))
+            Ok(s.get(at)?.filter(|e| e.volume.name == volume_id).map(|e| (e.consumer.read_only, e)))
         })?;
         found.ok_or_else(|| CsiError::NotFound(format!("volume {volume_id} is neither staged nor published at {at}")))
     }

@@ -438,15 +438,13 @@ impl Agent {
         }
     }
 
-    /// A stash write, in place: the stash is a small database in the
-    /// runtime dir (a tmpfs on a node).
+    /// A stash write, in place: a file written and renamed in the runtime
+    /// dir (a tmpfs on a node).
     async fn stash_op<R: Send + 'static>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError> + Send + 'static) -> Result<R, Failure> {
         crate::runtime::in_place(|| f(&self.stash)).map_err(internal)
     }
 
-    /// A stash read, inline: a read transaction neither waits for a writer
-    /// nor syncs, and moving this worker's other tasks to another thread
-    /// first (as a write does) costs more than the read.
+    /// A stash read, inline: the stash answers from memory.
     fn stash_read<R>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError>) -> Result<R, Failure> {
         f(&self.stash).map_err(internal)
     }
@@ -682,17 +680,23 @@ impl Agent {
         crate::metrics::get().operation("unmount", metric_backend(backend, &result), result_label(&result), start.elapsed());
         let done = Finished { op: Op::Unmount, node: &self.config.node, backend, mount_dir, subject: &subject, elapsed: start.elapsed() };
         oplog::log(&done, &result);
-        if let (Err(f), Some(cluster)) = (&result, &self.cluster)
-            && f.kind != FailureKind::BadRequest
-        {
-            let dir = mount_dir.to_string();
-            if let Ok(Some(entry)) = self.stash_read(move |s| s.get(&dir)) {
-                let c = entry.consumer;
-                let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
-                tokio::spawn(async move { cluster.pod_event(&c.pod_namespace, &c.pod, &c.pod_uid, true, "VolumeUnmountFailed", &message).await });
-            }
+        if let Err(f) = &result {
+            self.tell_pod_unmount_failed(mount_dir, f);
         }
         result
+    }
+
+    /// A failed unmount as an Event on the pod the stash says mounted
+    /// `mount_dir`, when there is a cluster.
+    pub fn tell_pod_unmount_failed(&self, mount_dir: &str, f: &Failure) {
+        if let Some(cluster) = &self.cluster
+            && f.kind != FailureKind::BadRequest
+            && let Ok(Some(entry)) = self.stash_read(|s| s.get(mount_dir))
+        {
+            let c = entry.consumer;
+            let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
+            tokio::spawn(async move { cluster.pod_event(&c.pod_namespace, &c.pod, &c.pod_uid, true, "VolumeUnmountFailed", &message).await });
+        }
     }
 
     /// What to undo comes from the stash; without a stash entry (a lost or
@@ -702,8 +706,7 @@ impl Agent {
         subject.learn_dir(&parsed);
         let mount_dir = parsed.dir.display().to_string();
         let mount_dir = mount_dir.as_str();
-        let dir = mount_dir.to_string();
-        let entry = match self.stash_read(move |s| s.get(&dir))? {
+        let entry = match self.stash_read(|s| s.get(mount_dir))? {
             Some(entry) => entry,
             None => {
                 let sys = self.sys.clone();
@@ -863,6 +866,7 @@ tokio::task_local! {
 /// finishes or rolls back as it would have, and kubelet's retry finds the
 /// volume done or the operation in progress. Kubelet cancelling the call
 /// cannot cut the operation short half-way either.
+///
 /// The operation's own result, or why it has none: still running at the
 /// deadline (or its task failed).
 pub async fn served<R: Send + 'static>(deadline: Duration, work: impl std::future::Future<Output = R> + Send + 'static) -> Result<R, Failure> {

@@ -5,8 +5,8 @@
 use crate::policy::{Consumer, NodePaths, Volume};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::collections::BTreeMap;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// A CSI volume published at `target` from its staging path.
@@ -68,7 +68,7 @@ const MAX_FILE: u64 = 1 << 20;
 pub struct Stash {
     dir: PathBuf,
     /// Table → key → value, as the files hold them.
-    tables: std::sync::Mutex<BTreeMap<&'static str, BTreeMap<String, Vec<u8>>>>,
+    tables: std::sync::Mutex<Tables>,
 }
 
 /// A file's name: the key's hash (keys are paths, longer than a name may be).

@@ -214,8 +214,10 @@ async fn served(
         // The operation logs itself (and tells the pod) when it ends; the
         // answer given before that is logged here.
         agent.log_unserved(request, &f, start.elapsed());
-        if let Request::Mount { options, .. } = request {
-            agent.tell_pod_mount_failed(options, &f);
+        match request {
+            Request::Mount { options, .. } => agent.tell_pod_mount_failed(options, &f),
+            Request::Unmount { mount_dir, .. } => agent.tell_pod_unmount_failed(mount_dir, &f),
+            Request::Handshake { .. } | Request::Status => {}
         }
         Err(f)
     })
