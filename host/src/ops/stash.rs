@@ -303,35 +303,34 @@ impl Stash {
     /// `file` (an agent upgraded while its volumes stay mounted), then set
     /// the file aside. Entries this stash already has win. A file redb
     /// cannot read is set aside too: what it held is also in the ledger
-    /// and the mount table, which unmounts fall back to.
+    /// and the mount table, which unmounts fall back to. A failed write
+    /// leaves the file in place, for the next start to take in.
     pub fn import_legacy(&self, file: &Path) -> Result<usize, StashError> {
         if !file.exists() {
             return Ok(0);
         }
-        let imported = legacy::read(file).and_then(|tables| {
-            let mut n = 0;
-            for (table, rows) in [(MOUNTS, tables.mounts), (PUBLISHED, tables.published), (QUARANTINE, tables.quarantine)] {
-                for (key, value) in rows {
-                    if self.read(table, &key).is_none() {
-                        self.write(table, &key, &value)?;
-                        n += 1;
-                    }
+        let aside = file.with_extension("redb-imported");
+        let set_aside = || std::fs::rename(file, &aside).map_err(|e| self.err_at(file, &e));
+        let tables = match legacy::read(file) {
+            Ok(tables) => tables,
+            Err(e) => {
+                set_aside()?;
+                tracing::error!(from = %file.display(), moved_to = %aside.display(), "the earlier stash database is unreadable ({e}); unmounts of what it held fall back to the ledger");
+                return Ok(0);
+            }
+        };
+        let mut n = 0;
+        for (table, rows) in [(MOUNTS, tables.mounts), (PUBLISHED, tables.published), (QUARANTINE, tables.quarantine)] {
+            for (key, value) in rows {
+                if self.read(table, &key).is_none() {
+                    self.write(table, &key, &value)?;
+                    n += 1;
                 }
             }
-            Ok(n)
-        });
-        let aside = file.with_extension("redb-imported");
-        std::fs::rename(file, &aside).map_err(|e| self.err_at(file, &e))?;
-        match imported {
-            Ok(n) => {
-                tracing::info!(from = %file.display(), to = %self.dir.display(), entries = n, "took in the earlier stash database");
-                Ok(n)
-            }
-            Err(e) => {
-                tracing::error!(from = %file.display(), moved_to = %aside.display(), "the earlier stash database is unreadable ({e}); unmounts of what it held fall back to the ledger");
-                Ok(0)
-            }
         }
+        set_aside()?;
+        tracing::info!(from = %file.display(), to = %self.dir.display(), entries = n, "took in the earlier stash database");
+        Ok(n)
     }
 }
 
@@ -496,6 +495,15 @@ mod tests {
         let p = Publication { volume: "pv1".into(), backend: "local-pv".into(), staging: "/s".into(), target: "/t".into(), read_only: false, single_pod: false, pod: String::new() };
         legacy::write(&file, &[("/k/pods/a", &a), ("/k/pods/b", &b)], &[("/t", &serde_json::to_vec(&p).unwrap())]);
         let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        // A write that fails keeps the database for the next start.
+        std::fs::remove_dir(dir.path().join("stash/published")).unwrap();
+        std::fs::write(dir.path().join("stash/published"), b"in the way").unwrap();
+        assert!(stash.import_legacy(&file).is_err());
+        assert!(file.exists(), "kept");
+        std::fs::remove_file(dir.path().join("stash/published")).unwrap();
+        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        // (What that try took in stays; a is taken out again to be taken in below.)
+        stash.remove("/k/pods/a").unwrap();
         let mut newer = entry("/k/pods/b");
         newer.consumer.read_only = true;
         stash.put(&newer).unwrap();
