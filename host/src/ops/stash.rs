@@ -127,12 +127,8 @@ impl Stash {
                     let _ = std::fs::remove_file(item.path());
                     continue;
                 }
-                let record = match read_bounded(&item.path()) {
-                    Ok(record) => record,
-                    // Too large, or a symlink: no record the agent wrote.
-                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData || e.raw_os_error() == Some(nix::libc::ELOOP) => Vec::new(),
-                    Err(e) => return Err(err(&item.path(), &e)),
-                };
+                // Not a regular file within the cap: no record the agent wrote.
+                let record = read_record_file(&item.path()).map_err(|e| err(&item.path(), &e))?.unwrap_or_default();
                 match decode_record(&record) {
                     Some((key, value)) if file_name(&key) == name => {
                         rows.insert(key, value.to_vec());
@@ -334,17 +330,24 @@ impl Stash {
     }
 }
 
-/// A file of at most [`MAX_FILE`] bytes (`InvalidData` past that), not
-/// followed if it is a symlink.
-fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC).open(path)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_FILE {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("over {MAX_FILE} bytes")));
+/// The bytes of the stash file `path`; none when it is not a regular file
+/// of at most [`MAX_FILE`] bytes (a symlink is not followed, and a FIFO or
+/// a device is not waited on: it is opened non-blocking).
+fn read_record_file(path: &Path) -> Result<Option<Vec<u8>>, crate::sys::SysError> {
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_CLOEXEC | nix::libc::O_NOCTTY)
+        .open(path);
+    let file = match opened {
+        Ok(file) => file,
+        Err(e) if e.raw_os_error() == Some(nix::libc::ELOOP) => return Ok(None),
+        Err(e) => return Err(crate::sys::SysError::Io { op: "open", path: path.to_path_buf(), source: e }),
+    };
+    match crate::sys::beneath::read_regular(file, path, MAX_FILE) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(crate::sys::SysError::Refused { .. }) => Ok(None),
+        Err(e) => Err(e),
     }
-    Ok(bytes)
 }
 
 /// The redb database earlier agents kept the stash in.
@@ -449,9 +452,11 @@ mod tests {
         drop(stash);
         std::fs::write(dir.path().join("stash/mounts/junk"), b"\x01").unwrap();
         std::fs::write(dir.path().join("stash/mounts/big"), vec![b'x'; (MAX_FILE + 1) as usize]).unwrap();
+        // A FIFO is not waited on.
+        nix::unistd::mkfifo(&dir.path().join("stash/mounts/fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
         let stash = Stash::open(&dir.path().join("stash")).unwrap();
         assert_eq!(stash.all().unwrap(), vec![entry("/k/pods/a")]);
-        assert_eq!(stash.quarantined().unwrap(), ["/k/pods/b", "/k/pods/c", "big", "junk"]);
+        assert_eq!(stash.quarantined().unwrap(), ["/k/pods/b", "/k/pods/c", "big", "fifo", "junk"]);
         assert!(!dir.path().join("stash/mounts/junk").exists() && dir.path().join("stash/quarantine/junk").exists());
     }
 

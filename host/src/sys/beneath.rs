@@ -276,7 +276,9 @@ pub fn read_file(path: &Path, max: u64) -> Result<Vec<u8>, SysError> {
     read_regular(f, path, max)
 }
 
-fn read_regular(f: std::fs::File, path: &Path, max: u64) -> Result<Vec<u8>, SysError> {
+/// The bytes of the open file `f` (`path`, for errors), refused when it is
+/// not a regular file or holds more than `max` bytes.
+pub fn read_regular(f: std::fs::File, path: &Path, max: u64) -> Result<Vec<u8>, SysError> {
     use std::io::Read;
     let meta = f.metadata().map_err(super::io("stat", path))?;
     if !meta.is_file() {
