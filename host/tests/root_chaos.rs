@@ -321,6 +321,32 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
     assert!(records(&mut node).is_empty(), "no record is left");
 }
 
+/// A mount failing at any of its steps leaves no holder in the ledger,
+/// however fast it fails: the record's write runs alongside the steps, and
+/// a step failing before it landed must not have its rollback overtaken by
+/// it (which would leave the volume held by a mount that never happened).
+#[test]
+fn a_mount_failing_at_any_step_leaves_no_holder_recorded() {
+    let mut node = Node::start_alone();
+    let rules = node.scratch.path("faults");
+    node.stop_agent_of("node-a");
+    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &[]);
+    for (case, step) in MOUNT_STEPS.iter().enumerate() {
+        let (name, pod, uid) = (format!("pv-r{case}"), format!("pod-r{case}"), format!("uid-r{case}"));
+        let image = node.image(&format!("r{case}.img"), 16);
+        let dir = node.mount_dir(&uid, &name);
+        let opts = kubelet_options(&name, &pod, &uid, "ext4", &image).to_string();
+        std::fs::write(&rules, format!("{step} EIO\n")).expect("rules");
+        let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["mount", dir.as_str(), opts.as_str()]));
+        assert_eq!(r.0, 1, "{step}: the mount fails: {}", r.1);
+        assert!(r.1["message"].as_str().unwrap_or_default().contains("injected fault"), "{step}: {}", r.1);
+    }
+    std::fs::remove_file(&rules).expect("the faults are gone");
+    assert!(node.scratch.mounts().is_empty(), "rolled back: {:?}", node.scratch.mounts());
+    assert!(node.scratch.loops().is_empty(), "rolled back: {:?}", node.scratch.loops());
+    assert_eq!(records(&mut node), Default::default(), "no volume is held");
+}
+
 /// Someone (an admin, a cleanup script) detaches a volume's mounts lazily
 /// while a process still has a file open in it: the filesystem and its
 /// loop device live on, out of sight, until that file closes. kubelet's

@@ -7,6 +7,7 @@ pub mod held;
 pub mod release;
 pub mod oplog;
 pub mod queries;
+mod record;
 pub mod reconcile;
 pub mod request;
 pub mod stash;
@@ -577,29 +578,31 @@ impl Agent {
                 holders: kept,
                 storage_clients: clients,
             };
-            // The record is written while the backend computes its plan
-            // from the same view: the plan has no effects, and is dropped
-            // when the write loses a race or fails.
             let ledger = self.ledger.clone();
             let changed = match &current {
                 None => true,
                 Some((r, _)) => record.holders != holders || r.source.is_none() || record.storage_clients != r.storage_clients,
             };
             let version = current.as_ref().map(|(_, v)| v.clone());
-            let write = tokio::spawn(async move {
+            let write = async move {
                 match version {
                     None => ledger.create(&record).await,
                     Some(v) if changed => ledger.update(&record, &v).await,
                     Some(v) => Ok(v),
                 }
-            });
-            let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
+            };
             if private {
                 // No other writer: under the volume's lock the write
                 // cannot lose a race. Its commit (a disk flush) goes on
                 // while the steps run, and they wait for it at the end.
+                let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
                 break (!already, plan, Some(write));
             }
+            // Written while the backend computes its plan from the same
+            // view: the plan has no effects, and is dropped when the write
+            // loses a race or fails.
+            let write = tokio::spawn(write);
+            let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
             let written = write.await.map_err(|e| internal(format!("agent task failed: {e}")))?;
             match written {
                 Ok(_) => break (!already, plan, None),
@@ -610,33 +613,23 @@ impl Agent {
 
         let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone() };
         let result = async {
-            let plan = match plan {
-                Ok(plan) => plan,
-                Err(f) => {
-                    // The record's write must end before the rollback
-                    // below removes the holder it adds.
-                    if let Some(write) = pending {
-                        let _ = write.await;
-                    }
-                    return Err(f);
-                }
-            };
+            // A refused plan: a node-private record was never written; a
+            // shared one is rolled back below.
+            let plan = plan?;
+            let record = pending.map(|write| record::RecordWrite::new(tokio::runtime::Handle::current(), &volume.name, write));
             // Stashed before any step runs, on the steps' own thread.
             let stash = self.stash.clone();
-            let runtime = tokio::runtime::Handle::current();
-            let name = volume.name.clone();
             self.on_plan_thread(&mut lock, secrets.clone(), move |exec| {
-                let recorded = move || match pending.map(|write| runtime.block_on(write)) {
-                    None | Some(Ok(Ok(_))) => Ok(()),
-                    Some(Ok(Err(e))) => Err(format!("recording the attachment of volume {name} failed: {e}")),
-                    Some(Err(e)) => Err(format!("recording the attachment of volume {name} failed: agent task failed: {e}")),
-                };
-                if let Err(e) = stash.put(&entry) {
-                    // As above: the write ends before the rollback.
-                    let _ = recorded();
-                    return Err(internal(e));
+                stash.put(&entry).map_err(internal)?;
+                let Some(mut record) = record else { return exec.run(&plan).map_err(internal) };
+                record.start();
+                let done = exec.run_then(&plan, || record.wait());
+                if done.is_err() {
+                    // The write ends before the rollback removes the
+                    // holder it adds.
+                    record.settle();
                 }
-                exec.run_then(&plan, recorded).map_err(internal)
+                done.map_err(internal)
             })
             .await
         }
