@@ -34,10 +34,10 @@ where
     /// Start the write on the runtime (once), to run while this thread goes
     /// on with the steps.
     pub(super) fn start(&mut self) {
-        if matches!(self.state, State::NotStarted(_)) {
-            let State::NotStarted(write) = std::mem::replace(&mut self.state, State::Ended(Ok(()))) else { unreachable!() };
-            self.state = State::Running(self.runtime.spawn(write));
-        }
+        self.state = match std::mem::replace(&mut self.state, State::Ended(Ok(()))) {
+            State::NotStarted(write) => State::Running(self.runtime.spawn(write)),
+            other => other,
+        };
     }
 
     /// The write's result, waiting for it (started now if it was not): the
@@ -45,17 +45,17 @@ where
     /// the thread: call it from the steps' thread.
     pub(super) fn wait(&mut self) -> Result<(), String> {
         self.start();
-        if let State::Running(task) = std::mem::replace(&mut self.state, State::Ended(Ok(()))) {
-            let ended = match self.runtime.block_on(task) {
+        self.state = match std::mem::replace(&mut self.state, State::Ended(Ok(()))) {
+            State::Running(task) => State::Ended(match self.runtime.block_on(task) {
                 Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(format!("recording the attachment of volume {} failed: {e}", self.volume)),
                 Err(e) => Err(format!("recording the attachment of volume {} failed: agent task failed: {e}", self.volume)),
-            };
-            self.state = State::Ended(ended);
-        }
+            }),
+            other => other,
+        };
         match &self.state {
             State::Ended(r) => r.clone(),
-            State::NotStarted(_) | State::Running(_) => unreachable!("started and waited for above"),
+            State::NotStarted(_) | State::Running(_) => Err(format!("recording the attachment of volume {} did not end", self.volume)),
         }
     }
 
@@ -107,8 +107,11 @@ mod tests {
     async fn a_failed_write_is_an_error_naming_the_volume() {
         let writes = Arc::new(AtomicUsize::new(0));
         let mut w = RecordWrite::new(Handle::current(), "pv1", counted(&writes, true));
-        let e = tokio::task::spawn_blocking(move || w.wait()).await.unwrap().unwrap_err();
+        let (e, again) = tokio::task::spawn_blocking(move || (w.wait(), w.wait())).await.unwrap();
+        let e = e.unwrap_err();
         assert!(e.contains("volume pv1") && e.contains("the store is down"), "{e}");
+        assert_eq!(again, Err(e), "asked again, the write still failed");
+        assert_eq!(writes.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
