@@ -270,9 +270,7 @@ fn until_success(node: &Node, args: &[&str]) {
 #[test]
 fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
     let mut node = Node::start_alone();
-    let rules = node.scratch.path("faults");
-    node.stop_agent_of("node-a");
-    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &["--plan-deadline-secs", "2"]);
+    let rules = node.restart_with_faults(&["--plan-deadline-secs", "2"]);
     let expect_fault = |r: &(i32, serde_json::Value), step: &str, fault: &str| {
         let said = |s: &str| r.1["message"].as_str().unwrap_or_default().contains(s);
         assert_eq!(r.0, 1, "{step} {fault}: {}", r.1);
@@ -328,9 +326,7 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
 #[test]
 fn a_mount_failing_at_any_step_leaves_no_holder_recorded() {
     let mut node = Node::start_alone();
-    let rules = node.scratch.path("faults");
-    node.stop_agent_of("node-a");
-    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &[]);
+    let rules = node.restart_with_faults(&[]);
     for (case, step) in MOUNT_STEPS.iter().enumerate() {
         let (name, pod, uid) = (format!("pv-r{case}"), format!("pod-r{case}"), format!("uid-r{case}"));
         let image = node.image(&format!("r{case}.img"), 16);

@@ -724,9 +724,7 @@ fn a_full_state_disk_fails_a_stage_cleanly_and_the_agent_serves_again_with_space
 #[test]
 fn faults_at_publish_block_and_grow_filesystem_fail_clearly_and_retries_succeed() {
     let mut node = Node::start_alone();
-    let rules = node.scratch.path("faults");
-    node.stop_agent_of("node-a");
-    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &[]);
+    let rules = node.restart_with_faults(&[]);
     let inject = |rule: &str| std::fs::write(&rules, format!("{rule}\n")).expect("rules");
     let clear = || std::fs::remove_file(&rules).expect("the fault is gone");
     #[track_caller]

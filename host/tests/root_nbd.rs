@@ -310,9 +310,7 @@ fn an_abort_switch_outliving_its_connection_spares_the_client_that_took_its_numb
 #[test]
 fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
     let mut node = nbd_node();
-    let rules = node.scratch.path("faults");
-    node.stop_agent();
-    node.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], &[]);
+    let rules = node.restart_with_faults(&[]);
     let image = node.scratch.image("export.img", 64);
     let (_server, address) = serve(&node, Peer::QemuNbd, &image);
     let state = node.scratch.path("node-a/state");

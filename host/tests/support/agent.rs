@@ -134,6 +134,15 @@ impl Node {
         }
     }
 
+    /// Start node-a's agent again with faults injected at its sys seam, by
+    /// the rules in the returned file (none while it does not exist).
+    pub fn restart_with_faults(&mut self, extra: &[&str]) -> PathBuf {
+        let rules = self.scratch.path("faults");
+        self.stop_agent_of("node-a");
+        self.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], extra);
+        rules
+    }
+
     pub fn stop_agent_of(&mut self, name: &str) {
         if let Some(i) = self.agents.iter().position(|(n, _)| n == name) {
             stop(&mut self.agents.remove(i).1);
