@@ -223,7 +223,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         sys = sys.with_faults(file.into());
     }
     spawn_nbd_watchdog(sys.nbd.clone(), args.nbd_hung_after);
-    let mut agent = Agent::new(config, Vec::new(), ledger, stash, sys, Duration::from_secs(args.plan_deadline_secs));
+    let mut agent = Agent::new(config, Vec::new(), ledger.clone(), stash, sys, Duration::from_secs(args.plan_deadline_secs));
     if let Some(c) = cluster.clone() {
         agent = agent.with_cluster(c);
     }
@@ -319,6 +319,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         remove_socket(&socket);
         if let Some(csi) = &csi {
             csi.stop_all();
+        }
+        if let Err(e) = ledger.flush() {
+            tracing::error!("the last attachment records were not stored: {e}");
         }
         anyhow::Ok(ExitCode::SUCCESS)
     })

@@ -109,12 +109,6 @@ impl Executor {
 
     /// Run `plan` (already checked by the policy validator) step by step.
     pub fn run(&self, plan: &[Step]) -> Result<Outcome, ExecError> {
-        self.run_then(plan, || Ok(()))
-    }
-
-    /// [`run`](Self::run), then `commit` once every step is done; when it
-    /// fails, the steps are rolled back as when a step fails.
-    pub fn run_then(&self, plan: &[Step], commit: impl FnOnce() -> Result<(), String>) -> Result<Outcome, ExecError> {
         let mut run = Run { sys: &self.sys, secrets: &self.secrets, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new(), freed: Vec::new() };
         for (index, step) in plan.iter().enumerate() {
             if let Some(p) = &self.progress {
@@ -134,10 +128,6 @@ impl Executor {
                 tracing::warn!("{KILL_AFTER_STEP_ENV}: killing this process after step {}", index + 1);
                 let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
             }
-        }
-        if let Err(why) = commit() {
-            let rollback_failures = run.rollback();
-            return Err(ExecError { index: plan.len(), step: "commit", source: StepError::Refused(why), rollback_failures });
         }
         Ok(run.outcome)
     }

@@ -4,6 +4,7 @@
 
 pub mod conformance;
 pub mod embedded;
+pub mod write_behind;
 
 use crate::policy::{AccessMode, Holder, KeyValue, Volume};
 use serde::{Deserialize, Serialize};
@@ -117,9 +118,15 @@ pub trait Ledger: Send + Sync {
     async fn list_by_node(&self, node: &str) -> Result<Vec<(Record, Version)>, LedgerError>;
     /// Whether this agent alone reads and writes the store. Then no other
     /// node acts on what a record says, and a record may become durable
-    /// while the steps it covers run: the stash holds the intent meanwhile,
-    /// and start-up reconciliation restores a holder a crash cut short.
+    /// after the operation that wrote it: the stash holds the intent
+    /// meanwhile, and start-up reconciliation restores a holder a crash
+    /// kept from the disk (and drops one whose mount is gone).
     fn node_private(&self) -> bool {
         false
+    }
+    /// Make durable, now, the writes taken but not yet stored (at
+    /// shutdown). A ledger that stores each write as it takes it has none.
+    fn flush(&self) -> Result<(), LedgerError> {
+        Ok(())
     }
 }

@@ -7,7 +7,6 @@ pub mod held;
 pub mod release;
 pub mod oplog;
 pub mod queries;
-mod record;
 pub mod reconcile;
 pub mod request;
 pub mod stash;
@@ -529,9 +528,8 @@ impl Agent {
 
         // Fence and record, retrying lost races with a fresh read.
         let source = VolumeSource::of(&volume);
-        let private = self.ledger.node_private();
         let mut attempt = 0;
-        let (added, plan, pending) = loop {
+        let (added, plan) = loop {
             attempt += 1;
             let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
             if let Some((recorded, _)) = &current {
@@ -591,21 +589,20 @@ impl Agent {
                     Some(v) => Ok(v),
                 }
             };
-            if private {
-                // No other writer: under the volume's lock the write
-                // cannot lose a race. Its commit (a disk flush) goes on
-                // while the steps run, and they wait for it at the end.
-                let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
-                break (!already, plan, Some(write));
-            }
             // Written while the backend computes its plan from the same
             // view: the plan has no effects, and is dropped when the write
-            // loses a race or fails.
-            let write = tokio::spawn(write);
-            let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
-            let written = write.await.map_err(|e| internal(format!("agent task failed: {e}")))?;
+            // loses a race or fails. A node-private ledger takes the write
+            // in memory ([`crate::ledger::write_behind`]): no task for it.
+            let (written, plan) = if self.ledger.node_private() {
+                let written = write.await;
+                (written, plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal))
+            } else {
+                let write = tokio::spawn(write);
+                let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
+                (write.await.map_err(|e| internal(format!("agent task failed: {e}")))?, plan)
+            };
             match written {
-                Ok(_) => break (!already, plan, None),
+                Ok(_) => break (!already, plan),
                 Err(e) if e.is_race() && attempt < LEDGER_RETRIES => continue,
                 Err(e) => return Err(ledger_failure(e)),
             }
@@ -613,23 +610,13 @@ impl Agent {
 
         let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone() };
         let result = async {
-            // A refused plan: a node-private record was never written; a
-            // shared one is rolled back below.
+            // A refused plan: its record is rolled back below.
             let plan = plan?;
-            let record = pending.map(|write| record::RecordWrite::new(tokio::runtime::Handle::current(), &volume.name, write));
             // Stashed before any step runs, on the steps' own thread.
             let stash = self.stash.clone();
             self.on_plan_thread(&mut lock, secrets.clone(), move |exec| {
                 stash.put(&entry).map_err(internal)?;
-                let Some(mut record) = record else { return exec.run(&plan).map_err(internal) };
-                record.start();
-                let done = exec.run_then(&plan, || record.wait());
-                if done.is_err() {
-                    // The write ends before the rollback removes the
-                    // holder it adds.
-                    record.settle();
-                }
-                done.map_err(internal)
+                exec.run(&plan).map_err(internal)
             })
             .await
         }

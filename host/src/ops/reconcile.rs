@@ -41,8 +41,8 @@ impl Agent {
             stashed_dirs.insert(dir.clone());
             let mounted = self.mounted(&dir).await?;
             if mounted {
-                // A node-private ledger's record is made durable while the
-                // steps run: a crash can leave a complete mount whose
+                // A node-private ledger stores records behind the
+                // operations: a crash can leave a complete mount whose
                 // holder never reached the disk.
                 if self.ledger.node_private() {
                     match self.record_holder_again(&entry).await {
