@@ -629,8 +629,8 @@ fn recorded_holders(node: &Node, volume: &str) -> Vec<String> {
     })
 }
 
-/// A standalone agent's own ledger is committed while the stage's steps
-/// run (its disk flush overlaps them, nobody else reads it): every stage is
+/// A standalone agent's own ledger stores its records behind the stages
+/// (they are committed in batches, nobody else reads them): every stage is
 /// recorded all the same, and a holder that a crash kept from the disk is
 /// recorded again from the stash when the agent starts.
 #[test]
@@ -672,12 +672,46 @@ fn a_private_ledger_records_every_stage_and_recovers_a_lost_holder() {
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
 
-/// The state dir's disk full: a stage's record cannot be written, so the
-/// stage fails, saying so, and leaves nothing mounted or attached; once
-/// there is space again the agent stages, publishes and releases the
-/// volume, and its ledger reads back clean.
+/// Killed (SIGKILL) just after a stage and publish, and again just after
+/// the unpublish and unstage — before the records they took can have been
+/// committed: at the next start the ledger holds the mounted holder, and
+/// no longer holds the one whose volume went.
 #[test]
-fn a_full_state_disk_fails_a_stage_cleanly_and_the_agent_serves_again_with_space() {
+fn a_kill_right_after_staging_or_unstaging_loses_no_holder_and_keeps_no_stale_one() {
+    let mut node = Node::start_alone();
+    let image = node.image("killed.img", 64);
+    let (st, ta) = (staging(&node, "pv-killed"), target(&node, "uid-a", "pv-killed"));
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_stage_volume(stage_request("pv-killed", &st, &image, Mode::SingleNodeWriter)).await.expect("stage");
+        c.node_publish_volume(publish_request("pv-killed", &st, &ta, Mode::SingleNodeWriter, "pod-a")).await.expect("publish");
+    });
+    node.kill_agent_of("node-a");
+    node.spawn_agent("node-a");
+    node.stop_agent_of("node-a");
+    assert_eq!(recorded_holders(&node, "pv-killed"), vec![st.clone()], "the mounted holder is recorded");
+
+    node.spawn_agent("node-a");
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_unpublish_volume(unpublish("pv-killed", &ta)).await.expect("unpublish");
+        c.node_unstage_volume(unstage("pv-killed", &st)).await.expect("unstage");
+    });
+    node.kill_agent_of("node-a");
+    node.spawn_agent("node-a");
+    node.stop_agent_of("node-a");
+    assert!(recorded_holders(&node, "pv-killed").is_empty(), "the released holder is not kept");
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+}
+
+/// The state dir's disk full. The ledger takes a stage's record in memory,
+/// so the first stage after the disk filled succeeds; its commit then
+/// fails, and from then on stages are refused, saying why, and leave
+/// nothing mounted or attached. Once there is space the agent stages again
+/// without a restart, and the record taken while the disk was full is on
+/// disk: nothing was lost.
+#[test]
+fn a_full_state_disk_refuses_stages_until_there_is_room_and_loses_no_record() {
     let mut node = Node::start_alone();
     node.stop_agent_of("node-a");
     let state = node.scratch.path("node-a/state");
@@ -685,8 +719,9 @@ fn a_full_state_disk_fails_a_stage_cleanly_and_the_agent_serves_again_with_space
     std::fs::create_dir_all(&state).expect("state dir");
     nix::mount::mount(Some("tmpfs"), &state, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=8m")).expect("a small disk for the state dir");
     node.spawn_agent("node-a");
-    let image = node.image("full.img", 64);
-    let (st, ta) = (staging(&node, "pv-full"), target(&node, "uid-a", "pv-full"));
+    let (first, second) = (node.image("first.img", 64), node.image("full.img", 64));
+    let (st1, st2) = (staging(&node, "pv-first"), staging(&node, "pv-full"));
+    let ta = target(&node, "uid-a", "pv-full");
     let volume_mounts = |node: &Node| node.scratch.mounts().into_iter().filter(|m| *m != state).collect::<Vec<_>>();
 
     // Fill it.
@@ -699,22 +734,39 @@ fn a_full_state_disk_fails_a_stage_cleanly_and_the_agent_serves_again_with_space
     }
     rt().block_on(async {
         let mut c = node_client(&node, "node-a", "local-pv").await;
-        let stage = stage_request("pv-full", &st, &image, Mode::SingleNodeWriter);
-        let e = c.node_stage_volume(stage.clone()).await.expect_err("no space for the record");
+        c.node_stage_volume(stage_request("pv-first", &st1, &first, Mode::SingleNodeWriter)).await.expect("taken in memory");
+        let staged = volume_mounts(&node);
+        assert_eq!(staged.len(), 1, "{staged:?}");
+        // Its commit is due within 100 ms, and fails.
+        std::thread::sleep(std::time::Duration::from_millis(600));
+        let stage = stage_request("pv-full", &st2, &second, Mode::SingleNodeWriter);
+        let e = c.node_stage_volume(stage.clone()).await.expect_err("no room for records");
         assert!(e.message().contains("pv-full") && e.message().contains("No space left on device"), "{e:?}");
-        assert!(volume_mounts(&node).is_empty(), "{:?}", volume_mounts(&node));
-        assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+        assert_eq!(volume_mounts(&node), staged, "nothing of the refused stage is left");
+        assert_eq!(node.scratch.loops().len(), 1, "{:?}", node.scratch.loops());
 
         std::fs::remove_file(&filler).expect("space again");
-        c.node_stage_volume(stage).await.expect("stage with space");
-        c.node_publish_volume(publish_request("pv-full", &st, &ta, Mode::SingleNodeWriter, "pod-a")).await.expect("publish");
+        let start = std::time::Instant::now();
+        while let Err(e) = c.node_stage_volume(stage.clone()).await {
+            assert!(start.elapsed() < std::time::Duration::from_secs(10), "the agent did not take records again: {e:?}");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        c.node_publish_volume(publish_request("pv-full", &st2, &ta, Mode::SingleNodeWriter, "pod-a")).await.expect("publish");
         std::fs::write(format!("{ta}/data"), b"room").expect("write");
+    });
+    node.stop_agent_of("node-a");
+    assert_eq!(recorded_holders(&node, "pv-first"), vec![st1.clone()], "the record taken on the full disk was stored");
+    assert_eq!(recorded_holders(&node, "pv-full"), vec![st2.clone()]);
+    node.spawn_agent("node-a");
+    rt().block_on(async {
+        let mut c = node_client(&node, "node-a", "local-pv").await;
         c.node_unpublish_volume(unpublish("pv-full", &ta)).await.expect("unpublish");
-        c.node_unstage_volume(unstage("pv-full", &st)).await.expect("unstage");
+        c.node_unstage_volume(unstage("pv-full", &st2)).await.expect("unstage");
+        c.node_unstage_volume(unstage("pv-first", &st1)).await.expect("unstage");
     });
     assert!(volume_mounts(&node).is_empty() && node.scratch.loops().is_empty());
     node.stop_agent_of("node-a");
-    assert!(recorded_holders(&node, "pv-full").is_empty(), "the ledger reads back, with nothing held");
+    assert!(recorded_holders(&node, "pv-full").is_empty() && recorded_holders(&node, "pv-first").is_empty(), "the ledger reads back, with nothing held");
 }
 
 /// Faults injected at the sys seam (the chaos tier's fault layer) into the

@@ -143,6 +143,15 @@ impl Node {
         rules
     }
 
+    /// Kill `name`'s agent with SIGKILL, as a crash would.
+    pub fn kill_agent_of(&mut self, name: &str) {
+        if let Some(i) = self.agents.iter().position(|(n, _)| n == name) {
+            let mut child = self.agents.remove(i).1;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
     pub fn stop_agent_of(&mut self, name: &str) {
         if let Some(i) = self.agents.iter().position(|(n, _)| n == name) {
             stop(&mut self.agents.remove(i).1);
