@@ -30,7 +30,8 @@ pub enum Pending {
     Gone { revision: u64 },
 }
 
-/// Pending writes by volume, in the order a commit applies them.
+/// Pending writes, one per volume (its last): their number is bounded by
+/// the volumes, however many writes are made.
 pub type Batch = BTreeMap<String, Pending>;
 
 /// Stores a batch durably; `revision` is the last version handed out.
@@ -38,7 +39,9 @@ pub type Commit = Box<dyn Fn(&Batch, u64) -> Result<(), String> + Send + Sync>;
 
 struct State {
     pending: Batch,
-    /// The last version handed out: versions are never reused.
+    /// The last version handed out. None is handed out twice while the
+    /// agent runs; after a crash, ones that never reached the disk may be
+    /// again (nothing holds them any more).
     revision: u64,
     /// When the pending writes are to be committed.
     due: Option<Instant>,
@@ -83,8 +86,8 @@ impl WriteBehind {
         Ok(WriteBehind { inner, flusher: Some(flusher) })
     }
 
-    /// Commit what is pending now, and wait for it: at shutdown, with the
-    /// flusher still there to retry what fails.
+    /// Commit what is pending now and wait for the outcome (at shutdown:
+    /// the flusher's next try would otherwise be up to [`GATHER`] away).
     pub fn flush(&self) -> Result<(), String> {
         let mut state = self.inner.lock();
         let before = state.attempts;
@@ -174,6 +177,8 @@ impl Inner {
             let result = (self.commit)(&batch, revision);
             state = self.lock();
             state.attempts += 1;
+            // Whoever waits for this commit reads its outcome once this
+            // guard is gone.
             self.committed.notify_all();
             match result {
                 Ok(()) => {
