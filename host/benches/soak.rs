@@ -2,8 +2,9 @@
 //! mounts and unmounts of its local volumes through the installed driver,
 //! hot reloads of its plugin, and restarts (SIGTERM or SIGKILL); its
 //! memory, file descriptors and threads sampled all along. At the end,
-//! every volume is unmounted and a summary printed: what was done, what
-//! failed, and whether each agent's resources stayed flat.
+//! every volume is unmounted, the ledger read back (no holder may be
+//! left), and a summary printed: what was done, what failed, and whether
+//! each agent's resources stayed flat.
 //! Needs root. Run: `scripts/soak 2h` (see there for the knobs).
 
 #[path = "../tests/common.rs"]
@@ -145,9 +146,21 @@ fn main() {
         }
     }
     let (left_mounts, left_loops) = (node.scratch.mounts().len(), node.scratch.loops().len());
+    // The ledger, read back once the agent has stopped: every unmount
+    // removed its holder, whatever the kills cut short.
+    node.stop_agent_of("node-a");
+    let left_holders: Vec<String> = tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(async {
+        use volagent::ledger::Ledger;
+        let ledger = volagent::ledger::embedded::EmbeddedLedger::open(&node.ledger_path("node-a"), false).expect("open the ledger");
+        let records = ledger.list_by_node("node-a").await.expect("read the ledger");
+        records.into_iter().flat_map(|(r, _)| r.holders.into_iter().map(move |h| format!("{} {}", r.volume, h.consumer.mount_dir))).collect()
+    });
 
     println!("ran {:?}: {} mounts, {} unmounts, {} reloads, {} restarts ({} by SIGKILL)", start.elapsed(), counts.mounts, counts.unmounts, counts.reloads, counts.restarts, counts.kills);
-    println!("left after the last unmounts: {left_mounts} mounts, {left_loops} loop devices");
+    println!("left after the last unmounts: {left_mounts} mounts, {left_loops} loop devices, {} holders in the ledger", left_holders.len());
+    for holder in &left_holders {
+        println!("still held: {holder}");
+    }
     if counts.failures.is_empty() {
         println!("failures: none");
     }
@@ -172,7 +185,7 @@ fn main() {
         flat &= verdict == "flat";
         println!("agent #{}: RSS {r0:.0} -> {r1:.0} KiB, fds {f0:.1} -> {f1:.1}, threads {t0:.1} -> {t1:.1} (first -> last quarter): {verdict}", life + 1);
     }
-    let clean = counts.failures.is_empty() && left_mounts == 0 && left_loops == 0;
+    let clean = counts.failures.is_empty() && left_mounts == 0 && left_loops == 0 && left_holders.is_empty();
     println!("soak: {}", if clean && flat { "PASSED" } else { "FAILED" });
     if !(clean && flat) {
         std::process::exit(1);
