@@ -261,7 +261,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         request_timeout: Duration::from_secs(10),
         slot_timeout: Duration::from_secs(120),
     };
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let serving = Arc::new(std::sync::atomic::AtomicBool::new(false));
         if let Some(addr) = args.metrics_addr {
             let listener = crate::http::bind(addr).await?;
@@ -324,8 +324,16 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             tracing::error!("the last attachment records were not stored: {e}");
         }
         anyhow::Ok(ExitCode::SUCCESS)
-    })
+    });
+    // A step hanging in the kernel must not hold the exit back: its
+    // thread is left behind (reconciliation at the next start settles the
+    // volume). Without a bound, dropping the runtime waits for it.
+    rt.shutdown_timeout(EXIT_GRACE);
+    served
 }
+
+/// How long the agent's exit waits for steps still running.
+const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// Check the userspace NBD clients' servers a few times per `hung_after`.
 fn spawn_nbd_watchdog(clients: Arc<dyn crate::sys::NbdClients>, hung_after: Duration) {

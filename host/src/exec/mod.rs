@@ -133,6 +133,35 @@ impl Executor {
     }
 }
 
+/// Filesystems whose mounts and unmounts wait on local disks only.
+const LOCAL_FILESYSTEMS: [&str; 5] = ["ext4", "xfs", "btrfs", "ext3", "ext2"];
+
+/// Whether `plan`, for a volume holding `fs_type` ("" for a raw block
+/// volume), waits on nothing but this node's own disks: loop devices,
+/// local block devices and filesystems, bind mounts — never a network
+/// peer (an NBD or RBD device, a network filesystem, a forced unmount of a
+/// dead one). Such plans may keep their worker
+/// ([`crate::runtime::on_worker`]); the tools a format or a probe runs
+/// hand it over themselves.
+pub fn runs_locally(fs_type: &str, plan: &[Step]) -> bool {
+    let fs_local = |fs: &str| fs.is_empty() || LOCAL_FILESYSTEMS.contains(&fs);
+    let device_local = |b: &BlockSource| match b {
+        BlockSource::Attached(_) => true,
+        BlockSource::Device(path) => !["/dev/nbd", "/dev/rbd"].iter().any(|p| path.starts_with(p)),
+    };
+    fs_local(fs_type)
+        && plan.iter().all(|step| match step {
+            Step::AttachDevice(a) => matches!(a.spec, DeviceSpec::Loop(_)),
+            Step::DetachDevice(d) => matches!(d.spec, DeviceSpec::Loop(_)),
+            Step::Format(f) => device_local(&f.device),
+            Step::Mount(m) => matches!(&m.source, MountSource::Block(b) if device_local(b)) && fs_local(&m.fs_type),
+            Step::BindMount(_) => true,
+            Step::PublishBlock(p) => device_local(&p.device),
+            Step::Unmount(u) => !u.force,
+            Step::GrowFilesystem(_) | Step::Wipe(_) | Step::ClearDirectory(_) | Step::BlocklistClient(_) => false,
+        })
+}
+
 struct Run<'s> {
     sys: &'s Sys,
     secrets: &'s Secrets,

@@ -79,7 +79,8 @@ impl Agent {
         let force = reason == CleanupReason::StorageClusterDeleted;
         let mut steps: Vec<Step> = publications.iter().map(|p| Step::Unmount(Unmount { target: p.target.clone(), force })).collect();
         steps.extend(plan);
-        self.run_plan(steps, &mut lock).await?;
+        // Off the request path: a blocking thread, whatever the plan.
+        self.run_plan(steps, false, &mut lock).await?;
         for p in publications {
             self.stash_op(move |s| s.remove_publication(&p.target)).await?;
         }

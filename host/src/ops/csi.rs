@@ -227,12 +227,21 @@ impl Agent {
         Ok(())
     }
 
+    /// Whether a bind of the volume staged at `staging`, or its unmount,
+    /// waits on local disks only: when its filesystem is a local one
+    /// ([`crate::exec::runs_locally`]). Not staged (an error to come, or a
+    /// staging gone): no.
+    fn staged_locally(&self, staging: &str, volume_id: &str) -> bool {
+        matches!(staged_entry(&self.stash, staging, volume_id), Ok(Some(e)) if crate::exec::runs_locally(&e.volume.fs_type, &[]))
+    }
+
     pub async fn csi_publish(&self, backend: &str, req: PublishRequest) -> Result<(), CsiError> {
         let mut lock = Some(self.lock(&req.volume_id)?);
-        // The checks, the publication's record and the bind in one trip to
-        // a blocking thread: each is a few syscalls, and each trip costs more.
+        // The checks, the publication's record and the bind in one job:
+        // each is a few syscalls, and each trip to another thread costs more.
+        let local = self.staged_locally(&text(&req.staging), &req.volume_id);
         let (stash, sys, backend) = (self.stash.clone(), self.sys.clone(), backend.to_string());
-        self.on_plan_thread(&mut lock, Arc::default(), move |exec| {
+        self.on_plan_thread(&mut lock, local, Arc::default(), move |exec| {
             let Some(entry) = publish_checked(&stash, &sys, &backend, &req)? else { return Ok(()) };
             let (staging, target) = (text(&req.staging), text(&req.target));
             let read_only = req.read_only || entry.consumer.read_only;
@@ -277,7 +286,8 @@ impl Agent {
             return Ok(());
         }
         let unmount = crate::policy::Step::Unmount(crate::policy::Unmount { target: target.clone(), force: false });
-        self.run_plan(vec![unmount], &mut lock).await?;
+        let local = found.as_ref().is_some_and(|p| self.staged_locally(&p.staging, volume_id));
+        self.run_plan(vec![unmount], local, &mut lock).await?;
         let key = target.clone();
         self.stash_op(move |s| s.remove_publication(&key)).await?;
         Ok(())
@@ -323,7 +333,8 @@ impl Agent {
             true => CsiError::Invalid(format!("volume {volume_id}: {e}")),
             false => CsiError::Op(internal(e)),
         })?;
-        let outcome = self.run_plan(plan, &mut lock).await?;
+        let local = crate::exec::runs_locally(&entry.volume.fs_type, &plan);
+        let outcome = self.run_plan(plan, local, &mut lock).await?;
         Ok(outcome.grown.values().copied().max().unwrap_or(0))
     }
 

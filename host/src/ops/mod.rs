@@ -382,8 +382,10 @@ impl Agent {
     /// passes to a task that holds it until the steps end, so no other
     /// operation on the volume starts meanwhile. Records stay as they are:
     /// kubelet's retry (or, after a restart, reconciliation) settles them.
-    async fn run_plan(&self, plan: Vec<crate::policy::Step>, lock: &mut Option<LockGuard>) -> Result<crate::exec::Outcome, Failure> {
-        self.run_plan_with(plan, lock, Arc::default(), || Ok(())).await
+    /// `local`: the plan waits on this node's own disks only
+    /// ([`crate::exec::runs_locally`]).
+    async fn run_plan(&self, plan: Vec<crate::policy::Step>, local: bool, lock: &mut Option<LockGuard>) -> Result<crate::exec::Outcome, Failure> {
+        self.run_plan_with(plan, local, lock, Arc::default(), || Ok(())).await
     }
 
     /// [`run_plan`](Self::run_plan) with the volume's secret values, after
@@ -391,11 +393,12 @@ impl Agent {
     async fn run_plan_with(
         &self,
         plan: Vec<crate::policy::Step>,
+        local: bool,
         lock: &mut Option<LockGuard>,
         secrets: Arc<crate::secret::Secrets>,
         before: impl FnOnce() -> Result<(), Failure> + Send + 'static,
     ) -> Result<crate::exec::Outcome, Failure> {
-        self.on_plan_thread(lock, secrets, move |exec| {
+        self.on_plan_thread(lock, local, secrets, move |exec| {
             before()?;
             exec.run(&plan).map_err(internal)
         })
@@ -406,16 +409,18 @@ impl Agent {
     /// deadline: steps can hang in the kernel. When the deadline passes, the
     /// volume's `lock` goes with the job, which holds it until it ends.
     /// In a request [`served`] with its answer bounded, the job runs right
-    /// here instead (see there).
+    /// here instead (see there), on this very worker when it is `local`
+    /// ([`crate::runtime::on_worker`]).
     async fn on_plan_thread<R: Send + 'static, E: From<Failure> + Send + 'static>(
         &self,
         lock: &mut Option<LockGuard>,
+        local: bool,
         secrets: Arc<crate::secret::Secrets>,
         job: impl FnOnce(&Executor) -> Result<R, E> + Send + 'static,
     ) -> Result<R, E> {
         let exec = Executor::new(self.sys.clone()).with_secrets(secrets);
         if STEPS_IN_PLACE.try_with(|_| ()).is_ok() {
-            return crate::runtime::in_place(|| job(&exec));
+            return crate::runtime::on_worker(local, || job(&exec));
         }
         let mut task = tokio::task::spawn_blocking(move || job(&exec));
         match tokio::time::timeout(self.plan_deadline, &mut task).await {
@@ -438,10 +443,10 @@ impl Agent {
         }
     }
 
-    /// A stash write, in place: a file written and renamed in the runtime
-    /// dir (a tmpfs on a node).
+    /// A stash write, on this worker: a file written and renamed in the
+    /// runtime dir (a tmpfs on a node), local work of a few syscalls.
     async fn stash_op<R: Send + 'static>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError> + Send + 'static) -> Result<R, Failure> {
-        crate::runtime::in_place(|| f(&self.stash)).map_err(internal)
+        crate::runtime::on_worker(true, || f(&self.stash)).map_err(internal)
     }
 
     /// A stash read, inline: the stash answers from memory.
@@ -556,7 +561,7 @@ impl Agent {
                 Decision::Grant => {}
                 Decision::Deny(reason) => return Err(Failure::fenced(reason)),
                 Decision::TakeOver(take) => {
-                    self.run_plan_with(take.fence_steps.clone(), &mut lock, secrets.clone(), || Ok(())).await?;
+                    self.run_plan_with(take.fence_steps.clone(), false, &mut lock, secrets.clone(), || Ok(())).await?;
                     kept.retain(|h| !take.stale.contains(h));
                     // The gone nodes' clients were fenced with them.
                     clients.retain(|c| !take.stale.iter().any(|h| h.consumer.node == c.node));
@@ -612,9 +617,10 @@ impl Agent {
         let result = async {
             // A refused plan: its record is rolled back below.
             let plan = plan?;
+            let local = crate::exec::runs_locally(&volume.fs_type, &plan);
             // Stashed before any step runs, on the steps' own thread.
             let stash = self.stash.clone();
-            self.on_plan_thread(&mut lock, secrets.clone(), move |exec| {
+            self.on_plan_thread(&mut lock, local, secrets.clone(), move |exec| {
                 stash.put(&entry).map_err(internal)?;
                 exec.run(&plan).map_err(internal)
             })
@@ -731,7 +737,8 @@ impl Agent {
             .collect();
         let queries = self.queries(&plugin, &[]);
         let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
-        self.run_plan(plan, &mut lock).await?;
+        let local = crate::exec::runs_locally(&volume.fs_type, &plan);
+        self.run_plan(plan, local, &mut lock).await?;
         self.remove_holder(&volume.name, mount_dir).await?;
         let dir = mount_dir.to_string();
         self.stash_op(move |s| s.remove(&dir)).await?;
@@ -837,15 +844,16 @@ tokio::task_local! {
 }
 
 /// A kubelet request's operation, on a task of its own, answered within
-/// `deadline`. Its steps run on that task's own thread (after the runtime
-/// has moved the thread's other tasks elsewhere), not on a blocking thread:
-/// the hand-off there and back is two thread wake-ups, ~100 µs on a small
-/// VM, on every stage, publish and mount. A step can still hang in the
-/// kernel: at the deadline the request is answered `timed_out`, and the
-/// operation goes on, holding the volume's lock until it ends; it then
-/// finishes or rolls back as it would have, and kubelet's retry finds the
-/// volume done or the operation in progress. Kubelet cancelling the call
-/// cannot cut the operation short half-way either.
+/// `deadline`. Its steps run on that task's own thread, not on a blocking
+/// thread: the hand-off there and back is two thread wake-ups, ~100 µs on
+/// a small VM, on every stage, publish and mount; a plan on local disks
+/// only keeps the worker too ([`crate::runtime::on_worker`]). A step can
+/// still hang in the kernel: at the deadline the request is answered
+/// `timed_out` (by another worker), and the operation goes on, holding the
+/// volume's lock until it ends; it then finishes or rolls back as it would
+/// have, and kubelet's retry finds the volume done or the operation in
+/// progress. Kubelet cancelling the call cannot cut the operation short
+/// half-way either.
 ///
 /// The operation's own result, or why it has none: still running at the
 /// deadline (or its task failed).

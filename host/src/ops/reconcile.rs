@@ -169,7 +169,7 @@ impl Agent {
             holders: Vec::new(),
         };
         let plan = plugin.cleanup(self.queries(&plugin, &[]), crate::policy::CleanupReason::StaleNode, &[item]).map_err(|e| e.to_string())?;
-        self.run_plan(plan, &mut lock).await.map_err(|f| f.message)?;
+        self.run_plan(plan, false, &mut lock).await.map_err(|f| f.message)?;
         if self.mounted(&mount_point.display().to_string()).await.map_err(|f| f.message)? {
             return Err("still mounted after the backend's cleanup plan".into());
         }

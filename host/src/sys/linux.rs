@@ -82,6 +82,11 @@ fn run(program: &'static str, args: &[&str], device: &Path, deadline: Duration) 
 }
 
 pub(super) fn run_with(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
+    // A tool can run for seconds (mkfs of a big device): not on a worker.
+    crate::runtime::may_take_long(|| run_until(cmd, program, device, deadline))
+}
+
+fn run_until(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
     let mut child = cmd
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
