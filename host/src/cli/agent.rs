@@ -262,6 +262,12 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         slot_timeout: Duration::from_secs(120),
     };
     let served = rt.block_on(async move {
+        // Caught from the start: a stop that comes as soon as the socket
+        // is there (or during start-up's repairs) still stores the records
+        // taken in memory, instead of killing the process.
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("SIGINT handler")?;
         let serving = Arc::new(std::sync::atomic::AtomicBool::new(false));
         if let Some(addr) = args.metrics_addr {
             let listener = crate::http::bind(addr).await?;
@@ -310,10 +316,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         }
         serving.store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(node, socket = %socket.display(), backends = ?backends, "volagent agent serving");
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
         tokio::select! {
             r = server::serve(listener, agent, server_config) => r.context("socket server")?,
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
+            _ = interrupt.recv() => tracing::info!("interrupted"),
             _ = term.recv() => tracing::info!("terminated"),
         }
         remove_socket(&socket);

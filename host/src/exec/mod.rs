@@ -136,20 +136,27 @@ impl Executor {
 /// Filesystems whose mounts and unmounts wait on local disks only.
 const LOCAL_FILESYSTEMS: [&str; 5] = ["ext4", "xfs", "btrfs", "ext3", "ext2"];
 
-/// Whether `plan`, for a volume holding `fs_type` ("" for a raw block
-/// volume), waits on nothing but this node's own disks: loop devices,
-/// local block devices and filesystems, bind mounts — never a network
-/// peer (an NBD or RBD device, a network filesystem, a forced unmount of a
-/// dead one). Such plans may keep their worker
-/// ([`crate::runtime::on_worker`]); the tools a format or a probe runs
-/// hand it over themselves.
-pub fn runs_locally(fs_type: &str, plan: &[Step]) -> bool {
-    let fs_local = |fs: &str| fs.is_empty() || LOCAL_FILESYSTEMS.contains(&fs);
+/// What `volume` holds, as [`runs_locally`] asks: its filesystem, or
+/// None for a raw block volume.
+pub fn holding(volume: &crate::policy::Volume) -> Option<&str> {
+    (volume.mode == crate::policy::VolumeMode::Filesystem).then_some(volume.fs_type.as_str())
+}
+
+/// Whether `plan`, for a volume holding the filesystem `holds` (None: a
+/// raw block volume), waits on nothing but this node's own disks: loop
+/// devices, local block devices and filesystems, bind mounts — never a
+/// network peer (an NBD or RBD device, a network filesystem, a forced
+/// unmount of a dead one). A filesystem volume that names no filesystem
+/// (a gluster PV often does not) is not taken for a local one. Such plans
+/// may keep their worker ([`crate::runtime::on_worker`]); the tools a
+/// format or a probe runs hand it over themselves.
+pub fn runs_locally(holds: Option<&str>, plan: &[Step]) -> bool {
+    let fs_local = |fs: &str| LOCAL_FILESYSTEMS.contains(&fs);
     let device_local = |b: &BlockSource| match b {
         BlockSource::Attached(_) => true,
         BlockSource::Device(path) => !["/dev/nbd", "/dev/rbd"].iter().any(|p| path.starts_with(p)),
     };
-    fs_local(fs_type)
+    holds.is_none_or(fs_local)
         && plan.iter().all(|step| match step {
             Step::AttachDevice(a) => matches!(a.spec, DeviceSpec::Loop(_)),
             Step::DetachDevice(d) => matches!(d.spec, DeviceSpec::Loop(_)),

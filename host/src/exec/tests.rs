@@ -519,24 +519,27 @@ fn a_missing_local_file_starts_nothing() {
 
 #[test]
 fn only_plans_on_local_disks_run_locally() {
-    assert!(runs_locally("ext4", &attach_plan()) && runs_locally("ext4", &detach_plan()));
-    assert!(runs_locally("xfs", &[Step::BindMount(BindMount { source: STAGING.into(), target: POD.into(), read_only: true })]));
-    assert!(runs_locally("", &[Step::Unmount(Unmount { target: POD.into(), force: false })]), "a raw block volume's");
-    // A network filesystem's volume, or a forced unmount (of a dead one).
-    assert!(!runs_locally("glusterfs", &detach_plan()));
-    assert!(!runs_locally("ext4", &[Step::Unmount(Unmount { target: POD.into(), force: true })]));
+    let ext4 = Some("ext4");
+    assert!(runs_locally(ext4, &attach_plan()) && runs_locally(ext4, &detach_plan()));
+    assert!(runs_locally(Some("xfs"), &[Step::BindMount(BindMount { source: STAGING.into(), target: POD.into(), read_only: true })]));
+    assert!(runs_locally(None, &[Step::Unmount(Unmount { target: POD.into(), force: false })]), "a raw block volume's");
+    // A network filesystem's volume, one that names no filesystem (a
+    // gluster PV's), or a forced unmount (of a dead one).
+    assert!(!runs_locally(Some("glusterfs"), &detach_plan()));
+    assert!(!runs_locally(Some(""), &[Step::Unmount(Unmount { target: POD.into(), force: false })]));
+    assert!(!runs_locally(ext4, &[Step::Unmount(Unmount { target: POD.into(), force: true })]));
     // Devices served over the network.
     let (nbd_attach, nbd_detach) = nbd_plans(NbdAttach::Auto);
-    assert!(!runs_locally("ext4", &nbd_attach) && !runs_locally("ext4", &nbd_detach));
+    assert!(!runs_locally(ext4, &nbd_attach) && !runs_locally(ext4, &nbd_detach));
     let rbd = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Rbd(rbd_spec(None)), read_only: false });
-    assert!(!runs_locally("ext4", &[rbd]));
+    assert!(!runs_locally(ext4, &[rbd]));
     let mount = |source: &str, fs: &str| {
         Step::Mount(Mount { source: MountSource::Block(BlockSource::Device(source.into())), target: STAGING.into(), fs_type: fs.into(), options: vec![], read_only: false })
     };
-    assert!(runs_locally("ext4", &[mount("/dev/sdb", "ext4")]));
-    assert!(!runs_locally("ext4", &[mount("/dev/nbd0", "ext4")]) && !runs_locally("ext4", &[mount("/dev/rbd0", "ext4")]));
-    assert!(!runs_locally("ext4", &[mount("/dev/sdb", "nfs")]));
+    assert!(runs_locally(ext4, &[mount("/dev/sdb", "ext4")]));
+    assert!(!runs_locally(ext4, &[mount("/dev/nbd0", "ext4")]) && !runs_locally(ext4, &[mount("/dev/rbd0", "ext4")]));
+    assert!(!runs_locally(ext4, &[mount("/dev/sdb", "nfs")]));
     // Steps that run tools over a whole device or a dir tree.
     let wipe = Step::Wipe(Wipe { device: BlockSource::Device("/dev/sdb".into()), method: WipeMethod::Zero });
-    assert!(!runs_locally("ext4", &[wipe]));
+    assert!(!runs_locally(ext4, &[wipe]));
 }

@@ -232,7 +232,7 @@ impl Agent {
     /// ([`crate::exec::runs_locally`]). Not staged (an error to come, or a
     /// staging gone): no.
     fn staged_locally(&self, staging: &str, volume_id: &str) -> bool {
-        matches!(staged_entry(&self.stash, staging, volume_id), Ok(Some(e)) if crate::exec::runs_locally(&e.volume.fs_type, &[]))
+        matches!(staged_entry(&self.stash, staging, volume_id), Ok(Some(e)) if crate::exec::runs_locally(crate::exec::holding(&e.volume), &[]))
     }
 
     pub async fn csi_publish(&self, backend: &str, req: PublishRequest) -> Result<(), CsiError> {
@@ -333,7 +333,7 @@ impl Agent {
             true => CsiError::Invalid(format!("volume {volume_id}: {e}")),
             false => CsiError::Op(internal(e)),
         })?;
-        let local = crate::exec::runs_locally(&entry.volume.fs_type, &plan);
+        let local = crate::exec::runs_locally(crate::exec::holding(&entry.volume), &plan);
         let outcome = self.run_plan(plan, local, &mut lock).await?;
         Ok(outcome.grown.values().copied().max().unwrap_or(0))
     }

@@ -617,7 +617,7 @@ impl Agent {
         let result = async {
             // A refused plan: its record is rolled back below.
             let plan = plan?;
-            let local = crate::exec::runs_locally(&volume.fs_type, &plan);
+            let local = crate::exec::runs_locally(crate::exec::holding(&volume), &plan);
             // Stashed before any step runs, on the steps' own thread.
             let stash = self.stash.clone();
             self.on_plan_thread(&mut lock, local, secrets.clone(), move |exec| {
@@ -737,7 +737,7 @@ impl Agent {
             .collect();
         let queries = self.queries(&plugin, &[]);
         let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
-        let local = crate::exec::runs_locally(&volume.fs_type, &plan);
+        let local = crate::exec::runs_locally(crate::exec::holding(&volume), &plan);
         self.run_plan(plan, local, &mut lock).await?;
         self.remove_holder(&volume.name, mount_dir).await?;
         let dir = mount_dir.to_string();
