@@ -31,9 +31,10 @@ thread_local! {
 /// Run blocking work that only waits on this node's own disks (a volume's
 /// steps on loop devices, local filesystems, bind mounts) right on this
 /// worker, keeping it: no other thread takes its place, and the answer
-/// does not cross to one, which saves 40–70 µs of a CSI stage + publish
-/// over [`in_place`] on a small VM — the thread hand-overs on an idle vCPU,
-/// not the work, were the cost. The runtime has one worker less meanwhile,
+/// does not cross to one, which saves 10–60 µs of a CSI stage + publish
+/// over [`in_place`] on a small VM (measured in one run, the two ways
+/// alternating) — the thread hand-overs on an idle vCPU, not the work,
+/// were the cost. The runtime has one worker less meanwhile,
 /// so at most all but one worker do this at once (none on a one-worker
 /// runtime; the count is the process's, which runs one such runtime); the
 /// rest, and work that is not `local`, go through [`in_place`]. A piece
