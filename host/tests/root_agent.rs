@@ -351,24 +351,18 @@ fn after_a_reboot_the_ledger_forgets_what_the_node_no_longer_has() {
 /// agent's other workers answer and serve the other volumes meanwhile.
 #[test]
 fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
-    let mut node = Node::start();
-    node.stop_agent();
-    let stall = (volagent::exec::STALL_AFTER_STEP_ENV, "1:6000".to_string());
-    node.spawn_agent_env("node-a", &[stall], &["--plan-deadline-secs", "1"]);
-    let image = node.image("slow.img", 64);
+    let (node, image, a) = a_mount_stalled_for(Duration::from_secs(6), "pv-slow");
+    // Answered at the 1 s deadline: the stall has 5 s to run.
+    let answered = Instant::now();
     let other = node.image("other.img", 64);
-    let (a, b) = (node.mount_dir("uid-a", "pv-slow"), node.mount_dir("uid-b", "pv-slow"));
-    let started = Instant::now();
-    let r = node.mount(&a, &kubelet_options("pv-slow", "pod-a", "uid-a", "ext4", &image));
-    assert_eq!(r.1["status"], "Failure", "{}", r.1);
-    assert!(r.1["message"].as_str().unwrap_or_default().contains("still running after 1s"), "{}", r.1);
+    let b = node.mount_dir("uid-b", "pv-slow");
     let r = node.mount(&b, &kubelet_options("pv-slow", "pod-b", "uid-b", "ext4", &image));
     assert_failure(&r, "volume pv-slow: an operation is in progress on this node; retry");
     // Another volume mounts and unmounts while the first one's step hangs.
     let c = node.mount_dir("uid-c", "pv-other");
     assert_success(&node.mount(&c, &kubelet_options("pv-other", "pod-c", "uid-c", "ext4", &other)));
     assert_success(&node.driver(&["unmount", &c]));
-    assert!(started.elapsed() < Duration::from_secs(6), "served only after the hang: {:?}", started.elapsed());
+    assert!(answered.elapsed() < Duration::from_secs(5), "served only after the hang: {:?}", answered.elapsed());
     // kubelet retries until the stalled mount has finished.
     let start = Instant::now();
     loop {
@@ -384,18 +378,27 @@ fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
 
+/// An agent whose first plan stalls `stall` after its first step (under
+/// a plan deadline of 1 s), and the mount of `volume` (its image, its
+/// dir) that stalled and was answered at the deadline.
+fn a_mount_stalled_for(stall: Duration, volume: &str) -> (Node, String, String) {
+    let mut node = Node::start();
+    node.stop_agent();
+    let hook = (volagent::exec::STALL_AFTER_STEP_ENV, format!("1:{}", stall.as_millis()));
+    node.spawn_agent_env("node-a", &[hook], &["--plan-deadline-secs", "1"]);
+    let image = node.image(&format!("{volume}.img"), 64);
+    let dir = node.mount_dir("uid-a", volume);
+    let r = node.mount(&dir, &kubelet_options(volume, "pod-a", "uid-a", "ext4", &image));
+    assert_eq!(r.1["status"], "Failure", "{}", r.1);
+    assert!(r.1["message"].as_str().unwrap_or_default().contains("still running after 1s"), "{}", r.1);
+    (node, image, dir)
+}
+
 /// SIGTERM while a step hangs: the agent exits within its grace, leaving
 /// the hung thread behind, and the next start undoes the cut mount.
 #[test]
 fn the_agent_exits_while_a_step_hangs_and_its_next_start_cleans_up() {
-    let mut node = Node::start();
-    node.stop_agent();
-    let stall = (volagent::exec::STALL_AFTER_STEP_ENV, "1:120000".to_string());
-    node.spawn_agent_env("node-a", &[stall], &["--plan-deadline-secs", "1"]);
-    let image = node.image("stuck.img", 64);
-    let a = node.mount_dir("uid-a", "pv-stuck");
-    let r = node.mount(&a, &kubelet_options("pv-stuck", "pod-a", "uid-a", "ext4", &image));
-    assert!(r.1["message"].as_str().unwrap_or_default().contains("still running after 1s"), "{}", r.1);
+    let (mut node, _, _) = a_mount_stalled_for(Duration::from_secs(120), "pv-stuck");
     assert_eq!(node.scratch.loops().len(), 1, "the hung plan attached its device");
     let stopping = Instant::now();
     node.stop_agent();
