@@ -43,7 +43,9 @@ thread_local! {
 ///
 /// What this gives up: a task woken by this thread just before (the
 /// runtime's unstealable next-task slot) waits until the work ends — as
-/// long as a local disk takes to answer, not more.
+/// long as a local disk takes to answer, not more; and for up to
+/// [`HOLD_GRACE`] no other worker may be driving the runtime's I/O and
+/// timers (see [`watch_hold`]).
 pub fn on_worker<R>(local: bool, f: impl FnOnce() -> R) -> R {
     let workers = match Handle::try_current() {
         Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => h.metrics().num_workers(),
@@ -54,22 +56,170 @@ pub fn on_worker<R>(local: bool, f: impl FnOnce() -> R) -> R {
     }
     HOLDING.set(true);
     let _held = Held;
-    wake_another_worker();
+    watch_hold();
     f()
 }
+
+/// How long a held worker may run before another worker is woken to drive
+/// the runtime's I/O and timers. Local work mostly ends well within it (a
+/// loop device and an ext4 mount take about 0.6 ms); one that hangs gets
+/// its deadline answered at most this much late.
+pub const HOLD_GRACE: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The runtime's I/O and timers are driven by whichever worker parks on
 /// them; the others park waiting to be told of work. A worker that found
 /// this one driving them when it parked waits there even after this one
 /// left to run tasks — and this one will not park while its work runs: no
-/// timer would fire (a request's deadline) and no socket be read. Two
-/// empty tasks spawned here wake another worker: the second pushes the
+/// timer would fire (a request's deadline) and no socket be read. So a
+/// hold arms [`Watch`]'s timer, and if the hold outlasts [`HOLD_GRACE`]
+/// another worker is woken. Waking one at once cost a CSI stage + publish
+/// 3–29 µs more on a small VM (measured in one run, the two ways
+/// alternating: the wake, and the tasks then moving between the two
+/// workers), for work that usually ends before it would matter. With no
+/// watcher (it could not be started), another worker is woken at once.
+fn watch_hold() {
+    match Watch::get() {
+        Some(w) if w.arm() => {}
+        _ => wake_another_worker(),
+    }
+}
+
+/// Two empty tasks spawned here wake another worker: the second pushes the
 /// first out of this worker's next-task slot into its queue, which wakes
-/// an idle worker to take it; that one then parks driving them. It runs
-/// on the other CPU, not on this work's path.
+/// an idle worker to take it; that one then parks driving I/O and timers.
 fn wake_another_worker() {
     for _ in 0..2 {
         drop(tokio::spawn(async {}));
+    }
+}
+
+/// A thread that sleeps on a timer armed while workers are held, and when
+/// a hold has lasted [`HOLD_GRACE`] spawns an empty task from outside the
+/// runtime — which wakes an idle worker, as a task from outside always
+/// does. The timer is armed once for holds that follow each other closely
+/// (a stage, then its publish) and never disarmed: a syscall costs a few
+/// µs on a VM. When it fires with no hold running, nothing is woken.
+struct Watch {
+    timer: nix::sys::timerfd::TimerFd,
+    state: std::sync::Mutex<WatchState>,
+    /// The thread stopped (its timer failed): holds wake a worker at once.
+    dead: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Default)]
+struct WatchState {
+    /// The timer will fire.
+    armed: bool,
+    /// Since when a worker has been held, without a break (None: none is).
+    since: Option<std::time::Instant>,
+    /// The runtime of the holds being watched.
+    runtime: Option<Handle>,
+}
+
+static WATCH: std::sync::OnceLock<Option<Watch>> = std::sync::OnceLock::new();
+static WATCHER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+impl Watch {
+    /// The process's watcher, started on first use; None if it cannot run.
+    fn get() -> Option<&'static Watch> {
+        let watch = WATCH
+            .get_or_init(|| {
+                use nix::sys::timerfd::{ClockId, TimerFd, TimerFlags};
+                match TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_CLOEXEC) {
+                    Ok(timer) => Some(Watch { timer, state: Default::default(), dead: Default::default() }),
+                    Err(e) => {
+                        tracing::warn!("no timer for held workers ({e}); another worker is woken at every hold");
+                        None
+                    }
+                }
+            })
+            .as_ref()?;
+        let running = *WATCHER.get_or_init(|| match std::thread::Builder::new().name("volagent-hold".into()).spawn(|| watch_loop(watch)) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!("no thread to watch held workers ({e}); another worker is woken at every hold");
+                false
+            }
+        });
+        (running && !watch.dead.load(Ordering::Acquire)).then_some(watch)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, WatchState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Watch a hold just taken (counted in [`HELD`] already). False: the
+    /// timer could not be armed.
+    fn arm(&self) -> bool {
+        let mut state = self.state();
+        state.runtime = Handle::try_current().ok();
+        let since = *state.since.get_or_insert_with(std::time::Instant::now);
+        if !state.armed {
+            if self.set(HOLD_GRACE.saturating_sub(since.elapsed())).is_err() {
+                return false;
+            }
+            state.armed = true;
+        }
+        true
+    }
+
+    fn set(&self, after: std::time::Duration) -> nix::Result<()> {
+        use nix::sys::timerfd::{Expiration, TimerSetTimeFlags};
+        // Zero would disarm it.
+        let after = after.max(std::time::Duration::from_micros(1));
+        self.timer.set(Expiration::OneShot(nix::sys::time::TimeSpec::from_duration(after)), TimerSetTimeFlags::empty())
+    }
+
+    /// No worker is held any more (checked under the lock: a hold taken
+    /// meanwhile was counted before it locks).
+    fn idle(&self) {
+        let mut state = self.state();
+        if HELD.load(Ordering::Acquire) == 0 {
+            state.since = None;
+            state.runtime = None;
+        }
+    }
+
+    /// The timer fired: the runtime to wake a worker of, if a hold has
+    /// lasted the grace; a hold younger than that is watched on.
+    fn fired(&self) -> Option<Handle> {
+        let mut state = self.state();
+        state.armed = false;
+        let since = state.since?;
+        let left = HOLD_GRACE.saturating_sub(since.elapsed());
+        if left.is_zero() {
+            // Woken once for this run of holds; a hold taken from now on
+            // arms the timer again.
+            state.since = Some(std::time::Instant::now());
+            return state.runtime.clone();
+        }
+        if self.set(left).is_ok() {
+            state.armed = true;
+            return None;
+        }
+        // Cannot wait on: wake one now.
+        state.runtime.clone()
+    }
+}
+
+fn watch_loop(watch: &'static Watch) {
+    loop {
+        match watch.timer.wait() {
+            Ok(()) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => {
+                watch.dead.store(true, Ordering::Release);
+                tracing::error!("the timer of held workers failed ({e}); another worker is woken at every hold from now on");
+                // A hold may be running now: wake a worker for it.
+                if let Some(runtime) = watch.state().runtime.take() {
+                    drop(runtime.spawn(async {}));
+                }
+                return;
+            }
+        }
+        if let Some(runtime) = watch.fired() {
+            drop(runtime.spawn(async {}));
+        }
     }
 }
 
@@ -89,8 +239,11 @@ impl Drop for Held {
 }
 
 fn release() {
-    if HOLDING.replace(false) {
-        HELD.fetch_sub(1, Ordering::AcqRel);
+    if HOLDING.replace(false)
+        && HELD.fetch_sub(1, Ordering::AcqRel) == 1
+        && let Some(watch) = WATCH.get().and_then(Option::as_ref)
+    {
+        watch.idle();
     }
 }
 
@@ -233,6 +386,29 @@ mod tests {
             held.await.unwrap()
         });
         assert!(fired, "the timer fired while a worker was held");
+
+        // A hold that ends within the grace wakes no other worker: only
+        // the one woken by a socket to run it unparks (and parks again).
+        let (rt, _) = runtime(2);
+        let metrics = rt.metrics();
+        let parks = || (0..2).map(|w| metrics.worker_park_unpark_count(w)).collect::<Vec<u64>>();
+        let (socket, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        socket.set_nonblocking(true).unwrap();
+        let (done, finished) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut socket = tokio::net::UnixStream::from_std(socket).unwrap();
+            socket.read_exact(&mut [0u8]).await.unwrap();
+            done.send(on_worker(true, held)).unwrap();
+        });
+        // Both workers parked by now, one of them driving the socket.
+        std::thread::sleep(Duration::from_millis(100));
+        let before = parks();
+        std::io::Write::write_all(&mut peer, b"x").unwrap();
+        assert_eq!(finished.recv_timeout(Duration::from_secs(10)).unwrap(), 1, "held while it ran");
+        std::thread::sleep(Duration::from_millis(100));
+        let woke: Vec<u64> = parks().iter().zip(&before).map(|(after, before)| after - before).collect();
+        assert_eq!(woke.iter().filter(|&&n| n > 0).count(), 1, "only the worker that ran the hold woke: {woke:?}");
 
         // One worker: never held, local or not; current-thread runtimes
         // and plain threads simply run the work.
