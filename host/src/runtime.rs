@@ -64,7 +64,7 @@ pub fn on_worker<R>(local: bool, f: impl FnOnce() -> R) -> R {
 /// the runtime's I/O and timers. Local work mostly ends well within it (a
 /// loop device and an ext4 mount take about 0.6 ms); one that hangs gets
 /// its deadline answered at most this much late.
-pub const HOLD_GRACE: std::time::Duration = std::time::Duration::from_millis(2);
+const HOLD_GRACE: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The runtime's I/O and timers are driven by whichever worker parks on
 /// them; the others park waiting to be told of work. A worker that found
@@ -73,9 +73,9 @@ pub const HOLD_GRACE: std::time::Duration = std::time::Duration::from_millis(2);
 /// timer would fire (a request's deadline) and no socket be read. So a
 /// hold arms [`Watch`]'s timer, and if the hold outlasts [`HOLD_GRACE`]
 /// another worker is woken. Waking one at once cost a CSI stage + publish
-/// 3–29 µs more on a small VM (measured in one run, the two ways
-/// alternating: the wake, and the tasks then moving between the two
-/// workers), for work that usually ends before it would matter. With no
+/// up to ~30 µs more on a small VM (three runs, the two ways alternating
+/// in each: −3, 24, 29 µs; the wake, and the tasks then moving between
+/// the two workers), for work that usually ends before it would matter. With no
 /// watcher (it could not be started), another worker is woken at once.
 fn watch_hold() {
     match Watch::get() {
