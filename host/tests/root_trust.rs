@@ -469,6 +469,29 @@ fn a_foreign_loop_device_is_kept() {
     let _ = Command::new("losetup").args(["-d", &dev]).status();
 }
 
+/// A loop device someone else attached over a volume's file (an admin's
+/// losetup) is the one the volume is mounted from: a second device over
+/// the file would put a second filesystem instance on the same bytes.
+#[test]
+fn a_volume_whose_file_has_a_loop_device_is_mounted_from_that_device() {
+    use std::os::unix::fs::MetadataExt;
+    let node = Node::start();
+    let image = node.image("shared.img", 64);
+    let out = Command::new("losetup").args(["-f", "--show"]).arg(&image).output().expect("losetup");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let dev = PathBuf::from(String::from_utf8(out.stdout).expect("utf8").trim());
+    let dir = node.mount_dir("uid-a", "pv1");
+    let mounted = node.mount(&dir, &options("pv1", "a", &image));
+    let seen = (node.scratch.loops(), std::fs::metadata(&dir).map(|m| m.dev()), std::fs::metadata(&dev).map(|m| m.rdev()));
+    let unmounted = node.driver(&["unmount", &dir]);
+    let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+    assert_success(&mounted);
+    assert_eq!(seen.0, [dev.clone()], "one device over the file");
+    assert_eq!(seen.1.expect("stat the pod dir"), seen.2.expect("stat the device"), "the pod dir is the filesystem on {}", dev.display());
+    assert_success(&unmounted);
+    nothing_mounted(&node);
+}
+
 /// kubelet bind-mounts its root dir onto itself when it starts, which may
 /// be after the agent: the agent must act on the root as the mount table
 /// shows it then, or its mounts land under the bind, where neither kubelet

@@ -5,7 +5,7 @@
 use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdAttach, RbdSpec, Step, WipeMethod};
 use crate::secret::Secrets;
 use crate::sys::rbd_export::{CephClient, RbdTarget};
-use crate::sys::{Sys, SysError, Wipe};
+use crate::sys::{LoopAttach, Sys, SysError, Wipe};
 use std::sync::Arc;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -174,9 +174,10 @@ struct Run<'s> {
     secrets: &'s Secrets,
     outcome: Outcome,
     undo: Vec<Undo>,
-    /// Loop devices this run attached, with their backing files, until a
-    /// step writes through them: until then they hold the file's bytes.
-    fresh: BTreeMap<PathBuf, PathBuf>,
+    /// Loop devices this run attached, with their backing files (by path,
+    /// and open as attached when the node gave it), until a step writes
+    /// through them: until then they hold the file's bytes.
+    fresh: BTreeMap<PathBuf, (PathBuf, Option<std::fs::File>)>,
     /// Devices of the filesystems this run unmounted.
     freed: Vec<(u32, u32)>,
 }
@@ -196,7 +197,7 @@ impl Run<'_> {
             Step::Format(f) => {
                 let device = self.device(&f.device)?;
                 let found = match self.fresh.get(&device) {
-                    Some(file) => self.sys.filesystems.probe_attached(&device, file)?,
+                    Some((file, backing)) => self.sys.filesystems.probe_attached(&device, file, backing.as_ref())?,
                     None => self.sys.filesystems.probe(&device)?,
                 };
                 match (found, f.mode) {
@@ -351,12 +352,12 @@ impl Run<'_> {
             DeviceSpec::Loop(file) => file,
         };
         let file = Path::new(file);
-        if let Some(device) = self.sys.reusable_loop(file)? {
-            return Ok(device);
-        }
-        let device = self.sys.devices.loop_attach(file, read_only)?;
+        let (device, backing) = match self.sys.devices.loop_attach_or_reuse(file, read_only)? {
+            LoopAttach::Reused(device) => return Ok(device),
+            LoopAttach::Attached { device, backing } => (device, backing),
+        };
         self.undo.push(Undo::Detach(device.clone()));
-        self.fresh.insert(device.clone(), file.to_path_buf());
+        self.fresh.insert(device.clone(), (file.to_path_buf(), backing));
         Ok(device)
     }
 

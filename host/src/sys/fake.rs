@@ -246,7 +246,7 @@ impl Filesystems for Fake {
         Ok(s.filesystems.get(device).cloned())
     }
 
-    fn probe_attached(&self, _device: &Path, file: &Path) -> Result<Option<String>, SysError> {
+    fn probe_attached(&self, _device: &Path, file: &Path, _backing: Option<&std::fs::File>) -> Result<Option<String>, SysError> {
         let s = self.op("probe", file)?;
         Ok(s.filesystems.get(file).cloned())
     }

@@ -210,8 +210,8 @@ impl<T: Filesystems + ?Sized> Filesystems for Faulty<T> {
     fn probe(&self, device: &Path) -> Result<Option<String>, SysError> {
         self.inner.probe(device)
     }
-    fn probe_attached(&self, device: &Path, file: &Path) -> Result<Option<String>, SysError> {
-        self.inner.probe_attached(device, file)
+    fn probe_attached(&self, device: &Path, file: &Path, backing: Option<&std::fs::File>) -> Result<Option<String>, SysError> {
+        self.inner.probe_attached(device, file, backing)
     }
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {
         self.rules.check("format", device)?;

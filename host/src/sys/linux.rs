@@ -2,7 +2,7 @@
 //! for mounts and loop devices, and the system's filesystem tools (there is
 //! no syscall for mkfs) with a deadline, on devices checked to be free.
 
-use super::{Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, Roots, SysError, Wipe, block, errno, io, loopdev, mountinfo, probe};
+use super::{Devices, FileId, Filesystems, LoopAttach, LoopDevice, MountInfo, Mounts, Roots, SysError, Wipe, block, errno, io, loopdev, mountinfo, probe};
 use super::beneath::{fd_path, fd_path_in};
 use nix::fcntl::OFlag;
 use nix::mount::{MntFlags, MsFlags};
@@ -58,12 +58,17 @@ impl Linux {
     /// reading) as what it must be, checked on a handle before the open, so
     /// that a FIFO, socket or device never gets opened by mistake.
     fn open_regular(&self, path: &Path, write: bool) -> Result<File, SysError> {
+        Ok(self.open_regular_stat(path, write)?.0)
+    }
+
+    /// [`open_regular`](Self::open_regular), with what the check found.
+    fn open_regular_stat(&self, path: &Path, write: bool) -> Result<(File, nix::sys::stat::FileStat), SysError> {
         let handle = self.roots.handle(path)?;
         let meta = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
         if meta.st_mode & nix::libc::S_IFMT != nix::libc::S_IFREG {
             return Err(SysError::Refused { path: path.to_path_buf(), what: "is not a regular file".into() });
         }
-        reopen(&handle, path, write)
+        Ok((reopen(&handle, path, write)?, meta))
     }
 }
 
@@ -346,6 +351,22 @@ impl Devices for Linux {
         loopdev::list()
     }
 
+    /// One resolution of `file` for the lookup, the attach and the probe
+    /// after it: the file whose identity is looked up is the file attached,
+    /// and the one later read. (Eight syscalls fewer: 0–16 µs of a CSI
+    /// stage + publish on a small VM, four runs, the two ways alternating.)
+    fn loop_attach_or_reuse(&self, file: &Path, read_only: bool) -> Result<LoopAttach, SysError> {
+        let (backing, st) = self.open_regular_stat(file, !read_only)?;
+        let id = FileId { dev: st.st_dev, ino: st.st_ino };
+        for l in loopdev::list()?.into_iter().filter(|l| l.backing == Some(id)) {
+            if loopdev::keep(&l.device, id)? {
+                return Ok(LoopAttach::Reused(l.device));
+            }
+        }
+        let device = loopdev::attach(backing.as_fd(), file, read_only, &self.tag)?;
+        Ok(LoopAttach::Attached { device, backing: Some(backing) })
+    }
+
     fn loop_detach(&self, device: &Path) -> Result<(), SysError> {
         loopdev::detach(device)
     }
@@ -455,22 +476,31 @@ impl Filesystems for Linux {
         // A loop device number is reused: drop whatever an earlier user of it
         // left in the page cache of what the quick probe reads, so the bytes
         // read are the backing file's.
-        for (at, len) in probe::regions(&mut f) {
+        let size = std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)).unwrap_or(0);
+        for (at, len) in probe::regions(size) {
             let _ = nix::fcntl::posix_fadvise(&f, at as i64, len as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
         }
-        if let Some(found) = probe::quick(&mut f) {
+        if let Some(found) = probe::quick(&f, size) {
             return Ok(Some(found));
         }
         self.full_probe(device)
     }
 
-    fn probe_attached(&self, device: &Path, file: &Path) -> Result<Option<String>, SysError> {
+    fn probe_attached(&self, device: &Path, file: &Path, backing: Option<&File>) -> Result<Option<String>, SysError> {
         // The device is the file rounded down to whole sectors: the same
         // bytes, and the same size for probes that look at the end, when the
         // file is whole sectors. (A file's own cache is its bytes.)
-        let mut f = self.open_regular(file, false)?;
-        if f.metadata().is_ok_and(|m| m.len() % 512 == 0)
-            && let Some(found) = probe::quick(&mut f)
+        let opened;
+        let f = match backing {
+            Some(f) => f,
+            None => {
+                opened = self.open_regular(file, false)?;
+                &opened
+            }
+        };
+        if let Ok(size) = f.metadata().map(|m| m.len())
+            && size % 512 == 0
+            && let Some(found) = probe::quick(f, size)
         {
             return Ok(Some(found));
         }

@@ -63,6 +63,17 @@ pub struct FileId {
     pub ino: u64,
 }
 
+/// What [`Devices::loop_attach_or_reuse`] did.
+#[derive(Debug)]
+pub enum LoopAttach {
+    /// A device already over the file, kept for the new user.
+    Reused(PathBuf),
+    /// A device attached now; with the file as attached, open for reading
+    /// (when the node opened it for the attach), so that what it holds is
+    /// read from it and not from whatever its path leads to later.
+    Attached { device: PathBuf, backing: Option<std::fs::File> },
+}
+
 /// A procfs file, in one or two reads: proc files report no size, so
 /// std's read would grow its buffer from 32 bytes, a syscall per doubling.
 pub(crate) fn read_proc(path: &Path) -> std::io::Result<String> {
@@ -212,6 +223,23 @@ pub trait Devices: Send + Sync {
     fn loop_keep(&self, device: &Path, backing: FileId) -> Result<bool, SysError>;
     /// The identity of `file`; none when nothing is there.
     fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError>;
+    /// The loop device over `file` (by identity: a file reached by another
+    /// path, or swapped for another under the same name, is told apart),
+    /// kept for a new user — one whose detach the kernel deferred is taken
+    /// back (see [`loop_keep`](Self::loop_keep)); else `file` attached as
+    /// [`loop_attach`](Self::loop_attach) does. Here by path, a lookup
+    /// each; the node itself resolves `file` once, so the file looked up is
+    /// the file attached.
+    fn loop_attach_or_reuse(&self, file: &Path, read_only: bool) -> Result<LoopAttach, SysError> {
+        if let Some(id) = self.file_id(file)? {
+            for l in self.loop_devices()?.into_iter().filter(|l| l.backing == Some(id)) {
+                if self.loop_keep(&l.device, id)? {
+                    return Ok(LoopAttach::Reused(l.device));
+                }
+            }
+        }
+        Ok(LoopAttach::Attached { device: self.loop_attach(file, read_only)?, backing: None })
+    }
     /// What is at `path`, without opening it or following it; none when
     /// nothing is there.
     fn kind_of(&self, path: &Path) -> Result<Option<Kind>, SysError>;
@@ -238,8 +266,9 @@ pub trait Filesystems: Send + Sync {
     fn probe(&self, device: &Path) -> Result<Option<String>, SysError>;
     /// [`probe`](Self::probe) of a loop device just attached to `file`
     /// (offset 0, whole file), nothing written through it since: it holds
-    /// exactly the file's bytes, which may be read instead.
-    fn probe_attached(&self, device: &Path, _file: &Path) -> Result<Option<String>, SysError> {
+    /// exactly the file's bytes, which may be read instead — from
+    /// `backing`, the file as attached, when given.
+    fn probe_attached(&self, device: &Path, _file: &Path, _backing: Option<&std::fs::File>) -> Result<Option<String>, SysError> {
         self.probe(device)
     }
     /// Make a filesystem; refused when anything holds the device (mounted,
@@ -445,19 +474,5 @@ impl Sys {
             Some(known) => Ok(known),
             None => Ok(self.mounts.mount_table()?.iter().any(|m| m.mount_point == target)),
         }
-    }
-
-    /// The loop device over `file` (by identity: a file reached by another
-    /// path, or swapped for another under the same name, is told apart),
-    /// kept for a new user: one whose detach the kernel deferred is taken
-    /// back (see [`Devices::loop_keep`]).
-    pub fn reusable_loop(&self, file: &Path) -> Result<Option<PathBuf>, SysError> {
-        let Some(id) = self.devices.file_id(file)? else { return Ok(None) };
-        for l in self.devices.loop_devices()?.into_iter().filter(|l| l.backing == Some(id)) {
-            if self.devices.loop_keep(&l.device, id)? {
-                return Ok(Some(l.device));
-            }
-        }
-        Ok(None)
     }
 }

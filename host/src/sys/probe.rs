@@ -4,7 +4,6 @@
 //! the device, where a look at the first blocks never gets.
 
 use std::fs::File;
-use std::io::{Seek, SeekFrom};
 use std::os::unix::fs::FileExt;
 
 /// How much of the end of a device is searched for the superblocks that
@@ -16,9 +15,9 @@ const TAIL_BYTES: u64 = 132 << 10;
 /// little-endian here) in 0.90.
 const MD_MAGIC: [u8; 4] = 0xa92b4efc_u32.to_le_bytes();
 
-/// The byte ranges [`quick`] reads of `f`: the first 4 KiB and the tail.
-pub fn regions(f: &mut File) -> [(u64, u64); 2] {
-    let size = f.seek(SeekFrom::End(0)).unwrap_or(0);
+/// The byte ranges [`quick`] reads of `size` bytes: the first 4 KiB and
+/// the tail.
+pub fn regions(size: u64) -> [(u64, u64); 2] {
     let start = size.saturating_sub(TAIL_BYTES) & !511;
     [(0, 4096), (start, size - start)]
 }
@@ -26,8 +25,8 @@ pub fn regions(f: &mut File) -> [(u64, u64); 2] {
 /// The quick answer for the common case of the mount path, which saves
 /// running blkid (about 5 ms): the ext4 or xfs superblock at its place at
 /// the start, and no RAID or DRBD superblock at the end. None is for the
-/// full probe to decide, blank included.
-pub fn quick(f: &mut File) -> Option<String> {
+/// full probe to decide, blank included. `f` is `size` bytes long.
+pub fn quick(f: &File, size: u64) -> Option<String> {
     let mut head = vec![0u8; 4096];
     f.read_exact_at(&mut head, 0).ok()?;
     // ext2/3/4: magic 0xEF53 at 1024 + 56; a journal (ext3+) and extents
@@ -43,7 +42,7 @@ pub fn quick(f: &mut File) -> Option<String> {
     // A RAID 1 member with its superblock at the end (md 0.90, 1.0) holds
     // the array's filesystem at its start: mounting it directly would
     // corrupt the array. Any magic there sends the device to blkid.
-    let [_, (start, len)] = regions(f);
+    let [_, (start, len)] = regions(size);
     let mut tail = vec![0u8; len as usize];
     f.read_exact_at(&mut tail, start).ok()?;
     let suspicious = tail.chunks_exact(512).any(|sector| {
@@ -72,18 +71,22 @@ mod tests {
         f
     }
 
+    fn look(f: File) -> Option<String> {
+        quick(&f, f.metadata().unwrap().len())
+    }
+
     const EXT4: [(u64, &[u8]); 2] = [(1080, &[0x53, 0xEF]), (1120, &[0x40])];
 
     #[test]
     fn knows_ext4_and_xfs_and_defers_the_rest() {
-        assert_eq!(quick(&mut image(1 << 20, &EXT4)), Some("ext4".into()));
-        assert_eq!(quick(&mut image(1 << 20, &[(0, b"XFSB")])), Some("xfs".into()));
+        assert_eq!(look(image(1 << 20, &EXT4)), Some("ext4".into()));
+        assert_eq!(look(image(1 << 20, &[(0, b"XFSB")])), Some("xfs".into()));
         // Blank is never the quick answer; nor ext2, a GPT, LUKS.
-        assert_eq!(quick(&mut image(1 << 20, &[])), None);
-        assert_eq!(quick(&mut image(1 << 20, &[(1080, &[0x53, 0xEF])])), None);
-        assert_eq!(quick(&mut image(1 << 20, &[(512, b"EFI PART")])), None);
-        assert_eq!(quick(&mut image(1 << 20, &[(0, b"LUKS\xba\xbe")])), None);
-        assert_eq!(quick(&mut tempfile::tempfile().unwrap()), None, "too small");
+        assert_eq!(look(image(1 << 20, &[])), None);
+        assert_eq!(look(image(1 << 20, &[(1080, &[0x53, 0xEF])])), None);
+        assert_eq!(look(image(1 << 20, &[(512, b"EFI PART")])), None);
+        assert_eq!(look(image(1 << 20, &[(0, b"LUKS\xba\xbe")])), None);
+        assert_eq!(look(tempfile::tempfile().unwrap()), None, "too small");
     }
 
     #[test]
@@ -93,8 +96,8 @@ mod tests {
         let md090 = ((size & !65535) - 65536, &MD_MAGIC[..]);
         let drbd = (size - 4096, &[0x83u8, 0x74, 0x02, 0x6b][..]);
         for (at, magic) in [md10, md090, drbd] {
-            let mut f = image(size, &[EXT4[0], EXT4[1], (at, magic)]);
-            assert_eq!(quick(&mut f), None, "magic at {at}");
+            let f = image(size, &[EXT4[0], EXT4[1], (at, magic)]);
+            assert_eq!(look(f), None, "magic at {at}");
         }
     }
 
