@@ -6,7 +6,9 @@
 //! calls, ledger and stash commits, the filesystem probe, the extra bind of
 //! its own staging dir. Needs root.
 //! Run: `cargo bench -p volagent --bench csi_cycle`; `CSI_CYCLE_CYCLES`
-//! sets the number of cycles.
+//! sets the number of cycles, `CSI_CYCLE_OTHER_LOOPS` a number of other
+//! loop devices attached on the node meanwhile (as on a node with that many
+//! volumes: each attach and detach looks at every loop device there is).
 
 #[path = "../tests/common.rs"]
 mod common;
@@ -29,6 +31,10 @@ fn cycles() -> usize {
     std::env::var("CSI_CYCLE_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(CYCLES)
 }
 
+fn other_loops() -> usize {
+    std::env::var("CSI_CYCLE_OTHER_LOOPS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // cargo's bench harness protocol
@@ -38,7 +44,7 @@ fn main() {
         std::process::exit(1);
     }
     let scratch = common::RootScratch::enter();
-    for d in ["plugins", "disks", "kubelet", "state", "run"] {
+    for d in ["plugins", "disks", "kubelet", "state", "run", "others"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
     // As on a node: the runtime dir (socket, stash) on a tmpfs.
@@ -47,6 +53,12 @@ fn main() {
     let image = scratch.image("disks/vol.img", 64);
     assert!(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&image).status().expect("mkfs").success());
 
+    // Someone else's, over files of their own: detached with the scratch dir.
+    for i in 0..other_loops() {
+        let file = scratch.image(&format!("others/{i}.img"), 1);
+        let out = Command::new("losetup").args(["-f", "--show"]).arg(&file).output().expect("losetup");
+        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+    }
     let mut kernel = Kernel::new(&scratch, &image);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let mut agent = rt.block_on(AgentUnderTest::start(&scratch, &image));
@@ -68,7 +80,7 @@ fn main() {
     let (stage, unstage) = (summarize(&mut up), summarize(&mut down));
     let kernel = (summarize(&mut k_up), summarize(&mut k_down));
     let row = |name: &str, s: &Summary| println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
-    println!("CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles", cycles());
+    println!("CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles, {} other loop devices attached", cycles(), other_loops());
     row("agent: NodeStage + NodePublish", &stage);
     row("agent: NodeUnpublish + NodeUnstage", &unstage);
     row("kernel alone: attach + mount + bind", &kernel.0);

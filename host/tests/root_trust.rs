@@ -486,9 +486,36 @@ fn a_volume_whose_file_has_a_loop_device_is_mounted_from_that_device() {
     let unmounted = node.driver(&["unmount", &dir]);
     let _ = Command::new("losetup").arg("-d").arg(&dev).status();
     assert_success(&mounted);
-    assert_eq!(seen.0, [dev.clone()], "one device over the file");
+    assert_eq!(seen.0, std::slice::from_ref(&dev), "one device over the file");
     assert_eq!(seen.1.expect("stat the pod dir"), seen.2.expect("stat the device"), "the pod dir is the filesystem on {}", dev.display());
     assert_success(&unmounted);
+    nothing_mounted(&node);
+}
+
+/// The listing by status (for lookups by identity or tag) finds what the
+/// full listing finds, the backing files' paths aside.
+#[test]
+fn loop_devices_by_status_are_the_full_listing_without_paths() {
+    use volagent::sys::{Devices, LoopStatus};
+    let node = Node::start();
+    let images = [node.image("s1.img", 4), node.image("s2.img", 4)];
+    let devices: Vec<PathBuf> = images
+        .iter()
+        .map(|image| {
+            let out = Command::new("losetup").args(["-f", "--show"]).arg(image).output().expect("losetup");
+            PathBuf::from(String::from_utf8(out.stdout).expect("utf8").trim())
+        })
+        .collect();
+    let linux = volagent::sys::linux::Linux::unrooted();
+    let ours = |l: &LoopStatus| devices.contains(&l.device);
+    let full: Vec<LoopStatus> = linux.loop_devices().expect("list").into_iter().map(LoopStatus::from).filter(ours).collect();
+    let by_status: Vec<LoopStatus> = linux.loop_statuses().expect("statuses").into_iter().filter(ours).collect();
+    for d in &devices {
+        let _ = Command::new("losetup").arg("-d").arg(d).status();
+    }
+    assert_eq!(full.len(), 2, "both devices listed: {full:?}");
+    assert!(full.iter().all(|l| l.backing.is_some()), "{full:?}");
+    assert_eq!(by_status, full);
     nothing_mounted(&node);
 }
 

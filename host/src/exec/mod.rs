@@ -635,7 +635,7 @@ impl Run<'_> {
         Ok(self
             .sys
             .devices
-            .loop_devices()?
+            .loop_statuses()?
             .into_iter()
             .filter(|l| (id.is_some() && l.backing == id) || (l.tag == tag && self.freed.contains(&l.number)))
             .map(|l| l.device)

@@ -182,6 +182,9 @@ impl<T: Devices + ?Sized> Devices for Faulty<T> {
     fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError> {
         self.inner.loop_devices()
     }
+    fn loop_statuses(&self) -> Result<Vec<super::LoopStatus>, SysError> {
+        self.inner.loop_statuses()
+    }
     fn loop_detach(&self, device: &Path) -> Result<(), SysError> {
         self.rules.check("detach-device", device)?;
         self.inner.loop_detach(device)

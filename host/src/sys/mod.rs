@@ -107,6 +107,25 @@ pub struct LoopDevice {
     pub number: (u32, u32),
 }
 
+/// A loop device as its status tells it: [`LoopDevice`] without the
+/// backing file's path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoopStatus {
+    pub device: PathBuf,
+    /// The backing file's identity; none when the status is unreadable.
+    pub backing: Option<FileId>,
+    /// Who attached it: an agent's [`Devices::loop_tag`], or anything else.
+    pub tag: String,
+    /// The device's numbers (major, minor).
+    pub number: (u32, u32),
+}
+
+impl From<LoopDevice> for LoopStatus {
+    fn from(l: LoopDevice) -> LoopStatus {
+        LoopStatus { device: l.device, backing: l.backing, tag: l.tag, number: l.number }
+    }
+}
+
 impl LoopDevice {
     /// Whether this device is over a userspace NBD client's `file` (which
     /// lies in the agent's own state dir), by the path the kernel reports:
@@ -211,6 +230,12 @@ pub trait Devices: Send + Sync {
     /// [`loop_tag`](Self::loop_tag), and return the device.
     fn loop_attach(&self, file: &Path, read_only: bool) -> Result<PathBuf, SysError>;
     fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError>;
+    /// [`loop_devices`](Self::loop_devices) without the backing files'
+    /// paths, which the node reads for each device at a cost: for lookups
+    /// by identity or tag.
+    fn loop_statuses(&self) -> Result<Vec<LoopStatus>, SysError> {
+        Ok(self.loop_devices()?.into_iter().map(LoopStatus::from).collect())
+    }
     /// Detach the loop device `device` (`/dev/loopN` only). The kernel
     /// defers it while something still holds the device (a filesystem on it
     /// lazily unmounted while in use): the device then goes when its last
@@ -232,7 +257,7 @@ pub trait Devices: Send + Sync {
     /// the file attached.
     fn loop_attach_or_reuse(&self, file: &Path, read_only: bool) -> Result<LoopAttach, SysError> {
         if let Some(id) = self.file_id(file)? {
-            for l in self.loop_devices()?.into_iter().filter(|l| l.backing == Some(id)) {
+            for l in self.loop_statuses()?.into_iter().filter(|l| l.backing == Some(id)) {
                 if self.loop_keep(&l.device, id)? {
                     return Ok(LoopAttach::Reused(l.device));
                 }
