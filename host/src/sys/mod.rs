@@ -68,9 +68,9 @@ pub struct FileId {
 pub enum LoopAttach {
     /// A device already over the file, kept for the new user.
     Reused(PathBuf),
-    /// A device attached now; with the file as attached, open for reading
-    /// (when the node opened it for the attach), so that what it holds is
-    /// read from it and not from whatever its path leads to later.
+    /// A device attached now; with the file as attached, open (when the
+    /// node opened it for the attach), so that what it holds is read from
+    /// it and not from whatever its path leads to later.
     Attached { device: PathBuf, backing: Option<std::fs::File> },
 }
 
