@@ -503,6 +503,7 @@ fn loop_devices_by_status_are_the_full_listing_without_paths() {
         .iter()
         .map(|image| {
             let out = Command::new("losetup").args(["-f", "--show"]).arg(image).output().expect("losetup");
+            assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
             PathBuf::from(String::from_utf8(out.stdout).expect("utf8").trim())
         })
         .collect();
