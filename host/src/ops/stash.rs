@@ -96,7 +96,46 @@ fn decode_record(bytes: &[u8]) -> Option<(String, &[u8])> {
     Some((String::from_utf8(key.to_vec()).ok()?, value))
 }
 
-type Tables = BTreeMap<&'static str, BTreeMap<String, Vec<u8>>>;
+type Tables = BTreeMap<&'static str, BTreeMap<String, Row>>;
+
+/// A value as its file holds it, and once read, as what it decodes to: the
+/// publish and unpublish paths read the same entries several times, and a
+/// decode costs more than the rest of such a read.
+struct Row {
+    bytes: Vec<u8>,
+    decoded: std::sync::OnceLock<Decoded>,
+}
+
+enum Decoded {
+    Entry(Box<Entry>),
+    Publication(Publication),
+}
+
+impl Row {
+    fn new(bytes: Vec<u8>) -> Row {
+        Row { bytes, decoded: std::sync::OnceLock::new() }
+    }
+
+    /// The entry the row holds, decoded at the first read. A value that
+    /// does not decode is not kept: its error comes at every read.
+    fn entry(&self) -> Result<Entry, serde_json::Error> {
+        if let Some(Decoded::Entry(e)) = self.decoded.get() {
+            return Ok(Entry::clone(e));
+        }
+        let entry = decode_entry(&self.bytes)?;
+        let _ = self.decoded.set(Decoded::Entry(Box::new(entry.clone())));
+        Ok(entry)
+    }
+
+    fn publication(&self) -> Result<Publication, serde_json::Error> {
+        if let Some(Decoded::Publication(p)) = self.decoded.get() {
+            return Ok(p.clone());
+        }
+        let publication: Publication = serde_json::from_slice(&self.bytes)?;
+        let _ = self.decoded.set(Decoded::Publication(publication.clone()));
+        Ok(publication)
+    }
+}
 
 impl Stash {
     /// Open (or create) the stash in `dir` and read it. Temporary files
@@ -131,10 +170,10 @@ impl Stash {
                 let record = read_record_file(&item.path()).map_err(|e| err(&item.path(), &e))?.unwrap_or_default();
                 match decode_record(&record) {
                     Some((key, value)) if file_name(&key) == name => {
-                        rows.insert(key, value.to_vec());
+                        rows.insert(key, Row::new(value.to_vec()));
                     }
                     _ if table == QUARANTINE => {
-                        rows.insert(name, record);
+                        rows.insert(name, Row::new(record));
                     }
                     _ => damaged.push((table, name)),
                 }
@@ -186,12 +225,12 @@ impl Stash {
             let _ = std::fs::remove_file(&tmp);
             return Err(self.err_at(&path, &e));
         }
-        tables.entry(table).or_default().insert(key.to_string(), value.to_vec());
+        tables.entry(table).or_default().insert(key.to_string(), Row::new(value.to_vec()));
         Ok(())
     }
 
-    fn read(&self, table: &str, key: &str) -> Option<Vec<u8>> {
-        self.tables().get(table).and_then(|rows| rows.get(key).cloned())
+    fn contains(&self, table: &str, key: &str) -> bool {
+        self.tables().get(table).is_some_and(|rows| rows.contains_key(key))
     }
 
     fn remove_key(&self, table: &'static str, key: &str) -> Result<(), StashError> {
@@ -206,8 +245,10 @@ impl Stash {
         }
     }
 
-    fn rows(&self, table: &str) -> Vec<(String, Vec<u8>)> {
-        self.tables().get(table).map(|rows| rows.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default()
+    /// What `f` makes of each row of `table` (under the lock: `f` must not
+    /// touch the stash).
+    fn rows<T>(&self, table: &str, f: impl Fn(&String, &Row) -> T) -> Vec<T> {
+        self.tables().get(table).map(|rows| rows.iter().map(|(k, v)| f(k, v)).collect()).unwrap_or_default()
     }
 
     /// Move the entry of `key` (its file `name`) out of the way: it cannot
@@ -222,15 +263,15 @@ impl Stash {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(self.err_at(&from, &e)),
             _ => {}
         }
-        let value = tables.entry(MOUNTS).or_default().remove(key).unwrap_or_default();
-        tables.entry(QUARANTINE).or_default().insert(key.to_string(), value);
+        let value = tables.entry(MOUNTS).or_default().remove(key).map(|row| row.bytes).unwrap_or_default();
+        tables.entry(QUARANTINE).or_default().insert(key.to_string(), Row::new(value));
         Ok(())
     }
 
     /// The keys (mount dirs) of quarantined entries; a file that was no
     /// record is named by its file name.
     pub fn quarantined(&self) -> Result<Vec<String>, StashError> {
-        Ok(self.rows(QUARANTINE).into_iter().map(|(key, _)| key).collect())
+        Ok(self.rows(QUARANTINE, |key, _| key.clone()))
     }
 
     pub fn put(&self, entry: &Entry) -> Result<(), StashError> {
@@ -241,10 +282,11 @@ impl Stash {
     /// The entry of `mount_dir`; none when there is none or it could not
     /// be decoded (it is then quarantined).
     pub fn get(&self, mount_dir: &str) -> Result<Option<Entry>, StashError> {
-        let Some(bytes) = self.read(MOUNTS, mount_dir) else { return Ok(None) };
-        match decode_entry(&bytes) {
-            Ok(entry) => Ok(Some(entry)),
-            Err(e) => {
+        let decoded = self.tables().get(MOUNTS).and_then(|rows| rows.get(mount_dir)).map(Row::entry);
+        match decoded {
+            None => Ok(None),
+            Some(Ok(entry)) => Ok(Some(entry)),
+            Some(Err(e)) => {
                 self.quarantine(mount_dir, &file_name(mount_dir), &e)?;
                 Ok(None)
             }
@@ -268,8 +310,8 @@ impl Stash {
     /// is then unpublished from the mount table alone).
     pub fn publications(&self) -> Result<Vec<Publication>, StashError> {
         let mut out = Vec::new();
-        for (target, bytes) in self.rows(PUBLISHED) {
-            match serde_json::from_slice(&bytes) {
+        for (target, decoded) in self.rows(PUBLISHED, |target, row| (target.clone(), row.publication())) {
+            match decoded {
                 Ok(p) => out.push(p),
                 Err(e) => tracing::error!(stash = %self.dir.display(), target, "undecodable publication ignored: {e}"),
             }
@@ -280,8 +322,8 @@ impl Stash {
     /// Every entry that can be decoded; the others are quarantined.
     pub fn all(&self) -> Result<Vec<Entry>, StashError> {
         let mut out = Vec::new();
-        for (key, bytes) in self.rows(MOUNTS) {
-            match decode_entry(&bytes) {
+        for (key, decoded) in self.rows(MOUNTS, |key, row| (key.clone(), row.entry())) {
+            match decoded {
                 Ok(entry) => out.push(entry),
                 Err(e) => self.quarantine(&key, &file_name(&key), &e)?,
             }
@@ -318,7 +360,7 @@ impl Stash {
         let mut n = 0;
         for (table, rows) in [(MOUNTS, tables.mounts), (PUBLISHED, tables.published), (QUARANTINE, tables.quarantine)] {
             for (key, value) in rows {
-                if self.read(table, &key).is_none() {
+                if !self.contains(table, &key) {
                     self.write(table, &key, &value)?;
                     n += 1;
                 }
@@ -490,6 +532,33 @@ mod tests {
         assert!(!dir.path().join("stash/mounts/.half-written").exists());
         assert_eq!(stash.all().unwrap(), vec![entry(&long)]);
         assert!(stash.quarantined().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_read_entry_is_what_its_file_holds_now() {
+        // Entries are decoded once and kept: every change of the file must
+        // reach the reads after it.
+        let dir = tempfile::tempdir().unwrap();
+        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        stash.put(&entry("/k/pods/a")).unwrap();
+        assert_eq!(stash.get("/k/pods/a").unwrap(), Some(entry("/k/pods/a")));
+        let mut changed = entry("/k/pods/a");
+        changed.volume.name = "pv2".into();
+        stash.put(&changed).unwrap();
+        assert_eq!(stash.get("/k/pods/a").unwrap(), Some(changed.clone()), "the new entry, not the one read before");
+        assert_eq!(stash.all().unwrap(), vec![changed]);
+        stash.put_raw("/k/pods/a", b"{not json").unwrap();
+        assert_eq!(stash.get("/k/pods/a").unwrap(), None, "damaged since the last read: quarantined");
+        assert_eq!(stash.quarantined().unwrap(), ["/k/pods/a"]);
+        stash.put(&entry("/k/pods/a")).unwrap();
+        stash.remove("/k/pods/a").unwrap();
+        assert_eq!(stash.get("/k/pods/a").unwrap(), None);
+        let mut p = Publication { volume: "pv1".into(), backend: "local-pv".into(), staging: "/s".into(), target: "/t".into(), read_only: false, single_pod: true, pod: "ns/p".into() };
+        stash.put_publication(&p).unwrap();
+        assert_eq!(stash.publications().unwrap(), vec![p.clone()]);
+        p.read_only = true;
+        stash.put_publication(&p).unwrap();
+        assert_eq!(stash.publications().unwrap(), vec![p]);
     }
 
     #[test]
