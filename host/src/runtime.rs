@@ -10,13 +10,75 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 /// and back costs two thread wake-ups, 40–70 µs each on a small VM: more
 /// than the work itself. Work that may hang (a mount, a path on a network
 /// filesystem) still goes to a blocking thread, under a deadline. On a
-/// current-thread runtime (tests, one-shot commands) `f` simply runs.
+/// current-thread runtime (the CSI threads, tests, one-shot commands) `f`
+/// simply runs.
 pub fn in_place<R>(f: impl FnOnce() -> R) -> R {
     match Handle::try_current() {
         // Already blocking this worker on purpose (see [`on_worker`]).
         Ok(_) if HOLDING.get() => f(),
         Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
         _ => f(),
+    }
+}
+
+/// Where a request's steps may run: on the calling task's thread (through
+/// [`on_worker`], holding the guard meanwhile) or, when None, on a blocking
+/// thread under the plan deadline. A CSI thread ([`crate::csi::threads`])
+/// runs local steps itself while another CSI thread stays free to take
+/// kubelet's next calls — a step the kernel holds keeps its thread, and no
+/// timer of that thread fires meanwhile — and never steps that wait on a
+/// network. Another current-thread runtime (tests, one-shot commands) runs
+/// local steps itself too; a multi-thread runtime decides in [`on_worker`].
+pub fn run_here(local: bool) -> Option<Here> {
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::CurrentThread => {}
+        _ => return Some(Here { csi: false }),
+    }
+    if !local {
+        return None;
+    }
+    if !CSI_THREAD.get() {
+        return Some(Here { csi: false });
+    }
+    let threads = CSI_THREADS.load(Ordering::Acquire);
+    CSI_BUSY.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n + 1 < threads).then_some(n + 1)).ok().map(|_| Here { csi: true })
+}
+
+/// Steps running on the thread of their request ([`run_here`]).
+pub struct Here {
+    csi: bool,
+}
+
+impl Drop for Here {
+    fn drop(&mut self) {
+        if self.csi {
+            CSI_BUSY.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// CSI threads running, and how many of them run steps right now.
+static CSI_THREADS: AtomicUsize = AtomicUsize::new(0);
+static CSI_BUSY: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static CSI_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The calling thread serves CSI calls from now on ([`crate::csi::threads`]);
+/// the returned guard counts it until the thread ends.
+pub fn csi_thread() -> CsiThread {
+    CSI_THREAD.set(true);
+    CSI_THREADS.fetch_add(1, Ordering::AcqRel);
+    CsiThread
+}
+
+pub struct CsiThread;
+
+impl Drop for CsiThread {
+    fn drop(&mut self) {
+        CSI_THREAD.set(false);
+        CSI_THREADS.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -422,3 +484,4 @@ mod tests {
         assert_eq!(may_take_long(|| 7), 7);
     }
 }
+

@@ -353,6 +353,42 @@ fn fencing_across_nodes() {
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
 }
 
+/// A stage whose steps do not return (held here by the test hook after its
+/// loop attach, as a dead local disk would hold them) keeps the CSI thread
+/// that runs them. kubelet connects anew for every call: the next calls are
+/// taken by the other thread, and another volume stages and unstages
+/// meanwhile; the held stage then ends as it would have.
+#[test]
+fn a_stage_held_in_its_steps_leaves_the_next_calls_served() {
+    let mut node = Node::start();
+    node.stop_agent();
+    node.spawn_agent_env("node-a", &[(volagent::exec::STALL_AFTER_STEP_ENV, "1:5000".to_string())], &[]);
+    let (held_image, free_image) = (node.image("held.img", 64), node.image("free.img", 64));
+    let (held_staging, free_staging) = (staging(&node, "pv-held"), staging(&node, "pv-free"));
+    rt().block_on(async {
+        let mut held_client = node_client(&node, "node-a", "local-pv").await;
+        let started = Instant::now();
+        let request = stage_request("pv-held", &held_staging, &held_image, Mode::SingleNodeWriter);
+        let held = tokio::spawn(async move { held_client.node_stage_volume(request).await });
+        // The held stage is in its stall once its device is attached.
+        while node.scratch.loops().is_empty() {
+            assert!(started.elapsed() < Duration::from_secs(4), "the held stage did not attach its device");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut next = node_client(&node, "node-a", "local-pv").await;
+        next.node_stage_volume(stage_request("pv-free", &free_staging, &free_image, Mode::SingleNodeWriter)).await.expect("stage beside the held one");
+        assert!(node.scratch.mounts().contains(&PathBuf::from(&free_staging)));
+        next.node_unstage_volume(unstage("pv-free", &free_staging)).await.expect("unstage beside the held one");
+        assert!(started.elapsed() < Duration::from_secs(4), "the next calls waited for the held stage: {:?}", started.elapsed());
+        held.await.expect("task").expect("the held stage ends as it would have");
+        assert!(started.elapsed() >= Duration::from_secs(5), "the stage was held");
+        assert_eq!(node.scratch.mounts(), [PathBuf::from(&held_staging)]);
+        let mut c = node_client(&node, "node-a", "local-pv").await;
+        c.node_unstage_volume(unstage("pv-held", &held_staging)).await.expect("unstage");
+    });
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "{:?} {:?}", node.scratch.mounts(), node.scratch.loops());
+}
+
 /// The agent restarted (SIGKILL) with a volume staged and published: the
 /// retried calls are answered from what it recorded, and it cleans up.
 #[test]

@@ -231,7 +231,11 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     // The backends: loaded (and their drivers installed) by the first pass
     // over the plugin dir, then kept in line with it by the watch.
     let (volume_plugin_dir, driver_binary) = driver_target(&args);
-    let csi = (!args.no_csi).then(|| Arc::new(crate::csi::drivers::Drivers::new(agent.clone(), rt.handle().clone(), args.allowed_uids.clone())));
+    let csi_threads = match args.no_csi {
+        true => None,
+        false => Some(crate::csi::threads::CsiThreads::start(crate::csi::threads::THREADS).context("CSI threads")?),
+    };
+    let csi = csi_threads.as_ref().map(|t| Arc::new(crate::csi::drivers::Drivers::new(agent.clone(), rt.handle().clone(), t.handles().to_vec(), args.allowed_uids.clone())));
     if let Some(csi) = &csi {
         agent.serve_csi(csi);
     }
@@ -333,6 +337,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     // A step hanging in the kernel must not hold the exit back: its
     // thread is left behind (reconciliation at the next start settles the
     // volume). Without a bound, dropping the runtime waits for it.
+    if let Some(threads) = csi_threads {
+        threads.stop(EXIT_GRACE);
+    }
     rt.shutdown_timeout(EXIT_GRACE);
     served
 }

@@ -38,7 +38,11 @@ struct Running {
 
 pub struct Drivers {
     agent: Arc<Agent>,
+    /// The agent's runtime: the registration sockets are served there.
     rt: tokio::runtime::Handle,
+    /// The CSI threads' runtimes ([`super::threads`]): each accepts on
+    /// every driver's socket. With none, the drivers are served on `rt`.
+    threads: Vec<tokio::runtime::Handle>,
     allowed_uids: Vec<u32>,
     running: Mutex<BTreeMap<String, Running>>,
     /// Until [`Drivers::start`] (the agent has reconciled), backends added
@@ -74,8 +78,8 @@ fn allowed(listener: UnixListener, uids: Vec<u32>, what: &'static str) -> impl t
 }
 
 impl Drivers {
-    pub fn new(agent: Arc<Agent>, rt: tokio::runtime::Handle, allowed_uids: Vec<u32>) -> Drivers {
-        Drivers { agent, rt, allowed_uids, running: Mutex::default(), waiting: Mutex::new(Some(Default::default())) }
+    pub fn new(agent: Arc<Agent>, rt: tokio::runtime::Handle, threads: Vec<tokio::runtime::Handle>, allowed_uids: Vec<u32>) -> Drivers {
+        Drivers { agent, rt, threads, allowed_uids, running: Mutex::default(), waiting: Mutex::new(Some(Default::default())) }
     }
 
     /// Serve the drivers of the backends added so far, and from now on
@@ -98,17 +102,44 @@ impl Drivers {
         self.running().iter().map(|(b, r)| (b.clone(), r.state.lock().unwrap_or_else(|p| p.into_inner()).clone())).collect()
     }
 
-    /// Serve `router` on `listener` to allowed peers until `until` changes.
-    fn serve(&self, router: tonic::transport::server::Router, listener: UnixListener, socket: &'static str, mut until: tokio::sync::watch::Receiver<bool>, what: String) {
-        let incoming = allowed(listener, self.allowed_uids.clone(), socket);
-        self.rt.spawn(async move {
+    /// Serve `router` on `listener` to allowed peers until `until` changes,
+    /// on `rt`.
+    fn serve(&self, rt: &tokio::runtime::Handle, router: tonic::transport::server::Router, listener: std::os::unix::net::UnixListener, socket: &'static str, mut until: tokio::sync::watch::Receiver<bool>, what: String) {
+        let uids = self.allowed_uids.clone();
+        rt.spawn(async move {
+            // Registered with the runtime that serves it.
+            let listener = match UnixListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!("{what} not served: {e}");
+                    return;
+                }
+            };
             let stopped = async move {
                 let _ = until.changed().await;
             };
-            if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
+            if let Err(e) = router.serve_with_incoming_shutdown(allowed(listener, uids, socket), stopped).await {
                 tracing::error!("{what} stopped serving: {e}");
             }
         });
+    }
+
+    /// Serve `backend`'s driver socket on every CSI thread: each accepts
+    /// connections of its own from the one socket.
+    fn serve_driver(&self, backend: &str, listener: std::os::unix::net::UnixListener, until: &tokio::sync::watch::Receiver<bool>, what: &str) -> std::io::Result<()> {
+        let router = || {
+            let node = NodeServer::new(NodeService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
+            let identity = IdentityServer::new(IdentityService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
+            tonic::transport::Server::builder().add_service(identity).add_service(node)
+        };
+        let on_agent_runtime = [self.rt.clone()];
+        let runtimes = if self.threads.is_empty() { &on_agent_runtime[..] } else { &self.threads[..] };
+        // Every clone first: a failure serves none.
+        let listeners = runtimes.iter().skip(1).map(|_| listener.try_clone()).collect::<std::io::Result<Vec<_>>>()?;
+        for (rt, l) in runtimes.iter().zip(std::iter::once(listener).chain(listeners)) {
+            self.serve(rt, router(), l, "csi", until.clone(), what.to_string());
+        }
+        Ok(())
     }
 
     /// Serve `backend`'s driver (already served is fine).
@@ -127,17 +158,16 @@ impl Drivers {
         let registration = registration_path(&config.kubelet_root, backend);
         // kubelet dials the endpoint as it spells its root.
         let endpoint = socket_path(&config.kubelet_root_given, backend).display().to_string();
-        let _entered = self.rt.enter();
-        let driver_listener = crate::socket::server::bind(&socket).map_err(|e| format!("CSI driver {driver}: {e}"))?;
+        let driver_listener = crate::socket::server::bind_std(&socket).map_err(|e| format!("CSI driver {driver}: {e}"))?;
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let node = NodeServer::new(NodeService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
-        let identity = IdentityServer::new(IdentityService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
-        let router = tonic::transport::Server::builder().add_service(identity).add_service(node);
-        self.serve(router, driver_listener, "csi", stopped.clone(), format!("CSI driver {driver}"));
+        if let Err(e) = self.serve_driver(backend, driver_listener, &stopped, &format!("CSI driver {driver}")) {
+            remove(&socket);
+            return Err(format!("CSI driver {driver}: {}: {e}", socket.display()));
+        }
         // The registration socket last: kubelet calls the driver as soon as
         // it sees it.
         let state = Arc::new(Mutex::new(Registered::NotYet));
-        let reg_listener = match crate::socket::server::bind(&registration) {
+        let reg_listener = match crate::socket::server::bind_std(&registration) {
             Ok(l) => l,
             Err(e) => {
                 let _ = stop.send(true);
@@ -147,7 +177,7 @@ impl Drivers {
         };
         let service = RegistrationServer::new(RegistrationService { driver: driver.clone(), endpoint, state: state.clone() }).max_decoding_message_size(64 << 10);
         let router = tonic::transport::Server::builder().add_service(service);
-        self.serve(router, reg_listener, "registration", stopped, format!("CSI registration of {driver}"));
+        self.serve(&self.rt, router, reg_listener, "registration", stopped, format!("CSI registration of {driver}"));
         tracing::info!(backend, driver, socket = %socket.display(), registration = %registration.display(), "CSI driver serving");
         running.insert(backend.to_string(), Running { stop, socket, registration, state });
         Ok(())

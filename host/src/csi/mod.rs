@@ -11,6 +11,7 @@ mod identity;
 mod node;
 pub mod registration;
 pub mod request;
+pub mod threads;
 
 /// Code generated from `proto/` by the build script.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]

@@ -410,7 +410,8 @@ impl Agent {
     /// volume's `lock` goes with the job, which holds it until it ends.
     /// In a request [`served`] with its answer bounded, the job runs right
     /// here instead (see there), on this very worker when it is `local`
-    /// ([`crate::runtime::on_worker`]).
+    /// ([`crate::runtime::on_worker`]); on a CSI thread, a `local` one
+    /// while another CSI thread is free ([`crate::runtime::run_here`]).
     async fn on_plan_thread<R: Send + 'static, E: From<Failure> + Send + 'static>(
         &self,
         lock: &mut Option<LockGuard>,
@@ -419,7 +420,9 @@ impl Agent {
         job: impl FnOnce(&Executor) -> Result<R, E> + Send + 'static,
     ) -> Result<R, E> {
         let exec = Executor::new(self.sys.clone()).with_secrets(secrets);
-        if STEPS_IN_PLACE.try_with(|_| ()).is_ok() {
+        if STEPS_IN_PLACE.try_with(|_| ()).is_ok()
+            && let Some(_here) = crate::runtime::run_here(local)
+        {
             return crate::runtime::on_worker(local, || job(&exec));
         }
         let mut task = tokio::task::spawn_blocking(move || job(&exec));
@@ -853,7 +856,9 @@ tokio::task_local! {
 /// volume's lock until it ends; it then finishes or rolls back as it would
 /// have, and kubelet's retry finds the volume done or the operation in
 /// progress. Kubelet cancelling the call cannot cut the operation short
-/// half-way either.
+/// half-way either. On a CSI thread ([`crate::csi::threads`]) nothing
+/// answers for a local step the kernel holds: the thread is the step's
+/// until it returns, and kubelet's next call goes to the other thread.
 ///
 /// The operation's own result, or why it has none: still running at the
 /// deadline (or its task failed).

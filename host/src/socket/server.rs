@@ -43,6 +43,12 @@ pub fn ensure_free(path: &Path) -> Result<(), ServerError> {
 /// Bind the socket: a stale socket file left by a dead agent is replaced; a
 /// live one is not.
 pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    UnixListener::from_std(bind_std(path)?).map_err(|source| ServerError::Bind { path: path.to_path_buf(), source })
+}
+
+/// [`bind`], the listener not yet registered with a runtime (non-blocking,
+/// as a runtime takes it): for a socket served on another runtime.
+pub fn bind_std(path: &Path) -> Result<std::os::unix::net::UnixListener, ServerError> {
     let err = |source| ServerError::Bind { path: path.to_path_buf(), source };
     ensure_free(path)?;
     if path.exists() {
@@ -51,7 +57,8 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
-    let listener = UnixListener::bind(path).map_err(err)?;
+    let listener = std::os::unix::net::UnixListener::bind(path).map_err(err)?;
+    listener.set_nonblocking(true).map_err(err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
     Ok(listener)
 }
