@@ -296,10 +296,20 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             ),
             Err(f) => tracing::error!("start-up reconciliation failed: {}", f.message),
         }
-        let listener = server::bind(&socket)?;
+        // The CSI drivers first: a caller that finds the agent's socket
+        // answering finds their sockets answering too.
         if let Some(csi) = &csi {
             csi.start();
         }
+        let listener = match server::bind(&socket) {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(csi) = &csi {
+                    csi.stop_all();
+                }
+                return Err(e.into());
+            }
+        };
         if let Some(watch) = watch {
             tokio::spawn(async move {
                 if let Err(e) = crate::plugin::watch::run(watch, reloader).await {
