@@ -24,14 +24,16 @@ pub const THREADS: usize = 2;
 
 pub struct CsiThreads {
     handles: Vec<Handle>,
-    stop: tokio::sync::watch::Sender<bool>,
+    /// Set when the threads are to stop: how long each waits for the steps
+    /// it handed to blocking threads.
+    stop: tokio::sync::watch::Sender<Option<Duration>>,
     ended: mpsc::Receiver<()>,
 }
 
 impl CsiThreads {
     /// Start `n` threads, each with its runtime ready.
     pub fn start(n: usize) -> std::io::Result<CsiThreads> {
-        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let (stop, stopped) = tokio::sync::watch::channel(None);
         let (ended_tx, ended) = mpsc::channel();
         let mut handles = Vec::with_capacity(n);
         for i in 0..n {
@@ -47,13 +49,11 @@ impl CsiThreads {
                 };
                 let counted = crate::runtime::csi_thread();
                 let _ = ready_tx.send(Ok(rt.handle().clone()));
-                rt.block_on(async move {
-                    // The sender dropped stops the thread too.
-                    let _ = stopped.wait_for(|stop| *stop).await;
-                });
+                // The sender dropped stops the thread too, at once.
+                let grace = rt.block_on(async move { stopped.wait_for(Option::is_some).await.ok().and_then(|g| *g).unwrap_or_default() });
                 // Calls cut here are settled as on the main runtime: by
                 // kubelet's retry, or the next start's reconciliation.
-                rt.shutdown_timeout(Duration::ZERO);
+                rt.shutdown_timeout(grace);
                 drop(counted);
                 let _ = ended_tx.send(());
             })?;
@@ -67,10 +67,11 @@ impl CsiThreads {
         &self.handles
     }
 
-    /// Stop the threads, waiting up to `grace` for them to end: a thread in
-    /// a step the kernel holds is left behind, as the main runtime's are.
+    /// Stop the threads, waiting up to `grace` for them to end (and each
+    /// for its steps on blocking threads): a thread in a step the kernel
+    /// holds is left behind, as the main runtime's are.
     pub fn stop(self, grace: Duration) {
-        let _ = self.stop.send(true);
+        let _ = self.stop.send(Some(grace));
         let deadline = Instant::now() + grace;
         for _ in 0..self.handles.len() {
             if self.ended.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_err() {
