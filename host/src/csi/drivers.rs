@@ -41,7 +41,7 @@ pub struct Drivers {
     /// The agent's runtime: the registration sockets are served there.
     rt: tokio::runtime::Handle,
     /// The CSI threads' runtimes ([`super::threads`]): each accepts on
-    /// every driver's socket. With none, the drivers are served on `rt`.
+    /// every driver's socket.
     threads: Vec<tokio::runtime::Handle>,
     allowed_uids: Vec<u32>,
     running: Mutex<BTreeMap<String, Running>>,
@@ -102,23 +102,15 @@ impl Drivers {
         self.running().iter().map(|(b, r)| (b.clone(), r.state.lock().unwrap_or_else(|p| p.into_inner()).clone())).collect()
     }
 
-    /// Serve `router` on `listener` to allowed peers until `until` changes,
-    /// on `rt`.
-    fn serve(&self, rt: &tokio::runtime::Handle, router: tonic::transport::server::Router, listener: std::os::unix::net::UnixListener, socket: &'static str, mut until: tokio::sync::watch::Receiver<bool>, what: String) {
-        let uids = self.allowed_uids.clone();
+    /// Serve `router` on `listener` (registered with `rt`) to allowed peers
+    /// until `until` changes, on `rt`.
+    fn serve(&self, rt: &tokio::runtime::Handle, router: tonic::transport::server::Router, listener: UnixListener, socket: &'static str, mut until: tokio::sync::watch::Receiver<bool>, what: String) {
+        let incoming = allowed(listener, self.allowed_uids.clone(), socket);
         rt.spawn(async move {
-            // Registered with the runtime that serves it.
-            let listener = match UnixListener::from_std(listener) {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::error!("{what} not served: {e}");
-                    return;
-                }
-            };
             let stopped = async move {
                 let _ = until.changed().await;
             };
-            if let Err(e) = router.serve_with_incoming_shutdown(allowed(listener, uids, socket), stopped).await {
+            if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
                 tracing::error!("{what} stopped serving: {e}");
             }
         });
@@ -132,11 +124,17 @@ impl Drivers {
             let identity = IdentityServer::new(IdentityService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
             tonic::transport::Server::builder().add_service(identity).add_service(node)
         };
-        let on_agent_runtime = [self.rt.clone()];
-        let runtimes = if self.threads.is_empty() { &on_agent_runtime[..] } else { &self.threads[..] };
-        // Every clone first: a failure serves none.
-        let listeners = runtimes.iter().skip(1).map(|_| listener.try_clone()).collect::<std::io::Result<Vec<_>>>()?;
-        for (rt, l) in runtimes.iter().zip(std::iter::once(listener).chain(listeners)) {
+        // Every thread's listener first, each registered with the runtime
+        // that serves it: a failure serves none.
+        let mut listeners = Vec::with_capacity(self.threads.len());
+        for rt in &self.threads {
+            let _entered = rt.enter();
+            listeners.push(UnixListener::from_std(listener.try_clone()?)?);
+        }
+        if listeners.is_empty() {
+            return Err(std::io::Error::other("no CSI thread to serve it"));
+        }
+        for (rt, l) in self.threads.iter().zip(listeners) {
             self.serve(rt, router(), l, "csi", until.clone(), what.to_string());
         }
         Ok(())
@@ -167,7 +165,8 @@ impl Drivers {
         // The registration socket last: kubelet calls the driver as soon as
         // it sees it.
         let state = Arc::new(Mutex::new(Registered::NotYet));
-        let reg_listener = match crate::socket::server::bind_std(&registration) {
+        let _entered = self.rt.enter();
+        let reg_listener = match crate::socket::server::bind(&registration) {
             Ok(l) => l,
             Err(e) => {
                 let _ = stop.send(true);
