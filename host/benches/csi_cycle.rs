@@ -1,14 +1,19 @@
 //! NodeStage + NodePublish, then NodeUnpublish + NodeUnstage, of a
 //! pre-formatted local-pv volume over the agent's CSI socket, as kubelet
 //! makes them, against the kernel's own work for the same cycle measured
-//! in the same run (loop attach, mount, bind; two unmounts, loop detach,
-//! as bare syscalls). The difference is the agent's overhead: gRPC, policy
-//! calls, ledger and stash commits, the filesystem probe, the extra bind of
-//! its own staging dir. Needs root.
+//! in the same run (the pod's dir made, loop attach, mount, bind; two
+//! unmounts, loop detach, the pod's dir removed, as bare syscalls: CSI
+//! leaves the pod's dir to the driver). The difference is the agent's
+//! overhead: gRPC, policy calls, ledger and stash commits, the filesystem
+//! probe, the checks. Needs root.
 //! Run: `cargo bench -p volagent --bench csi_cycle`; `CSI_CYCLE_CYCLES`
 //! sets the number of cycles, `CSI_CYCLE_OTHER_LOOPS` a number of other
 //! loop devices attached on the node meanwhile (as on a node with that many
 //! volumes: each attach and detach looks at every loop device there is).
+//! `CSI_CYCLE_COMPARE=<volagent binary>[:<another>…]` runs those builds
+//! too, as further agents in the same run, their cycles interleaved with
+//! the first's and the kernel's (the VM's speed drifts by tens of per cent
+//! between runs; a change worth tens of µs shows only within one run).
 
 #[path = "../tests/common.rs"]
 mod common;
@@ -35,6 +40,18 @@ fn other_loops() -> usize {
     std::env::var("CSI_CYCLE_OTHER_LOOPS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
+/// Other builds of the agent to run beside this one.
+fn compare() -> Vec<PathBuf> {
+    std::env::var_os("CSI_CYCLE_COMPARE").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default()
+}
+
+/// One agent's samples.
+#[derive(Default)]
+struct Samples {
+    up: Vec<Duration>,
+    down: Vec<Duration>,
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // cargo's bench harness protocol
@@ -44,12 +61,9 @@ fn main() {
         std::process::exit(1);
     }
     let scratch = common::RootScratch::enter();
-    for d in ["plugins", "disks", "kubelet", "state", "run", "others"] {
+    for d in ["disks", "others"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
-    // As on a node: the runtime dir (socket, stash) on a tmpfs.
-    nix::mount::mount(Some("tmpfs"), &scratch.path("run"), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs for the runtime dir");
-    std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
     let image = scratch.image("disks/vol.img", 64);
     assert!(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&image).status().expect("mkfs").success());
 
@@ -59,40 +73,65 @@ fn main() {
         let out = Command::new("losetup").args(["-f", "--show"]).arg(&file).output().expect("losetup");
         assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let mut kernel = Kernel::new(&scratch, &image);
+    let mut kernel = Kernel::csi(&scratch, &image);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let mut agent = rt.block_on(AgentUnderTest::start(&scratch, &image));
-    let rpc = rt.block_on(agent.rpc_latency());
-    println!("gRPC round trip (NodeGetCapabilities): p50 {:.2} ms", rpc.p50 / 1e3);
-    // Interleaved, alternating which goes first: the disk's latency drifts
-    // with whatever else writes to it, so both sides must see the same disk.
-    let (mut up, mut down, mut k_up, mut k_down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for i in 0..cycles() {
-        if i % 2 == 0 {
-            kernel.cycle(&mut k_up, &mut k_down);
-            rt.block_on(agent.cycle(&mut up, &mut down));
-        } else {
-            rt.block_on(agent.cycle(&mut up, &mut down));
-            kernel.cycle(&mut k_up, &mut k_down);
+    let this = PathBuf::from(env!("CARGO_BIN_EXE_volagent"));
+    let mut agents = vec![rt.block_on(AgentUnderTest::start(&scratch, "a", &this, &image))];
+    for (i, other) in compare().iter().enumerate() {
+        // Each its own volume (a copy of the same filesystem) and dirs.
+        let name = format!("other-{i}");
+        let copy = scratch.path(&format!("disks/{name}.img"));
+        std::fs::copy(&image, &copy).expect("copy of the volume");
+        agents.push(rt.block_on(AgentUnderTest::start(&scratch, &name, other, &copy)));
+    }
+    for a in agents.iter_mut() {
+        let rpc = rt.block_on(a.rpc_latency());
+        println!("{}: gRPC round trip (NodeGetCapabilities): p50 {:.2} ms", a.binary.display(), rpc.p50 / 1e3);
+    }
+    // Interleaved, in a new order every cycle: the disk's latency drifts
+    // with whatever else writes to it, so all must see the same disk, and
+    // none may keep following the same one (what ran just before warms or
+    // cools what runs next).
+    let mut samples: Vec<Samples> = (0..agents.len()).map(|_| Samples::default()).collect();
+    let mut k = Samples::default();
+    let mut order: Vec<usize> = (0..=agents.len()).collect();
+    let mut rng = fastrand::Rng::with_seed(0x5eed);
+    for _ in 0..cycles() {
+        rng.shuffle(&mut order);
+        for &turn in &order {
+            match turn {
+                0 => kernel.cycle(&mut k.up, &mut k.down),
+                n => {
+                    let s = &mut samples[n - 1];
+                    rt.block_on(agents[n - 1].cycle(&mut s.up, &mut s.down))
+                }
+            }
         }
     }
-    drop(agent);
-    let (stage, unstage) = (summarize(&mut up), summarize(&mut down));
-    let kernel = (summarize(&mut k_up), summarize(&mut k_down));
+    let binaries: Vec<PathBuf> = agents.iter().map(|a| a.binary.clone()).collect();
+    drop(agents);
+    let kernel = (summarize(&mut k.up), summarize(&mut k.down));
     let row = |name: &str, s: &Summary| println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
     println!("CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles, {} other loop devices attached", cycles(), other_loops());
-    row("agent: NodeStage + NodePublish", &stage);
-    row("agent: NodeUnpublish + NodeUnstage", &unstage);
-    row("kernel alone: attach + mount + bind", &kernel.0);
-    row("kernel alone: unmount x2 + detach", &kernel.1);
-    println!(
-        "agent overhead per stage + publish (p50, total minus kernel): {:.2} ms (target <= 1 ms); per unpublish + unstage: {:.2} ms",
-        (stage.p50 - kernel.0.p50) / 1e3,
-        (unstage.p50 - kernel.1.p50) / 1e3
-    );
+    row("kernel alone: mkdir + attach + mount + bind", &kernel.0);
+    row("kernel alone: unmount x2 + detach + rmdir", &kernel.1);
+    for (binary, s) in binaries.iter().zip(samples.iter_mut()) {
+        let (stage, unstage) = (summarize(&mut s.up), summarize(&mut s.down));
+        if binaries.len() > 1 {
+            println!("{}:", binary.display());
+        }
+        row("agent: NodeStage + NodePublish", &stage);
+        row("agent: NodeUnpublish + NodeUnstage", &unstage);
+        println!(
+            "agent overhead per stage + publish (p50, total minus kernel): {:.2} ms (target <= 1 ms); per unpublish + unstage: {:.2} ms",
+            (stage.p50 - kernel.0.p50) / 1e3,
+            (unstage.p50 - kernel.1.p50) / 1e3
+        );
+    }
 }
 
 struct AgentUnderTest {
+    binary: PathBuf,
     agent: Child,
     client: NodeClient<tonic::transport::Channel>,
     image: String,
@@ -101,13 +140,22 @@ struct AgentUnderTest {
 }
 
 impl AgentUnderTest {
-    async fn start(scratch: &common::RootScratch, image: &Path) -> AgentUnderTest {
-        let kubelet = scratch.path("kubelet");
-        let agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    /// The agent `binary` with dirs of its own under `name`.
+    async fn start(scratch: &common::RootScratch, name: &str, binary: &Path, image: &Path) -> AgentUnderTest {
+        let dir = |d: &str| {
+            let p = scratch.path(&format!("{name}/{d}"));
+            std::fs::create_dir_all(&p).expect("dir");
+            p
+        };
+        let kubelet = dir("kubelet");
+        // As on a node: the runtime dir (socket, stash) on a tmpfs.
+        nix::mount::mount(Some("tmpfs"), &dir("run"), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs for the runtime dir");
+        std::fs::copy(volagent_test_artifacts::LOCAL_PV, dir("plugins").join("local-pv.wasm")).expect("plugin");
+        let agent = Command::new(binary)
             .args(["agent", "--node-name", "node-a", "--no-driver-install"])
-            .arg("--state-dir").arg(scratch.path("state"))
-            .arg("--runtime-dir").arg(scratch.path("run"))
-            .arg("--plugin-dir").arg(scratch.path("plugins"))
+            .arg("--state-dir").arg(dir("state"))
+            .arg("--runtime-dir").arg(dir("run"))
+            .arg("--plugin-dir").arg(dir("plugins"))
             .arg("--kubelet-root").arg(&kubelet)
             .arg("--discovery-dir").arg(scratch.path("disks"))
             .stdout(Stdio::null())
@@ -124,7 +172,7 @@ impl AgentUnderTest {
         let staging = kubelet.join("plugins/kubernetes.io/csi/pv/pv1/globalmount");
         let target = kubelet.join("pods/uid-1/volumes/kubernetes.io~csi/pv1/mount");
         std::fs::create_dir_all(target.parent().expect("parent")).expect("dir");
-        AgentUnderTest { agent, client, image: image.display().to_string(), staging, target }
+        AgentUnderTest { binary: binary.to_path_buf(), agent, client, image: image.display().to_string(), staging, target }
     }
 
     /// The floor every call pays: a round trip on the socket through
