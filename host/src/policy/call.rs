@@ -12,6 +12,7 @@ use super::imports::CallState;
 use super::load::{Plugin, Pre};
 use super::queries::Queries;
 use super::runtime::Runtime;
+use super::spare::{self, Ready, Spares};
 use super::validate::{self, Operation, PlanError};
 use std::sync::Arc;
 use wasmtime::{Store, Trap};
@@ -46,42 +47,62 @@ impl CallError {
 /// One call on a fresh store and instance, under the runtime's limits: a
 /// deadline and a memory cap. Nothing survives the call, so nothing leaks
 /// between calls, volumes or operations, and a trapped instance is gone.
+/// The instance is `ready` when it was made ahead of the call
+/// ([`super::spare`]); the store then goes back to the janitor, which
+/// drops it and makes up `spares`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn invoke<I, R>(
     runtime: &Runtime,
     backend: &Arc<str>,
     queries: Arc<dyn Queries>,
     function: &'static str,
-    instantiate: impl FnOnce(&mut Store<CallState>) -> wasmtime::Result<I>,
+    ready: Option<Ready<I>>,
+    spares: Option<&Arc<Spares>>,
+    instantiate: impl Fn(&mut Store<CallState>) -> wasmtime::Result<I>,
     f: impl FnOnce(&I, &mut Store<CallState>) -> wasmtime::Result<R>,
 ) -> Result<R, CallError> {
     let limits = runtime.limits;
     let _calling = runtime.calling();
-    let mut store = Store::new(&runtime.engine, CallState::new(backend.clone(), queries, limits));
-    store.limiter(|s| &mut s.memory);
-    store.epoch_deadline_trap();
-    store.set_epoch_deadline(limits.deadline_ticks());
-    let instance = match instantiate(&mut store) {
-        Ok(instance) => instance,
-        // A start function that traps or loops is the guest's fault;
-        // anything else (e.g. every pool slot in use) is the host's.
-        Err(e) if e.downcast_ref::<Trap>().is_none() && !store.data().memory.refused => {
-            return Err(CallError::Instantiate { backend: backend.to_string(), function, message: format!("{e:#}") });
+    let (mut store, instance) = match ready {
+        Some(Ready { store, instance }) => (store, instance),
+        None => {
+            let mut store = spare::new_store(&runtime.engine, backend.clone(), queries.clone(), &limits);
+            let mut made = instantiate(&mut store);
+            // Every slot in use: those of instances made ahead, and of used
+            // ones not dropped yet, go to calls.
+            if matches!(&made, Err(e) if !spare::guest_fault(&store, e)) && (runtime.release_spares() | runtime.janitor.settle()) {
+                store = spare::new_store(&runtime.engine, backend.clone(), queries, &limits);
+                made = instantiate(&mut store);
+            }
+            match made {
+                Ok(instance) => (store, instance),
+                // A start function that traps or loops is the guest's fault;
+                // anything else (e.g. every pool slot in use) is the host's.
+                Err(e) if !spare::guest_fault(&store, &e) => {
+                    return Err(CallError::Instantiate { backend: backend.to_string(), function, message: format!("{e:#}") });
+                }
+                Err(e) => return Err(fault(&store, backend, function, e)),
+            }
         }
-        Err(e) => return Err(fault(&store, backend, function, e)),
     };
     let result = f(&instance, &mut store);
     let dropped = store.data().dropped_log_lines();
     if dropped > 0 {
         tracing::warn!(backend = &**backend, function, dropped, "guest log lines over the per-call limit were dropped");
     }
-    result.map_err(|e| fault(&store, backend, function, e))
+    let result = result.map_err(|e| fault(&store, backend, function, e));
+    drop(instance);
+    if let Some(spares) = spares {
+        runtime.janitor.retire(Some(store), spares);
+    }
+    result
 }
 
 /// `info`, of a guest of either contract.
 pub(crate) fn call_info(runtime: &Runtime, pre: &Pre, backend: &Arc<str>, queries: Arc<dyn Queries>) -> Result<BackendInfo, CallError> {
     match pre {
-        Pre::Current(pre) => invoke(runtime, backend, queries, "info", |s| pre.instantiate(s), |b, s| b.volagent_policy_policy().call_info(s)),
-        Pre::V0_4(pre) => invoke(runtime, backend, queries, "info", |s| pre.instantiate(s), |b, s| convert(&b.volagent_policy_policy().call_info(s)?)),
+        Pre::Current(pre) => invoke(runtime, backend, queries, "info", None, None, |s| pre.instantiate(s), |b, s| b.volagent_policy_policy().call_info(s)),
+        Pre::V0_4(pre) => invoke(runtime, backend, queries, "info", None, None, |s| pre.instantiate(s), |b, s| convert(&b.volagent_policy_policy().call_info(s)?)),
     }
 }
 
@@ -135,9 +156,15 @@ impl Plugin {
     ) -> Result<R, CallError> {
         let start = std::time::Instant::now();
         let result = match (&self.pre, unaskable) {
-            (Pre::Current(pre), _) => invoke(&self.runtime, &self.name, queries, function, |s| pre.instantiate(s), current),
+            (Pre::Current(pre), _) => {
+                let ready = self.spares.take_current(&queries, &self.runtime.limits);
+                invoke(&self.runtime, &self.name, queries, function, ready, Some(&self.spares), |s| pre.instantiate(s), current)
+            }
             (Pre::V0_4(_), Some(refusal)) => Ok(Err(refusal)),
-            (Pre::V0_4(pre), None) => invoke(&self.runtime, &self.name, queries, function, |s| pre.instantiate(s), v0_4),
+            (Pre::V0_4(pre), None) => {
+                let ready = self.spares.take_v0_4(&queries, &self.runtime.limits);
+                invoke(&self.runtime, &self.name, queries, function, ready, Some(&self.spares), |s| pre.instantiate(s), v0_4)
+            }
         }
         .and_then(|r| r.map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error }));
         let outcome = match &result {

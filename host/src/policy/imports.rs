@@ -36,6 +36,13 @@ impl CallState {
         }
     }
 
+    /// An instance made ahead ([`super::spare`]) starts its call: the
+    /// call's queries, and the call's own count of log lines.
+    pub(crate) fn begin_call(&mut self, queries: Arc<dyn Queries>) {
+        self.queries = queries;
+        self.logged = 0;
+    }
+
     pub(crate) fn dropped_log_lines(&self) -> u32 {
         self.logged.saturating_sub(MAX_LOG_LINES)
     }

@@ -47,6 +47,7 @@ pub enum LoadError {
 }
 
 /// A component linked for the contract it speaks.
+#[derive(Clone)]
 pub(crate) enum Pre {
     Current(BackendPre<super::imports::CallState>),
     V0_4(compat::v0_4::BackendPre<super::imports::CallState>),
@@ -57,6 +58,8 @@ pub struct Plugin {
     pub(crate) pre: Pre,
     pub(crate) runtime: Arc<Runtime>,
     pub(crate) name: Arc<str>,
+    /// Instances made ahead of calls.
+    pub(crate) spares: Arc<super::spare::Spares>,
     info: BackendInfo,
     path: PathBuf,
     sha256: String,
@@ -117,10 +120,15 @@ impl Plugin {
         let info = super::call::call_info(runtime, &pre, &provisional, Arc::new(RecordedQueries::default()))
             .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
+        let name: Arc<str> = Arc::from(info.name.as_str());
+        let spares = super::spare::Spares::new(pre.clone(), name.clone());
+        runtime.register_spares(&spares);
+        runtime.janitor.retire(None, &spares);
         Ok(Plugin {
             pre,
             runtime: runtime.clone(),
-            name: Arc::from(info.name.as_str()),
+            name,
+            spares,
             info,
             path: path_buf(),
             sha256,

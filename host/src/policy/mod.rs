@@ -9,6 +9,7 @@ mod imports;
 mod load;
 pub mod queries;
 mod runtime;
+mod spare;
 pub mod scenario;
 pub mod validate;
 

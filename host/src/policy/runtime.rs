@@ -1,6 +1,7 @@
 //! One engine per process: Cranelift, component model, pooling allocator and
 //! epoch interruption ticked from a dedicated thread — only while a guest
-//! call runs, so that an idle agent does not wake 200 times a second.
+//! call runs, so that an idle agent does not wake 200 times a second — and
+//! the janitor ([`super::spare`]), which makes instances ahead of calls.
 
 use super::bindings::Backend;
 use super::imports::CallState;
@@ -55,6 +56,8 @@ pub enum RuntimeError {
     Link(wasmtime::Error),
     #[error("cannot start the epoch ticker thread: {0}")]
     Ticker(std::io::Error),
+    #[error("cannot start the thread that makes instances ahead of calls: {0}")]
+    Janitor(std::io::Error),
 }
 
 /// The engine, the linker with the `host` and WASI imports, and the ticker.
@@ -63,6 +66,10 @@ pub struct Runtime {
     pub(crate) linker: Linker<CallState>,
     pub(crate) limits: Limits,
     ticker: Ticker,
+    pub(crate) janitor: super::spare::Janitor,
+    /// Every backend's instances made ahead: given back when a call finds
+    /// the pool full.
+    spares: Mutex<Vec<std::sync::Weak<super::spare::Spares>>>,
 }
 
 impl Runtime {
@@ -103,20 +110,37 @@ impl Runtime {
             .map_err(RuntimeError::Link)?;
 
         let ticker = Ticker::start(engine.clone()).map_err(RuntimeError::Ticker)?;
-        Ok(Arc::new(Runtime { engine, linker, limits, ticker }))
+        let janitor = super::spare::Janitor::start(engine.clone(), limits, ticker.handle()).map_err(RuntimeError::Janitor)?;
+        Ok(Arc::new(Runtime { engine, linker, limits, ticker, janitor, spares: Mutex::default() }))
     }
 }
 
 impl Drop for Runtime {
     fn drop(&mut self) {
+        // The janitor first: what it makes counts as calls for the ticker.
+        self.janitor.stop();
         self.ticker.stop();
     }
 }
 
 impl Runtime {
     /// Held for the length of a guest call: the epoch advances meanwhile.
-    pub(crate) fn calling(&self) -> Calling<'_> {
-        self.ticker.begin()
+    pub(crate) fn calling(&self) -> Calling {
+        self.ticker.handle.begin()
+    }
+
+    /// Count `spares` among the backends' instances made ahead.
+    pub(crate) fn register_spares(&self, spares: &Arc<super::spare::Spares>) {
+        let mut all = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|s| s.strong_count() > 0);
+        all.push(Arc::downgrade(spares));
+    }
+
+    /// Drop every instance made ahead, of every backend, so that their pool
+    /// slots serve calls; whether there were any.
+    pub(crate) fn release_spares(&self) -> bool {
+        let all: Vec<_> = self.spares.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(|s| s.upgrade()).collect();
+        all.iter().fold(false, |any, s| s.release() || any)
     }
 }
 
@@ -143,22 +167,41 @@ struct TickerState {
 /// runs (and for [`LINGER`] after), so that calls past their deadline
 /// trap; parked otherwise.
 struct Ticker {
-    state: Arc<(Mutex<TickerState>, Condvar)>,
+    handle: TickerHandle,
     thread: Option<JoinHandle<()>>,
 }
 
-/// A guest call, for the ticker: counted until dropped.
-pub(crate) struct Calling<'t> {
-    ticker: &'t Ticker,
+/// Where guest calls are counted for the ticker.
+#[derive(Clone)]
+pub(crate) struct TickerHandle {
+    state: Arc<(Mutex<TickerState>, Condvar)>,
 }
 
-impl Drop for Calling<'_> {
+/// A guest call, for the ticker: counted until dropped.
+pub(crate) struct Calling {
+    state: Arc<(Mutex<TickerState>, Condvar)>,
+}
+
+impl Drop for Calling {
     fn drop(&mut self) {
-        let mut s = self.ticker.state.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
         s.calls = s.calls.saturating_sub(1);
         if s.calls == 0 {
             s.idle_since = Some(Instant::now());
         }
+    }
+}
+
+impl TickerHandle {
+    /// A call begins: the epoch advances until it ends.
+    pub(crate) fn begin(&self) -> Calling {
+        let (lock, wake) = &*self.state;
+        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+        s.calls += 1;
+        if s.parked {
+            wake.notify_one();
+        }
+        Calling { state: self.state.clone() }
     }
 }
 
@@ -187,21 +230,15 @@ impl Ticker {
                 lock.lock().unwrap_or_else(|e| e.into_inner()).ticks += 1;
             }
         })?;
-        Ok(Ticker { state, thread: Some(thread) })
+        Ok(Ticker { handle: TickerHandle { state }, thread: Some(thread) })
     }
 
-    fn begin(&self) -> Calling<'_> {
-        let (lock, wake) = &*self.state;
-        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
-        s.calls += 1;
-        if s.parked {
-            wake.notify_one();
-        }
-        Calling { ticker: self }
+    fn handle(&self) -> TickerHandle {
+        self.handle.clone()
     }
 
     fn stop(&mut self) {
-        let (lock, wake) = &*self.state;
+        let (lock, wake) = &*self.handle.state;
         lock.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
         wake.notify_one();
         if let Some(t) = self.thread.take() {
@@ -215,7 +252,7 @@ mod tests {
     use super::*;
 
     fn ticks(rt: &Runtime) -> u64 {
-        rt.ticker.state.0.lock().unwrap().ticks
+        rt.ticker.handle.state.0.lock().unwrap().ticks
     }
 
     #[test]

@@ -1,0 +1,415 @@
+//! Instances made before their calls. A call still gets a store and an
+//! instance of its own, used once and then dropped; but making one (a pool
+//! slot, the start functions, a fresh WASI context) and dropping it (the
+//! slot's memory rewritten) cost more than most calls themselves, on the
+//! path of every mount. So a thread of the runtime, the janitor, makes a
+//! backend's next instances while nothing waits on them and drops the used
+//! ones; a call takes one that is ready, or makes its own when none is.
+//!
+//! An instance made ahead ran its start functions with no queries to ask
+//! and under a deadline of its own; the call gives it the call's queries
+//! and deadline. A backend whose instance cannot be made ahead (a start
+//! function that traps, loops or grows past the memory cap) gets none
+//! again: its calls make their own, and fail as they would have.
+
+use super::compat::v0_4;
+use super::imports::CallState;
+use super::load::Pre;
+use super::queries::{Queries, RecordedQueries};
+use super::runtime::{Limits, TickerHandle};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+use wasmtime::{Engine, Store};
+
+/// Instances ready per backend: enough for a stage's fence and attach
+/// plan, made in one go after the previous stage.
+const READY: usize = 2;
+
+/// Instances made ahead, of all backends together, at most. They take
+/// slots of the pool, which calls get back when they find it full
+/// ([`super::Runtime::release_spares`]).
+const BUDGET: u32 = 16;
+
+/// Instances made ahead and not yet taken, of all backends.
+#[derive(Default)]
+struct Budget(std::sync::atomic::AtomicU32);
+
+impl Budget {
+    /// A place for one more, if any is left.
+    fn reserve(self: &Arc<Self>) -> Option<Counted> {
+        use std::sync::atomic::Ordering;
+        self.0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < BUDGET).then_some(n + 1)).ok()?;
+        Some(Counted(self.clone()))
+    }
+}
+
+/// One instance counted in the [`Budget`] until dropped (taken by a call,
+/// or dropped with its backend).
+struct Counted(Arc<Budget>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// An instance and its store, not called yet.
+pub(crate) struct Ready<I> {
+    pub store: Store<CallState>,
+    pub instance: I,
+}
+
+/// An instance of either contract, with its store once made.
+enum Made<C = Ready<super::bindings::Backend>, O = Ready<v0_4::Backend>> {
+    Current(C),
+    V0_4(O),
+}
+
+impl Made<super::bindings::Backend, v0_4::Backend> {
+    fn with(self, store: Store<CallState>) -> Made {
+        match self {
+            Made::Current(instance) => Made::Current(Ready { store, instance }),
+            Made::V0_4(instance) => Made::V0_4(Ready { store, instance }),
+        }
+    }
+}
+
+/// Why an instance could not be made.
+enum Refused {
+    /// Its start functions trapped, looped or grew past the memory cap.
+    Guest(wasmtime::Error),
+    /// The host could not (the pool full).
+    Host,
+}
+
+/// Whether a failed instantiation is the guest's doing: a trap (a start
+/// function that traps or loops) or memory refused; otherwise the host's
+/// (every pool slot in use).
+pub(crate) fn guest_fault(store: &Store<CallState>, e: &wasmtime::Error) -> bool {
+    e.downcast_ref::<wasmtime::Trap>().is_some() || store.data().memory.refused
+}
+
+/// A backend's instances made ahead.
+pub(crate) struct Spares {
+    pre: Pre,
+    name: Arc<str>,
+    state: Mutex<SparesState>,
+    /// A refill is asked of the janitor and not begun yet.
+    refill_asked: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Default)]
+struct SparesState {
+    ready: Vec<(Made, Counted)>,
+    /// An instance could not be made ahead: calls make their own.
+    given_up: bool,
+    /// Instances calls took.
+    taken: u64,
+}
+
+impl Spares {
+    pub(crate) fn new(pre: Pre, name: Arc<str>) -> Arc<Spares> {
+        Arc::new(Spares { pre, name, state: Mutex::default(), refill_asked: Default::default() })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, SparesState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A ready instance of a 0.5 guest, given `queries` for its call.
+    pub(crate) fn take_current(&self, queries: &Arc<dyn Queries>, limits: &Limits) -> Option<Ready<super::bindings::Backend>> {
+        let mut state = self.state();
+        let at = state.ready.iter().position(|(m, _)| matches!(m, Made::Current(_)))?;
+        state.taken += 1;
+        match state.ready.swap_remove(at).0 {
+            Made::Current(r) => Some(r.for_call(queries, limits)),
+            Made::V0_4(_) => None,
+        }
+    }
+
+    /// A ready instance of a 0.4 guest, given `queries` for its call.
+    pub(crate) fn take_v0_4(&self, queries: &Arc<dyn Queries>, limits: &Limits) -> Option<Ready<v0_4::Backend>> {
+        let mut state = self.state();
+        let at = state.ready.iter().position(|(m, _)| matches!(m, Made::V0_4(_)))?;
+        state.taken += 1;
+        match state.ready.swap_remove(at).0 {
+            Made::V0_4(r) => Some(r.for_call(queries, limits)),
+            Made::Current(_) => None,
+        }
+    }
+
+    /// Make instances until [`READY`] wait, within the [`Budget`] (on the
+    /// janitor's thread).
+    fn refill(&self, engine: &Engine, limits: &Limits, ticker: &TickerHandle, budget: &Arc<Budget>) {
+        loop {
+            {
+                let state = self.state();
+                if state.given_up || state.ready.len() >= READY {
+                    return;
+                }
+            }
+            let Some(counted) = budget.reserve() else { return };
+            let made = {
+                let _calling = ticker.begin();
+                self.make(engine, limits)
+            };
+            let mut state = self.state();
+            match made {
+                Ok(m) => state.ready.push((m, counted)),
+                // The pool is full: calls need its slots more.
+                Err(Refused::Host) => return,
+                Err(Refused::Guest(e)) => {
+                    tracing::debug!(backend = &*self.name, "instances are made per call from now on: one made ahead failed: {e:#}");
+                    state.given_up = true;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Drop the instances ready; whether there were any.
+    pub(crate) fn release(&self) -> bool {
+        let released = std::mem::take(&mut self.state().ready);
+        !released.is_empty()
+    }
+
+    fn make(&self, engine: &Engine, limits: &Limits) -> Result<Made, Refused> {
+        // No queries while it starts: a start function has nothing to ask.
+        let mut store = new_store(engine, self.name.clone(), Arc::new(RecordedQueries::default()), limits);
+        let made = match &self.pre {
+            Pre::Current(pre) => pre.instantiate(&mut store).map(Made::Current),
+            Pre::V0_4(pre) => pre.instantiate(&mut store).map(Made::V0_4),
+        };
+        match made {
+            Ok(made) => Ok(made.with(store)),
+            Err(e) if guest_fault(&store, &e) => Err(Refused::Guest(e)),
+            Err(_) => Err(Refused::Host),
+        }
+    }
+
+    /// Instances ready, and instances calls took so far.
+    #[cfg(test)]
+    fn counts(&self) -> (usize, u64) {
+        let state = self.state();
+        (state.ready.len(), state.taken)
+    }
+}
+
+impl<I> Ready<I> {
+    fn for_call(mut self, queries: &Arc<dyn Queries>, limits: &Limits) -> Ready<I> {
+        self.store.data_mut().begin_call(queries.clone());
+        self.store.set_epoch_deadline(limits.deadline_ticks());
+        self
+    }
+}
+
+/// A fresh store for one call (or one instance made ahead), under the
+/// runtime's limits: a memory cap, and a deadline counted from now.
+pub(crate) fn new_store(engine: &Engine, backend: Arc<str>, queries: Arc<dyn Queries>, limits: &Limits) -> Store<CallState> {
+    let mut store = Store::new(engine, CallState::new(backend, queries, *limits));
+    store.limiter(|s| &mut s.memory);
+    store.epoch_deadline_trap();
+    store.set_epoch_deadline(limits.deadline_ticks());
+    store
+}
+
+/// A used store, if any, to be dropped on the janitor's thread; then the
+/// instances of a backend made up again, if asked.
+struct Job {
+    used: Option<Store<CallState>>,
+    spares: Option<Weak<Spares>>,
+}
+
+/// Used stores handed to the janitor and not dropped yet, at most: each
+/// holds a pool slot. Past it, a call drops its store itself.
+const MAX_PENDING: usize = 2;
+
+/// How long a call that found the pool full waits for the janitor to drop
+/// the stores it was handed.
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The thread that drops used stores and makes backends' next instances.
+pub(crate) struct Janitor {
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    /// Used stores handed over and not dropped yet.
+    pending: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Janitor {
+    pub(crate) fn start(engine: Engine, limits: Limits, ticker: TickerHandle) -> std::io::Result<Janitor> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let pending: Arc<(Mutex<usize>, std::sync::Condvar)> = Arc::default();
+        let dropped = pending.clone();
+        let thread = std::thread::Builder::new().name("volagent-guests".into()).spawn(move || {
+            let budget = Arc::new(Budget::default());
+            while let Ok(Job { used, spares }) = rx.recv() {
+                if let Some(store) = used {
+                    drop(store);
+                    let (count, settled) = &*dropped;
+                    let mut n = count.lock().unwrap_or_else(|p| p.into_inner());
+                    *n = n.saturating_sub(1);
+                    settled.notify_all();
+                }
+                if let Some(spares) = spares.and_then(|s| s.upgrade()) {
+                    spares.refill_asked.store(false, std::sync::atomic::Ordering::Release);
+                    spares.refill(&engine, &limits, &ticker, &budget);
+                }
+            }
+        })?;
+        Ok(Janitor { jobs: Mutex::new(Some(tx)), pending, thread: Some(thread) })
+    }
+
+    /// Hand over a used store (none: a backend just loaded) and have
+    /// `spares` made up again. Past [`MAX_PENDING`] stores waiting, or with
+    /// the janitor gone (the runtime stopping), the store is dropped here.
+    pub(crate) fn retire(&self, mut used: Option<Store<CallState>>, spares: &Arc<Spares>) {
+        if used.is_some() {
+            let mut n = self.pending.0.lock().unwrap_or_else(|p| p.into_inner());
+            if *n >= MAX_PENDING {
+                drop(n);
+                used = None;
+            } else {
+                *n += 1;
+            }
+        }
+        let had_store = used.is_some();
+        // One refill asked at a time per backend.
+        let refill = !spares.refill_asked.swap(true, std::sync::atomic::Ordering::AcqRel);
+        if !had_store && !refill {
+            return;
+        }
+        let job = Job { used, spares: refill.then(|| Arc::downgrade(spares)) };
+        let sent = self.jobs.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|tx| tx.send(job));
+        if !matches!(sent, Some(Ok(()))) {
+            // No janitor: the store came back and was dropped here.
+            spares.refill_asked.store(false, std::sync::atomic::Ordering::Release);
+            if had_store {
+                let mut n = self.pending.0.lock().unwrap_or_else(|p| p.into_inner());
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Wait (at most [`SETTLE`]) until the stores handed over are dropped
+    /// and their pool slots free; whether any were waiting.
+    pub(crate) fn settle(&self) -> bool {
+        let (count, settled) = &*self.pending;
+        let n = count.lock().unwrap_or_else(|p| p.into_inner());
+        if *n == 0 {
+            return false;
+        }
+        drop(settled.wait_timeout_while(n, SETTLE, |n| *n > 0).unwrap_or_else(|p| p.into_inner()));
+        true
+    }
+
+    pub(crate) fn stop(&mut self) {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{Consumer, Decision, Plugin, Runtime, Step, Volume, VolumeMode};
+    use std::path::Path;
+    use std::time::{Duration, Instant};
+
+    fn load(rt: &Arc<Runtime>) -> Plugin {
+        Plugin::load_file(rt, Path::new(volagent_test_artifacts::LOCAL_PV)).expect("local-pv loads")
+    }
+
+    /// Wait until `plugin` has `n` instances ready.
+    fn until_ready(plugin: &Plugin, n: usize) {
+        let start = Instant::now();
+        while plugin.spares.counts().0 != n {
+            assert!(start.elapsed() < Duration::from_secs(10), "{n} instances were not made ahead: {:?}", plugin.spares.counts());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn volume() -> Volume {
+        Volume {
+            name: "pv1".into(),
+            backend: "local-pv".into(),
+            access_mode: crate::policy::AccessMode::ReadWriteOnce,
+            fs_type: "ext4".into(),
+            mode: VolumeMode::Filesystem,
+            mount_flags: vec![],
+            options: vec![
+                crate::policy::KeyValue { key: "path".into(), value: "/mnt/disks/vol1.img".into() },
+                crate::policy::KeyValue { key: "node".into(), value: "n1".into() },
+            ],
+            secret_keys: vec![],
+        }
+    }
+
+    fn consumer() -> Consumer {
+        Consumer {
+            node: "n1".into(),
+            pod_namespace: "default".into(),
+            pod: "web".into(),
+            pod_uid: "uid-1".into(),
+            mount_dir: "/var/lib/kubelet/pods/uid-1/volumes/volagent~local-pv/pv1".into(),
+            read_only: false,
+            mount_group: None,
+        }
+    }
+
+    /// The queries of a node where the volume's file is there.
+    fn with_file() -> Arc<dyn Queries> {
+        let mut q = RecordedQueries::default();
+        q.paths.insert("/mnt/disks/vol1.img".into(), crate::policy::PathKind::RegularFile);
+        Arc::new(q)
+    }
+
+    #[test]
+    fn calls_take_instances_made_ahead_and_each_asks_its_own_queries() {
+        let rt = Runtime::new(crate::policy::Limits::default()).unwrap();
+        let plugin = load(&rt);
+        until_ready(&plugin, READY);
+        let paths = crate::policy::NodePaths {
+            kubelet_root: "/var/lib/kubelet".into(),
+            staging_dir: "/var/lib/kubelet/plugins/volagent/local-pv/mounts/pv1".into(),
+            state_dir: "/var/lib/volagent/volumes/pv1".into(),
+            discovery_dirs: vec!["/mnt/disks".into()],
+        };
+        for round in 1..=3u64 {
+            assert_eq!(plugin.fence(with_file(), &volume(), &consumer(), &[], &[]).unwrap(), Decision::Grant);
+            // The attach plan depends on what the call's queries say of the
+            // file: an instance made ahead asked none of its own.
+            let plan = plugin.attach(with_file(), &volume(), &consumer(), &[], &paths).unwrap();
+            assert!(matches!(plan.first(), Some(Step::AttachDevice(_))), "{plan:?}");
+            until_ready(&plugin, READY);
+            let missing = plugin.attach(Arc::new(RecordedQueries::default()), &volume(), &consumer(), &[], &paths).unwrap_err();
+            assert!(missing.to_string().contains("does not exist on this node"), "{missing}");
+            // Every call took an instance made ahead, and they are made up.
+            until_ready(&plugin, READY);
+            assert_eq!(plugin.spares.counts().1, 3 * round, "every call took one");
+        }
+    }
+
+    #[test]
+    fn instances_made_ahead_give_their_slots_to_calls() {
+        // Two slots: the first backend's instances made ahead take both.
+        let rt = Runtime::new(crate::policy::Limits { concurrent_calls: 2, ..Default::default() }).unwrap();
+        let first = load(&rt);
+        until_ready(&first, READY);
+        // Another backend's call finds the pool full, and gets a slot back.
+        let second = Plugin::load_file(&rt, Path::new(volagent_test_artifacts::RBD)).expect("rbd loads");
+        let mut rbd = volume();
+        rbd.backend = "rbd".into();
+        rbd.options = ["monitors=10.0.0.1:6789", "pool=rbd", "image=img1"]
+            .iter()
+            .map(|kv| kv.split_once('=').map(|(k, v)| crate::policy::KeyValue { key: k.into(), value: v.into() }).unwrap())
+            .collect();
+        let decided = second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
+        assert!(decided.is_ok(), "{decided:?}");
+        // The first backend's calls are served too, made ahead or not.
+        assert_eq!(first.fence(with_file(), &volume(), &consumer(), &[], &[]).unwrap(), Decision::Grant);
+    }
+}
