@@ -240,6 +240,11 @@ impl Run<'_> {
             }
             Step::BindMount(b) => {
                 let (source, target) = (Path::new(&b.source), Path::new(&b.target));
+                // A dir bound onto itself that this run has just mounted
+                // (a CSI stage: the staging dir is the "pod" dir).
+                if source == target && self.undo.iter().any(|u| matches!(u, Undo::Unmount(t) if t == target)) {
+                    return Ok(());
+                }
                 if self.sys.is_mounted(target)? {
                     // kubelet retries a mount it did not see finish.
                     return Ok(());

@@ -50,6 +50,18 @@ fn attach_then_detach_leaves_nothing() {
 }
 
 #[test]
+fn a_csi_stage_binds_nothing_onto_the_staging_dir_it_mounted() {
+    let (fake, exec) = node();
+    let mut plan = attach_plan();
+    // CSI: the "pod" dir of a stage is its staging dir.
+    plan[3] = Step::BindMount(BindMount { source: STAGING.into(), target: STAGING.into(), read_only: false });
+    exec.run(&plan).unwrap();
+    let s = fake.state();
+    assert_eq!(s.mounts.len(), 1, "{:?}", s.mounts);
+    assert!(!s.log.iter().any(|op| op.starts_with("bind ")), "{:?}", s.log);
+}
+
+#[test]
 fn a_rerun_is_idempotent() {
     let (fake, exec) = node();
     exec.run(&attach_plan()).unwrap();

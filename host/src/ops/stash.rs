@@ -63,10 +63,15 @@ const MAX_FILE: u64 = 1 << 20;
 /// in memory: the agent is the stash's one writer, so reads need not touch
 /// the files. A write goes whole to a temporary name and is renamed over
 /// the entry, so an agent killed mid-write leaves the old entry or the new
-/// one, never part of one. A write costs a few syscalls; a database
-/// transaction cost 30–60 µs, on every mount's path.
+/// one, never part of one. A write costs a few syscalls, each named from a
+/// handle on its table's dir (no walk of the runtime dir's path each time);
+/// a database transaction cost 30–60 µs, on every mount's path.
 pub struct Stash {
     dir: PathBuf,
+    /// Handles on the tables' dirs, by table.
+    dirs: BTreeMap<&'static str, std::os::fd::OwnedFd>,
+    /// This process's id, in temporary names.
+    pid: u32,
     /// Table → key → value, as the files hold them.
     tables: std::sync::Mutex<Tables>,
 }
@@ -114,6 +119,11 @@ enum Decoded {
 impl Row {
     fn new(bytes: Vec<u8>) -> Row {
         Row { bytes, decoded: std::sync::OnceLock::new() }
+    }
+
+    /// A row of `bytes` whose value is known: written from it.
+    fn known(bytes: Vec<u8>, decoded: Decoded) -> Row {
+        Row { bytes, decoded: std::sync::OnceLock::from(decoded) }
     }
 
     /// The entry the row holds, decoded at the first read. A value that
@@ -179,7 +189,14 @@ impl Stash {
                 }
             }
         }
-        let stash = Stash { dir: dir.to_path_buf(), tables: std::sync::Mutex::new(tables) };
+        let mut dirs = BTreeMap::new();
+        for table in [MOUNTS, PUBLISHED, QUARANTINE] {
+            let path = dir.join(table);
+            let fd = nix::fcntl::open(&path, nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty())
+                .map_err(|e| err(&path, &e))?;
+            dirs.insert(table, fd);
+        }
+        let stash = Stash { dir: dir.to_path_buf(), dirs, pid: std::process::id(), tables: std::sync::Mutex::new(tables) };
         for (table, name) in damaged {
             match table {
                 MOUNTS => stash.quarantine(&name, &name, &"not a stash record")?,
@@ -203,29 +220,37 @@ impl Stash {
         self.err_at(&self.dir, e)
     }
 
+    fn dir_of(&self, table: &'static str) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        // Every table's dir is opened with the stash.
+        self.dirs[table].as_fd()
+    }
+
     /// Write the file of `key`, then (under the same lock, so that the
-    /// two agree) its value in memory.
-    fn write(&self, table: &'static str, key: &str, value: &[u8]) -> Result<(), StashError> {
-        use std::io::Write;
+    /// two agree) its value in memory: `decoded` when the caller has it.
+    fn write(&self, table: &'static str, key: &str, value: &[u8], decoded: Option<Decoded>) -> Result<(), StashError> {
+        use nix::fcntl::OFlag;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let mut tables = self.tables();
         let name = file_name(key);
         let path = self.dir.join(table).join(&name);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = self.dir.join(table).join(format!(".{name}.{}.{n}", std::process::id()));
-        let written = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
-            .open(&tmp)
-            .and_then(|mut f| f.write_all(&encode_record(key, value)))
-            .and_then(|()| std::fs::rename(&tmp, &path));
+        let tmp = format!(".{name}.{}.{n}", self.pid);
+        let dir = self.dir_of(table);
+        let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let written = nix::fcntl::openat(dir, tmp.as_str(), flags, nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .map_err(std::io::Error::from)
+            .and_then(|fd| std::io::Write::write_all(&mut std::fs::File::from(fd), &encode_record(key, value)))
+            .and_then(|()| nix::fcntl::renameat(dir, tmp.as_str(), dir, name.as_str()).map_err(std::io::Error::from));
         if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = nix::unistd::unlinkat(dir, tmp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
             return Err(self.err_at(&path, &e));
         }
-        tables.entry(table).or_default().insert(key.to_string(), Row::new(value.to_vec()));
+        let row = match decoded {
+            Some(d) => Row::known(value.to_vec(), d),
+            None => Row::new(value.to_vec()),
+        };
+        tables.entry(table).or_default().insert(key.to_string(), row);
         Ok(())
     }
 
@@ -235,9 +260,9 @@ impl Stash {
 
     fn remove_key(&self, table: &'static str, key: &str) -> Result<(), StashError> {
         let mut tables = self.tables();
-        let path = self.dir.join(table).join(file_name(key));
-        match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(self.err_at(&path, &e)),
+        let name = file_name(key);
+        match nix::unistd::unlinkat(self.dir_of(table), name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir) {
+            Err(e) if e != nix::errno::Errno::ENOENT => Err(self.err_at(&self.dir.join(table).join(name), &e)),
             _ => {
                 tables.entry(table).or_default().remove(key);
                 Ok(())
@@ -258,9 +283,8 @@ impl Stash {
         tracing::error!(stash = %self.dir.display(), mount_dir = key, "undecodable stash entry quarantined ({why}); that dir's unmount falls back to the ledger");
         crate::metrics::get().stash_quarantined.inc();
         let mut tables = self.tables();
-        let (from, to) = (self.dir.join(MOUNTS).join(name), self.dir.join(QUARANTINE).join(name));
-        match std::fs::rename(&from, &to) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(self.err_at(&from, &e)),
+        match nix::fcntl::renameat(self.dir_of(MOUNTS), name, self.dir_of(QUARANTINE), name) {
+            Err(e) if e != nix::errno::Errno::ENOENT => return Err(self.err_at(&self.dir.join(MOUNTS).join(name), &e)),
             _ => {}
         }
         let value = tables.entry(MOUNTS).or_default().remove(key).map(|row| row.bytes).unwrap_or_default();
@@ -276,7 +300,7 @@ impl Stash {
 
     pub fn put(&self, entry: &Entry) -> Result<(), StashError> {
         let bytes = serde_json::to_vec(entry).map_err(|e| self.err(&e))?;
-        self.write(MOUNTS, &entry.consumer.mount_dir, &bytes)
+        self.write(MOUNTS, &entry.consumer.mount_dir, &bytes, Some(Decoded::Entry(Box::new(entry.clone()))))
     }
 
     /// The entry of `mount_dir`; none when there is none or it could not
@@ -299,7 +323,7 @@ impl Stash {
 
     pub fn put_publication(&self, p: &Publication) -> Result<(), StashError> {
         let bytes = serde_json::to_vec(p).map_err(|e| self.err(&e))?;
-        self.write(PUBLISHED, &p.target, &bytes)
+        self.write(PUBLISHED, &p.target, &bytes, Some(Decoded::Publication(p.clone())))
     }
 
     pub fn remove_publication(&self, target: &str) -> Result<(), StashError> {
@@ -334,7 +358,7 @@ impl Stash {
     /// Store raw bytes as the entry of `key`: for tests of damaged state.
     #[doc(hidden)]
     pub fn put_raw(&self, key: &str, bytes: &[u8]) -> Result<(), StashError> {
-        self.write(MOUNTS, key, bytes)
+        self.write(MOUNTS, key, bytes, None)
     }
 
     /// Take in the stash an earlier agent kept in a redb database at
@@ -361,7 +385,7 @@ impl Stash {
         for (table, rows) in [(MOUNTS, tables.mounts), (PUBLISHED, tables.published), (QUARANTINE, tables.quarantine)] {
             for (key, value) in rows {
                 if !self.contains(table, &key) {
-                    self.write(table, &key, &value)?;
+                    self.write(table, &key, &value, None)?;
                     n += 1;
                 }
             }
