@@ -14,6 +14,11 @@
 //! too, as further agents in the same run, their cycles interleaved with
 //! the first's and the kernel's (the VM's speed drifts by tens of per cent
 //! between runs; a change worth tens of µs shows only within one run).
+//! Each agent's background threads (its epoch ticker, its ledger's
+//! flushes) wake the VM's CPUs, so agents running side by side slow each
+//! other: compare them with each other, not with a run of one.
+//! `CSI_CYCLE_AGENT=<volagent binary>` runs that build instead of this
+//! tree's.
 
 #[path = "../tests/common.rs"]
 mod common;
@@ -75,7 +80,7 @@ fn main() {
     }
     let mut kernel = Kernel::csi(&scratch, &image);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let this = PathBuf::from(env!("CARGO_BIN_EXE_volagent"));
+    let this = std::env::var_os("CSI_CYCLE_AGENT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_volagent")));
     let mut agents = vec![rt.block_on(AgentUnderTest::start(&scratch, "a", &this, &image))];
     for (i, other) in compare().iter().enumerate() {
         // Each its own volume (a copy of the same filesystem) and dirs.
