@@ -70,9 +70,12 @@ pub(crate) fn invoke<I, R>(
             let mut made = instantiate(&mut store);
             // Every slot in use: those of instances made ahead, and of used
             // ones not dropped yet, go to calls.
-            if matches!(&made, Err(e) if !spare::guest_fault(&store, e)) && (runtime.release_spares() | runtime.janitor.settle()) {
-                store = spare::new_store(&runtime.engine, backend.clone(), queries, &limits);
-                made = instantiate(&mut store);
+            if matches!(&made, Err(e) if !spare::guest_fault(&store, e)) {
+                let (freed, _held) = runtime.janitor.give_way(|| runtime.release_spares());
+                if freed {
+                    store = spare::new_store(&runtime.engine, backend.clone(), queries, &limits);
+                    made = instantiate(&mut store);
+                }
             }
             match made {
                 Ok(instance) => (store, instance),

@@ -141,13 +141,19 @@ impl Spares {
 
     /// Make instances until [`READY`] wait, within the [`Budget`] (on the
     /// janitor's thread).
-    fn refill(&self, engine: &Engine, limits: &Limits, ticker: &TickerHandle, budget: &Arc<Budget>) {
+    fn refill(&self, engine: &Engine, limits: &Limits, ticker: &TickerHandle, budget: &Arc<Budget>, yields: &Yields) {
         loop {
             {
                 let state = self.state();
                 if state.given_up || state.ready.len() >= READY {
                     return;
                 }
+            }
+            // Made and kept under the lock, so that a call that found the
+            // pool full releases this one too, or none is made.
+            let _making = yields.making();
+            if yields.starved.load(std::sync::atomic::Ordering::Acquire) > 0 {
+                return;
             }
             let Some(counted) = budget.reserve() else { return };
             let made = {
@@ -229,11 +235,37 @@ const MAX_PENDING: usize = 2;
 /// the stores it was handed.
 const SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// How the janitor gives way to calls: the pool's slots are theirs first.
+#[derive(Default)]
+struct Yields {
+    /// Calls that found the pool full and have not made their instance yet:
+    /// meanwhile the janitor makes none.
+    starved: std::sync::atomic::AtomicUsize,
+    /// Held while the janitor makes an instance and keeps it.
+    making: Mutex<()>,
+}
+
+impl Yields {
+    fn making(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.making.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The janitor held off for a call that found the pool full, until dropped.
+pub(crate) struct HeldOff(Arc<Yields>);
+
+impl Drop for HeldOff {
+    fn drop(&mut self) {
+        self.0.starved.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// The thread that drops used stores and makes backends' next instances.
 pub(crate) struct Janitor {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     /// Used stores handed over and not dropped yet.
     pending: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    yields: Arc<Yields>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -242,6 +274,8 @@ impl Janitor {
         let (tx, rx) = mpsc::channel::<Job>();
         let pending: Arc<(Mutex<usize>, std::sync::Condvar)> = Arc::default();
         let dropped = pending.clone();
+        let yields: Arc<Yields> = Arc::default();
+        let gives_way = yields.clone();
         let thread = std::thread::Builder::new().name("volagent-guests".into()).spawn(move || {
             let budget = Arc::new(Budget::default());
             while let Ok(Job { used, spares }) = rx.recv() {
@@ -254,11 +288,11 @@ impl Janitor {
                 }
                 if let Some(spares) = spares.and_then(|s| s.upgrade()) {
                     spares.refill_asked.store(false, std::sync::atomic::Ordering::Release);
-                    spares.refill(&engine, &limits, &ticker, &budget);
+                    spares.refill(&engine, &limits, &ticker, &budget, &gives_way);
                 }
             }
         })?;
-        Ok(Janitor { jobs: Mutex::new(Some(tx)), pending, thread: Some(thread) })
+        Ok(Janitor { jobs: Mutex::new(Some(tx)), pending, yields, thread: Some(thread) })
     }
 
     /// Hand over a used store (none: a backend just loaded) and have
@@ -292,9 +326,23 @@ impl Janitor {
         }
     }
 
+    /// For a call that found the pool full: hold the janitor off, have
+    /// `release` drop instances made ahead (none is being made meanwhile),
+    /// and wait for the used stores handed over to be dropped. Whether any
+    /// slot was freed, and the hold, to keep until the call has its own.
+    pub(crate) fn give_way(&self, release: impl FnOnce() -> bool) -> (bool, HeldOff) {
+        self.yields.starved.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let held = HeldOff(self.yields.clone());
+        let released = {
+            let _making = self.yields.making();
+            release()
+        };
+        (self.settle() | released, held)
+    }
+
     /// Wait (at most [`SETTLE`]) until the stores handed over are dropped
     /// and their pool slots free; whether any were waiting.
-    pub(crate) fn settle(&self) -> bool {
+    fn settle(&self) -> bool {
         let (count, settled) = &*self.pending;
         let n = count.lock().unwrap_or_else(|p| p.into_inner());
         if *n == 0 {
@@ -409,7 +457,13 @@ mod tests {
             .collect();
         let decided = second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
         assert!(decided.is_ok(), "{decided:?}");
-        // The first backend's calls are served too, made ahead or not.
-        assert_eq!(first.fence(with_file(), &volume(), &consumer(), &[], &[]).unwrap(), Decision::Grant);
+        // Calls one after another, each while the janitor makes the other
+        // backend's instances ahead: every call gets a slot.
+        for round in 0..40 {
+            let decided = first.fence(with_file(), &volume(), &consumer(), &[], &[]);
+            assert!(matches!(decided, Ok(Decision::Grant)), "round {round}: {decided:?}");
+            let decided = second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
+            assert!(decided.is_ok(), "round {round}: {decided:?}");
+        }
     }
 }
