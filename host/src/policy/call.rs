@@ -160,12 +160,12 @@ impl Plugin {
         let start = std::time::Instant::now();
         let result = match (&self.pre, unaskable) {
             (Pre::Current(pre), _) => {
-                let ready = self.spares.take_current(&queries, &self.runtime.limits);
+                let ready = self.spares.take(&queries, &self.runtime.limits);
                 invoke(&self.runtime, &self.name, queries, function, ready, Some(&self.spares), |s| pre.instantiate(s), current)
             }
             (Pre::V0_4(_), Some(refusal)) => Ok(Err(refusal)),
             (Pre::V0_4(pre), None) => {
-                let ready = self.spares.take_v0_4(&queries, &self.runtime.limits);
+                let ready = self.spares.take(&queries, &self.runtime.limits);
                 invoke(&self.runtime, &self.name, queries, function, ready, Some(&self.spares), |s| pre.instantiate(s), v0_4)
             }
         }

@@ -140,7 +140,8 @@ impl Runtime {
     /// slots serve calls; whether there were any.
     pub(crate) fn release_spares(&self) -> bool {
         let all: Vec<_> = self.spares.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(|s| s.upgrade()).collect();
-        all.iter().fold(false, |any, s| s.release() || any)
+        // Every backend's, not only up to the first that had some.
+        all.iter().filter(|s| s.release()).count() > 0
     }
 }
 

@@ -61,7 +61,7 @@ pub(crate) struct Ready<I> {
 }
 
 /// An instance of either contract, with its store once made.
-enum Made<C = Ready<super::bindings::Backend>, O = Ready<v0_4::Backend>> {
+pub(crate) enum Made<C = Ready<super::bindings::Backend>, O = Ready<v0_4::Backend>> {
     Current(C),
     V0_4(O),
 }
@@ -71,6 +71,30 @@ impl Made<super::bindings::Backend, v0_4::Backend> {
         match self {
             Made::Current(instance) => Made::Current(Ready { store, instance }),
             Made::V0_4(instance) => Made::V0_4(Ready { store, instance }),
+        }
+    }
+}
+
+/// The instance of one contract's guest.
+pub(crate) trait Contract: Sized {
+    /// `made` when it is of this contract.
+    fn out_of(made: Made) -> Option<Ready<Self>>;
+}
+
+impl Contract for super::bindings::Backend {
+    fn out_of(made: Made) -> Option<Ready<Self>> {
+        match made {
+            Made::Current(r) => Some(r),
+            Made::V0_4(_) => None,
+        }
+    }
+}
+
+impl Contract for v0_4::Backend {
+    fn out_of(made: Made) -> Option<Ready<Self>> {
+        match made {
+            Made::V0_4(r) => Some(r),
+            Made::Current(_) => None,
         }
     }
 }
@@ -117,26 +141,16 @@ impl Spares {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A ready instance of a 0.5 guest, given `queries` for its call.
-    pub(crate) fn take_current(&self, queries: &Arc<dyn Queries>, limits: &Limits) -> Option<Ready<super::bindings::Backend>> {
-        let mut state = self.state();
-        let at = state.ready.iter().position(|(m, _)| matches!(m, Made::Current(_)))?;
-        state.taken += 1;
-        match state.ready.swap_remove(at).0 {
-            Made::Current(r) => Some(r.for_call(queries, limits)),
-            Made::V0_4(_) => None,
-        }
-    }
-
-    /// A ready instance of a 0.4 guest, given `queries` for its call.
-    pub(crate) fn take_v0_4(&self, queries: &Arc<dyn Queries>, limits: &Limits) -> Option<Ready<v0_4::Backend>> {
-        let mut state = self.state();
-        let at = state.ready.iter().position(|(m, _)| matches!(m, Made::V0_4(_)))?;
-        state.taken += 1;
-        match state.ready.swap_remove(at).0 {
-            Made::V0_4(r) => Some(r.for_call(queries, limits)),
-            Made::Current(_) => None,
-        }
+    /// A ready instance, given `queries` for its call (all of a backend's
+    /// instances speak its contract).
+    pub(crate) fn take<I: Contract>(&self, queries: &Arc<dyn Queries>, limits: &Limits) -> Option<Ready<I>> {
+        let made = {
+            let mut state = self.state();
+            let (made, _counted) = state.ready.pop()?;
+            state.taken += 1;
+            made
+        };
+        I::out_of(made).map(|r| r.for_call(queries, limits))
     }
 
     /// Make instances until [`READY`] wait, within the [`Budget`] (on the
