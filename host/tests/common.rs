@@ -173,6 +173,29 @@ impl RootScratch {
     }
 }
 
+impl RootScratch {
+    /// [`Self::loops`], once the devices detached while something else had
+    /// them open are gone: LOOP_CLR_FD then only sets autoclear, and the
+    /// device goes at that opener's close (another test listing devices,
+    /// udev's probe). At most 3 s; a device attached without autoclear is
+    /// listed at once, as nothing detached it.
+    pub fn loops_left(&self) -> Vec<PathBuf> {
+        let start = std::time::Instant::now();
+        loop {
+            let left = self.loops();
+            let detaching = |d: &PathBuf| {
+                let name = d.file_name().unwrap_or_default().to_string_lossy().into_owned();
+                // Unreadable: gone meanwhile.
+                std::fs::read_to_string(format!("/sys/block/{name}/loop/autoclear")).map_or(true, |a| a.trim() == "1")
+            };
+            if left.is_empty() || !left.iter().all(detaching) || start.elapsed() > std::time::Duration::from_secs(3) {
+                return left;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
 impl Drop for RootScratch {
     fn drop(&mut self) {
         use volagent::sys::Devices;

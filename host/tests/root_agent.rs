@@ -37,7 +37,7 @@ fn round_trip(fs: &str, mib: u64) {
     std::fs::write(format!("{dir_a}/data"), b"written through kubelet's mount").expect("write");
     assert_success(&node.driver(&["unmount", &dir_a]));
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     // kubelet retries unmount when it did not see the answer: still success.
     assert_success(&node.driver(&["unmount", &dir_a]));
 
@@ -47,7 +47,7 @@ fn round_trip(fs: &str, mib: u64) {
     assert!(r.1["device"].as_str().is_some_and(|d| d.starts_with("/dev/loop")), "{}", r.1);
     assert_eq!(std::fs::read(format!("{dir_b}/data")).expect("read back"), b"written through kubelet's mount");
     assert_success(&node.driver(&["unmount", &dir_b]));
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 #[test]
@@ -74,7 +74,7 @@ fn a_second_pod_on_the_node_shares_the_volume_and_the_old_uid_spelling_works() {
     assert_success(&node.driver(&["unmount", &a]));
     assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 2));
     assert_success(&node.driver(&["unmount", &b]));
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 #[test]
@@ -105,7 +105,7 @@ fn bad_requests_are_refused_and_change_nothing() {
     let nope_dir = node.scratch.path("node-a/kubelet/pods/uid-a/volumes/volagent~nope/pv1").display().to_string();
     let r = run_driver(Command::new(nope.join("nope")).args(["mount", &nope_dir, &ok.to_string()]));
     assert_failure(&r, "backend \"nope\" is not loaded on this node");
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "nothing changed");
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(), "nothing changed");
     // And the node still works.
     assert_success(&node.mount(&dir, &ok));
     assert_success(&node.driver(&["unmount", &dir]));
@@ -197,7 +197,7 @@ fn fifty_volumes_mount_and_unmount_concurrently() {
         }
     });
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
 }
 
 #[test]
@@ -227,7 +227,7 @@ fn fencing_across_nodes_follows_the_access_mode() {
     assert_success(&r);
     assert_success(&unmount("node-a", &a1));
     assert_success(&unmount("node-a", &a2));
-    assert!(node.scratch.loops().is_empty() && node.scratch.mounts().is_empty());
+    assert!(node.scratch.loops_left().is_empty() && node.scratch.mounts().is_empty());
 
     // With the volume released, node-b may have it.
     let (b1, r) = mount("node-b", "b1", "ReadWriteOnce");
@@ -243,7 +243,7 @@ fn fencing_across_nodes_follows_the_access_mode() {
     assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 4));
     assert_success(&unmount("node-a", &a3));
     assert_success(&unmount("node-b", &b3));
-    assert!(node.scratch.loops().is_empty() && node.scratch.mounts().is_empty());
+    assert!(node.scratch.loops_left().is_empty() && node.scratch.mounts().is_empty());
 }
 
 fn driver(node: &Node, on: &str, args: &[&str]) -> (i32, Value) {
@@ -260,7 +260,7 @@ fn kill_9_between_any_two_steps_leaves_nothing_behind() {
     let opts = |pod: &str| kubelet_options("pv-crash", pod, &format!("uid-{pod}"), "ext4", &image).to_string();
     let clean = |node: &Node, when: &str| {
         assert!(node.scratch.mounts().is_empty(), "{when}: mounts left: {:?}", node.scratch.mounts());
-        assert!(node.scratch.loops().is_empty(), "{when}: loop devices left: {:?}", node.scratch.loops());
+        assert!(node.scratch.loops_left().is_empty(), "{when}: loop devices left: {:?}", node.scratch.loops());
     };
     let restart = |node: &mut Node, kill_after: Option<usize>| {
         node.stop_agent_of("node-a");
@@ -341,7 +341,7 @@ fn after_a_reboot_the_ledger_forgets_what_the_node_no_longer_has() {
     assert_success(&driver(&node, "node-b", &["unmount", &probe]));
     assert_success(&driver(&node, "node-a", &["mount", &dir, &opts("a1")]));
     assert_success(&driver(&node, "node-a", &["unmount", &dir]));
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// A step that hangs: the request fails at the plan deadline with a clear
@@ -375,7 +375,7 @@ fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
     }
     assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 2));
     assert_success(&node.driver(&["unmount", &a]));
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// An agent whose first plan stalls `stall` after its first step (under
@@ -404,7 +404,7 @@ fn the_agent_exits_while_a_step_hangs_and_its_next_start_cleans_up() {
     node.stop_agent();
     assert!(stopping.elapsed() < Duration::from_secs(30), "the exit waited for the hung step: {:?}", stopping.elapsed());
     node.spawn_agent("node-a");
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "{:?} {:?}", node.scratch.mounts(), node.scratch.loops());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(), "{:?} {:?}", node.scratch.mounts(), node.scratch.loops());
 }
 
 /// Mounts and devices under volagent's dirs that no record explains (left
@@ -432,6 +432,6 @@ fn orphans_under_volagents_dirs_are_cleaned_at_start_up() {
 
     node.spawn_agent("node-a");
     assert_eq!(node.scratch.mounts(), vec![other.clone()], "only the orphan staging mount is gone");
-    assert!(node.scratch.loops().is_empty(), "and its loop device");
+    assert!(node.scratch.loops_left().is_empty(), "and its loop device");
     nix::mount::umount2(&other, nix::mount::MntFlags::empty()).expect("unmount");
 }

@@ -236,7 +236,7 @@ fn the_agent_killed_at_random_under_load_loses_nothing() {
     let refused = under_kills(&mut node, &volumes, &mut rng, KILLS, &unmount);
     assert!(refused.is_empty(), "unmounts a running agent failed: {refused:#?}");
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     assert!(records(&mut node).is_empty(), "no record is left");
 }
 
@@ -303,7 +303,7 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
                 assert!(again.1["message"].as_str().unwrap_or_default().contains("in progress"), "{step} hang: {}", again.1);
             } else if on_mount {
                 assert!(node.scratch.mounts().is_empty(), "{step} {fault}: rolled back: {:?}", node.scratch.mounts());
-                assert!(node.scratch.loops().is_empty(), "{step} {fault}: rolled back: {:?}", node.scratch.loops());
+                assert!(node.scratch.loops_left().is_empty(), "{step} {fault}: rolled back: {:?}", node.scratch.loops());
             }
             std::fs::remove_file(&rules).expect("the fault is gone");
             if on_mount {
@@ -312,7 +312,7 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
             }
             until_success(&node, &unmount);
             assert!(node.scratch.mounts().is_empty(), "{step} {fault}: {:?}", node.scratch.mounts());
-            assert!(node.scratch.loops().is_empty(), "{step} {fault}: {:?}", node.scratch.loops());
+            assert!(node.scratch.loops_left().is_empty(), "{step} {fault}: {:?}", node.scratch.loops());
         }
     }
     eprintln!("{case} faults injected, {} per step kind", FAULTS.len());
@@ -339,7 +339,7 @@ fn a_mount_failing_at_any_step_leaves_no_holder_recorded() {
     }
     std::fs::remove_file(&rules).expect("the faults are gone");
     assert!(node.scratch.mounts().is_empty(), "rolled back: {:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "rolled back: {:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "rolled back: {:?}", node.scratch.loops());
     assert_eq!(records(&mut node), Default::default(), "no volume is held");
 }
 
@@ -462,6 +462,6 @@ fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() 
     until_success(&node, &["unmount", &a_dir]);
     until_success(&node, &["unmount", &b_dir]);
     assert!(volume_mounts().is_empty(), "{:?}", volume_mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     assert!(records(&mut node).is_empty(), "the ledger reads back, with nothing held");
 }

@@ -214,7 +214,7 @@ fn stage_publish_write_unpublish_unstage_and_back() {
         c.node_unstage_volume(unstage("pv1", &st)).await.expect("unstage");
         c.node_unstage_volume(unstage("pv1", &st)).await.expect("unstage again: idempotent");
         assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-        assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+        assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
 
         // Staged again: the data is the volume's.
         let st = staging(&node, "pv1");
@@ -225,7 +225,7 @@ fn stage_publish_write_unpublish_unstage_and_back() {
         c.node_unpublish_volume(unpublish("pv1", &tc)).await.expect("unpublish");
         c.node_unstage_volume(unstage("pv1", &st)).await.expect("unstage");
     });
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 #[test]
@@ -264,7 +264,7 @@ fn error_codes_and_nothing_changes() {
         let mut r = good.clone();
         r.volume_context.insert("path".into(), "/etc/shadow".into());
         assert!(c.node_stage_volume(r).await.is_err(), "a path outside the discovery dirs");
-        assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "refusals change nothing");
+        assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(), "refusals change nothing");
 
         let (t1, t2) = (target(&node, "uid-1", "pv2"), target(&node, "uid-2", "pv2"));
         let p1 = publish_request("pv2", &st, &t1, Mode::SingleNodeSingleWriter, "one");
@@ -320,7 +320,7 @@ fn error_codes_and_nothing_changes() {
         c.node_unpublish_volume(unpublish("pv2", &t1)).await.expect("unpublish");
         c.node_unstage_volume(unstage("pv2", &st)).await.expect("unstage");
     });
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// A ReadWriteOnce volume of a backend that may move between nodes (the
@@ -350,7 +350,7 @@ fn fencing_across_nodes() {
         b.node_stage_volume(on_b).await.expect("stage on node-b once node-a let go");
         b.node_unstage_volume(unstage("pv3", &st_b)).await.expect("unstage on node-b");
     });
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// A stage whose steps do not return (held here by the test hook after its
@@ -371,7 +371,7 @@ fn a_stage_held_in_its_steps_leaves_the_next_calls_served() {
         let request = stage_request("pv-held", &held_staging, &held_image, Mode::SingleNodeWriter);
         let held = tokio::spawn(async move { held_client.node_stage_volume(request).await });
         // The held stage is in its stall once its device is attached.
-        while node.scratch.loops().is_empty() {
+        while node.scratch.loops_left().is_empty() {
             assert!(started.elapsed() < Duration::from_secs(4), "the held stage did not attach its device");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -386,7 +386,7 @@ fn a_stage_held_in_its_steps_leaves_the_next_calls_served() {
         let mut c = node_client(&node, "node-a", "local-pv").await;
         c.node_unstage_volume(unstage("pv-held", &held_staging)).await.expect("unstage");
     });
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "{:?} {:?}", node.scratch.mounts(), node.scratch.loops());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(), "{:?} {:?}", node.scratch.mounts(), node.scratch.loops());
 }
 
 /// The agent restarted (SIGKILL) with a volume staged and published: the
@@ -419,7 +419,7 @@ fn a_restart_keeps_stages_and_publications() {
         c.node_unpublish_volume(unpublish("pv4", &ta)).await.expect("unpublish");
         c.node_unstage_volume(unstage("pv4", &st)).await.expect("unstage");
     });
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// A backend dropped into the plugin dir becomes a driver (its sockets
@@ -504,7 +504,7 @@ fn expansion_grows_a_mounted_filesystem() {
             c.node_unstage_volume(unstage(&id, &st)).await.expect("unstage");
         });
     }
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 fn block_capability(mode: Mode) -> Option<VolumeCapability> {
@@ -578,7 +578,7 @@ fn a_block_volume_is_published_as_a_device_node() {
         assert!(!Path::new(&staged).exists(), "the staged device file is removed");
     });
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     let data = std::fs::read(&image).expect("image");
     assert_eq!(&data[4096..4096 + 15], b"raw through CSI", "the data is in the volume's file");
 }
@@ -623,7 +623,7 @@ fn a_guest_of_the_previous_contract_serves_on() {
         assert!(err.message().contains("0.4.0, which has no block volumes"), "{err:?}");
     });
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
 }
 
 /// The backend judges a volume's health for NodeGetVolumeStats beyond the
@@ -651,7 +651,7 @@ fn the_backend_judges_the_volume_condition() {
         c.node_unpublish_volume(unpublish("pv-cond", &ta)).await.expect("unpublish");
         c.node_unstage_volume(unstage("pv-cond", &st)).await.expect("unstage");
     });
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// The stage holders in the record of `volume` in `node`'s private ledger
@@ -705,7 +705,7 @@ fn a_private_ledger_records_every_stage_and_recovers_a_lost_holder() {
     });
     node.stop_agent_of("node-a");
     assert!(recorded_holders(&node, "pv-alone").is_empty());
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// Killed (SIGKILL) just after a stage and publish, and again just after
@@ -737,7 +737,7 @@ fn a_kill_right_after_staging_or_unstaging_loses_no_holder_and_keeps_no_stale_on
     node.spawn_agent("node-a");
     node.stop_agent_of("node-a");
     assert!(recorded_holders(&node, "pv-killed").is_empty(), "the released holder is not kept");
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// The state dir's disk full. The ledger takes a stage's record in memory,
@@ -800,7 +800,7 @@ fn a_full_state_disk_refuses_stages_until_there_is_room_and_loses_no_record() {
         c.node_unstage_volume(unstage("pv-full", &st2)).await.expect("unstage");
         c.node_unstage_volume(unstage("pv-first", &st1)).await.expect("unstage");
     });
-    assert!(volume_mounts(&node).is_empty() && node.scratch.loops().is_empty());
+    assert!(volume_mounts(&node).is_empty() && node.scratch.loops_left().is_empty());
     node.stop_agent_of("node-a");
     assert!(recorded_holders(&node, "pv-full").is_empty() && recorded_holders(&node, "pv-first").is_empty(), "the ledger reads back, with nothing held");
 }
@@ -834,7 +834,7 @@ fn faults_at_publish_block_and_grow_filesystem_fail_clearly_and_retries_succeed(
         stage.volume_capability = block_capability(Mode::SingleNodeWriter);
         inject("publish-block EIO");
         says(c.node_stage_volume(stage.clone()).await, "publish-block");
-        assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty(), "the stage is rolled back");
+        assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(), "the stage is rolled back");
         clear();
         c.node_stage_volume(stage).await.expect("stage");
         let mut publish = publish_request("fb", &st, &ta, Mode::SingleNodeWriter, "pod-a");
@@ -868,5 +868,5 @@ fn faults_at_publish_block_and_grow_filesystem_fail_clearly_and_retries_succeed(
         c.node_unpublish_volume(unpublish("fg", &ta)).await.expect("unpublish");
         c.node_unstage_volume(unstage("fg", &st)).await.expect("unstage");
     });
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }

@@ -128,7 +128,7 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
     c.wait("app gone", || c.pod("default", "app").is_none().then_some(()));
     assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted at {}", dir.display());
     c.wait("the record gone", || record(&c, "data").is_none().then_some(()));
-    c.wait("no loop device left", || c.scratch.loops().is_empty().then_some(()));
+    c.wait("no loop device left", || c.scratch.loops_left().is_empty().then_some(()));
 }
 
 /// A workload keeps reading and writing its volume while the agent pod is
@@ -199,5 +199,5 @@ fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
     c.wait("app gone", || c.pod("default", "app").is_none().then_some(()));
     assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted at {}", dir.display());
     c.wait("the record gone", || record(&c, "data").is_none().then_some(()));
-    c.wait("no loop device left", || c.scratch.loops().is_empty().then_some(()));
+    c.wait("no loop device left", || c.scratch.loops_left().is_empty().then_some(()));
 }

@@ -80,7 +80,7 @@ fn two_nodes_race_for_a_read_write_once_volume() {
         assert_success(&c.unmount(winner, &dir));
         assert!(c.record("pv-race").is_none(), "round {round}: the record goes with its last consumer");
     }
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "nothing left mounted or attached");
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "nothing left mounted or attached");
     eprintln!("wins: node-a {}, node-b {}", wins[0], wins[1]);
 
     // Each denial is an Event on the losing pod, naming the holder.
@@ -149,7 +149,7 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
         std::fs::write(format!("{adir}/proof"), b"taken over").expect("node-a writes");
         assert_success(&c.unmount("node-a", &adir));
     }
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "nothing left mounted or attached");
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "nothing left mounted or attached");
 }
 
 impl Cluster {
@@ -240,7 +240,7 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
     c.rt.block_on(clusters.delete("sc1", &Default::default())).expect("delete the StorageCluster");
     c.wait("the StorageCluster to go", || c.rt.block_on(clusters.get_opt("sc1")).expect("get").is_none());
     assert!(c.scratch.mounts().is_empty(), "every node's mounts are gone: {:?}", c.scratch.mounts());
-    assert!(c.scratch.loops().is_empty(), "and their devices");
+    assert!(c.scratch.loops_left().is_empty(), "and their devices");
     assert!(c.record("pv-sc-1").is_none() && c.record("pv-sc-2").is_none(), "and the records");
 }
 
@@ -257,7 +257,7 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
     c.env.stop_apiserver();
     let (dir, r) = c.mount("node-a", "a1", "pv-out", &image);
     assert_failure(&r, "pv-out");
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "a failed mount leaves nothing");
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "a failed mount leaves nothing");
     c.rt.block_on(c.env.start_apiserver()).expect("API server back");
     let (_, r) = c.mount("node-a", "a1", "pv-out", &image);
     assert_success(&r);
@@ -268,7 +268,7 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
     assert_eq!(c.record("pv-out").expect("the record is kept until the unmount is through").spec.consumers.len(), 1);
     assert_success(&c.unmount("node-a", &dir));
     assert!(c.record("pv-out").is_none(), "the retried unmount released the record");
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty());
 }
 
 /// With a cluster, a volume is what its PV says: options a request carries
@@ -318,7 +318,7 @@ fn with_a_cluster_a_volume_is_what_its_pv_says() {
     assert_eq!(c.record("pv-trust").expect("record").spec.consumers.len(), 1, "only p1 holds it");
 
     assert_success(&c.unmount("node-a", &dir));
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty());
 }
 
 /// Where an admin enables inline volumes for a backend, each is its pod's
@@ -349,7 +349,7 @@ fn inline_volumes_where_allowed_are_each_pods_own() {
     assert!(c.record("data").is_none(), "no volume goes by the name alone");
     assert_success(&c.unmount("node-a", &dir1));
     assert_success(&c.unmount("node-a", &dir3));
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty());
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty());
 }
 
 /// A TCP proxy in front of the API server that holds each chunk it passes
@@ -487,7 +487,7 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
         assert!(c.record("pv-chaos").is_none(), "round {round}: the record goes with its last consumer");
     }
     eprintln!("{ROUNDS} rounds: {kills} with the API server killed mid-race, {slow} with it slow; {} mounts retried", retries.load(Ordering::SeqCst));
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops().is_empty(), "nothing left mounted or attached");
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "nothing left mounted or attached");
     for (node, agent) in c.agents.iter_mut() {
         assert!(agent.try_wait().expect("agent status").is_none(), "{node}'s agent serves on");
     }

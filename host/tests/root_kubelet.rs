@@ -30,11 +30,11 @@ fn assert_nothing_left(c: &Cluster, node: &str, volume: &str) {
             .collect()
     };
     let start = std::time::Instant::now();
-    while (!mounts().is_empty() || !c.scratch.loops().is_empty() || c.record(volume).is_some()) && start.elapsed() < Duration::from_secs(30) {
+    while (!mounts().is_empty() || !c.scratch.loops_left().is_empty() || c.record(volume).is_some()) && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(mounts().is_empty(), "volume mounts left on {node}: {:?}", mounts());
-    assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}\n{}", c.scratch.loops(), tail(&c.node(node).agent_log()));
+    assert!(c.scratch.loops_left().is_empty(), "loop devices left: {:?}\n{}", c.scratch.loops(), tail(&c.node(node).agent_log()));
     assert!(c.record(volume).is_none(), "the record of {volume} is left: {:?}", c.record(volume));
 }
 

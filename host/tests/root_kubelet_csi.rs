@@ -52,11 +52,11 @@ fn assert_unmounted(c: &Cluster, node: &str, volume: &str) {
         c.mounts_below(&root).into_iter().filter(|m| m.to_string_lossy().contains(volume)).collect()
     };
     let start = Instant::now();
-    while (!left().is_empty() || !c.scratch.loops().is_empty() || c.record(volume).is_some()) && start.elapsed() < Duration::from_secs(30) {
+    while (!left().is_empty() || !c.scratch.loops_left().is_empty() || c.record(volume).is_some()) && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(left().is_empty(), "mounts of {volume} left: {:?}", left());
-    assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}", c.scratch.loops());
+    assert!(c.scratch.loops_left().is_empty(), "loop devices left: {:?}", c.scratch.loops());
     assert!(c.record(volume).is_none(), "the record of {volume} is left");
 }
 

@@ -148,12 +148,12 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
 
     // Everything comes down with the last pod.
     let start = std::time::Instant::now();
-    while (c.record("img").is_some() || !ceph_common::watchers(&image).is_empty() || !c.scratch.loops().is_empty()) && start.elapsed() < Duration::from_secs(30) {
+    while (c.record("img").is_some() || !ceph_common::watchers(&image).is_empty() || !c.scratch.loops_left().is_empty()) && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(c.record("img").is_none(), "the record is left");
     assert_eq!(ceph_common::watchers(&image).len(), 0, "a helper is left on the image\n{}", tail(&c.node("node-b").agent_log()));
-    assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}", c.scratch.loops());
+    assert!(c.scratch.loops_left().is_empty(), "loop devices left: {:?}", c.scratch.loops());
     for node in ["node-a", "node-b"] {
         let root = c.node(node).kubelet_root();
         let left: Vec<PathBuf> = c.mounts_below(&root).into_iter().filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))).collect();

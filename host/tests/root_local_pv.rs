@@ -78,7 +78,7 @@ fn round_trip(fs: &str, mib: u64) {
 
     unmount(&s, &exec, &a, &[]);
     assert!(s.scratch.mounts().is_empty(), "{:?}", s.scratch.mounts());
-    assert!(s.scratch.loops().is_empty(), "{:?}", s.scratch.loops());
+    assert!(s.scratch.loops_left().is_empty(), "{:?}", s.scratch.loops());
     assert!(!std::path::Path::new(&s.paths.staging_dir).exists(), "staging dir removed");
 
     let b = pod(&s, "b");
@@ -88,7 +88,7 @@ fn round_trip(fs: &str, mib: u64) {
     let probe = std::process::Command::new("blkid").args(["-o", "value", "-s", "TYPE"]).arg(&s.scratch.loops()[0]).output().expect("blkid");
     assert_eq!(String::from_utf8_lossy(&probe.stdout).trim(), fs);
     unmount(&s, &exec, &b, &[]);
-    assert!(s.scratch.mounts().is_empty() && s.scratch.loops().is_empty());
+    assert!(s.scratch.mounts().is_empty() && s.scratch.loops_left().is_empty());
 }
 
 #[test]
@@ -115,7 +115,7 @@ fn two_pods_share_one_device_and_the_last_detaches_it() {
     unmount(&s, &exec, &a, &[holder(&b)]);
     assert_eq!((s.scratch.loops().len(), s.scratch.mounts().len()), (1, 2));
     unmount(&s, &exec, &b, &[]);
-    assert!(s.scratch.mounts().is_empty() && s.scratch.loops().is_empty());
+    assert!(s.scratch.mounts().is_empty() && s.scratch.loops_left().is_empty());
 }
 
 #[test]
@@ -131,7 +131,7 @@ fn a_failing_mount_rolls_back_its_loop_device() {
     assert_eq!(err.index, 3, "{err}");
     assert!(err.rollback_failures.is_empty(), "{err}");
     assert!(s.scratch.mounts().is_empty(), "{:?}", s.scratch.mounts());
-    assert!(s.scratch.loops().is_empty(), "{:?}", s.scratch.loops());
+    assert!(s.scratch.loops_left().is_empty(), "{:?}", s.scratch.loops());
 }
 
 #[test]
@@ -145,7 +145,7 @@ fn release_wipes_the_filesystem() {
     let item = CleanupItem { volume: s.volume.clone(), paths: s.paths.clone(), holders: vec![] };
     let plan = s.plugin.cleanup(s.facts.clone(), CleanupReason::LocalVolumeReleased, &[item]).expect("release plan");
     exec.run(&plan).unwrap_or_else(|e| panic!("{e}"));
-    assert!(s.scratch.loops().is_empty());
+    assert!(s.scratch.loops_left().is_empty());
     let b = pod(&s, "b");
     mount(&s, &exec, &b, &[]);
     assert!(!std::path::Path::new(&format!("{}/secret", b.mount_dir)).exists(), "a quick reset leaves a fresh filesystem");
@@ -184,7 +184,7 @@ fn a_read_only_bind_keeps_nosuid_nodev_and_noexec() {
         assert!(bind.contains(&f.to_string()), "{f} on the read-only bind: {bind:?}");
     }
     unmount(&s, &exec, &a, &[]);
-    assert!(s.scratch.mounts().is_empty() && s.scratch.loops().is_empty());
+    assert!(s.scratch.mounts().is_empty() && s.scratch.loops_left().is_empty());
 }
 
 /// A block device in a discovery dir: a `mknod` node of a loop device the

@@ -52,7 +52,7 @@ fn round_trip(peer: Peer, fs: &str) {
     assert_success(&driver(&node, &["unmount", &dir_a]));
 
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
     let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "the client left {left:?}");
@@ -87,7 +87,7 @@ fn an_unreachable_server_or_a_kernel_only_volume_is_refused_and_leaves_nothing()
     let mut kernel = nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere);
     kernel["attach"] = "kernel".into();
     assert_failure(&driver(&node, &["mount", &dir, &kernel.to_string()]), "kernel's nbd driver");
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     assert!(clients_under(&state).is_empty());
 }
 
@@ -126,7 +126,7 @@ fn clients_outlive_an_agent_restart_and_the_next_agent_detaches_them() {
     assert_eq!(clients_under(&state), before, "the same client, adopted");
     assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
     assert_success(&driver(&node, &["unmount", &dir]));
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
 }
 
@@ -151,7 +151,7 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
         assert_success(&driver(&node, &["unmount", &dir]));
     }
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     wait_until("the aborted client to be gone", || clients_under(&state).is_empty());
     // The aborted client's mount is gone, so the kernel names a device
     // still over its file "/<key>": none may be left.
@@ -191,7 +191,7 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     assert_eq!(clients_under(&state).len(), 1);
     node.spawn_agent_env("node-a", &[], &[]);
     wait_or_say("the unused client to be stopped", || clients_under(&state).is_empty(), || std::fs::read_to_string(node.log_path("node-a")).unwrap_or_default());
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     assert!(std::fs::read_dir(state.join("nbd")).map(|d| d.count()).unwrap_or(0) == 0);
 }
 
@@ -219,7 +219,7 @@ fn the_agent_serves_a_local_file_itself_across_a_restart() {
     assert_eq!(servers_under(&state), servers, "the same helper server, adopted");
     assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
     assert_success(&driver(&node, &["unmount", &dir]));
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     wait_until("the client and the helper server to end", || clients_under(&state).is_empty() && servers_under(&state).is_empty());
     let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "left behind: {left:?}");
@@ -236,7 +236,7 @@ fn a_local_file_outside_the_discovery_dirs_is_refused() {
     options["file"] = outside.display().to_string().into();
     assert_failure(&driver(&node, &["mount", &dir, &options.to_string()]), "outside the dirs this backend may use");
     assert!(servers_under(&node.scratch.path("node-a/state")).is_empty());
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
 
 /// A FUSE mount of a memory disk served by nbdkit through nbdfuse at
@@ -325,7 +325,7 @@ fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
     let r = driver(&node, &["mount", &dir, &options]);
     said(&r, "EIO");
     assert!(node.scratch.mounts().is_empty(), "rolled back: {:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "rolled back: {:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "rolled back: {:?}", node.scratch.loops());
     wait_until("the rolled back nbdfuse client to end", || clients_under(&state).is_empty());
     std::fs::remove_file(&rules).unwrap();
     assert_success(&driver(&node, &["mount", &dir, &options]));
@@ -338,7 +338,7 @@ fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
     std::fs::remove_file(&rules).unwrap();
     assert_success(&driver(&node, &["unmount", &dir]));
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
     assert_eq!(read_back(&image, "ext4"), b"after the fault");
 }

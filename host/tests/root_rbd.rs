@@ -47,7 +47,7 @@ fn nbd_files(node: &Node, name: &str) -> Vec<PathBuf> {
 
 fn assert_nothing_left(node: &Node, image: &Image) {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "{:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     let st = state(node, "node-a");
     wait_until("the NBD client and helper to end", || clients_under(&st).is_empty() && servers_under(&st).is_empty());
     assert!(nbd_files(node, "node-a").is_empty(), "{:?}", nbd_files(node, "node-a"));
@@ -131,7 +131,7 @@ fn a_volume_that_asks_for_rbd_fuse_is_mounted_through_it_and_shared_on_its_node(
     let r = driver(&node, "node-a", &["mount", &dir_a, &bad.to_string()]);
     assert_failure(&r, "rbd-fuse");
     assert!(!r.1.to_string().contains(wrong), "{}", r.1);
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     assert!(clients_under(&state(&node, "node-a")).is_empty());
     assert!(nbd_files(&node, "node-a").is_empty(), "{:?}", nbd_files(&node, "node-a"));
 
@@ -189,7 +189,7 @@ fn an_exclusive_mount_is_denied_while_a_client_volagent_does_not_know_writes_to_
     let r = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce").to_string()]);
     assert_failure(&r, &format!("image rbd/{} is in use by watcher {}", image.name, outside[0]));
     assert_failure(&r, "on a node volagent does not know");
-    assert!(node.scratch.loops().is_empty() && servers_under(&state(&node, "node-a")).is_empty(), "a denied mount starts nothing");
+    assert!(node.scratch.loops_left().is_empty() && servers_under(&state(&node, "node-a")).is_empty(), "a denied mount starts nothing");
 
     // Once the other client is gone, the volume mounts.
     agent_common::stop(&mut outsider);
@@ -231,7 +231,7 @@ fn a_missing_or_wrong_secret_is_a_clear_error_that_never_quotes_the_key_and_leav
     for r in [&refused, &malformed] {
         assert!(!r.1.to_string().contains(wrong) && !r.1.to_string().contains("client.admin"), "{}", r.1);
     }
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     assert!(nbd_files(&node, "node-a").is_empty(), "{:?}", nbd_files(&node, "node-a"));
     assert!(watchers(&image).is_empty());
 }

@@ -202,7 +202,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     }
     let _ = Command::new("ceph").arg("-c").arg(dir.join("ceph.conf")).args(["osd", "blocklist", "rm", &clients[0].address]).output();
     // (Not by its number: another test may take the freed device at once.)
-    assert!(c.scratch.loops().is_empty(), "loop devices left: {:?}", c.scratch.loops());
+    assert!(c.scratch.loops_left().is_empty(), "loop devices left: {:?}", c.scratch.loops());
 }
 
 /// A volume that names a StorageCluster gets its monitors, user and pool
@@ -252,7 +252,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     c.rt.block_on(clusters.delete("ceph", &Default::default())).unwrap();
     c.wait("the StorageCluster to go", || c.rt.block_on(clusters.get_opt("ceph")).unwrap().is_none());
     assert!(c.scratch.mounts().is_empty(), "every node's mounts are gone: {:?}", c.scratch.mounts());
-    assert!(c.scratch.loops().is_empty(), "and their devices");
+    assert!(c.scratch.loops_left().is_empty(), "and their devices");
     for node in ["node-a", "node-b"] {
         let st = c.scratch.path(&format!("{node}/state"));
         wait_until("the NBD clients and helpers to end", || clients_under(&st).is_empty() && servers_under(&st).is_empty());

@@ -143,7 +143,7 @@ fn status_lists_the_held_volumes_and_their_pods_and_every_operation_is_one_log_l
     let (code, table, _) = status(&node.socket, &[]);
     assert_eq!((code, table.lines().next()), (0, Some("node node-a holds no volumes")), "{table}");
     assert!(table.lines().nth(1) == Some("") && table.contains("\nCSI drivers: 2\n"), "then the CSI drivers: {table}");
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops().is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 
     // Exactly one line per operation, in order, with its fields.
     let ops = operation_lines(&node);

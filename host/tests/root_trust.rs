@@ -53,7 +53,7 @@ fn mounts_of(node: &Node, dir: &Path) -> Vec<String> {
 
 fn nothing_mounted(node: &Node) {
     assert!(node.scratch.mounts().is_empty(), "mounts left: {:?}", node.scratch.mounts());
-    assert!(node.scratch.loops().is_empty(), "loop devices left: {:?}", node.scratch.loops());
+    assert!(node.scratch.loops_left().is_empty(), "loop devices left: {:?}", node.scratch.loops());
 }
 
 /// A symlink in a discovery dir — to a dir outside, to an image outside,

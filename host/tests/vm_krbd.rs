@@ -142,7 +142,7 @@ mod in_the_vm {
         let ids = mappings();
         assert_eq!(ids.len(), 1, "{ids:?}");
         assert_eq!((attr(&ids[0], "pool"), attr(&ids[0], "name")), ("rbd".to_string(), image.name.clone()));
-        assert!(node.scratch.loops().is_empty(), "no loop device on the kernel's path");
+        assert!(node.scratch.loops_left().is_empty(), "no loop device on the kernel's path");
         assert_eq!(watchers(&image).len(), 1, "one client: the kernel's");
         let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
         assert!(!log.contains(&key), "the agent logged the key");

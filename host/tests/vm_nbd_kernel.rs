@@ -119,7 +119,7 @@ mod in_the_vm {
         let (dir_a, device) = mount(&node, "uid-a", &address);
         assert!(device.starts_with("/dev/nbd"), "auto chose the kernel's device: {device}");
         assert!(connected(&device), "{device} is connected");
-        assert!(clients_under(&state).is_empty() && node.scratch.loops().is_empty(), "no userspace client, no loop device");
+        assert!(clients_under(&state).is_empty() && node.scratch.loops_left().is_empty(), "no userspace client, no loop device");
         let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
         std::fs::write(format!("{dir_a}/data"), &payload).unwrap();
 
