@@ -37,6 +37,14 @@ pub struct CallLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdmissionLabels {
+    /// The resource (plural) written.
+    pub resource: String,
+    /// allowed or denied.
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WipeLabels {
     pub method: String,
     /// The volume's size class: "<1Gi", "1-10Gi", "10-100Gi", "100Gi-1Ti", ">=1Ti".
@@ -69,6 +77,7 @@ pub struct Metrics {
     pub plugin_reloads: Counter,
     pub backends_degraded: Family<BackendLabel, Gauge>,
     pub stash_quarantined: Counter,
+    pub agent_writes: Family<AdmissionLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -97,6 +106,7 @@ impl Metrics {
             plugin_reloads: Counter::default(),
             backends_degraded: Family::default(),
             stash_quarantined: Counter::default(),
+            agent_writes: Family::default(),
         };
         registry.register("operations", "Mount and unmount requests by result", m.operations.clone());
         registry.register("operation_seconds", "Time to serve a mount or unmount", m.operation_seconds.clone());
@@ -109,6 +119,7 @@ impl Metrics {
         registry.register("backend_degraded", "1 while a backend's newest file is rejected", m.backends_degraded.clone());
         registry.register("local_wipe_seconds", "Time to wipe a released local volume, by method, size and result", m.local_wipe_seconds.clone());
         registry.register("local_volumes", "Local volumes the last discovery found on this node", m.local_volumes.clone());
+        registry.register("admission_agent_writes", "Agents' writes the admission webhook reviewed, by resource and result", m.agent_writes.clone());
         Metrics { registry, ..m }
     }
 
@@ -132,6 +143,11 @@ impl Metrics {
 
     pub fn fence(&self, backend: &str, decision: &str) {
         self.fence_decisions.get_or_create(&FenceLabels { backend: backend.into(), decision: decision.into() }).inc();
+    }
+
+    pub fn agent_write(&self, resource: &str, allowed: bool) {
+        let result = if allowed { "allowed" } else { "denied" };
+        self.agent_writes.get_or_create(&AdmissionLabels { resource: resource.into(), result: result.into() }).inc();
     }
 
     pub fn backend_degraded(&self, backend: &str, value: i64) {

@@ -38,9 +38,14 @@ use serde_json::{Value, json};
 use volagent_kube_env::KubeEnv;
 
 const NAMESPACE: &str = "volagent-system";
+/// The controller's own namespace: its Lease, webhook certificate and the
+/// credentials no node may read.
+const CONTROLLER_NS: &str = "volagent-controller";
 const AGENT_SA: &str = "volagent-agent";
 const CONTROLLER_SA: &str = "volagent-controller";
 const LEASE: &str = "volagent-controller";
+const WEBHOOK: &str = "volagent-node-restriction";
+const WEBHOOK_TLS: &str = "volagent-admission-tls";
 const FIELD_MANAGER: &str = "volagent-deploy-test";
 /// Applied as dry runs: their pods would need nodes, images and a kubelet.
 const WORKLOAD_KINDS: [&str; 2] = ["DaemonSet", "Deployment"];
@@ -212,13 +217,18 @@ struct Applied {
 }
 
 /// Applies the kustomization's objects in order: workloads as dry runs, the
-/// rest for real (waiting for each CRD to be Established).
-async fn apply_deploy(env: &KubeEnv) -> anyhow::Result<Vec<Applied>> {
+/// rest for real (waiting for each CRD to be Established); the admission
+/// webhook's configuration only `with_webhook` (its controller does not run
+/// here, and with failurePolicy Fail it would refuse every write it covers).
+async fn apply_deploy(env: &KubeEnv, with_webhook: bool) -> anyhow::Result<Vec<Applied>> {
     let client = env.client();
     // Plain discovery: kube-apiserver 1.20 has no aggregated discovery.
     let mut discovery = Discovery::new(client.clone()).run().await?;
     let mut applied = Vec::new();
     for m in manifests(&kustomization()?)? {
+        if !with_webhook && m.kind() == "ValidatingWebhookConfiguration" {
+            continue;
+        }
         let gvk = m.gvk()?;
         let (resource, caps) = match discovery.resolve_gvk(&gvk) {
             Some(found) => found,
@@ -347,13 +357,13 @@ fn args(list: &[&str]) -> Option<Vec<String>> {
 
 // --- acting as the service accounts ---------------------------------------
 
-/// A client that acts as service account `sa` of volagent-system: the admin
+/// A client that acts as service account `namespace/sa`: the admin
 /// kubeconfig with impersonation (the admin is in system:masters, which may
 /// impersonate). The API server adds the service-account groups itself.
-async fn client_as(env: &KubeEnv, sa: &str) -> anyhow::Result<kube::Client> {
+async fn client_as(env: &KubeEnv, namespace: &str, sa: &str) -> anyhow::Result<kube::Client> {
     let kubeconfig = kube::config::Kubeconfig::read_from(env.kubeconfig_path())?;
     let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    config.auth_info.impersonate = Some(format!("system:serviceaccount:{NAMESPACE}:{sa}"));
+    config.auth_info.impersonate = Some(format!("system:serviceaccount:{namespace}:{sa}"));
     Ok(kube::Client::try_from(config)?)
 }
 
@@ -424,10 +434,12 @@ fn event(name: &str, node: &str) -> Event {
     }
 }
 
-/// What the admin sets up for the RBAC tests: the deploy/ objects, a node,
-/// a backend secret in its own namespace and a StorageCluster naming it.
+/// What the admin sets up for the RBAC tests: the deploy/ objects (but the
+/// webhook), a node, the nodes' backend secret in the agents' namespace,
+/// the controller's in its own, another in a namespace of its own, and a
+/// StorageCluster naming the first two.
 async fn cluster_with_deploy(env: &KubeEnv) -> anyhow::Result<()> {
-    apply_deploy(env).await?;
+    apply_deploy(env, false).await?;
     let admin = env.client();
     let pp = PostParams::default();
     Api::<Node>::all(admin.clone())
@@ -442,15 +454,17 @@ async fn cluster_with_deploy(env: &KubeEnv) -> anyhow::Result<()> {
             &serde_json::from_value(json!({ "metadata": { "name": "ceph" } }))?,
         )
         .await?;
-    Api::<Secret>::namespaced(admin.clone(), "ceph")
-        .create(
-            &pp,
-            &serde_json::from_value(json!({
-                "metadata": { "name": "ceph-a-keyring" },
-                "stringData": { "key": "AQB..." },
-            }))?,
-        )
-        .await?;
+    for namespace in ["ceph", NAMESPACE, CONTROLLER_NS] {
+        Api::<Secret>::namespaced(admin.clone(), namespace)
+            .create(
+                &pp,
+                &serde_json::from_value(json!({
+                    "metadata": { "name": "ceph-a-keyring" },
+                    "stringData": { "key": "AQB..." },
+                }))?,
+            )
+            .await?;
+    }
     let clusters: Api<DynamicObject> = Api::all_with(
         admin.clone(),
         &crd_resource("StorageCluster", "storageclusters"),
@@ -465,7 +479,11 @@ async fn cluster_with_deploy(env: &KubeEnv) -> anyhow::Result<()> {
                 "spec": {
                     "backend": "rbd",
                     "endpoints": ["10.0.0.1:6789"],
-                    "secretRef": { "namespace": "ceph", "name": "ceph-a-keyring" },
+                    "secretRef": { "namespace": NAMESPACE, "name": "ceph-a-keyring" },
+                    "controllerCredentials": {
+                        "user": "volagent-controller",
+                        "secretRef": { "namespace": CONTROLLER_NS, "name": "ceph-a-keyring" },
+                    },
                 },
             }))?,
         )
@@ -500,8 +518,11 @@ const VERBS: [&str; 8] = [
 ];
 
 /// (group, resource, subresource, namespaced) checked for both accounts.
-const RESOURCES: [(&str, &str, &str, bool); 19] = [
+const RESOURCES: [(&str, &str, &str, bool); 22] = [
     ("volagent.io", "attachments", "", false),
+    ("volagent.io", "fencerequests", "", false),
+    ("volagent.io", "fencerequests", "status", false),
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "", false),
     ("volagent.io", "nodelocalvolumes", "", false),
     ("volagent.io", "nodelocalvolumes", "status", false),
     ("storage.k8s.io", "storageclasses", "", false),
@@ -565,6 +586,8 @@ const AGENT_GRANTS: &[Grant] = &[
         &["get", "list", "watch", "update", "patch"],
     ),
     grant("volagent.io", "storageclusters", READ),
+    // A take-over's request that the controller fence a gone node.
+    grant("volagent.io", "fencerequests", &["get", "create", "delete"]),
     // Its node's local volumes: the object, and the status it writes.
     grant("volagent.io", "nodelocalvolumes", &["get", "list", "watch", "create"]),
     grant("volagent.io", "nodelocalvolumes/status", &["get", "patch", "update"]),
@@ -574,7 +597,11 @@ const AGENT_GRANTS: &[Grant] = &[
     // tier: the agent in its pod was refused).
     grant("", "pods", &["get"]),
     grant("", "persistentvolumeclaims", &["get"]),
-    grant("", "secrets", &["get"]),
+    // Credentials: only in its own namespace.
+    Grant {
+        namespace: Some(NAMESPACE),
+        ..grant("", "secrets", &["get"])
+    },
     grant("", "events", &["create", "patch"]),
 ];
 
@@ -587,8 +614,10 @@ const CONTROLLER_GRANTS: &[Grant] = &[
     grant(
         "volagent.io",
         "nodecleanups",
-        &["get", "list", "watch", "create", "update", "patch"],
+        &["get", "list", "watch", "create", "update", "patch", "delete"],
     ),
+    grant("volagent.io", "fencerequests", &["get", "list", "watch", "delete"]),
+    grant("volagent.io", "fencerequests/status", &["get", "update", "patch"]),
     grant(
         "volagent.io",
         "storageclusters",
@@ -605,16 +634,36 @@ const CONTROLLER_GRANTS: &[Grant] = &[
     grant("volagent.io", "nodelocalvolumes", &["get", "list", "watch", "patch", "update"]),
     grant("", "persistentvolumes", &["get", "list", "watch", "create", "patch", "delete"]),
     grant("storage.k8s.io", "storageclasses", READ),
-    grant("", "secrets", &["get"]),
     grant("", "events", &["create", "patch"]),
+    // Its webhook's CA, into its own configuration.
+    Grant {
+        names: Some(&[WEBHOOK]),
+        ..grant("admissionregistration.k8s.io", "validatingwebhookconfigurations", &["get", "update"])
+    },
+    // The agents' pods, to tell an agent's node (webhook).
     Grant {
         namespace: Some(NAMESPACE),
+        ..grant("", "pods", &["get"])
+    },
+    Grant {
+        namespace: Some(CONTROLLER_NS),
         ..grant("coordination.k8s.io", "leases", &["create"])
     },
     Grant {
-        namespace: Some(NAMESPACE),
+        namespace: Some(CONTROLLER_NS),
         names: Some(&[LEASE]),
         ..grant("coordination.k8s.io", "leases", &["get", "update"])
+    },
+    // Its own namespace's Secrets: the credentials StorageClusters name
+    // for it, and its webhook's certificate, which it makes and renews.
+    Grant {
+        namespace: Some(CONTROLLER_NS),
+        ..grant("", "secrets", &["get", "create"])
+    },
+    Grant {
+        namespace: Some(CONTROLLER_NS),
+        names: Some(&[WEBHOOK_TLS]),
+        ..grant("", "secrets", &["update"])
     },
 ];
 
@@ -646,14 +695,15 @@ async fn access_differences(client: kube::Client, grants: &[Grant]) -> anyhow::R
     let mut wrong = Vec::new();
     for (group, resource, subresource, namespaced) in RESOURCES {
         let namespaces: &[&str] = if namespaced {
-            &["", NAMESPACE, "default"]
+            &["", NAMESPACE, CONTROLLER_NS, "default"]
         } else {
             &[""]
         };
-        let names: &[&str] = if resource == "leases" {
-            &["", LEASE, "other"]
-        } else {
-            &[""]
+        let names: &[&str] = match resource {
+            "leases" => &["", LEASE, "other"],
+            "secrets" => &["", WEBHOOK_TLS, "other"],
+            "validatingwebhookconfigurations" => &["", WEBHOOK, "other"],
+            _ => &[""],
         };
         for ns in namespaces {
             for name in names {
@@ -704,6 +754,15 @@ fn kustomization_lists_every_manifest_in_deploy() -> anyhow::Result<()> {
     let mut on_disk = BTreeSet::new();
     yaml_files(&deploy_dir(), "", &mut on_disk)?;
     on_disk.remove("kustomization.yaml");
+    // admission-policy/ is a kustomization of its own (Kubernetes ≥ 1.30):
+    // it lists its files, and the main one does not.
+    let policy_dir = deploy_dir().join("admission-policy");
+    let policy: Kustomization = serde_norway::from_str(&std::fs::read_to_string(policy_dir.join("kustomization.yaml"))?)?;
+    let mut policy_files = BTreeSet::new();
+    yaml_files(&policy_dir, "", &mut policy_files)?;
+    policy_files.remove("kustomization.yaml");
+    assert_eq!(policy.resources.iter().cloned().collect::<BTreeSet<_>>(), policy_files, "admission-policy/kustomization.yaml lists its files");
+    on_disk.retain(|f| !f.starts_with("admission-policy/"));
     let listed: BTreeSet<String> = k.resources.iter().cloned().collect();
     assert_eq!(
         listed.len(),
@@ -725,6 +784,7 @@ fn kustomization_lists_every_manifest_in_deploy() -> anyhow::Result<()> {
         "crds/attachments.volagent.io.yaml",
         "crds/nodecleanups.volagent.io.yaml",
         "crds/storageclusters.volagent.io.yaml",
+        "crds/fencerequests.volagent.io.yaml",
     ] {
         assert!(listed.contains(crd), "{crd} not listed");
     }
@@ -807,7 +867,7 @@ fn the_image_ships_what_the_daemonset_runs() -> anyhow::Result<()> {
 #[tokio::test]
 async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> anyhow::Result<()> {
     let env = KubeEnv::start().await?;
-    let all = apply_deploy(&env).await?;
+    let all = apply_deploy(&env, true).await?;
 
     // Nothing the files set was dropped or changed by the API server.
     let mut wrong = Vec::new();
@@ -823,12 +883,14 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
 
     // The real ones exist; the workloads were dry runs.
     let admin = env.client();
-    Api::<Namespace>::all(admin.clone()).get(NAMESPACE).await?;
-    for sa in [AGENT_SA, CONTROLLER_SA] {
-        Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(admin.clone(), NAMESPACE)
+    for ns in [NAMESPACE, CONTROLLER_NS] {
+        Api::<Namespace>::all(admin.clone()).get(ns).await?;
+    }
+    for (ns, sa) in [(NAMESPACE, AGENT_SA), (CONTROLLER_NS, CONTROLLER_SA)] {
+        Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(admin.clone(), ns)
             .get(sa)
             .await
-            .with_context(|| format!("ServiceAccount {sa}"))?;
+            .with_context(|| format!("ServiceAccount {ns}/{sa}"))?;
     }
     let daemonsets: Api<DaemonSet> = Api::namespaced(admin.clone(), NAMESPACE);
     assert_eq!(
@@ -839,17 +901,17 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
 
     // A pod of each workload passes pod admission and validation (dry run):
     // the priority class resolves, privileged and hostPath are accepted.
-    for (kind, name) in [("DaemonSet", AGENT_SA), ("Deployment", CONTROLLER_SA)] {
+    for (kind, name, ns) in [("DaemonSet", AGENT_SA, NAMESPACE), ("Deployment", CONTROLLER_SA, CONTROLLER_NS)] {
         let a = applied(&all, kind, name)?;
         let template = &a.answer["spec"]["template"];
         let pod = json!({
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": { "name": format!("{name}-admission"), "namespace": NAMESPACE,
+            "metadata": { "name": format!("{name}-admission"), "namespace": ns,
                           "labels": template["metadata"]["labels"] },
             "spec": template["spec"],
         });
-        let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(admin.clone(), NAMESPACE);
+        let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(admin.clone(), ns);
         let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod)?;
         let created = pods
             .create(
@@ -882,6 +944,13 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     );
     let pod = spec.template.spec.context("pod spec")?;
     assert_eq!(pod.service_account_name.as_deref(), Some(AGENT_SA));
+    // Its token is the projected, pod-bound one (the webhook tells its node
+    // by the pod), not the legacy Secret token.
+    assert_eq!(pod.automount_service_account_token, Some(false));
+    let projected = pod.volumes.iter().flatten().find(|v| v.name == "service-account").and_then(|v| v.projected.clone()).context("the projected service-account volume")?;
+    let sources = projected.sources.unwrap_or_default();
+    assert!(sources.iter().any(|s| s.service_account_token.as_ref().is_some_and(|t| t.path == "token")), "a projected token: {sources:?}");
+    assert!(sources.iter().any(|s| s.config_map.as_ref().is_some_and(|c| c.name == "kube-root-ca.crt")), "the cluster's CA: {sources:?}");
     assert_eq!(
         pod.priority_class_name.as_deref(),
         Some("system-node-critical")
@@ -963,7 +1032,7 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     let volumes = pod.volumes.clone().unwrap_or_default();
     let mounts = agent.volume_mounts.clone().unwrap_or_default();
     let mut host_paths = BTreeSet::new();
-    for v in &volumes {
+    for v in volumes.iter().filter(|v| v.name != "service-account") {
         let host = v
             .host_path
             .as_ref()
@@ -1027,7 +1096,9 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
             "--scan-interval",
             "1h",
             "--metrics-addr",
-            "0.0.0.0:9480"
+            "0.0.0.0:9480",
+            "--webhook-addr",
+            "0.0.0.0:9443",
         ])
     );
     let sc = controller
@@ -1061,8 +1132,25 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
         Some(("/readyz".into(), "9480".into()))
     );
 
+    // The webhook: every write of agents' objects, failing closed, at the
+    // controller's Service.
+    let hooks: k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration =
+        serde_json::from_value(applied(&all, "ValidatingWebhookConfiguration", WEBHOOK)?.answer.clone())?;
+    let hook = hooks.webhooks.as_ref().and_then(|w| w.first()).context("a webhook")?;
+    assert_eq!(hook.failure_policy.as_deref(), Some("Fail"));
+    assert_eq!(hook.side_effects, "None");
+    let service = hook.client_config.service.as_ref().context("a Service")?;
+    assert_eq!((service.namespace.as_str(), service.name.as_str(), service.path.as_deref()), (CONTROLLER_NS, "volagent-admission", Some("/validate")));
+    let resources: Vec<String> = hook.rules.iter().flatten().flat_map(|r| r.resources.clone().unwrap_or_default()).collect();
+    for r in ["attachments", "nodecleanups", "nodelocalvolumes", "nodelocalvolumes/status", "fencerequests", "fencerequests/status"] {
+        assert!(resources.iter().any(|x| x == r), "the webhook reviews {r}: {resources:?}");
+    }
+    let svc: k8s_openapi::api::core::v1::Service = serde_json::from_value(applied(&all, "Service", "volagent-admission")?.answer.clone())?;
+    let port = svc.spec.and_then(|s| s.ports).unwrap_or_default().into_iter().next().context("a port")?;
+    assert_eq!((port.port, port.target_port), (443, Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("webhook".into()))));
+
     // Applying again works too (kubectl apply -k a second time).
-    apply_deploy(&env)
+    apply_deploy(&env, true)
         .await
         .context("applying deploy/ a second time")?;
     Ok(())
@@ -1072,7 +1160,7 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
 async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
     let env = KubeEnv::start().await?;
     cluster_with_deploy(&env).await?;
-    let agent = client_as(&env, AGENT_SA).await?;
+    let agent = client_as(&env, NAMESPACE, AGENT_SA).await?;
     let pp = PostParams::default();
 
     // The ledger: create, read, update, delete an Attachment.
@@ -1132,12 +1220,19 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
         .list(&ListParams::default())
         .await?;
 
-    // Secrets: get one it was told about; list none, anywhere.
-    let secrets: Api<Secret> = Api::namespaced(agent.clone(), "ceph");
+    // Secrets: get one in its own namespace; none elsewhere (the
+    // controller's, another namespace's); list none, anywhere.
+    let secrets: Api<Secret> = Api::namespaced(agent.clone(), NAMESPACE);
     secrets
         .get("ceph-a-keyring")
         .await
-        .context("the agent gets a backend secret")?;
+        .context("the agent gets a backend secret in its namespace")?;
+    for elsewhere in ["ceph", CONTROLLER_NS, "kube-system"] {
+        forbidden(
+            &format!("agent gets a secret in {elsewhere}"),
+            Api::<Secret>::namespaced(agent.clone(), elsewhere).get("ceph-a-keyring").await,
+        )?;
+    }
     forbidden(
         "agent lists secrets in a namespace",
         secrets.list(&ListParams::default()).await,
@@ -1212,6 +1307,24 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
         cleanups.delete("node-1", &DeleteParams::default()).await,
     )?;
 
+    // Fence requests: make, read, delete its own; never answer one.
+    let requests: Api<DynamicObject> =
+        Api::all_with(agent.clone(), &crd_resource("FenceRequest", "fencerequests"));
+    let request: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "volagent.io/v1alpha1", "kind": "FenceRequest", "metadata": { "name": "fence-1" },
+        "spec": { "volume": "pv-1", "requester": "node-1", "node": "node-2", "address": "10.0.0.2:0/1" },
+    }))?;
+    requests.create(&pp, &request).await.context("the agent asks for fencing")?;
+    requests.get("fence-1").await.context("the agent reads the answer")?;
+    forbidden(
+        "agent answers a fence request",
+        requests
+            .patch_status("fence-1", &PatchParams::default(), &Patch::Merge(json!({"status": {"phase": "Fenced", "answeredAt": "t"}})))
+            .await,
+    )?;
+    forbidden("agent lists fence requests", requests.list(&ListParams::default()).await)?;
+    requests.delete("fence-1", &DeleteParams::default()).await.context("the agent deletes its request")?;
+
     // Events: create.
     Api::<Event>::namespaced(agent.clone(), "default")
         .create(&pp, &event("agent-event", "node-1"))
@@ -1245,11 +1358,11 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
 async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
     let env = KubeEnv::start().await?;
     cluster_with_deploy(&env).await?;
-    let controller = client_as(&env, CONTROLLER_SA).await?;
+    let controller = client_as(&env, CONTROLLER_NS, CONTROLLER_SA).await?;
     let pp = PostParams::default();
 
-    // Leader election: its Lease in volagent-system, and only that one.
-    let leases: Api<Lease> = Api::namespaced(controller.clone(), NAMESPACE);
+    // Leader election: its Lease in its own namespace, and only that one.
+    let leases: Api<Lease> = Api::namespaced(controller.clone(), CONTROLLER_NS);
     leases
         .create(&pp, &lease(LEASE))
         .await
@@ -1366,10 +1479,10 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
         .create(&pp, &list)
         .await
         .context("the controller creates a NodeCleanup")?;
-    forbidden(
-        "controller deletes a NodeCleanup",
-        cleanups.delete("node-2", &DeleteParams::default()).await,
-    )?;
+    cleanups
+        .delete("node-2", &DeleteParams::default())
+        .await
+        .context("the controller deletes an emptied NodeCleanup")?;
 
     // Nodes: read. Events: create.
     let nodes: Api<Node> = Api::all(controller.clone());
@@ -1383,17 +1496,29 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
         .await
         .context("the controller creates an event")?;
 
-    // A StorageCluster's Secret by name (to blocklist a vanished node's
-    // clients), but no listing; PVs (local volumes') but no pods.
-    Api::<Secret>::namespaced(controller.clone(), "ceph")
+    // A StorageCluster's controller credentials by name (to fence a gone
+    // node's clients), in its own namespace only, and no listing; the
+    // nodes' credentials are not its business.
+    Api::<Secret>::namespaced(controller.clone(), CONTROLLER_NS)
         .get("ceph-a-keyring")
         .await
-        .context("the controller gets a StorageCluster's secret")?;
+        .context("the controller gets its StorageCluster credentials")?;
+    for elsewhere in [NAMESPACE, "ceph"] {
+        forbidden(
+            &format!("controller gets a secret in {elsewhere}"),
+            Api::<Secret>::namespaced(controller.clone(), elsewhere).get("ceph-a-keyring").await,
+        )?;
+    }
     forbidden(
         "controller lists secrets",
-        Api::<Secret>::namespaced(controller.clone(), "ceph")
+        Api::<Secret>::namespaced(controller.clone(), CONTROLLER_NS)
             .list(&ListParams::default())
             .await,
+    )?;
+    // Its webhook: the agents' pods by name, its configuration's caBundle.
+    forbidden(
+        "controller lists the agents' pods",
+        Api::<k8s_openapi::api::core::v1::Pod>::namespaced(controller.clone(), NAMESPACE).list(&ListParams::default()).await,
     )?;
     Api::<PersistentVolume>::all(controller.clone())
         .list(&ListParams::default())

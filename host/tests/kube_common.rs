@@ -14,16 +14,22 @@ pub async fn install_crds(client: &kube::Client) {
         let crd: CustomResourceDefinition = serde_norway::from_str(&yaml).expect("generated CRD parses");
         let name = crd.metadata.name.clone().expect("named");
         api.patch(&name, &PatchParams::apply("volagent-tests").force(), &Patch::Apply(&crd)).await.expect("apply CRD");
-        let start = Instant::now();
-        loop {
-            let c = api.get(&name).await.expect("get CRD");
-            let established = c.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established" && c.status == "True");
-            if established {
-                break;
-            }
-            assert!(start.elapsed() < Duration::from_secs(30), "CRD {name} not Established");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        wait_established(client, &name).await;
+    }
+}
+
+/// Wait until CRD `name` is Established.
+pub async fn wait_established(client: &kube::Client, name: &str) {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let start = Instant::now();
+    loop {
+        let c = api.get(name).await.expect("get CRD");
+        let established = c.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established" && c.status == "True");
+        if established {
+            return;
         }
+        assert!(start.elapsed() < Duration::from_secs(30), "CRD {name} not Established");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -1,7 +1,12 @@
 //! The ledger on a real kube-apiserver passes the same conformance tests as
-//! the embedded one, and an outage is retried, then reported, never lost.
+//! the embedded one, and an outage is retried, then reported, never lost;
+//! leader election among controller replicas. Each runs as the
+//! ServiceAccount that does it in a cluster, with `deploy/`'s RBAC (and no
+//! admission webhook: these are about the store, not about nodes).
 
 mod kube_common;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,15 +17,23 @@ use volagent_kube_env::KubeEnv;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_ledger_conforms() {
     let env = KubeEnv::start().await.expect("a real kube-apiserver (scripts/kube-assets)");
-    kube_common::install_crds(&env.client()).await;
-    conformance::run_all(Arc::new(KubeLedger::new(env.client()))).await;
+    let dir = tempfile::tempdir().expect("a dir");
+    let agent = agent(&env, dir.path()).await;
+    conformance::run_all(Arc::new(KubeLedger::new(agent))).await;
+}
+
+/// `deploy/`'s RBAC applied; a client of the agents' ServiceAccount.
+async fn agent(env: &KubeEnv, dir: &std::path::Path) -> kube::Client {
+    shipped::install_rbac(&env.client()).await.expect("deploy/'s CRDs and RBAC");
+    shipped::account_client(env, shipped::AGENT_NAMESPACE, shipped::AGENT_ACCOUNT, dir).await.expect("the agents' ServiceAccount")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_outage_is_retried_then_reported_and_loses_nothing() {
     let env = KubeEnv::start().await.expect("a real kube-apiserver (scripts/kube-assets)");
-    kube_common::install_crds(&env.client()).await;
-    let ledger = KubeLedger::new(env.client()).with_backoff(Backoff { attempts: 3, first: Duration::from_millis(50) });
+    let dir = tempfile::tempdir().expect("a dir");
+    let agent = agent(&env, dir.path()).await;
+    let ledger = KubeLedger::new(agent.clone()).with_backoff(Backoff { attempts: 3, first: Duration::from_millis(50) });
     let record = conformance::record("pv-outage", &[("n1", "a")]);
     let v1 = ledger.create(&record).await.expect("create");
 
@@ -30,7 +43,7 @@ async fn an_api_outage_is_retried_then_reported_and_loses_nothing() {
     assert!(err.to_string().contains("pv-outage"), "the error names the record: {err}");
 
     // Back within the retry window: the call succeeds.
-    let patient = KubeLedger::new(env.client()).with_backoff(Backoff { attempts: 8, first: Duration::from_millis(200) });
+    let patient = KubeLedger::new(agent).with_backoff(Backoff { attempts: 8, first: Duration::from_millis(200) });
     let restart = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         env.start_apiserver().await.expect("restart the API server");
@@ -45,9 +58,13 @@ async fn an_api_outage_is_retried_then_reported_and_loses_nothing() {
 async fn one_leader_at_a_time_and_a_take_over_only_after_expiry() {
     use volagent::kube::lease::LeaderElector;
     let env = KubeEnv::start().await.expect("a real kube-apiserver (scripts/kube-assets)");
+    let dir = tempfile::tempdir().expect("a dir");
+    shipped::install_rbac(&env.client()).await.expect("deploy/'s CRDs and RBAC");
+    let controller = shipped::account_client(&env, shipped::CONTROLLER_NAMESPACE, shipped::CONTROLLER_ACCOUNT, dir.path()).await.expect("the controller's ServiceAccount");
     let lease = Duration::from_secs(3);
-    let a = LeaderElector::new(env.client(), "default", "volagent-controller", "replica-a", lease);
-    let b = LeaderElector::new(env.client(), "default", "volagent-controller", "replica-b", lease);
+    let ns = shipped::CONTROLLER_NAMESPACE;
+    let a = LeaderElector::new(controller.clone(), ns, "volagent-controller", "replica-a", lease);
+    let b = LeaderElector::new(controller, ns, "volagent-controller", "replica-b", lease);
     // Racing for a Lease that does not exist yet: exactly one wins.
     let (ra, rb) = tokio::join!(a.try_lead(), b.try_lead());
     let (ra, rb) = (ra.expect("a"), rb.expect("b"));

@@ -13,6 +13,8 @@ mod kube_common;
 mod daemonset_cluster;
 #[path = "support/kubelet_cluster.rs"]
 mod kubelet_cluster;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use daemonset_cluster::*;
 use k8s_openapi::api::apps::v1::DaemonSet;
@@ -42,7 +44,7 @@ fn record(c: &DsCluster, volume: &str) -> Option<Attachment> {
 }
 
 fn lease_holder(c: &DsCluster) -> Option<String> {
-    let api: Api<Lease> = Api::namespaced(c.client(), SYSTEM);
+    let api: Api<Lease> = Api::namespaced(c.client(), CONTROLLER_NS);
     c.rt.block_on(api.get_opt("volagent-controller")).expect("read the lease")?.spec?.holder_identity
 }
 
@@ -119,9 +121,9 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
         let root = root.lines().find(|l| l.split(' ').nth(4) == Some("/")).expect("a root mount");
         assert!(root.split(' ').nth(5).is_some_and(|o| o.split(',').any(|o| o == "ro")), "{}'s root is read-only: {root}", name(p));
     }
-    c.delete_pod(SYSTEM, &leader);
+    c.delete_pod(CONTROLLER_NS, &leader);
     let next = c.wait("another controller leading", || lease_holder(&c).filter(|h| *h != leader));
-    let current: Vec<String> = c.pods(SYSTEM, CONTROLLER_LABEL).iter().map(name).collect();
+    let current: Vec<String> = c.pods(CONTROLLER_NS, CONTROLLER_LABEL).iter().map(name).collect();
     assert!(current.contains(&next), "the lease passed to a running replica: {next}, replicas {current:?}");
 
     c.delete_pod("default", "app");

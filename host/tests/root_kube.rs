@@ -6,6 +6,8 @@
 #[path = "support/api_cluster.rs"]
 mod api_cluster;
 mod common;
+#[path = "support/shipped.rs"]
+mod shipped;
 mod driver_common;
 mod kube_common;
 
@@ -99,11 +101,13 @@ fn two_nodes_race_for_a_read_write_once_volume() {
 
 /// A holder's node is gone — deleted, or tainted out-of-service — so its
 /// volume is taken over, but only after the guest's fence steps ran here;
-/// a holder on a live node (even NotReady) is never taken over.
+/// a holder on a live node (even NotReady) is never taken over. (The
+/// controller leaves a deleted node's records for an hour here, so that
+/// node-a, not the controller, deals with them.)
 #[test]
 fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     use volagent::sys::Devices;
-    let mut c = Cluster::start(&["node-a", "node-b", "node-c"], &[SHARED_FILE]);
+    let mut c = Cluster::start_with(&["node-a", "node-b", "node-c"], &[SHARED_FILE], &["--gone-node-grace", "1h"]);
     // The gone node's view: it mapped files in the shared discovery dir.
     let roots = volagent::sys::Roots::open(&[c.scratch.path("disks")]).expect("roots");
     let loops = volagent::sys::linux::Linux::new(roots, "volagent:gone-node");
@@ -179,26 +183,28 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
     assert_success(&r);
     assert_eq!(c.mounts_under("node-b"), 2, "staging and pod mounts on node-b");
 
-    // node-b drops out of the cluster while its mounts stay.
+    // node-b drops out of the cluster while its mounts stay: the running
+    // controller moves its records at once.
     c.kill_agent("node-b");
     c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
-    let moved = c.rt.block_on(volagent::kube::controller::scan(&c.client())).expect("scan");
-    assert_eq!(moved, 1);
+    c.wait("node-b's records to move", || c.cleanup_list("node-b").is_some_and(|l| l.spec.entries.len() == 1));
     let list = c.cleanup_list("node-b").expect("node-b's cleanup list");
-    assert_eq!(list.spec.entries.len(), 1);
     assert_eq!(list.spec.entries[0].volume, "pv-stale");
     let rec = c.record("pv-stale").expect("record");
     assert_eq!(rec.spec.consumers.iter().map(|x| x.node.as_str()).collect::<Vec<_>>(), ["node-a"], "node-a keeps its consumer");
-    assert_eq!(c.rt.block_on(volagent::kube::controller::scan(&c.client())).expect("scan"), 0, "nothing moves twice");
+    // The periodic scan, as the controller's ServiceAccount: nothing moves twice.
+    assert_eq!(c.rt.block_on(volagent::kube::controller::scan(&c.controller_client())).expect("scan"), 0, "nothing moves twice");
 
-    // node-b comes back: its agent works the list off when it starts.
+    // node-b comes back: its agent works the list off when it starts (it
+    // may only empty it), and the controller deletes the emptied list.
     c.spawn_agent("node-b");
-    c.wait("node-b's cleanup list to empty", || c.cleanup_list("node-b").is_none());
+    c.wait("node-b's cleanup list to go", || c.cleanup_list("node-b").is_none());
     assert_eq!(c.mounts_under("node-b"), 0, "node-b's mounts were torn down");
     assert_eq!(c.mounts_under("node-a"), 2, "node-a's are untouched");
+    let log = std::fs::read_to_string(c.scratch.path("node-b.log")).expect("node-b's log");
+    assert!(!log.contains("cleanup list:"), "node-b worked its list off without an error: {log}");
 
-    // A running controller acts on a Node deletion at once.
-    c.spawn_controller();
+    // Another Node deletion, acted on at once.
     let (_, r) = c.mount("node-c", "c1", "pv-stale", &image);
     assert_success(&r);
     c.kill_agent("node-c");
@@ -213,10 +219,9 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
 #[test]
 fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
     use volagent::kube::crds::{StorageCluster, StorageClusterSpec};
-    let mut c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
-    c.spawn_controller();
+    let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
     let clusters: Api<StorageCluster> = Api::all(c.client());
-    let sc = StorageCluster::new("sc1", StorageClusterSpec { backend: "shared-file".into(), endpoints: vec![], secret_ref: None, parameters: Default::default() });
+    let sc = StorageCluster::new("sc1", StorageClusterSpec { backend: "shared-file".into(), endpoints: vec![], secret_ref: None, controller_credentials: None, parameters: Default::default() });
     c.rt.block_on(clusters.create(&Default::default(), &sc)).expect("create the StorageCluster");
     c.wait("the finalizer", || {
         c.rt.block_on(clusters.get("sc1")).ok().and_then(|s| s.metadata.finalizers).is_some_and(|f| f.iter().any(|f| f == volagent::kube::crds::CLEANUP_FINALIZER))
@@ -413,11 +418,7 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
 
     let mut c = Cluster::start(&NODES, &[SHARED_FILE]);
     let proxy = SlowProxy::start(c.env.url());
-    let kubeconfig = c.scratch.path("agents.kubeconfig");
-    let text = std::fs::read_to_string(c.env.kubeconfig_path()).expect("kubeconfig");
-    assert!(text.contains(c.env.url()), "the kubeconfig names the API server");
-    std::fs::write(&kubeconfig, text.replace(c.env.url(), &proxy.url)).expect("the agents' kubeconfig");
-    c.agent_kubeconfig = Some(kubeconfig);
+    c.agent_server = Some(proxy.url.clone());
     for n in NODES {
         c.kill_agent(n);
         c.spawn_agent(n);

@@ -9,6 +9,8 @@ mod common;
 mod kube_common;
 #[path = "support/kubelet_cluster.rs"]
 mod kubelet_cluster;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use kubelet_cluster::*;
 use std::time::Duration;

@@ -12,6 +12,8 @@ mod common;
 mod kube_common;
 #[path = "support/kubelet_cluster.rs"]
 mod kubelet_cluster;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode};
 use kube::api::{Api, PostParams};

@@ -13,13 +13,14 @@ mod common;
 mod kube_common;
 #[path = "support/kubelet_cluster.rs"]
 mod kubelet_cluster;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kubelet_cluster::*;
 use serde_json::json;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 const CLASS: &str = "local-wffc";
@@ -32,19 +33,6 @@ fn pv_phase(pv: &PersistentVolume) -> String {
 fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
     let mut c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
     let _scheduler = volagent_kube_env::node::Scheduler::start(c.env(), &c.scratch.path(""), &c.assets, Some(c.ns.clone())).expect("kube-scheduler");
-    let controller = {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
-        cmd.args(["controller", "--lease-duration", "3s", "--namespace", "default", "--identity", "test-controller", "--local-interval", "2s"]).arg("--kubeconfig").arg(c.env().kubeconfig_path());
-        volagent_kube_env::spawn_in(cmd, &c.scratch.path("controller.log"), false, Some(&c.ns)).expect("start the controller")
-    };
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _controller = Kill(controller);
     let sc = StorageClass {
         metadata: ObjectMeta { name: Some(CLASS.into()), ..Default::default() },
         provisioner: "kubernetes.io/no-provisioner".into(),

@@ -16,6 +16,8 @@ mod common;
 mod kube_common;
 #[path = "support/kubelet_cluster.rs"]
 mod kubelet_cluster;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use kube::api::{Api, PostParams};
 use kubelet_cluster::*;

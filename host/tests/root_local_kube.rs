@@ -9,6 +9,8 @@
 
 #[path = "support/api_cluster.rs"]
 mod api_cluster;
+#[path = "support/shipped.rs"]
+mod shipped;
 mod common;
 mod kube_common;
 
@@ -192,7 +194,6 @@ fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
 
     c.local_agent("node-a", "local-fast", &dir_a, &[]);
     c.local_agent("node-b", "local-fast", &dir_b, &[]);
-    c.spawn_controller();
     let (pv_fs, pv_img, pv_blk) = (pv_name("node-a", "local-fast", &fs1), pv_name("node-a", "local-fast", &img), pv_name("node-b", "local-fast", &dir_b.join("wwn-0xb")));
     c.wait_for("3 local PVs", 60, || (c.local_pvs().len() == 3).then_some(()));
     for (pv, node, path) in [(&pv_fs, "node-a", fs1.display().to_string()), (&pv_img, "node-a", img.display().to_string()), (&pv_blk, "node-b", dev.clone())] {
@@ -260,7 +261,6 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
     // The first plan (the wipe: unmount, attach, shred, detach) stalls
     // after its shred, as a long wipe would run on: the agent is killed then.
     c.local_agent("node-a", "local-slow", &dir, &[(volagent::exec::STALL_AFTER_STEP_ENV, "3:120000")]);
-    c.spawn_controller();
     let (pv_img, pv_busy) = (pv_name("node-a", "local-slow", &img), pv_name("node-a", "local-slow", &dir.join("wwn-0xbusy")));
     c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
 
@@ -332,7 +332,6 @@ fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds
     std::fs::write(&faults, "wipe EIO\nclear-directory ENOSPC\n").unwrap();
     let faults_env = faults.display().to_string();
     c.local_agent("node-a", "local-faulty", &dir, &[(volagent::sys::faults::FAULTS_FILE_ENV, faults_env.as_str())]);
-    c.spawn_controller();
     let (pv_fs, pv_blk) = (pv_name("node-a", "local-faulty", &fs1), pv_name("node-a", "local-faulty", &dir.join("wwn-0xfault")));
     c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
 

@@ -1,11 +1,13 @@
 //! rbd fencing at the storage layer, with agents of two nodes against a
-//! real etcd + kube-apiserver and the run's single-node Ceph: a node that
-//! is deleted while its client still writes (its agent gone, its helper,
-//! NBD client and mount still up: a partitioned machine) is taken over
-//! only after its Ceph client was blocklisted by the address its agent
-//! recorded at attach (not while the blocklisting fails: a fault injected
-//! there leaves the volume with the old node); from then on its writes fail
-//! with EIO while the new node's succeed. Needs root.
+//! real etcd + kube-apiserver and the run's single-node Ceph, each side
+//! with the Ceph user docs/rbd.md gives it (nodes may not blocklist; the
+//! controller may): a node that is deleted while its client still writes
+//! (its agent gone, its helper, NBD client and mount still up: a
+//! partitioned machine) is taken over only after the controller, asked by
+//! the new node, blocklisted its Ceph client by the address its agent
+//! recorded at attach (not while the controller cannot: its credentials
+//! missing leave the volume with the old node); from then on its writes
+//! fail with EIO while the new node's succeed. Needs root.
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
@@ -13,6 +15,8 @@
 mod agent_common;
 #[path = "support/api_cluster.rs"]
 mod api_cluster;
+#[path = "support/shipped.rs"]
+mod shipped;
 #[path = "support/ceph.rs"]
 mod ceph_common;
 mod common;
@@ -36,12 +40,7 @@ const RBD: (&str, &str) = (volagent_test_artifacts::RBD, "rbd");
 
 impl Cluster {
     /// kubelet's mount of PV `volume` for a new pod `pod` on `node`, with
-    /// the Secret's key as kubelet passes it.
-    fn mount(&self, node: &str, pod: &str, volume: &str, key: &str) -> (String, (i32, Value)) {
-        self.mount_with(node, pod, volume, Some(key))
-    }
-
-    /// [`mount`](Self::mount), with no Secret on the PV when `key` is None.
+    /// the Secret's key as kubelet passes it, or none.
     fn mount_with(&self, node: &str, pod: &str, volume: &str, key: Option<&str>) -> (String, (i32, Value)) {
         let uid = self.pod_uid(pod, volume);
         let dir = self.scratch.path(&format!("{node}/kubelet/pods/{uid}/volumes/volagent~rbd/{volume}"));
@@ -56,17 +55,28 @@ impl Cluster {
         (dir.clone(), run_driver(Command::new(driver).args(["mount", &dir, &opts.to_string()])))
     }
 
-    /// A StorageCluster of rbd at the run's Ceph, its key in Secret `secret`.
+    /// A StorageCluster of rbd at the run's Ceph: the nodes' user (its key
+    /// in Secret `secret` of the agents' namespace) and the controller's
+    /// (its key in Secret `volagent-controller/<name>-fencing`).
     fn create_storage_cluster(&self, name: &str, secret: &str) {
-        use volagent::kube::crds::{SecretReference, StorageCluster, StorageClusterSpec};
+        use volagent::kube::crds::{ControllerCredentials, SecretReference, StorageCluster, StorageClusterSpec};
         let spec = StorageClusterSpec {
             backend: "rbd".into(),
             endpoints: vec!["127.0.0.1:6789".into()],
-            secret_ref: Some(SecretReference { namespace: "default".into(), name: secret.into() }),
+            secret_ref: Some(SecretReference { namespace: shipped::AGENT_NAMESPACE.into(), name: secret.into() }),
+            controller_credentials: Some(ControllerCredentials {
+                user: "volagent-controller".into(),
+                secret_ref: SecretReference { namespace: shipped::CONTROLLER_NAMESPACE.into(), name: format!("{name}-fencing") },
+            }),
             parameters: [("user".to_string(), "volagent".to_string()), ("pool".to_string(), "rbd".to_string())].into(),
         };
         let api: Api<StorageCluster> = Api::all(self.client());
         self.rt.block_on(api.create(&Default::default(), &StorageCluster::new(name, spec))).unwrap();
+    }
+
+    /// The controller's key for StorageCluster `name`, where it looks for it.
+    fn create_fencing_secret(&self, name: &str) {
+        self.create_secret(shipped::CONTROLLER_NAMESPACE, &format!("{name}-fencing"), &ceph_common::controller_key(&ceph_dir()));
     }
 
     /// NodeStage and NodePublish of CSI volume `pv` (attributes `attrs`, no
@@ -100,14 +110,14 @@ impl Cluster {
         target
     }
 
-    fn create_secret(&self, name: &str, key: &str) {
+    fn create_secret(&self, namespace: &str, name: &str, key: &str) {
         use k8s_openapi::api::core::v1::Secret;
         let secret = Secret {
             metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
             data: Some([("key".to_string(), k8s_openapi::ByteString(key.as_bytes().to_vec()))].into()),
             ..Default::default()
         };
-        let api: Api<Secret> = Api::namespaced(self.client(), "default");
+        let api: Api<Secret> = Api::namespaced(self.client(), namespace);
         self.rt.block_on(api.create(&Default::default(), &secret)).unwrap();
     }
 }
@@ -130,16 +140,13 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
     let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
-    // node-a's agent runs with the chaos tier's fault layer (no fault yet).
-    let faults = c.scratch.path("faults");
-    let faults_env = faults.display().to_string();
-    c.kill_agent("node-a");
-    c.spawn_agent_env("node-a", &[], &[(volagent::sys::faults::FAULTS_FILE_ENV, faults_env.as_str())]);
-    let options = [("monitors", "127.0.0.1:6789"), ("pool", "rbd"), ("image", image.name.as_str()), ("user", "volagent")];
-    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-rbd", "rbd", "ReadWriteOnce", &options));
+    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    // The controller's key is not there yet: it cannot fence.
+    c.create_storage_cluster("ceph", "ceph-volagent");
+    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-rbd", "rbd", "ReadWriteOnce", &[("storageCluster", "ceph"), ("image", image.name.as_str())]));
 
     // node-b mounts and writes; its agent records its Ceph client.
-    let (old, r) = c.mount("node-b", "old", "pv-rbd", &key);
+    let (old, r) = c.mount_with("node-b", "old", "pv-rbd", None);
     assert_success(&r);
     let old_device = r.1["device"].as_str().unwrap().to_string();
     write_through(&format!("{old}/data"), b"before").unwrap();
@@ -152,31 +159,35 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     c.kill_agent("node-b");
     write_through(&format!("{old}/data"), b"still writing").unwrap();
     // A live node's volume is not taken over.
-    let (_, r) = c.mount("node-a", "new-1", "pv-rbd", &key);
+    let (_, r) = c.mount_with("node-a", "new-1", "pv-rbd", None);
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
     assert!(!blocklist(&dir).contains(&clients[0].address), "nobody was blocklisted yet");
+    // Nor can node-a fence node-b itself: its Ceph user may not blocklist.
+    let denied = Command::new("ceph").arg("-c").arg(dir.join("ceph.conf")).args(["--name", "client.volagent", "--key", &key, "osd", "blocklist", "add", &clients[0].address]).output().unwrap();
+    assert!(!denied.status.success() && String::from_utf8_lossy(&denied.stderr).contains("EACCES"), "a node's user blocklisted: {denied:?}");
 
-    // node-b is deleted: node-a must fence its client at the cluster before
-    // it takes over. While the blocklisting fails, it does not take over.
+    // node-b is deleted: node-a asks the controller to fence its client
+    // before it takes over. While the controller cannot, it does not.
     c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
-    std::fs::write(&faults, "blocklist-client EIO\n").unwrap();
-    let (failed_dir, r) = c.mount("node-a", "new-2", "pv-rbd", &key);
+    // (Nor can the controller move node-b's records: it cannot fence its client.)
+    let (failed_dir, r) = c.mount_with("node-a", "new-2", "pv-rbd", None);
     let said = r.1["message"].as_str().unwrap_or_default().to_string();
-    assert!(r.1["status"] == "Failure" && said.contains("blocklist-client (injected fault)") && said.contains("EIO"), "the fence's failure is said: {}", r.1);
+    assert!(r.1["status"] == "Failure" && said.contains("ceph-fencing") && said.contains("does not exist"), "the fence's failure is said: {}", r.1);
     assert!(!blocklist(&dir).contains(&clients[0].address));
-    let rec = c.record("pv-rbd").expect("the volume's record").spec;
-    assert!(rec.consumers.iter().all(|x| x.node == "node-b"), "not taken over: {:?}", rec.consumers);
     assert!(!c.scratch.mounts().iter().any(|m| m.starts_with(c.scratch.path("node-a"))), "nothing mounted on node-a: {:?}", c.scratch.mounts());
     assert_eq!(watchers(&image), [format!("client.{}", clients[0].id)], "node-a did not open the image");
-    std::fs::remove_file(&faults).unwrap();
-    let (new, r) = c.mount("node-a", "new-2", "pv-rbd", &key);
+    c.create_fencing_secret("ceph");
+    let (new, r) = c.mount_with("node-a", "new-2", "pv-rbd", None);
     assert_eq!(new, failed_dir);
     assert_success(&r);
     assert!(blocklist(&dir).contains(&clients[0].address), "{}", blocklist(&dir));
+    assert!(!ceph_common::lockers(&image).contains(&clients[0].address), "the controller broke the fenced client's lock (node-a's user could not have)");
     let rec = c.record("pv-rbd").expect("the volume\'s record").spec;
     let nodes: Vec<&str> = rec.consumers.iter().map(|x| x.node.as_str()).collect();
     assert_eq!(nodes, ["node-a"]);
     assert!(rec.storage_clients.iter().all(|s| s.node == "node-a") && rec.storage_clients.len() == 1, "{:?}", rec.storage_clients);
+    let requests: Api<volagent::kube::crds::FenceRequest> = Api::all(c.client());
+    assert!(c.rt.block_on(requests.list(&Default::default())).unwrap().items.is_empty(), "node-a deleted its answered request");
 
     // The old node's writes fail; the new node's succeed.
     let err = write_through(&format!("{old}/data"), b"too late").expect_err("the blocklisted client's write went through");
@@ -215,9 +226,8 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     let dir = ceph_dir();
     let key = volagent_key(&dir);
     let (one, two) = (Image::create(&dir, 64), Image::create(&dir, 64));
-    let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
-    c.spawn_controller();
-    c.create_secret("ceph-volagent", &key);
+    let c = Cluster::start(&["node-a", "node-b"], &[RBD]);
+    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
     c.create_storage_cluster("ceph", "ceph-volagent");
     c.create_storage_cluster("ceph-unkeyed", "absent");
     let clusters: Api<volagent::kube::crds::StorageCluster> = Api::all(c.client());
@@ -232,7 +242,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     let (_, r) = c.mount_with("node-a", "unkeyed", "pv-unkeyed", None);
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
     let message = r.1["message"].as_str().unwrap();
-    assert!(message.contains("Secret default/absent (named by StorageCluster ceph-unkeyed) does not exist"), "{message}");
+    assert!(message.contains("Secret volagent-system/absent (named by StorageCluster ceph-unkeyed) does not exist"), "{message}");
 
     let (a, r) = c.mount_with("node-a", "a", "pv-sc-1", None);
     assert_success(&r);
@@ -274,8 +284,9 @@ fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records(
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
     let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
-    c.create_secret("ceph-volagent", &key);
+    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
     c.create_storage_cluster("ceph", "ceph-volagent");
+    c.create_fencing_secret("ceph");
     c.rt.block_on(kube_common::create_pv(&c.client(), "pv-gone", "rbd", "ReadWriteOnce", &[("storageCluster", "ceph"), ("image", image.name.as_str())]));
     let (old, r) = c.mount_with("node-b", "old", "pv-gone", None);
     assert_success(&r);
@@ -284,7 +295,6 @@ fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records(
     assert_eq!(client.node, "node-b");
 
     c.kill_agent("node-b");
-    c.spawn_controller();
     c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
     let cleanups: Api<volagent::kube::crds::NodeCleanup> = Api::all(c.client());
     c.wait("node-b's records to move", || c.rt.block_on(cleanups.get_opt("node-b")).ok().flatten().is_some_and(|l| l.spec.entries.len() == 1));

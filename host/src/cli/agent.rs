@@ -46,6 +46,10 @@ pub struct AgentArgs {
     /// Join the cluster the agent's pod runs in (its service account).
     #[arg(long)]
     in_cluster: bool,
+    /// With a cluster: the agent's namespace, the only one it reads
+    /// StorageClusters' credentials from.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "volagent-system")]
+    namespace: String,
     /// With a cluster: how often the node's cleanup list and deleted
     /// storage clusters are checked besides on every change seen.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
@@ -180,7 +184,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         (None, false) => None,
         (kubeconfig, _) => {
             let client = rt.block_on(crate::kube::cluster::client(kubeconfig.as_deref()))?;
-            Some(crate::kube::cluster::Cluster { client, component: "volagent-agent".into(), node: node.clone() })
+            Some(crate::kube::cluster::Cluster { client, component: "volagent-agent".into(), node: node.clone(), namespace: args.namespace.clone() })
         }
     };
     let ledger: Arc<dyn crate::ledger::Ledger> = match &cluster {

@@ -20,6 +20,10 @@ pub struct ControllerArgs {
     /// How often every attachment record is checked against the Nodes.
     #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
     scan_interval: Duration,
+    /// How long after a Node is deleted its attachments move to its cleanup
+    /// list (meanwhile other nodes may take its volumes over, with fencing).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    gone_node_grace: Duration,
     /// How often deleted StorageClusters are checked for release.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     cluster_interval: Duration,
@@ -39,6 +43,30 @@ pub struct ControllerArgs {
     /// Serve /metrics, /healthz and /readyz here (e.g. 0.0.0.0:9480).
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve the admission webhook that keeps each agent to its own node's
+    /// objects here (e.g. 0.0.0.0:9443). Without it, agents are held to
+    /// their nodes only where the ValidatingAdmissionPolicy is installed.
+    #[arg(long)]
+    webhook_addr: Option<std::net::SocketAddr>,
+    /// The Secret (in --namespace) that keeps the webhook's CA and serving
+    /// certificate.
+    #[arg(long, default_value = "volagent-admission-tls")]
+    webhook_secret: String,
+    /// The Service (in --namespace) the API server reaches the webhook
+    /// through: its DNS names go into the serving certificate.
+    #[arg(long, default_value = "volagent-admission")]
+    webhook_service: String,
+    /// Another name or address the serving certificate carries (repeatable),
+    /// for a configuration that names the webhook by URL.
+    #[arg(long = "webhook-host")]
+    webhook_hosts: Vec<String>,
+    /// The ValidatingWebhookConfiguration whose caBundle the controller keeps.
+    #[arg(long, default_value = "volagent-node-restriction")]
+    webhook_configuration: String,
+    /// The agents' ServiceAccount, <namespace>/<name>: its writes are held
+    /// to the node of the pod its token is bound to.
+    #[arg(long, default_value = "volagent-system/volagent-agent")]
+    agent_service_account: crate::kube::admission::caller::AgentAccount,
 }
 
 pub fn run(args: ControllerArgs) -> anyhow::Result<ExitCode> {
@@ -50,27 +78,70 @@ pub fn run(args: ControllerArgs) -> anyhow::Result<ExitCode> {
     rt.block_on(async move {
         let client = crate::kube::cluster::client(if args.in_cluster { None } else { args.kubeconfig.as_deref() }).await?;
         let state = Arc::new(State::default());
+        let serving = Arc::new(crate::kube::admission::Serving::default());
+        let webhook = args.webhook_addr.map(|addr| {
+            let mut names = crate::kube::admission::WebhookConfig::service_names(&args.webhook_service, &args.namespace);
+            names.extend(args.webhook_hosts.iter().cloned());
+            crate::kube::admission::WebhookConfig {
+                addr,
+                namespace: args.namespace.clone(),
+                secret: args.webhook_secret.clone(),
+                names,
+                configuration: args.webhook_configuration.clone(),
+                agent: args.agent_service_account.clone(),
+            }
+        });
+        if webhook.is_none() {
+            tracing::warn!("no --webhook-addr: agents' writes are not held to their own nodes unless the ValidatingAdmissionPolicy in deploy/ is installed");
+        }
         if let Some(addr) = args.metrics_addr {
             let listener = crate::http::bind(addr).await?;
-            let s = state.clone();
+            let (s, w, with_webhook) = (state.clone(), serving.clone(), webhook.is_some());
             let ready: crate::http::Readiness = Arc::new(move || {
-                if s.reachable.load(Ordering::Relaxed) { Ok(()) } else { Err("the Kubernetes API is not reachable".into()) }
+                if !s.reachable.load(Ordering::Relaxed) {
+                    return Err("the Kubernetes API is not reachable".into());
+                }
+                if with_webhook && !w.ready.load(Ordering::Relaxed) {
+                    return Err("the admission webhook is not serving yet".into());
+                }
+                Ok(())
             });
             tokio::spawn(crate::http::serve(listener, ready));
         }
+        let webhook = match webhook {
+            Some(config) => {
+                // A port it cannot bind ends the controller with the error.
+                let (client, serving) = (client.clone(), serving.clone());
+                let listener = tokio::spawn(crate::kube::admission::run(client, config, serving));
+                Some(listener)
+            }
+            None => None,
+        };
         let config = ControllerConfig {
             namespace: args.namespace.clone(),
             lease_name: "volagent-controller".into(),
             identity,
             lease_duration: args.lease_duration,
             scan_interval: args.scan_interval,
+            gone_node_grace: args.gone_node_grace,
             cluster_interval: args.cluster_interval,
             local_interval: args.local_interval,
         };
         tracing::info!(identity = %config.identity, scan_interval = ?config.scan_interval, "volagent controller starting");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
+        let webhook_ended = async {
+            match webhook {
+                Some(w) => match w.await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e),
+                    Err(e) => Err(anyhow::anyhow!("admission webhook task: {e}")),
+                },
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             () = controller::run(client, config, state) => {}
+            ended = webhook_ended => ended?,
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
             _ = term.recv() => tracing::info!("terminated"),
         }

@@ -19,6 +19,8 @@ pub struct Cluster {
     /// Who writes Events (`volagent-agent` on a node, `volagent-controller`).
     pub component: String,
     pub node: String,
+    /// The agent's own namespace: the only one it reads credentials from.
+    pub namespace: String,
 }
 
 /// A client from a kubeconfig file, or the pod's service account. Every

@@ -25,6 +25,9 @@ pub struct ControllerConfig {
     pub lease_duration: Duration,
     /// How often every record is checked against the Nodes.
     pub scan_interval: Duration,
+    /// How long after a Node's deletion its records move to its cleanup
+    /// list (other nodes may take its volumes over meanwhile, fencing it).
+    pub gone_node_grace: Duration,
     /// How often deleted StorageClusters are checked for release.
     pub cluster_interval: Duration,
     /// How often local volumes' PVs are checked besides on every change.
@@ -98,11 +101,18 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
             let mut events = watcher(nodes, watcher::Config::default()).default_backoff().boxed();
             while let Some(event) = events.next().await {
                 if let Ok(watcher::Event::Delete(node)) = event {
-                    let name = node.metadata.name.unwrap_or_default();
-                    match move_node(&client, &name).await {
-                        Ok(moved) => tracing::warn!(node = %name, moved, "Node deleted: its attachments moved to its cleanup list"),
-                        Err(e) => tracing::error!(node = %name, "moving a deleted node's attachments: {e:#} (the next scan retries)"),
-                    }
+                    let (name, client, grace) = (node.metadata.name.unwrap_or_default(), client.clone(), config.gone_node_grace);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(grace).await;
+                        // Registered again meanwhile: not gone.
+                        if let Ok(Some(_)) = Api::<Node>::all(client.clone()).get_opt(&name).await {
+                            return;
+                        }
+                        match move_node(&client, &name).await {
+                            Ok(moved) => tracing::warn!(node = %name, moved, "Node deleted: its attachments moved to its cleanup list"),
+                            Err(e) => tracing::error!(node = %name, "moving a deleted node's attachments: {e:#} (the next scan retries)"),
+                        }
+                    });
                 }
             }
         }
@@ -137,10 +147,46 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
             }
         }
     };
-    tokio::join!(scan, deletions, clusters, local);
+    let emptied = {
+        let client = client.clone();
+        async move {
+            // An agent takes the entries it worked off out of its list but
+            // may not delete it: the list goes here once it is empty.
+            let lists = watcher(Api::<NodeCleanup>::all(client.clone()), watcher::Config::default()).default_backoff().applied_objects();
+            let mut lists = std::pin::pin!(lists);
+            while let Some(list) = lists.next().await {
+                if let Ok(list) = list
+                    && let Err(e) = delete_if_empty(&client, &list).await
+                {
+                    tracing::error!(node = list.metadata.name.as_deref().unwrap_or(""), "deleting an emptied cleanup list: {e:#}");
+                }
+            }
+        }
+    };
+    tokio::join!(scan, deletions, clusters, local, emptied, super::fencing::serve(client.clone()));
 }
 
-/// Move the consumers on nodes that no longer exist; how many moved.
+/// Delete cleanup list `list` when it holds no entry, as read: an entry
+/// the controller appends meanwhile makes the delete fail (Conflict) and
+/// keeps the list.
+pub async fn delete_if_empty(client: &kube::Client, list: &NodeCleanup) -> anyhow::Result<bool> {
+    if !list.spec.entries.is_empty() || list.metadata.deletion_timestamp.is_some() {
+        return Ok(false);
+    }
+    let name = list.metadata.name.clone().unwrap_or_default();
+    let dp = DeleteParams { preconditions: Some(Preconditions { resource_version: list.metadata.resource_version.clone(), uid: list.metadata.uid.clone() }), ..Default::default() };
+    match Api::<NodeCleanup>::all(client.clone()).delete(&name, &dp).await {
+        Ok(_) => {
+            tracing::info!(node = %name, "the node worked off its cleanup list: list deleted");
+            Ok(true)
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Move the consumers on nodes that no longer exist, and delete the
+/// cleanup lists their nodes emptied; how many consumers moved.
 pub async fn scan(client: &kube::Client) -> anyhow::Result<usize> {
     let nodes: BTreeSet<String> = Api::<Node>::all(client.clone()).list(&Default::default()).await?.items.into_iter().filter_map(|n| n.metadata.name).collect();
     let records = Api::<Attachment>::all(client.clone()).list(&Default::default()).await?.items;
@@ -148,6 +194,9 @@ pub async fn scan(client: &kube::Client) -> anyhow::Result<usize> {
     let mut moved = 0;
     for node in gone {
         moved += move_node(client, &node).await?;
+    }
+    for list in Api::<NodeCleanup>::all(client.clone()).list(&Default::default()).await?.items {
+        delete_if_empty(client, &list).await?;
     }
     Ok(moved)
 }
@@ -178,8 +227,16 @@ pub async fn move_node(client: &kube::Client, node: &str) -> anyhow::Result<usiz
             })
             .collect();
         // Its storage clients are cut off at the storage first: a node that
-        // vanished from the API may still run and write (partitioned).
+        // vanished from the API may still run and write (partitioned). A
+        // record whose clients could not all be fenced stays as it is, so
+        // that another node's take-over (which asks for the fencing again)
+        // still sees who holds it; the next scan tries again.
         let fenced = fence_clients(client, &record, node).await;
+        let theirs = record.spec.storage_clients.iter().filter(|c| c.node == node).count();
+        if fenced.len() < theirs {
+            tracing::error!(%volume, %node, "the gone node's storage clients are not all fenced: its records stay until they are");
+            continue;
+        }
         append_cleanup(client, node, entries).await?;
         remove_consumers(&records, &volume, node, &fenced).await?;
         moved += mine.len();
@@ -214,38 +271,21 @@ async fn append_cleanup(client: &kube::Client, node: &str, entries: Vec<CleanupE
     anyhow::bail!("cleanup list {node} keeps changing")
 }
 
-/// Blocklist `node`'s storage clients of `record` at its StorageCluster;
-/// the ids of those blocklisted. One that could not be stays recorded, so
-/// other nodes keep placing its watcher on the gone node and deny (or take
-/// over with fencing) rather than write beside it.
+/// Blocklist `node`'s storage clients of `record` at its StorageCluster
+/// (and break the locks they held); the ids of those fenced. One that
+/// could not be stays recorded, so other nodes keep placing its watcher on
+/// the gone node and deny (or take over with fencing) rather than write
+/// beside it.
 async fn fence_clients(client: &kube::Client, record: &Attachment, node: &str) -> Vec<i64> {
     let volume = record.metadata.name.clone().unwrap_or_default();
-    let clients: Vec<_> = record.spec.storage_clients.iter().filter(|c| c.node == node).cloned().collect();
-    let Some(cluster) = record.spec.storage_cluster.clone().filter(|_| !clients.is_empty()) else { return Vec::new() };
-    let connection = match super::storage::connection(client, &cluster, &record.spec.backend, true).await {
-        Ok(c) => c.ceph_client(),
-        Err(e) => {
-            tracing::error!(%volume, %node, "cannot blocklist the gone node's storage clients: {e}");
-            return Vec::new();
-        }
-    };
     let mut fenced = Vec::new();
-    for c in clients {
-        let (ceph, address) = (connection.clone(), c.address.clone());
-        let storage = crate::sys::rbd_export::LibCeph;
-        let done = tokio::time::timeout(
-            Duration::from_secs(60),
-            tokio::task::spawn_blocking(move || crate::sys::Storage::blocklist(&storage, &ceph, &address)),
-        )
-        .await;
-        match done {
-            Ok(Ok(Ok(()))) => {
-                tracing::warn!(%volume, %node, address = %c.address, "blocklisted the gone node's storage client");
+    for c in record.spec.storage_clients.iter().filter(|c| c.node == node) {
+        match super::fencing::fence(client, record, &c.address).await {
+            Ok(done) => {
+                tracing::warn!(%volume, %node, "the gone node's storage client: {done}");
                 fenced.push(c.id);
             }
-            Ok(Ok(Err(e))) => tracing::error!(%volume, %node, "blocklisting {}: {e}", c.address),
-            Ok(Err(e)) => tracing::error!(%volume, %node, "blocklisting {}: {e}", c.address),
-            Err(_) => tracing::error!(%volume, %node, "blocklisting {}: no answer within 60 s", c.address),
+            Err(e) => tracing::error!(%volume, %node, "cannot fence the gone node's storage client: {e}"),
         }
     }
     fenced

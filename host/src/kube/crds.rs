@@ -167,11 +167,87 @@ pub struct StorageClusterSpec {
     /// Ceph monitors, Gluster servers, the NBD server: host[:port] each.
     #[serde(default)]
     pub endpoints: Vec<String>,
+    /// The nodes' credentials (Ceph: a user that may read the maps and use
+    /// the pool's images, not blocklist). Agents read it only from their own
+    /// namespace: a Secret elsewhere is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_ref: Option<SecretReference>,
+    /// What only the controller uses: a user that may fence other nodes'
+    /// clients (Ceph: `osd blocklist`). Agents never read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller_credentials: Option<ControllerCredentials>,
     /// Backend-specific settings.
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+}
+
+/// The storage user the controller acts as, and where its key is.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ControllerCredentials {
+    /// The user's name (Ceph: without `client.`).
+    pub user: String,
+    /// The Secret holding its key (under the cluster's `secretKey`
+    /// parameter, default `key`), in a namespace agents cannot read.
+    pub secret_ref: SecretReference,
+}
+
+/// A node's agent asks the controller to cut a gone node's storage client
+/// off before it takes that node's volume over: nodes hold no credentials
+/// that may fence another node. The controller checks the request against
+/// the volume's Attachment and the gone node's Node, fences with its own
+/// credentials, and answers in the status; the requester deletes it.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "volagent.io",
+    version = "v1alpha1",
+    kind = "FenceRequest",
+    plural = "fencerequests",
+    shortname = "vfr",
+    status = "FenceRequestStatus",
+    printcolumn = r#"{"name":"Volume","type":"string","jsonPath":".spec.volume"}"#,
+    printcolumn = r#"{"name":"Requester","type":"string","jsonPath":".spec.requester"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".spec.node"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct FenceRequestSpec {
+    /// The volume (its Attachment's name) being taken over.
+    pub volume: String,
+    /// The node whose agent asks.
+    pub requester: String,
+    /// The gone node whose client is to be fenced.
+    pub node: String,
+    /// The client's address, as the Attachment records it.
+    pub address: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum FencePhase {
+    Fenced,
+    Refused,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FenceRequestStatus {
+    pub phase: FencePhase,
+    /// Why it was refused, or what was done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// RFC 3339 time of the answer.
+    pub answered_at: String,
+}
+
+impl FenceRequest {
+    /// The request's name: one per volume and client, a valid object name
+    /// whatever the volume is called.
+    pub fn name_for(volume: &str, address: &str) -> String {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(format!("{volume}\n{address}").as_bytes());
+        format!("fence-{}", &hex::encode(digest)[..32])
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -327,7 +403,7 @@ pub struct NodeLocalVolumesStatus {
 
 /// Every CRD with the file name `deploy/crds/` keeps it under.
 pub fn all() -> Vec<(String, String)> {
-    [Attachment::crd(), NodeCleanup::crd(), StorageCluster::crd(), NodeLocalVolumes::crd()]
+    [Attachment::crd(), NodeCleanup::crd(), StorageCluster::crd(), NodeLocalVolumes::crd(), FenceRequest::crd()]
         .into_iter()
         .map(|crd| {
             let name = crd.metadata.name.clone().unwrap_or_default();

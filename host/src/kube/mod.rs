@@ -1,11 +1,13 @@
 //! Kubernetes: the custom resources, the ledger on them, the node facts and
 //! PVs the agent reads, and the controller.
 
+pub mod admission;
 pub mod crds;
 pub mod ledger;
 pub mod cluster;
 pub mod node_tasks;
 pub mod controller;
+pub mod fencing;
 pub mod lease;
 pub mod local_pvs;
 pub mod local_volumes;

@@ -3,11 +3,12 @@
 //! deleted StorageClusters. Run at start-up, on every change the watches
 //! see, and periodically in case a round failed.
 
-use super::crds::{NodeCleanup, StorageCluster};
+use super::crds::{CleanupEntry, NodeCleanup, StorageCluster};
+use crate::ops::stash::Entry;
 use crate::ops::{Agent, STORAGE_CLUSTER_OPTION};
 use crate::policy::CleanupReason;
 use futures_util::StreamExt;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -41,34 +42,38 @@ pub async fn sync_once(agent: &Arc<Agent>, client: &kube::Client, node: &str) {
 }
 
 /// Undo what the node's cleanup list names, then drop the entries that
-/// are done (all of them when the node holds nothing of theirs).
+/// are done: the list is left empty, and the controller deletes it (an
+/// agent may only take entries out of its own list, never delete it).
+///
+/// An entry is about one mount: the consumer's mount dir, pod UID and the
+/// time the ledger recorded it. A mount of the same dir made since (a CSI
+/// stage's dir is the same for every stage of a volume) is another mount
+/// and is left alone; the entry is then done.
 pub async fn work_off_cleanup_list(agent: &Arc<Agent>, client: &kube::Client, node: &str) -> anyhow::Result<usize> {
     let api: Api<NodeCleanup> = Api::all(client.clone());
     let Some(list) = api.get_opt(node).await? else { return Ok(0) };
-    let dirs: BTreeSet<String> = list.spec.entries.iter().map(|e| e.consumer.mount_dir.clone()).collect();
-    if dirs.is_empty() {
+    if list.spec.entries.is_empty() {
         return Ok(0);
     }
+    let entries = list.spec.entries.clone();
     let cleaned = agent
-        .clean_volumes(CleanupReason::StaleNode, |e| dirs.contains(&e.consumer.mount_dir))
+        .clean_volumes(CleanupReason::StaleNode, |e| entries.iter().any(|c| names_mount(c, e)))
         .await
         .map_err(|f| anyhow::anyhow!(f.message))?;
-    let still_held: BTreeSet<String> = agent.stashed_mount_dirs().await.map_err(|f| anyhow::anyhow!(f.message))?.into_iter().collect();
-    let done = dirs.iter().filter(|d| !still_held.contains(*d)).count();
+    let stashed = agent.stashed_entries().await.map_err(|f| anyhow::anyhow!(f.message))?;
+    let pending = |c: &CleanupEntry| stashed.iter().any(|e| names_mount(c, e));
+    let done = entries.iter().filter(|c| !pending(c)).count();
     // Drop the finished entries; the controller may have appended meanwhile,
     // so this is a compare-and-swap on what was read, retried on conflict.
     let mut current = list;
     for _ in 0..5 {
         let mut next = current.clone();
-        next.spec.entries.retain(|e| still_held.contains(&e.consumer.mount_dir) || !dirs.contains(&e.consumer.mount_dir));
-        let result = if next.spec.entries.is_empty() {
-            let dp = DeleteParams { preconditions: Some(Preconditions { resource_version: current.metadata.resource_version.clone(), uid: None }), ..Default::default() };
-            api.delete(node, &dp).await.map(drop)
-        } else {
-            api.replace(node, &PostParams::default(), &next).await.map(drop)
-        };
-        match result {
-            Ok(()) => break,
+        next.spec.entries.retain(|c| pending(c) || !entries.contains(c));
+        if next.spec.entries == current.spec.entries {
+            break;
+        }
+        match api.replace(node, &PostParams::default(), &next).await {
+            Ok(_) => break,
             Err(kube::Error::Api(s)) if s.code == 409 => match api.get_opt(node).await? {
                 Some(fresh) => current = fresh,
                 None => break,
@@ -80,6 +85,18 @@ pub async fn work_off_cleanup_list(agent: &Arc<Agent>, client: &kube::Client, no
         anyhow::bail!("still held: {}", cleaned.failed.join("; "));
     }
     Ok(done)
+}
+
+/// Whether cleanup entry `c` is about stashed mount `e`: the same dir and
+/// pod, recorded at the same time (an older agent's stash entry, which has
+/// no time, only when it was made before the entry was written).
+pub fn names_mount(c: &CleanupEntry, e: &Entry) -> bool {
+    c.consumer.mount_dir == e.consumer.mount_dir
+        && c.consumer.pod_uid == e.consumer.pod_uid
+        && match &e.since {
+            Some(since) => *since == c.consumer.since,
+            None => c.consumer.since <= c.moved_at,
+        }
 }
 
 /// Force-clean this node's volumes of every StorageCluster being deleted.

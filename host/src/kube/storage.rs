@@ -5,7 +5,7 @@
 //! parameters as options, and the Secret's keys, never its values.
 
 use super::cluster::Cluster;
-use super::crds::StorageCluster;
+use super::crds::{SecretReference, StorageCluster};
 use super::volumes::VolumeError;
 use crate::secret::{Secret, Secrets};
 use k8s_openapi::api::core::v1::Secret as KubeSecret;
@@ -37,13 +37,30 @@ impl StorageConnection {
 
 impl Cluster {
     /// The connection of StorageCluster `name`, which must serve `backend`
-    /// and not be being deleted.
+    /// and not be being deleted, with the nodes' credentials.
     pub async fn storage_connection(&self, name: &str, backend: &str) -> Result<StorageConnection, VolumeError> {
-        connection(&self.client, name, backend, false).await
+        let sc = storage_cluster(&self.client, name, backend, false).await?;
+        let mut connection = StorageConnection::of(&sc);
+        if let Some(r) = &sc.spec.secret_ref {
+            // A StorageCluster is cluster-scoped and may name any Secret;
+            // a node reads credentials only from its own namespace.
+            if r.namespace != self.namespace {
+                return Err(VolumeError::Refused(format!(
+                    "StorageCluster {name} names Secret {}/{}, but agents read credentials only from their own namespace, {}",
+                    r.namespace, r.name, self.namespace
+                )));
+            }
+            connection.secrets = read_secret(&self.client, r, name).await?;
+        }
+        Ok(connection)
     }
 }
 
 impl StorageConnection {
+    fn of(sc: &StorageCluster) -> StorageConnection {
+        StorageConnection { endpoints: sc.spec.endpoints.clone(), parameters: sc.spec.parameters.clone(), secrets: Secrets::new() }
+    }
+
     /// As a Ceph client: the endpoints as monitors, the `user` parameter
     /// (default admin), and the key under the `secretKey` parameter
     /// (default "key") of the Secret.
@@ -59,9 +76,9 @@ impl StorageConnection {
     }
 }
 
-/// The connection of StorageCluster `name` of `backend`; of one being
-/// deleted only when `deleting_ok` (fencing still needs it, mounts do not).
-pub async fn connection(client: &kube::Client, name: &str, backend: &str, deleting_ok: bool) -> Result<StorageConnection, VolumeError> {
+/// StorageCluster `name` of `backend`; one being deleted only when
+/// `deleting_ok` (fencing still needs it, mounts do not).
+async fn storage_cluster(client: &kube::Client, name: &str, backend: &str, deleting_ok: bool) -> Result<StorageCluster, VolumeError> {
     let clusters: Api<StorageCluster> = Api::all(client.clone());
     let what = format!("StorageCluster {name}");
     let sc = clusters
@@ -76,28 +93,46 @@ pub async fn connection(client: &kube::Client, name: &str, backend: &str, deleti
     if deleting && !deleting_ok {
         return Err(VolumeError::Refused(format!("{what} is being deleted: its volumes are being cleaned up, not mounted")));
     }
-    let mut connection = StorageConnection { endpoints: sc.spec.endpoints.clone(), parameters: sc.spec.parameters.clone(), secrets: Secrets::new() };
-    if let Some(r) = &sc.spec.secret_ref {
-        let secrets: Api<KubeSecret> = Api::namespaced(client.clone(), &r.namespace);
-        let secret_name = format!("Secret {}/{} (named by {what})", r.namespace, r.name);
-        let found = match secrets.get_opt(&r.name).await {
-            Ok(found) => found,
-            Err(kube::Error::Api(s)) if s.code == 403 => {
-                return Err(VolumeError::Refused(format!("volagent may not read {secret_name}: {}", s.message)));
-            }
-            Err(source) => return Err(VolumeError::Api { what: secret_name, source }),
-        };
-        let secret = found.ok_or_else(|| VolumeError::Refused(format!("{secret_name} does not exist")))?;
-        for (key, value) in secret.data.unwrap_or_default() {
-            connection.secrets.insert(key, Secret::new(value.0));
+    Ok(sc)
+}
+
+/// The values of Secret `r`, which StorageCluster `cluster` names.
+async fn read_secret(client: &kube::Client, r: &SecretReference, cluster: &str) -> Result<Secrets, VolumeError> {
+    let secrets: Api<KubeSecret> = Api::namespaced(client.clone(), &r.namespace);
+    let secret_name = format!("Secret {}/{} (named by StorageCluster {cluster})", r.namespace, r.name);
+    let found = match secrets.get_opt(&r.name).await {
+        Ok(found) => found,
+        Err(kube::Error::Api(s)) if s.code == 403 => {
+            return Err(VolumeError::Refused(format!("volagent may not read {secret_name}: {}", s.message)));
         }
-        for (key, value) in secret.string_data.unwrap_or_default() {
-            connection.secrets.insert(key, Secret::new(value.into_bytes()));
-        }
-        if connection.secrets.is_empty() {
-            return Err(VolumeError::Refused(format!("{secret_name} holds no data")));
-        }
+        Err(source) => return Err(VolumeError::Api { what: secret_name, source }),
+    };
+    let secret = found.ok_or_else(|| VolumeError::Refused(format!("{secret_name} does not exist")))?;
+    let mut out = Secrets::new();
+    for (key, value) in secret.data.unwrap_or_default() {
+        out.insert(key, Secret::new(value.0));
     }
+    for (key, value) in secret.string_data.unwrap_or_default() {
+        out.insert(key, Secret::new(value.into_bytes()));
+    }
+    if out.is_empty() {
+        return Err(VolumeError::Refused(format!("{secret_name} holds no data")));
+    }
+    Ok(out)
+}
+
+/// The controller's connection to StorageCluster `name` of `backend`
+/// (also while it is being deleted): its endpoints and parameters, as the
+/// user of its `controllerCredentials`, which may fence other nodes'
+/// clients. A cluster without them cannot be fenced.
+pub async fn controller_connection(client: &kube::Client, name: &str, backend: &str) -> Result<StorageConnection, VolumeError> {
+    let sc = storage_cluster(client, name, backend, true).await?;
+    let creds = sc.spec.controller_credentials.as_ref().ok_or_else(|| {
+        VolumeError::Refused(format!("StorageCluster {name} has no controllerCredentials: the controller has no user to fence other nodes' clients with"))
+    })?;
+    let mut connection = StorageConnection::of(&sc);
+    connection.parameters.insert("user".into(), creds.user.clone());
+    connection.secrets = read_secret(client, &creds.secret_ref, name).await?;
     Ok(connection)
 }
 

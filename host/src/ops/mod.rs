@@ -10,6 +10,7 @@ pub mod queries;
 pub mod reconcile;
 pub mod request;
 pub mod stash;
+mod takeover;
 
 use crate::exec::Executor;
 use crate::ledger::{Ledger, LedgerError, Record, StorageClient, VolumeSource};
@@ -339,8 +340,9 @@ impl Agent {
         .await?
     }
 
-    pub async fn stashed_mount_dirs(&self) -> Result<Vec<String>, Failure> {
-        Ok(self.stash_read(|s| s.all())?.into_iter().map(|e| e.consumer.mount_dir).collect())
+    /// Every mount the stash records on this node.
+    pub async fn stashed_entries(&self) -> Result<Vec<stash::Entry>, Failure> {
+        self.stash_read(|s| s.all())
     }
 
     /// kubelet's `mount <dir> <options>`; a failure is also told to the
@@ -537,7 +539,7 @@ impl Agent {
         // Fence and record, retrying lost races with a fresh read.
         let source = VolumeSource::of(&volume);
         let mut attempt = 0;
-        let (added, plan) = loop {
+        let (added, plan, since) = loop {
             attempt += 1;
             let current = self.ledger.get(&volume.name).await.map_err(ledger_failure)?;
             if let Some((recorded, _)) = &current {
@@ -564,16 +566,19 @@ impl Agent {
                 Decision::Grant => {}
                 Decision::Deny(reason) => return Err(Failure::fenced(reason)),
                 Decision::TakeOver(take) => {
-                    self.run_plan_with(take.fence_steps.clone(), false, &mut lock, secrets.clone(), || Ok(())).await?;
+                    let local = self.fence_through_controller(&volume.name, take.fence_steps.clone(), &take.stale, &clients).await?;
+                    self.run_plan_with(local, false, &mut lock, secrets.clone(), || Ok(())).await?;
                     kept.retain(|h| !take.stale.contains(h));
                     // The gone nodes' clients were fenced with them.
                     clients.retain(|c| !take.stale.iter().any(|h| h.consumer.node == c.node));
                 }
             }
-            let already = kept.iter().any(|h| h.consumer.pod_uid == me.pod_uid && h.consumer.mount_dir == me.mount_dir);
+            let earlier = kept.iter().find(|h| h.consumer.pod_uid == me.pod_uid && h.consumer.mount_dir == me.mount_dir).map(|h| h.since.clone());
+            let already = earlier.is_some();
             let local: Vec<Holder> = kept.iter().filter(|h| h.consumer.node == me.node && h.consumer.mount_dir != me.mount_dir).cloned().collect();
+            let since = earlier.unwrap_or_else(now_rfc3339);
             if !already {
-                kept.push(Holder { consumer: me.clone(), since: now_rfc3339() });
+                kept.push(Holder { consumer: me.clone(), since: since.clone() });
             }
             let record = Record {
                 volume: volume.name.clone(),
@@ -610,13 +615,16 @@ impl Agent {
                 (write.await.map_err(|e| internal(format!("agent task failed: {e}")))?, plan)
             };
             match written {
-                Ok(_) => break (!already, plan),
-                Err(e) if e.is_race() && attempt < LEDGER_RETRIES => continue,
+                Ok(_) => break (!already, plan, since),
+                // A record deleted since it was read (its last holder left,
+                // or the controller moved a gone node's holders) is a race
+                // lost too: read it again.
+                Err(e) if (e.is_race() || matches!(e, LedgerError::NotFound { .. })) && attempt < LEDGER_RETRIES => continue,
                 Err(e) => return Err(ledger_failure(e)),
             }
         };
 
-        let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone() };
+        let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone(), since: Some(since) };
         let result = async {
             // A refused plan: its record is rolled back below.
             let plan = plan?;
@@ -778,7 +786,7 @@ impl Agent {
             options: source.options(),
             secret_keys: Vec::new(),
         };
-        Ok(Some(Entry { paths: self.config.paths(backend, &volume.name), volume, consumer: holder.consumer.clone() }))
+        Ok(Some(Entry { paths: self.config.paths(backend, &volume.name), volume, consumer: holder.consumer.clone(), since: Some(holder.since.clone()) }))
     }
 
     fn lock(&self, volume: &str) -> Result<LockGuard, Failure> {

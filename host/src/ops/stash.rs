@@ -28,6 +28,11 @@ pub struct Entry {
     pub volume: Volume,
     pub consumer: Consumer,
     pub paths: NodePaths,
+    /// When the ledger recorded this consumer (its holder's `since`): a
+    /// cleanup entry about an earlier mount of the same dir never matches.
+    /// None in entries an older agent wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
 }
 
 /// An entry as stored, also by an agent of contract 0.4 (whose volumes
@@ -496,7 +501,7 @@ mod tests {
             mount_group: None,
         };
         let paths = NodePaths { kubelet_root: "/k".into(), staging_dir: "/k/s".into(), state_dir: "/s".into(), discovery_dirs: vec![] };
-        Entry { volume, consumer, paths }
+        Entry { volume, consumer, paths, since: None }
     }
 
     #[test]

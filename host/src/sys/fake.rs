@@ -411,6 +411,11 @@ impl super::Storage for Fake {
         s.blocklisted.push((address.to_string(), key));
         Ok(())
     }
+
+    fn break_lock(&self, _client: &super::rbd_export::CephClient, pool: &str, image: &str, address: &str) -> Result<bool, SysError> {
+        drop(self.op("break-lock", Path::new(&format!("{pool}/{image}")))?);
+        Ok(!address.is_empty())
+    }
 }
 
 /// Mappings are numbered 0, 1, … in order; client ids start at 7000.

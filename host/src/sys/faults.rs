@@ -242,6 +242,10 @@ impl<T: Storage + ?Sized> Storage for Faulty<T> {
         self.rules.check("blocklist-client", Path::new(address))?;
         self.inner.blocklist(client, address)
     }
+
+    fn break_lock(&self, client: &CephClient, pool: &str, image: &str, address: &str) -> Result<bool, SysError> {
+        self.inner.break_lock(client, pool, image, address)
+    }
 }
 
 #[cfg(test)]

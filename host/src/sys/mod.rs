@@ -392,6 +392,9 @@ pub trait Storage: Send + Sync {
     fn rbd_watchers(&self, client: &rbd_export::CephClient, pool: &str, image: &str) -> Result<Vec<rbd_export::ImageWatcher>, SysError>;
     /// Fence the client at `address` out of the cluster.
     fn blocklist(&self, client: &rbd_export::CephClient, address: &str) -> Result<(), SysError>;
+    /// Break the exclusive lock the client at `address` holds on image
+    /// `pool/image`, if it does; whether it did.
+    fn break_lock(&self, client: &rbd_export::CephClient, pool: &str, image: &str, address: &str) -> Result<bool, SysError>;
 }
 
 /// The kernel's rbd driver (krbd).

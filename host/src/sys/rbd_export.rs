@@ -110,6 +110,9 @@ struct Api {
     rbd_write_zeroes: unsafe extern "C" fn(Handle, u64, usize, c_int, c_int) -> isize,
     rbd_watchers_list: unsafe extern "C" fn(Handle, *mut RawWatcher, *mut usize) -> c_int,
     rbd_watchers_list_cleanup: unsafe extern "C" fn(*mut RawWatcher, usize),
+    rbd_lock_get_owners: unsafe extern "C" fn(Handle, *mut c_int, *mut *mut c_char, *mut usize) -> c_int,
+    rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
+    rbd_lock_break: unsafe extern "C" fn(Handle, c_int, *const c_char) -> c_int,
     /// Keeps the functions above valid; never unloaded (librados keeps
     /// threads and static state that outlive a connection).
     _libraries: (Library, Library),
@@ -163,6 +166,9 @@ impl Api {
             rbd_write_zeroes: sym!(rbd, "rbd_write_zeroes"),
             rbd_watchers_list: sym!(rbd, "rbd_watchers_list"),
             rbd_watchers_list_cleanup: sym!(rbd, "rbd_watchers_list_cleanup"),
+            rbd_lock_get_owners: sym!(rbd, "rbd_lock_get_owners"),
+            rbd_lock_get_owners_cleanup: sym!(rbd, "rbd_lock_get_owners_cleanup"),
+            rbd_lock_break: sym!(rbd, "rbd_lock_break"),
             _libraries: (rados, rbd),
         })
     }
@@ -386,6 +392,48 @@ pub fn blocklist(client: &CephClient, address: &str) -> Result<(), RbdError> {
     })
 }
 
+/// Break the exclusive lock on `target`'s image if the client at
+/// `address` holds it; whether it did. After that client was blocklisted,
+/// this is what lets a new writer take the image without fencing anyone
+/// itself (librbd and krbd would blocklist a dead owner before breaking
+/// its lock, which a node's user may not).
+pub fn break_lock_of(target: &RbdTarget, address: &str) -> Result<bool, RbdError> {
+    /// librbd's `RBD_LOCK_MODE_EXCLUSIVE`.
+    const EXCLUSIVE: c_int = 0;
+    let pool = Rados::connect(&target.client, target.describe())?.into_pool(&target.pool)?;
+    let image = pool.open(&target.image, false)?;
+    let (rados, api) = (&pool.rados, pool.rados.api);
+    let result = (|| {
+        let mut raw: Vec<*mut c_char> = vec![std::ptr::null_mut(); 16];
+        let (mut mode, mut count): (c_int, usize) = (EXCLUSIVE, raw.len());
+        // SAFETY: `raw` has room for `count` entries.
+        let ret = unsafe { (api.rbd_lock_get_owners)(image, &mut mode, raw.as_mut_ptr(), &mut count) };
+        if ret == -nix::libc::ENOENT {
+            return Ok(false);
+        }
+        if ret < 0 {
+            return Err(rados.fail("list the image's lock owners", ret));
+        }
+        // SAFETY: librbd filled `count` entries with C strings.
+        let owners: Vec<String> = raw[..count].iter().filter(|p| !p.is_null()).map(|p| unsafe { std::ffi::CStr::from_ptr(*p) }.to_string_lossy().into_owned()).collect();
+        // SAFETY: frees what librbd allocated in the first `count` entries.
+        unsafe { (api.rbd_lock_get_owners_cleanup)(raw.as_mut_ptr(), count) };
+        if mode != EXCLUSIVE || !owners.iter().any(|o| o == address) {
+            return Ok(false);
+        }
+        let owner = cstring(&rados.object, "the lock owner", address)?;
+        // SAFETY: open image, valid C string.
+        let ret = unsafe { (api.rbd_lock_break)(image, EXCLUSIVE, owner.as_ptr()) };
+        if ret < 0 && ret != -nix::libc::ENOENT {
+            return Err(rados.fail("break the image's lock", ret));
+        }
+        Ok(ret == 0)
+    })();
+    // SAFETY: opened above, closed once before its ioctx goes.
+    unsafe { (api.rbd_close)(image) };
+    result
+}
+
 /// The [`Storage`](super::Storage) of a real node: librados and librbd.
 pub struct LibCeph;
 
@@ -396,6 +444,10 @@ impl super::Storage for LibCeph {
 
     fn blocklist(&self, client: &CephClient, address: &str) -> Result<(), super::SysError> {
         Ok(blocklist(client, address)?)
+    }
+
+    fn break_lock(&self, client: &CephClient, pool: &str, image: &str, address: &str) -> Result<bool, super::SysError> {
+        Ok(break_lock_of(&RbdTarget { client: client.clone(), pool: pool.to_string(), image: image.to_string() }, address)?)
     }
 }
 

@@ -1,11 +1,14 @@
 //! Agents of several simulated nodes against a real etcd + kube-apiserver
 //! (both "nodes" are this machine, each agent with its own kubelet root,
-//! runtime and state dirs), and the controller when a test starts it. The
-//! API-server tier's tests add what their backend needs in `impl Cluster`
-//! blocks of their own.
+//! runtime and state dirs), and the controller, set up as they ship
+//! ([`crate::shipped`]): `deploy/`'s RBAC and admission webhook, the
+//! controller as its ServiceAccount, each agent on a token of the agents'
+//! ServiceAccount bound to a pod on its node. The API-server tier's tests
+//! add what their backend needs in `impl Cluster` blocks of their own.
 #![allow(dead_code)]
 
 use crate::common::RootScratch;
+use crate::shipped;
 use kube::api::Api;
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
@@ -22,9 +25,13 @@ pub struct Cluster {
     pub scratch: RootScratch,
     /// Pods made so far, by name: their UIDs.
     pods: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
-    /// The kubeconfig agents started from now on use, when not the API
-    /// server's own (e.g. one that reaches it through a proxy).
-    pub agent_kubeconfig: Option<std::path::PathBuf>,
+    /// The API server's URL agents started from now on use, when not its
+    /// own (e.g. a proxy in front of it).
+    pub agent_server: Option<String>,
+    /// The controller's admission webhook port (on loopback).
+    pub webhook_port: u16,
+    /// Arguments the controller starts with besides the usual ones.
+    pub controller_args: Vec<String>,
 }
 
 impl Drop for Cluster {
@@ -40,6 +47,11 @@ impl Cluster {
     /// The API server with the CRDs, `nodes` Ready, and an agent on each
     /// serving the guests `plugins` (file, backend name).
     pub fn start(nodes: &[&str], plugins: &[(&str, &str)]) -> Cluster {
+        Cluster::start_with(nodes, plugins, &[])
+    }
+
+    /// [`Self::start`], the controller started with `controller_args` too.
+    pub fn start_with(nodes: &[&str], plugins: &[(&str, &str)], controller_args: &[&str]) -> Cluster {
         // The mount namespace is per thread: unshare on the test thread, and
         // run the async parts on it too (a current-thread runtime).
         let scratch = RootScratch::enter();
@@ -49,7 +61,8 @@ impl Cluster {
             let _in_runtime = rt.enter();
             env.client()
         };
-        rt.block_on(crate::kube_common::install_crds(&client));
+        let webhook_port = volagent_kube_env::free_ports(1).expect("a free port")[0];
+        rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port))).expect("deploy/'s RBAC and webhook");
         for n in nodes {
             rt.block_on(crate::kube_common::create_node(&client, n, true));
         }
@@ -58,11 +71,25 @@ impl Cluster {
         for (file, name) in plugins {
             std::fs::copy(file, scratch.path(&format!("plugins/{name}.wasm"))).expect("plugin");
         }
-        let mut c = Cluster { agents: Vec::new(), env, rt, scratch, pods: Default::default(), agent_kubeconfig: None };
+        let mut c = Cluster { agents: Vec::new(), env, rt, scratch, pods: Default::default(), agent_server: None, webhook_port, controller_args: controller_args.iter().map(|a| a.to_string()).collect() };
+        c.spawn_controller();
         for n in nodes {
             c.spawn_agent(n);
         }
         c
+    }
+
+    /// A client acting as node `node`'s agent (its pod-bound token).
+    pub fn agent_client(&self, node: &str) -> kube::Client {
+        let _in_runtime = self.rt.enter();
+        self.rt.block_on(shipped::agent_client(&self.env, node, "busybox", &self.scratch.path(""))).expect("an agent's client")
+    }
+
+    /// A client acting as the controller's ServiceAccount.
+    pub fn controller_client(&self) -> kube::Client {
+        let _in_runtime = self.rt.enter();
+        let path = self.scratch.path("controller.kubeconfig");
+        self.rt.block_on(async { shipped::client_from(&shipped::controller_kubeconfig(&self.env, &path).await?).await }).expect("the controller's client")
     }
 
     /// An admin client (made inside the runtime, which its I/O needs).
@@ -86,9 +113,19 @@ impl Cluster {
         let at = |p: &str| self.scratch.path(&format!("{node}/{p}"));
         let socket = at("run/agent.sock");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.scratch.path(&format!("{node}.log"))).expect("agent log");
+        let kubeconfig = self.scratch.path(&format!("{node}.kubeconfig"));
+        {
+            let _in_runtime = self.rt.enter();
+            self.rt.block_on(shipped::agent_kubeconfig(&self.env, node, "busybox", &kubeconfig)).expect("the agent's kubeconfig");
+        }
+        if let Some(server) = &self.agent_server {
+            let text = std::fs::read_to_string(&kubeconfig).expect("kubeconfig");
+            assert!(text.contains(self.env.url()), "the kubeconfig names the API server");
+            std::fs::write(&kubeconfig, text.replace(self.env.url(), server)).expect("the agent's kubeconfig");
+        }
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(["agent", "--node-name", node])
-            .arg("--kubeconfig").arg(self.agent_kubeconfig.as_deref().unwrap_or(self.env.kubeconfig_path()))
+            .arg("--kubeconfig").arg(&kubeconfig)
             .arg("--runtime-dir").arg(at("run"))
             .arg("--state-dir").arg(at("state"))
             .arg("--plugin-dir").arg(self.scratch.path("plugins"))
@@ -118,20 +155,30 @@ impl Cluster {
         }
     }
 
-    /// The controller, leading once the Lease names it.
+    /// The controller as its ServiceAccount, leading once the Lease names
+    /// it, with its admission webhook answering; started by [`Self::start`].
     pub fn spawn_controller(&mut self) {
+        let kubeconfig = self.scratch.path("controller.kubeconfig");
+        {
+            let _in_runtime = self.rt.enter();
+            self.rt.block_on(shipped::controller_kubeconfig(&self.env, &kubeconfig)).expect("the controller's kubeconfig");
+        }
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.scratch.path("controller.log")).expect("controller log");
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["controller", "--scan-interval", "1h", "--lease-duration", "3s", "--cluster-interval", "1s", "--namespace", "default", "--identity", "test-controller"])
-            .arg("--kubeconfig").arg(self.env.kubeconfig_path())
+            .args(shipped::controller_args(&kubeconfig, self.webhook_port))
+            .args(["--scan-interval", "1h", "--cluster-interval", "1s", "--local-interval", "2s"])
+            .args(&self.controller_args)
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(self.scratch.path("controller.log")).expect("controller log"))
+            .stderr(log)
             .spawn()
             .expect("start the controller");
         self.agents.push(("controller".into(), child));
-        let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(self.client(), "default");
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(self.client(), shipped::CONTROLLER_NAMESPACE);
         self.wait("the controller to take the lease", || {
             self.rt.block_on(leases.get_opt("volagent-controller")).ok().flatten().and_then(|l| l.spec?.holder_identity).as_deref() == Some("test-controller")
         });
+        let probe = self.agent_client("volagent-webhook-probe");
+        self.rt.block_on(shipped::wait_webhook(&probe, "volagent-webhook-probe")).expect("the admission webhook");
     }
 
     pub fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {

@@ -54,9 +54,16 @@ pub fn rand_suffix() -> u64 {
     h.finish()
 }
 
-/// The key of client.volagent (mon 'profile rbd', osd 'profile rbd pool=rbd').
+/// The key of client.volagent, a node's user (mon 'allow r', osd 'profile
+/// rbd pool=rbd': it may not blocklist).
 pub fn volagent_key(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("volagent.key")).unwrap().trim().to_string()
+}
+
+/// The key of client.volagent-controller, the controller's user (also
+/// mon 'allow command "osd blocklist"').
+pub fn controller_key(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("volagent-controller.key")).unwrap().trim().to_string()
 }
 
 /// The clients watching `image` ("client.<id>" each).
@@ -64,4 +71,11 @@ pub fn watchers(image: &Image) -> Vec<String> {
     let out = rbd(&image.dir, &["status", "--format", "json", &image.spec()]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     v["watchers"].as_array().unwrap().iter().map(|w| format!("client.{}", w["client"])).collect()
+}
+
+/// The addresses of the clients holding a lock on `image`.
+pub fn lockers(image: &Image) -> Vec<String> {
+    let out = rbd(&image.dir, &["lock", "ls", "--format", "json", &image.spec()]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array().into_iter().flatten().filter_map(|l| l["address"].as_str().map(String::from)).collect()
 }

@@ -34,6 +34,8 @@ use volagent_kube_env::{KubeEnv, Namespaces, Options};
 /// agent pod's `status.hostIP`, where the agent serves `/metrics`.
 pub const NODE_IP: &str = "10.245.0.1";
 pub const SYSTEM: &str = "volagent-system";
+/// The controller's namespace (its pods, Lease and webhook Service).
+pub const CONTROLLER_NS: &str = "volagent-controller";
 pub const AGENT_LABEL: &str = "app.kubernetes.io/name=volagent-agent";
 pub const CONTROLLER_LABEL: &str = "app.kubernetes.io/name=volagent-controller";
 /// How long pods may take: the agent's image is imported and started, the
@@ -186,11 +188,12 @@ impl DsCluster {
         self.wait_ready(AGENT_LABEL, 1).remove(0)
     }
 
-    /// Waits until `count` pods with `label` in the system namespace are
-    /// Ready and none other is left; them.
+    /// Waits until `count` pods with `label` (in the controller's namespace
+    /// or the agents') are Ready and none other is left; them.
     pub fn wait_ready(&self, label: &str, count: usize) -> Vec<Pod> {
         self.wait(&format!("{count} Ready pods {label}"), || {
-            let pods = self.pods(SYSTEM, label);
+            let namespace = if label == CONTROLLER_LABEL { CONTROLLER_NS } else { SYSTEM };
+            let pods = self.pods(namespace, label);
             let ready: Vec<Pod> = pods.iter().filter(|p| p.metadata.deletion_timestamp.is_none() && crate::kubelet_cluster::is_ready(Some(p))).cloned().collect();
             (ready.len() == count && pods.len() == count).then_some(ready)
         })
@@ -214,7 +217,7 @@ impl DsCluster {
     /// The state of every pod, their Events and the logs' tails.
     pub fn diagnose(&self) -> String {
         let mut out = String::new();
-        for namespace in [SYSTEM, "default"] {
+        for namespace in [SYSTEM, CONTROLLER_NS, "default"] {
             let api: Api<Pod> = Api::namespaced(self.client(), namespace);
             let pods = self.rt.block_on(api.list(&ListParams::default())).map(|l| l.items).unwrap_or_default();
             for p in pods {

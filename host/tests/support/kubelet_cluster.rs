@@ -1,7 +1,10 @@
 //! A cluster in a box for the kubelet tier: a real etcd + kube-apiserver,
-//! kube-controller-manager, and per node a containerd, a kubelet and a
-//! volagent agent (host processes), all in the test's private mount and
-//! network namespaces. Pods are seen the way their owners see them: phase,
+//! kube-controller-manager, the volagent controller, and per node a
+//! containerd, a kubelet and a volagent agent (host processes), all in the
+//! test's private mount and network namespaces. volagent runs as it ships
+//! ([`crate::shipped`]): `deploy/`'s RBAC and admission webhook, the
+//! controller as its ServiceAccount, each agent on a token bound to a pod
+//! of the agents' ServiceAccount that kubelet runs on its node. Pods are seen the way their owners see them: phase,
 //! container state and output (the termination message), and Events.
 //!
 //! Teardown, also after a failed assertion: agents, kubelets, containerds
@@ -10,6 +13,7 @@
 #![allow(dead_code)]
 
 use crate::common::RootScratch;
+use crate::shipped;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
@@ -61,6 +65,9 @@ pub struct Cluster {
     pub ns: Arc<Namespaces>,
     pub assets: NodeAssets,
     pub scratch: RootScratch,
+    /// The volagent controller (and its admission webhook, on loopback).
+    pub controller: Option<Child>,
+    pub webhook_port: u16,
 }
 
 /// Node names and the extra agent arguments of each.
@@ -79,9 +86,11 @@ impl Cluster {
         let env = rt.block_on(KubeEnv::start_in(Some(ns.clone()))).expect("a real kube-apiserver (scripts/kube-assets)");
         let kcm = ControllerManager::start(&env, &scratch.path(""), &assets, Some(ns.clone())).expect("kube-controller-manager");
         std::fs::create_dir_all(scratch.path("disks")).expect("dir");
-        let mut c = Cluster { nodes: Vec::new(), kcm: Some(kcm), env: Some(env), rt, ns, assets, scratch };
+        let webhook_port = volagent_kube_env::free_ports(1).expect("a free port")[0];
+        let mut c = Cluster { nodes: Vec::new(), kcm: Some(kcm), env: Some(env), rt, ns, assets, scratch, controller: None, webhook_port };
         let client = c.client();
-        c.rt.block_on(crate::kube_common::install_crds(&client));
+        c.rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port))).expect("deploy/'s RBAC and webhook");
+        c.start_controller();
         for (i, (name, extra)) in nodes.iter().enumerate() {
             let dir = c.scratch.path(name);
             std::fs::create_dir_all(dir.join("plugins")).expect("dir");
@@ -124,11 +133,35 @@ impl Cluster {
         self.nodes.iter_mut().find(|n| n.name == name).unwrap_or_else(|| panic!("no node {name}"))
     }
 
+    /// Starts the volagent controller as its ServiceAccount, in the box's
+    /// namespaces (the API server calls its webhook there), and waits until
+    /// its webhook answers.
+    pub fn start_controller(&mut self) {
+        let kubeconfig = self.scratch.path("controller.kubeconfig");
+        {
+            let _in_runtime = self.rt.enter();
+            self.rt.block_on(shipped::controller_kubeconfig(self.env(), &kubeconfig)).expect("the controller's kubeconfig");
+        }
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
+        cmd.args(shipped::controller_args(&kubeconfig, self.webhook_port)).args(["--local-interval", "2s"]);
+        let child = volagent_kube_env::spawn_in(cmd, &self.scratch.path("controller.log"), true, Some(&self.ns)).expect("start the controller");
+        self.controller = Some(child);
+        let probe = {
+            let _in_runtime = self.rt.enter();
+            self.rt.block_on(shipped::agent_client(self.env(), "volagent-webhook-probe", node::IMAGE, &self.scratch.path(""))).expect("a probe agent's client")
+        };
+        self.rt.block_on(shipped::wait_webhook(&probe, "volagent-webhook-probe")).unwrap_or_else(|e| panic!("{e}\n{}", tail(&self.scratch.path("controller.log"))));
+    }
+
     /// Starts `node`'s agent (its extra arguments, then `env`) and waits
     /// until its socket answers.
     pub fn start_agent(&mut self, name: &str, env: &[(&str, &str)]) {
         let env_vars: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let kubeconfig = self.env().kubeconfig_path().to_owned();
+        let kubeconfig = self.scratch.path(&format!("{name}.kubeconfig"));
+        {
+            let _in_runtime = self.rt.enter();
+            self.rt.block_on(shipped::agent_kubeconfig(self.env(), name, node::IMAGE, &kubeconfig)).expect("the agent's kubeconfig");
+        }
         let (disks, ns) = (self.scratch.path("disks"), self.ns.clone());
         let n = self.node_mut(name);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
@@ -339,7 +372,7 @@ impl Cluster {
         let test = std::thread::current().name().unwrap_or("test").replace("::", "-");
         let dest = std::env::temp_dir().join("volagent-kubelet-tier").join(test);
         let _ = std::fs::create_dir_all(&dest);
-        let mut logs: Vec<PathBuf> = vec![self.scratch.path("kube-controller-manager.log")];
+        let mut logs: Vec<PathBuf> = vec![self.scratch.path("kube-controller-manager.log"), self.scratch.path("controller.log")];
         if let Some(env) = &self.env {
             logs.push(env.dir().join("kube-apiserver.log"));
         }
@@ -370,6 +403,10 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.keep_logs();
+        }
+        if let Some(mut c) = self.controller.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
         for n in &mut self.nodes {
             if let Some(mut a) = n.agent.take() {

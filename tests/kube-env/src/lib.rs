@@ -240,6 +240,10 @@ impl KubeEnv {
             ];
             if !in_cluster {
                 env.apiserver_args.push("--disable-admission-plugins=ServiceAccount".into());
+            } else {
+                // No kube-proxy: a Service (an admission webhook's) is
+                // reached at its endpoints' pod addresses, not its ClusterIP.
+                env.apiserver_args.push("--enable-aggregator-routing=true".into());
             }
             env.users = Vec::new();
             for (name, token) in [(ADMIN_USER, &admin_token), (AGENT_USER, &agent_token)] {
@@ -292,6 +296,41 @@ impl KubeEnv {
     /// A kubeconfig file for `user`, one of [`ADMIN_USER`] and [`AGENT_USER`].
     pub fn kubeconfig_path_for(&self, user: &str) -> anyhow::Result<&Path> {
         Ok(&self.user(user)?.kubeconfig)
+    }
+
+    /// A token of ServiceAccount `namespace/name` from the TokenRequest
+    /// API, valid for `seconds`; bound to pod `bound_pod` (its name and UID)
+    /// when given, as kubelet's projected tokens are: the API server then
+    /// puts the pod's name and UID into the user's extra fields, and the
+    /// token dies with the pod.
+    pub async fn service_account_token(&self, namespace: &str, name: &str, bound_pod: Option<(&str, &str)>, seconds: i64) -> anyhow::Result<String> {
+        use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        let api: kube::Api<ServiceAccount> = kube::Api::namespaced(self.client(), namespace);
+        let request = TokenRequest {
+            spec: Some(TokenRequestSpec {
+                expiration_seconds: Some(seconds),
+                bound_object_ref: bound_pod.map(|(pod, uid)| BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: Some(pod.into()),
+                    uid: Some(uid.into()),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let answer = api
+            .create_token_request(name, &Default::default(), &request)
+            .await
+            .with_context(|| format!("a token of ServiceAccount {namespace}/{name}"))?;
+        answer.status.and_then(|s| s.token).context("the TokenRequest answered no token")
+    }
+
+    /// A kubeconfig at `path` for this API server that authenticates with
+    /// `token` (as user `user` in its contexts), for child processes.
+    pub fn kubeconfig_with_token(&self, path: &Path, user: &str, token: &str) -> anyhow::Result<()> {
+        write_kubeconfig(path, &self.url, user, token)
     }
 
     /// The API server's URL, `https://127.0.0.1:<port>`.

@@ -428,7 +428,10 @@ impl ControllerManager {
     /// accounts with their token Secrets (signed with the env's key, with
     /// its CA) — for an in-cluster env ([`crate::Options::in_cluster`]).
     pub fn start_for_workloads(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<ControllerManager> {
-        let controllers = format!("{VOLUME_CONTROLLERS},daemonset,deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token");
+        // endpoint: Services (an admission webhook's) reach their pods;
+        // root-ca-cert-publisher: the kube-root-ca.crt ConfigMap a projected
+        // service-account volume takes the cluster's CA from.
+        let controllers = format!("{VOLUME_CONTROLLERS},daemonset,deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token,endpoint,root-ca-cert-publisher");
         let extra = vec![arg("--service-account-private-key-file=", env.service_account_key()), arg("--root-ca-file=", &env.ca_file())];
         ControllerManager::launch(env, dir, assets, namespaces, &controllers, extra)
     }
