@@ -12,6 +12,7 @@ mod api_cluster;
 #[path = "support/shipped.rs"]
 mod shipped;
 mod common;
+mod driver_common;
 mod kube_common;
 
 use api_cluster::Cluster;
@@ -379,4 +380,93 @@ fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds
     let status = c.local("node-a").unwrap().status.unwrap();
     assert_eq!((status.failed, status.wiping), (0, 0), "{status:?}");
     assert_eq!(c.local_pvs().len(), 2, "never two PVs for one volume");
+}
+
+/// What a node discovered is what its PVs may name: a PV edited to name
+/// another path, or a second PV aliasing a discovered volume's path, is
+/// refused at mount with an Event on the PV naming both (the tenant's data
+/// stays the tenant's); and a wipe the spec asks for is done only while its
+/// PV is released under Delete (an admin's mistaken or stale operation on a
+/// PV in use destroys nothing).
+#[test]
+fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
+    use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
+    use k8s_openapi::api::core::v1::PersistentVolume;
+    let mut c = Cluster::start(&["node-a"], &[LOCAL_PV]);
+    let _kcm = c.controller_manager();
+    c.storage_class("local-strict", &[("wipe", "zero")]);
+    let dir = c.scratch.path("local-a");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (img1, img2) = (c.scratch.image("local-a/one.img", 24), c.scratch.image("local-a/two.img", 24));
+    assert!(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img1).status().unwrap().success());
+    write_at(&img1, 20 << 20, MARKER);
+    let outside = c.scratch.image("outside.img", 24);
+    c.local_agent("node-a", "local-strict", &dir, &[]);
+    let (pv1, pv2) = (pv_name("node-a", "local-strict", &img1), pv_name("node-a", "local-strict", &img2));
+    c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
+    let pvs: Api<PersistentVolume> = Api::all(c.client());
+    let mount = |pv: &str, pod: &str| {
+        let uid = c.pod_uid(pod, pv);
+        let d = c.scratch.path(&format!("node-a/kubelet/pods/{uid}/volumes/volagent~local-pv/{pv}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let d = d.display().to_string();
+        let opts = kubelet_options(pv, pod, &uid, "ext4", "");
+        (d.clone(), run_driver(Command::new(c.scratch.path("node-a/vpd/volagent~local-pv/local-pv")).args(["mount", &d, &opts.to_string()])))
+    };
+
+    // An alias: an admin's second PV naming the discovered file.
+    let mut alias = c.pv(&pv1).unwrap();
+    alias.metadata = ObjectMeta { name: Some("alias".into()), ..Default::default() };
+    alias.status = None;
+    if let Some(spec) = alias.spec.as_mut() {
+        spec.claim_ref = None;
+    }
+    c.rt.block_on(pvs.create(&PostParams::default(), &alias)).unwrap();
+    c.claim("alias", "local-strict");
+    let (_, r) = mount("alias", "p-alias");
+    assert_failure(&r, &format!("which node node-a discovered as local volume {} (its PV is {pv1}): a second PV may not alias it", img1.display()));
+    assert!(c.events_of("alias").contains(&"LocalVolumeMismatch".to_string()), "an Event on the alias PV");
+
+    // Not what was discovered: a PV of a discovered volume's name (made
+    // before the volume showed up, so the controller leaves it) naming
+    // another file. (A PV's source is immutable: this is how one differs.)
+    let img3 = c.scratch.path("local-a/three.img");
+    let pv3 = pv_name("node-a", "local-strict", &img3);
+    let mut forged = c.pv(&pv2).unwrap();
+    forged.metadata = ObjectMeta { name: Some(pv3.clone()), labels: forged.metadata.labels.clone(), annotations: forged.metadata.annotations.clone(), ..Default::default() };
+    forged.status = None;
+    if let Some(flex) = forged.spec.as_mut().and_then(|s| s.flex_volume.as_mut()) {
+        flex.options.as_mut().unwrap().insert("path".into(), outside.display().to_string());
+    }
+    c.rt.block_on(pvs.create(&PostParams::default(), &forged)).unwrap();
+    c.scratch.image("local-a/three.img", 24);
+    c.wait_for("three.img discovered", 60, || c.local("node-a")?.status?.volumes.iter().any(|v| v.name == pv3).then_some(()));
+    c.claim(&pv3, "local-strict");
+    let (_, r) = mount(&pv3, "p-forged");
+    assert_failure(&r, &format!("PersistentVolume {pv3} names {}, but node node-a discovered {pv3} as {}: the PV was changed", outside.display(), img3.display()));
+    assert!(c.events_of(&pv3).contains(&"LocalVolumeMismatch".to_string()));
+    // One that says it was discovered on node-a, but was not.
+    let mut invented = forged.clone();
+    invented.metadata.name = Some("local-invented".into());
+    c.rt.block_on(pvs.create(&PostParams::default(), &invented)).unwrap();
+    c.claim("local-invented", "local-strict");
+    let (_, r) = mount("local-invented", "p-invented");
+    assert_failure(&r, "says it is a discovered local volume of node node-a, but node node-a discovered no volume local-invented");
+    assert!(c.scratch.mounts().is_empty(), "nothing was mounted");
+
+    // The real PV mounts; a wipe of it asked while it is bound wipes nothing.
+    c.claim(&pv1, "local-strict");
+    let (d1, r) = mount(&pv1, "p-real");
+    assert_success(&r);
+    let pv = c.pv(&pv1).unwrap();
+    let op = serde_json::json!({ "spec": { "operations": [{ "volume": pv1, "kind": "Delete", "pvUID": uid(&pv), "requestedAt": "2026-01-01T00:00:00Z" }] } });
+    let lists: Api<NodeLocalVolumes> = Api::all(c.client());
+    c.rt.block_on(lists.patch("node-a", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&op))).unwrap();
+    let failed = c.wait_for("the wipe refused", 60, || {
+        let s = c.local("node-a")?.status?;
+        s.operations.into_iter().find(|o| o.volume == pv1 && o.phase == LocalOperationPhase::Error)
+    });
+    assert!(failed.message.as_deref().unwrap_or("").contains("not released under Delete"), "{failed:?}");
+    assert_success(&run_driver(Command::new(c.scratch.path("node-a/vpd/volagent~local-pv/local-pv")).args(["unmount", &d1])));
+    assert!(holds_at(&img1, 20 << 20, MARKER), "the tenant's data is intact");
 }

@@ -138,7 +138,7 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
             let mut changes = futures_util::stream::select(lists, pvs).boxed();
             loop {
                 match super::local_pvs::sync(&client).await {
-                    Ok(s) if s != Default::default() => tracing::info!(created = s.created.len(), wipes_requested = s.requested.len(), deleted = s.deleted.len(), "local volumes"),
+                    Ok(s) if s != Default::default() => tracing::info!(created = s.created.len(), wipes_requested = s.requested.len(), deleted = s.deleted.len(), refused = s.refused.len(), "local volumes"),
                     Ok(_) => {}
                     Err(e) => tracing::error!("local volumes: {e:#}"),
                 }

@@ -37,6 +37,8 @@ pub struct Synced {
     pub created: Vec<String>,
     pub requested: Vec<String>,
     pub deleted: Vec<String>,
+    /// Reported volumes no PV was made for, and why.
+    pub refused: Vec<String>,
 }
 
 /// One pass over every node's local volumes.
@@ -143,11 +145,30 @@ async fn sync_node(
             Err(e) => return Err(e.into()),
         }
     }
-    // New PVs: for volumes with none, and no operation pending on them.
+    // New PVs: for volumes with none, and no operation pending on them. A
+    // report is a claim: its names must be discovery's for that node, and
+    // no path or device may be offered twice.
+    let mut offers: Vec<(String, String, String, Option<String>)> = pvs.values().filter_map(offer_of).collect();
     for v in &status.volumes {
+        if let Err(why) = crate::local::claims::named_as_discovered(&node, v) {
+            tracing::error!(node = %node, "no PV made: {why}");
+            out.refused.push(why);
+            continue;
+        }
         if pvs.contains_key(&v.name) || ops.iter().any(|o| o.volume == v.name) {
             continue;
         }
+        let offer = crate::local::claims::Offer { pv: &v.name, node: &node, path: crate::local::claims::offered_path(v), identity: v.identity.as_deref() };
+        let clash = offers.iter().find_map(|(pv, n, path, identity)| {
+            crate::local::claims::clash(&offer, &crate::local::claims::Offer { pv, node: n, path, identity: identity.as_deref() })
+        });
+        if let Some(why) = clash {
+            let why = format!("node {node}'s volume {}: {why}", v.name);
+            tracing::error!(node = %node, "no PV made: {why}");
+            out.refused.push(why);
+            continue;
+        }
+        offers.push((v.name.clone(), node.clone(), offer.path.to_string(), v.identity.clone()));
         let Some(class) = classes.get(&v.class) else {
             tracing::warn!(class = %v.class, volume = %v.path, node = %node, "no StorageClass of that name: no PV made");
             continue;
@@ -163,6 +184,13 @@ async fn sync_node(
         }
     }
     Ok(())
+}
+
+/// What a local PV offers: its name, node, path and device identity.
+fn offer_of(pv: &PersistentVolume) -> Option<(String, String, String, Option<String>)> {
+    let options = pv.spec.as_ref()?.flex_volume.as_ref()?.options.as_ref()?;
+    let identity = options.get(crate::local::discovery::IDENTITY_OPTION).cloned();
+    Some((pv.metadata.name.clone()?, label(pv, NODE_LABEL)?.to_string(), options.get("path")?.clone(), identity))
 }
 
 fn label<'a>(pv: &'a PersistentVolume, key: &str) -> Option<&'a str> {

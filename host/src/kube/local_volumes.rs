@@ -303,6 +303,13 @@ async fn checked_volume(cluster: &Cluster, op: &LocalOperation, discovered: Opti
     if pv.metadata.uid.as_deref() != Some(op.pv_uid.as_str()) {
         return Err(format!("PV {name} is not the released one (UID {}): nothing wiped", op.pv_uid));
     }
+    // The request is the controller's; the PV still says what it asked
+    // for: released (or failed) under reclaim policy Delete.
+    if !super::local_pvs::needs_wipe(&pv) {
+        let phase = pv.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default();
+        let policy = pv.spec.as_ref().and_then(|s| s.persistent_volume_reclaim_policy.clone()).unwrap_or_default();
+        return Err(format!("PV {name} is {phase} with reclaim policy {policy}, not released under Delete: nothing wiped"));
+    }
     Ok((volume_of(&pv, &v, &cluster.node)?, v.path))
 }
 

@@ -59,6 +59,28 @@ pub struct VolumeRequest<'a> {
 }
 
 impl Cluster {
+    /// A local PV is what its node discovered: one made of a discovered
+    /// volume names exactly that volume's path and device, and no PV names
+    /// a discovered volume's path or device under another name. A refusal
+    /// is also an Event on the PV, naming both.
+    async fn check_discovered(&self, pv: &PersistentVolume, node: &str) -> Result<(), VolumeError> {
+        use super::local_pvs::{NODE_LABEL, PROVISIONER};
+        let name = pv.metadata.name.clone().unwrap_or_default();
+        let options = pv.spec.as_ref().and_then(|s| s.flex_volume.as_ref()).and_then(|f| f.options.clone()).unwrap_or_default();
+        let path = options.get("path").cloned().unwrap_or_default();
+        let identity = options.get(crate::local::discovery::IDENTITY_OPTION).cloned();
+        let labelled = pv.metadata.labels.as_ref().is_some_and(|l| l.contains_key(NODE_LABEL));
+        let provisioned = pv.metadata.annotations.as_ref().and_then(|a| a.get("pv.kubernetes.io/provisioned-by")).is_some_and(|p| p == PROVISIONER);
+        let what = format!("NodeLocalVolumes {node}");
+        let list = Api::<super::crds::NodeLocalVolumes>::all(self.client.clone()).get_opt(node).await.map_err(|source| VolumeError::Api { what, source })?;
+        let discovered = list.and_then(|l| l.status).map(|s| s.volumes).unwrap_or_default();
+        if let Err(why) = crate::local::claims::check_mount(&name, node, &path, identity.as_deref(), labelled || provisioned, &discovered) {
+            self.pv_event(&name, pv.metadata.uid.as_deref().unwrap_or_default(), true, "LocalVolumeMismatch", &why).await;
+            return Err(VolumeError::Refused(why));
+        }
+        Ok(())
+    }
+
     /// The volume `req` is for, as the cluster defines it.
     pub async fn volume(&self, req: &VolumeRequest<'_>) -> Result<ClusterVolume, VolumeError> {
         let api_err = |what: String| move |source| VolumeError::Api { what, source };
@@ -89,6 +111,9 @@ impl Cluster {
                         && volumes.iter().any(|v| v.persistent_volume_claim.as_ref().is_some_and(|c| c.claim_name == claim_name));
                     if uses_claim && self.claim_bound(req.namespace, claim_name, claim.uid.as_deref(), req.name).await? {
                         self.check_affinity(pv, req.node).await?;
+                        if req.backend == super::local_volumes::LOCAL_BACKEND {
+                            self.check_discovered(pv, req.node).await?;
+                        }
                         let modes = spec.access_modes.clone().unwrap_or_default();
                         return Ok(ClusterVolume {
                             key: req.name.to_string(),

@@ -125,7 +125,11 @@ fn is_gone(node: Option<&Node>) -> bool {
 fn denied(response: AdmissionResponse, resource: &str, name: &str, node: &str, why: String) -> AdmissionResponse {
     crate::metrics::get().agent_write(resource, false);
     tracing::warn!(resource, name, node, "refused an agent's write: {why}");
-    response.deny(why)
+    let mut response = response.deny(why);
+    // Forbidden, as RBAC says it (the API server's default would be 400).
+    response.result.code = 403;
+    response.result.reason = "Forbidden".into();
+    response
 }
 
 /// What a serving replica reports for its readiness.
