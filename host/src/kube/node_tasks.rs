@@ -88,15 +88,12 @@ pub async fn work_off_cleanup_list(agent: &Arc<Agent>, client: &kube::Client, no
 }
 
 /// Whether cleanup entry `c` is about stashed mount `e`: the same dir and
-/// pod, recorded at the same time (an older agent's stash entry, which has
-/// no time, only when it was made before the entry was written).
+/// pod, recorded at the same time. (A stash entry an older agent wrote has
+/// no time: it is matched by its dir and pod alone.)
 pub fn names_mount(c: &CleanupEntry, e: &Entry) -> bool {
     c.consumer.mount_dir == e.consumer.mount_dir
         && c.consumer.pod_uid == e.consumer.pod_uid
-        && match &e.since {
-            Some(since) => *since == c.consumer.since,
-            None => c.consumer.since <= c.moved_at,
-        }
+        && e.since.as_ref().is_none_or(|since| *since == c.consumer.since)
 }
 
 /// Force-clean this node's volumes of every StorageCluster being deleted.
@@ -123,4 +120,50 @@ pub async fn clean_deleted_clusters(agent: &Arc<Agent>, client: &kube::Client) -
         anyhow::bail!("still held: {}", cleaned.failed.join("; "));
     }
     Ok(cleaned.released.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kube::crds::{AccessMode, CleanupReason, ConsumerEntry};
+
+    fn entry(dir: &str, uid: &str, since: &str) -> CleanupEntry {
+        CleanupEntry {
+            volume: "pv1".into(),
+            backend: "local-pv".into(),
+            access_mode: AccessMode::ReadWriteOnce,
+            storage_cluster: None,
+            consumer: ConsumerEntry { node: "n1".into(), pod_namespace: "ns".into(), pod: "p".into(), pod_uid: uid.into(), mount_dir: dir.into(), read_only: false, since: since.into() },
+            reason: CleanupReason::NodeGone,
+            moved_at: "2026-01-01T00:10:00Z".into(),
+        }
+    }
+
+    fn stashed(dir: &str, uid: &str, since: Option<&str>) -> Entry {
+        use crate::policy::{Consumer, NodePaths, Volume, VolumeMode};
+        let volume = Volume {
+            name: "pv1".into(),
+            backend: "local-pv".into(),
+            access_mode: crate::policy::AccessMode::ReadWriteOnce,
+            fs_type: "ext4".into(),
+            mode: VolumeMode::Filesystem,
+            mount_flags: Vec::new(),
+            options: vec![],
+            secret_keys: vec![],
+        };
+        let consumer = Consumer { node: "n1".into(), pod_namespace: "ns".into(), pod: "p".into(), pod_uid: uid.into(), mount_dir: dir.into(), read_only: false, mount_group: None };
+        let paths = NodePaths { kubelet_root: "/k".into(), staging_dir: "/k/s".into(), state_dir: "/s".into(), discovery_dirs: vec![] };
+        Entry { volume, consumer, paths, since: since.map(String::from) }
+    }
+
+    #[test]
+    fn a_cleanup_entry_names_one_mount_not_every_mount_of_its_dir() {
+        let stage = "/k/plugins/kubernetes.io/csi/pv/pv1/globalmount";
+        let c = entry(stage, "csi-stage-n1", "2026-01-01T00:00:00Z");
+        assert!(names_mount(&c, &stashed(stage, "csi-stage-n1", Some("2026-01-01T00:00:00Z"))), "the mount it was written about");
+        assert!(!names_mount(&c, &stashed(stage, "csi-stage-n1", Some("2026-01-01T00:20:00Z"))), "the same dir staged again later");
+        assert!(!names_mount(&c, &stashed(stage, "other-pod", Some("2026-01-01T00:00:00Z"))), "another pod's");
+        assert!(!names_mount(&c, &stashed("/k/elsewhere", "csi-stage-n1", Some("2026-01-01T00:00:00Z"))));
+        assert!(names_mount(&c, &stashed(stage, "csi-stage-n1", None)), "an older agent's entry: by dir and pod");
+    }
 }
