@@ -1,4 +1,4 @@
-//! Shared by the tests against a real kube-apiserver: the CRDs installed,
+//! Shared by the tests against a real kube-apiserver: CRDs Established,
 //! Nodes and PVs as a cluster would have them.
 #![allow(dead_code)]
 
@@ -6,17 +6,6 @@ use k8s_openapi::api::core::v1::{FlexPersistentVolumeSource, Node, NodeCondition
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use std::time::{Duration, Instant};
-
-/// Apply volagent's CRDs and wait until each is Established.
-pub async fn install_crds(client: &kube::Client) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (_, yaml) in volagent::kube::crds::all() {
-        let crd: CustomResourceDefinition = serde_norway::from_str(&yaml).expect("generated CRD parses");
-        let name = crd.metadata.name.clone().expect("named");
-        api.patch(&name, &PatchParams::apply("volagent-tests").force(), &Patch::Apply(&crd)).await.expect("apply CRD");
-        wait_established(client, &name).await;
-    }
-}
 
 /// Wait until CRD `name` is Established.
 pub async fn wait_established(client: &kube::Client, name: &str) {

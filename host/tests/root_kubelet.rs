@@ -142,7 +142,11 @@ enum Gone {
 
 fn take_over_from_a_dead_node(gone: Gone) {
     use volagent::sys::Devices as _;
-    let mut c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE]);
+    // The controller leaves a deleted node's records for an hour, so that
+    // node-b, not the controller, deals with them (both nodes are this
+    // machine: had the controller moved them, node-b could find the dead
+    // node's leftover mapping with no holder to fence).
+    let mut c = Cluster::start_with(&[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE], &["--gone-node-grace", "1h"]);
     let image = c.image("tk.img", 64);
     c.create_volume("tk", "shared-file", "ReadWriteOnce", &[("path", &image)]);
     c.create_pod(pod_with("h", "node-a", &serve("echo h > /data/from-h"), &[("data", claim("tk"))], Some("test -f /data/from-h"), "Never"));

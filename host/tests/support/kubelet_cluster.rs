@@ -68,6 +68,8 @@ pub struct Cluster {
     /// The volagent controller (and its admission webhook, on loopback).
     pub controller: Option<Child>,
     pub webhook_port: u16,
+    /// Arguments the controller starts with besides the usual ones.
+    pub controller_args: Vec<String>,
 }
 
 /// Node names and the extra agent arguments of each.
@@ -78,6 +80,11 @@ impl Cluster {
     /// backends in `backends` (file, name), and waits until every node is
     /// Ready and every agent answers.
     pub fn start(nodes: &[NodeSpec], backends: &[(&str, &str)]) -> Cluster {
+        Cluster::start_with(nodes, backends, &[])
+    }
+
+    /// [`Self::start`], the controller started with `controller_args` too.
+    pub fn start_with(nodes: &[NodeSpec], backends: &[(&str, &str)], controller_args: &[&str]) -> Cluster {
         let scratch = RootScratch::enter();
         let assets = node::node_assets().expect("the kubelet tier's assets (scripts/kube-assets, scripts/node-assets)");
         node::become_subreaper().expect("subreaper");
@@ -87,7 +94,7 @@ impl Cluster {
         let kcm = ControllerManager::start(&env, &scratch.path(""), &assets, Some(ns.clone())).expect("kube-controller-manager");
         std::fs::create_dir_all(scratch.path("disks")).expect("dir");
         let webhook_port = volagent_kube_env::free_ports(1).expect("a free port")[0];
-        let mut c = Cluster { nodes: Vec::new(), kcm: Some(kcm), env: Some(env), rt, ns, assets, scratch, controller: None, webhook_port };
+        let mut c = Cluster { nodes: Vec::new(), kcm: Some(kcm), env: Some(env), rt, ns, assets, scratch, controller: None, webhook_port, controller_args: controller_args.iter().map(|a| a.to_string()).collect() };
         let client = c.client();
         c.rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port))).expect("deploy/'s RBAC and webhook");
         c.start_controller();
@@ -143,7 +150,7 @@ impl Cluster {
             self.rt.block_on(shipped::controller_kubeconfig(self.env(), &kubeconfig)).expect("the controller's kubeconfig");
         }
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
-        cmd.args(shipped::controller_args(&kubeconfig, self.webhook_port)).args(["--local-interval", "2s"]);
+        cmd.args(shipped::controller_args(&kubeconfig, self.webhook_port)).args(["--local-interval", "2s"]).args(&self.controller_args);
         let child = volagent_kube_env::spawn_in(cmd, &self.scratch.path("controller.log"), true, Some(&self.ns)).expect("start the controller");
         self.controller = Some(child);
         let probe = {
