@@ -112,6 +112,14 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
     let controllers = c.wait_ready(CONTROLLER_LABEL, 2);
     let names: Vec<String> = controllers.iter().map(name).collect();
     let leader = c.wait("a controller holding the lease", || lease_holder(&c).filter(|h| names.contains(h)));
+    // The webhook every agent write went through: its configuration holds
+    // the CA the controller made, and the Secret it keeps it in is there.
+    let hooks: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> = Api::all(c.client());
+    let hook = c.rt.block_on(hooks.get("volagent-node-restriction")).expect("the webhook's configuration");
+    let bundle = hook.webhooks.unwrap_or_default().first().and_then(|w| w.client_config.ca_bundle.clone()).expect("a caBundle");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(c.client(), CONTROLLER_NS);
+    let tls = c.rt.block_on(secrets.get("volagent-admission-tls")).expect("the webhook's Secret");
+    assert_eq!(tls.data.unwrap_or_default().get("ca.crt").map(|b| b.0.clone()), Some(bundle.0), "the caBundle is the controller's CA");
     for p in &controllers {
         let pid = c.container_pid(p, "controller");
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the controller's status");
