@@ -170,30 +170,36 @@ mod in_the_vm {
     /// Proof that [`ceph_keys`] sees a key as the agent holds one while it
     /// maps: added the agent's way, in the keyring of a thread other than
     /// the reading one (which therefore does not possess it); and that it
-    /// sees it go.
+    /// sees the key go when removed, while that thread lives on (as the
+    /// agent's do: a thread's keyring goes with it).
     fn a_key_held_by_another_thread_is_listed(key: &str) {
         assert!(ceph_keys().is_empty(), "Ceph keys before the test: {:?}", ceph_keys());
         let payload = volagent::secret::Secret::new(key.as_bytes().to_vec()).ceph_key_bytes("key").unwrap();
-        let (added, held) = std::sync::mpsc::channel();
-        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (told, hear) = std::sync::mpsc::channel::<Result<String, String>>();
+        let (tell, heard) = std::sync::mpsc::channel::<()>();
         let holder = std::thread::spawn(move || {
             // The kernel's Ceph key type takes the payload as the agent makes it.
-            match volagent::sys::keyring::ThreadKey::ceph(&payload) {
-                Ok(k) => {
-                    let _ = added.send(Ok(k.description().to_string()));
-                    let _ = released.recv();
-                }
+            let held = match volagent::sys::keyring::ThreadKey::ceph(&payload) {
+                Ok(k) => k,
                 Err(e) => {
-                    let _ = added.send(Err(e.to_string()));
+                    let _ = told.send(Err(e.to_string()));
+                    return;
                 }
-            }
+            };
+            let _ = told.send(Ok(held.description().to_string()));
+            let _ = heard.recv();
+            drop(held);
+            let _ = told.send(Ok("removed".into()));
+            let _ = heard.recv();
         });
-        let description = held.recv().unwrap().unwrap();
+        let description = hear.recv().unwrap().unwrap();
         let listed = ceph_keys();
         assert_eq!(listed.len(), 1, "the key {description} held by another thread is not listed: {listed:?}");
-        release.send(()).unwrap();
-        holder.join().unwrap();
+        tell.send(()).unwrap();
+        assert_eq!(hear.recv().unwrap().unwrap(), "removed");
         assert!(ceph_keys_collected().is_empty(), "the key stays listed after its removal: {:?}", ceph_keys());
+        tell.send(()).unwrap();
+        holder.join().unwrap();
     }
 
     fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
