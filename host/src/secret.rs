@@ -5,7 +5,7 @@
 
 use base64::Engine;
 use std::collections::BTreeMap;
-use zeroize::Zeroize;
+use zeroize::{Zeroize, Zeroizing};
 
 /// One secret value.
 #[derive(Clone, PartialEq, Eq)]
@@ -27,6 +27,21 @@ impl Secret {
         let text = std::str::from_utf8(&self.0).map_err(|_| format!("secret key {name:?} is not text"))?.trim();
         let ok = !text.is_empty() && text.len() <= 1024 && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b));
         if ok { Ok(text.to_string()) } else { Err(format!("secret key {name:?} does not hold a Ceph key (base64 text)")) }
+    }
+
+    /// The Ceph key's bytes, decoded from its base64 ([`ceph_key`]): what
+    /// the kernel's keyring takes. Wiped when dropped, as is every copy
+    /// made on the way.
+    ///
+    /// [`ceph_key`]: Self::ceph_key
+    pub fn ceph_key_bytes(&self, name: &str) -> Result<Zeroizing<Vec<u8>>, String> {
+        let text = Zeroizing::new(self.ceph_key(name)?);
+        // Room for all of it up front: a vector that grows leaves copies behind.
+        let mut bytes = Zeroizing::new(Vec::with_capacity(base64::decoded_len_estimate(text.len()) + 3));
+        base64::engine::general_purpose::STANDARD
+            .decode_vec(text.as_bytes(), &mut bytes)
+            .map_err(|_| format!("secret key {name:?} does not hold a Ceph key (base64 text)"))?;
+        Ok(bytes)
     }
 }
 
@@ -93,5 +108,14 @@ mod tests {
         let injected = Secret::new(b"AQB=\n[client.admin]\nkey = x".to_vec());
         assert!(injected.ceph_key("key").is_err());
         assert_eq!(Secret::new(b"  AQB+/x==\n".to_vec()).ceph_key("key").unwrap(), "AQB+/x==");
+    }
+
+    #[test]
+    fn a_ceph_key_is_decoded_for_the_kernel() {
+        assert_eq!(Secret::new(b" QVFCdTN3TnI=\n".to_vec()).ceph_key_bytes("key").unwrap().as_slice(), b"AQBu3wNr");
+        // Base64's letters, but not base64: refused, naming the key only.
+        let e = Secret::new(b"QVFC=dTN3".to_vec()).ceph_key_bytes("key").unwrap_err();
+        assert!(e.contains("\"key\"") && !e.contains("QVFC"), "{e}");
+        assert!(Secret::new(b"AQB=\n[client.admin]".to_vec()).ceph_key_bytes("key").is_err());
     }
 }

@@ -7,7 +7,9 @@
 //! would be the VM itself), then each inner test runs this binary once.
 //! The inner tests drive the installed `volagent-flex` driver, the real
 //! agent and the rbd policy, with the Ceph key from the volume's Secret as
-//! kubelet passes it: the policy's `auto` picks the kernel's driver.
+//! kubelet passes it: the policy's `auto` picks the kernel's driver. The
+//! key reaches the kernel through its keyring: it shows nowhere in sysfs,
+//! and no key stays in the keyring after the map.
 //! Outside the VM the inner tests are ignored; they fail, not pass, when
 //! run without the kernel's rbd driver.
 // Helpers outside #[test] fns: a failed setup step fails the test.
@@ -112,6 +114,94 @@ mod in_the_vm {
         std::fs::read_to_string(format!("{BUS}/devices/{id}/{name}")).unwrap().trim().to_string()
     }
 
+    /// The forms the user's key could take in a file: its base64 text,
+    /// its decoded bytes, and the AES secret in them (after a 2-byte type,
+    /// an 8-byte creation time and a 2-byte length), raw and in hex.
+    fn key_forms(key: &str) -> Vec<Vec<u8>> {
+        let decoded = volagent::secret::Secret::new(key.as_bytes().to_vec()).ceph_key_bytes("key").unwrap().to_vec();
+        let secret = decoded.get(12..).unwrap_or_default().to_vec();
+        assert_eq!(secret.len(), 16, "an AES key");
+        vec![key.as_bytes().to_vec(), hex::encode(&secret).into_bytes(), secret, decoded]
+    }
+
+    /// The files of mapping `id` in sysfs (every readable attribute, in
+    /// its subdirs too, not following links out) that hold any of `forms`,
+    /// and how many files were read.
+    fn files_holding(id: &str, forms: &[Vec<u8>]) -> (Vec<std::path::PathBuf>, usize) {
+        fn walk(dir: &Path, forms: &[Vec<u8>], holding: &mut Vec<std::path::PathBuf>, read: &mut usize) {
+            for entry in std::fs::read_dir(dir).unwrap().flatten() {
+                let Ok(kind) = entry.file_type() else { continue };
+                if kind.is_dir() {
+                    walk(&entry.path(), forms, holding, read);
+                } else if kind.is_file() {
+                    // Write-only attributes (refresh, …) refuse reading.
+                    let Ok(content) = std::fs::read(entry.path()) else { continue };
+                    *read += 1;
+                    if forms.iter().any(|f| content.windows(f.len()).any(|w| w == f.as_slice())) {
+                        holding.push(entry.path());
+                    }
+                }
+            }
+        }
+        let (mut holding, mut read) = (Vec::new(), 0);
+        walk(Path::new(&format!("{BUS}/devices/{id}")), forms, &mut holding, &mut read);
+        assert!(read >= 10, "read only {read} files of mapping {id}");
+        (holding, read)
+    }
+
+    /// The Ceph keys in /proc/keys. It lists the keys the reader may view:
+    /// those it possesses, and (add_key gives a key's owner view
+    /// permission) every key of its UID — so the agent's, both root's.
+    fn ceph_keys() -> Vec<String> {
+        let keys = std::fs::read_to_string("/proc/keys").unwrap();
+        keys.lines().filter(|l| l.split_whitespace().nth(7) == Some("ceph")).map(str::to_string).collect()
+    }
+
+    /// [`ceph_keys`], once the kernel's key collector, which runs shortly
+    /// after a key is removed, has had up to 2 s.
+    fn ceph_keys_collected() -> Vec<String> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while !ceph_keys().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        ceph_keys()
+    }
+
+    /// Proof that [`ceph_keys`] sees a key as the agent holds one while it
+    /// maps: added the agent's way, in the keyring of a thread other than
+    /// the reading one (which therefore does not possess it); and that it
+    /// sees the key go when removed, while that thread lives on (as the
+    /// agent's do: a thread's keyring goes with it).
+    fn a_key_held_by_another_thread_is_listed(key: &str) {
+        assert!(ceph_keys().is_empty(), "Ceph keys before the test: {:?}", ceph_keys());
+        let payload = volagent::secret::Secret::new(key.as_bytes().to_vec()).ceph_key_bytes("key").unwrap();
+        let (told, hear) = std::sync::mpsc::channel::<Result<String, String>>();
+        let (tell, heard) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            // The kernel's Ceph key type takes the payload as the agent makes it.
+            let held = match volagent::sys::keyring::ThreadKey::ceph(&payload) {
+                Ok(k) => k,
+                Err(e) => {
+                    let _ = told.send(Err(e.to_string()));
+                    return;
+                }
+            };
+            let _ = told.send(Ok(held.description().to_string()));
+            let _ = heard.recv();
+            drop(held);
+            let _ = told.send(Ok("removed".into()));
+            let _ = heard.recv();
+        });
+        let description = hear.recv().unwrap().unwrap();
+        let listed = ceph_keys();
+        assert_eq!(listed.len(), 1, "the key {description} held by another thread is not listed: {listed:?}");
+        tell.send(()).unwrap();
+        assert_eq!(hear.recv().unwrap().unwrap(), "removed");
+        assert!(ceph_keys_collected().is_empty(), "the key stays listed after its removal: {:?}", ceph_keys());
+        tell.send(()).unwrap();
+        holder.join().unwrap();
+    }
+
     fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
         run_driver(Command::new(node.driver_of("node-a", "rbd")).args(args))
     }
@@ -135,6 +225,7 @@ mod in_the_vm {
         let key = volagent_key(&ceph);
         let node = node();
         let image = Image::create(&ceph, 64);
+        a_key_held_by_another_thread_is_listed(&key);
         let (dir_a, r) = mount(&node, "uid-a", &image, &key);
         assert_success(&r);
         let device = r.1["device"].as_str().unwrap_or_default().to_string();
@@ -142,6 +233,15 @@ mod in_the_vm {
         let ids = mappings();
         assert_eq!(ids.len(), 1, "{ids:?}");
         assert_eq!((attr(&ids[0], "pool"), attr(&ids[0], "name")), ("rbd".to_string(), image.name.clone()));
+        // The key went to the kernel through the keyring, and left it: sysfs
+        // shows the line that mapped it, which only names the key.
+        let config = attr(&ids[0], "config_info");
+        assert!(config.contains(",key=volagent:") && !config.contains("secret="), "{config}");
+        let (holding, read) = files_holding(&ids[0], &key_forms(&key));
+        assert!(holding.is_empty(), "the key is in sysfs, in {holding:?} (of {read} files)");
+        // A key left behind would stay (in a keyring of the agent's thread,
+        // which lives on well past 2 s), not pass as collected.
+        assert!(ceph_keys_collected().is_empty(), "a Ceph key left in the kernel's keyring: {:?}", ceph_keys());
         assert!(node.scratch.loops_left().is_empty(), "no loop device on the kernel's path");
         assert_eq!(watchers(&image).len(), 1, "one client: the kernel's");
         let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
@@ -228,6 +328,10 @@ mod in_the_vm {
         std::fs::write(format!("{BUS}/add_single_major"), format!("127.0.0.1:6789 name=volagent,secret={key} rbd {}", image.name)).unwrap();
         let theirs = mappings();
         assert_eq!(theirs.len(), 1);
+        // Their line holds the key: the sysfs check sees a key where there is one.
+        let forms = key_forms(&key);
+        let (holding, _) = files_holding(&theirs[0], &forms);
+        assert!(holding.iter().any(|f| f.ends_with("config_info")), "the check missed the key in {holding:?}");
         // A restart's reconciliation leaves it.
         spawn(&mut node, None);
         assert_eq!(mappings(), theirs, "the admin's mapping is not the agent's to sweep");
@@ -240,6 +344,9 @@ mod in_the_vm {
         assert_success(&r);
         assert_ne!(r.1["device"].as_str(), Some(format!("/dev/rbd{}", theirs[0]).as_str()), "{}", r.1);
         assert_eq!(mappings().len(), 2);
+        let ours = mappings().into_iter().find(|id| !theirs.contains(id)).unwrap();
+        let (holding, read) = files_holding(&ours, &forms);
+        assert!(holding.is_empty(), "the key is in sysfs, in {holding:?} (of {read} files)");
         assert_success(&driver(&node, &["unmount", &dir]));
         assert_eq!(mappings(), theirs);
         std::fs::write(format!("{BUS}/remove_single_major"), &theirs[0]).unwrap();

@@ -1,6 +1,8 @@
 //! The kernel's rbd driver (krbd): an image mapped as `/dev/rbdN` through
 //! sysfs, as `rbd device map` does, without the `rbd` tool or a keyring
-//! file — the user's key goes to the kernel in the one write that maps.
+//! file. The user's key goes into the kernel's keyring for the one write
+//! that maps, which names it (`key=`) rather than carrying it (`secret=`):
+//! sysfs shows that line (`config_info`) for as long as the image is mapped.
 //!
 //! A mapping is found again by what sysfs says of it (pool, image, and the
 //! monitors it was mapped with, from `config_info`), so a retried attach
@@ -12,6 +14,7 @@
 //! gets a kernel client of its own (`noshare`): blocklisting one volume's
 //! client fences that volume alone.
 
+use super::keyring::ThreadKey;
 use super::rbd_export::CephClient;
 use super::{KernelRbd, SysError, io};
 use std::net::ToSocketAddrs;
@@ -77,9 +80,10 @@ pub fn kernel_monitors(monitors: &str) -> Result<String, String> {
     Ok(addrs.join(","))
 }
 
-/// The options of one map request, in the kernel's syntax.
-fn map_options(user: &str, key: &str, read_only: bool, timeout: Duration) -> String {
-    let mut options = format!("name={user},secret={key},mount_timeout={},noshare", timeout.as_secs().max(1));
+/// The options of one map request, in the kernel's syntax; `key_name` is
+/// the description of the user's key in the writer's keyring.
+fn map_options(user: &str, key_name: &str, read_only: bool, timeout: Duration) -> String {
+    let mut options = format!("name={user},key={key_name},mount_timeout={},noshare", timeout.as_secs().max(1));
     if read_only {
         options.push_str(",read_only");
     }
@@ -138,8 +142,9 @@ impl KernelRbd for Krbd {
             let Ok(id) = name.parse::<u32>() else { continue };
             // Gone between the listing and the read: not a mapping any more.
             let (Some(pool), Some(image)) = (self.attr(&name, "pool"), self.attr(&name, "name")) else { continue };
-            // config_info is the line that mapped it, key and all: only its
-            // first word (the monitors) is kept, and the rest wiped.
+            // config_info is the line that mapped it. The agent's name their
+            // key (key=…), but one mapped by hand may carry it (secret=…):
+            // only its first word (the monitors) is kept, and the rest wiped.
             let config = zeroize::Zeroizing::new(self.attr(&name, "config_info").unwrap_or_default());
             let monitors = config.split_whitespace().next().unwrap_or_default().to_string();
             let client_id = self.attr(&name, "client_id").and_then(|c| c.trim_start_matches("client").parse().ok()).unwrap_or_default();
@@ -161,8 +166,8 @@ impl KernelRbd for Krbd {
             return Ok((m.clone(), false));
         }
         let key = match &client.key {
-            Some(secret) => secret.ceph_key("key").map_err(refuse)?,
-            None => return Err(refuse("the kernel's rbd driver needs the user's key from the volume's secret (it reads no keyring)".into())),
+            Some(secret) => secret.ceph_key_bytes("key").map_err(refuse)?,
+            None => return Err(refuse("the kernel's rbd driver needs the user's key from the volume's secret (it reads no keyring file)".into())),
         };
         // Image and pool names reach the kernel as words of one line.
         for (name, value) in [("pool", pool), ("image", image), ("user", client.user.as_str())] {
@@ -170,14 +175,20 @@ impl KernelRbd for Krbd {
                 return Err(refuse(format!("{name} {value:?} cannot be mapped by the kernel")));
             }
         }
-        let line = zeroize::Zeroizing::new(format!("{monitors} {} {pool} {image}", map_options(&client.user, &key, read_only, self.connect_timeout)));
-        drop(zeroize::Zeroizing::new(key));
         std::fs::create_dir_all(&self.marks).map_err(io("mkdir", &self.marks))?;
         let add = self.add_file();
         let started = Instant::now();
-        // The write blocks until the kernel has mapped it or given up.
-        if let Err(e) = std::fs::write(&add, line.as_bytes()) {
-            // The error names the request, never the line: it holds the key.
+        let written = {
+            // The kernel copies the key out of the keyring while it parses
+            // the line, on this thread (see keyring): the key is there for
+            // the write alone, and leaves when `handed` drops, mapped or not.
+            let handed = ThreadKey::ceph(&key).map_err(|e| refuse(format!("the kernel's rbd driver gets no key: {e}")))?;
+            drop(key);
+            let line = format!("{monitors} {} {pool} {image}", map_options(&client.user, handed.description(), read_only, self.connect_timeout));
+            // The write blocks until the kernel has mapped it or given up.
+            std::fs::write(&add, line.as_bytes())
+        };
+        if let Err(e) = written {
             return Err(SysError::Refused {
                 path: what,
                 what: format!("the kernel's rbd driver refused to map it (monitors {monitors}, user {}): {e}", client.user),
@@ -243,29 +254,54 @@ mod tests {
     }
 
     #[test]
-    fn options_carry_the_timeout_and_read_only() {
-        assert_eq!(map_options("u", "K", false, Duration::from_secs(20)), "name=u,secret=K,mount_timeout=20,noshare");
-        assert_eq!(map_options("u", "K", true, Duration::from_millis(10)), "name=u,secret=K,mount_timeout=1,noshare,read_only");
+    fn options_name_the_key_and_carry_the_timeout_and_read_only() {
+        assert_eq!(map_options("u", "volagent:7:0", false, Duration::from_secs(20)), "name=u,key=volagent:7:0,mount_timeout=20,noshare");
+        assert_eq!(map_options("u", "volagent:7:1", true, Duration::from_millis(10)), "name=u,key=volagent:7:1,mount_timeout=1,noshare,read_only");
+        for read_only in [false, true] {
+            let options = map_options("u", "K", read_only, Duration::from_secs(20));
+            assert!(!options.contains("secret"), "the key itself is never in the line: {options}");
+            assert_eq!(options.split(',').filter(|o| o.starts_with("key=")).collect::<Vec<_>>(), ["key=K"]);
+        }
     }
 
     #[test]
     fn mappings_are_read_from_sysfs() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = dir.path().join("devices/3");
-        std::fs::create_dir_all(&dev).unwrap();
-        for (name, value) in [
-            ("pool", "rbd\n"),
-            ("name", "img\n"),
-            ("config_info", "127.0.0.1:6789 name=u,secret=K rbd img\n"),
-            ("client_id", "client4120\n"),
-            ("client_addr", "127.0.0.1:0/29\n"),
+        // One mapped by hand with the key in the line, and one as the agent
+        // maps: the line names the key in the keyring.
+        for (id, config, client) in [
+            (3, "127.0.0.1:6789 name=u,secret=K rbd img\n", "4120"),
+            (4, "127.0.0.1:6789 name=u,key=volagent:1:0,mount_timeout=20,noshare rbd img\n", "4121"),
         ] {
-            std::fs::write(dev.join(name), value).unwrap();
+            let dev = dir.path().join(format!("devices/{id}"));
+            std::fs::create_dir_all(&dev).unwrap();
+            for (name, value) in [
+                ("pool", "rbd\n".to_string()),
+                ("name", "img\n".to_string()),
+                ("config_info", config.to_string()),
+                ("client_id", format!("client{client}\n")),
+                ("client_addr", format!("127.0.0.1:0/{}\n", id + 26)),
+            ] {
+                std::fs::write(dev.join(name), value).unwrap();
+            }
         }
         std::fs::create_dir_all(dir.path().join("devices/not-a-number")).unwrap();
         let k = Krbd { bus: dir.path().to_path_buf(), dev: "/dev".into(), ..Krbd::new(dir.path().join("marks")) };
         let found = k.mappings().unwrap();
-        assert_eq!(found.len(), 1);
+        assert_eq!(found.len(), 2);
+        assert_eq!(
+            found[1],
+            KernelMapping {
+                id: 4,
+                pool: "rbd".into(),
+                image: "img".into(),
+                monitors: "127.0.0.1:6789".into(),
+                client_id: 4121,
+                client_addr: "127.0.0.1:0/30".into(),
+                device: "/dev/rbd4".into(),
+                ours: false,
+            }
+        );
         assert_eq!(
             found[0],
             KernelMapping {
@@ -284,7 +320,7 @@ mod tests {
         assert!(!k.mappings().unwrap()[0].ours, "a mark of an earlier mapping with that number: not this one");
         std::fs::write(k.mark(3), "127.0.0.1:0/29 127.0.0.1:6789 rbd img\n").unwrap();
         assert!(k.mappings().unwrap()[0].ours, "marked: the agent's own");
-        assert_eq!(k.mappings_of("127.0.0.1:6789", "rbd", "img").unwrap().len(), 1);
+        assert_eq!(k.mappings_of("127.0.0.1:6789", "rbd", "img").unwrap().len(), 2, "found again by monitors, pool and image, either line");
         assert!(k.mappings_of("127.0.0.2:6789", "rbd", "img").unwrap().is_empty());
         // Unmapping what is not mapped is done already.
         k.unmap(9, false).unwrap();

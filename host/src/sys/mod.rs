@@ -13,6 +13,7 @@ pub mod fake;
 pub mod faults;
 pub mod fusectl;
 pub mod gluster_mount;
+pub mod keyring;
 pub mod krbd;
 pub mod linux;
 pub mod loopdev;
