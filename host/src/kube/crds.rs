@@ -263,6 +263,14 @@ pub struct StorageClusterStatus {
 
 /// Held on a local volume's PV from its release until its wipe is done.
 pub const LOCAL_WIPE_FINALIZER: &str = "volagent.io/local-wipe";
+/// The backend whose policy decides local volumes' plans.
+pub const LOCAL_BACKEND: &str = "local-pv";
+/// Labels on every local PV the controller makes: its node and its class.
+pub const NODE_LABEL: &str = "volagent.io/local-node";
+pub const CLASS_LABEL: &str = "volagent.io/local-class";
+/// Who provisioned a local PV, as kube-controller-manager reads it: an
+/// external provisioner, so that its PV controller leaves the deletion to us.
+pub const PROVISIONER: &str = "local.volagent.io";
 
 /// What the controller asks of a node's agent about one local volume.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]

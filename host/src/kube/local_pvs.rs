@@ -23,12 +23,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Labels on every local PV: its node and its class.
-pub const NODE_LABEL: &str = "volagent.io/local-node";
-pub const CLASS_LABEL: &str = "volagent.io/local-class";
-/// Who provisioned it, as kube-controller-manager reads it: an external
-/// provisioner, so that its PV controller leaves the deletion to us.
-pub const PROVISIONER: &str = "local.volagent.io";
+pub use super::crds::{CLASS_LABEL, NODE_LABEL, PROVISIONER};
 const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
 
 /// What a round did.

@@ -21,8 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The backend whose policy decides local volumes' plans.
-pub const LOCAL_BACKEND: &str = "local-pv";
+pub use super::crds::LOCAL_BACKEND;
 
 #[derive(Debug, Clone)]
 pub struct LocalConfig {

@@ -64,7 +64,7 @@ impl Cluster {
     /// a discovered volume's path or device under another name. A refusal
     /// is also an Event on the PV, naming both.
     async fn check_discovered(&self, pv: &PersistentVolume, node: &str) -> Result<(), VolumeError> {
-        use super::local_pvs::{NODE_LABEL, PROVISIONER};
+        use super::crds::{NODE_LABEL, PROVISIONER};
         let name = pv.metadata.name.clone().unwrap_or_default();
         let options = pv.spec.as_ref().and_then(|s| s.flex_volume.as_ref()).and_then(|f| f.options.clone()).unwrap_or_default();
         let path = options.get("path").cloned().unwrap_or_default();
@@ -111,7 +111,7 @@ impl Cluster {
                         && volumes.iter().any(|v| v.persistent_volume_claim.as_ref().is_some_and(|c| c.claim_name == claim_name));
                     if uses_claim && self.claim_bound(req.namespace, claim_name, claim.uid.as_deref(), req.name).await? {
                         self.check_affinity(pv, req.node).await?;
-                        if req.backend == super::local_volumes::LOCAL_BACKEND {
+                        if req.backend == super::crds::LOCAL_BACKEND {
                             self.check_discovered(pv, req.node).await?;
                         }
                         let modes = spec.access_modes.clone().unwrap_or_default();
