@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
-use volagent::nbd::{Exports, Listener, Server};
+use volagent::nbd::{ClientAuth, Exports, Listener, Server};
 use volagent::sys::export_file::FileExport;
 
 fn tool(name: &str) -> Command {
@@ -202,13 +202,13 @@ fn loopback_tcp_serves_and_other_addresses_are_refused() {
     random_file(&image, 1 << 20, 3);
     let exports = Exports::default();
     exports.insert("", Arc::new(FileExport::open(&image, true).unwrap()));
-    let listener = Listener::tcp("127.0.0.1:0".parse().unwrap(), false).unwrap();
+    let listener = Listener::tcp("127.0.0.1:0".parse().unwrap(), ClientAuth::None, false).unwrap();
     let server = Server::start(listener, exports, 4, None).unwrap();
     let out = dir.path().join("out.img");
     ok(tool("nbdcopy").arg(format!("nbd://{}/", server.describe())).arg(&out).output().unwrap(), "nbdcopy over tcp");
     assert!(std::fs::read(&out).unwrap() == std::fs::read(&image).unwrap());
-    let err = Listener::tcp("0.0.0.0:0".parse().unwrap(), false).err().expect("every interface is refused");
-    assert!(err.to_string().contains("only with TLS"), "{err}");
+    let err = Listener::tcp("0.0.0.0:0".parse().unwrap(), ClientAuth::None, false).err().expect("every interface is refused");
+    assert!(err.to_string().contains("only over TLS"), "{err}");
 }
 
 #[test]
@@ -263,7 +263,8 @@ fn pki(dir: &Path) {
         openssl x509 -req -in client.csr -CA ca-cert.pem -CAkey ca-key.pem -CAcreateserial -out client.crt -days 2 -extfile client.ext 2>/dev/null");
 }
 
-/// A TLS-only server on `bind` for a 4 MiB file of random bytes.
+/// A TLS-only server on `bind` for a 4 MiB file of random bytes; without
+/// `client_ca`, explicitly open to clients without certificates.
 fn tls_server(dir: &Path, bind: &str, client_ca: bool) -> (Server, u16, PathBuf) {
     let image = dir.join("disk.img");
     random_file(&image, 4 << 20, 11);
@@ -271,7 +272,8 @@ fn tls_server(dir: &Path, bind: &str, client_ca: bool) -> (Server, u16, PathBuf)
     exports.insert("disk", Arc::new(FileExport::open(&image, false).unwrap()));
     let ca = dir.join("ca-cert.pem");
     let tls = volagent::nbd::tls::server_config(&dir.join("server-cert.pem"), &dir.join("server-key.pem"), client_ca.then_some(ca.as_path())).unwrap();
-    let listener = Listener::tcp(bind.parse().unwrap(), true).unwrap();
+    let clients = if client_ca { ClientAuth::Certificates } else { ClientAuth::Tls };
+    let listener = Listener::tcp(bind.parse().unwrap(), clients, !client_ca).unwrap();
     let server = Server::start(listener, exports, 8, Some(tls)).unwrap();
     let port = server.describe().rsplit_once(':').unwrap().1.parse().unwrap();
     (server, port, image)
@@ -281,7 +283,8 @@ fn tls_server(dir: &Path, bind: &str, client_ca: bool) -> (Server, u16, PathBuf)
 fn over_tls_clients_copy_bit_identical_data_and_plain_clients_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     pki(dir.path());
-    // TLS makes every interface allowed; plain TCP only loopback.
+    // TLS (here without client certificates, as the server was told to
+    // allow) makes every interface allowed; plain TCP only loopback.
     let (_server, port, image) = tls_server(dir.path(), "0.0.0.0:0", false);
     let uri = format!("nbds://localhost:{port}/disk?tls-certificates={}", dir.path().display());
     let info: serde_json::Value = serde_json::from_str(&ok(tool("nbdinfo").arg("--json").arg(&uri).output().unwrap(), "nbdinfo over TLS")).unwrap();
