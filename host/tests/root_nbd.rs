@@ -195,15 +195,21 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     assert!(std::fs::read_dir(state.join("nbd")).map(|d| d.count()).unwrap_or(0) == 0);
 }
 
+/// Volume pv1 of pod-a as a local file the agent serves itself.
+fn file_options(file: &str) -> serde_json::Value {
+    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
+    options.as_object_mut().unwrap().remove("server");
+    options["file"] = file.into();
+    options
+}
+
 #[test]
 fn the_agent_serves_a_local_file_itself_across_a_restart() {
     let mut node = nbd_node();
     let image = node.image("own.img", 64);
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
-    options.as_object_mut().unwrap().remove("server");
-    options["file"] = image.clone().into();
+    let options = file_options(&image);
     let r = driver(&node, &["mount", &dir, &options.to_string()]);
     assert_success(&r);
     let servers = servers_under(&state);
@@ -233,9 +239,7 @@ fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
     let image = node.image("own.img", 64);
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
-    options.as_object_mut().unwrap().remove("server");
-    options["file"] = image.clone().into();
+    let options = file_options(&image);
     assert_success(&driver(&node, &["mount", &dir, &options.to_string()]));
     let sockets: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "sock")).collect();
     let [socket] = &sockets[..] else { panic!("one helper socket: {sockets:?}") };
@@ -280,9 +284,7 @@ fn a_local_file_outside_the_discovery_dirs_is_refused() {
     let node = nbd_node();
     let outside = node.scratch.image("outside.img", 16);
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
-    options.as_object_mut().unwrap().remove("server");
-    options["file"] = outside.display().to_string().into();
+    let options = file_options(&outside.display().to_string());
     assert_failure(&driver(&node, &["mount", &dir, &options.to_string()]), "outside the dirs this backend may use");
     assert!(servers_under(&node.scratch.path("node-a/state")).is_empty());
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
