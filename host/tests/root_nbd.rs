@@ -195,15 +195,21 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     assert!(std::fs::read_dir(state.join("nbd")).map(|d| d.count()).unwrap_or(0) == 0);
 }
 
+/// Volume pv1 of pod-a as a local file the agent serves itself.
+fn file_options(file: &str) -> serde_json::Value {
+    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
+    options.as_object_mut().unwrap().remove("server");
+    options["file"] = file.into();
+    options
+}
+
 #[test]
 fn the_agent_serves_a_local_file_itself_across_a_restart() {
     let mut node = nbd_node();
     let image = node.image("own.img", 64);
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
-    options.as_object_mut().unwrap().remove("server");
-    options["file"] = image.clone().into();
+    let options = file_options(&image);
     let r = driver(&node, &["mount", &dir, &options.to_string()]);
     assert_success(&r);
     let servers = servers_under(&state);
@@ -227,13 +233,58 @@ fn the_agent_serves_a_local_file_itself_across_a_restart() {
 }
 
 #[test]
+fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let node = nbd_node();
+    let image = node.image("own.img", 64);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let options = file_options(&image);
+    assert_success(&driver(&node, &["mount", &dir, &options.to_string()]));
+    let sockets: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "sock")).collect();
+    let [socket] = &sockets[..] else { panic!("one helper socket: {sockets:?}") };
+    let meta = std::fs::symlink_metadata(socket).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o600, "{}", socket.display());
+
+    // Let another uid reach the socket's dir: the socket's mode still stops it.
+    let mut up = socket.parent().unwrap();
+    while up.starts_with(node.scratch.path("")) {
+        let mode = std::fs::metadata(up).unwrap().permissions().mode();
+        std::fs::set_permissions(up, std::fs::Permissions::from_mode(mode | 0o011)).unwrap();
+        up = up.parent().unwrap();
+    }
+    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    let as_nobody = || Command::new("setpriv").args(["--reuid=65534", "--regid=65534", "--clear-groups", "nbdinfo"]).arg(&uri).output().unwrap();
+    let out = as_nobody();
+    assert!(!out.status.success(), "uid 65534 was served");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Permission denied"), "{out:?}");
+    // Widened by someone else, the socket lets it connect; the helper
+    // checks the peer's uid and closes it.
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let out = as_nobody();
+    assert!(!out.status.success(), "uid 65534 was served through a widened socket");
+    let log = socket.with_extension("server.log");
+    wait_or_say(
+        "the helper to log the refusal",
+        || std::fs::read_to_string(&log).unwrap_or_default().contains("uid=65534"),
+        || std::fs::read_to_string(&log).unwrap_or_default(),
+    );
+    assert!(std::fs::read_to_string(&log).unwrap().contains("refused an NBD client"));
+    // Root is served as before: the volume works on.
+    std::fs::write(format!("{dir}/data"), b"after the refusals").unwrap();
+    assert_success(&driver(&node, &["unmount", &dir]));
+    wait_until("the client and the helper server to end", || clients_under(&state).is_empty() && servers_under(&state).is_empty());
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
+    assert_eq!(read_back(Path::new(&image), "ext4"), b"after the refusals");
+}
+
+#[test]
 fn a_local_file_outside_the_discovery_dirs_is_refused() {
     let node = nbd_node();
     let outside = node.scratch.image("outside.img", 16);
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
-    options.as_object_mut().unwrap().remove("server");
-    options["file"] = outside.display().to_string().into();
+    let options = file_options(&outside.display().to_string());
     assert_failure(&driver(&node, &["mount", &dir, &options.to_string()]), "outside the dirs this backend may use");
     assert!(servers_under(&node.scratch.path("node-a/state")).is_empty());
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());

@@ -1,9 +1,10 @@
 //! `volagent nbd serve`: the agent's NBD server on its own, exporting
 //! local files or block devices, or Ceph RBD images through librbd (for
 //! tests, benchmarks, the agent's helper servers, and nodes that serve a
-//! disk to others over loopback or a Unix socket).
+//! disk to others: over a Unix socket or loopback, or beyond loopback over
+//! TLS to clients with certificates).
 
-use crate::nbd::{Exports, Listener, Server};
+use crate::nbd::{ClientAuth, Exports, Listener, Server, Settings, Timeouts};
 use crate::sys::export_file::FileExport;
 use anyhow::Context;
 use std::path::PathBuf;
@@ -21,7 +22,8 @@ pub struct ServeArgs {
     /// Listen on this Unix socket.
     #[arg(long, required_unless_present = "tcp")]
     unix: Option<PathBuf>,
-    /// Listen on this TCP address (loopback only, unless with TLS).
+    /// Listen on this TCP address: beyond loopback only with TLS and
+    /// --tls-client-ca (or --allow-unauthenticated-clients).
     #[arg(long, conflicts_with = "unix")]
     tcp: Option<std::net::SocketAddr>,
     /// Require TLS (STARTTLS) of every client, with this PEM certificate
@@ -34,6 +36,20 @@ pub struct ServeArgs {
     /// With TLS: clients must present a certificate this PEM CA signed.
     #[arg(long, requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
+    /// Serve a --tcp address beyond loopback over TLS without
+    /// --tls-client-ca: any client that reaches it may read and write the
+    /// exports.
+    #[arg(long, requires = "tcp")]
+    allow_unauthenticated_clients: bool,
+    /// Close a connection that sends no request for this long ("10m");
+    /// 0, the default, never does: the kernel's nbd driver, nbdfuse and qemu
+    /// stay connected, silent, while their volume is idle.
+    #[arg(long, default_value = "0", value_parser = humantime::parse_duration)]
+    idle_timeout: std::time::Duration,
+    /// Once a request has begun, each read of it and each write of its
+    /// reply must make progress within this ("30s").
+    #[arg(long, default_value = "30s", value_parser = positive_duration)]
+    request_timeout: std::time::Duration,
     /// NAME=PATH: serve the file or block device PATH as export NAME
     /// (repeatable; an empty NAME is the default export).
     #[arg(long = "export", value_name = "NAME=PATH", required_unless_present_any = ["export_stdin", "rbd_exports"], value_parser = parse_export)]
@@ -72,6 +88,14 @@ pub struct ServeArgs {
 
 fn exports_count(args: &ServeArgs) -> usize {
     args.exports.len() + args.rbd_exports.len() + usize::from(args.export_stdin.is_some())
+}
+
+fn positive_duration(s: &str) -> Result<std::time::Duration, String> {
+    match humantime::parse_duration(s) {
+        Ok(d) if d.is_zero() => Err("must be more than 0".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn parse_rbd_export(s: &str) -> Result<(String, String, String), String> {
@@ -135,14 +159,21 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
         (Some(cert), Some(key)) => Some(crate::nbd::tls::server_config(cert, key, args.tls_client_ca.as_deref())?),
         _ => None,
     };
+    let clients = match (&tls, &args.tls_client_ca) {
+        (None, _) => ClientAuth::None,
+        (Some(_), None) => ClientAuth::Tls,
+        (Some(_), Some(_)) => ClientAuth::Certificates,
+    };
     let listener = match (&args.unix, args.tcp) {
         (Some(path), _) => Listener::unix(path),
-        (None, Some(addr)) => Listener::tcp(addr, tls.is_some()),
+        (None, Some(addr)) => Listener::tcp(addr, clients, args.allow_unauthenticated_clients),
         (None, None) => unreachable!("clap requires one"),
     }
     .context("nbd listener")?;
     let with_tls = tls.is_some();
-    let server = Server::start(listener, exports, args.max_connections as usize, tls).context("nbd server")?;
+    let timeouts = Timeouts { idle: (!args.idle_timeout.is_zero()).then_some(args.idle_timeout), request: args.request_timeout, ..Timeouts::default() };
+    let settings = Settings { max_connections: args.max_connections as usize, tls, timeouts };
+    let server = Server::start_with(listener, exports, settings).context("nbd server")?;
     tracing::info!(listener = %server.describe(), exports = exports_count(&args), tls = with_tls, "volagent nbd server serving");
     // Readiness for scripts: the socket exists and accepts from now on.
     println!("serving on {}", server.describe());

@@ -14,10 +14,14 @@ struct Client {
 }
 
 fn start(exports: &Exports) -> Client {
+    start_with(exports, Timeouts::default())
+}
+
+fn start_with(exports: &Exports, timeouts: Timeouts) -> Client {
     let (c, s) = UnixStream::pair().unwrap();
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let e = exports.clone();
-    let server = std::thread::spawn(move || serve_connection(s, &e, None));
+    let server = std::thread::spawn(move || serve_connection(s, &e, None, &timeouts));
     let mut client = Client { s: c, server };
     let mut greeting = [0u8; 18];
     client.s.read_exact(&mut greeting).unwrap();
@@ -351,4 +355,192 @@ fn where_tls_is_required_nothing_but_starttls_is_served() {
     client.option(OPT_ABORT, &[]);
     assert_eq!(client.option_reply().0, REP_ACK);
     assert!(matches!(server.join().unwrap(), Ok(Ending::Left)));
+}
+
+/// Short timeouts for the tests of slow clients.
+fn quick(idle: Option<Duration>) -> Timeouts {
+    Timeouts { handshake: Duration::from_secs(5), idle, request: Duration::from_millis(300) }
+}
+
+/// The server's verdict and how long after `since` it came.
+fn verdict_after(c: Client, since: std::time::Instant) -> (Result<(), ProtocolError>, Duration) {
+    let verdict = c.server.join().unwrap();
+    let took = since.elapsed();
+    drop(c.s);
+    (verdict, took)
+}
+
+/// Hands out `data`, then fails every read as a socket's read timeout does.
+struct ThenSilence(std::io::Cursor<Vec<u8>>);
+
+impl Read for ThenSilence {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self.0.read(buf)? {
+            0 => Err(std::io::ErrorKind::WouldBlock.into()),
+            n => Ok(n),
+        }
+    }
+}
+
+#[test]
+fn a_payloads_buffer_grows_only_as_its_bytes_arrive() {
+    use transmission::{PAYLOAD_STEP, read_payload};
+    let mut buf = Vec::new();
+    let mut silent = ThenSilence(std::io::Cursor::new(vec![7u8; 3000]));
+    let err = read_payload(&mut silent, &mut buf, handshake::MAX_PAYLOAD as usize).unwrap_err();
+    assert!(deadline::timed_out(&err), "{err}");
+    assert!(buf.capacity() <= PAYLOAD_STEP, "{} bytes held for 3000 that came", buf.capacity());
+
+    // A whole payload arrives whole, over what an earlier one left.
+    let data: Vec<u8> = (0..3 * PAYLOAD_STEP + 5).map(|i| (i % 251) as u8).collect();
+    let mut buf = vec![0xaa; 100];
+    read_payload(&mut std::io::Cursor::new(data.clone()), &mut buf, data.len()).unwrap();
+    assert!(buf[..data.len()] == data[..]);
+    assert!(buf.capacity() <= 2 * (data.len() + PAYLOAD_STEP));
+    // A shorter one after it reuses the buffer.
+    read_payload(&mut std::io::Cursor::new(b"abc".to_vec()), &mut buf, 3).unwrap();
+    assert_eq!(&buf[..3], b"abc");
+}
+
+#[test]
+fn a_write_announced_and_never_sent_times_out_and_changes_nothing() {
+    let (exports, m) = memory(1 << 20, false);
+    let mut c = start_with(&exports, quick(None));
+    c.go("disk", false);
+    c.request(CMD_WRITE, 0, 0, handshake::MAX_PAYLOAD, &[0xee; 1000]);
+    let since = std::time::Instant::now();
+    let (verdict, took) = verdict_after(c, since);
+    assert!(matches!(verdict, Err(ProtocolError::Stalled(t)) if t == Duration::from_millis(300)), "{verdict:?}");
+    assert!(took < Duration::from_secs(3), "closed after {took:?}");
+    assert!(m.snapshot().iter().all(|b| *b == 0), "a partial write reached the export");
+}
+
+#[test]
+fn a_request_header_cut_short_times_out() {
+    let (exports, _) = memory(4096, false);
+    let mut c = start_with(&exports, quick(None));
+    c.go("disk", false);
+    c.s.write_all(&REQUEST_MAGIC.to_be_bytes()).unwrap();
+    c.s.write_all(&[0, 0, 0]).unwrap();
+    let (verdict, took) = verdict_after(c, std::time::Instant::now());
+    assert!(matches!(verdict, Err(ProtocolError::Stalled(_))), "{verdict:?}");
+    assert!(took < Duration::from_secs(3), "closed after {took:?}");
+}
+
+#[test]
+fn without_an_idle_timeout_a_silent_client_stays_connected() {
+    let (exports, _) = memory(4096, false);
+    let mut c = start_with(&exports, quick(None));
+    c.go("disk", false);
+    // Far longer than the request timeout, between requests.
+    std::thread::sleep(Duration::from_millis(1000));
+    c.request(CMD_READ, 0, 0, 512, &[]);
+    assert_eq!(c.simple_reply(512).0, 0);
+    std::thread::sleep(Duration::from_millis(500));
+    c.request(CMD_FLUSH, 0, 0, 0, &[]);
+    assert_eq!(c.simple_reply(0).0, 0);
+    c.request(CMD_DISC, 0, 0, 0, &[]);
+    assert!(c.end().is_ok());
+}
+
+#[test]
+fn an_idle_timeout_closes_a_silent_client_and_restarts_with_each_request() {
+    let idle = Duration::from_millis(600);
+    let (exports, _) = memory(4096, false);
+    let mut c = start_with(&exports, Timeouts { request: Duration::from_secs(5), ..quick(Some(idle)) });
+    c.go("disk", false);
+    // Requests every 300 ms keep it open well past 600 ms.
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(300));
+        c.request(CMD_READ, 0, 0, 512, &[]);
+        assert_eq!(c.simple_reply(512).0, 0);
+    }
+    let since = std::time::Instant::now();
+    let (verdict, took) = verdict_after(c, since);
+    assert!(matches!(verdict, Err(ProtocolError::Idle(t)) if t == idle), "{verdict:?}");
+    assert!(took >= Duration::from_millis(500) && took < Duration::from_secs(4), "closed after {took:?}");
+}
+
+#[test]
+fn a_client_that_reads_no_replies_is_dropped() {
+    let (exports, _) = memory(16 << 20, false);
+    let mut c = start_with(&exports, quick(None));
+    c.go("disk", false);
+    // 16 MiB of reply does not fit in the socket's buffer.
+    c.request(CMD_READ, 0, 0, 16 << 20, &[]);
+    let (verdict, took) = verdict_after(c, std::time::Instant::now());
+    assert!(matches!(verdict, Err(ProtocolError::Stalled(_))), "{verdict:?}");
+    assert!(took < Duration::from_secs(3), "closed after {took:?}");
+}
+
+#[test]
+fn the_handshake_has_one_deadline_however_the_bytes_trickle() {
+    let (exports, _) = memory(4096, false);
+    let timeouts = Timeouts { handshake: Duration::from_millis(800), ..quick(None) };
+    let since = std::time::Instant::now();
+    let c = start_with(&exports, timeouts);
+    let mut writer = c.s.try_clone().unwrap();
+    // A byte every 100 ms: each read is quick, the whole is not.
+    let trickle = std::thread::spawn(move || {
+        let mut m = CLIENT_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        m.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        m.extend_from_slice(&OPT_GO.to_be_bytes());
+        m.extend_from_slice(&(go_data("disk").len() as u32).to_be_bytes());
+        m.extend_from_slice(&go_data("disk"));
+        for b in m {
+            if writer.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let (verdict, took) = verdict_after(c, since);
+    trickle.join().unwrap();
+    assert!(matches!(verdict, Err(ProtocolError::HandshakeTimeout(t)) if t == Duration::from_millis(800)), "{verdict:?}");
+    assert!(took < Duration::from_secs(2), "closed after {took:?}");
+}
+
+#[test]
+fn tcp_beyond_loopback_needs_tls_and_client_certificates_unless_waived() {
+    let any: std::net::SocketAddr = "0.0.0.0:0".parse().unwrap();
+    let cleartext = Listener::tcp(any, ClientAuth::None, false).err().expect("cleartext beyond loopback");
+    assert!(matches!(cleartext, ListenError::Cleartext { .. }), "{cleartext}");
+    let waived = Listener::tcp(any, ClientAuth::None, true).err().expect("the waiver is of certificates, not of TLS");
+    assert!(matches!(waived, ListenError::Cleartext { .. }), "{waived}");
+    let refused = Listener::tcp(any, ClientAuth::Tls, false).err().expect("TLS without client certificates");
+    let said = refused.to_string();
+    assert!(said.contains("0.0.0.0:0") && said.contains("--tls-client-ca") && said.contains("--allow-unauthenticated-clients"), "{said}");
+    assert!(Listener::tcp(any, ClientAuth::Tls, true).is_ok());
+    assert!(Listener::tcp(any, ClientAuth::Certificates, false).is_ok());
+    for loopback in ["127.0.0.1:0", "[::1]:0"] {
+        let addr: std::net::SocketAddr = loopback.parse().unwrap();
+        // ::1 may be missing in a container; loopback is never refused by policy.
+        match Listener::tcp(addr, ClientAuth::None, false) {
+            Ok(_) => {}
+            Err(ListenError::Tcp { .. }) if addr.is_ipv6() => {}
+            Err(e) => panic!("{loopback}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_unix_socket_is_0600_and_replaces_only_a_stale_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let listener = Listener::unix(&path).unwrap();
+    let mode = std::fs::symlink_metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o7777, 0o600, "mode {mode:o}");
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["nbd.sock"], "nothing but the socket is left beside it");
+    assert!(matches!(Listener::unix(&path), Err(ListenError::InUse { .. })));
+    drop(listener);
+    // Its listener gone, the file is stale: replaced.
+    assert!(Listener::unix(&path).is_ok());
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"data").unwrap();
+    assert!(matches!(Listener::unix(&file), Err(ListenError::NotASocket { .. })));
+    assert_eq!(std::fs::read(&file).unwrap(), b"data");
+    let missing = Listener::unix(&dir.path().join("no/such/dir/nbd.sock")).err().expect("no dir");
+    assert!(missing.to_string().contains("no/such/dir"), "{missing}");
 }

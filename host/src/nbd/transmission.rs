@@ -2,8 +2,11 @@
 //! per connection (clients get parallelism from several connections,
 //! which the export allows). A write's payload is read whole before any
 //! byte of it is written: a client that leaves mid-request changes nothing.
+//! The payload's buffer grows only as its bytes arrive, so a client that
+//! announces a large write and sends little costs the server little.
 
 use super::ProtocolError;
+use super::deadline::{ReadTimeout, Switch, Timeouts, timed_out};
 use super::handshake::{MAX_PAYLOAD, Session};
 use super::wire::{self, Request};
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -12,34 +15,76 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 const MAX_EXTENTS: usize = 1024;
 /// Room before a read's data for the longest reply header in front of it.
 const HEADROOM: usize = wire::STRUCTURED_REPLY_LEN + 8;
+/// A write's buffer grows by at most this much before the bytes to fill it
+/// have arrived.
+pub const PAYLOAD_STEP: usize = 1 << 20;
 
 /// Serve requests until the client disconnects (NBD_CMD_DISC or EOF
-/// between requests); an error ends the connection.
-pub fn serve<S: Read + Write>(stream: S, session: &Session) -> Result<(), ProtocolError> {
+/// between requests); an error ends the connection. Between requests the
+/// client may idle for `timeouts.idle`; once a request has begun, each
+/// read must make progress within `timeouts.request`.
+pub fn serve<S: Read + Write + ReadTimeout>(stream: S, session: &Session, timeouts: &Timeouts) -> Result<(), ProtocolError> {
     let mut reader = BufReader::with_capacity(256 * 1024, stream);
     let mut buf: Vec<u8> = Vec::new();
+    let mut switch = Switch::default();
     loop {
-        let mut header = [0u8; wire::REQUEST_LEN];
-        // EOF exactly between requests is a client that left.
-        if reader.fill_buf()?.is_empty() {
-            return Ok(());
-        }
-        reader.read_exact(&mut header)?;
-        let request = Request::parse(&header).map_err(|e| ProtocolError::Transmission(e.to_string()))?;
-        if request.kind == wire::CMD_DISC {
-            return Ok(());
-        }
-        if request.kind == wire::CMD_WRITE {
-            if request.length > MAX_PAYLOAD {
-                // Its payload cannot be skipped at a reasonable cost.
-                return Err(ProtocolError::Transmission(format!("write of {} bytes, over the {MAX_PAYLOAD} cap", request.length)));
+        if reader.buffer().is_empty() {
+            switch.set(reader.get_ref(), timeouts.idle)?;
+            match reader.fill_buf() {
+                // EOF exactly between requests is a client that left.
+                Ok([]) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if timed_out(&e) => return Err(ProtocolError::Idle(timeouts.idle.unwrap_or_default())),
+                Err(e) => return Err(e.into()),
             }
-            buf.resize(request.length as usize, 0);
-            reader.read_exact(&mut buf)?;
+            switch.set(reader.get_ref(), Some(timeouts.request))?;
         }
+        let stalled = |e: ProtocolError| match e {
+            ProtocolError::Io(e) if timed_out(&e) => ProtocolError::Stalled(timeouts.request),
+            e => e,
+        };
+        let Some(request) = next_request(&mut reader, &mut buf).map_err(stalled)? else {
+            return Ok(());
+        };
         let mut conn = Conn { out: reader.get_mut(), session, buf: &mut buf };
-        conn.handle(&request)?;
+        conn.handle(&request).map_err(stalled)?;
     }
+}
+
+/// The next request, its payload (a write's) in `buf[..length]`; `None`
+/// for NBD_CMD_DISC.
+fn next_request<R: Read>(reader: &mut R, buf: &mut Vec<u8>) -> Result<Option<Request>, ProtocolError> {
+    let mut header = [0u8; wire::REQUEST_LEN];
+    reader.read_exact(&mut header)?;
+    let request = Request::parse(&header).map_err(|e| ProtocolError::Transmission(e.to_string()))?;
+    if request.kind == wire::CMD_DISC {
+        return Ok(None);
+    }
+    if request.kind == wire::CMD_WRITE {
+        if request.length > MAX_PAYLOAD {
+            // Its payload cannot be skipped at a reasonable cost.
+            return Err(ProtocolError::Transmission(format!("write of {} bytes, over the {MAX_PAYLOAD} cap", request.length)));
+        }
+        read_payload(reader, buf, request.length as usize)?;
+    }
+    Ok(Some(request))
+}
+
+/// Read `len` bytes into `buf[..len]`, growing `buf` at most
+/// [`PAYLOAD_STEP`] ahead of the bytes that have arrived (it keeps what it
+/// has grown to, for the next request). Bytes already in `buf` are
+/// overwritten, not zeroed again.
+pub fn read_payload<R: Read>(reader: &mut R, buf: &mut Vec<u8>, len: usize) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < len {
+        let end = len.min(filled + PAYLOAD_STEP);
+        if buf.len() < end {
+            buf.resize(end, 0);
+        }
+        reader.read_exact(&mut buf[filled..end])?;
+        filled = end;
+    }
+    Ok(())
 }
 
 struct Conn<'a, W> {
@@ -126,7 +171,7 @@ impl<W: Write> Conn<'_, W> {
         let fua = r.flags & wire::CMD_FLAG_FUA != 0;
         match r.kind {
             wire::CMD_READ => return self.read(r).map(Some),
-            wire::CMD_WRITE => export.write_at(self.buf, r.offset, fua)?,
+            wire::CMD_WRITE => export.write_at(&self.buf[..r.length as usize], r.offset, fua)?,
             wire::CMD_FLUSH => export.flush()?,
             wire::CMD_TRIM => {
                 export.trim(r.offset, r.length as u64)?;
