@@ -80,10 +80,15 @@ fn reopen(handle: &OwnedFd, path: &Path, write: bool) -> Result<File, SysError> 
     options.open(fd_path(handle)).map_err(io("open", path))
 }
 
-/// Run `program` with `args` on `device`, killed after `deadline`. Its
-/// output is captured and only shown when it fails.
+/// Run `program` with `args` on `device`, killed after `deadline`, and
+/// with the agent (setpriv --pdeathsig): a tool of a killed agent (mkfs,
+/// wipefs) would hold the device open exclusively while the next agent
+/// retries the same step, and be refused as in use. Its output is captured
+/// and only shown when it fails.
 fn run(program: &'static str, args: &[&str], device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
-    run_with(Command::new(program).args(args).arg(device).stdout(Stdio::piped()), program, device, deadline)
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--pdeathsig", "KILL", "--", program]).args(args).arg(device).stdout(Stdio::piped());
+    run_with(&mut cmd, program, device, deadline)
 }
 
 pub(super) fn run_with(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
