@@ -9,7 +9,9 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
-use volagent_protocol::{self as protocol, DEFAULT_SOCKET, DRIVER_CONFIG, DriverConfig, Request, Response};
+use volagent_protocol::{
+    self as protocol, DEFAULT_SOCKET, DRIVER_CONFIG, DriverConfig, Request, Response,
+};
 
 /// kubelet applies no timeout to mount/unmount; the driver bounds its wait
 /// so a wedged agent cannot hang kubelet's operation forever.
@@ -18,7 +20,10 @@ const AGENT_TIMEOUT: Duration = Duration::from_secs(600);
 fn main() -> ExitCode {
     // A panic must still produce the one JSON object kubelet expects.
     std::panic::set_hook(Box::new(|info| {
-        println!("{}", json!({"status": "Failure", "message": format!("volagent-flex crashed: {info}")}));
+        println!(
+            "{}",
+            json!({"status": "Failure", "message": format!("volagent-flex crashed: {info}")})
+        );
     }));
     let args: Vec<String> = std::env::args().collect();
     let (reply, ok) = run(&args);
@@ -64,7 +69,8 @@ fn ask(config: &DriverConfig, request: Request) -> Result<Response, AskError> {
     })?;
     let _ = stream.set_read_timeout(Some(AGENT_TIMEOUT));
     let _ = stream.set_write_timeout(Some(AGENT_TIMEOUT));
-    protocol::exchange(&mut stream, request).map_err(|e| AskError::Other(format!("volagent agent at {socket}: {e}")))
+    protocol::exchange(&mut stream, request)
+        .map_err(|e| AskError::Other(format!("volagent agent at {socket}: {e}")))
 }
 
 /// `init`: the agent's handshake when it serves. When nothing listens yet,
@@ -74,7 +80,10 @@ fn ask(config: &DriverConfig, request: Request) -> Result<Response, AskError> {
 /// one. Mounts wait for the agent instead (kubelet retries them).
 fn init(config: &DriverConfig) -> (Value, bool) {
     match ask(config, Request::Handshake { backend: config.backend.clone() }) {
-        Err(AskError::NotServing(message)) => reply(Ok(Response::Ok { message: format!("{message} (mounts wait for it)"), device: None }), true),
+        Err(AskError::NotServing(message)) => reply(
+            Ok(Response::Ok { message: format!("{message} (mounts wait for it)"), device: None }),
+            true,
+        ),
         other => reply(other.map_err(String::from), true),
     }
 }
@@ -93,15 +102,24 @@ fn reply(response: Result<Response, String>, init: bool) -> (Value, bool) {
             }
             (v, true)
         }
-        Ok(Response::Status { .. }) => failure("volagent agent answered with a status; expected an operation result"),
+        Ok(Response::Status { .. }) => {
+            failure("volagent agent answered with a status; expected an operation result")
+        }
     }
 }
 
 fn run(args: &[String]) -> (Value, bool) {
-    let exe = std::env::current_exe().ok().or_else(|| args.first().map(PathBuf::from)).unwrap_or_default();
+    let exe = std::env::current_exe()
+        .ok()
+        .or_else(|| args.first().map(PathBuf::from))
+        .unwrap_or_default();
     // Installed as <dir>/volagent~<backend>/<backend>; the name of the link
     // kubelet ran wins over the resolved binary's.
-    let invoked = args.first().map(PathBuf::from).filter(|p| p.parent().is_some_and(|d| !d.as_os_str().is_empty())).unwrap_or(exe);
+    let invoked = args
+        .first()
+        .map(PathBuf::from)
+        .filter(|p| p.parent().is_some_and(|d| !d.as_os_str().is_empty()))
+        .unwrap_or(exe);
     let config = config(&invoked);
     let backend = config.backend.clone();
     match args.get(1).map(String::as_str) {
@@ -112,12 +130,22 @@ fn run(args: &[String]) -> (Value, bool) {
             };
             let options: BTreeMap<String, String> = match serde_json::from_str(json) {
                 Ok(o) => o,
-                Err(e) => return failure(format!("mount options are not a JSON object of strings: {e}")),
+                Err(e) => {
+                    return failure(format!("mount options are not a JSON object of strings: {e}"));
+                }
             };
-            reply(ask(&config, Request::Mount { backend, mount_dir: dir.clone(), options }).map_err(String::from), false)
+            reply(
+                ask(&config, Request::Mount { backend, mount_dir: dir.clone(), options })
+                    .map_err(String::from),
+                false,
+            )
         }
         Some("unmount") => match args.get(2) {
-            Some(dir) => reply(ask(&config, Request::Unmount { backend, mount_dir: dir.clone() }).map_err(String::from), false),
+            Some(dir) => reply(
+                ask(&config, Request::Unmount { backend, mount_dir: dir.clone() })
+                    .map_err(String::from),
+                false,
+            ),
             None => failure("unmount needs <mount-dir>"),
         },
         _ => (json!({"status": "Not supported"}), true),

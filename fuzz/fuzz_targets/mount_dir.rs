@@ -10,6 +10,11 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(dir) = parse_mount_dir(&[Path::new("/var/lib/kubelet")], "local-pv", s) {
         // An accepted dir stays beneath kubelet's root, with no way out.
         assert!(dir.dir.starts_with("/var/lib/kubelet/pods"));
-        assert!(dir.dir.components().all(|c| matches!(c, std::path::Component::RootDir | std::path::Component::Normal(_))));
+        assert!(
+            dir.dir.components().all(|c| matches!(
+                c,
+                std::path::Component::RootDir | std::path::Component::Normal(_)
+            ))
+        );
     }
 });

@@ -20,7 +20,9 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use volagent::nbd::export::Memory;
-use volagent::nbd::{Exports, ProtocolError, ReadTimeout, Stream, Timeouts, handshake, serve_connection};
+use volagent::nbd::{
+    Exports, ProtocolError, ReadTimeout, Stream, Timeouts, handshake, serve_connection,
+};
 
 /// Counts the bytes allocated now and the most since [`reset_peak`]: the
 /// server's memory, as the client's input drives it.
@@ -60,7 +62,8 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOCATOR: Counting = Counting;
 
 /// Distinct timeouts, so that a stall tells which one the server waited with.
-const TIMEOUTS: Timeouts = Timeouts { handshake: Duration::from_secs(1000), idle: None, request: Duration::from_secs(3) };
+const TIMEOUTS: Timeouts =
+    Timeouts { handshake: Duration::from_secs(1000), idle: None, request: Duration::from_secs(3) };
 const IDLE: Duration = Duration::from_secs(5);
 
 /// What the server was waiting with when the client stalled.
@@ -167,8 +170,13 @@ fuzz_target!(|data: &[u8]| {
         stalled: stalled.clone(),
     };
     if mode & 1 == 1 {
-        if let Ok(ending) = handshake::greet(&mut stream).and_then(|z| handshake::options(&mut stream, &exports, z, handshake::Tls::Required)) {
-            assert!(!matches!(ending, handshake::Ending::Go(_)), "a session without TLS on a server that requires it");
+        if let Ok(ending) = handshake::greet(&mut stream)
+            .and_then(|z| handshake::options(&mut stream, &exports, z, handshake::Tls::Required))
+        {
+            assert!(
+                !matches!(ending, handshake::Ending::Go(_)),
+                "a session without TLS on a server that requires it"
+            );
         }
         return;
     }
@@ -182,10 +190,25 @@ fuzz_target!(|data: &[u8]| {
     let allowed = (3 << 20) + 2 * data.len();
     assert!(used <= allowed, "the server held {used} bytes for a client that sent {}", data.len());
     match (stalled.load(Ordering::Relaxed), &result) {
-        (STALL_HANDSHAKE, r) => assert!(matches!(r, Err(ProtocolError::HandshakeTimeout(_))), "a stalled handshake: {r:?}"),
-        (STALL_IDLE, r) => assert!(matches!(r, Err(ProtocolError::Idle(t)) if *t == IDLE), "a client idle past the idle timeout: {r:?}"),
-        (STALL_REQUEST, r) => assert!(matches!(r, Err(ProtocolError::Stalled(_))), "a stalled request: {r:?}"),
-        (_, Err(e @ (ProtocolError::HandshakeTimeout(_) | ProtocolError::Idle(_) | ProtocolError::Stalled(_)))) => {
+        (STALL_HANDSHAKE, r) => assert!(
+            matches!(r, Err(ProtocolError::HandshakeTimeout(_))),
+            "a stalled handshake: {r:?}"
+        ),
+        (STALL_IDLE, r) => assert!(
+            matches!(r, Err(ProtocolError::Idle(t)) if *t == IDLE),
+            "a client idle past the idle timeout: {r:?}"
+        ),
+        (STALL_REQUEST, r) => {
+            assert!(matches!(r, Err(ProtocolError::Stalled(_))), "a stalled request: {r:?}")
+        }
+        (
+            _,
+            Err(
+                e @ (ProtocolError::HandshakeTimeout(_)
+                | ProtocolError::Idle(_)
+                | ProtocolError::Stalled(_)),
+            ),
+        ) => {
             panic!("{e} though the client never stalled with a timeout set")
         }
         _ => {}

@@ -27,7 +27,12 @@ fn caps() -> Capabilities {
         device_kinds: vec![DeviceKind::Loop, DeviceKind::Nbd, DeviceKind::Rbd],
         filesystems: vec!["ext4".into(), "xfs".into()],
         network_filesystems: vec!["glusterfs".into()],
-        path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs, PathRoot::StateDir],
+        path_roots: vec![
+            PathRoot::PodMountDir,
+            PathRoot::StagingDir,
+            PathRoot::DiscoveryDirs,
+            PathRoot::StateDir,
+        ],
     }
 }
 
@@ -70,14 +75,24 @@ fuzz_target!(|data: &[u8]| {
     let (caps, volume, paths) = (caps(), volume(), paths());
     for read_only in [false, true] {
         let consumer = consumer("node-a", read_only);
-        let _ = validate::plan(&steps, &caps, &Operation::Attach { volume: &volume, consumer: &consumer, paths: &paths });
+        let _ = validate::plan(
+            &steps,
+            &caps,
+            &Operation::Attach { volume: &volume, consumer: &consumer, paths: &paths },
+        );
     }
     // Releasing a local volume: the only plan that may wipe or re-format.
     let items = [CleanupItem { volume: volume.clone(), paths: paths.clone(), holders: vec![] }];
-    let _ = validate::plan(&steps, &caps, &Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items });
+    let _ = validate::plan(
+        &steps,
+        &caps,
+        &Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items },
+    );
     // The same steps as a take-over's fencing of a holder on a gone node.
-    let holders = vec![Holder { consumer: consumer("node-b", false), since: "2026-11-01T10:00:00Z".into() }];
-    let nodes = [NodeFacts { name: "node-b".into(), exists: false, ready: false, out_of_service: false }];
+    let holders =
+        vec![Holder { consumer: consumer("node-b", false), since: "2026-11-01T10:00:00Z".into() }];
+    let nodes =
+        [NodeFacts { name: "node-b".into(), exists: false, ready: false, out_of_service: false }];
     let take = TakeOver { stale: holders.clone(), fence_steps: steps };
     let _ = validate::take_over(&take, &holders, &nodes, &caps, &volume);
 });

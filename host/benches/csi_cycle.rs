@@ -31,7 +31,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use volagent::csi::proto::csi::node_client::NodeClient;
-use volagent::csi::proto::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use volagent::csi::proto::csi::volume_capability::{
+    AccessMode, AccessType, MountVolume, access_mode::Mode,
+};
 use volagent::csi::proto::csi::*;
 use volagent::stats::{Summary, summarize};
 
@@ -47,7 +49,9 @@ fn other_loops() -> usize {
 
 /// Other builds of the agent to run beside this one.
 fn compare() -> Vec<PathBuf> {
-    std::env::var_os("CSI_CYCLE_COMPARE").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default()
+    std::env::var_os("CSI_CYCLE_COMPARE")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default()
 }
 
 /// One agent's samples.
@@ -70,17 +74,22 @@ fn main() {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
     let image = scratch.image("disks/vol.img", 64);
-    assert!(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&image).status().expect("mkfs").success());
+    assert!(
+        Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&image).status().expect("mkfs").success()
+    );
 
     // Someone else's, over files of their own: detached with the scratch dir.
     for i in 0..other_loops() {
         let file = scratch.image(&format!("others/{i}.img"), 1);
-        let out = Command::new("losetup").args(["-f", "--show"]).arg(&file).output().expect("losetup");
+        let out =
+            Command::new("losetup").args(["-f", "--show"]).arg(&file).output().expect("losetup");
         assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
     }
     let mut kernel = Kernel::csi(&scratch, &image);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let this = std::env::var_os("CSI_CYCLE_AGENT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_volagent")));
+    let this = std::env::var_os("CSI_CYCLE_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_volagent")));
     let mut agents = vec![rt.block_on(AgentUnderTest::start(&scratch, "a", &this, &image))];
     for (i, other) in compare().iter().enumerate() {
         // Each its own volume (a copy of the same filesystem) and dirs.
@@ -91,7 +100,11 @@ fn main() {
     }
     for a in agents.iter_mut() {
         let rpc = rt.block_on(a.rpc_latency());
-        println!("{}: gRPC round trip (NodeGetCapabilities): p50 {:.2} ms", a.binary.display(), rpc.p50 / 1e3);
+        println!(
+            "{}: gRPC round trip (NodeGetCapabilities): p50 {:.2} ms",
+            a.binary.display(),
+            rpc.p50 / 1e3
+        );
     }
     // Interleaved, in a new order every cycle: the disk's latency drifts
     // with whatever else writes to it, so all must see the same disk, and
@@ -116,8 +129,14 @@ fn main() {
     let binaries: Vec<PathBuf> = agents.iter().map(|a| a.binary.clone()).collect();
     drop(agents);
     let kernel = (summarize(&mut k.up), summarize(&mut k.down));
-    let row = |name: &str, s: &Summary| println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
-    println!("CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles, {} other loop devices attached", cycles(), other_loops());
+    let row = |name: &str, s: &Summary| {
+        println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3)
+    };
+    println!(
+        "CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles, {} other loop devices attached",
+        cycles(),
+        other_loops()
+    );
     row("kernel alone: mkdir + attach + mount + bind", &kernel.0);
     row("kernel alone: unmount x2 + detach + rmdir", &kernel.1);
     for (binary, s) in binaries.iter().zip(samples.iter_mut()) {
@@ -146,7 +165,12 @@ struct AgentUnderTest {
 
 impl AgentUnderTest {
     /// The agent `binary` with dirs of its own under `name`.
-    async fn start(scratch: &common::RootScratch, name: &str, binary: &Path, image: &Path) -> AgentUnderTest {
+    async fn start(
+        scratch: &common::RootScratch,
+        name: &str,
+        binary: &Path,
+        image: &Path,
+    ) -> AgentUnderTest {
         let dir = |d: &str| {
             let p = scratch.path(&format!("{name}/{d}"));
             std::fs::create_dir_all(&p).expect("dir");
@@ -154,15 +178,28 @@ impl AgentUnderTest {
         };
         let kubelet = dir("kubelet");
         // As on a node: the runtime dir (socket, stash) on a tmpfs.
-        nix::mount::mount(Some("tmpfs"), &dir("run"), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs for the runtime dir");
-        std::fs::copy(volagent_test_artifacts::LOCAL_PV, dir("plugins").join("local-pv.wasm")).expect("plugin");
+        nix::mount::mount(
+            Some("tmpfs"),
+            &dir("run"),
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .expect("tmpfs for the runtime dir");
+        std::fs::copy(volagent_test_artifacts::LOCAL_PV, dir("plugins").join("local-pv.wasm"))
+            .expect("plugin");
         let agent = Command::new(binary)
             .args(["agent", "--node-name", "node-a", "--no-driver-install"])
-            .arg("--state-dir").arg(dir("state"))
-            .arg("--runtime-dir").arg(dir("run"))
-            .arg("--plugin-dir").arg(dir("plugins"))
-            .arg("--kubelet-root").arg(&kubelet)
-            .arg("--discovery-dir").arg(scratch.path("disks"))
+            .arg("--state-dir")
+            .arg(dir("state"))
+            .arg("--runtime-dir")
+            .arg(dir("run"))
+            .arg("--plugin-dir")
+            .arg(dir("plugins"))
+            .arg("--kubelet-root")
+            .arg(&kubelet)
+            .arg("--discovery-dir")
+            .arg(scratch.path("disks"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -170,14 +207,25 @@ impl AgentUnderTest {
         let socket = volagent::csi::drivers::socket_path(&kubelet, "local-pv");
         let start = Instant::now();
         while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent's CSI socket did not come up");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the agent's CSI socket did not come up"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
-        let client = NodeClient::new(volagent::csi::client::connect(socket).await.expect("connect"));
+        let client =
+            NodeClient::new(volagent::csi::client::connect(socket).await.expect("connect"));
         let staging = kubelet.join("plugins/kubernetes.io/csi/pv/pv1/globalmount");
         let target = kubelet.join("pods/uid-1/volumes/kubernetes.io~csi/pv1/mount");
         std::fs::create_dir_all(target.parent().expect("parent")).expect("dir");
-        AgentUnderTest { binary: binary.to_path_buf(), agent, client, image: image.display().to_string(), staging, target }
+        AgentUnderTest {
+            binary: binary.to_path_buf(),
+            agent,
+            client,
+            image: image.display().to_string(),
+            staging,
+            target,
+        }
     }
 
     /// The floor every call pays: a round trip on the socket through
@@ -186,7 +234,10 @@ impl AgentUnderTest {
         let mut times = Vec::new();
         for _ in 0..cycles() {
             let t = Instant::now();
-            self.client.node_get_capabilities(NodeGetCapabilitiesRequest {}).await.expect("capabilities");
+            self.client
+                .node_get_capabilities(NodeGetCapabilitiesRequest {})
+                .await
+                .expect("capabilities");
             times.push(t.elapsed());
         }
         summarize(&mut times)
@@ -194,16 +245,23 @@ impl AgentUnderTest {
 
     async fn cycle(&mut self, up: &mut Vec<Duration>, down: &mut Vec<Duration>) {
         let capability = Some(VolumeCapability {
-            access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), ..Default::default() })),
+            access_type: Some(AccessType::Mount(MountVolume {
+                fs_type: "ext4".into(),
+                ..Default::default()
+            })),
             access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
         });
-        let (staging, target) = (self.staging.display().to_string(), self.target.display().to_string());
+        let (staging, target) =
+            (self.staging.display().to_string(), self.target.display().to_string());
         std::fs::create_dir_all(&self.staging).expect("kubelet makes the staging dir");
         let stage = NodeStageVolumeRequest {
             volume_id: "pv1".into(),
             staging_target_path: staging.clone(),
             volume_capability: capability.clone(),
-            volume_context: HashMap::from([("path".to_string(), self.image.clone()), ("node".to_string(), "node-a".to_string())]),
+            volume_context: HashMap::from([
+                ("path".to_string(), self.image.clone()),
+                ("node".to_string(), "node-a".to_string()),
+            ]),
             ..Default::default()
         };
         let publish = NodePublishVolumeRequest {
@@ -218,15 +276,30 @@ impl AgentUnderTest {
         self.client.node_publish_volume(publish).await.expect("publish");
         up.push(t.elapsed());
         let t = Instant::now();
-        self.client.node_unpublish_volume(NodeUnpublishVolumeRequest { volume_id: "pv1".into(), target_path: target }).await.expect("unpublish");
-        self.client.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: "pv1".into(), staging_target_path: staging }).await.expect("unstage");
+        self.client
+            .node_unpublish_volume(NodeUnpublishVolumeRequest {
+                volume_id: "pv1".into(),
+                target_path: target,
+            })
+            .await
+            .expect("unpublish");
+        self.client
+            .node_unstage_volume(NodeUnstageVolumeRequest {
+                volume_id: "pv1".into(),
+                staging_target_path: staging,
+            })
+            .await
+            .expect("unstage");
         down.push(t.elapsed());
     }
 }
 
 impl Drop for AgentUnderTest {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.agent.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.agent.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
         let _ = self.agent.wait();
     }
 }

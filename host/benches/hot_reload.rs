@@ -25,13 +25,20 @@ fn main() {
     let uid = nix::unistd::geteuid().as_raw().to_string();
     let mut agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
         .args(["agent", "--node-name", "bench", "--allow-uid", &uid])
-        .arg("--runtime-dir").arg(at("run"))
-        .arg("--state-dir").arg(at("state"))
-        .arg("--plugin-dir").arg(at("plugins"))
-        .arg("--kubelet-root").arg(at("kubelet"))
-        .arg("--discovery-dir").arg(at("disks"))
-        .arg("--volume-plugin-dir").arg(at("vpd"))
-        .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
+        .arg("--runtime-dir")
+        .arg(at("run"))
+        .arg("--state-dir")
+        .arg(at("state"))
+        .arg("--plugin-dir")
+        .arg(at("plugins"))
+        .arg("--kubelet-root")
+        .arg(at("kubelet"))
+        .arg("--discovery-dir")
+        .arg(at("disks"))
+        .arg("--volume-plugin-dir")
+        .arg(at("vpd"))
+        .arg("--flex-driver")
+        .arg(volagent_test_artifacts::FLEX_DRIVER)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -65,7 +72,9 @@ fn main() {
         let t = Instant::now();
         install(&at("plugins"), "local-pv.wasm", &bytes);
         let driver = at("vpd/volagent~local-pv/local-pv");
-        wait(|| serving_sha(&socket, "local-pv").as_deref() == Some(sha.as_str()) && init_ok(&driver));
+        wait(|| {
+            serving_sha(&socket, "local-pv").as_deref() == Some(sha.as_str()) && init_ok(&driver)
+        });
         updated.push(t.elapsed());
 
         // Removed again; the next round starts more than a second after
@@ -75,12 +84,25 @@ fn main() {
         wait(|| !gone.exists());
         std::thread::sleep(Duration::from_millis(1100));
     }
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
     let _ = agent.wait();
     let (a, u) = (summarize(&mut added), summarize(&mut updated));
-    println!("hot reload, {ROUNDS} rounds: rename into the plugin dir -> first successful call on the new version");
-    println!("new backend (driver installed, init answers)   p50 {:>7.1} ms   max {:>7.1} ms", a.p50 / 1e3, a.max / 1e3);
-    println!("updated backend (new sha serving, init answers) p50 {:>7.1} ms   max {:>7.1} ms", u.p50 / 1e3, u.max / 1e3);
+    println!(
+        "hot reload, {ROUNDS} rounds: rename into the plugin dir -> first successful call on the new version"
+    );
+    println!(
+        "new backend (driver installed, init answers)   p50 {:>7.1} ms   max {:>7.1} ms",
+        a.p50 / 1e3,
+        a.max / 1e3
+    );
+    println!(
+        "updated backend (new sha serving, init answers) p50 {:>7.1} ms   max {:>7.1} ms",
+        u.p50 / 1e3,
+        u.max / 1e3
+    );
     println!("target <= 1500 ms including the 1 s coalescing window");
 }
 
@@ -105,7 +127,9 @@ fn init_ok(driver: &PathBuf) -> bool {
 fn serving_sha(socket: &Path, backend: &str) -> Option<String> {
     let mut s = UnixStream::connect(socket).ok()?;
     match protocol::exchange(&mut s, Request::Status).ok()? {
-        Response::Status { backends, .. } => backends.into_iter().find(|b| b.name == backend).map(|b| b.sha256),
+        Response::Status { backends, .. } => {
+            backends.into_iter().find(|b| b.name == backend).map(|b| b.sha256)
+        }
         _ => None,
     }
 }

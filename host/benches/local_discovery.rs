@@ -22,7 +22,8 @@ fn main() {
         eprintln!("local_discovery needs root: mounts");
         std::process::exit(1);
     }
-    let volumes: usize = std::env::var("LOCAL_DISCOVERY_VOLUMES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let volumes: usize =
+        std::env::var("LOCAL_DISCOVERY_VOLUMES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let scratch = common::RootScratch::enter();
     let dir = scratch.path("disks");
     std::fs::create_dir_all(&dir).expect("dir");
@@ -30,7 +31,14 @@ fn main() {
     for i in 0..volumes {
         let vol = dir.join(format!("vol{i:04}"));
         std::fs::create_dir(&vol).expect("dir");
-        nix::mount::mount(Some("tmpfs"), &vol, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=16m")).expect("tmpfs");
+        nix::mount::mount(
+            Some("tmpfs"),
+            &vol,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=16m"),
+        )
+        .expect("tmpfs");
     }
     eprintln!("{volumes} tmpfs mount points made in {:?}", made.elapsed());
     let classes = vec![LocalClass { name: "bench".into(), dirs: vec![dir.clone()] }];
@@ -69,6 +77,7 @@ fn main() {
     );
     // Unmount before the scratch goes (its drop detaches what is left too).
     for i in 0..volumes {
-        let _ = nix::mount::umount2(&dir.join(format!("vol{i:04}")), nix::mount::MntFlags::MNT_DETACH);
+        let _ =
+            nix::mount::umount2(&dir.join(format!("vol{i:04}")), nix::mount::MntFlags::MNT_DETACH);
     }
 }

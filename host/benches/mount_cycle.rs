@@ -13,11 +13,11 @@ mod common;
 #[path = "support/kernel_cycle.rs"]
 mod kernel_cycle;
 
+use kernel_cycle::Kernel;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use volagent::stats::{Summary, summarize};
-use kernel_cycle::Kernel;
 
 const CYCLES: usize = 200;
 
@@ -36,8 +36,16 @@ fn main() {
     // As on a node: the runtime dir (socket, stash) on a tmpfs, the
     // ledger on disk.
     std::fs::create_dir_all(scratch.path("run")).expect("dir");
-    nix::mount::mount(Some("tmpfs"), &scratch.path("run"), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs for the runtime dir");
-    std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
+    nix::mount::mount(
+        Some("tmpfs"),
+        &scratch.path("run"),
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .expect("tmpfs for the runtime dir");
+    std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm"))
+        .expect("plugin");
     let image = scratch.image("disks/vol.img", 64);
     let mkfs = Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&image).status().expect("mkfs");
     assert!(mkfs.success());
@@ -64,8 +72,13 @@ fn main() {
     drop(agent);
     let (mount, unmount) = (summarize(&mut up), summarize(&mut down));
     let kernel = (summarize(&mut k_up), summarize(&mut k_down));
-    let row = |name: &str, s: &Summary| println!("{name:<44} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
-    println!("mount/unmount cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles", cycles());
+    let row = |name: &str, s: &Summary| {
+        println!("{name:<44} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3)
+    };
+    println!(
+        "mount/unmount cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles",
+        cycles()
+    );
     row("driver + agent: mount", &mount);
     row("driver + agent: unmount", &unmount);
     row("kernel alone: attach + mount + bind", &kernel.0);
@@ -95,14 +108,25 @@ impl AgentUnderTest {
         let socket = scratch.path("run/agent.sock");
         let agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(["agent", "--node-name", "node-a"])
-            .arg("--socket").arg(&socket)
-            .arg("--state-dir").arg(scratch.path("state"))
-            .arg("--runtime-dir").arg(scratch.path("run"))
-            .arg("--plugin-dir").arg(scratch.path("plugins"))
-            .arg("--kubelet-root").arg(scratch.path("kubelet"))
-            .arg("--discovery-dir").arg(scratch.path("disks"))
-            .arg("--volume-plugin-dir").arg(scratch.path("vpd"))
-            .arg("--flex-driver").arg(std::env::var_os("MOUNT_CYCLE_FLEX_DRIVER").unwrap_or(volagent_test_artifacts::FLEX_DRIVER.into()))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(scratch.path("state"))
+            .arg("--runtime-dir")
+            .arg(scratch.path("run"))
+            .arg("--plugin-dir")
+            .arg(scratch.path("plugins"))
+            .arg("--kubelet-root")
+            .arg(scratch.path("kubelet"))
+            .arg("--discovery-dir")
+            .arg(scratch.path("disks"))
+            .arg("--volume-plugin-dir")
+            .arg(scratch.path("vpd"))
+            .arg("--flex-driver")
+            .arg(
+                std::env::var_os("MOUNT_CYCLE_FLEX_DRIVER")
+                    .unwrap_or(volagent_test_artifacts::FLEX_DRIVER.into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -157,7 +181,10 @@ impl AgentUnderTest {
 
 impl Drop for AgentUnderTest {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.agent.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.agent.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
         let _ = self.agent.wait();
     }
 }

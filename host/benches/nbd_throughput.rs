@@ -22,7 +22,6 @@ use volagent::sys::export_file::FileExport;
 
 const SIZE: u64 = 1 << 30;
 
-
 fn wait_for_socket(socket: &Path) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::os::unix::net::UnixStream::connect(socket).is_err() {
@@ -55,7 +54,8 @@ fn start_servers(dir: &Path, image: &Path) -> Vec<Target> {
     let exports = Exports::default();
     exports.insert("", Arc::new(FileExport::open(image, false).expect("export")));
     let ours = dir.join("volagent.sock");
-    let server = Server::start(Listener::unix(&ours).expect("listener"), exports, 64, None).expect("server");
+    let server =
+        Server::start(Listener::unix(&ours).expect("listener"), exports, 64, None).expect("server");
     let qemu = dir.join("qemu.sock");
     // Shared by up to 8 clients, so that nbdcopy may open several connections.
     let q = Command::new("qemu-nbd")
@@ -106,7 +106,8 @@ fn fio(args: &[&str], rw: &str, secs: u64) -> FioResult {
         .args(args));
     // fio may print notes before the JSON.
     let json = out.find('{').map(|i| &out[i..]).unwrap_or(&out);
-    let json: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("fio json: {e}: {out}"));
+    let json: serde_json::Value =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("fio json: {e}: {out}"));
     let side = if rw.contains("write") { "write" } else { "read" };
     let job = &json["jobs"][0][side];
     FioResult {
@@ -116,17 +117,21 @@ fn fio(args: &[&str], rw: &str, secs: u64) -> FioResult {
     }
 }
 
-
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // cargo's bench harness protocol
     }
     let rounds = env_or("NBD_BENCH_ROUNDS", 3).max(1) as usize;
     let secs = env_or("NBD_BENCH_SECS", 4).max(1);
-    let dir = tempfile::Builder::new().prefix("volagent-nbd-bench").tempdir_in("/var/tmp").expect("tempdir");
+    let dir = tempfile::Builder::new()
+        .prefix("volagent-nbd-bench")
+        .tempdir_in("/var/tmp")
+        .expect("tempdir");
     let image = dir.path().join("disk.img");
     let source = dir.path().join("source.img");
-    run(Command::new("dd").args(["if=/dev/urandom", "bs=1M", "count=1024", "status=none"]).arg(format!("of={}", source.display())));
+    run(Command::new("dd")
+        .args(["if=/dev/urandom", "bs=1M", "count=1024", "status=none"])
+        .arg(format!("of={}", source.display())));
     std::fs::copy(&source, &image).expect("image");
     let targets = start_servers(dir.path(), &image);
 
@@ -136,7 +141,14 @@ fn main() {
         for (t, s) in targets.iter().zip(samples.iter_mut()) {
             s[0].push(nbdcopy(&t.uri, "null:"));
             s[1].push(nbdcopy(&source.display().to_string(), &t.uri));
-            let engine = ["--ioengine=nbd", &format!("--uri={}", t.uri), "--bs=4k", "--iodepth=32", "--size=1g"].map(String::from);
+            let engine = [
+                "--ioengine=nbd",
+                &format!("--uri={}", t.uri),
+                "--bs=4k",
+                "--iodepth=32",
+                "--size=1g",
+            ]
+            .map(String::from);
             let engine: Vec<&str> = engine.iter().map(String::as_str).collect();
             s[2].push(fio(&engine, "randread", secs).iops);
             s[3].push(fio(&engine, "randwrite", secs).iops);
@@ -144,7 +156,10 @@ fn main() {
     }
     let medians: Vec<[f64; 4]> = samples.into_iter().map(|s| s.map(median)).collect();
     println!("NBD server throughput, 1 GiB file in the page cache, median of {rounds} rounds");
-    println!("{:<10} {:>14} {:>14} {:>16} {:>16}", "server", "seq read MiB/s", "seq write MiB/s", "4k randread IOPS", "4k randwrite IOPS");
+    println!(
+        "{:<10} {:>14} {:>14} {:>16} {:>16}",
+        "server", "seq read MiB/s", "seq write MiB/s", "4k randread IOPS", "4k randwrite IOPS"
+    );
     for (t, m) in targets.iter().zip(&medians) {
         println!("{:<10} {:>14.0} {:>15.0} {:>16.0} {:>17.0}", t.name, m[0], m[1], m[2], m[3]);
     }
@@ -175,7 +190,8 @@ fn attach_latency(image: &Path, secs: u64) {
     let exports = Exports::default();
     exports.insert("", Arc::new(FileExport::open(image, false).expect("export")));
     let socket = scratch.path("nbd.sock");
-    let _server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None).expect("server");
+    let _server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None)
+        .expect("server");
     let fuse_dir = scratch.path("fuse");
     std::fs::create_dir_all(&fuse_dir).expect("fuse dir");
     let pidfile = scratch.path("nbdfuse.pid");
@@ -208,11 +224,20 @@ fn attach_latency(image: &Path, secs: u64) {
         fio(&args, rw, secs)
     };
     println!("userspace attach path (nbdfuse + loop) vs a plain loop device on the same file");
-    for (what, rw, bs, depth) in [("4k randread, depth 1", "randread", "4k", "1"), ("4k randwrite, depth 1", "randwrite", "4k", "1"), ("1M read, depth 8", "read", "1M", "8")] {
+    for (what, rw, bs, depth) in [
+        ("4k randread, depth 1", "randread", "4k", "1"),
+        ("4k randwrite, depth 1", "randwrite", "4k", "1"),
+        ("1M read, depth 8", "read", "1M", "8"),
+    ] {
         let p = measure(&plain, rw, bs, depth);
         let f = measure(&fused, rw, bs, depth);
         if bs == "1M" {
-            println!("{what:<22}: plain {:>7.0} MiB/s, via nbd {:>7.0} MiB/s ({:.2}x the throughput)", p.mib_s, f.mib_s, f.mib_s / p.mib_s);
+            println!(
+                "{what:<22}: plain {:>7.0} MiB/s, via nbd {:>7.0} MiB/s ({:.2}x the throughput)",
+                p.mib_s,
+                f.mib_s,
+                f.mib_s / p.mib_s
+            );
         } else {
             println!(
                 "{what:<22}: plain {:>6.1} µs, via nbd {:>6.1} µs (+{:.1} µs, {:.2}x the latency; {:.0} vs {:.0} IOPS)",

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use volagent::stats::summarize;
 use volagent::policy as host;
+use volagent::stats::summarize;
 use volagent_guest_sdk as sdk;
 use volagent_guest_sdk::Policy;
 
@@ -24,16 +24,22 @@ fn main() {
         exec_child(&args[2]);
         return;
     }
-    println!("policy decision = fence + attach plan, a fresh instance per call, host checks included (local-pv, one holder on this node)");
+    println!(
+        "policy decision = fence + attach plan, a fresh instance per call, host checks included (local-pv, one holder on this node)"
+    );
     let runtime = host::Runtime::new(host::Limits::default()).expect("runtime");
-    let plugin = host::Plugin::load_file(&runtime, Path::new(volagent_test_artifacts::LOCAL_PV)).expect("load local-pv");
+    let plugin = host::Plugin::load_file(&runtime, Path::new(volagent_test_artifacts::LOCAL_PV))
+        .expect("load local-pv");
 
     let wasm = wasm_decision(&plugin);
     let native = native_decision();
     let exec = exec_decision();
     let row = |name: &str, s: &mut Vec<Duration>| {
         let volagent::stats::Summary { p50, p99, mean, .. } = summarize(s);
-        println!("{name:<34} {:>7} calls  p50 {p50:>9.1} µs  p99 {p99:>9.1} µs  mean {mean:>9.1} µs", s.len());
+        println!(
+            "{name:<34} {:>7} calls  p50 {p50:>9.1} µs  p99 {p99:>9.1} µs  mean {mean:>9.1} µs",
+            s.len()
+        );
         (p50, p99)
     };
     let (mut wasm, mut native, mut exec) = (wasm, native, exec);
@@ -55,14 +61,23 @@ fn main() {
             .collect();
         times.sort();
         let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-        println!("  {name:<10} {:>7} bytes  {:>7.1} ms", size, times[COMPILES / 2].as_secs_f64() * 1e3);
+        println!(
+            "  {name:<10} {:>7} bytes  {:>7.1} ms",
+            size,
+            times[COMPILES / 2].as_secs_f64() * 1e3
+        );
     }
 }
 
 fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
     let mut facts = host::RecordedQueries::default();
     facts.paths.insert(IMAGE.into(), host::PathKind::RegularFile);
-    facts.nodes.push(host::NodeFacts { name: "node-a".into(), exists: true, ready: true, out_of_service: false });
+    facts.nodes.push(host::NodeFacts {
+        name: "node-a".into(),
+        exists: true,
+        ready: true,
+        out_of_service: false,
+    });
     let facts = Arc::new(facts);
     let volume = host::Volume {
         name: "pv1".into(),
@@ -86,7 +101,8 @@ fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
         read_only: false,
         mount_group: None,
     };
-    let holders = vec![host::Holder { consumer: consumer("a"), since: "2026-11-01T10:00:00Z".into() }];
+    let holders =
+        vec![host::Holder { consumer: consumer("a"), since: "2026-11-01T10:00:00Z".into() }];
     let requester = consumer("b");
     let paths = host::NodePaths {
         kubelet_root: "/var/lib/kubelet".into(),
@@ -100,11 +116,15 @@ fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
     time(CALLS, || {
         let d = plugin.fence(facts.clone(), &volume, &requester, &holders, &nodes).expect("fence");
         assert_eq!(d, host::Decision::Grant);
-        assert_eq!(plugin.attach(facts.clone(), &volume, &requester, &[], &paths).expect("attach").len(), 4);
+        assert_eq!(
+            plugin.attach(facts.clone(), &volume, &requester, &[], &paths).expect("attach").len(),
+            4
+        );
     })
 }
 
-fn native_inputs() -> (sdk::fake::FakeHost, sdk::Volume, sdk::Consumer, Vec<sdk::Holder>, sdk::NodePaths) {
+fn native_inputs()
+-> (sdk::fake::FakeHost, sdk::Volume, sdk::Consumer, Vec<sdk::Holder>, sdk::NodePaths) {
     let mut host = sdk::fake::FakeHost::default();
     host.paths.insert(IMAGE.into(), sdk::PathKind::RegularFile);
     host.nodes.push(sdk::fake::live_node("node-a"));
@@ -133,10 +153,20 @@ fn native_inputs() -> (sdk::fake::FakeHost, sdk::Volume, sdk::Consumer, Vec<sdk:
 
 /// The native decision: the same policy crate, called as plain Rust. Inputs
 /// are cloned per call, as the wasm path copies them into the guest.
-fn native_once(host: &sdk::fake::FakeHost, v: &sdk::Volume, c: &sdk::Consumer, h: &[sdk::Holder], p: &sdk::NodePaths) -> usize {
-    let d = policy_local_pv::LocalPv::fence(host, v.clone(), c.clone(), h.to_vec(), host.nodes.clone()).expect("fence");
+fn native_once(
+    host: &sdk::fake::FakeHost,
+    v: &sdk::Volume,
+    c: &sdk::Consumer,
+    h: &[sdk::Holder],
+    p: &sdk::NodePaths,
+) -> usize {
+    let d =
+        policy_local_pv::LocalPv::fence(host, v.clone(), c.clone(), h.to_vec(), host.nodes.clone())
+            .expect("fence");
     assert_eq!(d, sdk::Decision::Grant);
-    policy_local_pv::LocalPv::attach(host, v.clone(), c.clone(), vec![], p.clone()).expect("attach").len()
+    policy_local_pv::LocalPv::attach(host, v.clone(), c.clone(), vec![], p.clone())
+        .expect("attach")
+        .len()
 }
 
 fn native_decision() -> Vec<Duration> {

@@ -27,7 +27,6 @@ use volagent::sys::rbd_export::{CephClient, RbdExport, RbdTarget};
 
 const IMAGE_MIB: u64 = 512;
 
-
 fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !ready() {
@@ -52,27 +51,42 @@ impl Drop for Fuse {
 
 fn fio(device: &Path, rw: &str, bs: &str, depth: &str, secs: u64) -> (f64, f64) {
     let out = run(Command::new("fio")
-        .args(["--name=bench", "--output-format=json", "--time_based", "--group_reporting", "--ioengine=libaio", "--direct=1"])
+        .args([
+            "--name=bench",
+            "--output-format=json",
+            "--time_based",
+            "--group_reporting",
+            "--ioengine=libaio",
+            "--direct=1",
+        ])
         .arg(format!("--filename={}", device.display()))
         .arg(format!("--runtime={secs}"))
         .arg(format!("--rw={rw}"))
         .arg(format!("--bs={bs}"))
         .arg(format!("--iodepth={depth}")));
     let json = out.find('{').map(|i| &out[i..]).unwrap_or(&out);
-    let json: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("fio json: {e}: {out}"));
+    let json: serde_json::Value =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("fio json: {e}: {out}"));
     let side = if rw.contains("write") { "write" } else { "read" };
     let job = &json["jobs"][0][side];
     (job["iops"].as_f64().unwrap_or(0.0), job["bw"].as_f64().unwrap_or(0.0) / 1024.0)
 }
 
-
 /// A loop device over `file` with direct I/O to it: reads reach the FUSE
 /// daemon (and Ceph) instead of the file's page cache.
 fn losetup(file: &Path) -> PathBuf {
-    let device = PathBuf::from(run(Command::new("losetup").args(["--find", "--show", "--direct-io=on"]).arg(file)).trim());
+    let device = PathBuf::from(
+        run(Command::new("losetup").args(["--find", "--show", "--direct-io=on"]).arg(file)).trim(),
+    );
     let name = device.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let dio = std::fs::read_to_string(format!("/sys/block/{name}/loop/dio")).unwrap_or_default();
-    assert_eq!(dio.trim(), "1", "{} over {} without direct I/O would measure the page cache", device.display(), file.display());
+    assert_eq!(
+        dio.trim(),
+        "1",
+        "{} over {} without direct I/O would measure the page cache",
+        device.display(),
+        file.display()
+    );
     device
 }
 
@@ -81,7 +95,9 @@ fn main() {
         return; // cargo's bench harness protocol
     }
     let Ok(ceph) = std::env::var("VOLAGENT_CEPH_DIR") else {
-        println!("rbd_throughput: skipped — set VOLAGENT_CEPH_DIR to a cluster's dir (scripts/ceph-env start prints it)");
+        println!(
+            "rbd_throughput: skipped — set VOLAGENT_CEPH_DIR to a cluster's dir (scripts/ceph-env start prints it)"
+        );
         return;
     };
     if !nix::unistd::geteuid().is_root() {
@@ -94,18 +110,33 @@ fn main() {
     let secs = env_or("RBD_BENCH_SECS", 4).max(1);
     let scratch = common::RootScratch::enter();
     let image = format!("bench-{}", std::process::id());
-    run(Command::new("rbd").arg("-c").arg(&conf).args(["create", "--size", &format!("{IMAGE_MIB}M"), &format!("rbd/{image}")]));
+    run(Command::new("rbd").arg("-c").arg(&conf).args([
+        "create",
+        "--size",
+        &format!("{IMAGE_MIB}M"),
+        &format!("rbd/{image}"),
+    ]));
 
     // volagent: librbd behind the NBD server, nbdfuse, a loop device.
     let target = RbdTarget {
-        client: CephClient { conf: Some(conf.clone()), monitors: None, user: "admin".into(), keyring: Some(ceph.join("keyring")), key: None },
+        client: CephClient {
+            conf: Some(conf.clone()),
+            monitors: None,
+            user: "admin".into(),
+            keyring: Some(ceph.join("keyring")),
+            key: None,
+        },
         pool: "rbd".into(),
         image: image.clone(),
     };
     let exports = Exports::default();
-    exports.insert("", Arc::new(RbdExport::open(&target, false).expect("open the image through librbd")));
+    exports.insert(
+        "",
+        Arc::new(RbdExport::open(&target, false).expect("open the image through librbd")),
+    );
     let socket = scratch.path("nbd.sock");
-    let server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None).expect("server");
+    let server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None)
+        .expect("server");
     let nbd_dir = scratch.path("nbdfuse");
     std::fs::create_dir_all(&nbd_dir).expect("nbdfuse dir");
     let pid = scratch.path("nbdfuse.pid");
@@ -140,8 +171,15 @@ fn main() {
     wait_for("rbd-fuse", || rbd_dir.join(&image).exists());
     let theirs = losetup(&rbd_dir.join(&image));
 
-    let tests = [("seq read, 1M depth 8", "read", "1M", "8"), ("seq write, 1M depth 8", "write", "1M", "8"), ("4k randread, depth 32", "randread", "4k", "32"), ("4k randwrite, depth 32", "randwrite", "4k", "32")];
-    println!("RBD image ({IMAGE_MIB} MiB, single-node Ceph, memstore) as a block device, median of {rounds} rounds");
+    let tests = [
+        ("seq read, 1M depth 8", "read", "1M", "8"),
+        ("seq write, 1M depth 8", "write", "1M", "8"),
+        ("4k randread, depth 32", "randread", "4k", "32"),
+        ("4k randwrite, depth 32", "randwrite", "4k", "32"),
+    ];
+    println!(
+        "RBD image ({IMAGE_MIB} MiB, single-node Ceph, memstore) as a block device, median of {rounds} rounds"
+    );
     println!("{:<24} {:>22} {:>22} {:>8}", "", "volagent nbd + librbd", "rbd-fuse", "ratio");
     for (what, rw, bs, depth) in tests {
         let (mut a, mut b) = (Vec::new(), Vec::new());
@@ -161,5 +199,9 @@ fn main() {
     drop(rbd_fuse);
     drop(nbdfuse);
     drop(server);
-    let _ = Command::new("rbd").arg("-c").arg(&conf).args(["rm", "--no-progress", &format!("rbd/{image}")]).output();
+    let _ = Command::new("rbd")
+        .arg("-c")
+        .arg(&conf)
+        .args(["rm", "--no-progress", &format!("rbd/{image}")])
+        .output();
 }

@@ -7,12 +7,12 @@
 //! each agent's resources stayed flat.
 //! Needs root. Run: `scripts/soak 2h` (see there for the knobs).
 
+#[path = "../tests/support/agent.rs"]
+mod agent_common;
 #[path = "../tests/common.rs"]
 mod common;
 #[path = "../tests/driver_common.rs"]
 mod driver_common;
-#[path = "../tests/support/agent.rs"]
-mod agent_common;
 
 use agent_common::Node;
 use std::time::{Duration, Instant};
@@ -32,7 +32,12 @@ struct Sample {
 
 fn sample(pid: i32, at: Duration) -> Option<Sample> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok());
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+    };
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
     Some(Sample { at, rss_kib: field("VmRSS:")?, fds, threads: field("Threads:")? })
 }
@@ -67,8 +72,16 @@ fn main() {
     let volumes = knob("SOAK_VOLUMES", 20) as usize;
     let sample_every = Duration::from_secs(knob("SOAK_SAMPLE_SECS", 10));
     let restart_every = Duration::from_secs(knob("SOAK_RESTART_SECS", 900));
-    let seed = knob("SOAK_SEED", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(1));
-    println!("soak: {secs} s, {volumes} volumes, seed {seed}, samples every {sample_every:?}, a restart about every {restart_every:?}");
+    let seed = knob(
+        "SOAK_SEED",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(1),
+    );
+    println!(
+        "soak: {secs} s, {volumes} volumes, seed {seed}, samples every {sample_every:?}, a restart about every {restart_every:?}"
+    );
     let mut rng = fastrand::Rng::with_seed(seed);
 
     let mut node = Node::start_alone_for(Duration::from_secs(secs + 3600));
@@ -77,7 +90,14 @@ fn main() {
             let name = format!("pv-s{i}");
             let image = node.image(&format!("s{i}.img"), 32);
             let dir = node.mount_dir(&format!("uid-s{i}"), &name);
-            let opts = driver_common::kubelet_options(&name, &format!("pod-s{i}"), &format!("uid-s{i}"), "ext4", &image).to_string();
+            let opts = driver_common::kubelet_options(
+                &name,
+                &format!("pod-s{i}"),
+                &format!("uid-s{i}"),
+                "ext4",
+                &image,
+            )
+            .to_string();
             (dir, opts)
         })
         .collect();
@@ -99,7 +119,11 @@ fn main() {
         }
         if now >= next_restart {
             if rng.bool() {
-                nix::sys::signal::kill(nix::unistd::Pid::from_raw(node.pid_of("node-a")), nix::sys::signal::Signal::SIGKILL).expect("kill");
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(node.pid_of("node-a")),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .expect("kill");
                 counts.kills += 1;
             }
             node.stop_agent_of("node-a");
@@ -120,8 +144,11 @@ fn main() {
             _ => {
                 let i = rng.usize(..volumes);
                 let (dir, opts) = &vols[i];
-                let args: Vec<&str> = if mounted[i] { vec!["unmount", dir] } else { vec!["mount", dir, opts] };
-                let (code, reply) = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(&args));
+                let args: Vec<&str> =
+                    if mounted[i] { vec!["unmount", dir] } else { vec!["mount", dir, opts] };
+                let (code, reply) = driver_common::run_driver(
+                    std::process::Command::new(node.driver_path()).args(&args),
+                );
                 if code == 0 && reply["status"] == "Success" {
                     mounted[i] = !mounted[i];
                     if mounted[i] {
@@ -139,9 +166,14 @@ fn main() {
 
     for (i, (dir, _)) in vols.iter().enumerate() {
         if mounted[i] {
-            let (code, reply) = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["unmount", dir]));
+            let (code, reply) = driver_common::run_driver(
+                std::process::Command::new(node.driver_path()).args(["unmount", dir]),
+            );
             if code != 0 {
-                *counts.failures.entry(format!("final unmount: {}", reply["message"])).or_insert(0) += 1;
+                *counts
+                    .failures
+                    .entry(format!("final unmount: {}", reply["message"]))
+                    .or_insert(0) += 1;
             }
         }
     }
@@ -149,15 +181,38 @@ fn main() {
     // The ledger, read back once the agent has stopped: every unmount
     // removed its holder, whatever the kills cut short.
     node.stop_agent_of("node-a");
-    let left_holders: Vec<String> = tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(async {
-        use volagent::ledger::Ledger;
-        let ledger = volagent::ledger::embedded::EmbeddedLedger::open(&node.ledger_path("node-a"), false).expect("open the ledger");
-        let records = ledger.list_by_node("node-a").await.expect("read the ledger");
-        records.into_iter().flat_map(|(r, _)| r.holders.into_iter().map(move |h| format!("{} {}", r.volume, h.consumer.mount_dir))).collect()
-    });
+    let left_holders: Vec<String> =
+        tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(async {
+            use volagent::ledger::Ledger;
+            let ledger = volagent::ledger::embedded::EmbeddedLedger::open(
+                &node.ledger_path("node-a"),
+                false,
+            )
+            .expect("open the ledger");
+            let records = ledger.list_by_node("node-a").await.expect("read the ledger");
+            records
+                .into_iter()
+                .flat_map(|(r, _)| {
+                    r.holders
+                        .into_iter()
+                        .map(move |h| format!("{} {}", r.volume, h.consumer.mount_dir))
+                })
+                .collect()
+        });
 
-    println!("ran {:?}: {} mounts, {} unmounts, {} reloads, {} restarts ({} by SIGKILL)", start.elapsed(), counts.mounts, counts.unmounts, counts.reloads, counts.restarts, counts.kills);
-    println!("left after the last unmounts: {left_mounts} mounts, {left_loops} loop devices, {} holders in the ledger", left_holders.len());
+    println!(
+        "ran {:?}: {} mounts, {} unmounts, {} reloads, {} restarts ({} by SIGKILL)",
+        start.elapsed(),
+        counts.mounts,
+        counts.unmounts,
+        counts.reloads,
+        counts.restarts,
+        counts.kills
+    );
+    println!(
+        "left after the last unmounts: {left_mounts} mounts, {left_loops} loop devices, {} holders in the ledger",
+        left_holders.len()
+    );
     for holder in &left_holders {
         println!("still held: {holder}");
     }
@@ -181,11 +236,21 @@ fn main() {
         let (t0, t1) = quarters(samples, |s| s.threads);
         // Flat: the last quarter's mean within 10% (and a few units) of the first's.
         let grew = |a: f64, b: f64, slack: f64| b > a * 1.1 + slack;
-        let verdict = if grew(r0, r1, 1024.0) || grew(f0, f1, 4.0) || grew(t0, t1, 4.0) { "GREW" } else { "flat" };
+        let verdict = if grew(r0, r1, 1024.0) || grew(f0, f1, 4.0) || grew(t0, t1, 4.0) {
+            "GREW"
+        } else {
+            "flat"
+        };
         flat &= verdict == "flat";
-        println!("agent #{}: RSS {r0:.0} -> {r1:.0} KiB, fds {f0:.1} -> {f1:.1}, threads {t0:.1} -> {t1:.1} (first -> last quarter): {verdict}", life + 1);
+        println!(
+            "agent #{}: RSS {r0:.0} -> {r1:.0} KiB, fds {f0:.1} -> {f1:.1}, threads {t0:.1} -> {t1:.1} (first -> last quarter): {verdict}",
+            life + 1
+        );
     }
-    let clean = counts.failures.is_empty() && left_mounts == 0 && left_loops == 0 && left_holders.is_empty();
+    let clean = counts.failures.is_empty()
+        && left_mounts == 0
+        && left_loops == 0
+        && left_holders.is_empty();
     println!("soak: {}", if clean && flat { "PASSED" } else { "FAILED" });
     if !(clean && flat) {
         std::process::exit(1);

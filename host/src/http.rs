@@ -22,11 +22,17 @@ fn reply(status: StatusCode, content_type: &str, body: String) -> Response<Full<
 
 fn route(path: &str, ready: &Readiness) -> Response<Full<Bytes>> {
     match path {
-        "/metrics" => reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", crate::metrics::get().encode()),
+        "/metrics" => reply(
+            StatusCode::OK,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            crate::metrics::get().encode(),
+        ),
         "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n".into()),
         "/readyz" => match ready() {
             Ok(()) => reply(StatusCode::OK, "text/plain", "ok\n".into()),
-            Err(why) => reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {why}\n")),
+            Err(why) => {
+                reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {why}\n"))
+            }
         },
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
     }
@@ -59,7 +65,9 @@ pub fn node_local(addr: SocketAddr) -> Result<SocketAddr, String> {
 /// Bind `addr` now (so a taken port fails start-up), then serve forever.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
     use anyhow::Context;
-    tokio::net::TcpListener::bind(addr).await.with_context(|| format!("metrics/health endpoint {addr}"))
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("metrics/health endpoint {addr}"))
 }
 
 /// Connections served at once; more are closed at once (a scraper and the
@@ -110,12 +118,22 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let f = flag.clone();
-        let ready: Readiness = Arc::new(move || if f.load(std::sync::atomic::Ordering::Relaxed) { Ok(()) } else { Err("starting".into()) });
+        let ready: Readiness = Arc::new(move || {
+            if f.load(std::sync::atomic::Ordering::Relaxed) {
+                Ok(())
+            } else {
+                Err("starting".into())
+            }
+        });
         tokio::spawn(serve(listener, ready));
         let get = |path: &'static str| async move {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-            s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes()).await.unwrap();
+            s.write_all(
+                format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
             let mut out = String::new();
             s.read_to_string(&mut out).await.unwrap();
             out

@@ -24,14 +24,22 @@ pub fn supervise_if_pid1() -> Option<ExitCode> {
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
-            eprintln!("volagent: running as PID 1 but cannot find this binary ({e}); running without a reaper");
+            eprintln!(
+                "volagent: running as PID 1 but cannot find this binary ({e}); running without a reaper"
+            );
             return None;
         }
     };
-    let child = match Command::new(exe).args(std::env::args_os().skip(1)).env(CHILD_ENV, "1").spawn() {
+    let child = match Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env(CHILD_ENV, "1")
+        .spawn()
+    {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("volagent: running as PID 1 but cannot start the supervised agent ({e}); running without a reaper");
+            eprintln!(
+                "volagent: running as PID 1 but cannot start the supervised agent ({e}); running without a reaper"
+            );
             return None;
         }
     };
@@ -53,8 +61,12 @@ fn supervise(child: Pid) -> ExitCode {
         // signals were blocked).
         loop {
             match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) if pid == child => return ExitCode::from(code.clamp(0, 255) as u8),
-                Ok(WaitStatus::Signaled(pid, sig, _)) if pid == child => return ExitCode::from(128u8.saturating_add(sig as u8)),
+                Ok(WaitStatus::Exited(pid, code)) if pid == child => {
+                    return ExitCode::from(code.clamp(0, 255) as u8);
+                }
+                Ok(WaitStatus::Signaled(pid, sig, _)) if pid == child => {
+                    return ExitCode::from(128u8.saturating_add(sig as u8));
+                }
                 Ok(WaitStatus::StillAlive) | Err(_) => break,
                 Ok(_) => continue,
             }

@@ -14,7 +14,8 @@ fn main() -> ExitCode {
     if let Some(code) = volagent::init::supervise_if_pid1() {
         return code;
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| cli.default_log_filter().into());
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| cli.default_log_filter().into());
     let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
     // One JSON object per line for log collectors in a cluster; text for people.
     if cli.json_logs() {

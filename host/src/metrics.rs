@@ -95,10 +95,14 @@ impl Metrics {
         let m = Metrics {
             registry: Registry::default(),
             // 0.1 s to about 36 h.
-            local_wipe_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.1, 2.0, 21))),
+            local_wipe_seconds: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.1, 2.0, 21))
+            }),
             local_volumes: Gauge::default(),
             operations: Family::default(),
-            operation_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_5, 2.0, 18))),
+            operation_seconds: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
+            }),
             fence_decisions: Family::default(),
             plugin_calls: Family::default(),
             plugin_call_seconds: new_histogram_family(),
@@ -108,18 +112,58 @@ impl Metrics {
             stash_quarantined: Counter::default(),
             agent_writes: Family::default(),
         };
-        registry.register("operations", "Mount and unmount requests by result", m.operations.clone());
-        registry.register("operation_seconds", "Time to serve a mount or unmount", m.operation_seconds.clone());
-        registry.register("fence_decisions", "Fence decisions by outcome", m.fence_decisions.clone());
+        registry.register(
+            "operations",
+            "Mount and unmount requests by result",
+            m.operations.clone(),
+        );
+        registry.register(
+            "operation_seconds",
+            "Time to serve a mount or unmount",
+            m.operation_seconds.clone(),
+        );
+        registry.register(
+            "fence_decisions",
+            "Fence decisions by outcome",
+            m.fence_decisions.clone(),
+        );
         registry.register("plugin_calls", "Guest policy calls by result", m.plugin_calls.clone());
-        registry.register("plugin_call_seconds", "Time of one guest policy call", m.plugin_call_seconds.clone());
-        registry.register("controller_leader", "1 while this controller holds the lease", m.leader.clone());
-        registry.register("stash_quarantined", "Stash entries that could not be decoded and were set aside", m.stash_quarantined.clone());
+        registry.register(
+            "plugin_call_seconds",
+            "Time of one guest policy call",
+            m.plugin_call_seconds.clone(),
+        );
+        registry.register(
+            "controller_leader",
+            "1 while this controller holds the lease",
+            m.leader.clone(),
+        );
+        registry.register(
+            "stash_quarantined",
+            "Stash entries that could not be decoded and were set aside",
+            m.stash_quarantined.clone(),
+        );
         registry.register("plugin_reloads", "Passes over the plugin dir", m.plugin_reloads.clone());
-        registry.register("backend_degraded", "1 while a backend's newest file is rejected", m.backends_degraded.clone());
-        registry.register("local_wipe_seconds", "Time to wipe a released local volume, by method, size and result", m.local_wipe_seconds.clone());
-        registry.register("local_volumes", "Local volumes the last discovery found on this node", m.local_volumes.clone());
-        registry.register("admission_agent_writes", "Agents' writes the admission webhook reviewed, by resource and result", m.agent_writes.clone());
+        registry.register(
+            "backend_degraded",
+            "1 while a backend's newest file is rejected",
+            m.backends_degraded.clone(),
+        );
+        registry.register(
+            "local_wipe_seconds",
+            "Time to wipe a released local volume, by method, size and result",
+            m.local_wipe_seconds.clone(),
+        );
+        registry.register(
+            "local_volumes",
+            "Local volumes the last discovery found on this node",
+            m.local_volumes.clone(),
+        );
+        registry.register(
+            "admission_agent_writes",
+            "Agents' writes the admission webhook reviewed, by resource and result",
+            m.agent_writes.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -132,22 +176,38 @@ impl Metrics {
     }
 
     pub fn operation(&self, operation: &str, backend: &str, result: &str, took: Duration) {
-        self.operations.get_or_create(&OpLabels { operation: operation.into(), backend: backend.into(), result: result.into() }).inc();
-        self.operation_seconds.get_or_create(&OpKind { operation: operation.into(), backend: backend.into() }).observe(took.as_secs_f64());
+        self.operations
+            .get_or_create(&OpLabels {
+                operation: operation.into(),
+                backend: backend.into(),
+                result: result.into(),
+            })
+            .inc();
+        self.operation_seconds
+            .get_or_create(&OpKind { operation: operation.into(), backend: backend.into() })
+            .observe(took.as_secs_f64());
     }
 
     pub fn local_wipe(&self, method: &str, bytes: u64, result: &str, took: Duration) {
-        let labels = WipeLabels { method: method.into(), size: size_class(bytes).into(), result: result.into() };
+        let labels = WipeLabels {
+            method: method.into(),
+            size: size_class(bytes).into(),
+            result: result.into(),
+        };
         self.local_wipe_seconds.get_or_create(&labels).observe(took.as_secs_f64());
     }
 
     pub fn fence(&self, backend: &str, decision: &str) {
-        self.fence_decisions.get_or_create(&FenceLabels { backend: backend.into(), decision: decision.into() }).inc();
+        self.fence_decisions
+            .get_or_create(&FenceLabels { backend: backend.into(), decision: decision.into() })
+            .inc();
     }
 
     pub fn agent_write(&self, resource: &str, allowed: bool) {
         let result = if allowed { "allowed" } else { "denied" };
-        self.agent_writes.get_or_create(&AdmissionLabels { resource: resource.into(), result: result.into() }).inc();
+        self.agent_writes
+            .get_or_create(&AdmissionLabels { resource: resource.into(), result: result.into() })
+            .inc();
     }
 
     pub fn backend_degraded(&self, backend: &str, value: i64) {
@@ -155,8 +215,16 @@ impl Metrics {
     }
 
     pub fn plugin_call(&self, backend: &str, function: &str, result: &str, took: Duration) {
-        self.plugin_calls.get_or_create(&CallLabels { backend: backend.into(), function: function.into(), result: result.into() }).inc();
-        self.plugin_call_seconds.get_or_create(&OpKind { operation: function.into(), backend: backend.into() }).observe(took.as_secs_f64());
+        self.plugin_calls
+            .get_or_create(&CallLabels {
+                backend: backend.into(),
+                function: function.into(),
+                result: result.into(),
+            })
+            .inc();
+        self.plugin_call_seconds
+            .get_or_create(&OpKind { operation: function.into(), backend: backend.into() })
+            .observe(took.as_secs_f64());
     }
 }
 
@@ -174,8 +242,18 @@ mod tests {
         m.operation("mount", "local-pv", "ok", std::time::Duration::from_millis(3));
         m.fence("local-pv", "deny");
         let text = m.encode();
-        assert!(text.contains(r#"volagent_operations_total{operation="mount",backend="local-pv",result="ok"} 1"#), "{text}");
-        assert!(text.contains(r#"volagent_fence_decisions_total{backend="local-pv",decision="deny"} 1"#), "{text}");
+        assert!(
+            text.contains(
+                r#"volagent_operations_total{operation="mount",backend="local-pv",result="ok"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"volagent_fence_decisions_total{backend="local-pv",decision="deny"} 1"#
+            ),
+            "{text}"
+        );
         assert!(text.contains("volagent_operation_seconds_bucket"), "{text}");
     }
 }

@@ -41,7 +41,10 @@ pub fn run_here(local: bool) -> Option<Here> {
         return Some(Here { csi: false });
     }
     let threads = CSI_THREADS.load(Ordering::Acquire);
-    CSI_BUSY.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n + 1 < threads).then_some(n + 1)).ok().map(|_| Here { csi: true })
+    CSI_BUSY
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n + 1 < threads).then_some(n + 1))
+        .ok()
+        .map(|_| Here { csi: true })
 }
 
 /// Steps running on the thread of their request ([`run_here`]).
@@ -188,9 +191,13 @@ impl Watch {
             .get_or_init(|| {
                 use nix::sys::timerfd::{ClockId, TimerFd, TimerFlags};
                 match TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_CLOEXEC) {
-                    Ok(timer) => Some(Watch { timer, state: Default::default(), dead: Default::default() }),
+                    Ok(timer) => {
+                        Some(Watch { timer, state: Default::default(), dead: Default::default() })
+                    }
                     Err(e) => {
-                        tracing::warn!("no timer for held workers ({e}); another worker is woken at every hold");
+                        tracing::warn!(
+                            "no timer for held workers ({e}); another worker is woken at every hold"
+                        );
                         None
                     }
                 }
@@ -229,7 +236,10 @@ impl Watch {
         use nix::sys::timerfd::{Expiration, TimerSetTimeFlags};
         // Zero would disarm it.
         let after = after.max(std::time::Duration::from_micros(1));
-        self.timer.set(Expiration::OneShot(nix::sys::time::TimeSpec::from_duration(after)), TimerSetTimeFlags::empty())
+        self.timer.set(
+            Expiration::OneShot(nix::sys::time::TimeSpec::from_duration(after)),
+            TimerSetTimeFlags::empty(),
+        )
     }
 
     /// No worker is held any more (checked under the lock: a hold taken
@@ -271,7 +281,9 @@ fn watch_loop(watch: &'static Watch) {
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => {
                 watch.dead.store(true, Ordering::Release);
-                tracing::error!("the timer of held workers failed ({e}); another worker is woken at every hold from now on");
+                tracing::error!(
+                    "the timer of held workers failed ({e}); another worker is woken at every hold from now on"
+                );
                 // A hold may be running now: wake a worker for it.
                 if let Some(runtime) = watch.state().runtime.take() {
                     drop(runtime.spawn(async {}));
@@ -287,7 +299,8 @@ fn watch_loop(watch: &'static Watch) {
 
 /// One more worker blocked, if another stays free.
 fn take_worker(workers: usize) -> bool {
-    HELD.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n + 1 < workers).then_some(n + 1)).is_ok()
+    HELD.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n + 1 < workers).then_some(n + 1))
+        .is_ok()
 }
 
 /// This thread stops holding its worker (at the end, or when handing it
@@ -373,7 +386,9 @@ mod tests {
         let (rt, started) = runtime(2);
         let s = started.clone();
         let (during, moved) = rt.block_on(async move {
-            let during = tokio::spawn(async move { on_worker(true, move || (held(), starts_another(&s, 2, Duration::from_millis(200)))) });
+            let during = tokio::spawn(async move {
+                on_worker(true, move || (held(), starts_another(&s, 2, Duration::from_millis(200))))
+            });
             during.await.unwrap()
         });
         assert_eq!((during, moved, held()), (1, false, 0), "held while it ran, by no other thread");
@@ -415,7 +430,8 @@ mod tests {
             })
             .await
             .unwrap();
-            let panicked = tokio::spawn(async { on_worker(true, || panic!("a step panicked")) }).await;
+            let panicked =
+                tokio::spawn(async { on_worker(true, || panic!("a step panicked")) }).await;
             assert!(panicked.is_err());
         });
         assert_eq!(held(), 0, "every worker given back");
@@ -469,14 +485,21 @@ mod tests {
         std::io::Write::write_all(&mut peer, b"x").unwrap();
         assert_eq!(finished.recv_timeout(Duration::from_secs(10)).unwrap(), 1, "held while it ran");
         std::thread::sleep(Duration::from_millis(100));
-        let woke: Vec<u64> = parks().iter().zip(&before).map(|(after, before)| after - before).collect();
-        assert_eq!(woke.iter().filter(|&&n| n > 0).count(), 1, "only the worker that ran the hold woke: {woke:?}");
+        let woke: Vec<u64> =
+            parks().iter().zip(&before).map(|(after, before)| after - before).collect();
+        assert_eq!(
+            woke.iter().filter(|&&n| n > 0).count(),
+            1,
+            "only the worker that ran the hold woke: {woke:?}"
+        );
 
         // One worker: never held, local or not; current-thread runtimes
         // and plain threads simply run the work.
         let (one, started) = runtime(1);
         let work = move || (held(), starts_another(&started, 1, Duration::from_secs(10)));
-        let moved = one.block_on(async move { tokio::spawn(async move { on_worker(true, work) }).await.unwrap() });
+        let moved = one.block_on(async move {
+            tokio::spawn(async move { on_worker(true, work) }).await.unwrap()
+        });
         assert_eq!(moved, (0, true), "one worker: handed over");
         let current = tokio::runtime::Builder::new_current_thread().build().unwrap();
         assert_eq!(current.block_on(async { on_worker(true, held) }), 0);
@@ -484,4 +507,3 @@ mod tests {
         assert_eq!(may_take_long(|| 7), 7);
     }
 }
-

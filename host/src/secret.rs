@@ -24,9 +24,17 @@ impl Secret {
     /// Secret made from a file has, dropped). Anything else is refused,
     /// since the key is written into a keyring file line.
     pub fn ceph_key(&self, name: &str) -> Result<String, String> {
-        let text = std::str::from_utf8(&self.0).map_err(|_| format!("secret key {name:?} is not text"))?.trim();
-        let ok = !text.is_empty() && text.len() <= 1024 && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b));
-        if ok { Ok(text.to_string()) } else { Err(format!("secret key {name:?} does not hold a Ceph key (base64 text)")) }
+        let text = std::str::from_utf8(&self.0)
+            .map_err(|_| format!("secret key {name:?} is not text"))?
+            .trim();
+        let ok = !text.is_empty()
+            && text.len() <= 1024
+            && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b));
+        if ok {
+            Ok(text.to_string())
+        } else {
+            Err(format!("secret key {name:?} does not hold a Ceph key (base64 text)"))
+        }
     }
 
     /// The Ceph key's bytes, decoded from its base64 ([`ceph_key`]): what
@@ -37,7 +45,8 @@ impl Secret {
     pub fn ceph_key_bytes(&self, name: &str) -> Result<Zeroizing<Vec<u8>>, String> {
         let text = Zeroizing::new(self.ceph_key(name)?);
         // Room for all of it up front: a vector that grows leaves copies behind.
-        let mut bytes = Zeroizing::new(Vec::with_capacity(base64::decoded_len_estimate(text.len()) + 3));
+        let mut bytes =
+            Zeroizing::new(Vec::with_capacity(base64::decoded_len_estimate(text.len()) + 3));
         base64::engine::general_purpose::STANDARD
             .decode_vec(text.as_bytes(), &mut bytes)
             .map_err(|_| format!("secret key {name:?} does not hold a Ceph key (base64 text)"))?;
@@ -70,11 +79,15 @@ pub fn from_options(options: &BTreeMap<String, String>) -> Result<Secrets, Strin
     for (option, value) in options {
         let Some(key) = option.strip_prefix("kubernetes.io/secret/") else { continue };
         if value.len() > MAX_SECRET {
-            return Err(format!("secret value {key:?} is {} bytes long, more than the {MAX_SECRET} allowed", value.len()));
+            return Err(format!(
+                "secret value {key:?} is {} bytes long, more than the {MAX_SECRET} allowed",
+                value.len()
+            ));
         }
-        let decoded = base64::engine::general_purpose::STANDARD
-            .decode(value.trim())
-            .map_err(|_| format!("secret value {key:?} is not base64, as kubelet sends secret values"))?;
+        let decoded =
+            base64::engine::general_purpose::STANDARD.decode(value.trim()).map_err(|_| {
+                format!("secret value {key:?} is not base64, as kubelet sends secret values")
+            })?;
         secrets.insert(key.to_string(), Secret(decoded));
     }
     Ok(secrets)
@@ -90,7 +103,9 @@ mod tests {
 
     #[test]
     fn values_are_decoded_and_never_shown() {
-        let s = from_options(&opts(&[("kubernetes.io/secret/key", "QVFCdTN3TnI="), ("pool", "rbd")])).unwrap();
+        let s =
+            from_options(&opts(&[("kubernetes.io/secret/key", "QVFCdTN3TnI="), ("pool", "rbd")]))
+                .unwrap();
         assert_eq!(s.len(), 1);
         assert_eq!(s["key"].expose(), b"AQBu3wNr");
         assert_eq!(s["key"].ceph_key("key").unwrap(), "AQBu3wNr");
@@ -103,7 +118,11 @@ mod tests {
         let e = from_options(&opts(&[("kubernetes.io/secret/key", "not base64!")])).unwrap_err();
         assert!(e.contains("\"key\"") && !e.contains("not base64!"), "{e}");
         let long = "A".repeat(MAX_SECRET + 4);
-        assert!(from_options(&opts(&[("kubernetes.io/secret/k", &long)])).unwrap_err().contains("allowed"));
+        assert!(
+            from_options(&opts(&[("kubernetes.io/secret/k", &long)]))
+                .unwrap_err()
+                .contains("allowed")
+        );
         // A key that would add lines to a keyring file.
         let injected = Secret::new(b"AQB=\n[client.admin]\nkey = x".to_vec());
         assert!(injected.ceph_key("key").is_err());
@@ -112,7 +131,10 @@ mod tests {
 
     #[test]
     fn a_ceph_key_is_decoded_for_the_kernel() {
-        assert_eq!(Secret::new(b" QVFCdTN3TnI=\n".to_vec()).ceph_key_bytes("key").unwrap().as_slice(), b"AQBu3wNr");
+        assert_eq!(
+            Secret::new(b" QVFCdTN3TnI=\n".to_vec()).ceph_key_bytes("key").unwrap().as_slice(),
+            b"AQBu3wNr"
+        );
         // Base64's letters, but not base64: refused, naming the key only.
         let e = Secret::new(b"QVFC=dTN3".to_vec()).ceph_key_bytes("key").unwrap_err();
         assert!(e.contains("\"key\"") && !e.contains("QVFC"), "{e}");

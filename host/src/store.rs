@@ -19,7 +19,10 @@ pub struct Reopening {
 impl Reopening {
     /// Open the database at `path` with `open`, which is also how it is
     /// opened again.
-    pub fn open(path: &Path, open: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static) -> Result<Reopening, String> {
+    pub fn open(
+        path: &Path,
+        open: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
+    ) -> Result<Reopening, String> {
         let db = open(path)?;
         Ok(Reopening { path: path.to_path_buf(), open: Box::new(open), db: RwLock::new(Some(db)) })
     }
@@ -29,7 +32,11 @@ impl Reopening {
     /// next call; a failure of `f` that leaves it usable (a lost race, a
     /// bad record) costs nothing more. `closed` words the error of a call
     /// made while the database cannot be opened.
-    pub fn with<R, E>(&self, f: impl FnOnce(&Database) -> Result<R, E>, closed: impl FnOnce(String) -> E) -> Result<R, E> {
+    pub fn with<R, E>(
+        &self,
+        f: impl FnOnce(&Database) -> Result<R, E>,
+        closed: impl FnOnce(String) -> E,
+    ) -> Result<R, E> {
         let mut guard = self.read();
         if guard.is_none() {
             drop(guard);
@@ -43,8 +50,12 @@ impl Reopening {
         if result.is_err() && db.begin_write().is_err() {
             drop(guard);
             match self.reopen() {
-                Ok(()) => tracing::warn!(path = %self.path.display(), "database opened again after a failed write"),
-                Err(why) => tracing::error!(path = %self.path.display(), "database closed after a failed write; opening it again failed: {why}"),
+                Ok(()) => {
+                    tracing::warn!(path = %self.path.display(), "database opened again after a failed write")
+                }
+                Err(why) => {
+                    tracing::error!(path = %self.path.display(), "database closed after a failed write; opening it again failed: {why}")
+                }
             }
         }
         result

@@ -24,18 +24,39 @@ struct Policy {
 }
 
 fn policy() -> Policy {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/admission-policy/validating-admission-policy.yaml");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/admission-policy/validating-admission-policy.yaml");
     let text = std::fs::read_to_string(&path).expect("the policy file");
-    let docs: Vec<Json> = serde_norway::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).expect("YAML")).collect();
+    let docs: Vec<Json> = serde_norway::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).expect("YAML"))
+        .collect();
     let p = docs.iter().find(|d| d["kind"] == "ValidatingAdmissionPolicy").expect("the policy");
-    let binding = docs.iter().find(|d| d["kind"] == "ValidatingAdmissionPolicyBinding").expect("its binding");
+    let binding =
+        docs.iter().find(|d| d["kind"] == "ValidatingAdmissionPolicyBinding").expect("its binding");
     assert_eq!(binding["spec"]["policyName"], p["metadata"]["name"]);
     assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
     assert_eq!(p["spec"]["failurePolicy"], "Fail");
-    let strings = |key: &str, field: &str| -> Vec<String> { p["spec"][key].as_array().expect(key).iter().map(|v| v[field].as_str().expect(field).to_string()).collect() };
+    let strings = |key: &str, field: &str| -> Vec<String> {
+        p["spec"][key]
+            .as_array()
+            .expect(key)
+            .iter()
+            .map(|v| v[field].as_str().expect(field).to_string())
+            .collect()
+    };
     Policy {
         match_conditions: strings("matchConditions", "expression"),
-        variables: p["spec"]["variables"].as_array().expect("variables").iter().map(|v| (v["name"].as_str().expect("a name").to_string(), v["expression"].as_str().expect("an expression").to_string())).collect(),
+        variables: p["spec"]["variables"]
+            .as_array()
+            .expect("variables")
+            .iter()
+            .map(|v| {
+                (
+                    v["name"].as_str().expect("a name").to_string(),
+                    v["expression"].as_str().expect("an expression").to_string(),
+                )
+            })
+            .collect(),
         validations: strings("validations", "expression"),
     }
 }
@@ -52,7 +73,12 @@ fn run(expression: &str, ctx: &Context) -> Value {
 impl Policy {
     /// The policy's verdict on a write by `username` (whose token names
     /// `node`): Ok when allowed, else the expression that refused it.
-    fn review(&self, username: &str, node: Option<&str>, change: &Change<'_>) -> Result<(), String> {
+    fn review(
+        &self,
+        username: &str,
+        node: Option<&str>,
+        change: &Change<'_>,
+    ) -> Result<(), String> {
         let resource = match change.kind {
             Kind::Attachment => "attachments",
             Kind::NodeCleanup => "nodecleanups",
@@ -108,7 +134,10 @@ fn consumer(node: &str, dir: &str) -> Json {
 }
 
 fn attachment(consumers: &[Json], clients: &[(&str, i64)]) -> Json {
-    let clients: Vec<Json> = clients.iter().map(|(n, id)| json!({ "node": n, "id": id, "address": format!("10.0.0.1:0/{id}") })).collect();
+    let clients: Vec<Json> = clients
+        .iter()
+        .map(|(n, id)| json!({ "node": n, "id": id, "address": format!("10.0.0.1:0/{id}") }))
+        .collect();
     json!({ "apiVersion": "volagent.io/v1alpha1", "kind": "Attachment", "metadata": { "name": "pv1" },
             "spec": { "backend": "rbd", "accessMode": "ReadWriteOnce", "consumers": consumers, "storageClients": clients } })
 }
@@ -149,57 +178,406 @@ fn the_policy_and_the_webhook_agree_but_where_cel_cannot_look() {
     fin["metadata"]["finalizers"] = json!(["x"]);
     use Kind::*;
     use Operation::*;
-    type Case = (&'static str, Kind, Operation, Option<&'static str>, &'static str, Option<Json>, Option<Json>, bool, Option<Known>);
+    type Case = (
+        &'static str,
+        Kind,
+        Operation,
+        Option<&'static str>,
+        &'static str,
+        Option<Json>,
+        Option<Json>,
+        bool,
+        Option<Known>,
+    );
     // (what, kind, op, subresource, name, old, new, gone nodes: b, known difference)
     let cases: Vec<Case> = vec![
-        ("own consumer", Attachment, Create, None, "pv1", None, Some(attachment(&[consumer("a", "/k/a")], &[("a", 1)])), false, None),
-        ("B's consumer", Attachment, Create, None, "pv1", None, Some(attachment(&[consumer("b", "/k/b")], &[])), false, None),
-        ("B's client", Attachment, Create, None, "pv1", None, Some(attachment(&[consumer("a", "/k/a")], &[("b", 2)])), false, None),
-        ("join beside B", Attachment, Update, None, "pv1", Some(held_b.clone()), Some(attachment(&[consumer("b", "/k/b"), consumer("a", "/k/a")], &[("b", 2)])), false, None),
-        ("take live B out", Attachment, Update, None, "pv1", Some(held_b.clone()), Some(attachment(&[consumer("a", "/k/a")], &[])), false, None),
-        ("take gone B out", Attachment, Update, None, "pv1", Some(held_b.clone()), Some(attachment(&[consumer("a", "/k/a")], &[])), true, Some(Known::GoneNode)),
-        ("rewrite B's holder", Attachment, Update, None, "pv1", Some(held_b.clone()), Some(attachment(&[consumer("b", "/k/x")], &[("b", 2)])), true, None),
-        ("add C", Attachment, Update, None, "pv1", Some(held_b.clone()), Some(attachment(&[consumer("b", "/k/b"), consumer("c", "/k/c")], &[("b", 2)])), false, None),
-        ("change a shared volume", Attachment, Update, None, "pv1", Some(held_b.clone()), Some(rwx), false, None),
-        ("delete B's record", Attachment, Delete, None, "pv1", Some(held_b.clone()), None, false, None),
-        ("delete gone B's record", Attachment, Delete, None, "pv1", Some(held_b.clone()), None, true, Some(Known::GoneNode)),
-        ("delete own record", Attachment, Delete, None, "pv1", Some(attachment(&[consumer("a", "/k/a")], &[])), None, false, None),
-        ("add a finalizer", Attachment, Update, None, "pv1", Some(attachment(&[consumer("a", "/k/a")], &[])), Some(fin), false, None),
-        ("work own list off", NodeCleanup, Update, None, "a", Some(cleanup("a", &["/k/1", "/k/2"])), Some(cleanup("a", &["/k/2"])), false, None),
-        ("empty own list", NodeCleanup, Update, None, "a", Some(cleanup("a", &["/k/1"])), Some(cleanup("a", &[])), false, None),
-        ("add to own list", NodeCleanup, Update, None, "a", Some(cleanup("a", &["/k/1"])), Some(cleanup("a", &["/k/1", "/k/2"])), false, None),
-        ("empty B's list", NodeCleanup, Update, None, "b", Some(cleanup("b", &["/k/1"])), Some(cleanup("b", &[])), false, None),
-        ("delete own list", NodeCleanup, Delete, None, "a", Some(cleanup("a", &[])), None, false, None),
-        ("create own local volumes", NodeLocalVolumes, Create, None, "a", None, Some(local("a", &[], 0)), false, None),
-        ("create B's local volumes", NodeLocalVolumes, Create, None, "b", None, Some(local("b", &[], 0)), false, None),
-        ("create with an operation", NodeLocalVolumes, Create, None, "a", None, Some(local("a", &[], 1)), false, None),
-        ("publish own", NodeLocalVolumes, Update, Some("status"), "a", Some(local("a", &[], 0)), Some(local("a", &[(&good_name, "/mnt/fast/d1")], 0)), false, None),
-        ("publish B's", NodeLocalVolumes, Update, Some("status"), "b", Some(local("b", &[], 0)), Some(local("b", &[(&theirs, "/mnt/fast/d1")], 0)), false, None),
-        ("publish a chosen name", NodeLocalVolumes, Update, Some("status"), "a", Some(local("a", &[], 0)), Some(local("a", &[("victim", "/mnt/fast/d1")], 0)), false, Some(Known::HashedName)),
-        ("request a wipe", NodeLocalVolumes, Update, None, "a", Some(local("a", &[], 0)), Some(local("a", &[], 1)), false, None),
-        ("delete own local volumes", NodeLocalVolumes, Delete, None, "a", Some(local("a", &[], 0)), None, false, None),
-        ("ask to fence B", FenceRequest, Create, None, "f", None, Some(fence("a", "b")), false, None),
+        (
+            "own consumer",
+            Attachment,
+            Create,
+            None,
+            "pv1",
+            None,
+            Some(attachment(&[consumer("a", "/k/a")], &[("a", 1)])),
+            false,
+            None,
+        ),
+        (
+            "B's consumer",
+            Attachment,
+            Create,
+            None,
+            "pv1",
+            None,
+            Some(attachment(&[consumer("b", "/k/b")], &[])),
+            false,
+            None,
+        ),
+        (
+            "B's client",
+            Attachment,
+            Create,
+            None,
+            "pv1",
+            None,
+            Some(attachment(&[consumer("a", "/k/a")], &[("b", 2)])),
+            false,
+            None,
+        ),
+        (
+            "join beside B",
+            Attachment,
+            Update,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            Some(attachment(&[consumer("b", "/k/b"), consumer("a", "/k/a")], &[("b", 2)])),
+            false,
+            None,
+        ),
+        (
+            "take live B out",
+            Attachment,
+            Update,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            Some(attachment(&[consumer("a", "/k/a")], &[])),
+            false,
+            None,
+        ),
+        (
+            "take gone B out",
+            Attachment,
+            Update,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            Some(attachment(&[consumer("a", "/k/a")], &[])),
+            true,
+            Some(Known::GoneNode),
+        ),
+        (
+            "rewrite B's holder",
+            Attachment,
+            Update,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            Some(attachment(&[consumer("b", "/k/x")], &[("b", 2)])),
+            true,
+            None,
+        ),
+        (
+            "add C",
+            Attachment,
+            Update,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            Some(attachment(&[consumer("b", "/k/b"), consumer("c", "/k/c")], &[("b", 2)])),
+            false,
+            None,
+        ),
+        (
+            "change a shared volume",
+            Attachment,
+            Update,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            Some(rwx),
+            false,
+            None,
+        ),
+        (
+            "delete B's record",
+            Attachment,
+            Delete,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            None,
+            false,
+            None,
+        ),
+        (
+            "delete gone B's record",
+            Attachment,
+            Delete,
+            None,
+            "pv1",
+            Some(held_b.clone()),
+            None,
+            true,
+            Some(Known::GoneNode),
+        ),
+        (
+            "delete own record",
+            Attachment,
+            Delete,
+            None,
+            "pv1",
+            Some(attachment(&[consumer("a", "/k/a")], &[])),
+            None,
+            false,
+            None,
+        ),
+        (
+            "add a finalizer",
+            Attachment,
+            Update,
+            None,
+            "pv1",
+            Some(attachment(&[consumer("a", "/k/a")], &[])),
+            Some(fin),
+            false,
+            None,
+        ),
+        (
+            "work own list off",
+            NodeCleanup,
+            Update,
+            None,
+            "a",
+            Some(cleanup("a", &["/k/1", "/k/2"])),
+            Some(cleanup("a", &["/k/2"])),
+            false,
+            None,
+        ),
+        (
+            "empty own list",
+            NodeCleanup,
+            Update,
+            None,
+            "a",
+            Some(cleanup("a", &["/k/1"])),
+            Some(cleanup("a", &[])),
+            false,
+            None,
+        ),
+        (
+            "add to own list",
+            NodeCleanup,
+            Update,
+            None,
+            "a",
+            Some(cleanup("a", &["/k/1"])),
+            Some(cleanup("a", &["/k/1", "/k/2"])),
+            false,
+            None,
+        ),
+        (
+            "empty B's list",
+            NodeCleanup,
+            Update,
+            None,
+            "b",
+            Some(cleanup("b", &["/k/1"])),
+            Some(cleanup("b", &[])),
+            false,
+            None,
+        ),
+        (
+            "delete own list",
+            NodeCleanup,
+            Delete,
+            None,
+            "a",
+            Some(cleanup("a", &[])),
+            None,
+            false,
+            None,
+        ),
+        (
+            "create own local volumes",
+            NodeLocalVolumes,
+            Create,
+            None,
+            "a",
+            None,
+            Some(local("a", &[], 0)),
+            false,
+            None,
+        ),
+        (
+            "create B's local volumes",
+            NodeLocalVolumes,
+            Create,
+            None,
+            "b",
+            None,
+            Some(local("b", &[], 0)),
+            false,
+            None,
+        ),
+        (
+            "create with an operation",
+            NodeLocalVolumes,
+            Create,
+            None,
+            "a",
+            None,
+            Some(local("a", &[], 1)),
+            false,
+            None,
+        ),
+        (
+            "publish own",
+            NodeLocalVolumes,
+            Update,
+            Some("status"),
+            "a",
+            Some(local("a", &[], 0)),
+            Some(local("a", &[(&good_name, "/mnt/fast/d1")], 0)),
+            false,
+            None,
+        ),
+        (
+            "publish B's",
+            NodeLocalVolumes,
+            Update,
+            Some("status"),
+            "b",
+            Some(local("b", &[], 0)),
+            Some(local("b", &[(&theirs, "/mnt/fast/d1")], 0)),
+            false,
+            None,
+        ),
+        (
+            "publish a chosen name",
+            NodeLocalVolumes,
+            Update,
+            Some("status"),
+            "a",
+            Some(local("a", &[], 0)),
+            Some(local("a", &[("victim", "/mnt/fast/d1")], 0)),
+            false,
+            Some(Known::HashedName),
+        ),
+        (
+            "request a wipe",
+            NodeLocalVolumes,
+            Update,
+            None,
+            "a",
+            Some(local("a", &[], 0)),
+            Some(local("a", &[], 1)),
+            false,
+            None,
+        ),
+        (
+            "delete own local volumes",
+            NodeLocalVolumes,
+            Delete,
+            None,
+            "a",
+            Some(local("a", &[], 0)),
+            None,
+            false,
+            None,
+        ),
+        (
+            "ask to fence B",
+            FenceRequest,
+            Create,
+            None,
+            "f",
+            None,
+            Some(fence("a", "b")),
+            false,
+            None,
+        ),
         ("ask as B", FenceRequest, Create, None, "f", None, Some(fence("b", "a")), false, None),
-        ("ask to fence itself", FenceRequest, Create, None, "f", None, Some(fence("a", "a")), false, None),
-        ("delete own request", FenceRequest, Delete, None, "f", Some(fence("a", "b")), None, false, None),
-        ("delete B's request", FenceRequest, Delete, None, "f", Some(fence("b", "c")), None, false, None),
-        ("answer a request", FenceRequest, Update, Some("status"), "f", Some(fence("a", "b")), Some(fence("a", "b")), false, None),
+        (
+            "ask to fence itself",
+            FenceRequest,
+            Create,
+            None,
+            "f",
+            None,
+            Some(fence("a", "a")),
+            false,
+            None,
+        ),
+        (
+            "delete own request",
+            FenceRequest,
+            Delete,
+            None,
+            "f",
+            Some(fence("a", "b")),
+            None,
+            false,
+            None,
+        ),
+        (
+            "delete B's request",
+            FenceRequest,
+            Delete,
+            None,
+            "f",
+            Some(fence("b", "c")),
+            None,
+            false,
+            None,
+        ),
+        (
+            "answer a request",
+            FenceRequest,
+            Update,
+            Some("status"),
+            "f",
+            Some(fence("a", "b")),
+            Some(fence("a", "b")),
+            false,
+            None,
+        ),
     ];
     let (mut allowed, mut denied) = (0, 0);
     for (what, kind, operation, sub_resource, name, old, new, b_gone, known) in &cases {
-        let change = Change { kind: *kind, operation: *operation, sub_resource: *sub_resource, name, old: old.as_ref(), new: new.as_ref() };
+        let change = Change {
+            kind: *kind,
+            operation: *operation,
+            sub_resource: *sub_resource,
+            name,
+            old: old.as_ref(),
+            new: new.as_ref(),
+        };
         let gone = |n: &str| *b_gone && n == "b";
         let webhook = rules::review("a", &change, &gone);
         let cel = policy.review(AGENT, Some("a"), &change);
         match known {
-            None => assert_eq!(webhook.is_ok(), cel.is_ok(), "{what}: webhook {webhook:?}, policy {cel:?}"),
-            Some(Known::GoneNode) => assert!(webhook.is_ok() && cel.is_err(), "{what}: the webhook allows a gone node's take-over, the policy cannot tell: {webhook:?} / {cel:?}"),
-            Some(Known::HashedName) => assert!(webhook.is_err() && cel.is_ok(), "{what}: only the webhook (and the controller) check names: {webhook:?} / {cel:?}"),
+            None => assert_eq!(
+                webhook.is_ok(),
+                cel.is_ok(),
+                "{what}: webhook {webhook:?}, policy {cel:?}"
+            ),
+            Some(Known::GoneNode) => assert!(
+                webhook.is_ok() && cel.is_err(),
+                "{what}: the webhook allows a gone node's take-over, the policy cannot tell: {webhook:?} / {cel:?}"
+            ),
+            Some(Known::HashedName) => assert!(
+                webhook.is_err() && cel.is_ok(),
+                "{what}: only the webhook (and the controller) check names: {webhook:?} / {cel:?}"
+            ),
         }
-        if cel.is_ok() { allowed += 1 } else { denied += 1 }
+        if cel.is_ok() {
+            allowed += 1
+        } else {
+            denied += 1
+        }
         // Anyone but the agents is left to RBAC; an agent whose token
         // names no node may write nothing.
-        assert_eq!(policy.review("system:serviceaccount:volagent-controller:volagent-controller", None, &change), Ok(()), "{what}: the controller");
+        assert_eq!(
+            policy.review(
+                "system:serviceaccount:volagent-controller:volagent-controller",
+                None,
+                &change
+            ),
+            Ok(()),
+            "{what}: the controller"
+        );
         assert!(policy.review(AGENT, None, &change).is_err(), "{what}: an agent with no node");
     }
     assert!(allowed >= 8 && denied >= 15, "the table has both: {allowed} allowed, {denied} denied");

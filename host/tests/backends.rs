@@ -20,7 +20,11 @@ fn every_backend_loads_and_declares_itself() {
         // Only policies that ask the host something import `host`.
         let asks = plugin.imports().iter().any(|i| i == "volagent:policy/host@0.5.0");
         assert_eq!(asks, matches!(*name, "rbd" | "local-pv"), "{name}: {:?}", plugin.imports());
-        assert!(!plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")), "{name}: {:?}", plugin.imports());
+        assert!(
+            !plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")),
+            "{name}: {:?}",
+            plugin.imports()
+        );
         assert!(!plugin.info().capabilities.steps.is_empty());
     }
 }
@@ -54,7 +58,12 @@ fn run_shipped_scenarios(plugin: &Plugin, name: &str, wanted: impl Fn(&str) -> b
             }
             ran += 1;
             if let Some(why) = outcome.failure {
-                panic!("{name} ({}): {}: {}\n{why}", plugin.contract(), file.display(), outcome.name);
+                panic!(
+                    "{name} ({}): {}: {}\n{why}",
+                    plugin.contract(),
+                    file.display(),
+                    outcome.name
+                );
             }
         }
     }
@@ -91,28 +100,41 @@ fn guests_of_the_previous_contract_load_and_pass_the_same_scenarios() {
 #[test]
 fn what_the_previous_contract_cannot_be_asked_is_refused_not_narrowed() {
     let rt = runtime(500);
-    let (_, path) = previous_contract_builds().into_iter().find(|(n, _)| *n == "local-pv").expect("local-pv");
+    let (_, path) =
+        previous_contract_builds().into_iter().find(|(n, _)| *n == "local-pv").expect("local-pv");
     let old = load(&rt, path.to_str().expect("utf-8 path"));
     let new = load(&rt, volagent_test_artifacts::LOCAL_PV);
     let (mut v, q) = local_pv_file_volume();
     let mut c = consumer("n1", "a", "local-pv", "pv1");
     let p = paths("local-pv", "pv1");
     // The same filesystem request gets the same plan from both builds.
-    assert_eq!(old.attach(q.clone(), &v, &c, &[], &p).unwrap(), new.attach(q.clone(), &v, &c, &[], &p).unwrap());
+    assert_eq!(
+        old.attach(q.clone(), &v, &c, &[], &p).unwrap(),
+        new.attach(q.clone(), &v, &c, &[], &p).unwrap()
+    );
     // A block volume: the 0.5 build publishes the device; the 0.4 build is
     // never asked, and the refusal says why.
     v.mode = VolumeMode::Block;
     c.mount_dir = format!("{}/pv1", p.staging_dir);
     let plan = new.attach(q.clone(), &v, &c, &[], &p).unwrap();
-    assert!(matches!(plan.as_slice(), [Step::AttachDevice(_), Step::PublishBlock(b)] if b.target == c.mount_dir), "{plan:?}");
+    assert!(
+        matches!(plan.as_slice(), [Step::AttachDevice(_), Step::PublishBlock(b)] if b.target == c.mount_dir),
+        "{plan:?}"
+    );
     let err = old.attach(q.clone(), &v, &c, &[], &p).unwrap_err();
-    assert!(err.is_policy_refusal() && err.to_string().contains("0.4.0, which has no block volumes"), "{err}");
+    assert!(
+        err.is_policy_refusal() && err.to_string().contains("0.4.0, which has no block volumes"),
+        "{err}"
+    );
     v.mode = VolumeMode::Filesystem;
     v.mount_flags = vec!["noatime".into()];
     let err = old.attach(q.clone(), &v, &c, &[], &p).unwrap_err();
     assert!(err.to_string().contains("no mount flags"), "{err}");
     let plan = new.attach(q.clone(), &v, &c, &[], &p).unwrap();
-    assert!(plan.iter().any(|s| matches!(s, Step::Mount(m) if m.options == ["noatime"])), "the 0.5 build passes the volume's mount flags: {plan:?}");
+    assert!(
+        plan.iter().any(|s| matches!(s, Step::Mount(m) if m.options == ["noatime"])),
+        "the 0.5 build passes the volume's mount flags: {plan:?}"
+    );
     // Expansion: the 0.5 build decides (the filesystem at the consumer's
     // dir grows); a 0.4 build gets what 0.4 hosts did, the same step.
     v.mount_flags.clear();
@@ -127,7 +149,10 @@ fn rwo_fencing_through_the_runtime() {
     let rt = runtime(500);
     let plugin = load(&rt, volagent_test_artifacts::GLUSTER);
     let mut v = volume("pv1", "gluster");
-    v.options = vec![KeyValue { key: "servers".into(), value: "g1".into() }, KeyValue { key: "volume".into(), value: "gv0".into() }];
+    v.options = vec![
+        KeyValue { key: "servers".into(), value: "g1".into() },
+        KeyValue { key: "volume".into(), value: "gv0".into() },
+    ];
     let a = consumer("n1", "a", "gluster", "pv1");
     let b = consumer("n1", "b", "gluster", "pv1");
     let c = consumer("n2", "c", "gluster", "pv1");

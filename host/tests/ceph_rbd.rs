@@ -32,7 +32,10 @@ impl Drop for Server {
     /// SIGTERM: the server closes the image (and its watch) before it
     /// exits, so the image can be removed at once.
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
         let deadline = Instant::now() + Duration::from_secs(20);
         while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
@@ -44,7 +47,13 @@ impl Drop for Server {
 
 /// Serve `image` as client.volagent, with `keyring` (by default, the
 /// user's real key).
-fn serve(dir: &Path, scratch: &Path, image: &Image, keyring: Option<&Path>, extra: &[&str]) -> Result<Server, String> {
+fn serve(
+    dir: &Path,
+    scratch: &Path,
+    image: &Image,
+    keyring: Option<&Path>,
+    extra: &[&str],
+) -> Result<Server, String> {
     let keyring = keyring.map_or_else(|| volagent_keyring(dir, scratch), Path::to_path_buf);
     let socket = scratch.join("rbd.sock");
     let mut child = Command::new(env!("CARGO_BIN_EXE_volagent"))
@@ -92,20 +101,27 @@ fn what_a_client_writes_through_the_server_is_in_the_image_and_back() {
     let size = run(Command::new("nbdinfo").arg("--size").arg(uri(&server)));
     assert_eq!(String::from_utf8_lossy(&size.stdout).trim(), (16u64 << 20).to_string());
 
-    let data: Vec<u8> = (0..16u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let data: Vec<u8> =
+        (0..16u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     let input = scratch.path().join("in");
     std::fs::write(&input, &data).unwrap();
     run(Command::new("nbdcopy").args(["--connections", "4"]).arg(&input).arg(uri(&server)));
     drop(server);
     let exported = scratch.path().join("exported");
     rbd(&dir, &["export", "--no-progress", &image.spec(), exported.to_str().unwrap()]);
-    assert!(std::fs::read(&exported).unwrap() == data, "rbd export reads what was written through the server");
+    assert!(
+        std::fs::read(&exported).unwrap() == data,
+        "rbd export reads what was written through the server"
+    );
 
     // And the other way round: what rbd writes, a client reads.
     let other: Vec<u8> = data.iter().map(|b| b ^ 0x5a).collect();
     let input2 = scratch.path().join("in2");
     std::fs::write(&input2, &other).unwrap();
-    rbd(&dir, &["import", "--no-progress", input2.to_str().unwrap(), &format!("{}-2", image.spec())]);
+    rbd(
+        &dir,
+        &["import", "--no-progress", input2.to_str().unwrap(), &format!("{}-2", image.spec())],
+    );
     let image2 = Image { dir: dir.clone(), name: format!("{}-2", image.name) };
     let server = serve(&dir, scratch.path(), &image2, None, &[]).unwrap();
     let output = scratch.path().join("out");
@@ -124,7 +140,11 @@ fn a_read_only_export_refuses_writes() {
     let out = Command::new("nbdcopy").arg(&input).arg(uri(&server)).output().unwrap();
     assert!(!out.status.success(), "a write to a read-only export must fail");
     let info = run(Command::new("nbdinfo").arg(uri(&server)));
-    assert!(String::from_utf8_lossy(&info.stdout).contains("is_read_only: true"), "{}", String::from_utf8_lossy(&info.stdout));
+    assert!(
+        String::from_utf8_lossy(&info.stdout).contains("is_read_only: true"),
+        "{}",
+        String::from_utf8_lossy(&info.stdout)
+    );
 }
 
 #[test]
@@ -132,12 +152,17 @@ fn a_missing_image_or_a_wrong_key_fails_naming_it() {
     let dir = ceph_dir();
     let scratch = tempfile::tempdir().unwrap();
     let missing = Image { dir: dir.clone(), name: "no-such-image".into() };
-    let err = serve(&dir, scratch.path(), &missing, None, &[]).err().expect("no server for a missing image");
+    let err = serve(&dir, scratch.path(), &missing, None, &[])
+        .err()
+        .expect("no server for a missing image");
     assert!(err.contains("rbd/no-such-image") && err.contains("open the image"), "{err}");
 
     let image = Image::create(&dir, 4);
     let bad = scratch.path().join("bad.keyring");
-    std::fs::write(&bad, "[client.volagent]\n\tkey = AQBh6J5kAAAAABAAkNIs4GpyXcfA7ZV5VyHz3Q==\n").unwrap();
-    let err = serve(&dir, scratch.path(), &image, Some(&bad), &[]).err().expect("no server with a wrong key");
+    std::fs::write(&bad, "[client.volagent]\n\tkey = AQBh6J5kAAAAABAAkNIs4GpyXcfA7ZV5VyHz3Q==\n")
+        .unwrap();
+    let err = serve(&dir, scratch.path(), &image, Some(&bad), &[])
+        .err()
+        .expect("no server with a wrong key");
     assert!(err.contains(&image.spec()) && err.contains("connect to the cluster"), "{err}");
 }

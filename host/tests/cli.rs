@@ -6,7 +6,8 @@ use std::process::Command;
 use volagent_test_artifacts::{LOCAL_PV, RBD, WRONG_WORLD};
 
 fn volagent(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_volagent")).args(args).output().expect("run volagent");
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_volagent")).args(args).output().expect("run volagent");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -17,7 +18,8 @@ fn volagent(args: &[&str]) -> (i32, String, String) {
 #[test]
 fn plugin_test_passes_the_shipped_scenarios() {
     let dir = common::workspace().join("guest-plugins/local-pv/scenarios");
-    let (code, out, err) = volagent(&["plugin", "test", LOCAL_PV, dir.to_str().expect("utf-8 path")]);
+    let (code, out, err) =
+        volagent(&["plugin", "test", LOCAL_PV, dir.to_str().expect("utf-8 path")]);
     assert_eq!(code, 0, "{out}{err}");
     let last = out.lines().last().unwrap_or_default();
     assert!(last.starts_with("local-pv 0.1.0: ") && last.ends_with(" passed, 0 failed"), "{out}");
@@ -69,7 +71,12 @@ scenarios:
     assert!(out.contains("-    fs_type: ext4") && out.contains("+    fs_type: xfs"), "{out}");
     assert!(out.contains("invalid input for a Fence call"), "{out}");
     assert!(out.contains("unknown field host.nodes[0].out_of_servce"), "{out}");
-    assert!(out.contains("expect must have exactly one of decision, plan, info, condition, error, refused"), "{out}");
+    assert!(
+        out.contains(
+            "expect must have exactly one of decision, plan, info, condition, error, refused"
+        ),
+        "{out}"
+    );
     assert!(out.trim_end().ends_with("rbd 0.1.0: 0 passed, 4 failed"), "{out}");
 }
 
@@ -84,7 +91,14 @@ fn plugin_test_of_a_non_backend_names_the_file() {
 fn plugin_inspect_shows_world_version_info_and_imports() {
     let (code, out, err) = volagent(&["plugin", "inspect", RBD]);
     assert_eq!(code, 0, "{err}");
-    for expected in ["world:       exports volagent:policy/policy@0.5.0\n", "backend:     rbd 0.1.0", "devices:     rbd", "blocklist-client", "publish-block", "volagent:policy/host@0.5.0"] {
+    for expected in [
+        "world:       exports volagent:policy/policy@0.5.0\n",
+        "backend:     rbd 0.1.0",
+        "devices:     rbd",
+        "blocklist-client",
+        "publish-block",
+        "volagent:policy/host@0.5.0",
+    ] {
         assert!(out.contains(expected), "missing {expected:?} in\n{out}");
     }
     let (code, out, _) = volagent(&["plugin", "inspect", "--json", RBD]);
@@ -105,7 +119,8 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
 #[test]
 fn plugin_bench_reports_percentiles() {
     let dir = common::workspace().join("guest-plugins/rbd/scenarios/fence.yaml");
-    let (code, out, err) = volagent(&["plugin", "bench", RBD, dir.to_str().expect("utf-8"), "-n", "20"]);
+    let (code, out, err) =
+        volagent(&["plugin", "bench", RBD, dir.to_str().expect("utf-8"), "-n", "20"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("p50 µs") && out.contains("p99 µs"), "{out}");
     assert!(out.contains("a deleted holder node is taken over"), "{out}");

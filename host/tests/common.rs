@@ -7,8 +7,12 @@ use std::time::Duration;
 use volagent::policy::*;
 
 pub fn runtime(deadline_ms: u64) -> Arc<Runtime> {
-    Runtime::new(Limits { deadline: Duration::from_millis(deadline_ms), memory_bytes: 32 << 20, ..Default::default() })
-        .expect("runtime")
+    Runtime::new(Limits {
+        deadline: Duration::from_millis(deadline_ms),
+        memory_bytes: 32 << 20,
+        ..Default::default()
+    })
+    .expect("runtime")
 }
 
 pub fn load(runtime: &Arc<Runtime>, path: &str) -> Plugin {
@@ -87,17 +91,30 @@ const FUSE_WATCHDOG: Duration = Duration::from_secs(300);
 fn abort_fuse_below(root: &Path) {
     let fusectl = Path::new("/sys/fs/fuse/connections");
     if std::fs::read_dir(fusectl).map(|mut d| d.next().is_none()).unwrap_or(true) {
-        let _ = nix::mount::mount(Some("fusectl"), fusectl, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+        let _ = nix::mount::mount(
+            Some("fusectl"),
+            fusectl,
+            Some("fusectl"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        );
     }
     let text = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
     for m in volagent::sys::mountinfo::parse(&text).unwrap_or_default() {
         if m.mount_point.starts_with(root) && m.fs_type.starts_with("fuse") {
-            eprintln!("FUSE watchdog: aborting the hung FUSE mount {} (connection {})", m.mount_point.display(), m.device.1);
+            eprintln!(
+                "FUSE watchdog: aborting the hung FUSE mount {} (connection {})",
+                m.mount_point.display(),
+                m.device.1
+            );
             let _ = std::fs::write(fusectl.join(m.device.1.to_string()).join("abort"), "1");
         }
     }
     for pid in processes_naming(root) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
 }
 
@@ -109,10 +126,18 @@ impl RootScratch {
     /// [`enter`](Self::enter), aborting FUSE mounts after `watchdog`.
     pub fn enter_with_watchdog(watchdog: Duration) -> RootScratch {
         use nix::mount::{MsFlags, mount};
-        assert!(nix::unistd::geteuid().is_root(), "needs root: this test uses loop devices and mounts (CI runs it as root)");
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("a private mount namespace");
-        mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).expect("make / private");
-        let dir = tempfile::Builder::new().prefix("volagent-root-").tempdir_in("/var/tmp").expect("scratch dir");
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "needs root: this test uses loop devices and mounts (CI runs it as root)"
+        );
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+            .expect("a private mount namespace");
+        mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+            .expect("make / private");
+        let dir = tempfile::Builder::new()
+            .prefix("volagent-root-")
+            .tempdir_in("/var/tmp")
+            .expect("scratch dir");
         let root = std::fs::canonicalize(dir.path()).expect("resolve the scratch dir");
         // Started after unshare: the watchdog thread sees the test's mounts.
         let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -142,7 +167,10 @@ impl RootScratch {
         f.set_len(mib << 20).expect("size image");
         use std::os::unix::fs::MetadataExt as _;
         let meta = f.metadata().expect("stat image");
-        self.images.lock().unwrap_or_else(|e| e.into_inner()).push(volagent::sys::FileId { dev: meta.dev(), ino: meta.ino() });
+        self.images
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(volagent::sys::FileId { dev: meta.dev(), ino: meta.ino() });
         p
     }
 
@@ -167,7 +195,9 @@ impl RootScratch {
             .loop_devices()
             .expect("list loop devices")
             .into_iter()
-            .filter(|l| l.backing_file.starts_with(root) || l.backing.is_some_and(|b| images.contains(&b)))
+            .filter(|l| {
+                l.backing_file.starts_with(root) || l.backing.is_some_and(|b| images.contains(&b))
+            })
             .map(|l| l.device)
             .collect()
     }
@@ -186,9 +216,13 @@ impl RootScratch {
             let detaching = |d: &PathBuf| {
                 let name = d.file_name().unwrap_or_default().to_string_lossy().into_owned();
                 // Unreadable: gone meanwhile.
-                std::fs::read_to_string(format!("/sys/block/{name}/loop/autoclear")).map_or(true, |a| a.trim() == "1")
+                std::fs::read_to_string(format!("/sys/block/{name}/loop/autoclear"))
+                    .map_or(true, |a| a.trim() == "1")
             };
-            if left.is_empty() || !left.iter().all(detaching) || start.elapsed() > std::time::Duration::from_secs(3) {
+            if left.is_empty()
+                || !left.iter().all(detaching)
+                || start.elapsed() > std::time::Duration::from_secs(3)
+            {
                 return left;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
@@ -212,7 +246,10 @@ impl Drop for RootScratch {
         // Helpers a failed test left (NBD servers and clients outlive the
         // agent by design): every process with an argument under the root.
         for pid in processes_naming(&self.root) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
     }
 }
@@ -233,7 +270,11 @@ pub fn processes_under(dir: &Path, is: impl Fn(&[String]) -> bool) -> Vec<i32> {
         .filter(|pid| *pid != me)
         .filter(|pid| {
             let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
-            let args: Vec<String> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+            let args: Vec<String> = cmdline
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
             is(&args) && args.iter().any(|a| Path::new(a).starts_with(dir))
         })
         .collect()
@@ -242,9 +283,15 @@ pub fn processes_under(dir: &Path, is: impl Fn(&[String]) -> bool) -> Vec<i32> {
 /// The seed of this run's random choices, printed so a failure can be
 /// replayed (`VOLAGENT_CHAOS_SEED`); threads still interleave as they will.
 pub fn chaos_seed(test: &str) -> u64 {
-    let seed = std::env::var("VOLAGENT_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
-    });
+    let seed = std::env::var("VOLAGENT_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
     eprintln!("{test}: chaos seed {seed} (replay with VOLAGENT_CHAOS_SEED={seed})");
     seed
 }

@@ -151,10 +151,7 @@ fn raw_manifests(k: &Kustomization) -> anyhow::Result<Vec<Manifest>> {
             if object.is_null() {
                 continue; // an empty document, e.g. after a trailing `---`
             }
-            out.push(Manifest {
-                file: file.clone(),
-                object,
-            });
+            out.push(Manifest { file: file.clone(), object });
         }
     }
     Ok(out)
@@ -180,9 +177,7 @@ fn manifests(k: &Kustomization) -> anyhow::Result<Vec<Manifest>> {
 /// The containers and init containers of a workload's pod template.
 fn containers_mut(object: &mut Value) -> Vec<&mut Value> {
     // Not `object["spec"]…`: indexing a Value mutably inserts what is missing.
-    let Some(spec) = object
-        .pointer_mut("/spec/template/spec")
-        .and_then(Value::as_object_mut)
+    let Some(spec) = object.pointer_mut("/spec/template/spec").and_then(Value::as_object_mut)
     else {
         return Vec::new();
     };
@@ -264,10 +259,7 @@ async fn apply_deploy(env: &KubeEnv, with_webhook: bool) -> anyhow::Result<Vec<A
         if m.kind() == "CustomResourceDefinition" {
             wait_established(&client, m.name()).await?;
         }
-        applied.push(Applied {
-            answer: serde_json::to_value(answer)?,
-            manifest: m,
-        });
+        applied.push(Applied { answer: serde_json::to_value(answer)?, manifest: m });
     }
     Ok(applied)
 }
@@ -286,10 +278,7 @@ async fn wait_established(client: &kube::Client, crd: &str) -> anyhow::Result<()
         if established {
             return Ok(());
         }
-        ensure!(
-            Instant::now() < deadline,
-            "CRD {crd} not Established after 30 s"
-        );
+        ensure!(Instant::now() < deadline, "CRD {crd} not Established after 30 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -324,10 +313,7 @@ fn applied<'a>(all: &'a [Applied], kind: &str, name: &str) -> anyhow::Result<&'a
 }
 
 fn container<'a>(pod: &'a PodSpec, name: &str) -> anyhow::Result<&'a Container> {
-    pod.containers
-        .iter()
-        .find(|c| c.name == name)
-        .with_context(|| format!("no container {name:?}"))
+    pod.containers.iter().find(|c| c.name == name).with_context(|| format!("no container {name:?}"))
 }
 
 fn field_ref_env(c: &Container, name: &str) -> Option<String> {
@@ -377,10 +363,7 @@ fn code<T: std::fmt::Debug>(result: &Result<T, kube::Error>) -> Option<u16> {
 
 /// Fails unless the call was refused with 403 Forbidden.
 fn forbidden<T: std::fmt::Debug>(what: &str, result: Result<T, kube::Error>) -> anyhow::Result<()> {
-    ensure!(
-        code(&result) == Some(403),
-        "{what}: expected 403 Forbidden, got {result:?}"
-    );
+    ensure!(code(&result) == Some(403), "{what}: expected 403 Forbidden, got {result:?}");
     Ok(())
 }
 
@@ -402,10 +385,7 @@ fn attachment(name: &str) -> anyhow::Result<DynamicObject> {
 
 fn lease(name: &str) -> Lease {
     Lease {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..ObjectMeta::default()
-        },
+        metadata: ObjectMeta { name: Some(name.into()), ..ObjectMeta::default() },
         spec: Some(LeaseSpec {
             holder_identity: Some("volagent-controller-0".into()),
             lease_duration_seconds: Some(15),
@@ -418,10 +398,7 @@ fn lease(name: &str) -> Lease {
 /// objects go.
 fn event(name: &str, node: &str) -> Event {
     Event {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..ObjectMeta::default()
-        },
+        metadata: ObjectMeta { name: Some(name.into()), ..ObjectMeta::default() },
         involved_object: ObjectReference {
             kind: Some("Node".into()),
             name: Some(node.into()),
@@ -443,16 +420,10 @@ async fn cluster_with_deploy(env: &KubeEnv) -> anyhow::Result<()> {
     let admin = env.client();
     let pp = PostParams::default();
     Api::<Node>::all(admin.clone())
-        .create(
-            &pp,
-            &serde_json::from_value(json!({ "metadata": { "name": "node-1" } }))?,
-        )
+        .create(&pp, &serde_json::from_value(json!({ "metadata": { "name": "node-1" } }))?)
         .await?;
     Api::<Namespace>::all(admin.clone())
-        .create(
-            &pp,
-            &serde_json::from_value(json!({ "metadata": { "name": "ceph" } }))?,
-        )
+        .create(&pp, &serde_json::from_value(json!({ "metadata": { "name": "ceph" } }))?)
         .await?;
     for namespace in ["ceph", NAMESPACE, CONTROLLER_NS] {
         Api::<Secret>::namespaced(admin.clone(), namespace)
@@ -465,10 +436,8 @@ async fn cluster_with_deploy(env: &KubeEnv) -> anyhow::Result<()> {
             )
             .await?;
     }
-    let clusters: Api<DynamicObject> = Api::all_with(
-        admin.clone(),
-        &crd_resource("StorageCluster", "storageclusters"),
-    );
+    let clusters: Api<DynamicObject> =
+        Api::all_with(admin.clone(), &crd_resource("StorageCluster", "storageclusters"));
     clusters
         .create(
             &pp,
@@ -506,16 +475,8 @@ async fn cluster_with_deploy(env: &KubeEnv) -> anyhow::Result<()> {
 
 // --- the access matrix -----------------------------------------------------
 
-const VERBS: [&str; 8] = [
-    "get",
-    "list",
-    "watch",
-    "create",
-    "update",
-    "patch",
-    "delete",
-    "deletecollection",
-];
+const VERBS: [&str; 8] =
+    ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"];
 
 /// (group, resource, subresource, namespaced) checked for both accounts.
 const RESOURCES: [(&str, &str, &str, bool); 22] = [
@@ -540,12 +501,7 @@ const RESOURCES: [(&str, &str, &str, bool); 22] = [
     ("coordination.k8s.io", "leases", "", true),
     ("apps", "daemonsets", "", true),
     ("rbac.authorization.k8s.io", "clusterroles", "", false),
-    (
-        "apiextensions.k8s.io",
-        "customresourcedefinitions",
-        "",
-        false,
-    ),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "", false),
 ];
 
 /// One grant of issue 4's RBAC: `namespace` None is cluster-wide,
@@ -563,28 +519,14 @@ const fn grant(
     resource: &'static str,
     verbs: &'static [&'static str],
 ) -> Grant {
-    Grant {
-        group,
-        resource,
-        verbs,
-        namespace: None,
-        names: None,
-    }
+    Grant { group, resource, verbs, namespace: None, names: None }
 }
 
 const READ: &[&str] = &["get", "list", "watch"];
 
 const AGENT_GRANTS: &[Grant] = &[
-    grant(
-        "volagent.io",
-        "attachments",
-        &["get", "list", "watch", "create", "update", "delete"],
-    ),
-    grant(
-        "volagent.io",
-        "nodecleanups",
-        &["get", "list", "watch", "update", "patch"],
-    ),
+    grant("volagent.io", "attachments", &["get", "list", "watch", "create", "update", "delete"]),
+    grant("volagent.io", "nodecleanups", &["get", "list", "watch", "update", "patch"]),
     grant("volagent.io", "storageclusters", READ),
     // A take-over's request that the controller fence a gone node.
     grant("volagent.io", "fencerequests", &["get", "create", "delete"]),
@@ -598,19 +540,12 @@ const AGENT_GRANTS: &[Grant] = &[
     grant("", "pods", &["get"]),
     grant("", "persistentvolumeclaims", &["get"]),
     // Credentials: only in its own namespace.
-    Grant {
-        namespace: Some(NAMESPACE),
-        ..grant("", "secrets", &["get"])
-    },
+    Grant { namespace: Some(NAMESPACE), ..grant("", "secrets", &["get"]) },
     grant("", "events", &["create", "patch"]),
 ];
 
 const CONTROLLER_GRANTS: &[Grant] = &[
-    grant(
-        "volagent.io",
-        "attachments",
-        &["get", "list", "watch", "update", "delete"],
-    ),
+    grant("volagent.io", "attachments", &["get", "list", "watch", "update", "delete"]),
     grant(
         "volagent.io",
         "nodecleanups",
@@ -618,16 +553,8 @@ const CONTROLLER_GRANTS: &[Grant] = &[
     ),
     grant("volagent.io", "fencerequests", &["get", "list", "watch", "delete"]),
     grant("volagent.io", "fencerequests/status", &["get", "update", "patch"]),
-    grant(
-        "volagent.io",
-        "storageclusters",
-        &["get", "list", "watch", "update", "patch"],
-    ),
-    grant(
-        "volagent.io",
-        "storageclusters/status",
-        &["get", "update", "patch"],
-    ),
+    grant("volagent.io", "storageclusters", &["get", "list", "watch", "update", "patch"]),
+    grant("volagent.io", "storageclusters/status", &["get", "update", "patch"]),
     grant("", "nodes", READ),
     // Local volumes: the operations it requests, the PVs it makes and
     // deletes, the classes' reclaim policies and parameters.
@@ -638,17 +565,15 @@ const CONTROLLER_GRANTS: &[Grant] = &[
     // Its webhook's CA, into its own configuration.
     Grant {
         names: Some(&[WEBHOOK]),
-        ..grant("admissionregistration.k8s.io", "validatingwebhookconfigurations", &["get", "update"])
+        ..grant(
+            "admissionregistration.k8s.io",
+            "validatingwebhookconfigurations",
+            &["get", "update"],
+        )
     },
     // The agents' pods, to tell an agent's node (webhook).
-    Grant {
-        namespace: Some(NAMESPACE),
-        ..grant("", "pods", &["get"])
-    },
-    Grant {
-        namespace: Some(CONTROLLER_NS),
-        ..grant("coordination.k8s.io", "leases", &["create"])
-    },
+    Grant { namespace: Some(NAMESPACE), ..grant("", "pods", &["get"]) },
+    Grant { namespace: Some(CONTROLLER_NS), ..grant("coordination.k8s.io", "leases", &["create"]) },
     Grant {
         namespace: Some(CONTROLLER_NS),
         names: Some(&[LEASE]),
@@ -656,10 +581,7 @@ const CONTROLLER_GRANTS: &[Grant] = &[
     },
     // Its own namespace's Secrets: the credentials StorageClusters name
     // for it, and its webhook's certificate, which it makes and renews.
-    Grant {
-        namespace: Some(CONTROLLER_NS),
-        ..grant("", "secrets", &["get", "create"])
-    },
+    Grant { namespace: Some(CONTROLLER_NS), ..grant("", "secrets", &["get", "create"]) },
     Grant {
         namespace: Some(CONTROLLER_NS),
         names: Some(&[WEBHOOK_TLS]),
@@ -681,8 +603,7 @@ fn expected(grants: &[Grant], attrs: &ResourceAttributes) -> bool {
             && g.resource == resource
             && g.verbs.contains(&attrs.verb.as_deref().unwrap_or_default())
             && g.namespace.is_none_or(|n| n == ns)
-            && g.names
-                .is_none_or(|names| !name.is_empty() && names.contains(&name))
+            && g.names.is_none_or(|names| !name.is_empty() && names.contains(&name))
     })
 }
 
@@ -694,11 +615,8 @@ async fn access_differences(client: kube::Client, grants: &[Grant]) -> anyhow::R
     let reviews: Api<SelfSubjectAccessReview> = Api::all(client);
     let mut wrong = Vec::new();
     for (group, resource, subresource, namespaced) in RESOURCES {
-        let namespaces: &[&str] = if namespaced {
-            &["", NAMESPACE, CONTROLLER_NS, "default"]
-        } else {
-            &[""]
-        };
+        let namespaces: &[&str] =
+            if namespaced { &["", NAMESPACE, CONTROLLER_NS, "default"] } else { &[""] };
         let names: &[&str] = match resource {
             "leases" => &["", LEASE, "other"],
             "secrets" => &["", WEBHOOK_TLS, "other"],
@@ -757,29 +675,23 @@ fn kustomization_lists_every_manifest_in_deploy() -> anyhow::Result<()> {
     // admission-policy/ is a kustomization of its own (Kubernetes ≥ 1.30):
     // it lists its files, and the main one does not.
     let policy_dir = deploy_dir().join("admission-policy");
-    let policy: Kustomization = serde_norway::from_str(&std::fs::read_to_string(policy_dir.join("kustomization.yaml"))?)?;
+    let policy: Kustomization =
+        serde_norway::from_str(&std::fs::read_to_string(policy_dir.join("kustomization.yaml"))?)?;
     let mut policy_files = BTreeSet::new();
     yaml_files(&policy_dir, "", &mut policy_files)?;
     policy_files.remove("kustomization.yaml");
-    assert_eq!(policy.resources.iter().cloned().collect::<BTreeSet<_>>(), policy_files, "admission-policy/kustomization.yaml lists its files");
+    assert_eq!(
+        policy.resources.iter().cloned().collect::<BTreeSet<_>>(),
+        policy_files,
+        "admission-policy/kustomization.yaml lists its files"
+    );
     on_disk.retain(|f| !f.starts_with("admission-policy/"));
     let listed: BTreeSet<String> = k.resources.iter().cloned().collect();
-    assert_eq!(
-        listed.len(),
-        k.resources.len(),
-        "a file listed twice: {:?}",
-        k.resources
-    );
+    assert_eq!(listed.len(), k.resources.len(), "a file listed twice: {:?}", k.resources);
     let forgotten: Vec<_> = on_disk.difference(&listed).collect();
     let missing: Vec<_> = listed.difference(&on_disk).collect();
-    assert!(
-        forgotten.is_empty(),
-        "in deploy/ but not in kustomization.yaml: {forgotten:?}"
-    );
-    assert!(
-        missing.is_empty(),
-        "in kustomization.yaml but not in deploy/: {missing:?}"
-    );
+    assert!(forgotten.is_empty(), "in deploy/ but not in kustomization.yaml: {forgotten:?}");
+    assert!(missing.is_empty(), "in kustomization.yaml but not in deploy/: {missing:?}");
     for crd in [
         "crds/attachments.volagent.io.yaml",
         "crds/nodecleanups.volagent.io.yaml",
@@ -796,10 +708,7 @@ fn kustomization_lists_every_manifest_in_deploy() -> anyhow::Result<()> {
         .iter()
         .filter_map(|f| position(f))
         .min();
-    assert!(
-        last_crd < first_workload && first_workload.is_some(),
-        "CRDs before workloads"
-    );
+    assert!(last_crd < first_workload && first_workload.is_some(), "CRDs before workloads");
     Ok(())
 }
 
@@ -843,20 +752,14 @@ fn the_image_ships_what_the_daemonset_runs() -> anyhow::Result<()> {
         "the image must ship volagent-flex and the default plugins in /opt/volagent/plugins"
     );
     let all = manifests(&kustomization()?)?;
-    let ds = all
-        .iter()
-        .find(|m| m.kind() == "DaemonSet")
-        .context("no DaemonSet")?;
+    let ds = all.iter().find(|m| m.kind() == "DaemonSet").context("no DaemonSet")?;
     let args: Vec<&str> = ds.object["spec"]["template"]["spec"]["containers"][0]["args"]
         .as_array()
         .context("the agent's args")?
         .iter()
         .filter_map(Value::as_str)
         .collect();
-    let plugin_dir = args
-        .iter()
-        .position(|a| *a == "--plugin-dir")
-        .and_then(|i| args.get(i + 1));
+    let plugin_dir = args.iter().position(|a| *a == "--plugin-dir").and_then(|i| args.get(i + 1));
     ensure!(
         plugin_dir == Some(&"/opt/volagent/plugins"),
         "the DaemonSet's --plugin-dir is the image's /opt/volagent/plugins: {args:?}"
@@ -874,10 +777,7 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     for a in &all {
         let mut here = Vec::new();
         differences(&a.manifest.object, &a.answer, "", &mut here);
-        wrong.extend(
-            here.into_iter()
-                .map(|d| format!("{}: {d}", a.manifest.describe())),
-        );
+        wrong.extend(here.into_iter().map(|d| format!("{}: {d}", a.manifest.describe())));
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 
@@ -893,15 +793,13 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
             .with_context(|| format!("ServiceAccount {ns}/{sa}"))?;
     }
     let daemonsets: Api<DaemonSet> = Api::namespaced(admin.clone(), NAMESPACE);
-    assert_eq!(
-        code(&daemonsets.get(AGENT_SA).await),
-        Some(404),
-        "DaemonSet was a dry run"
-    );
+    assert_eq!(code(&daemonsets.get(AGENT_SA).await), Some(404), "DaemonSet was a dry run");
 
     // A pod of each workload passes pod admission and validation (dry run):
     // the priority class resolves, privileged and hostPath are accepted.
-    for (kind, name, ns) in [("DaemonSet", AGENT_SA, NAMESPACE), ("Deployment", CONTROLLER_SA, CONTROLLER_NS)] {
+    for (kind, name, ns) in
+        [("DaemonSet", AGENT_SA, NAMESPACE), ("Deployment", CONTROLLER_SA, CONTROLLER_NS)]
+    {
         let a = applied(&all, kind, name)?;
         let template = &a.answer["spec"]["template"];
         let pod = json!({
@@ -914,22 +812,12 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
         let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(admin.clone(), ns);
         let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod)?;
         let created = pods
-            .create(
-                &PostParams {
-                    dry_run: true,
-                    ..PostParams::default()
-                },
-                &pod,
-            )
+            .create(&PostParams { dry_run: true, ..PostParams::default() }, &pod)
             .await
             .with_context(|| format!("a pod from {kind} {name}'s template"))?;
         if kind == "DaemonSet" {
             let priority = created.spec.and_then(|s| s.priority);
-            assert_eq!(
-                priority,
-                Some(2_000_001_000),
-                "system-node-critical resolved"
-            );
+            assert_eq!(priority, Some(2_000_001_000), "system-node-critical resolved");
         }
     }
 
@@ -947,22 +835,29 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     // Its token is the projected, pod-bound one (the webhook tells its node
     // by the pod), not the legacy Secret token.
     assert_eq!(pod.automount_service_account_token, Some(false));
-    let projected = pod.volumes.iter().flatten().find(|v| v.name == "service-account").and_then(|v| v.projected.clone()).context("the projected service-account volume")?;
+    let projected = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "service-account")
+        .and_then(|v| v.projected.clone())
+        .context("the projected service-account volume")?;
     let sources = projected.sources.unwrap_or_default();
-    assert!(sources.iter().any(|s| s.service_account_token.as_ref().is_some_and(|t| t.path == "token")), "a projected token: {sources:?}");
-    assert!(sources.iter().any(|s| s.config_map.as_ref().is_some_and(|c| c.name == "kube-root-ca.crt")), "the cluster's CA: {sources:?}");
-    assert_eq!(
-        pod.priority_class_name.as_deref(),
-        Some("system-node-critical")
+    assert!(
+        sources.iter().any(|s| s.service_account_token.as_ref().is_some_and(|t| t.path == "token")),
+        "a projected token: {sources:?}"
     );
+    assert!(
+        sources.iter().any(|s| s.config_map.as_ref().is_some_and(|c| c.name == "kube-root-ca.crt")),
+        "the cluster's CA: {sources:?}"
+    );
+    assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
     assert_ne!(pod.host_pid, Some(true), "hostPID is not needed");
     let tolerations = pod.tolerations.clone().unwrap_or_default();
     assert!(
-        tolerations
-            .iter()
-            .any(|t| t.operator.as_deref() == Some("Exists")
-                && t.key.is_none()
-                && t.effect.is_none()),
+        tolerations.iter().any(|t| t.operator.as_deref() == Some("Exists")
+            && t.key.is_none()
+            && t.effect.is_none()),
         "tolerates every taint: {tolerations:?}"
     );
     let agent = container(&pod, "agent")?;
@@ -971,10 +866,7 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
         Some("ghcr.io/volagent/volagent:0.1.0"),
         "the kustomization's images: entry"
     );
-    assert_eq!(
-        agent.security_context.as_ref().and_then(|s| s.privileged),
-        Some(true)
-    );
+    assert_eq!(agent.security_context.as_ref().and_then(|s| s.privileged), Some(true));
     assert_eq!(
         agent.args,
         args(&[
@@ -1002,29 +894,12 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
         ("POD_NAME", "metadata.name"),
         ("POD_UID", "metadata.uid"),
     ] {
-        assert_eq!(
-            field_ref_env(agent, var).as_deref(),
-            Some(path),
-            "env {var}"
-        );
+        assert_eq!(field_ref_env(agent, var).as_deref(), Some(path), "env {var}");
     }
-    let container_name = agent
-        .env
-        .iter()
-        .flatten()
-        .find(|e| e.name == "CONTAINER_NAME");
-    assert_eq!(
-        container_name.and_then(|e| e.value.as_deref()),
-        Some("agent")
-    );
-    assert_eq!(
-        http_probe(agent.liveness_probe.as_ref()),
-        Some(("/healthz".into(), "9479".into()))
-    );
-    assert_eq!(
-        http_probe(agent.readiness_probe.as_ref()),
-        Some(("/readyz".into(), "9479".into()))
-    );
+    let container_name = agent.env.iter().flatten().find(|e| e.name == "CONTAINER_NAME");
+    assert_eq!(container_name.and_then(|e| e.value.as_deref()), Some("agent"));
+    assert_eq!(http_probe(agent.liveness_probe.as_ref()), Some(("/healthz".into(), "9479".into())));
+    assert_eq!(http_probe(agent.readiness_probe.as_ref()), Some(("/readyz".into(), "9479".into())));
     let requests = agent.resources.as_ref().and_then(|r| r.requests.clone());
     assert!(requests.is_some_and(|r| r.contains_key("cpu") && r.contains_key("memory")));
 
@@ -1033,19 +908,13 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     let mounts = agent.volume_mounts.clone().unwrap_or_default();
     let mut host_paths = BTreeSet::new();
     for v in volumes.iter().filter(|v| v.name != "service-account") {
-        let host = v
-            .host_path
-            .as_ref()
-            .with_context(|| format!("volume {} is no hostPath", v.name))?;
+        let host =
+            v.host_path.as_ref().with_context(|| format!("volume {} is no hostPath", v.name))?;
         let mount = mounts
             .iter()
             .find(|m| m.name == v.name)
             .with_context(|| format!("volume {} is not mounted", v.name))?;
-        assert_eq!(
-            mount.mount_path, host.path,
-            "volume {} at its host path",
-            v.name
-        );
+        assert_eq!(mount.mount_path, host.path, "volume {} at its host path", v.name);
         host_paths.insert((host.path.clone(), host.type_.clone().unwrap_or_default()));
         match host.path.as_str() {
             "/var/lib/kubelet" => assert_eq!(
@@ -1081,12 +950,7 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     let pod = spec.template.spec.context("pod spec")?;
     assert_eq!(pod.service_account_name.as_deref(), Some(CONTROLLER_SA));
     assert_eq!(pod.host_network, None);
-    assert_eq!(
-        pod.security_context
-            .as_ref()
-            .and_then(|s| s.run_as_non_root),
-        Some(true)
-    );
+    assert_eq!(pod.security_context.as_ref().and_then(|s| s.run_as_non_root), Some(true));
     let controller = container(&pod, "controller")?;
     assert_eq!(
         controller.args,
@@ -1101,27 +965,14 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
             "0.0.0.0:9443",
         ])
     );
-    let sc = controller
-        .security_context
-        .clone()
-        .context("container securityContext")?;
+    let sc = controller.security_context.clone().context("container securityContext")?;
     assert_eq!(sc.run_as_non_root, Some(true));
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     assert_eq!(sc.allow_privilege_escalation, Some(false));
     assert_ne!(sc.privileged, Some(true));
-    assert_eq!(
-        sc.capabilities.and_then(|c| c.drop),
-        Some(vec!["ALL".to_string()])
-    );
-    for (var, path) in [
-        ("POD_NAME", "metadata.name"),
-        ("POD_NAMESPACE", "metadata.namespace"),
-    ] {
-        assert_eq!(
-            field_ref_env(controller, var).as_deref(),
-            Some(path),
-            "env {var}"
-        );
+    assert_eq!(sc.capabilities.and_then(|c| c.drop), Some(vec!["ALL".to_string()]));
+    for (var, path) in [("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace")] {
+        assert_eq!(field_ref_env(controller, var).as_deref(), Some(path), "env {var}");
     }
     assert_eq!(
         http_probe(controller.liveness_probe.as_ref()),
@@ -1135,24 +986,45 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     // The webhook: every write of agents' objects, failing closed, at the
     // controller's Service.
     let hooks: k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration =
-        serde_json::from_value(applied(&all, "ValidatingWebhookConfiguration", WEBHOOK)?.answer.clone())?;
+        serde_json::from_value(
+            applied(&all, "ValidatingWebhookConfiguration", WEBHOOK)?.answer.clone(),
+        )?;
     let hook = hooks.webhooks.as_ref().and_then(|w| w.first()).context("a webhook")?;
     assert_eq!(hook.failure_policy.as_deref(), Some("Fail"));
     assert_eq!(hook.side_effects, "None");
     let service = hook.client_config.service.as_ref().context("a Service")?;
-    assert_eq!((service.namespace.as_str(), service.name.as_str(), service.path.as_deref()), (CONTROLLER_NS, "volagent-admission", Some("/validate")));
-    let resources: Vec<String> = hook.rules.iter().flatten().flat_map(|r| r.resources.clone().unwrap_or_default()).collect();
-    for r in ["attachments", "nodecleanups", "nodelocalvolumes", "nodelocalvolumes/status", "fencerequests", "fencerequests/status"] {
+    assert_eq!(
+        (service.namespace.as_str(), service.name.as_str(), service.path.as_deref()),
+        (CONTROLLER_NS, "volagent-admission", Some("/validate"))
+    );
+    let resources: Vec<String> =
+        hook.rules.iter().flatten().flat_map(|r| r.resources.clone().unwrap_or_default()).collect();
+    for r in [
+        "attachments",
+        "nodecleanups",
+        "nodelocalvolumes",
+        "nodelocalvolumes/status",
+        "fencerequests",
+        "fencerequests/status",
+    ] {
         assert!(resources.iter().any(|x| x == r), "the webhook reviews {r}: {resources:?}");
     }
-    let svc: k8s_openapi::api::core::v1::Service = serde_json::from_value(applied(&all, "Service", "volagent-admission")?.answer.clone())?;
-    let port = svc.spec.and_then(|s| s.ports).unwrap_or_default().into_iter().next().context("a port")?;
-    assert_eq!((port.port, port.target_port), (443, Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("webhook".into()))));
+    let svc: k8s_openapi::api::core::v1::Service =
+        serde_json::from_value(applied(&all, "Service", "volagent-admission")?.answer.clone())?;
+    let port =
+        svc.spec.and_then(|s| s.ports).unwrap_or_default().into_iter().next().context("a port")?;
+    assert_eq!(
+        (port.port, port.target_port),
+        (
+            443,
+            Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                "webhook".into()
+            ))
+        )
+    );
 
     // Applying again works too (kubectl apply -k a second time).
-    apply_deploy(&env, true)
-        .await
-        .context("applying deploy/ a second time")?;
+    apply_deploy(&env, true).await.context("applying deploy/ a second time")?;
     Ok(())
 }
 
@@ -1177,10 +1049,7 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
         "mountDir": "/var/lib/kubelet/pods/uid-1/volumes/volagent~rbd/pv-1",
         "since": "2024-01-01T00:00:00Z",
     }]);
-    attachments
-        .replace("pv-1", &pp, &changed)
-        .await
-        .context("the agent updates an Attachment")?;
+    attachments.replace("pv-1", &pp, &changed).await.context("the agent updates an Attachment")?;
     forbidden(
         "agent patches an Attachment",
         attachments
@@ -1200,10 +1069,7 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(agent.clone());
     nodes.get("node-1").await.context("the agent gets a node")?;
     nodes.list(&ListParams::default()).await?;
-    forbidden(
-        "agent deletes a node",
-        nodes.delete("node-1", &DeleteParams::default()).await,
-    )?;
+    forbidden("agent deletes a node", nodes.delete("node-1", &DeleteParams::default()).await)?;
     forbidden(
         "agent patches a node",
         nodes
@@ -1216,9 +1082,7 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
     )?;
 
     // PVs: read.
-    Api::<PersistentVolume>::all(agent.clone())
-        .list(&ListParams::default())
-        .await?;
+    Api::<PersistentVolume>::all(agent.clone()).list(&ListParams::default()).await?;
 
     // Secrets: get one in its own namespace; none elsewhere (the
     // controller's, another namespace's); list none, anywhere.
@@ -1233,39 +1097,21 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
             Api::<Secret>::namespaced(agent.clone(), elsewhere).get("ceph-a-keyring").await,
         )?;
     }
-    forbidden(
-        "agent lists secrets in a namespace",
-        secrets.list(&ListParams::default()).await,
-    )?;
+    forbidden("agent lists secrets in a namespace", secrets.list(&ListParams::default()).await)?;
     forbidden(
         "agent lists secrets in all namespaces",
-        Api::<Secret>::all(agent.clone())
-            .list(&ListParams::default())
-            .await,
+        Api::<Secret>::all(agent.clone()).list(&ListParams::default()).await,
     )?;
     forbidden(
         "agent creates a secret",
-        secrets
-            .create(
-                &pp,
-                &serde_json::from_value(json!({"metadata": {"name": "x"}}))?,
-            )
-            .await,
+        secrets.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "x"}}))?).await,
     )?;
 
     // StorageClusters: read only.
-    let clusters: Api<DynamicObject> = Api::all_with(
-        agent.clone(),
-        &crd_resource("StorageCluster", "storageclusters"),
-    );
-    let cluster = clusters
-        .get("ceph-a")
-        .await
-        .context("the agent gets a StorageCluster")?;
-    forbidden(
-        "agent updates a StorageCluster",
-        clusters.replace("ceph-a", &pp, &cluster).await,
-    )?;
+    let clusters: Api<DynamicObject> =
+        Api::all_with(agent.clone(), &crd_resource("StorageCluster", "storageclusters"));
+    let cluster = clusters.get("ceph-a").await.context("the agent gets a StorageCluster")?;
+    forbidden("agent updates a StorageCluster", clusters.replace("ceph-a", &pp, &cluster).await)?;
     forbidden(
         "agent patches a StorageCluster's status",
         clusters
@@ -1281,27 +1127,14 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
     let cleanups: Api<DynamicObject> =
         Api::all_with(agent.clone(), &crd_resource("NodeCleanup", "nodecleanups"));
     let list = cleanups.get("node-1").await?;
+    cleanups.replace("node-1", &pp, &list).await.context("the agent updates its NodeCleanup")?;
     cleanups
-        .replace("node-1", &pp, &list)
-        .await
-        .context("the agent updates its NodeCleanup")?;
-    cleanups
-        .patch(
-            "node-1",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"entries": []}})),
-        )
+        .patch("node-1", &PatchParams::default(), &Patch::Merge(json!({"spec": {"entries": []}})))
         .await
         .context("the agent patches its NodeCleanup")?;
     let mut other = list.clone();
-    other.metadata = ObjectMeta {
-        name: Some("node-2".into()),
-        ..ObjectMeta::default()
-    };
-    forbidden(
-        "agent creates a NodeCleanup",
-        cleanups.create(&pp, &other).await,
-    )?;
+    other.metadata = ObjectMeta { name: Some("node-2".into()), ..ObjectMeta::default() };
+    forbidden("agent creates a NodeCleanup", cleanups.create(&pp, &other).await)?;
     forbidden(
         "agent deletes its NodeCleanup",
         cleanups.delete("node-1", &DeleteParams::default()).await,
@@ -1319,11 +1152,18 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
     forbidden(
         "agent answers a fence request",
         requests
-            .patch_status("fence-1", &PatchParams::default(), &Patch::Merge(json!({"status": {"phase": "Fenced", "answeredAt": "t"}})))
+            .patch_status(
+                "fence-1",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": "Fenced", "answeredAt": "t"}})),
+            )
             .await,
     )?;
     forbidden("agent lists fence requests", requests.list(&ListParams::default()).await)?;
-    requests.delete("fence-1", &DeleteParams::default()).await.context("the agent deletes its request")?;
+    requests
+        .delete("fence-1", &DeleteParams::default())
+        .await
+        .context("the agent deletes its request")?;
 
     // Events: create.
     Api::<Event>::namespaced(agent.clone(), "default")
@@ -1334,23 +1174,15 @@ async fn agent_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<()> {
     // Nothing else.
     forbidden(
         "agent gets a config map",
-        Api::<ConfigMap>::namespaced(agent.clone(), NAMESPACE)
-            .get("x")
-            .await,
+        Api::<ConfigMap>::namespaced(agent.clone(), NAMESPACE).get("x").await,
     )?;
     forbidden(
         "agent gets a lease",
-        Api::<Lease>::namespaced(agent.clone(), NAMESPACE)
-            .get(LEASE)
-            .await,
+        Api::<Lease>::namespaced(agent.clone(), NAMESPACE).get(LEASE).await,
     )?;
 
     let wrong = access_differences(agent, AGENT_GRANTS).await?;
-    assert!(
-        wrong.is_empty(),
-        "the agent's access:\n{}",
-        wrong.join("\n")
-    );
+    assert!(wrong.is_empty(), "the agent's access:\n{}", wrong.join("\n"));
     Ok(())
 }
 
@@ -1363,45 +1195,25 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
 
     // Leader election: its Lease in its own namespace, and only that one.
     let leases: Api<Lease> = Api::namespaced(controller.clone(), CONTROLLER_NS);
-    leases
-        .create(&pp, &lease(LEASE))
-        .await
-        .context("the controller creates its Lease")?;
-    let mut held = leases
-        .get(LEASE)
-        .await
-        .context("the controller gets its Lease")?;
+    leases.create(&pp, &lease(LEASE)).await.context("the controller creates its Lease")?;
+    let mut held = leases.get(LEASE).await.context("the controller gets its Lease")?;
     if let Some(spec) = held.spec.as_mut() {
         spec.holder_identity = Some("volagent-controller-1".into());
     }
-    leases
-        .replace(LEASE, &pp, &held)
-        .await
-        .context("the controller updates its Lease")?;
+    leases.replace(LEASE, &pp, &held).await.context("the controller updates its Lease")?;
     forbidden(
         "controller deletes its Lease",
         leases.delete(LEASE, &DeleteParams::default()).await,
     )?;
-    forbidden(
-        "controller lists leases",
-        leases.list(&ListParams::default()).await,
-    )?;
+    forbidden("controller lists leases", leases.list(&ListParams::default()).await)?;
     forbidden("controller gets another Lease", leases.get("other").await)?;
     let elsewhere: Api<Lease> = Api::namespaced(controller.clone(), "default");
-    forbidden(
-        "controller creates a Lease in default",
-        elsewhere.create(&pp, &lease(LEASE)).await,
-    )?;
-    forbidden(
-        "controller gets a Lease in default",
-        elsewhere.get(LEASE).await,
-    )?;
+    forbidden("controller creates a Lease in default", elsewhere.create(&pp, &lease(LEASE)).await)?;
+    forbidden("controller gets a Lease in default", elsewhere.get(LEASE).await)?;
 
     // StorageClusters: finalizer and status.
-    let clusters: Api<DynamicObject> = Api::all_with(
-        controller.clone(),
-        &crd_resource("StorageCluster", "storageclusters"),
-    );
+    let clusters: Api<DynamicObject> =
+        Api::all_with(controller.clone(), &crd_resource("StorageCluster", "storageclusters"));
     clusters
         .patch(
             "ceph-a",
@@ -1428,10 +1240,7 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
         clusters
             .create(&pp, &{
                 let mut c = cluster.clone();
-                c.metadata = ObjectMeta {
-                    name: Some("ceph-b".into()),
-                    ..ObjectMeta::default()
-                };
+                c.metadata = ObjectMeta { name: Some("ceph-b".into()), ..ObjectMeta::default() };
                 c
             })
             .await,
@@ -1445,10 +1254,8 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
     let admin_attachments: Api<DynamicObject> =
         Api::all_with(env.client(), &crd_resource("Attachment", "attachments"));
     admin_attachments.create(&pp, &attachment("pv-1")?).await?;
-    let attachments: Api<DynamicObject> = Api::all_with(
-        controller.clone(),
-        &crd_resource("Attachment", "attachments"),
-    );
+    let attachments: Api<DynamicObject> =
+        Api::all_with(controller.clone(), &crd_resource("Attachment", "attachments"));
     forbidden(
         "controller creates an Attachment",
         attachments.create(&pp, &attachment("pv-2")?).await,
@@ -1465,20 +1272,12 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
         .context("the controller deletes an Attachment")?;
 
     // Cleanup lists: create and extend.
-    let cleanups: Api<DynamicObject> = Api::all_with(
-        controller.clone(),
-        &crd_resource("NodeCleanup", "nodecleanups"),
-    );
+    let cleanups: Api<DynamicObject> =
+        Api::all_with(controller.clone(), &crd_resource("NodeCleanup", "nodecleanups"));
     let mut list = cleanups.get("node-1").await?;
     cleanups.replace("node-1", &pp, &list).await?;
-    list.metadata = ObjectMeta {
-        name: Some("node-2".into()),
-        ..ObjectMeta::default()
-    };
-    cleanups
-        .create(&pp, &list)
-        .await
-        .context("the controller creates a NodeCleanup")?;
+    list.metadata = ObjectMeta { name: Some("node-2".into()), ..ObjectMeta::default() };
+    cleanups.create(&pp, &list).await.context("the controller creates a NodeCleanup")?;
     cleanups
         .delete("node-2", &DeleteParams::default())
         .await
@@ -1487,10 +1286,7 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
     // Nodes: read. Events: create.
     let nodes: Api<Node> = Api::all(controller.clone());
     nodes.get("node-1").await?;
-    forbidden(
-        "controller deletes a node",
-        nodes.delete("node-1", &DeleteParams::default()).await,
-    )?;
+    forbidden("controller deletes a node", nodes.delete("node-1", &DeleteParams::default()).await)?;
     Api::<Event>::namespaced(controller.clone(), "default")
         .create(&pp, &event("controller-event", "node-1"))
         .await
@@ -1518,7 +1314,9 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
     // Its webhook: the agents' pods by name, its configuration's caBundle.
     forbidden(
         "controller lists the agents' pods",
-        Api::<k8s_openapi::api::core::v1::Pod>::namespaced(controller.clone(), NAMESPACE).list(&ListParams::default()).await,
+        Api::<k8s_openapi::api::core::v1::Pod>::namespaced(controller.clone(), NAMESPACE)
+            .list(&ListParams::default())
+            .await,
     )?;
     Api::<PersistentVolume>::all(controller.clone())
         .list(&ListParams::default())
@@ -1532,11 +1330,7 @@ async fn controller_rbac_allows_its_calls_and_nothing_more() -> anyhow::Result<(
     )?;
 
     let wrong = access_differences(controller, CONTROLLER_GRANTS).await?;
-    assert!(
-        wrong.is_empty(),
-        "the controller's access:\n{}",
-        wrong.join("\n")
-    );
+    assert!(wrong.is_empty(), "the controller's access:\n{}", wrong.join("\n"));
     Ok(())
 }
 
@@ -1558,7 +1352,8 @@ fn the_workloads_args_parse_as_the_binary_expects() -> anyhow::Result<()> {
         // comes from the downward API.
         let expanded = args.iter().map(|a| a.replace("$(NODE_IP)", "10.0.0.7"));
         let argv = std::iter::once("volagent".to_string()).chain(expanded);
-        volagent::cli::Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{kind} args {args:?}: {e}"))?;
+        volagent::cli::Cli::try_parse_from(argv)
+            .map_err(|e| anyhow::anyhow!("{kind} args {args:?}: {e}"))?;
     }
     Ok(())
 }

@@ -8,8 +8,13 @@ use std::process::Command;
 pub fn run_driver(cmd: &mut Command) -> (i32, Value) {
     let out = cmd.output().expect("run the driver");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.stderr.is_empty(), "the driver wrote to stderr: {}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_str(stdout.trim_end()).unwrap_or_else(|e| panic!("not one JSON object ({e}): {stdout:?}"));
+    assert!(
+        out.stderr.is_empty(),
+        "the driver wrote to stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(stdout.trim_end())
+        .unwrap_or_else(|e| panic!("not one JSON object ({e}): {stdout:?}"));
     assert!(v.is_object() && stdout.trim_end().lines().count() == 1, "{stdout:?}");
     (out.status.code().unwrap_or(-1), v)
 }
@@ -17,7 +22,14 @@ pub fn run_driver(cmd: &mut Command) -> (i32, Value) {
 /// kubelet's options for an rbd PV of `image` (pool `rbd`, the run's Ceph
 /// at 127.0.0.1:6789, user volagent) with `secret` (the Ceph key as the
 /// Secret holds it; kubelet sends base64 of it) under key "key".
-pub fn rbd_options(volume: &str, pod: &str, uid: &str, image: &str, secret: Option<&str>, mode: &str) -> Value {
+pub fn rbd_options(
+    volume: &str,
+    pod: &str,
+    uid: &str,
+    image: &str,
+    secret: Option<&str>,
+    mode: &str,
+) -> Value {
     use base64::Engine;
     let mut o = kubelet_options(volume, pod, uid, "ext4", "");
     let m = o.as_object_mut().expect("kubelet_options is an object");
@@ -28,7 +40,10 @@ pub fn rbd_options(volume: &str, pod: &str, uid: &str, image: &str, secret: Opti
     m.insert("user".into(), "volagent".into());
     m.insert("accessMode".into(), mode.into());
     if let Some(secret) = secret {
-        m.insert("kubernetes.io/secret/key".into(), base64::engine::general_purpose::STANDARD.encode(secret).into());
+        m.insert(
+            "kubernetes.io/secret/key".into(),
+            base64::engine::general_purpose::STANDARD.encode(secret).into(),
+        );
     }
     o
 }
@@ -57,4 +72,3 @@ pub fn assert_failure(r: &(i32, Value), contains: &str) {
     let msg = r.1["message"].as_str().unwrap_or_default();
     assert!(msg.contains(contains), "{msg:?} does not say {contains:?}");
 }
-

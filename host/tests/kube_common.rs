@@ -2,7 +2,10 @@
 //! Nodes and PVs as a cluster would have them.
 #![allow(dead_code)]
 
-use k8s_openapi::api::core::v1::{FlexPersistentVolumeSource, Node, NodeCondition, NodeSpec, NodeStatus, PersistentVolume, PersistentVolumeSpec, Taint};
+use k8s_openapi::api::core::v1::{
+    FlexPersistentVolumeSource, Node, NodeCondition, NodeSpec, NodeStatus, PersistentVolume,
+    PersistentVolumeSpec, Taint,
+};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use std::time::{Duration, Instant};
@@ -13,7 +16,12 @@ pub async fn wait_established(client: &kube::Client, name: &str) {
     let start = Instant::now();
     loop {
         let c = api.get(name).await.expect("get CRD");
-        let established = c.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established" && c.status == "True");
+        let established = c
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
         if established {
             return;
         }
@@ -26,7 +34,14 @@ pub async fn wait_established(client: &kube::Client, name: &str) {
 pub async fn create_node(client: &kube::Client, name: &str, ready: bool) {
     let api: Api<Node> = Api::all(client.clone());
     let labels = [("kubernetes.io/hostname".to_string(), name.to_string())].into();
-    let node = Node { metadata: ObjectMeta { name: Some(name.into()), labels: Some(labels), ..Default::default() }, ..Default::default() };
+    let node = Node {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(labels),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
     api.create(&PostParams::default(), &node).await.expect("create node");
     set_ready(client, name, ready).await;
 }
@@ -34,20 +49,33 @@ pub async fn create_node(client: &kube::Client, name: &str, ready: bool) {
 pub async fn set_ready(client: &kube::Client, name: &str, ready: bool) {
     let api: Api<Node> = Api::all(client.clone());
     let status = NodeStatus {
-        conditions: Some(vec![NodeCondition { type_: "Ready".into(), status: if ready { "True" } else { "False" }.into(), ..Default::default() }]),
+        conditions: Some(vec![NodeCondition {
+            type_: "Ready".into(),
+            status: if ready { "True" } else { "False" }.into(),
+            ..Default::default()
+        }]),
         ..Default::default()
     };
     let patch = serde_json::json!({ "status": status });
-    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.expect("node status");
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("node status");
 }
 
 pub async fn taint_out_of_service(client: &kube::Client, name: &str) {
     let api: Api<Node> = Api::all(client.clone());
     let spec = NodeSpec {
-        taints: Some(vec![Taint { key: "node.kubernetes.io/out-of-service".into(), value: Some("nodeshutdown".into()), effect: "NoExecute".into(), ..Default::default() }]),
+        taints: Some(vec![Taint {
+            key: "node.kubernetes.io/out-of-service".into(),
+            value: Some("nodeshutdown".into()),
+            effect: "NoExecute".into(),
+            ..Default::default()
+        }]),
         ..Default::default()
     };
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&serde_json::json!({ "spec": spec }))).await.expect("taint");
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&serde_json::json!({ "spec": spec })))
+        .await
+        .expect("taint");
 }
 
 pub async fn delete_node(client: &kube::Client, name: &str) {
@@ -63,13 +91,29 @@ pub fn claim_of(pv: &str) -> String {
 /// A PV of a Flexvolume driver `volagent/<backend>` with one access mode,
 /// bound to the claim [`claim_of`] it in `default` (made here too), as the
 /// PV controller would bind them.
-pub async fn create_pv(client: &kube::Client, name: &str, backend: &str, mode: &str, options: &[(&str, &str)]) {
+pub async fn create_pv(
+    client: &kube::Client,
+    name: &str,
+    backend: &str,
+    mode: &str,
+    options: &[(&str, &str)],
+) {
     create_pv_with(client, name, backend, mode, options, None).await
 }
 
 /// [`create_pv`] with node affinity to `node` (by `kubernetes.io/hostname`).
-pub async fn create_pv_with(client: &kube::Client, name: &str, backend: &str, mode: &str, options: &[(&str, &str)], node: Option<&str>) {
-    use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeNodeAffinity};
+pub async fn create_pv_with(
+    client: &kube::Client,
+    name: &str,
+    backend: &str,
+    mode: &str,
+    options: &[(&str, &str)],
+    node: Option<&str>,
+) {
+    use k8s_openapi::api::core::v1::{
+        NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference,
+        PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeNodeAffinity,
+    };
     let claim = claim_of(name);
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
     let pvc = PersistentVolumeClaim {
@@ -78,7 +122,13 @@ pub async fn create_pv_with(client: &kube::Client, name: &str, backend: &str, mo
             access_modes: Some(vec![mode.into()]),
             volume_name: Some(name.into()),
             resources: Some(k8s_openapi::api::core::v1::VolumeResourceRequirements {
-                requests: Some([("storage".to_string(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("64Mi".into()))].into()),
+                requests: Some(
+                    [(
+                        "storage".to_string(),
+                        k8s_openapi::apimachinery::pkg::api::resource::Quantity("64Mi".into()),
+                    )]
+                    .into(),
+                ),
                 ..Default::default()
             }),
             ..Default::default()
@@ -89,7 +139,11 @@ pub async fn create_pv_with(client: &kube::Client, name: &str, backend: &str, mo
     let affinity = node.map(|n| VolumeNodeAffinity {
         required: Some(NodeSelector {
             node_selector_terms: vec![NodeSelectorTerm {
-                match_expressions: Some(vec![NodeSelectorRequirement { key: "kubernetes.io/hostname".into(), operator: "In".into(), values: Some(vec![n.into()]) }]),
+                match_expressions: Some(vec![NodeSelectorRequirement {
+                    key: "kubernetes.io/hostname".into(),
+                    operator: "In".into(),
+                    values: Some(vec![n.into()]),
+                }]),
                 match_fields: None,
             }],
         }),
@@ -106,11 +160,19 @@ pub async fn create_pv_with(client: &kube::Client, name: &str, backend: &str, mo
             }),
             node_affinity: affinity,
             access_modes: Some(vec![mode.into()]),
-            capacity: Some([("storage".to_string(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("64Mi".into()))].into()),
+            capacity: Some(
+                [(
+                    "storage".to_string(),
+                    k8s_openapi::apimachinery::pkg::api::resource::Quantity("64Mi".into()),
+                )]
+                .into(),
+            ),
             flex_volume: Some(FlexPersistentVolumeSource {
                 driver: format!("volagent/{backend}"),
                 fs_type: Some("ext4".into()),
-                options: Some(options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                options: Some(
+                    options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                ),
                 ..Default::default()
             }),
             ..Default::default()
@@ -125,13 +187,23 @@ pub type Inline<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
 
 /// A pod in `default` that uses the claims of `pvs` and the inline volumes
 /// `inline`; its UID.
-pub async fn create_pod(client: &kube::Client, name: &str, pvs: &[&str], inline: &[Inline<'_>]) -> String {
-    use k8s_openapi::api::core::v1::{Container, FlexVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume};
+pub async fn create_pod(
+    client: &kube::Client,
+    name: &str,
+    pvs: &[&str],
+    inline: &[Inline<'_>],
+) -> String {
+    use k8s_openapi::api::core::v1::{
+        Container, FlexVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume,
+    };
     let mut volumes: Vec<Volume> = pvs
         .iter()
         .map(|pv| Volume {
             name: format!("v-{pv}"),
-            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource { claim_name: claim_of(pv), read_only: None }),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim_of(pv),
+                read_only: None,
+            }),
             ..Default::default()
         })
         .collect();
@@ -140,7 +212,9 @@ pub async fn create_pod(client: &kube::Client, name: &str, pvs: &[&str], inline:
             name: volume.to_string(),
             flex_volume: Some(FlexVolumeSource {
                 driver: format!("volagent/{backend}"),
-                options: Some(options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                options: Some(
+                    options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                ),
                 ..Default::default()
             }),
             ..Default::default()
@@ -149,7 +223,11 @@ pub async fn create_pod(client: &kube::Client, name: &str, pvs: &[&str], inline:
     let pod = Pod {
         metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
         spec: Some(PodSpec {
-            containers: vec![Container { name: "c".into(), image: Some("busybox".into()), ..Default::default() }],
+            containers: vec![Container {
+                name: "c".into(),
+                image: Some("busybox".into()),
+                ..Default::default()
+            }],
             volumes: Some(volumes),
             automount_service_account_token: Some(false),
             ..Default::default()

@@ -25,7 +25,9 @@ async fn kube_ledger_conforms() {
 /// `deploy/`'s RBAC applied; a client of the agents' ServiceAccount.
 async fn agent(env: &KubeEnv, dir: &std::path::Path) -> kube::Client {
     shipped::install_rbac(&env.client()).await.expect("deploy/'s CRDs and RBAC");
-    shipped::account_client(env, shipped::AGENT_NAMESPACE, shipped::AGENT_ACCOUNT, dir).await.expect("the agents' ServiceAccount")
+    shipped::account_client(env, shipped::AGENT_NAMESPACE, shipped::AGENT_ACCOUNT, dir)
+        .await
+        .expect("the agents' ServiceAccount")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -33,7 +35,8 @@ async fn an_api_outage_is_retried_then_reported_and_loses_nothing() {
     let env = KubeEnv::start().await.expect("a real kube-apiserver (scripts/kube-assets)");
     let dir = tempfile::tempdir().expect("a dir");
     let agent = agent(&env, dir.path()).await;
-    let ledger = KubeLedger::new(agent.clone()).with_backoff(Backoff { attempts: 3, first: Duration::from_millis(50) });
+    let ledger = KubeLedger::new(agent.clone())
+        .with_backoff(Backoff { attempts: 3, first: Duration::from_millis(50) });
     let record = conformance::record("pv-outage", &[("n1", "a")]);
     let v1 = ledger.create(&record).await.expect("create");
 
@@ -43,7 +46,8 @@ async fn an_api_outage_is_retried_then_reported_and_loses_nothing() {
     assert!(err.to_string().contains("pv-outage"), "the error names the record: {err}");
 
     // Back within the retry window: the call succeeds.
-    let patient = KubeLedger::new(agent).with_backoff(Backoff { attempts: 8, first: Duration::from_millis(200) });
+    let patient = KubeLedger::new(agent)
+        .with_backoff(Backoff { attempts: 8, first: Duration::from_millis(200) });
     let restart = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         env.start_apiserver().await.expect("restart the API server");
@@ -60,7 +64,14 @@ async fn one_leader_at_a_time_and_a_take_over_only_after_expiry() {
     let env = KubeEnv::start().await.expect("a real kube-apiserver (scripts/kube-assets)");
     let dir = tempfile::tempdir().expect("a dir");
     shipped::install_rbac(&env.client()).await.expect("deploy/'s CRDs and RBAC");
-    let controller = shipped::account_client(&env, shipped::CONTROLLER_NAMESPACE, shipped::CONTROLLER_ACCOUNT, dir.path()).await.expect("the controller's ServiceAccount");
+    let controller = shipped::account_client(
+        &env,
+        shipped::CONTROLLER_NAMESPACE,
+        shipped::CONTROLLER_ACCOUNT,
+        dir.path(),
+    )
+    .await
+    .expect("the controller's ServiceAccount");
     let lease = Duration::from_secs(3);
     let ns = shipped::CONTROLLER_NAMESPACE;
     let a = LeaderElector::new(controller.clone(), ns, "volagent-controller", "replica-a", lease);
@@ -73,7 +84,10 @@ async fn one_leader_at_a_time_and_a_take_over_only_after_expiry() {
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(800)).await;
         assert!(leader.try_lead().await.expect("renew"), "the leader renews");
-        assert!(!other.try_lead().await.expect("try"), "the other waits while the lease is renewed");
+        assert!(
+            !other.try_lead().await.expect("try"),
+            "the other waits while the lease is renewed"
+        );
     }
     // The leader stops renewing: before expiry the other still waits.
     tokio::time::sleep(Duration::from_millis(1500)).await;

@@ -37,7 +37,10 @@ impl Drop for Setup {
         let _ = self.controller.kill();
         let _ = self.controller.wait();
         if std::thread::panicking() {
-            eprintln!("controller log:\n{}", std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap_or_default());
+            eprintln!(
+                "controller log:\n{}",
+                std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap_or_default()
+            );
         }
     }
 }
@@ -50,7 +53,10 @@ async fn start() -> Setup {
     for n in ["node-a", "node-b"] {
         kube_common::create_node(&env.client(), n, true).await;
     }
-    let kubeconfig = shipped::controller_kubeconfig(&env, &dir.path().join("controller.kubeconfig")).await.unwrap();
+    let kubeconfig =
+        shipped::controller_kubeconfig(&env, &dir.path().join("controller.kubeconfig"))
+            .await
+            .unwrap();
     let controller = Command::new(env!("CARGO_BIN_EXE_volagent"))
         .args(shipped::controller_args(&kubeconfig, port))
         .args(["--local-interval", "1s"])
@@ -78,7 +84,10 @@ fn consumer(node: &str) -> serde_json::Value {
 }
 
 fn attachment(consumers: &[serde_json::Value], clients: &[(&str, i64)]) -> Attachment {
-    let clients: Vec<_> = clients.iter().map(|(n, id)| json!({ "node": n, "id": id, "address": format!("10.0.0.9:0/{id}") })).collect();
+    let clients: Vec<_> = clients
+        .iter()
+        .map(|(n, id)| json!({ "node": n, "id": id, "address": format!("10.0.0.9:0/{id}") }))
+        .collect();
     serde_json::from_value(json!({
         "apiVersion": "volagent.io/v1alpha1", "kind": "Attachment", "metadata": { "name": "pv-1" },
         "spec": { "backend": "rbd", "accessMode": "ReadWriteOnce", "storageCluster": "ceph", "consumers": consumers, "storageClients": clients }
@@ -98,36 +107,83 @@ async fn a_nodes_token_reaches_only_its_own_nodes_objects() {
     let admin = t.env.client();
 
     // NodeLocalVolumes: B's object and status are B's.
-    let (la, lb): (Api<NodeLocalVolumes>, Api<NodeLocalVolumes>) = (Api::all(t.a.clone()), Api::all(t.b.clone()));
-    refused("A creates B's NodeLocalVolumes", la.create(&pp, &NodeLocalVolumes::new("node-b", Default::default())).await, "only its own node's NodeLocalVolumes");
-    lb.create(&pp, &NodeLocalVolumes::new("node-b", Default::default())).await.expect("B creates its own");
+    let (la, lb): (Api<NodeLocalVolumes>, Api<NodeLocalVolumes>) =
+        (Api::all(t.a.clone()), Api::all(t.b.clone()));
+    refused(
+        "A creates B's NodeLocalVolumes",
+        la.create(&pp, &NodeLocalVolumes::new("node-b", Default::default())).await,
+        "only its own node's NodeLocalVolumes",
+    );
+    lb.create(&pp, &NodeLocalVolumes::new("node-b", Default::default()))
+        .await
+        .expect("B creates its own");
     let status = json!({ "status": { "volumes": [discovered("node-b", "fast", "/mnt/fast/d1")] } });
-    refused("A writes B's status", la.patch_status("node-b", &PatchParams::default(), &Patch::Merge(&status)).await, "only its own node's NodeLocalVolumes");
-    lb.patch_status("node-b", &PatchParams::default(), &Patch::Merge(&status)).await.expect("B publishes what it discovered");
+    refused(
+        "A writes B's status",
+        la.patch_status("node-b", &PatchParams::default(), &Patch::Merge(&status)).await,
+        "only its own node's NodeLocalVolumes",
+    );
+    lb.patch_status("node-b", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("B publishes what it discovered");
     // B itself cannot name a volume as it likes (e.g. after a victim's PV).
     let chosen = json!({ "status": { "volumes": [{ "name": "pvc-victim", "class": "fast", "path": "/mnt/tenant/data", "kind": "File", "capacity": "1Gi" }] } });
-    refused("B names a volume as it likes", lb.patch_status("node-b", &PatchParams::default(), &Patch::Merge(&chosen)).await, "that volume is");
+    refused(
+        "B names a volume as it likes",
+        lb.patch_status("node-b", &PatchParams::default(), &Patch::Merge(&chosen)).await,
+        "that volume is",
+    );
     let ops = json!({ "spec": { "operations": [{ "volume": "x", "kind": "Delete", "pvUID": "u", "requestedAt": "t" }] } });
-    refused("B requests a wipe", lb.patch("node-b", &PatchParams::default(), &Patch::Merge(&ops)).await, "forbidden");
+    refused(
+        "B requests a wipe",
+        lb.patch("node-b", &PatchParams::default(), &Patch::Merge(&ops)).await,
+        "forbidden",
+    );
 
     // Attachments: B's holder is B's while B lives.
-    let (aa, ab): (Api<Attachment>, Api<Attachment>) = (Api::all(t.a.clone()), Api::all(t.b.clone()));
-    refused("A records a consumer on B", aa.create(&pp, &attachment(&[consumer("node-b")], &[])).await, "names node node-b");
-    let held = ab.create(&pp, &attachment(&[consumer("node-b")], &[("node-b", 41)])).await.expect("B records its own consumer and client");
+    let (aa, ab): (Api<Attachment>, Api<Attachment>) =
+        (Api::all(t.a.clone()), Api::all(t.b.clone()));
+    refused(
+        "A records a consumer on B",
+        aa.create(&pp, &attachment(&[consumer("node-b")], &[])).await,
+        "names node node-b",
+    );
+    let held = ab
+        .create(&pp, &attachment(&[consumer("node-b")], &[("node-b", 41)]))
+        .await
+        .expect("B records its own consumer and client");
     let mut stolen = held.clone();
     stolen.spec.consumers = vec![serde_json::from_value(consumer("node-a")).unwrap()];
-    refused("A replaces B's holder with its own", aa.replace("pv-1", &pp, &stolen).await, "node node-b is not gone");
+    refused(
+        "A replaces B's holder with its own",
+        aa.replace("pv-1", &pp, &stolen).await,
+        "node node-b is not gone",
+    );
     let mut moved = held.clone();
-    moved.spec.consumers[0].mount_dir = "/var/lib/kubelet/pods/uid-a/volumes/volagent~rbd/elsewhere".into();
-    refused("A rewrites B's holder", aa.replace("pv-1", &pp, &moved).await, "may not change node node-b's");
-    refused("A deletes B's record", aa.delete("pv-1", &DeleteParams::default()).await, "node node-b still holds it");
+    moved.spec.consumers[0].mount_dir =
+        "/var/lib/kubelet/pods/uid-a/volumes/volagent~rbd/elsewhere".into();
+    refused(
+        "A rewrites B's holder",
+        aa.replace("pv-1", &pp, &moved).await,
+        "may not change node node-b's",
+    );
+    refused(
+        "A deletes B's record",
+        aa.delete("pv-1", &DeleteParams::default()).await,
+        "node node-b still holds it",
+    );
     let mut rwx = held.clone();
     rwx.spec.access_mode = volagent::kube::crds::AccessMode::ReadWriteMany;
-    refused("A changes what B's volume is", aa.replace("pv-1", &pp, &rwx).await, "while other nodes hold it");
+    refused(
+        "A changes what B's volume is",
+        aa.replace("pv-1", &pp, &rwx).await,
+        "while other nodes hold it",
+    );
 
     // Fencing B: A's request is checked by the controller, which refuses
     // while B lives; A cannot ask as B, nor delete B's request.
-    let (fa, fb): (Api<FenceRequest>, Api<FenceRequest>) = (Api::all(t.a.clone()), Api::all(t.b.clone()));
+    let (fa, fb): (Api<FenceRequest>, Api<FenceRequest>) =
+        (Api::all(t.a.clone()), Api::all(t.b.clone()));
     let request = |requester: &str, node: &str| -> FenceRequest {
         serde_json::from_value(json!({
             "apiVersion": "volagent.io/v1alpha1", "kind": "FenceRequest", "metadata": { "name": FenceRequest::name_for("pv-1", &format!("{requester}-{node}")) },
@@ -140,45 +196,103 @@ async fn a_nodes_token_reaches_only_its_own_nodes_objects() {
     let name = asked.metadata.name.clone().unwrap();
     let answer = wait(|| async { fa.get(&name).await.ok().and_then(|r| r.status) }).await;
     assert_eq!(answer.phase, FencePhase::Refused, "{answer:?}");
-    assert!(answer.message.as_deref().unwrap_or("").contains("node node-b is not gone"), "{answer:?}");
-    refused("B deletes A's request", fb.delete(&name, &DeleteParams::default()).await, "not node node-b's");
+    assert!(
+        answer.message.as_deref().unwrap_or("").contains("node node-b is not gone"),
+        "{answer:?}"
+    );
+    refused(
+        "B deletes A's request",
+        fb.delete(&name, &DeleteParams::default()).await,
+        "not node node-b's",
+    );
     fa.delete(&name, &DeleteParams::default()).await.expect("A deletes its own");
     let answered = json!({ "status": { "phase": "Fenced", "answeredAt": "2026-01-01T00:00:00Z" } });
-    refused("A answers a request itself", fa.patch_status(&name, &PatchParams::default(), &Patch::Merge(&answered)).await, "forbidden");
+    refused(
+        "A answers a request itself",
+        fa.patch_status(&name, &PatchParams::default(), &Patch::Merge(&answered)).await,
+        "forbidden",
+    );
 
     // Cleanup lists: B's is B's to work off, and only to work off.
     let entry = json!({ "volume": "pv-1", "backend": "rbd", "accessMode": "ReadWriteOnce", "consumer": consumer("node-b"), "reason": "NodeGone", "movedAt": "2026-01-01T00:00:01Z" });
     let list: NodeCleanup = serde_json::from_value(json!({ "apiVersion": "volagent.io/v1alpha1", "kind": "NodeCleanup", "metadata": { "name": "node-b" }, "spec": { "entries": [entry] } })).unwrap();
     Api::<NodeCleanup>::all(admin.clone()).create(&pp, &list).await.unwrap();
-    let (ca, cb): (Api<NodeCleanup>, Api<NodeCleanup>) = (Api::all(t.a.clone()), Api::all(t.b.clone()));
+    let (ca, cb): (Api<NodeCleanup>, Api<NodeCleanup>) =
+        (Api::all(t.a.clone()), Api::all(t.b.clone()));
     let mut emptied = ca.get("node-b").await.unwrap();
     emptied.spec.entries.clear();
-    refused("A empties B's cleanup list", ca.replace("node-b", &pp, &emptied).await, "only its own node's NodeCleanup");
+    refused(
+        "A empties B's cleanup list",
+        ca.replace("node-b", &pp, &emptied).await,
+        "only its own node's NodeCleanup",
+    );
     let mut added = ca.get("node-b").await.unwrap();
     added.spec.entries.push(added.spec.entries[0].clone());
-    added.spec.entries[1].consumer.mount_dir = "/var/lib/kubelet/pods/uid-x/volumes/volagent~rbd/pv-1".into();
-    refused("B adds to its cleanup list", cb.replace("node-b", &pp, &added).await, "only take entries out");
-    refused("A creates a cleanup list", ca.create(&pp, &{ let mut l = list.clone(); l.metadata = ObjectMeta { name: Some("node-a".into()), ..Default::default() }; l }).await, "forbidden");
+    added.spec.entries[1].consumer.mount_dir =
+        "/var/lib/kubelet/pods/uid-x/volumes/volagent~rbd/pv-1".into();
+    refused(
+        "B adds to its cleanup list",
+        cb.replace("node-b", &pp, &added).await,
+        "only take entries out",
+    );
+    refused(
+        "A creates a cleanup list",
+        ca.create(&pp, &{
+            let mut l = list.clone();
+            l.metadata = ObjectMeta { name: Some("node-a".into()), ..Default::default() };
+            l
+        })
+        .await,
+        "forbidden",
+    );
     cb.replace("node-b", &pp, &emptied).await.expect("B works its list off");
-    wait(|| async { cb.get_opt("node-b").await.ok().and_then(|l| l.is_none().then_some(())) }).await;
+    wait(|| async { cb.get_opt("node-b").await.ok().and_then(|l| l.is_none().then_some(())) })
+        .await;
 
     // Secrets: only the agents' namespace.
-    Api::<Namespace>::all(admin.clone()).create(&pp, &serde_json::from_value(json!({ "metadata": { "name": "tenant" } })).unwrap()).await.unwrap();
+    Api::<Namespace>::all(admin.clone())
+        .create(&pp, &serde_json::from_value(json!({ "metadata": { "name": "tenant" } })).unwrap())
+        .await
+        .unwrap();
     for ns in [shipped::AGENT_NAMESPACE, shipped::CONTROLLER_NAMESPACE, "tenant", "kube-system"] {
-        let secret: Secret = serde_json::from_value(json!({ "metadata": { "name": "creds" }, "stringData": { "key": "AQB" } })).unwrap();
+        let secret: Secret = serde_json::from_value(
+            json!({ "metadata": { "name": "creds" }, "stringData": { "key": "AQB" } }),
+        )
+        .unwrap();
         Api::<Secret>::namespaced(admin.clone(), ns).create(&pp, &secret).await.unwrap();
     }
-    Api::<Secret>::namespaced(t.b.clone(), shipped::AGENT_NAMESPACE).get("creds").await.expect("B reads the nodes' credentials");
-    Api::<Secret>::namespaced(t.a.clone(), shipped::AGENT_NAMESPACE).get("creds").await.expect("so does A");
+    Api::<Secret>::namespaced(t.b.clone(), shipped::AGENT_NAMESPACE)
+        .get("creds")
+        .await
+        .expect("B reads the nodes' credentials");
+    Api::<Secret>::namespaced(t.a.clone(), shipped::AGENT_NAMESPACE)
+        .get("creds")
+        .await
+        .expect("so does A");
     for ns in [shipped::CONTROLLER_NAMESPACE, "tenant", "kube-system"] {
-        refused(&format!("A reads a Secret in {ns}"), Api::<Secret>::namespaced(t.a.clone(), ns).get("creds").await, "forbidden");
+        refused(
+            &format!("A reads a Secret in {ns}"),
+            Api::<Secret>::namespaced(t.a.clone(), ns).get("creds").await,
+            "forbidden",
+        );
     }
 
     // A token of the agents' ServiceAccount bound to no pod names no node.
-    let unbound = shipped::account_client(&t.env, shipped::AGENT_NAMESPACE, shipped::AGENT_ACCOUNT, t.dir.path()).await.unwrap();
+    let unbound = shipped::account_client(
+        &t.env,
+        shipped::AGENT_NAMESPACE,
+        shipped::AGENT_ACCOUNT,
+        t.dir.path(),
+    )
+    .await
+    .unwrap();
     let mut own = attachment(&[consumer("node-a")], &[]);
     own.metadata.name = Some("pv-2".into());
-    refused("an unbound token writes", Api::<Attachment>::all(unbound).create(&pp, &own).await, "not bound to its pod");
+    refused(
+        "an unbound token writes",
+        Api::<Attachment>::all(unbound).create(&pp, &own).await,
+        "not bound to its pod",
+    );
 
     // B gone (out of service): A may take its holder out, as a take-over does.
     kube_common::taint_out_of_service(&admin, "node-b").await;
@@ -190,10 +304,16 @@ async fn a_nodes_token_reaches_only_its_own_nodes_objects() {
     // B, back, may not put itself back in beside A.
     let mut back = aa.get("pv-1").await.unwrap();
     back.spec.consumers.push(serde_json::from_value(consumer("node-b")).unwrap());
-    ab.replace("pv-1", &pp, &back).await.expect("B may add its own holder (fencing is the policy's)");
+    ab.replace("pv-1", &pp, &back)
+        .await
+        .expect("B may add its own holder (fencing is the policy's)");
     let mut kick = ab.get("pv-1").await.unwrap();
     kick.spec.consumers.retain(|c| c.node == "node-b");
-    refused("B removes A's holder", ab.replace("pv-1", &pp, &kick).await, "node node-a is not gone");
+    refused(
+        "B removes A's holder",
+        ab.replace("pv-1", &pp, &kick).await,
+        "node node-a is not gone",
+    );
 }
 
 /// The controller takes no node's report on trust: a volume whose name is
@@ -220,16 +340,35 @@ async fn the_controller_makes_pvs_only_of_reports_it_can_verify() {
     disk_a["kind"] = json!("Block");
     disk_a["device"] = json!("/dev/sdc");
     disk_a["identity"] = json!("wwn-0x5000");
-    for (node, volumes) in [("node-b", json!([good, misnamed, borrowed, disk_b])), ("node-a", json!([]))] {
-        lists.create(&PostParams::default(), &NodeLocalVolumes::new(node, Default::default())).await.unwrap();
-        lists.patch_status(node, &PatchParams::default(), &Patch::Merge(&json!({ "status": { "volumes": volumes } }))).await.unwrap();
+    for (node, volumes) in
+        [("node-b", json!([good, misnamed, borrowed, disk_b])), ("node-a", json!([]))]
+    {
+        lists
+            .create(&PostParams::default(), &NodeLocalVolumes::new(node, Default::default()))
+            .await
+            .unwrap();
+        lists
+            .patch_status(
+                node,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "status": { "volumes": volumes } })),
+            )
+            .await
+            .unwrap();
     }
     let pvs: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(admin.clone());
     let name = |v: &serde_json::Value| v["name"].as_str().unwrap().to_string();
     wait(|| async { pvs.get_opt(&name(&good)).await.ok().flatten() }).await;
     wait(|| async { pvs.get_opt(&name(&disk_b)).await.ok().flatten() }).await;
     // node-a now reports the same disk (by identity) under its own name.
-    lists.patch_status("node-a", &PatchParams::default(), &Patch::Merge(&json!({ "status": { "volumes": [disk_a] } }))).await.unwrap();
+    lists
+        .patch_status(
+            "node-a",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({ "status": { "volumes": [disk_a] } })),
+        )
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_secs(4)).await;
     for bad in ["pvc-victim".to_string(), name(&borrowed), name(&disk_a)] {
         assert!(pvs.get_opt(&bad).await.unwrap().is_none(), "no PV for {bad}");

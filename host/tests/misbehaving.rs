@@ -73,7 +73,10 @@ fn a_policy_refusal_is_not_a_trap() {
     let plugin = load(&rt, MISBEHAVE);
     let err = attach_named(&plugin, "refuse").unwrap_err();
     assert!(err.is_policy_refusal(), "{err}");
-    assert!(err.to_string().contains("refused: invalid options: volume refuse is refused on request"), "{err}");
+    assert!(
+        err.to_string().contains("refused: invalid options: volume refuse is refused on request"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -88,8 +91,14 @@ fn steps_outside_the_declared_capabilities_are_refused() {
     let rt = runtime(500);
     let plugin = load(&rt, MISBEHAVE);
     let cases = [
-        ("undeclared-device", "step 1 (attach-device): device kind rbd is not declared in the backend's capabilities"),
-        ("escape", "step 1 (bind-mount): bind target /etc is outside the dirs this backend may use here"),
+        (
+            "undeclared-device",
+            "step 1 (attach-device): device kind rbd is not declared in the backend's capabilities",
+        ),
+        (
+            "escape",
+            "step 1 (bind-mount): bind target /etc is outside the dirs this backend may use here",
+        ),
         ("dotdot", "contains \"..\""),
     ];
     for (name, expected) in cases {
@@ -107,13 +116,18 @@ fn a_takeover_of_a_live_node_is_refused() {
     let v = volume("takeover-live", "misbehave");
     let old = consumer("n2", "old", "misbehave", "takeover-live");
     let new = consumer("n1", "new", "misbehave", "takeover-live");
-    let nodes = [NodeFacts { name: "n2".into(), exists: true, ready: false, out_of_service: false }];
+    let nodes =
+        [NodeFacts { name: "n2".into(), exists: true, ready: false, out_of_service: false }];
     let err = plugin.fence(facts(), &v, &new, &[holder(&old)], &nodes).unwrap_err();
     assert!(matches!(err, CallError::TakeOver { .. }), "{err}");
     assert!(err.to_string().contains("node n2 is not known to be gone"), "{err}");
     // Proven gone: the same answer is accepted.
-    let gone = [NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false }];
-    assert!(matches!(plugin.fence(facts(), &v, &new, &[holder(&old)], &gone), Ok(Decision::TakeOver(_))));
+    let gone =
+        [NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false }];
+    assert!(matches!(
+        plugin.fence(facts(), &v, &new, &[holder(&old)], &gone),
+        Ok(Decision::TakeOver(_))
+    ));
 }
 
 #[test]
@@ -141,7 +155,10 @@ fn load_err(rt: &Arc<Runtime>, path: &Path) -> LoadError {
     match Plugin::load_file(rt, path) {
         Ok(p) => panic!("{} loaded as backend {}", path.display(), p.name()),
         Err(e) => {
-            assert!(e.to_string().starts_with(&path.display().to_string()), "error must name the file: {e}");
+            assert!(
+                e.to_string().starts_with(&path.display().to_string()),
+                "error must name the file: {e}"
+            );
             e
         }
     }
@@ -160,7 +177,9 @@ fn a_component_importing_sockets_is_refused() {
     let rt = runtime(500);
     let err = load_err(&rt, Path::new(NET_IMPORT));
     match &err {
-        LoadError::DisallowedImport { import, .. } => assert!(import.starts_with("wasi:sockets/"), "{err}"),
+        LoadError::DisallowedImport { import, .. } => {
+            assert!(import.starts_with("wasi:sockets/"), "{err}")
+        }
         other => panic!("expected a disallowed import, got {other}"),
     }
 }
@@ -168,7 +187,8 @@ fn a_component_importing_sockets_is_refused() {
 #[test]
 fn files_that_are_not_components_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let rt = Runtime::new(Limits { max_file_bytes: 1 << 20, ..Default::default() }).expect("runtime");
+    let rt =
+        Runtime::new(Limits { max_file_bytes: 1 << 20, ..Default::default() }).expect("runtime");
     let write = |name: &str, bytes: &[u8]| {
         let p = dir.path().join(name);
         std::fs::write(&p, bytes).expect("write");
@@ -199,7 +219,12 @@ fn files_that_are_not_components_are_refused() {
 
 #[test]
 fn more_calls_than_pool_slots_fail_clearly_and_recover() {
-    let rt = Runtime::new(Limits { concurrent_calls: 2, deadline: std::time::Duration::from_secs(5), ..Default::default() }).expect("runtime");
+    let rt = Runtime::new(Limits {
+        concurrent_calls: 2,
+        deadline: std::time::Duration::from_secs(5),
+        ..Default::default()
+    })
+    .expect("runtime");
     let plugin = Arc::new(load(&rt, MISBEHAVE));
     // Two endless calls hold both slots until their deadline.
     let spinners: Vec<_> = (0..2)
@@ -221,17 +246,28 @@ fn more_calls_than_pool_slots_fail_clearly_and_recover() {
 #[test]
 fn oversized_plans_are_refused_and_the_next_call_served() {
     // Memory enough for the guest to build them.
-    let rt = Runtime::new(Limits { deadline: std::time::Duration::from_secs(5), memory_bytes: 512 << 20, ..Default::default() }).expect("runtime");
+    let rt = Runtime::new(Limits {
+        deadline: std::time::Duration::from_secs(5),
+        memory_bytes: 512 << 20,
+        ..Default::default()
+    })
+    .expect("runtime");
     let plugin = load(&rt, MISBEHAVE);
     // A million steps: wasmtime bounds what a call may copy out of a guest.
     let err = attach_named(&plugin, "huge-plan").unwrap_err();
     assert!(matches!(err, CallError::Trap { .. }), "{err}");
-    assert!(err.to_string().contains("too much data is being copied between the host and the guest"), "{err}");
+    assert!(
+        err.to_string().contains("too much data is being copied between the host and the guest"),
+        "{err}"
+    );
     still_serves(&plugin);
     // Thousands: the plan's own limit.
     let err = attach_named(&plugin, "big-plan").unwrap_err();
     assert!(matches!(err, CallError::Plan { .. }), "{err}");
-    assert!(err.to_string().contains("the plan has 5000 steps, more than the 512 allowed"), "{err}");
+    assert!(
+        err.to_string().contains("the plan has 5000 steps, more than the 512 allowed"),
+        "{err}"
+    );
     still_serves(&plugin);
     // Under the usual memory cap the guest cannot even build the million.
     let rt = runtime(2000);
@@ -246,8 +282,15 @@ fn a_two_mib_refusal_is_cut_to_a_bounded_message() {
     let plugin = load(&rt, MISBEHAVE);
     let err = attach_named(&plugin, "huge-error").unwrap_err();
     assert!(err.is_policy_refusal(), "{err}");
-    let failure = volagent::ops::Failure::new(volagent::socket::protocol::FailureKind::Failed, err.to_string());
+    let failure = volagent::ops::Failure::new(
+        volagent::socket::protocol::FailureKind::Failed,
+        err.to_string(),
+    );
     assert!(failure.message.len() <= volagent::ops::MAX_MESSAGE, "{}", failure.message.len());
-    assert!(failure.message.ends_with("bytes cut)"), "{}", &failure.message[failure.message.len() - 40..]);
+    assert!(
+        failure.message.ends_with("bytes cut)"),
+        "{}",
+        &failure.message[failure.message.len() - 40..]
+    );
     still_serves(&plugin);
 }

@@ -87,33 +87,65 @@ impl Served {
 #[test]
 fn nbdinfo_sees_the_exports_their_flags_and_allocation() {
     let s = Served::new(8);
-    let info: serde_json::Value = serde_json::from_str(&ok(tool("nbdinfo").arg("--json").arg(s.uri("disk")).output().unwrap(), "nbdinfo")).unwrap();
+    let info: serde_json::Value = serde_json::from_str(&ok(
+        tool("nbdinfo").arg("--json").arg(s.uri("disk")).output().unwrap(),
+        "nbdinfo",
+    ))
+    .unwrap();
     assert_eq!(info["protocol"], "newstyle-fixed");
     assert_eq!(info["TLS"], false);
     let export = &info["exports"][0];
     assert_eq!(export["export-size"], 8 << 20);
-    for flag in ["can_flush", "can_fua", "can_trim", "can_zero", "can_fast_zero", "can_multi_conn", "can_cache", "can_df"] {
+    for flag in [
+        "can_flush",
+        "can_fua",
+        "can_trim",
+        "can_zero",
+        "can_fast_zero",
+        "can_multi_conn",
+        "can_cache",
+        "can_df",
+    ] {
         assert_eq!(export[flag], true, "{flag}: {export}");
     }
     assert_eq!(export["is_read_only"], false);
-    assert!(export["contexts"].as_array().unwrap().iter().any(|c| c == "base:allocation"), "{export}");
+    assert!(
+        export["contexts"].as_array().unwrap().iter().any(|c| c == "base:allocation"),
+        "{export}"
+    );
     assert_eq!(export["block_size_maximum"], 32 << 20);
 
-    let info: serde_json::Value = serde_json::from_str(&ok(tool("nbdinfo").arg("--json").arg(s.uri("ro")).output().unwrap(), "nbdinfo ro")).unwrap();
+    let info: serde_json::Value = serde_json::from_str(&ok(
+        tool("nbdinfo").arg("--json").arg(s.uri("ro")).output().unwrap(),
+        "nbdinfo ro",
+    ))
+    .unwrap();
     assert_eq!(info["exports"][0]["is_read_only"], true);
 
-    let list = ok(tool("nbdinfo").args(["--list", "--json"]).arg(s.uri("")).output().unwrap(), "nbdinfo --list");
+    let list = ok(
+        tool("nbdinfo").args(["--list", "--json"]).arg(s.uri("")).output().unwrap(),
+        "nbdinfo --list",
+    );
     let list: serde_json::Value = serde_json::from_str(&list).unwrap();
-    let mut names: Vec<&str> = list["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap()).collect();
+    let mut names: Vec<&str> = list["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["export-name"].as_str().unwrap())
+        .collect();
     names.sort();
     assert_eq!(names, ["", "disk", "ro"]);
 
     // A fresh sparse file is all hole.
-    let map = ok(tool("nbdinfo").arg("--map").arg(s.uri("disk")).output().unwrap(), "nbdinfo --map");
+    let map =
+        ok(tool("nbdinfo").arg("--map").arg(s.uri("disk")).output().unwrap(), "nbdinfo --map");
     assert!(map.trim().ends_with("hole,zero"), "{map}");
     let missing = tool("nbdinfo").arg(s.uri("nope")).output().unwrap();
     assert!(!missing.status.success());
-    assert!(String::from_utf8_lossy(&missing.stderr).contains("nope"), "the error names the export");
+    assert!(
+        String::from_utf8_lossy(&missing.stderr).contains("nope"),
+        "the error names the export"
+    );
 }
 
 #[test]
@@ -122,12 +154,31 @@ fn nbdcopy_in_qemu_img_compares_nbdcopy_out() {
     let src = s.dir.path().join("src.img");
     random_file(&src, 16 << 20, 7);
     // Four connections, many requests in flight on each.
-    ok(tool("nbdcopy").args(["--connections=4", "--requests=32"]).arg(&src).arg(s.uri("disk")).output().unwrap(), "nbdcopy in");
-    ok(tool("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&src).arg(s.uri("disk")).output().unwrap(), "qemu-img compare");
+    ok(
+        tool("nbdcopy")
+            .args(["--connections=4", "--requests=32"])
+            .arg(&src)
+            .arg(s.uri("disk"))
+            .output()
+            .unwrap(),
+        "nbdcopy in",
+    );
+    ok(
+        tool("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(&src)
+            .arg(s.uri("disk"))
+            .output()
+            .unwrap(),
+        "qemu-img compare",
+    );
     let out = s.dir.path().join("out.img");
     ok(tool("nbdcopy").arg(s.uri("ro")).arg(&out).output().unwrap(), "nbdcopy out");
     assert!(std::fs::read(&out).unwrap() == std::fs::read(&src).unwrap(), "read back differs");
-    assert!(std::fs::read(s.image()).unwrap() == std::fs::read(&src).unwrap(), "the export's file differs");
+    assert!(
+        std::fs::read(s.image()).unwrap() == std::fs::read(&src).unwrap(),
+        "the export's file differs"
+    );
 }
 
 #[test]
@@ -135,7 +186,20 @@ fn qemu_io_writes_zeroes_and_trims_and_nbdsh_reads_them_back() {
     let s = Served::new(8);
     ok(
         tool("qemu-io")
-            .args(["-f", "raw", "-c", "write -P 0xab 0 4M", "-c", "write -P 0xcd -f 1M 64k", "-c", "write -z 2M 512k", "-c", "discard 3M 1M", "-c", "flush"])
+            .args([
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0xab 0 4M",
+                "-c",
+                "write -P 0xcd -f 1M 64k",
+                "-c",
+                "write -z 2M 512k",
+                "-c",
+                "discard 3M 1M",
+                "-c",
+                "flush",
+            ])
             .arg(s.uri("disk"))
             .output()
             .unwrap(),
@@ -162,7 +226,17 @@ assert not any(o < 2 << 20 for o, l in holes), holes
 h.pwrite(b"volagent", 5 << 20, nbd.CMD_FLAG_FUA)
 print("ok")
 "#;
-    let out = ok(nbdsh().arg("--base-allocation").arg("-u").arg(s.uri("disk")).arg("-c").arg(script).output().unwrap(), "nbdsh");
+    let out = ok(
+        nbdsh()
+            .arg("--base-allocation")
+            .arg("-u")
+            .arg(s.uri("disk"))
+            .arg("-c")
+            .arg(script)
+            .output()
+            .unwrap(),
+        "nbdsh",
+    );
     assert_eq!(out.trim(), "ok");
     let image = std::fs::read(s.image()).unwrap();
     assert_eq!(&image[5 << 20..(5 << 20) + 8], b"volagent");
@@ -172,7 +246,11 @@ print("ok")
 fn a_read_only_export_refuses_every_write() {
     let s = Served::new(4);
     // qemu sees the read-only flag and will not open it for writing.
-    let out = tool("qemu-io").args(["-f", "raw", "-c", "write -P 1 0 4k"]).arg(s.uri("ro")).output().unwrap();
+    let out = tool("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 1 0 4k"])
+        .arg(s.uri("ro"))
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("Permission denied"), "{out:?}");
     // libnbd without its own checks sends them anyway: the server refuses each.
@@ -205,9 +283,14 @@ fn loopback_tcp_serves_and_other_addresses_are_refused() {
     let listener = Listener::tcp("127.0.0.1:0".parse().unwrap(), ClientAuth::None, false).unwrap();
     let server = Server::start(listener, exports, 4, None).unwrap();
     let out = dir.path().join("out.img");
-    ok(tool("nbdcopy").arg(format!("nbd://{}/", server.describe())).arg(&out).output().unwrap(), "nbdcopy over tcp");
+    ok(
+        tool("nbdcopy").arg(format!("nbd://{}/", server.describe())).arg(&out).output().unwrap(),
+        "nbdcopy over tcp",
+    );
     assert!(std::fs::read(&out).unwrap() == std::fs::read(&image).unwrap());
-    let err = Listener::tcp("0.0.0.0:0".parse().unwrap(), ClientAuth::None, false).err().expect("every interface is refused");
+    let err = Listener::tcp("0.0.0.0:0".parse().unwrap(), ClientAuth::None, false)
+        .err()
+        .expect("every interface is refused");
     assert!(err.to_string().contains("only over TLS"), "{err}");
 }
 
@@ -237,8 +320,15 @@ h.pwrite(b"flushed" * 100, 1 << 20)
 h.flush()
 print("acked")
 "#;
-    assert_eq!(ok(nbdsh().arg("-u").arg(&uri).arg("-c").arg(script).output().unwrap(), "nbdsh").trim(), "acked");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(server.id() as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    assert_eq!(
+        ok(nbdsh().arg("-u").arg(&uri).arg("-c").arg(script).output().unwrap(), "nbdsh").trim(),
+        "acked"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     server.wait().unwrap();
     let data = std::fs::read(&image).unwrap();
     assert_eq!(&data[4096..4096 + 900], "fua-write".repeat(100).as_bytes());
@@ -249,7 +339,9 @@ print("acked")
 /// with openssl; the dir is also the libnbd client's `tls-certificates` dir
 /// (it reads ca-cert.pem, and client-cert.pem / client-key.pem when there).
 fn pki(dir: &Path) {
-    let sh = |script: &str| ok(tool("sh").arg("-ec").arg(script).current_dir(dir).output().unwrap(), "openssl");
+    let sh = |script: &str| {
+        ok(tool("sh").arg("-ec").arg(script).current_dir(dir).output().unwrap(), "openssl")
+    };
     sh("key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out \"$1\" 2>/dev/null; }
         key ca-key.pem
         openssl req -x509 -new -key ca-key.pem -out ca-cert.pem -days 2 -subj /CN=volagent-test-ca
@@ -271,7 +363,12 @@ fn tls_server(dir: &Path, bind: &str, client_ca: bool) -> (Server, u16, PathBuf)
     let exports = Exports::default();
     exports.insert("disk", Arc::new(FileExport::open(&image, false).unwrap()));
     let ca = dir.join("ca-cert.pem");
-    let tls = volagent::nbd::tls::server_config(&dir.join("server-cert.pem"), &dir.join("server-key.pem"), client_ca.then_some(ca.as_path())).unwrap();
+    let tls = volagent::nbd::tls::server_config(
+        &dir.join("server-cert.pem"),
+        &dir.join("server-key.pem"),
+        client_ca.then_some(ca.as_path()),
+    )
+    .unwrap();
     let clients = if client_ca { ClientAuth::Certificates } else { ClientAuth::Tls };
     let listener = Listener::tcp(bind.parse().unwrap(), clients, !client_ca).unwrap();
     let server = Server::start(listener, exports, 8, Some(tls)).unwrap();
@@ -287,15 +384,25 @@ fn over_tls_clients_copy_bit_identical_data_and_plain_clients_are_refused() {
     // allow) makes every interface allowed; plain TCP only loopback.
     let (_server, port, image) = tls_server(dir.path(), "0.0.0.0:0", false);
     let uri = format!("nbds://localhost:{port}/disk?tls-certificates={}", dir.path().display());
-    let info: serde_json::Value = serde_json::from_str(&ok(tool("nbdinfo").arg("--json").arg(&uri).output().unwrap(), "nbdinfo over TLS")).unwrap();
+    let info: serde_json::Value = serde_json::from_str(&ok(
+        tool("nbdinfo").arg("--json").arg(&uri).output().unwrap(),
+        "nbdinfo over TLS",
+    ))
+    .unwrap();
     assert_eq!(info["TLS"], true, "{info}");
     let out = dir.path().join("out.img");
     ok(tool("nbdcopy").arg(&uri).arg(&out).output().unwrap(), "nbdcopy out over TLS");
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(&image).unwrap(), "read back over TLS differs");
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(&image).unwrap(),
+        "read back over TLS differs"
+    );
     let src = dir.path().join("src.img");
     random_file(&src, 4 << 20, 12);
     ok(tool("nbdcopy").arg(&src).arg(&uri).output().unwrap(), "nbdcopy in over TLS");
-    assert!(std::fs::read(&image).unwrap() == std::fs::read(&src).unwrap(), "written over TLS differs");
+    assert!(
+        std::fs::read(&image).unwrap() == std::fs::read(&src).unwrap(),
+        "written over TLS differs"
+    );
 
     let plain = tool("nbdinfo").arg(format!("nbd://localhost:{port}/disk")).output().unwrap();
     assert!(!plain.status.success(), "a plain client was served");
@@ -338,7 +445,11 @@ impl Cli {
     fn run(dir: &Path, mut cmd: Command) -> Result<Cli, String> {
         use std::io::BufRead;
         let log = dir.join(format!("serve-{}.log", fastrand::u32(..)));
-        let mut child = cmd.stdout(std::process::Stdio::piped()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -371,7 +482,10 @@ impl Cli {
             if log.contains(what) {
                 return log;
             }
-            assert!(std::time::Instant::now() < deadline, "the server never logged {what:?}:\n{log}");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the server never logged {what:?}:\n{log}"
+            );
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
@@ -397,7 +511,9 @@ fn other_ca_client(dir: &Path) -> PathBuf {
     let other = dir.join("other");
     std::fs::create_dir(&other).unwrap();
     std::fs::copy(dir.join("ca-cert.pem"), other.join("ca-cert.pem")).unwrap();
-    let sh = |script: &str| ok(tool("sh").arg("-ec").arg(script).current_dir(&other).output().unwrap(), "openssl");
+    let sh = |script: &str| {
+        ok(tool("sh").arg("-ec").arg(script).current_dir(&other).output().unwrap(), "openssl")
+    };
     sh("openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out other-ca-key.pem 2>/dev/null
         openssl req -x509 -new -key other-ca-key.pem -out other-ca-cert.pem -days 2 -subj /CN=another-ca
         openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out client-key.pem 2>/dev/null
@@ -414,27 +530,56 @@ fn the_cli_refuses_a_network_listen_without_client_certificates_unless_told() {
     let image = dir.path().join("disk.img");
     random_file(&image, 1 << 20, 5);
     let export = format!("--export=disk={}", image.display());
-    let (cert, key, ca) = (dir.path().join("server-cert.pem"), dir.path().join("server-key.pem"), dir.path().join("ca-cert.pem"));
+    let (cert, key, ca) = (
+        dir.path().join("server-cert.pem"),
+        dir.path().join("server-key.pem"),
+        dir.path().join("ca-cert.pem"),
+    );
     let tls = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
 
-    let refused = Cli::start(dir.path(), &[&["--tcp", "0.0.0.0:0", &export][..], &tls].concat()).err().expect("served without client certificates");
+    let refused = Cli::start(dir.path(), &[&["--tcp", "0.0.0.0:0", &export][..], &tls].concat())
+        .err()
+        .expect("served without client certificates");
     assert!(refused.contains("0.0.0.0:0") && refused.contains("--tls-client-ca"), "{refused}");
-    let refused = Cli::start(dir.path(), &["--tcp", "0.0.0.0:0", &export, "--allow-unauthenticated-clients"]).err().expect("served in the clear");
+    let refused =
+        Cli::start(dir.path(), &["--tcp", "0.0.0.0:0", &export, "--allow-unauthenticated-clients"])
+            .err()
+            .expect("served in the clear");
     assert!(refused.contains("0.0.0.0:0") && refused.contains("only over TLS"), "{refused}");
 
     // Told to, it serves any TLS client, and says so at start.
-    let open = Cli::start(dir.path(), &[&["--tcp", "0.0.0.0:0", &export, "--allow-unauthenticated-clients"][..], &tls].concat()).unwrap();
-    assert!(open.log().contains("WARN") && open.log().contains("WITHOUT client authentication"), "{}", open.log());
-    let uri = format!("nbds://localhost:{}/disk?tls-certificates={}", open.port(), dir.path().display());
-    ok(tool("nbdinfo").arg(&uri).output().unwrap(), "nbdinfo without a client certificate, allowed");
+    let open = Cli::start(
+        dir.path(),
+        &[&["--tcp", "0.0.0.0:0", &export, "--allow-unauthenticated-clients"][..], &tls].concat(),
+    )
+    .unwrap();
+    assert!(
+        open.log().contains("WARN") && open.log().contains("WITHOUT client authentication"),
+        "{}",
+        open.log()
+    );
+    let uri =
+        format!("nbds://localhost:{}/disk?tls-certificates={}", open.port(), dir.path().display());
+    ok(
+        tool("nbdinfo").arg(&uri).output().unwrap(),
+        "nbdinfo without a client certificate, allowed",
+    );
     drop(open);
 
     // Loopback is served as before, with or without TLS.
-    for args in [&["--tcp", "127.0.0.1:0", &export][..], &[&["--tcp", "127.0.0.1:0", &export][..], &tls].concat()] {
+    for args in [
+        &["--tcp", "127.0.0.1:0", &export][..],
+        &[&["--tcp", "127.0.0.1:0", &export][..], &tls].concat(),
+    ] {
         let local = Cli::start(dir.path(), args).unwrap();
         assert!(!local.log().contains("WARN"), "{}", local.log());
     }
-    let with_ca = Cli::start(dir.path(), &[&["--tcp", "0.0.0.0:0", &export, "--tls-client-ca", ca.to_str().unwrap()][..], &tls].concat()).unwrap();
+    let with_ca = Cli::start(
+        dir.path(),
+        &[&["--tcp", "0.0.0.0:0", &export, "--tls-client-ca", ca.to_str().unwrap()][..], &tls]
+            .concat(),
+    )
+    .unwrap();
     assert!(!with_ca.log().contains("WARN"), "{}", with_ca.log());
 }
 
@@ -470,15 +615,27 @@ fn list_over_tls(port: u16, ca: &Path, client: Option<(&Path, &Path)>) -> Result
         roots.add(c.unwrap()).unwrap();
     }
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap().with_root_certificates(roots);
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
     let config = match client {
         Some((cert, key)) => {
-            let chain = CertificateDer::pem_file_iter(cert).unwrap().collect::<Result<Vec<_>, _>>().unwrap();
-            builder.with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(key).unwrap()).unwrap()
+            let chain = CertificateDer::pem_file_iter(cert)
+                .unwrap()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            builder
+                .with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(key).unwrap())
+                .unwrap()
         }
         None => builder.with_no_client_auth(),
     };
-    let conn = rustls::ClientConnection::new(std::sync::Arc::new(config), ServerName::try_from("localhost").unwrap()).unwrap();
+    let conn = rustls::ClientConnection::new(
+        std::sync::Arc::new(config),
+        ServerName::try_from("localhost").unwrap(),
+    )
+    .unwrap();
     let mut tls = rustls::StreamOwned::new(conn, tcp);
     tls.write_all(&option(3)).and_then(|_| tls.flush()).map_err(|e| e.to_string())?; // LIST
     let mut kind = reply(&mut tls).map_err(|e| e.to_string())?;
@@ -519,21 +676,44 @@ fn beyond_loopback_only_clients_with_the_cas_certificates_get_in() {
     // client sends.
     let none = list_over_tls(server.port(), &ca, None).expect_err("served without a certificate");
     server.wait_for_log("peer sent no certificates");
-    let foreign = list_over_tls(server.port(), &ca, Some((&other.join("client-cert.pem"), &other.join("client-key.pem")))).expect_err("served with another CA's certificate");
+    let foreign = list_over_tls(
+        server.port(),
+        &ca,
+        Some((&other.join("client-cert.pem"), &other.join("client-key.pem"))),
+    )
+    .expect_err("served with another CA's certificate");
     server.wait_for_log("invalid peer certificate: UnknownIssuer");
-    assert_eq!(list_over_tls(server.port(), &ca, Some((&p("client.crt"), &p("client.key")))), Ok(1), "with the CA's certificate; refused: {none}; {foreign}");
+    assert_eq!(
+        list_over_tls(server.port(), &ca, Some((&p("client.crt"), &p("client.key")))),
+        Ok(1),
+        "with the CA's certificate; refused: {none}; {foreign}"
+    );
 
     // libnbd: refused without a certificate and with another CA's (which
     // it does not even offer, as the server asks for its own CA's), served
     // with the CA's.
-    let uri = |certs: &Path| format!("nbds://localhost:{}/disk?tls-certificates={}", server.port(), certs.display());
-    assert!(!tool("nbdinfo").arg(uri(dir.path())).output().unwrap().status.success(), "nbdinfo without a certificate was served");
-    assert!(!tool("nbdinfo").arg(uri(&other)).output().unwrap().status.success(), "nbdinfo with another CA's certificate was served");
+    let uri = |certs: &Path| {
+        format!("nbds://localhost:{}/disk?tls-certificates={}", server.port(), certs.display())
+    };
+    assert!(
+        !tool("nbdinfo").arg(uri(dir.path())).output().unwrap().status.success(),
+        "nbdinfo without a certificate was served"
+    );
+    assert!(
+        !tool("nbdinfo").arg(uri(&other)).output().unwrap().status.success(),
+        "nbdinfo with another CA's certificate was served"
+    );
     std::fs::copy(p("client.crt"), p("client-cert.pem")).unwrap();
     std::fs::copy(p("client.key"), p("client-key.pem")).unwrap();
     let out = p("out.img");
-    ok(tool("nbdcopy").arg(uri(dir.path())).arg(&out).output().unwrap(), "nbdcopy with the CA's client certificate");
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(&image).unwrap(), "read back over mutual TLS differs");
+    ok(
+        tool("nbdcopy").arg(uri(dir.path())).arg(&out).output().unwrap(),
+        "nbdcopy with the CA's client certificate",
+    );
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(&image).unwrap(),
+        "read back over mutual TLS differs"
+    );
 }
 
 /// A raw client at the start of transmission with export "disk".
@@ -558,8 +738,8 @@ fn raw_client(socket: &Path) -> std::os::unix::net::UnixStream {
         let mut data = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
         s.read_exact(&mut data).unwrap();
         match kind {
-            1 => return s,       // ACK
-            3 => {}              // INFO
+            1 => return s, // ACK
+            3 => {}        // INFO
             other => panic!("GO answered {other:#x}"),
         }
     }
@@ -584,7 +764,9 @@ fn closed_after(s: &mut std::os::unix::net::UnixStream) -> std::time::Duration {
     match s.read(&mut byte) {
         Ok(0) => {}
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
-        other => panic!("the server did not close the connection: {other:?} after {:?}", since.elapsed()),
+        other => {
+            panic!("the server did not close the connection: {other:?} after {:?}", since.elapsed())
+        }
     }
     since.elapsed()
 }
@@ -596,7 +778,17 @@ fn writes_announced_and_never_sent_cost_the_server_no_memory() {
     let image = dir.path().join("disk.img");
     std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
     let socket = dir.path().join("nbd.sock");
-    let server = Cli::start(dir.path(), &["--unix", socket.to_str().unwrap(), &format!("--export=disk={}", image.display()), "--request-timeout", "2s"]).unwrap();
+    let server = Cli::start(
+        dir.path(),
+        &[
+            "--unix",
+            socket.to_str().unwrap(),
+            &format!("--export=disk={}", image.display()),
+            "--request-timeout",
+            "2s",
+        ],
+    )
+    .unwrap();
     let mut clients: Vec<_> = (0..4).map(|_| raw_client(&socket)).collect();
     let before = server.peak_rss_kib();
     for c in &mut clients {
@@ -612,10 +804,22 @@ fn writes_announced_and_never_sent_cost_the_server_no_memory() {
         assert!(took < std::time::Duration::from_secs(8), "{took:?}");
     }
     let grew = server.peak_rss_kib().saturating_sub(before);
-    assert!(grew < 16 << 10, "the server's peak memory grew by {grew} KiB for 4 writes of 1 byte announced at 32 MiB");
+    assert!(
+        grew < 16 << 10,
+        "the server's peak memory grew by {grew} KiB for 4 writes of 1 byte announced at 32 MiB"
+    );
     server.wait_for_log("a request stalled");
-    assert!(std::fs::read(&image).unwrap().iter().all(|b| *b == 0), "a partial write reached the file");
-    ok(tool("nbdinfo").arg(format!("nbd+unix:///disk?socket={}", socket.display())).output().unwrap(), "nbdinfo after");
+    assert!(
+        std::fs::read(&image).unwrap().iter().all(|b| *b == 0),
+        "a partial write reached the file"
+    );
+    ok(
+        tool("nbdinfo")
+            .arg(format!("nbd+unix:///disk?socket={}", socket.display()))
+            .output()
+            .unwrap(),
+        "nbdinfo after",
+    );
 }
 
 #[test]
@@ -640,30 +844,61 @@ except nbd.Error:
     // By default: a request cut short is dropped after the request timeout,
     // a client idle for longer is served.
     let socket = dir.path().join("default.sock");
-    let server = Cli::start(dir.path(), &["--unix", socket.to_str().unwrap(), &export, "--request-timeout", "1s"]).unwrap();
+    let server = Cli::start(
+        dir.path(),
+        &["--unix", socket.to_str().unwrap(), &export, "--request-timeout", "1s"],
+    )
+    .unwrap();
     let mut partial = raw_client(&socket);
     partial.write_all(&request(0, 0, 512)[..10]).unwrap();
     let took = closed_after(&mut partial);
-    assert!(took >= Duration::from_millis(800) && took < Duration::from_secs(5), "a partial header closed after {took:?}");
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
+        "a partial header closed after {took:?}"
+    );
     let mut payload = raw_client(&socket);
     let mut r = request(1, 0, 4096);
     r.extend_from_slice(&[1u8; 100]);
     payload.write_all(&r).unwrap();
     let took = closed_after(&mut payload);
-    assert!(took >= Duration::from_millis(800) && took < Duration::from_secs(5), "a partial payload closed after {took:?}");
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
+        "a partial payload closed after {took:?}"
+    );
     let uri = format!("nbd+unix:///disk?socket={}", socket.display());
-    assert_eq!(ok(nbdsh().arg("-u").arg(&uri).arg("-c").arg(idle_check).output().unwrap(), "nbdsh").trim(), "served");
+    assert_eq!(
+        ok(nbdsh().arg("-u").arg(&uri).arg("-c").arg(idle_check).output().unwrap(), "nbdsh").trim(),
+        "served"
+    );
     assert!(!server.log().contains("idle"), "{}", server.log());
     drop(server);
 
     // With --idle-timeout, a client that sends nothing for that long is closed.
     let socket = dir.path().join("idle.sock");
-    let server = Cli::start(dir.path(), &["--unix", socket.to_str().unwrap(), &export, "--request-timeout", "1s", "--idle-timeout", "2s"]).unwrap();
+    let server = Cli::start(
+        dir.path(),
+        &[
+            "--unix",
+            socket.to_str().unwrap(),
+            &export,
+            "--request-timeout",
+            "1s",
+            "--idle-timeout",
+            "2s",
+        ],
+    )
+    .unwrap();
     let mut silent = raw_client(&socket);
     let took = closed_after(&mut silent);
-    assert!(took >= Duration::from_millis(1800) && took < Duration::from_secs(6), "an idle client closed after {took:?}");
+    assert!(
+        took >= Duration::from_millis(1800) && took < Duration::from_secs(6),
+        "an idle client closed after {took:?}"
+    );
     let uri = format!("nbd+unix:///disk?socket={}", socket.display());
-    assert_eq!(ok(nbdsh().arg("-u").arg(&uri).arg("-c").arg(idle_check).output().unwrap(), "nbdsh").trim(), "closed");
+    assert_eq!(
+        ok(nbdsh().arg("-u").arg(&uri).arg("-c").arg(idle_check).output().unwrap(), "nbdsh").trim(),
+        "closed"
+    );
     server.wait_for_log("closing the idle connection");
 }
 
@@ -675,11 +910,19 @@ fn a_unix_socket_is_made_0600_whatever_the_umask() {
     std::fs::File::create(&image).unwrap().set_len(1 << 20).unwrap();
     let socket = dir.path().join("nbd.sock");
     let mut cmd = tool("sh");
-    cmd.arg("-c").arg("umask 000; exec \"$0\" nbd serve --unix \"$1\" --export=disk=\"$2\"").arg(env!("CARGO_BIN_EXE_volagent")).arg(&socket).arg(&image);
+    cmd.arg("-c")
+        .arg("umask 000; exec \"$0\" nbd serve --unix \"$1\" --export=disk=\"$2\"")
+        .arg(env!("CARGO_BIN_EXE_volagent"))
+        .arg(&socket)
+        .arg(&image);
     let _server = Cli::run(dir.path(), cmd).unwrap();
     let mode = std::fs::symlink_metadata(&socket).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode, 0o600, "a socket made under umask 000 is {mode:o}");
-    let mut left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| !n.ends_with(".log")).collect();
+    let mut left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.ends_with(".log"))
+        .collect();
     left.sort();
     assert_eq!(left, ["disk.img", "nbd.sock"], "no private dir is left behind");
 }

@@ -23,7 +23,13 @@ fn init_handshakes_and_other_calls_are_not_supported() {
     assert_eq!(code, 0);
     assert_eq!(v["status"], "Success");
     assert_eq!(v["capabilities"], serde_json::json!({"attach": false}));
-    for args in [&["getvolumename", "{}"][..], &["attach", "{}", "node-a"], &["isattached", "{}", "node-a"], &["expandfs", "{}", "/dev/x", "/x", "2", "1"], &["frobnicate"]] {
+    for args in [
+        &["getvolumename", "{}"][..],
+        &["attach", "{}", "node-a"],
+        &["isattached", "{}", "node-a"],
+        &["expandfs", "{}", "/dev/x", "/x", "2", "1"],
+        &["frobnicate"],
+    ] {
         let (code, v) = node.driver(args);
         assert_eq!((code, v), (0, serde_json::json!({"status": "Not supported"})), "{args:?}");
     }
@@ -45,7 +51,10 @@ fn round_trip(fs: &str, mib: u64) {
     let r = node.mount(&dir_b, &kubelet_options("pv1", "pod-b", "uid-b", fs, &image));
     assert_success(&r);
     assert!(r.1["device"].as_str().is_some_and(|d| d.starts_with("/dev/loop")), "{}", r.1);
-    assert_eq!(std::fs::read(format!("{dir_b}/data")).expect("read back"), b"written through kubelet's mount");
+    assert_eq!(
+        std::fs::read(format!("{dir_b}/data")).expect("read back"),
+        b"written through kubelet's mount"
+    );
     assert_success(&node.driver(&["unmount", &dir_b]));
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
@@ -86,14 +95,20 @@ fn bad_requests_are_refused_and_change_nothing() {
     let outside = "/etc/volagent-test";
     assert_failure(&node.mount(outside, &ok), "is not under the kubelet root");
     assert_failure(&node.mount(&format!("{dir}/../../../../../../../etc"), &ok), "contains \"..\"");
-    assert_failure(&node.driver(&["mount", &dir, "{not json"]), "mount options are not a JSON object");
+    assert_failure(
+        &node.driver(&["mount", &dir, "{not json"]),
+        "mount options are not a JSON object",
+    );
     assert_failure(&node.driver(&["mount", &dir]), "mount needs <mount-dir> <json-options>");
     let mut no_name = ok.clone();
     no_name.as_object_mut().map(|o| o.remove("kubernetes.io/pvOrVolumeName"));
     assert_failure(&node.mount(&dir, &no_name), "pvOrVolumeName is missing");
     let mut elsewhere = ok.clone();
     elsewhere["path"] = Value::from("/var/lib/secret.img");
-    assert_failure(&node.mount(&dir, &elsewhere), "lookup-path /var/lib/secret.img: outside the dirs this backend may ask about");
+    assert_failure(
+        &node.mount(&dir, &elsewhere),
+        "lookup-path /var/lib/secret.img: outside the dirs this backend may ask about",
+    );
     let mut other_node = ok.clone();
     other_node["node"] = Value::from("node-b");
     assert_failure(&node.mount(&dir, &other_node), "lives on node node-b");
@@ -101,11 +116,22 @@ fn bad_requests_are_refused_and_change_nothing() {
     let nope = node.scratch.path("node-a/vpd/volagent~nope");
     std::fs::create_dir_all(&nope).expect("dir");
     std::fs::copy(node.driver_path(), nope.join("nope")).expect("copy driver");
-    std::fs::write(nope.join("volagent.json"), serde_json::json!({"socket": node.socket, "backend": "nope"}).to_string()).expect("config");
-    let nope_dir = node.scratch.path("node-a/kubelet/pods/uid-a/volumes/volagent~nope/pv1").display().to_string();
+    std::fs::write(
+        nope.join("volagent.json"),
+        serde_json::json!({"socket": node.socket, "backend": "nope"}).to_string(),
+    )
+    .expect("config");
+    let nope_dir = node
+        .scratch
+        .path("node-a/kubelet/pods/uid-a/volumes/volagent~nope/pv1")
+        .display()
+        .to_string();
     let r = run_driver(Command::new(nope.join("nope")).args(["mount", &nope_dir, &ok.to_string()]));
     assert_failure(&r, "backend \"nope\" is not loaded on this node");
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(), "nothing changed");
+    assert!(
+        node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(),
+        "nothing changed"
+    );
     // And the node still works.
     assert_success(&node.mount(&dir, &ok));
     assert_success(&node.driver(&["unmount", &dir]));
@@ -117,7 +143,8 @@ fn malformed_and_oversized_frames_get_clear_errors() {
     let ask = |bytes: &[u8]| -> Value {
         let mut s = UnixStream::connect(&node.socket).expect("connect");
         s.write_all(bytes).expect("send");
-        let frame: Value = volagent::socket::protocol::read_frame(&mut s).expect("a response frame");
+        let frame: Value =
+            volagent::socket::protocol::read_frame(&mut s).expect("a response frame");
         frame["response"].clone()
     };
     let big = ((1u32 << 20) + 1).to_be_bytes();
@@ -132,11 +159,18 @@ fn malformed_and_oversized_frames_get_clear_errors() {
     let mut v9 = (body.len() as u32).to_be_bytes().to_vec();
     v9.extend_from_slice(body);
     let r = ask(&v9);
-    assert!(r["failed"]["message"].as_str().unwrap_or_default().contains("protocol version 9"), "{r}");
+    assert!(
+        r["failed"]["message"].as_str().unwrap_or_default().contains("protocol version 9"),
+        "{r}"
+    );
     // Status names the node and its backends.
     let mut s = UnixStream::connect(&node.socket).expect("connect");
-    let status = volagent::socket::protocol::exchange(&mut s, volagent::socket::protocol::Request::Status).expect("status");
-    let volagent::socket::protocol::Response::Status { node: name, backends, .. } = status else { panic!("{status:?}") };
+    let status =
+        volagent::socket::protocol::exchange(&mut s, volagent::socket::protocol::Request::Status)
+            .expect("status");
+    let volagent::socket::protocol::Response::Status { node: name, backends, .. } = status else {
+        panic!("{status:?}")
+    };
     assert_eq!(name, "node-a");
     let mut names: Vec<String> = backends.into_iter().map(|b| b.name).collect();
     names.sort();
@@ -167,10 +201,22 @@ fn with_the_agent_down_init_succeeds_and_operations_fail_naming_the_socket() {
     // kubelet probes a driver as soon as it is installed, before the agent
     // serves; a failed init would make it drop the driver.
     let (code, v) = node.driver(&["init"]);
-    assert_eq!((code, v["status"].as_str(), v["capabilities"]["attach"].as_bool()), (0, Some("Success"), Some(false)), "{v}");
-    assert!(v["message"].as_str().is_some_and(|m| m.contains(&format!("not reachable at {}", node.socket.display()))), "init says the agent is not there yet: {v}");
+    assert_eq!(
+        (code, v["status"].as_str(), v["capabilities"]["attach"].as_bool()),
+        (0, Some("Success"), Some(false)),
+        "{v}"
+    );
+    assert!(
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&format!("not reachable at {}", node.socket.display()))),
+        "init says the agent is not there yet: {v}"
+    );
     let dir = node.mount_dir("uid-a", "pv1");
-    assert_failure(&node.driver(&["mount", &dir, r#"{"kubernetes.io/fsType":"ext4"}"#]), &format!("volagent agent is not reachable at {}", node.socket.display()));
+    assert_failure(
+        &node.driver(&["mount", &dir, r#"{"kubernetes.io/fsType":"ext4"}"#]),
+        &format!("volagent agent is not reachable at {}", node.socket.display()),
+    );
     assert_failure(&node.driver(&["unmount", &dir]), "is the volagent DaemonSet running");
 }
 
@@ -178,13 +224,24 @@ fn with_the_agent_down_init_succeeds_and_operations_fail_naming_the_socket() {
 fn fifty_volumes_mount_and_unmount_concurrently() {
     let node = Node::start();
     let volumes: Vec<(String, String)> = (0..50)
-        .map(|i| (node.image(&format!("v{i}.img"), 16), node.mount_dir(&format!("uid-{i}"), &format!("pv{i}"))))
+        .map(|i| {
+            (
+                node.image(&format!("v{i}.img"), 16),
+                node.mount_dir(&format!("uid-{i}"), &format!("pv{i}")),
+            )
+        })
         .collect();
     std::thread::scope(|s| {
         for (i, (image, dir)) in volumes.iter().enumerate() {
             let node = &node;
             s.spawn(move || {
-                let opts = kubelet_options(&format!("pv{i}"), &format!("pod-{i}"), &format!("uid-{i}"), "ext4", image);
+                let opts = kubelet_options(
+                    &format!("pv{i}"),
+                    &format!("pod-{i}"),
+                    &format!("uid-{i}"),
+                    "ext4",
+                    image,
+                );
                 assert_success(&node.mount(dir, &opts));
             });
         }
@@ -212,15 +269,27 @@ fn fencing_across_nodes_follows_the_access_mode() {
     };
     let mount = |on: &str, pod: &str, mode: &str| {
         let dir = node.mount_dir_of(on, "shared-file", &format!("uid-{pod}"), "pv-shared");
-        (dir.clone(), run_driver(Command::new(node.driver_of(on, "shared-file")).args(["mount", &dir, &opts(pod, mode).to_string()])))
+        (
+            dir.clone(),
+            run_driver(Command::new(node.driver_of(on, "shared-file")).args([
+                "mount",
+                &dir,
+                &opts(pod, mode).to_string(),
+            ])),
+        )
     };
-    let unmount = |on: &str, dir: &str| run_driver(Command::new(node.driver_of(on, "shared-file")).args(["unmount", dir]));
+    let unmount = |on: &str, dir: &str| {
+        run_driver(Command::new(node.driver_of(on, "shared-file")).args(["unmount", dir]))
+    };
 
     // ReadWriteOnce: node-a holds it; node-b is denied, naming the holder.
     let (a1, r) = mount("node-a", "a1", "ReadWriteOnce");
     assert_success(&r);
     let (_, r) = mount("node-b", "b1", "ReadWriteOnce");
-    assert_failure(&r, "volume pv-shared (ReadWriteOnce) is in use by pod default/a1 on node node-a");
+    assert_failure(
+        &r,
+        "volume pv-shared (ReadWriteOnce) is in use by pod default/a1 on node node-a",
+    );
     assert_eq!(node.scratch.loops().len(), 1, "node-b attached nothing");
     // ReadWriteOnce is per node: a second pod on node-a is granted.
     let (a2, r) = mount("node-a", "a2", "ReadWriteOnce");
@@ -257,10 +326,20 @@ fn driver(node: &Node, on: &str, args: &[&str]) -> (i32, Value) {
 fn kill_9_between_any_two_steps_leaves_nothing_behind() {
     let mut node = Node::start();
     let image = node.image("crash.img", 64);
-    let opts = |pod: &str| kubelet_options("pv-crash", pod, &format!("uid-{pod}"), "ext4", &image).to_string();
+    let opts = |pod: &str| {
+        kubelet_options("pv-crash", pod, &format!("uid-{pod}"), "ext4", &image).to_string()
+    };
     let clean = |node: &Node, when: &str| {
-        assert!(node.scratch.mounts().is_empty(), "{when}: mounts left: {:?}", node.scratch.mounts());
-        assert!(node.scratch.loops_left().is_empty(), "{when}: loop devices left: {:?}", node.scratch.loops());
+        assert!(
+            node.scratch.mounts().is_empty(),
+            "{when}: mounts left: {:?}",
+            node.scratch.mounts()
+        );
+        assert!(
+            node.scratch.loops_left().is_empty(),
+            "{when}: loop devices left: {:?}",
+            node.scratch.loops()
+        );
     };
     let restart = |node: &mut Node, kill_after: Option<usize>| {
         node.stop_agent_of("node-a");
@@ -317,15 +396,25 @@ fn after_a_reboot_the_ledger_forgets_what_the_node_no_longer_has() {
     let mut node = Node::start();
     node.spawn_agent("node-b");
     let image = node.image("reboot.img", 64);
-    let opts = |pod: &str| kubelet_options("pv-reboot", pod, &format!("uid-{pod}"), "ext4", &image).to_string();
+    let opts = |pod: &str| {
+        kubelet_options("pv-reboot", pod, &format!("uid-{pod}"), "ext4", &image).to_string()
+    };
     let dir = node.mount_dir_of("node-a", "shared-file", "uid-a1", "pv-reboot");
     assert_success(&driver(&node, "node-a", &["mount", &dir, &opts("a1")]));
     let probe = node.mount_dir_of("node-b", "shared-file", "uid-b1", "pv-reboot");
-    assert_failure(&driver(&node, "node-b", &["mount", &probe, &opts("b1")]), "in use by pod default/a1 on node node-a");
+    assert_failure(
+        &driver(&node, "node-b", &["mount", &probe, &opts("b1")]),
+        "in use by pod default/a1 on node node-a",
+    );
 
     // The "reboot" of node-a.
-    let pid = node.agents.iter().find(|(n, _)| n == "node-a").map(|(_, c)| c.id()).expect("node-a runs");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).expect("kill");
+    let pid =
+        node.agents.iter().find(|(n, _)| n == "node-a").map(|(_, c)| c.id()).expect("node-a runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill");
     node.stop_agent_of("node-a");
     for m in node.scratch.mounts().into_iter().rev() {
         nix::mount::umount2(&m, nix::mount::MntFlags::empty()).expect("the reboot unmounts");
@@ -334,7 +423,8 @@ fn after_a_reboot_the_ledger_forgets_what_the_node_no_longer_has() {
         use volagent::sys::Devices;
         volagent::sys::linux::Linux::unrooted().loop_detach(&d).expect("the reboot detaches");
     }
-    std::fs::remove_dir_all(node.scratch.path("node-a/run")).expect("the tmpfs is empty after a reboot");
+    std::fs::remove_dir_all(node.scratch.path("node-a/run"))
+        .expect("the tmpfs is empty after a reboot");
     node.spawn_agent("node-a");
 
     assert_success(&driver(&node, "node-b", &["mount", &probe, &opts("b1")]));
@@ -362,7 +452,11 @@ fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
     let c = node.mount_dir("uid-c", "pv-other");
     assert_success(&node.mount(&c, &kubelet_options("pv-other", "pod-c", "uid-c", "ext4", &other)));
     assert_success(&node.driver(&["unmount", &c]));
-    assert!(answered.elapsed() < Duration::from_secs(5), "served only after the hang: {:?}", answered.elapsed());
+    assert!(
+        answered.elapsed() < Duration::from_secs(5),
+        "served only after the hang: {:?}",
+        answered.elapsed()
+    );
     // kubelet retries until the stalled mount has finished.
     let start = Instant::now();
     loop {
@@ -370,7 +464,11 @@ fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
         if r.0 == 0 {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "the retried mount never succeeded: {}", r.1);
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the retried mount never succeeded: {}",
+            r.1
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!((node.scratch.loops().len(), node.scratch.mounts().len()), (1, 2));
@@ -390,7 +488,11 @@ fn a_mount_stalled_for(stall: Duration, volume: &str) -> (Node, String, String) 
     let dir = node.mount_dir("uid-a", volume);
     let r = node.mount(&dir, &kubelet_options(volume, "pod-a", "uid-a", "ext4", &image));
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
-    assert!(r.1["message"].as_str().unwrap_or_default().contains("still running after 1s"), "{}", r.1);
+    assert!(
+        r.1["message"].as_str().unwrap_or_default().contains("still running after 1s"),
+        "{}",
+        r.1
+    );
     (node, image, dir)
 }
 
@@ -402,9 +504,18 @@ fn the_agent_exits_while_a_step_hangs_and_its_next_start_cleans_up() {
     assert_eq!(node.scratch.loops().len(), 1, "the hung plan attached its device");
     let stopping = Instant::now();
     node.stop_agent();
-    assert!(stopping.elapsed() < Duration::from_secs(30), "the exit waited for the hung step: {:?}", stopping.elapsed());
+    assert!(
+        stopping.elapsed() < Duration::from_secs(30),
+        "the exit waited for the hung step: {:?}",
+        stopping.elapsed()
+    );
     node.spawn_agent("node-a");
-    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(), "{:?} {:?}", node.scratch.mounts(), node.scratch.loops());
+    assert!(
+        node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty(),
+        "{:?} {:?}",
+        node.scratch.mounts(),
+        node.scratch.loops()
+    );
 }
 
 /// Mounts and devices under volagent's dirs that no record explains (left
@@ -419,8 +530,15 @@ fn orphans_under_volagents_dirs_are_cleaned_at_start_up() {
     node.stop_agent();
     // As node-a's agent would have attached and mounted them (its tag, its
     // roots), with every record of it lost.
-    let roots = volagent::sys::Roots::open(&[node.scratch.path("node-a/kubelet"), node.scratch.path("disks")]).expect("roots");
-    let linux = volagent::sys::linux::Linux::new(roots, &volagent::ops::loop_tag("node-a", &node.scratch.path("node-a/state")));
+    let roots = volagent::sys::Roots::open(&[
+        node.scratch.path("node-a/kubelet"),
+        node.scratch.path("disks"),
+    ])
+    .expect("roots");
+    let linux = volagent::sys::linux::Linux::new(
+        roots,
+        &volagent::ops::loop_tag("node-a", &node.scratch.path("node-a/state")),
+    );
     let device = linux.loop_attach(std::path::Path::new(&image), false).expect("attach");
     let staging = node.scratch.path("node-a/kubelet/plugins/volagent/local-pv/mounts/pv-orphan");
     std::fs::create_dir_all(&staging).expect("dir");
@@ -428,7 +546,14 @@ fn orphans_under_volagents_dirs_are_cleaned_at_start_up() {
     // Not ours: a mount elsewhere under the kubelet root stays.
     let other = node.scratch.path("node-a/kubelet/elsewhere");
     std::fs::create_dir_all(&other).expect("dir");
-    nix::mount::mount(Some("tmpfs"), &other, Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).expect("tmpfs");
+    nix::mount::mount(
+        Some("tmpfs"),
+        &other,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .expect("tmpfs");
 
     node.spawn_agent("node-a");
     assert_eq!(node.scratch.mounts(), vec![other.clone()], "only the orphan staging mount is gone");

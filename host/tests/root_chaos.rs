@@ -3,9 +3,9 @@
 //! Each random test prints its seed; `VOLAGENT_CHAOS_SEED` replays one.
 //! Needs root (loop devices, mounts).
 
-mod common;
 #[path = "support/agent.rs"]
 mod agent_common;
+mod common;
 mod driver_common;
 
 use common::RootScratch;
@@ -23,17 +23,24 @@ fn loop_attaches_racing_each_other_and_detaches_all_succeed() {
     let roots = volagent::sys::beneath::Roots::open(&[scratch.path("disks")]).expect("roots");
     let linux = std::sync::Arc::new(volagent::sys::linux::Linux::new(roots, "volagent:chaos"));
     const N: usize = 24;
-    let files: Vec<PathBuf> = (0..2 * N).map(|i| scratch.image(&format!("disks/f{i}.img"), 4)).collect();
-    let first: Vec<PathBuf> = files[..N].iter().map(|f| linux.loop_attach(f, false).expect("attach")).collect();
+    let files: Vec<PathBuf> =
+        (0..2 * N).map(|i| scratch.image(&format!("disks/f{i}.img"), 4)).collect();
+    let first: Vec<PathBuf> =
+        files[..N].iter().map(|f| linux.loop_attach(f, false).expect("attach")).collect();
 
     let mut threads = Vec::new();
     for (i, device) in first.into_iter().enumerate() {
         let l = linux.clone();
-        threads.push(std::thread::spawn(move || l.loop_detach(&device).map(|_| None).map_err(|e| format!("detach {i}: {e}"))));
+        threads.push(std::thread::spawn(move || {
+            l.loop_detach(&device).map(|_| None).map_err(|e| format!("detach {i}: {e}"))
+        }));
         let (l, file) = (linux.clone(), files[N + i].clone());
-        threads.push(std::thread::spawn(move || l.loop_attach(&file, false).map(Some).map_err(|e| format!("attach {}: {e}", N + i))));
+        threads.push(std::thread::spawn(move || {
+            l.loop_attach(&file, false).map(Some).map_err(|e| format!("attach {}: {e}", N + i))
+        }));
     }
-    let results: Vec<Result<Option<PathBuf>, String>> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
+    let results: Vec<Result<Option<PathBuf>, String>> =
+        threads.into_iter().map(|t| t.join().expect("thread")).collect();
     let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
     assert!(failed.is_empty(), "{failed:?}");
     let attached: Vec<PathBuf> = results.into_iter().filter_map(|r| r.ok().flatten()).collect();
@@ -55,7 +62,11 @@ fn loop_attaches_racing_each_other_and_detaches_all_succeed() {
 fn settle(scratch: &RootScratch, n: usize) {
     let start = std::time::Instant::now();
     while scratch.loops().len() != n {
-        assert!(start.elapsed() < std::time::Duration::from_secs(10), "{n} loop devices expected: {:?}", scratch.loops());
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "{n} loop devices expected: {:?}",
+            scratch.loops()
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
@@ -79,7 +90,11 @@ fn a_free_loop_device_held_for_a_moment_is_waited_for() {
     assert!(out.status.success() && free.starts_with("/dev/loop"), "{free}");
     // An exclusive open claims the block device: LOOP_CONFIGURE on it fails
     // with EBUSY while it is held.
-    let held = std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_EXCL).open(&free).expect("hold the free device");
+    let held = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_EXCL)
+        .open(&free)
+        .expect("hold the free device");
     let release = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(300));
         drop(held);
@@ -125,7 +140,13 @@ struct Volume {
 /// the agent is killed (SIGKILL) `kills` times at random moments and
 /// started again at once. Returns what running agents answered with a
 /// failure (every answer must be a success once the agent is up).
-fn under_kills(node: &mut Node, volumes: &[Volume], rng: &mut fastrand::Rng, kills: usize, args_of: &(dyn Fn(&Volume) -> Vec<String> + Sync)) -> Vec<String> {
+fn under_kills(
+    node: &mut Node,
+    volumes: &[Volume],
+    rng: &mut fastrand::Rng,
+    kills: usize,
+    args_of: &(dyn Fn(&Volume) -> Vec<String> + Sync),
+) -> Vec<String> {
     let driver = node.driver_path();
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
@@ -138,16 +159,24 @@ fn under_kills(node: &mut Node, volumes: &[Volume], rng: &mut fastrand::Rng, kil
                 while let Some(v) = volumes.get(next.fetch_add(1, Ordering::SeqCst)) {
                     let (start, mut backoff) = (Instant::now(), FIRST_BACKOFF);
                     loop {
-                        let (code, reply) = run_driver(std::process::Command::new(&driver).args(args_of(v)));
+                        let (code, reply) =
+                            run_driver(std::process::Command::new(&driver).args(args_of(v)));
                         if code == 0 && reply["status"] == "Success" {
                             break;
                         }
                         let message = reply["message"].as_str().unwrap_or_default().to_string();
                         retries.fetch_add(1, Ordering::SeqCst);
                         if !agent_absent(&message) {
-                            refused.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{}: {message}", v.name));
+                            refused
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .push(format!("{}: {message}", v.name));
                         }
-                        assert!(start.elapsed() < RETRY_BUDGET, "{} did not succeed within {RETRY_BUDGET:?}: {message}", v.name);
+                        assert!(
+                            start.elapsed() < RETRY_BUDGET,
+                            "{} did not succeed within {RETRY_BUDGET:?}: {message}",
+                            v.name
+                        );
                         std::thread::sleep(backoff);
                         backoff = (backoff * 2).min(MAX_BACKOFF);
                     }
@@ -161,14 +190,22 @@ fn under_kills(node: &mut Node, volumes: &[Volume], rng: &mut fastrand::Rng, kil
                 break;
             }
             let at = done.load(Ordering::SeqCst);
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(node.pid_of("node-a")), nix::sys::signal::Signal::SIGKILL).expect("kill the agent");
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(node.pid_of("node-a")),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .expect("kill the agent");
             node.stop_agent_of("node-a");
             eprintln!("killed the agent with {at}/{} calls done", volumes.len());
             killed += 1;
             node.spawn_agent("node-a");
         }
     });
-    eprintln!("{} calls, {killed} kills, {} retries", volumes.len(), retries.load(Ordering::SeqCst));
+    eprintln!(
+        "{} calls, {killed} kills, {} retries",
+        volumes.len(),
+        retries.load(Ordering::SeqCst)
+    );
     refused.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -188,11 +225,16 @@ fn records(node: &mut Node) -> std::collections::BTreeMap<String, Vec<String>> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let found = rt.block_on(async {
         use volagent::ledger::Ledger;
-        let ledger = volagent::ledger::embedded::EmbeddedLedger::open(&node.ledger_path("node-a"), false).expect("open the ledger");
+        let ledger =
+            volagent::ledger::embedded::EmbeddedLedger::open(&node.ledger_path("node-a"), false)
+                .expect("open the ledger");
         ledger.list_by_node("node-a").await.expect("list the ledger")
     });
     node.spawn_agent("node-a");
-    found.into_iter().map(|(r, _)| (r.volume, r.holders.into_iter().map(|h| h.consumer.mount_dir).collect())).collect()
+    found
+        .into_iter()
+        .map(|(r, _)| (r.volume, r.holders.into_iter().map(|h| h.consumer.mount_dir).collect()))
+        .collect()
 }
 
 /// 200 local volumes mounted and then unmounted by kubelet-style driver
@@ -202,7 +244,9 @@ fn records(node: &mut Node) -> std::collections::BTreeMap<String, Vec<String>> {
 /// records name exactly what is mounted, and nothing is left at the end.
 #[test]
 fn the_agent_killed_at_random_under_load_loses_nothing() {
-    let mut rng = fastrand::Rng::with_seed(common::chaos_seed("the_agent_killed_at_random_under_load_loses_nothing"));
+    let mut rng = fastrand::Rng::with_seed(common::chaos_seed(
+        "the_agent_killed_at_random_under_load_loses_nothing",
+    ));
     let mut node = Node::start_alone();
     let kubelet = node.scratch.path("node-a/kubelet");
     let volumes: Vec<Volume> = (0..VOLUMES)
@@ -210,26 +254,44 @@ fn the_agent_killed_at_random_under_load_loses_nothing() {
             name: format!("pv-c{i}"),
             image: node.image(&format!("c{i}.img"), 16),
             dir: node.mount_dir(&format!("uid-c{i}"), &format!("pv-c{i}")),
-            staging: kubelet.join(format!("plugins/volagent/local-pv/mounts/pv-c{i}")).display().to_string(),
+            staging: kubelet
+                .join(format!("plugins/volagent/local-pv/mounts/pv-c{i}"))
+                .display()
+                .to_string(),
         })
         .collect();
 
     let mount = |v: &Volume| {
         let i = &v.name[4..];
-        vec!["mount".into(), v.dir.clone(), kubelet_options(&v.name, &format!("pod-c{i}"), &format!("uid-c{i}"), "ext4", &v.image).to_string()]
+        vec![
+            "mount".into(),
+            v.dir.clone(),
+            kubelet_options(&v.name, &format!("pod-c{i}"), &format!("uid-c{i}"), "ext4", &v.image)
+                .to_string(),
+        ]
     };
     let refused = under_kills(&mut node, &volumes, &mut rng, KILLS, &mount);
     assert!(refused.is_empty(), "mounts a running agent failed: {refused:#?}");
     let counts = mount_counts(&node);
     for v in &volumes {
-        assert_eq!((counts.get(&v.dir), counts.get(&v.staging)), (Some(&1), Some(&1)), "{}: mounted once at its pod dir and its staging dir", v.name);
+        assert_eq!(
+            (counts.get(&v.dir), counts.get(&v.staging)),
+            (Some(&1), Some(&1)),
+            "{}: mounted once at its pod dir and its staging dir",
+            v.name
+        );
     }
     assert_eq!(counts.len(), 2 * VOLUMES, "nothing else is mounted: {counts:?}");
     assert_eq!(node.scratch.loops().len(), VOLUMES, "one loop device per volume");
     let recorded = records(&mut node);
     assert_eq!(recorded.len(), VOLUMES);
     for v in &volumes {
-        assert_eq!(recorded.get(&v.name), Some(&vec![v.dir.clone()]), "{}'s record names its one pod", v.name);
+        assert_eq!(
+            recorded.get(&v.name),
+            Some(&vec![v.dir.clone()]),
+            "{}'s record names its one pod",
+            v.name
+        );
     }
 
     let unmount = |v: &Volume| vec!["unmount".into(), v.dir.clone()];
@@ -251,7 +313,8 @@ const UNMOUNT_STEPS: &[&str] = &["unmount", "detach-device"];
 fn until_success(node: &Node, args: &[&str]) {
     let (start, mut backoff) = (Instant::now(), FIRST_BACKOFF);
     loop {
-        let (code, reply) = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(args));
+        let (code, reply) =
+            driver_common::run_driver(std::process::Command::new(node.driver_path()).args(args));
         if code == 0 && reply["status"] == "Success" {
             return;
         }
@@ -277,14 +340,19 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
         if fault == "hang" {
             assert!(said("still running after"), "{step} {fault}: the deadline is said: {}", r.1);
         } else {
-            assert!(said(&format!("({step}) failed")) && said("injected fault") && said(fault), "{step} {fault}: step and fault are said: {}", r.1);
+            assert!(
+                said(&format!("({step}) failed")) && said("injected fault") && said(fault),
+                "{step} {fault}: step and fault are said: {}",
+                r.1
+            );
         }
     };
     let mut case = 0;
     for step in MOUNT_STEPS.iter().chain(UNMOUNT_STEPS) {
         for fault in FAULTS {
             case += 1;
-            let (name, pod, uid) = (format!("pv-f{case}"), format!("pod-f{case}"), format!("uid-f{case}"));
+            let (name, pod, uid) =
+                (format!("pv-f{case}"), format!("pod-f{case}"), format!("uid-f{case}"));
             let image = node.image(&format!("f{case}.img"), 16);
             let dir = node.mount_dir(&uid, &name);
             let opts = kubelet_options(&name, &pod, &uid, "ext4", &image).to_string();
@@ -295,15 +363,39 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
                 until_success(&node, &mount);
             }
             std::fs::write(&rules, format!("{step} {fault}\n")).expect("rules");
-            let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(if on_mount { &mount[..] } else { &unmount[..] }));
+            let r = driver_common::run_driver(
+                std::process::Command::new(node.driver_path()).args(if on_mount {
+                    &mount[..]
+                } else {
+                    &unmount[..]
+                }),
+            );
             expect_fault(&r, step, fault);
             if *fault == "hang" {
                 // Locked while the step hangs: the retry is told to wait.
-                let again = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(if on_mount { &mount[..] } else { &unmount[..] }));
-                assert!(again.1["message"].as_str().unwrap_or_default().contains("in progress"), "{step} hang: {}", again.1);
+                let again = driver_common::run_driver(
+                    std::process::Command::new(node.driver_path()).args(if on_mount {
+                        &mount[..]
+                    } else {
+                        &unmount[..]
+                    }),
+                );
+                assert!(
+                    again.1["message"].as_str().unwrap_or_default().contains("in progress"),
+                    "{step} hang: {}",
+                    again.1
+                );
             } else if on_mount {
-                assert!(node.scratch.mounts().is_empty(), "{step} {fault}: rolled back: {:?}", node.scratch.mounts());
-                assert!(node.scratch.loops_left().is_empty(), "{step} {fault}: rolled back: {:?}", node.scratch.loops());
+                assert!(
+                    node.scratch.mounts().is_empty(),
+                    "{step} {fault}: rolled back: {:?}",
+                    node.scratch.mounts()
+                );
+                assert!(
+                    node.scratch.loops_left().is_empty(),
+                    "{step} {fault}: rolled back: {:?}",
+                    node.scratch.loops()
+                );
             }
             std::fs::remove_file(&rules).expect("the fault is gone");
             if on_mount {
@@ -311,8 +403,16 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
                 std::fs::write(format!("{dir}/data"), b"after the fault").expect("write");
             }
             until_success(&node, &unmount);
-            assert!(node.scratch.mounts().is_empty(), "{step} {fault}: {:?}", node.scratch.mounts());
-            assert!(node.scratch.loops_left().is_empty(), "{step} {fault}: {:?}", node.scratch.loops());
+            assert!(
+                node.scratch.mounts().is_empty(),
+                "{step} {fault}: {:?}",
+                node.scratch.mounts()
+            );
+            assert!(
+                node.scratch.loops_left().is_empty(),
+                "{step} {fault}: {:?}",
+                node.scratch.loops()
+            );
         }
     }
     eprintln!("{case} faults injected, {} per step kind", FAULTS.len());
@@ -328,14 +428,23 @@ fn a_mount_failing_at_any_step_leaves_no_holder_recorded() {
     let mut node = Node::start_alone();
     let rules = node.restart_with_faults(&[]);
     for (case, step) in MOUNT_STEPS.iter().enumerate() {
-        let (name, pod, uid) = (format!("pv-r{case}"), format!("pod-r{case}"), format!("uid-r{case}"));
+        let (name, pod, uid) =
+            (format!("pv-r{case}"), format!("pod-r{case}"), format!("uid-r{case}"));
         let image = node.image(&format!("r{case}.img"), 16);
         let dir = node.mount_dir(&uid, &name);
         let opts = kubelet_options(&name, &pod, &uid, "ext4", &image).to_string();
         std::fs::write(&rules, format!("{step} EIO\n")).expect("rules");
-        let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["mount", dir.as_str(), opts.as_str()]));
+        let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args([
+            "mount",
+            dir.as_str(),
+            opts.as_str(),
+        ]));
         assert_eq!(r.0, 1, "{step}: the mount fails: {}", r.1);
-        assert!(r.1["message"].as_str().unwrap_or_default().contains("injected fault"), "{step}: {}", r.1);
+        assert!(
+            r.1["message"].as_str().unwrap_or_default().contains("injected fault"),
+            "{step}: {}",
+            r.1
+        );
     }
     std::fs::remove_file(&rules).expect("the faults are gone");
     assert!(node.scratch.mounts().is_empty(), "rolled back: {:?}", node.scratch.mounts());
@@ -357,7 +466,8 @@ fn a_volume_torn_down_lazily_while_in_use_mounts_again_and_leaves_nothing() {
     let mut node = Node::start_alone();
     let image = node.image("lazy.img", 16);
     let staging = node.scratch.path("node-a/kubelet/plugins/volagent/local-pv/mounts/pv-lazy");
-    let options = |pod: &str, uid: &str| kubelet_options("pv-lazy", pod, uid, "ext4", &image).to_string();
+    let options =
+        |pod: &str, uid: &str| kubelet_options("pv-lazy", pod, uid, "ext4", &image).to_string();
     let dir_a = node.mount_dir("uid-la", "pv-lazy");
     until_success(&node, &["mount", &dir_a, &options("pod-la", "uid-la")]);
     let mut held = std::fs::File::create(format!("{dir_a}/held")).expect("a file in the volume");
@@ -368,7 +478,15 @@ fn a_volume_torn_down_lazily_while_in_use_mounts_again_and_leaves_nothing() {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert_eq!(node.scratch.loops().len(), 1, "the device lives on under the open file");
     let device = node.scratch.loops()[0].clone();
-    let autoclear = || std::fs::read_to_string(format!("/sys/block/{}/loop/autoclear", device.display().to_string().trim_start_matches("/dev/"))).expect("autoclear").trim() == "1";
+    let autoclear = || {
+        std::fs::read_to_string(format!(
+            "/sys/block/{}/loop/autoclear",
+            device.display().to_string().trim_start_matches("/dev/")
+        ))
+        .expect("autoclear")
+        .trim()
+            == "1"
+    };
 
     let first_try = |node: &Node, args: &[&str]| {
         let (code, reply) = run_driver(std::process::Command::new(node.driver_path()).args(args));
@@ -380,11 +498,18 @@ fn a_volume_torn_down_lazily_while_in_use_mounts_again_and_leaves_nothing() {
     let dir_b = node.mount_dir("uid-lb", "pv-lazy");
     first_try(&node, &["mount", &dir_b, &options("pod-lb", "uid-lb")]);
     assert_eq!(node.scratch.loops(), vec![device.clone()], "one device for the volume, the same");
-    assert!(!autoclear(), "taken back: the open file's close does not take the device from under pod b");
+    assert!(
+        !autoclear(),
+        "taken back: the open file's close does not take the device from under pod b"
+    );
     held.write_all(b"after").expect("write through the detached mount");
     held.sync_all().expect("sync");
     drop(held);
-    assert_eq!(std::fs::read(format!("{dir_b}/held")).expect("read"), b"before; after", "the same filesystem");
+    assert_eq!(
+        std::fs::read(format!("{dir_b}/held")).expect("read"),
+        b"before; after",
+        "the same filesystem"
+    );
     std::fs::write(format!("{dir_b}/data"), b"pod b").expect("write");
 
     first_try(&node, &["unmount", &dir_b]);
@@ -394,11 +519,19 @@ fn a_volume_torn_down_lazily_while_in_use_mounts_again_and_leaves_nothing() {
     // Written through to the file: mounted once more by hand, it holds both.
     let check = node.scratch.path("check");
     std::fs::create_dir_all(&check).expect("dir");
-    let out = std::process::Command::new("mount").args(["-o", "loop,ro"]).arg(&image).arg(&check).output().expect("mount");
+    let out = std::process::Command::new("mount")
+        .args(["-o", "loop,ro"])
+        .arg(&image)
+        .arg(&check)
+        .output()
+        .expect("mount");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (held, data) = (std::fs::read(check.join("held")), std::fs::read(check.join("data")));
     nix::mount::umount2(&check, nix::mount::MntFlags::empty()).expect("unmount");
-    assert_eq!((held.expect("held"), data.expect("data")), (b"before; after".to_vec(), b"pod b".to_vec()));
+    assert_eq!(
+        (held.expect("held"), data.expect("data")),
+        (b"before; after".to_vec(), b"pod b".to_vec())
+    );
     settle(&node.scratch, 0);
 }
 
@@ -424,7 +557,14 @@ fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() 
     for dir in [&state, &run] {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir).expect("dir");
-        nix::mount::mount(Some("tmpfs"), dir, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=8m")).expect("a small disk");
+        nix::mount::mount(
+            Some("tmpfs"),
+            dir,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=8m"),
+        )
+        .expect("a small disk");
     }
     node.spawn_agent("node-a");
     let volume = |i: usize| {
@@ -434,14 +574,18 @@ fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() 
         let opts = kubelet_options(&name, &format!("pod-d{i}"), &uid, "ext4", &image).to_string();
         (dir, opts)
     };
-    let volume_mounts = || node.scratch.mounts().into_iter().filter(|m| *m != state && *m != run).collect::<Vec<_>>();
+    let volume_mounts = || {
+        node.scratch.mounts().into_iter().filter(|m| *m != state && *m != run).collect::<Vec<_>>()
+    };
     let ((a_dir, a_opts), (b_dir, b_opts)) = (volume(1), volume(2));
     until_success(&node, &["mount", &a_dir, &a_opts]);
     std::fs::write(format!("{a_dir}/data"), b"mounted before").expect("write");
     let before = volume_mounts();
 
     let fillers = [fill(&state), fill(&run)];
-    let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["mount", &b_dir, &b_opts]));
+    let r = driver_common::run_driver(
+        std::process::Command::new(node.driver_path()).args(["mount", &b_dir, &b_opts]),
+    );
     assert_eq!(r.0, 1, "{}", r.1);
     let message = r.1["message"].as_str().unwrap_or_default();
     assert!(message.contains("No space left on device"), "the full disk is said: {message}");
@@ -451,8 +595,14 @@ fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() 
     // An unmount still takes the volume down. Forgetting it takes no room
     // in the stash (a file removed); the ledger's commit may find none: the
     // unmount then fails, saying why, and its retry finishes the job.
-    let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args(["unmount", &a_dir]));
-    assert!(r.0 == 0 || r.1["message"].as_str().unwrap_or_default().contains("No space left on device"), "{}", r.1);
+    let r = driver_common::run_driver(
+        std::process::Command::new(node.driver_path()).args(["unmount", &a_dir]),
+    );
+    assert!(
+        r.0 == 0 || r.1["message"].as_str().unwrap_or_default().contains("No space left on device"),
+        "{}",
+        r.1
+    );
     assert!(volume_mounts().is_empty(), "taken down: {:?}", volume_mounts());
 
     for f in &fillers {

@@ -8,9 +8,9 @@
 //! them.
 
 mod common;
-mod kube_common;
 #[path = "support/daemonset_cluster.rs"]
 mod daemonset_cluster;
+mod kube_common;
 #[path = "support/kubelet_cluster.rs"]
 mod kubelet_cluster;
 #[path = "support/shipped.rs"]
@@ -35,7 +35,15 @@ fn volume_dir(uid: &str, pv: &str) -> PathBuf {
 /// A local-pv PV and claim over a new 64 MiB file in the node's /mnt/disks.
 fn local_volume(c: &DsCluster, pv: &str) {
     let disk = c.disk(&format!("{pv}.img"), 64);
-    create_volume(&c.rt, &c.client(), pv, "local-pv", "ReadWriteOnce", &[("path", &disk), ("node", &c.node)], c.kcm.as_ref().expect("kcm").log());
+    create_volume(
+        &c.rt,
+        &c.client(),
+        pv,
+        "local-pv",
+        "ReadWriteOnce",
+        &[("path", &disk), ("node", &c.node)],
+        c.kcm.as_ref().expect("kcm").log(),
+    );
 }
 
 fn record(c: &DsCluster, volume: &str) -> Option<Attachment> {
@@ -45,7 +53,10 @@ fn record(c: &DsCluster, volume: &str) -> Option<Attachment> {
 
 fn lease_holder(c: &DsCluster) -> Option<String> {
     let api: Api<Lease> = Api::namespaced(c.client(), CONTROLLER_NS);
-    c.rt.block_on(api.get_opt("volagent-controller")).expect("read the lease")?.spec?.holder_identity
+    c.rt.block_on(api.get_opt("volagent-controller"))
+        .expect("read the lease")?
+        .spec?
+        .holder_identity
 }
 
 fn name(p: &k8s_openapi::api::core::v1::Pod) -> String {
@@ -55,7 +66,12 @@ fn name(p: &k8s_openapi::api::core::v1::Pod) -> String {
 /// The "start-up reconciliation done" lines of agent pod `pod`, one per
 /// container it ran, oldest first.
 fn reconciliations(c: &DsCluster, pod: &k8s_openapi::api::core::v1::Pod) -> Vec<Value> {
-    c.json_lines_of(pod).into_iter().filter(|l| l["message"].as_str().is_some_and(|m| m.contains("start-up reconciliation done"))).collect()
+    c.json_lines_of(pod)
+        .into_iter()
+        .filter(|l| {
+            l["message"].as_str().is_some_and(|m| m.contains("start-up reconciliation done"))
+        })
+        .collect()
 }
 
 /// What agent pod `pod` unmounted.
@@ -79,7 +95,19 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
     let spec = agent.spec.as_ref().expect("spec");
     assert_eq!(spec.host_network, Some(true), "the agent pod is on the host network");
     assert_eq!(spec.node_name.as_deref(), Some(c.node.as_str()));
-    assert!(c.kubectl(&["-n", SYSTEM, "get", "daemonset", "volagent-agent", "-o", "jsonpath={.spec.template.spec.containers[0].image}"]).contains(&c.image), "the overlay set the image");
+    assert!(
+        c.kubectl(&[
+            "-n",
+            SYSTEM,
+            "get",
+            "daemonset",
+            "volagent-agent",
+            "-o",
+            "jsonpath={.spec.template.spec.containers[0].image}"
+        ])
+        .contains(&c.image),
+        "the overlay set the image"
+    );
     let driver = Path::new(NODE_PATHS[1].1).join("volagent~local-pv/local-pv");
     assert!(driver.is_file(), "the agent pod installed {} on the node", driver.display());
     for path in ["/healthz", "/readyz"] {
@@ -88,14 +116,27 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
     }
 
     local_volume(&c, "data");
-    let uid = c.create_pod(pod_with("app", &c.node, &serve("echo written-by-app > /data/greeting"), &[("data", claim("data"))], Some("test -s /data/greeting"), "Never"));
+    let uid = c.create_pod(pod_with(
+        "app",
+        &c.node,
+        &serve("echo written-by-app > /data/greeting"),
+        &[("data", claim("data"))],
+        Some("test -s /data/greeting"),
+        "Never",
+    ));
     c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
     // The mount the agent made inside its container is the one the
     // workload's container writes through: the node sees the file there.
     let dir = volume_dir(&uid, "data");
     assert!(!c.mounts_below(&dir).is_empty(), "{} is a mount on the node", dir.display());
-    assert_eq!(std::fs::read_to_string(dir.join("greeting")).expect("the file the app wrote").trim(), "written-by-app");
-    assert!(record(&c, "data").is_some(), "the agent in the pod recorded the attachment in the cluster");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("greeting")).expect("the file the app wrote").trim(),
+        "written-by-app"
+    );
+    assert!(
+        record(&c, "data").is_some(),
+        "the agent in the pod recorded the attachment in the cluster"
+    );
 
     // Logs: JSON, from the pod's CRI log, with the mount's operation line.
     let ops = c.operation_lines();
@@ -105,34 +146,65 @@ fn the_daemonset_agent_serves_a_workload_and_the_controller_leads() {
     );
     let (code, metrics) = c.agent_http("/metrics");
     assert_eq!(code, 200);
-    assert!(metrics.contains(r#"volagent_operations_total{operation="mount",backend="local-pv",result="ok"} 1"#), "/metrics counts the mount:\n{metrics}");
+    assert!(
+        metrics.contains(
+            r#"volagent_operations_total{operation="mount",backend="local-pv",result="ok"} 1"#
+        ),
+        "/metrics counts the mount:\n{metrics}"
+    );
 
     // The controller: two Ready replicas, one holding the lease, each
     // running as 65532 on a read-only root.
     let controllers = c.wait_ready(CONTROLLER_LABEL, 2);
     let names: Vec<String> = controllers.iter().map(name).collect();
-    let leader = c.wait("a controller holding the lease", || lease_holder(&c).filter(|h| names.contains(h)));
+    let leader =
+        c.wait("a controller holding the lease", || lease_holder(&c).filter(|h| names.contains(h)));
     // The webhook every agent write went through: its configuration holds
     // the CA the controller made, and the Secret it keeps it in is there.
-    let hooks: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> = Api::all(c.client());
-    let hook = c.rt.block_on(hooks.get("volagent-node-restriction")).expect("the webhook's configuration");
-    let bundle = hook.webhooks.unwrap_or_default().first().and_then(|w| w.client_config.ca_bundle.clone()).expect("a caBundle");
-    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(c.client(), CONTROLLER_NS);
+    let hooks: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+        Api::all(c.client());
+    let hook =
+        c.rt.block_on(hooks.get("volagent-node-restriction")).expect("the webhook's configuration");
+    let bundle = hook
+        .webhooks
+        .unwrap_or_default()
+        .first()
+        .and_then(|w| w.client_config.ca_bundle.clone())
+        .expect("a caBundle");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(c.client(), CONTROLLER_NS);
     let tls = c.rt.block_on(secrets.get("volagent-admission-tls")).expect("the webhook's Secret");
-    assert_eq!(tls.data.unwrap_or_default().get("ca.crt").map(|b| b.0.clone()), Some(bundle.0), "the caBundle is the controller's CA");
+    assert_eq!(
+        tls.data.unwrap_or_default().get("ca.crt").map(|b| b.0.clone()),
+        Some(bundle.0),
+        "the caBundle is the controller's CA"
+    );
     for p in &controllers {
         let pid = c.container_pid(p, "controller");
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the controller's status");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .expect("the controller's status");
         let uids = status.lines().find(|l| l.starts_with("Uid:")).expect("a Uid line");
-        assert!(uids.split_whitespace().skip(1).all(|u| u == "65532"), "{} runs as 65532: {uids}", name(p));
-        let root = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).expect("the controller's mounts");
+        assert!(
+            uids.split_whitespace().skip(1).all(|u| u == "65532"),
+            "{} runs as 65532: {uids}",
+            name(p)
+        );
+        let root = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+            .expect("the controller's mounts");
         let root = root.lines().find(|l| l.split(' ').nth(4) == Some("/")).expect("a root mount");
-        assert!(root.split(' ').nth(5).is_some_and(|o| o.split(',').any(|o| o == "ro")), "{}'s root is read-only: {root}", name(p));
+        assert!(
+            root.split(' ').nth(5).is_some_and(|o| o.split(',').any(|o| o == "ro")),
+            "{}'s root is read-only: {root}",
+            name(p)
+        );
     }
     c.delete_pod(CONTROLLER_NS, &leader);
     let next = c.wait("another controller leading", || lease_holder(&c).filter(|h| *h != leader));
     let current: Vec<String> = c.pods(CONTROLLER_NS, CONTROLLER_LABEL).iter().map(name).collect();
-    assert!(current.contains(&next), "the lease passed to a running replica: {next}, replicas {current:?}");
+    assert!(
+        current.contains(&next),
+        "the lease passed to a running replica: {next}, replicas {current:?}"
+    );
 
     c.delete_pod("default", "app");
     c.wait("app gone", || c.pod("default", "app").is_none().then_some(()));
@@ -153,7 +225,14 @@ fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
     // One line every 200 ms; Ready while the last write is under 3 s old.
     let writer = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo $i >> /data/log || exit 1; tail -n1 /data/log >/dev/null || exit 1; sleep 0.2; done";
     let fresh = "test $(( $(date +%s) - $(stat -c %Y /data/log) )) -lt 3";
-    let uid = c.create_pod(pod_with("app", &c.node, writer, &[("data", claim("data"))], Some(fresh), "Never"));
+    let uid = c.create_pod(pod_with(
+        "app",
+        &c.node,
+        writer,
+        &[("data", claim("data"))],
+        Some(fresh),
+        "Never",
+    ));
     c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
     let dir = volume_dir(&uid, "data");
     let lines = || std::fs::read_to_string(dir.join("log")).map(|s| s.lines().count()).unwrap_or(0);
@@ -161,7 +240,10 @@ fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
         let before = lines();
         c.wait(&format!("app writing {when}"), || (lines() >= before + 5).then_some(()));
         let app = c.pod("default", "app");
-        assert!(is_ready(app.as_ref()) && restarts(app.as_ref()) == 0, "app runs on, never restarted, {when}");
+        assert!(
+            is_ready(app.as_ref()) && restarts(app.as_ref()) == 0,
+            "app runs on, never restarted, {when}"
+        );
         assert!(!c.mounts_below(&dir).is_empty(), "{} stays mounted {when}", dir.display());
     };
     still_writing("before");
@@ -175,33 +257,58 @@ fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
         (p.metadata.uid != first.metadata.uid).then_some(p)
     });
     still_writing("after the agent pod was replaced");
-    let adopted = c.wait("the new agent's reconciliation", || reconciliations(&c, &second).first().cloned());
-    assert_eq!((adopted["kept"].as_u64(), adopted["rolled_back"].as_u64(), adopted["orphans"].as_u64()), (Some(1), Some(0), Some(0)), "the new agent adopted the mount: {adopted}");
+    let adopted =
+        c.wait("the new agent's reconciliation", || reconciliations(&c, &second).first().cloned());
+    assert_eq!(
+        (adopted["kept"].as_u64(), adopted["rolled_back"].as_u64(), adopted["orphans"].as_u64()),
+        (Some(1), Some(0), Some(0)),
+        "the new agent adopted the mount: {adopted}"
+    );
 
     // 2. Killed: kubelet restarts the container in the same pod.
     let id = container_id(&second, "agent");
-    c.containerd().ctr(&["tasks", "kill", "--signal", "SIGKILL", &id]).expect("kill the agent's container");
+    c.containerd()
+        .ctr(&["tasks", "kill", "--signal", "SIGKILL", &id])
+        .expect("kill the agent's container");
     c.wait("the agent restarted and Ready", || {
         let p = c.pod(SYSTEM, &name(&second));
         (restarts(p.as_ref()) >= 1 && is_ready(p.as_ref())).then_some(())
     });
     still_writing("after the agent was killed");
-    let adopted = c.wait("the restarted agent's reconciliation", || reconciliations(&c, &second).get(1).cloned());
-    assert_eq!(adopted["kept"].as_u64(), Some(1), "the restarted agent adopted the mount: {adopted}");
-    assert_eq!(unmounts(&c, &second), Vec::<Value>::new(), "no agent unmounted anything while the workload ran");
+    let adopted = c.wait("the restarted agent's reconciliation", || {
+        reconciliations(&c, &second).get(1).cloned()
+    });
+    assert_eq!(
+        adopted["kept"].as_u64(),
+        Some(1),
+        "the restarted agent adopted the mount: {adopted}"
+    );
+    assert_eq!(
+        unmounts(&c, &second),
+        Vec::<Value>::new(),
+        "no agent unmounted anything while the workload ran"
+    );
 
     // 3. No agent on the node (the DaemonSet selects no node) while the
     // workload is deleted: kubelet cannot unmount, so the volume stays.
     let daemonsets: Api<DaemonSet> = Api::namespaced(c.client(), SYSTEM);
     let select = |selector: Value| {
         let patch = json!({ "spec": { "template": { "spec": { "nodeSelector": selector } } } });
-        c.rt.block_on(daemonsets.patch("volagent-agent", &PatchParams::default(), &Patch::Merge(&patch))).expect("patch the DaemonSet");
+        c.rt.block_on(daemonsets.patch(
+            "volagent-agent",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        ))
+        .expect("patch the DaemonSet");
     };
     select(json!({ "volagent.test/agent": "off" }));
     c.wait("no agent pod", || c.pods(SYSTEM, AGENT_LABEL).is_empty().then_some(()));
     c.delete_pod("default", "app");
     std::thread::sleep(Duration::from_secs(5));
-    assert!(c.pod("default", "app").is_some(), "without an agent the workload's volume cannot be torn down, so its pod stays");
+    assert!(
+        c.pod("default", "app").is_some(),
+        "without an agent the workload's volume cannot be torn down, so its pod stays"
+    );
     assert!(!c.mounts_below(&dir).is_empty(), "the volume stays mounted while no agent runs");
 
     select(Value::Null);

@@ -39,7 +39,13 @@ fn driver(node: &Node, name: &str, args: &[&str]) -> (i32, Value) {
     driver_common::run_driver(Command::new(node.driver_of(name, "gluster")).args(args))
 }
 
-fn gluster_options(volume: &str, pod: &str, uid: &str, servers: &str, gluster_volume: &str) -> Value {
+fn gluster_options(
+    volume: &str,
+    pod: &str,
+    uid: &str,
+    servers: &str,
+    gluster_volume: &str,
+) -> Value {
     let mut o = kubelet_options(volume, pod, uid, "", "");
     let m = o.as_object_mut().unwrap();
     m.remove("path");
@@ -57,7 +63,10 @@ fn clients_under(dir: &Path) -> Vec<i32> {
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let start = std::time::Instant::now();
     while !done() {
-        assert!(start.elapsed() < std::time::Duration::from_secs(20), "timed out waiting for {what}");
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
@@ -71,11 +80,22 @@ fn pods_on_two_nodes_share_a_gluster_volume_and_see_each_others_writes() {
     let unique = format!("shared-{}", std::process::id());
     let dir_a = node.mount_dir_of("node-a", "gluster", "uid-a", "pv-g");
     let dir_b = node.mount_dir_of("node-b", "gluster", "uid-b", "pv-g");
-    assert_success(&driver(&node, "node-a", &["mount", &dir_a, &gluster_options("pv-g", "pod-a", "uid-a", &servers, "v0").to_string()]));
-    assert_success(&driver(&node, "node-b", &["mount", &dir_b, &gluster_options("pv-g", "pod-b", "uid-b", &servers, "v0").to_string()]));
+    assert_success(&driver(
+        &node,
+        "node-a",
+        &["mount", &dir_a, &gluster_options("pv-g", "pod-a", "uid-a", &servers, "v0").to_string()],
+    ));
+    assert_success(&driver(
+        &node,
+        "node-b",
+        &["mount", &dir_b, &gluster_options("pv-g", "pod-b", "uid-b", &servers, "v0").to_string()],
+    ));
     let staging = node.scratch.path("node-a/kubelet/plugins/volagent/gluster/mounts/pv-g");
     let table = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap();
-    let line = table.lines().find(|l| l.split(' ').nth(4) == Some(staging.to_str().unwrap())).expect("node-a's staging mount");
+    let line = table
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some(staging.to_str().unwrap()))
+        .expect("node-a's staging mount");
     assert!(line.contains("fuse.glusterfs"), "{line}");
 
     std::fs::create_dir_all(format!("{dir_a}/{unique}")).unwrap();
@@ -99,16 +119,37 @@ fn a_wrong_server_or_volume_fails_quoting_the_clients_log_and_leaves_nothing() {
     let host = gluster_host();
     let node = gluster_node();
     let dir_a = node.mount_dir_of("node-a", "gluster", "uid-a", "pv-bad");
-    let r = driver(&node, "node-a", &["mount", &dir_a, &gluster_options("pv-bad", "pod-a", "uid-a", "gluster-absent.invalid", "v0").to_string()]);
+    let r = driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_a,
+            &gluster_options("pv-bad", "pod-a", "uid-a", "gluster-absent.invalid", "v0")
+                .to_string(),
+        ],
+    );
     assert_failure(&r, "mount.glusterfs");
     assert_failure(&r, "the client's log ends:");
     assert_failure(&r, "DNS resolution failed on host gluster-absent.invalid");
-    let r = driver(&node, "node-a", &["mount", &dir_a, &gluster_options("pv-bad", "pod-a", "uid-a", &host, "no-such-volume").to_string()]);
+    let r = driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_a,
+            &gluster_options("pv-bad", "pod-a", "uid-a", &host, "no-such-volume").to_string(),
+        ],
+    );
     assert_failure(&r, "the client's log ends:");
     assert_failure(&r, "failed to fetch volume file (key:/no-such-volume)");
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     wait_until("no client to be left", || clients_under(&node.scratch.path("")).is_empty());
     // A source that is not host:/volume never reaches the helper.
-    let r = driver(&node, "node-a", &["mount", &dir_a, &gluster_options("pv-bad", "pod-a", "uid-a", "-oX", "v0").to_string()]);
+    let r = driver(
+        &node,
+        "node-a",
+        &["mount", &dir_a, &gluster_options("pv-bad", "pod-a", "uid-a", "-oX", "v0").to_string()],
+    );
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
 }

@@ -6,10 +6,10 @@
 #[path = "support/api_cluster.rs"]
 mod api_cluster;
 mod common;
-#[path = "support/shipped.rs"]
-mod shipped;
 mod driver_common;
 mod kube_common;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use api_cluster::Cluster;
 
@@ -21,7 +21,9 @@ use std::process::Command;
 
 impl Cluster {
     fn mount_dir(&self, node: &str, uid: &str, volume: &str) -> String {
-        let d = self.scratch.path(&format!("{node}/kubelet/pods/{uid}/volumes/volagent~shared-file/{volume}"));
+        let d = self
+            .scratch
+            .path(&format!("{node}/kubelet/pods/{uid}/volumes/volagent~shared-file/{volume}"));
         std::fs::create_dir_all(&d).expect("kubelet makes the pod's dir");
         d.display().to_string()
     }
@@ -36,7 +38,8 @@ impl Cluster {
         let mut opts = kubelet_options(volume, pod, &uid, "ext4", image);
         // Options a request may carry are not the volume: the PV's mode must win.
         opts["accessMode"] = Value::from("ReadWriteMany");
-        let r = run_driver(Command::new(self.driver(node)).args(["mount", &dir, &opts.to_string()]));
+        let r =
+            run_driver(Command::new(self.driver(node)).args(["mount", &dir, &opts.to_string()]));
         (dir, r)
     }
 
@@ -46,7 +49,8 @@ impl Cluster {
 
     fn image(&self, name: &str) -> String {
         let p = self.scratch.image(&format!("disks/{name}"), 64);
-        let ok = Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&p).status().expect("mkfs").success();
+        let ok =
+            Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&p).status().expect("mkfs").success();
         assert!(ok, "mkfs.ext4 {}", p.display());
         p.display().to_string()
     }
@@ -58,7 +62,13 @@ impl Cluster {
 fn two_nodes_race_for_a_read_write_once_volume() {
     let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
     let image = c.image("race.img");
-    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-race", "shared-file", "ReadWriteOnce", &[("path", &image)]));
+    c.rt.block_on(kube_common::create_pv(
+        &c.client(),
+        "pv-race",
+        "shared-file",
+        "ReadWriteOnce",
+        &[("path", &image)],
+    ));
     let mut wins = [0usize; 2];
     for round in 0..100 {
         let (pa, pb) = (format!("a{round}"), format!("b{round}"));
@@ -72,7 +82,10 @@ fn two_nodes_race_for_a_read_write_once_volume() {
         let (winner, dir, loser_reply, holder) = match (ra.0, rb.0) {
             (0, 1) => ("node-a", da, rb, format!("pod default/{pa} on node node-a")),
             (1, 0) => ("node-b", db, ra, format!("pod default/{pb} on node node-b")),
-            other => panic!("round {round}: exactly one node must win, got exit codes {other:?}: {} / {}", ra.1, rb.1),
+            other => panic!(
+                "round {round}: exactly one node must win, got exit codes {other:?}: {} / {}",
+                ra.1, rb.1
+            ),
         };
         assert_failure(&loser_reply, &holder);
         wins[usize::from(winner == "node-b")] += 1;
@@ -80,16 +93,23 @@ fn two_nodes_race_for_a_read_write_once_volume() {
         assert_eq!(rec.spec.consumers.len(), 1, "round {round}: one consumer recorded");
         assert_eq!(rec.spec.consumers[0].node, winner);
         assert_success(&c.unmount(winner, &dir));
-        assert!(c.record("pv-race").is_none(), "round {round}: the record goes with its last consumer");
+        assert!(
+            c.record("pv-race").is_none(),
+            "round {round}: the record goes with its last consumer"
+        );
     }
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "nothing left mounted or attached");
+    assert!(
+        c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(),
+        "nothing left mounted or attached"
+    );
     eprintln!("wins: node-a {}, node-b {}", wins[0], wins[1]);
 
     // Each denial is an Event on the losing pod, naming the holder.
     let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.client(), "default");
     c.wait("an Event per denial", || {
         let list = c.rt.block_on(events.list(&Default::default())).expect("list events").items;
-        let fenced: Vec<_> = list.iter().filter(|e| e.reason.as_deref() == Some("VolumeFenced")).collect();
+        let fenced: Vec<_> =
+            list.iter().filter(|e| e.reason.as_deref() == Some("VolumeFenced")).collect();
         fenced.len() == 100
             && fenced.iter().all(|e| {
                 e.type_.as_deref() == Some("Warning")
@@ -107,13 +127,23 @@ fn two_nodes_race_for_a_read_write_once_volume() {
 #[test]
 fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     use volagent::sys::Devices;
-    let mut c = Cluster::start_with(&["node-a", "node-b", "node-c"], &[SHARED_FILE], &["--gone-node-grace", "1h"]);
+    let mut c = Cluster::start_with(
+        &["node-a", "node-b", "node-c"],
+        &[SHARED_FILE],
+        &["--gone-node-grace", "1h"],
+    );
     // The gone node's view: it mapped files in the shared discovery dir.
     let roots = volagent::sys::Roots::open(&[c.scratch.path("disks")]).expect("roots");
     let loops = volagent::sys::linux::Linux::new(roots, "volagent:gone-node");
     for (volume, how) in [("pv-deleted", "deleted"), ("pv-tainted", "out-of-service")] {
         let image = c.image(&format!("{volume}.img"));
-        c.rt.block_on(kube_common::create_pv(&c.client(), volume, "shared-file", "ReadWriteOnce", &[("path", &image)]));
+        c.rt.block_on(kube_common::create_pv(
+            &c.client(),
+            volume,
+            "shared-file",
+            "ReadWriteOnce",
+            &[("path", &image)],
+        ));
         let holder = if how == "deleted" { "node-b" } else { "node-c" };
         let (h, a) = (format!("h-{volume}"), format!("a-{volume}"));
         let (dir, r) = c.mount(holder, &h, volume, &image);
@@ -122,7 +152,10 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
         // NotReady is not gone: denied, and the reason says why.
         c.rt.block_on(kube_common::set_ready(&c.client(), holder, false));
         let (_, r) = c.mount("node-a", &a, volume, &image);
-        assert_failure(&r, "is NotReady, but a volume is only taken over from a deleted node or one tainted");
+        assert_failure(
+            &r,
+            "is NotReady, but a volume is only taken over from a deleted node or one tainted",
+        );
 
         // The holder's machine dies: its agent and mounts are gone, but a
         // read-only mapping of the file is left behind. Without the fence
@@ -135,7 +168,9 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
         for d in c.scratch.loops() {
             loops.loop_detach(&d).expect("detach");
         }
-        let leftover = loops.loop_attach(std::path::Path::new(&image), true).expect("a leftover read-only mapping");
+        let leftover = loops
+            .loop_attach(std::path::Path::new(&image), true)
+            .expect("a leftover read-only mapping");
         match how {
             "deleted" => c.rt.block_on(kube_common::delete_node(&c.client(), holder)),
             _ => c.rt.block_on(kube_common::taint_out_of_service(&c.client(), holder)),
@@ -146,14 +181,22 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
         let device = r.1["device"].as_str().expect("the device").to_string();
         let name = device.trim_start_matches("/dev/");
         let ro = std::fs::read_to_string(format!("/sys/block/{name}/ro")).expect("sysfs ro");
-        assert_eq!(ro.trim(), "0", "{how}: node-a got a fresh read-write device, not the leftover {}", leftover.display());
+        assert_eq!(
+            ro.trim(),
+            "0",
+            "{how}: node-a got a fresh read-write device, not the leftover {}",
+            leftover.display()
+        );
         let rec = c.record(volume).expect("record");
         let nodes: Vec<&str> = rec.spec.consumers.iter().map(|x| x.node.as_str()).collect();
         assert_eq!(nodes, ["node-a"], "{how}: the gone holder was removed from the record");
         std::fs::write(format!("{adir}/proof"), b"taken over").expect("node-a writes");
         assert_success(&c.unmount("node-a", &adir));
     }
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "nothing left mounted or attached");
+    assert!(
+        c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(),
+        "nothing left mounted or attached"
+    );
 }
 
 impl Cluster {
@@ -176,7 +219,13 @@ impl Cluster {
 fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
     let mut c = Cluster::start(&["node-a", "node-b", "node-c"], &[SHARED_FILE]);
     let image = c.image("stale.img");
-    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-stale", "shared-file", "ReadWriteMany", &[("path", &image)]));
+    c.rt.block_on(kube_common::create_pv(
+        &c.client(),
+        "pv-stale",
+        "shared-file",
+        "ReadWriteMany",
+        &[("path", &image)],
+    ));
     let (_, r) = c.mount("node-b", "b1", "pv-stale", &image);
     assert_success(&r);
     let (_, r) = c.mount("node-a", "a1", "pv-stale", &image);
@@ -187,13 +236,23 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
     // controller moves its records at once.
     c.kill_agent("node-b");
     c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
-    c.wait("node-b's records to move", || c.cleanup_list("node-b").is_some_and(|l| l.spec.entries.len() == 1));
+    c.wait("node-b's records to move", || {
+        c.cleanup_list("node-b").is_some_and(|l| l.spec.entries.len() == 1)
+    });
     let list = c.cleanup_list("node-b").expect("node-b's cleanup list");
     assert_eq!(list.spec.entries[0].volume, "pv-stale");
     let rec = c.record("pv-stale").expect("record");
-    assert_eq!(rec.spec.consumers.iter().map(|x| x.node.as_str()).collect::<Vec<_>>(), ["node-a"], "node-a keeps its consumer");
+    assert_eq!(
+        rec.spec.consumers.iter().map(|x| x.node.as_str()).collect::<Vec<_>>(),
+        ["node-a"],
+        "node-a keeps its consumer"
+    );
     // The periodic scan, as the controller's ServiceAccount: nothing moves twice.
-    assert_eq!(c.rt.block_on(volagent::kube::controller::scan(&c.controller_client())).expect("scan"), 0, "nothing moves twice");
+    assert_eq!(
+        c.rt.block_on(volagent::kube::controller::scan(&c.controller_client())).expect("scan"),
+        0,
+        "nothing moves twice"
+    );
 
     // node-b comes back: its agent works the list off when it starts (it
     // may only empty it), and the controller deletes the emptied list.
@@ -209,9 +268,15 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
     assert_success(&r);
     c.kill_agent("node-c");
     c.rt.block_on(kube_common::delete_node(&c.client(), "node-c"));
-    c.wait("node-c's records to move", || c.cleanup_list("node-c").is_some_and(|l| l.spec.entries.len() == 1));
+    c.wait("node-c's records to move", || {
+        c.cleanup_list("node-c").is_some_and(|l| l.spec.entries.len() == 1)
+    });
     let rec = c.record("pv-stale").expect("record");
-    assert!(rec.spec.consumers.iter().all(|x| x.node == "node-a"), "only node-a is left: {:?}", rec.spec.consumers);
+    assert!(
+        rec.spec.consumers.iter().all(|x| x.node == "node-a"),
+        "only node-a is left: {:?}",
+        rec.spec.consumers
+    );
 }
 
 /// Deleting a StorageCluster makes every node force-clean its volumes; the
@@ -221,14 +286,32 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
     use volagent::kube::crds::{StorageCluster, StorageClusterSpec};
     let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
     let clusters: Api<StorageCluster> = Api::all(c.client());
-    let sc = StorageCluster::new("sc1", StorageClusterSpec { backend: "shared-file".into(), endpoints: vec![], secret_ref: None, controller_credentials: None, parameters: Default::default() });
+    let sc = StorageCluster::new(
+        "sc1",
+        StorageClusterSpec {
+            backend: "shared-file".into(),
+            endpoints: vec![],
+            secret_ref: None,
+            controller_credentials: None,
+            parameters: Default::default(),
+        },
+    );
     c.rt.block_on(clusters.create(&Default::default(), &sc)).expect("create the StorageCluster");
     c.wait("the finalizer", || {
-        c.rt.block_on(clusters.get("sc1")).ok().and_then(|s| s.metadata.finalizers).is_some_and(|f| f.iter().any(|f| f == volagent::kube::crds::CLEANUP_FINALIZER))
+        c.rt.block_on(clusters.get("sc1"))
+            .ok()
+            .and_then(|s| s.metadata.finalizers)
+            .is_some_and(|f| f.iter().any(|f| f == volagent::kube::crds::CLEANUP_FINALIZER))
     });
     let (one, two) = (c.image("sc-one.img"), c.image("sc-two.img"));
     for (pv, image) in [("pv-sc-1", &one), ("pv-sc-2", &two)] {
-        c.rt.block_on(kube_common::create_pv(&c.client(), pv, "shared-file", "ReadWriteMany", &[("path", image), ("storageCluster", "sc1")]));
+        c.rt.block_on(kube_common::create_pv(
+            &c.client(),
+            pv,
+            "shared-file",
+            "ReadWriteMany",
+            &[("path", image), ("storageCluster", "sc1")],
+        ));
     }
     for (node, pod) in [("node-a", "a"), ("node-b", "b")] {
         for (pv, image) in [("pv-sc-1", &one), ("pv-sc-2", &two)] {
@@ -236,15 +319,25 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
             let uid = c.pod_uid(&pod, pv);
             let opts = kubelet_options(pv, &pod, &uid, "ext4", image);
             let dir = c.mount_dir(node, &uid, pv);
-            assert_success(&run_driver(Command::new(c.driver(node)).args(["mount", &dir, &opts.to_string()])));
+            assert_success(&run_driver(Command::new(c.driver(node)).args([
+                "mount",
+                &dir,
+                &opts.to_string(),
+            ])));
         }
     }
     assert_eq!(c.scratch.mounts().len(), 8);
     assert_eq!(c.record("pv-sc-1").expect("record").spec.storage_cluster.as_deref(), Some("sc1"));
 
     c.rt.block_on(clusters.delete("sc1", &Default::default())).expect("delete the StorageCluster");
-    c.wait("the StorageCluster to go", || c.rt.block_on(clusters.get_opt("sc1")).expect("get").is_none());
-    assert!(c.scratch.mounts().is_empty(), "every node's mounts are gone: {:?}", c.scratch.mounts());
+    c.wait("the StorageCluster to go", || {
+        c.rt.block_on(clusters.get_opt("sc1")).expect("get").is_none()
+    });
+    assert!(
+        c.scratch.mounts().is_empty(),
+        "every node's mounts are gone: {:?}",
+        c.scratch.mounts()
+    );
     assert!(c.scratch.loops_left().is_empty(), "and their devices");
     assert!(c.record("pv-sc-1").is_none() && c.record("pv-sc-2").is_none(), "and the records");
 }
@@ -256,13 +349,22 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
 fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
     let c = Cluster::start(&["node-a"], &[SHARED_FILE]);
     let image = c.image("outage.img");
-    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-out", "shared-file", "ReadWriteOnce", &[("path", &image)]));
+    c.rt.block_on(kube_common::create_pv(
+        &c.client(),
+        "pv-out",
+        "shared-file",
+        "ReadWriteOnce",
+        &[("path", &image)],
+    ));
 
     c.pod_uid("a1", "pv-out");
     c.env.stop_apiserver();
     let (dir, r) = c.mount("node-a", "a1", "pv-out", &image);
     assert_failure(&r, "pv-out");
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "a failed mount leaves nothing");
+    assert!(
+        c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(),
+        "a failed mount leaves nothing"
+    );
     c.rt.block_on(c.env.start_apiserver()).expect("API server back");
     let (_, r) = c.mount("node-a", "a1", "pv-out", &image);
     assert_success(&r);
@@ -270,7 +372,14 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
     c.env.stop_apiserver();
     assert_failure(&c.unmount("node-a", &dir), "Kubernetes API");
     c.rt.block_on(c.env.start_apiserver()).expect("API server back");
-    assert_eq!(c.record("pv-out").expect("the record is kept until the unmount is through").spec.consumers.len(), 1);
+    assert_eq!(
+        c.record("pv-out")
+            .expect("the record is kept until the unmount is through")
+            .spec
+            .consumers
+            .len(),
+        1
+    );
     assert_success(&c.unmount("node-a", &dir));
     assert!(c.record("pv-out").is_none(), "the retried unmount released the record");
     assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty());
@@ -285,10 +394,20 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
 fn with_a_cluster_a_volume_is_what_its_pv_says() {
     let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
     let (image, other) = (c.image("trust.img"), c.image("other.img"));
-    c.rt.block_on(kube_common::create_pv_with(&c.client(), "pv-trust", "shared-file", "ReadWriteOnce", &[("path", &image)], Some("node-a")));
+    c.rt.block_on(kube_common::create_pv_with(
+        &c.client(),
+        "pv-trust",
+        "shared-file",
+        "ReadWriteOnce",
+        &[("path", &image)],
+        Some("node-a"),
+    ));
     let drive = |node: &str, uid: &str, opts: &Value| {
         let dir = c.mount_dir(node, uid, "pv-trust");
-        (dir.clone(), run_driver(Command::new(c.driver(node)).args(["mount", &dir, &opts.to_string()])))
+        (
+            dir.clone(),
+            run_driver(Command::new(c.driver(node)).args(["mount", &dir, &opts.to_string()])),
+        )
     };
 
     let uid = c.pod_uid("p1", "pv-trust");
@@ -298,11 +417,26 @@ fn with_a_cluster_a_volume_is_what_its_pv_says() {
     let (dir, r) = drive("node-a", &uid, &written);
     assert_success(&r);
     let rec = c.record("pv-trust").expect("record");
-    assert_eq!(rec.spec.source.as_ref().and_then(|s| s.options.as_ref()?.get("path").cloned()), Some(image.clone()), "the PV's path");
-    assert_eq!(rec.spec.access_mode, volagent::kube::crds::AccessMode::ReadWriteOnce, "the PV's mode");
-    let loops = volagent::sys::Devices::loop_devices(&volagent::sys::linux::Linux::unrooted()).expect("loops");
-    assert!(loops.iter().any(|l| l.backing_file == std::path::Path::new(&image)), "the PV's image is attached");
-    assert!(!loops.iter().any(|l| l.backing_file == std::path::Path::new(&other)), "the written one is not");
+    assert_eq!(
+        rec.spec.source.as_ref().and_then(|s| s.options.as_ref()?.get("path").cloned()),
+        Some(image.clone()),
+        "the PV's path"
+    );
+    assert_eq!(
+        rec.spec.access_mode,
+        volagent::kube::crds::AccessMode::ReadWriteOnce,
+        "the PV's mode"
+    );
+    let loops = volagent::sys::Devices::loop_devices(&volagent::sys::linux::Linux::unrooted())
+        .expect("loops");
+    assert!(
+        loops.iter().any(|l| l.backing_file == std::path::Path::new(&image)),
+        "the PV's image is attached"
+    );
+    assert!(
+        !loops.iter().any(|l| l.backing_file == std::path::Path::new(&other)),
+        "the written one is not"
+    );
 
     // The PV's node affinity holds (even for a pod of its claim).
     let uid2 = c.pod_uid("p2", "pv-trust");
@@ -313,7 +447,11 @@ fn with_a_cluster_a_volume_is_what_its_pv_says() {
     let (_, r) = drive("node-a", &uid3, &kubelet_options("pv-trust", "p3", &uid3, "ext4", &image));
     assert_failure(&r, "pod default/p3 uses no claim bound to PersistentVolume pv-trust");
     // A request with another pod's UID.
-    let (_, r) = drive("node-a", "bogus-uid", &kubelet_options("pv-trust", "p2", "bogus-uid", "ext4", &image));
+    let (_, r) = drive(
+        "node-a",
+        "bogus-uid",
+        &kubelet_options("pv-trust", "p2", "bogus-uid", "ext4", &image),
+    );
     assert_failure(&r, "not bogus-uid as the request says");
     // An inline volume named like the PV, pointing elsewhere.
     let inline: kube_common::Inline = ("pv-trust", "shared-file", &[("path", other.as_str())]);
@@ -340,7 +478,11 @@ fn inline_volumes_where_allowed_are_each_pods_own() {
         let uid = c.rt.block_on(kube_common::create_pod(&c.client(), pod, &[], &[inline]));
         let dir = c.mount_dir("node-a", &uid, "data");
         let opts = kubelet_options("data", pod, &uid, "ext4", path);
-        (uid, dir.clone(), run_driver(Command::new(c.driver("node-a")).args(["mount", &dir, &opts.to_string()])))
+        (
+            uid,
+            dir.clone(),
+            run_driver(Command::new(c.driver("node-a")).args(["mount", &dir, &opts.to_string()])),
+        )
     };
     let (uid1, dir1, r) = mount("q1", &shared);
     assert_success(&r);
@@ -377,7 +519,13 @@ impl SlowProxy {
                 // The API server down: the client's connection is closed, as
                 // a dead server's would be.
                 let Ok(server) = std::net::TcpStream::connect(&target) else { continue };
-                for (mut from, mut to) in [(client.try_clone(), server.try_clone()), (server.try_clone(), client.try_clone())].into_iter().filter_map(|(a, b)| Some((a.ok()?, b.ok()?))) {
+                for (mut from, mut to) in [
+                    (client.try_clone(), server.try_clone()),
+                    (server.try_clone(), client.try_clone()),
+                ]
+                .into_iter()
+                .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
+                {
                     let delay = delay.clone();
                     std::thread::spawn(move || {
                         use std::io::{Read, Write};
@@ -386,7 +534,9 @@ impl SlowProxy {
                             if n == 0 {
                                 break;
                             }
-                            std::thread::sleep(std::time::Duration::from_millis(delay.load(Ordering::SeqCst)));
+                            std::thread::sleep(std::time::Duration::from_millis(
+                                delay.load(Ordering::SeqCst),
+                            ));
                             if to.write_all(&buf[..n]).is_err() {
                                 break;
                             }
@@ -414,7 +564,9 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
     use std::time::{Duration, Instant};
     const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
     const ROUNDS: usize = 12;
-    let mut rng = fastrand::Rng::with_seed(common::chaos_seed("races_for_a_volume_survive_the_api_server_dying_and_crawling"));
+    let mut rng = fastrand::Rng::with_seed(common::chaos_seed(
+        "races_for_a_volume_survive_the_api_server_dying_and_crawling",
+    ));
 
     let mut c = Cluster::start(&NODES, &[SHARED_FILE]);
     let proxy = SlowProxy::start(c.env.url());
@@ -424,7 +576,13 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
         c.spawn_agent(n);
     }
     let image = c.image("chaos.img");
-    c.rt.block_on(kube_common::create_pv(&c.client(), "pv-chaos", "shared-file", "ReadWriteOnce", &[("path", &image)]));
+    c.rt.block_on(kube_common::create_pv(
+        &c.client(),
+        "pv-chaos",
+        "shared-file",
+        "ReadWriteOnce",
+        &[("path", &image)],
+    ));
 
     let (mut kills, mut slow) = (0, 0);
     let retries = std::sync::atomic::AtomicUsize::new(0);
@@ -455,7 +613,10 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
                             if message.contains("is in use by pod") {
                                 return (node.to_string(), None);
                             }
-                            assert!(start.elapsed() < Duration::from_secs(120), "round {round}: {node} got no answer: {message}");
+                            assert!(
+                                start.elapsed() < Duration::from_secs(120),
+                                "round {round}: {node} got no answer: {message}"
+                            );
                             retries.fetch_add(1, Ordering::SeqCst);
                             std::thread::sleep(backoff);
                             backoff = (backoff * 2).min(Duration::from_secs(2));
@@ -473,22 +634,39 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
             contenders.into_iter().map(|t| t.join().expect("contender")).collect()
         });
         proxy.delay_ms.store(0, Ordering::SeqCst);
-        let winners: Vec<&(String, Option<String>)> = outcomes.iter().filter(|(_, won)| won.is_some()).collect();
-        assert_eq!(winners.len(), 1, "round {round} (chaos {chaos}): exactly one winner: {outcomes:?}");
+        let winners: Vec<&(String, Option<String>)> =
+            outcomes.iter().filter(|(_, won)| won.is_some()).collect();
+        assert_eq!(
+            winners.len(),
+            1,
+            "round {round} (chaos {chaos}): exactly one winner: {outcomes:?}"
+        );
         let (winner, dir) = (&winners[0].0, winners[0].1.as_deref().expect("won"));
         let record = c.record("pv-chaos").expect("the winner's record");
         let holders: Vec<&str> = record.spec.consumers.iter().map(|h| h.node.as_str()).collect();
         assert_eq!(holders, [winner.as_str()], "round {round}: the record names the winner alone");
         let (start, mut backoff) = (Instant::now(), Duration::from_millis(100));
         while c.unmount(winner, dir).0 != 0 {
-            assert!(start.elapsed() < Duration::from_secs(60), "round {round}: {winner} cannot unmount");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "round {round}: {winner} cannot unmount"
+            );
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
-        assert!(c.record("pv-chaos").is_none(), "round {round}: the record goes with its last consumer");
+        assert!(
+            c.record("pv-chaos").is_none(),
+            "round {round}: the record goes with its last consumer"
+        );
     }
-    eprintln!("{ROUNDS} rounds: {kills} with the API server killed mid-race, {slow} with it slow; {} mounts retried", retries.load(Ordering::SeqCst));
-    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(), "nothing left mounted or attached");
+    eprintln!(
+        "{ROUNDS} rounds: {kills} with the API server killed mid-race, {slow} with it slow; {} mounts retried",
+        retries.load(Ordering::SeqCst)
+    );
+    assert!(
+        c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(),
+        "nothing left mounted or attached"
+    );
     for (node, agent) in c.agents.iter_mut() {
         assert!(agent.try_wait().expect("agent status").is_none(), "{node}'s agent serves on");
     }

@@ -28,15 +28,24 @@ fn assert_nothing_left(c: &Cluster, node: &str, volume: &str) {
     let mounts = || -> Vec<std::path::PathBuf> {
         c.mounts_below(&root)
             .into_iter()
-            .filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent")))
+            .filter(|m| {
+                m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))
+            })
             .collect()
     };
     let start = std::time::Instant::now();
-    while (!mounts().is_empty() || !c.scratch.loops_left().is_empty() || c.record(volume).is_some()) && start.elapsed() < Duration::from_secs(30) {
+    while (!mounts().is_empty() || !c.scratch.loops_left().is_empty() || c.record(volume).is_some())
+        && start.elapsed() < Duration::from_secs(30)
+    {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(mounts().is_empty(), "volume mounts left on {node}: {:?}", mounts());
-    assert!(c.scratch.loops_left().is_empty(), "loop devices left: {:?}\n{}", c.scratch.loops(), tail(&c.node(node).agent_log()));
+    assert!(
+        c.scratch.loops_left().is_empty(),
+        "loop devices left: {:?}\n{}",
+        c.scratch.loops(),
+        tail(&c.node(node).agent_log())
+    );
     assert!(c.record(volume).is_none(), "the record of {volume} is left: {:?}", c.record(volume));
 }
 
@@ -48,21 +57,39 @@ fn a_pod_writes_a_local_volume_and_the_next_pod_reads_it() {
     let image = c.image("data.img", 64);
     c.create_volume("data", "local-pv", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
 
-    c.create_pod(pod("writer", "node-a", "date +%s%N > /data/note && cat /data/note > /dev/termination-log", &[("data", claim("data"))]));
+    c.create_pod(pod(
+        "writer",
+        "node-a",
+        "date +%s%N > /data/note && cat /data/note > /dev/termination-log",
+        &[("data", claim("data"))],
+    ));
     let done = c.wait_pod("writer", "Succeeded", |p| phase(p) == "Succeeded");
     let written = output(done.as_ref()).expect("the writer's output");
     assert!(written.trim().len() > 10, "the writer wrote a timestamp: {written:?}");
     c.delete_pod("writer");
     assert_nothing_left(&c, "node-a", "data");
 
-    c.create_pod(pod_with("reader", "node-a", &serve("cat /data/note > /dev/termination-log"), &[("data", claim("data"))], Some("test -s /data/note"), "Never"));
+    c.create_pod(pod_with(
+        "reader",
+        "node-a",
+        &serve("cat /data/note > /dev/termination-log"),
+        &[("data", claim("data"))],
+        Some("test -s /data/note"),
+        "Never",
+    ));
     c.wait_pod("reader", "Ready", is_ready);
     // While it runs, the node's operator sees the volume and its pod.
     let status = c.status("node-a", false);
-    assert!(status.contains("data") && status.contains("reader"), "volagent status lists the volume and its pod:\n{status}");
+    assert!(
+        status.contains("data") && status.contains("reader"),
+        "volagent status lists the volume and its pod:\n{status}"
+    );
     let ops = c.operation_lines("node-a");
     assert!(
-        ops.iter().any(|l| l["op"] == "mount" && l["outcome"] == "ok" && l["volume"] == "data" && l["pod"] == "default/reader"),
+        ops.iter().any(|l| l["op"] == "mount"
+            && l["outcome"] == "ok"
+            && l["volume"] == "data"
+            && l["pod"] == "default/reader"),
         "one operation line per mount: {ops:?}"
     );
     c.delete_pod("reader");
@@ -70,7 +97,12 @@ fn a_pod_writes_a_local_volume_and_the_next_pod_reads_it() {
         // The reader's output is only in its status while it exists; it was
         // Ready only once it could read the note, so compare through a
         // last one-shot pod instead.
-        c.create_pod(pod("check", "node-a", "cat /data/note > /dev/termination-log", &[("data", claim("data"))]));
+        c.create_pod(pod(
+            "check",
+            "node-a",
+            "cat /data/note > /dev/termination-log",
+            &[("data", claim("data"))],
+        ));
         let p = c.wait_pod("check", "Succeeded", |p| phase(p) == "Succeeded");
         output(p.as_ref()).expect("output")
     };
@@ -82,7 +114,12 @@ fn a_pod_writes_a_local_volume_and_the_next_pod_reads_it() {
 /// Waits until the pod's container waits with `reason` (e.g. ContainerCreating).
 fn assert_waiting(c: &Cluster, pod: &str, reason: &str) {
     let p = c.pod(pod);
-    assert_eq!(waiting_reason(p.as_ref()).as_deref(), Some(reason), "{pod} waits\n{}", c.diagnose(pod, p.as_ref()));
+    assert_eq!(
+        waiting_reason(p.as_ref()).as_deref(),
+        Some(reason),
+        "{pod} waits\n{}",
+        c.diagnose(pod, p.as_ref())
+    );
 }
 
 /// Two pods on one node share a ReadWriteOnce volume; a pod on the other
@@ -94,20 +131,50 @@ fn a_read_write_once_volume_is_shared_on_its_node_and_waited_for_elsewhere() {
     let image = c.image("shared.img", 64);
     c.create_volume("shared", "shared-file", "ReadWriteOnce", &[("path", &image)]);
     let vol = || [("data", claim("shared"))];
-    c.create_pod(pod_with("p1", "node-a", &serve("echo p1 > /data/from-p1"), &vol(), Some("test -f /data/from-p1"), "Never"));
-    c.create_pod(pod_with("p2", "node-a", &serve("true"), &vol(), Some("test -f /data/from-p1"), "Never"));
+    c.create_pod(pod_with(
+        "p1",
+        "node-a",
+        &serve("echo p1 > /data/from-p1"),
+        &vol(),
+        Some("test -f /data/from-p1"),
+        "Never",
+    ));
+    c.create_pod(pod_with(
+        "p2",
+        "node-a",
+        &serve("true"),
+        &vol(),
+        Some("test -f /data/from-p1"),
+        "Never",
+    ));
     c.wait_pod("p1", "Ready", is_ready);
     c.wait_pod("p2", "Ready (it sees what p1 wrote)", is_ready);
 
-    c.create_pod(pod_with("p3", "node-b", &serve("true"), &vol(), Some("test -f /data/from-p1"), "Never"));
-    let said = c.wait_event("p3", "VolumeFenced", &["volume shared (ReadWriteOnce) is in use by pod default/p", "on node node-a"]);
+    c.create_pod(pod_with(
+        "p3",
+        "node-b",
+        &serve("true"),
+        &vol(),
+        Some("test -f /data/from-p1"),
+        "Never",
+    ));
+    let said = c.wait_event(
+        "p3",
+        "VolumeFenced",
+        &["volume shared (ReadWriteOnce) is in use by pod default/p", "on node node-a"],
+    );
     assert!(said.starts_with("volagent on node-b"), "{said}");
     std::thread::sleep(Duration::from_secs(2));
     assert_waiting(&c, "p3", "ContainerCreating");
     let rec = c.record("shared").expect("record");
-    let mut holders: Vec<_> = rec.spec.consumers.iter().map(|h| (h.node.as_str(), h.pod.as_str())).collect();
+    let mut holders: Vec<_> =
+        rec.spec.consumers.iter().map(|h| (h.node.as_str(), h.pod.as_str())).collect();
     holders.sort();
-    assert_eq!(holders, [("node-a", "p1"), ("node-a", "p2")], "the record names the holders, not the waiting pod");
+    assert_eq!(
+        holders,
+        [("node-a", "p1"), ("node-a", "p2")],
+        "the record names the holders, not the waiting pod"
+    );
 
     c.delete_pod("p1");
     c.delete_pod("p2");
@@ -146,10 +213,21 @@ fn take_over_from_a_dead_node(gone: Gone) {
     // node-b, not the controller, deals with them (both nodes are this
     // machine: had the controller moved them, node-b could find the dead
     // node's leftover mapping with no holder to fence).
-    let mut c = Cluster::start_with(&[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE], &["--gone-node-grace", "1h"]);
+    let mut c = Cluster::start_with(
+        &[("node-a", &[]), ("node-b", &[])],
+        &[SHARED_FILE],
+        &["--gone-node-grace", "1h"],
+    );
     let image = c.image("tk.img", 64);
     c.create_volume("tk", "shared-file", "ReadWriteOnce", &[("path", &image)]);
-    c.create_pod(pod_with("h", "node-a", &serve("echo h > /data/from-h"), &[("data", claim("tk"))], Some("test -f /data/from-h"), "Never"));
+    c.create_pod(pod_with(
+        "h",
+        "node-a",
+        &serve("echo h > /data/from-h"),
+        &[("data", claim("tk"))],
+        Some("test -f /data/from-h"),
+        "Never",
+    ));
     c.wait_pod("h", "Ready", is_ready);
 
     // node-a's machine stops: its processes, its mounts, its loop devices,
@@ -158,7 +236,8 @@ fn take_over_from_a_dead_node(gone: Gone) {
     c.crash_node("node-a");
     let root = c.node("node-a").dir.clone();
     for m in c.mounts_below(&root).into_iter().rev() {
-        nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).expect("unmount the dead node's mount");
+        nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH)
+            .expect("unmount the dead node's mount");
     }
     let linux = volagent::sys::linux::Linux::unrooted();
     for d in c.scratch.loops() {
@@ -166,33 +245,69 @@ fn take_over_from_a_dead_node(gone: Gone) {
     }
     let roots = volagent::sys::Roots::open(&[c.scratch.path("disks")]).expect("roots");
     let stale = volagent::sys::linux::Linux::new(roots, "volagent:dead-node");
-    let leftover = stale.loop_attach(std::path::Path::new(&image), true).expect("a leftover read-only mapping");
+    let leftover = stale
+        .loop_attach(std::path::Path::new(&image), true)
+        .expect("a leftover read-only mapping");
 
     // NotReady (the node controller's verdict) is not gone.
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(c.client());
     let start = std::time::Instant::now();
-    while c.rt.block_on(nodes.get("node-a")).ok().and_then(|n| n.status?.conditions).is_some_and(|cs| cs.iter().any(|x| x.type_ == "Ready" && x.status == "True")) {
+    while c
+        .rt
+        .block_on(nodes.get("node-a"))
+        .ok()
+        .and_then(|n| n.status?.conditions)
+        .is_some_and(|cs| cs.iter().any(|x| x.type_ == "Ready" && x.status == "True"))
+    {
         assert!(start.elapsed() < Duration::from_secs(60), "node-a never became NotReady");
         std::thread::sleep(Duration::from_millis(250));
     }
-    c.create_pod(pod_with("w", "node-b", &serve("true"), &[("data", claim("tk"))], Some("test -f /data/from-h && echo w > /data/from-w"), "Never"));
-    c.wait_event("w", "VolumeFenced", &["is in use by pod default/h on node node-a", "node node-a is NotReady, but a volume is only taken over from a deleted node"]);
+    c.create_pod(pod_with(
+        "w",
+        "node-b",
+        &serve("true"),
+        &[("data", claim("tk"))],
+        Some("test -f /data/from-h && echo w > /data/from-w"),
+        "Never",
+    ));
+    c.wait_event(
+        "w",
+        "VolumeFenced",
+        &[
+            "is in use by pod default/h on node node-a",
+            "node node-a is NotReady, but a volume is only taken over from a deleted node",
+        ],
+    );
     assert_waiting(&c, "w", "ContainerCreating");
-    assert!(c.scratch.loops().contains(&leftover), "nothing was fenced while node-a was only NotReady");
+    assert!(
+        c.scratch.loops().contains(&leftover),
+        "nothing was fenced while node-a was only NotReady"
+    );
 
     match gone {
         Gone::Deleted => {
             c.rt.block_on(nodes.delete("node-a", &Default::default())).expect("delete node-a");
         }
-        Gone::OutOfService => c.rt.block_on(kube_common::taint_out_of_service(&c.client(), "node-a")),
+        Gone::OutOfService => {
+            c.rt.block_on(kube_common::taint_out_of_service(&c.client(), "node-a"))
+        }
     }
     c.wait_pod("w", "Ready after the take-over (it writes, so its device is read-write)", is_ready);
     // The leftover's device is gone, or is node-b's new read-write one.
     let name = leftover.file_name().expect("a device name").to_string_lossy().into_owned();
-    let read_write = std::fs::read_to_string(format!("/sys/block/{name}/ro")).is_ok_and(|ro| ro.trim() == "0");
-    assert!(!c.scratch.loops().contains(&leftover) || read_write, "{gone:?}: the fence step detached the leftover read-only mapping {}", leftover.display());
+    let read_write =
+        std::fs::read_to_string(format!("/sys/block/{name}/ro")).is_ok_and(|ro| ro.trim() == "0");
+    assert!(
+        !c.scratch.loops().contains(&leftover) || read_write,
+        "{gone:?}: the fence step detached the leftover read-only mapping {}",
+        leftover.display()
+    );
     let rec = c.record("tk").expect("record");
-    assert_eq!(rec.spec.consumers.iter().map(|h| (h.node.as_str(), h.pod.as_str())).collect::<Vec<_>>(), [("node-b", "w")], "the dead holder is gone from the record");
+    assert_eq!(
+        rec.spec.consumers.iter().map(|h| (h.node.as_str(), h.pod.as_str())).collect::<Vec<_>>(),
+        [("node-b", "w")],
+        "the dead holder is gone from the record"
+    );
     c.delete_pod("w");
     assert_nothing_left(&c, "node-b", "tk");
 }
@@ -203,15 +318,30 @@ fn take_over_from_a_dead_node(gone: Gone) {
 #[test]
 fn a_backend_dropped_in_serves_new_pods_and_a_broken_one_harms_none() {
     let c = Cluster::start(&[("node-a", &[])], &[SHARED_FILE]);
-    let (kubelet_pid, agent_pid) = (c.node("node-a").kubelet().pid(), c.node("node-a").agent.as_ref().map(|a| a.id()));
+    let (kubelet_pid, agent_pid) =
+        (c.node("node-a").kubelet().pid(), c.node("node-a").agent.as_ref().map(|a| a.id()));
     let image = c.image("hot.img", 64);
     c.create_volume("hot", "local-pv", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
-    c.create_pod(pod_with("hot", "node-a", &serve("true"), &[("data", claim("hot"))], Some("date > /data/tick"), "Never"));
+    c.create_pod(pod_with(
+        "hot",
+        "node-a",
+        &serve("true"),
+        &[("data", claim("hot"))],
+        Some("date > /data/tick"),
+        "Never",
+    ));
     // kubelet finds no plugin for it (it says so in its log; the pod's
     // Event only comes when its two-minute wait runs out).
     let start = std::time::Instant::now();
-    while !std::fs::read_to_string(c.node("node-a").kubelet().log()).unwrap_or_default().contains("no volume plugin matched") {
-        assert!(start.elapsed() < Duration::from_secs(60), "kubelet never looked for the volume's plugin\n{}", c.diagnose("hot", c.pod("hot").as_ref()));
+    while !std::fs::read_to_string(c.node("node-a").kubelet().log())
+        .unwrap_or_default()
+        .contains("no volume plugin matched")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "kubelet never looked for the volume's plugin\n{}",
+            c.diagnose("hot", c.pod("hot").as_ref())
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_waiting(&c, "hot", "ContainerCreating");
@@ -227,18 +357,36 @@ fn a_backend_dropped_in_serves_new_pods_and_a_broken_one_harms_none() {
 
     drop_in(b"\0asm\x01\0\0\0 this is not a component");
     let start = std::time::Instant::now();
-    while !std::fs::read_to_string(c.node("node-a").agent_log()).unwrap_or_default().lines().any(|l| l.contains("local-pv") && (l.contains("\"WARN\"") || l.contains("\"ERROR\"")) && l.contains("load")) {
-        assert!(start.elapsed() < Duration::from_secs(30), "the agent never noticed the broken backend\n{}", tail(&c.node("node-a").agent_log()));
+    while !std::fs::read_to_string(c.node("node-a").agent_log()).unwrap_or_default().lines().any(
+        |l| {
+            l.contains("local-pv")
+                && (l.contains("\"WARN\"") || l.contains("\"ERROR\""))
+                && l.contains("load")
+        },
+    ) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the agent never noticed the broken backend\n{}",
+            tail(&c.node("node-a").agent_log())
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     // The running pod keeps its volume: its probe writes every second.
     std::thread::sleep(Duration::from_secs(4));
     let p = c.pod("hot");
-    assert!(is_ready(p.as_ref()) && restarts(p.as_ref()) == 0, "the running pod is untouched\n{}", c.diagnose("hot", p.as_ref()));
+    assert!(
+        is_ready(p.as_ref()) && restarts(p.as_ref()) == 0,
+        "the running pod is untouched\n{}",
+        c.diagnose("hot", p.as_ref())
+    );
     c.delete_pod("hot");
     assert_nothing_left(&c, "node-a", "hot");
     assert_eq!(c.node("node-a").kubelet().pid(), kubelet_pid, "kubelet was not restarted");
-    assert_eq!(c.node("node-a").agent.as_ref().map(|a| a.id()), agent_pid, "the agent was not restarted");
+    assert_eq!(
+        c.node("node-a").agent.as_ref().map(|a| a.id()),
+        agent_pid,
+        "the agent was not restarted"
+    );
 }
 
 /// The agent dies (SIGKILL) in the middle of a mount kubelet asked for:
@@ -252,7 +400,14 @@ fn an_agent_killed_while_kubelet_mounts_serves_kubelets_retry() {
     // After the device is attached, before it is formatted and mounted.
     c.kill_agent("node-a");
     c.start_agent("node-a", &[(volagent::exec::KILL_AFTER_STEP_ENV, "1")]);
-    c.create_pod(pod_with("k", "node-a", &serve("true"), &[("data", claim("kill"))], Some("date > /data/tick"), "Never"));
+    c.create_pod(pod_with(
+        "k",
+        "node-a",
+        &serve("true"),
+        &[("data", claim("kill"))],
+        Some("date > /data/tick"),
+        "Never",
+    ));
     c.wait_agent_exit("node-a", POD_WAIT);
     c.wait_event("k", "FailedMount", &["kill"]);
     assert_waiting(&c, "k", "ContainerCreating");
@@ -260,12 +415,21 @@ fn an_agent_killed_while_kubelet_mounts_serves_kubelets_retry() {
     c.start_agent("node-a", &[]);
     c.wait_pod("k", "Ready after kubelet's retry", is_ready);
     let root = c.node("node-a").kubelet_root();
-    let mounts: Vec<_> = c.mounts_below(&root).into_iter().filter(|m| m.ends_with("kill")).collect();
+    let mounts: Vec<_> =
+        c.mounts_below(&root).into_iter().filter(|m| m.ends_with("kill")).collect();
     assert_eq!(mounts.len(), 2, "one staging mount and one bind into the pod: {mounts:?}");
-    assert!(mounts.iter().any(|m| m.to_string_lossy().contains("/volumes/volagent~local-pv/")), "{mounts:?}");
+    assert!(
+        mounts.iter().any(|m| m.to_string_lossy().contains("/volumes/volagent~local-pv/")),
+        "{mounts:?}"
+    );
     assert_eq!(c.scratch.loops().len(), 1, "one loop device: {:?}", c.scratch.loops());
     let rec = c.record("kill").expect("record");
-    assert_eq!(rec.spec.consumers.len(), 1, "one record with one consumer: {:?}", rec.spec.consumers);
+    assert_eq!(
+        rec.spec.consumers.len(),
+        1,
+        "one record with one consumer: {:?}",
+        rec.spec.consumers
+    );
     c.delete_pod("k");
     assert_nothing_left(&c, "node-a", "kill");
 }
@@ -276,24 +440,65 @@ fn an_agent_killed_while_kubelet_mounts_serves_kubelets_retry() {
 /// outside the discovery dirs is refused.
 #[test]
 fn inline_volumes_get_what_the_trust_rules_say() {
-    let c = Cluster::start(&[("node-a", &[]), ("node-b", &["--allow-inline-volumes", "local-pv"])], &[LOCAL_PV]);
+    let c = Cluster::start(
+        &[("node-a", &[]), ("node-b", &["--allow-inline-volumes", "local-pv"])],
+        &[LOCAL_PV],
+    );
     let (img_a, img_b) = (c.image("inline-a.img", 64), c.image("inline-b.img", 64));
 
-    c.create_pod(pod_with("i1", "node-a", &serve("true"), &[("data", inline("local-pv", &[("path", &img_a), ("node", "node-a")]))], None, "Never"));
-    c.wait_event("i1", "VolumeRefused", &["inline volumes of backend local-pv are not enabled on this node"]);
+    c.create_pod(pod_with(
+        "i1",
+        "node-a",
+        &serve("true"),
+        &[("data", inline("local-pv", &[("path", &img_a), ("node", "node-a")]))],
+        None,
+        "Never",
+    ));
+    c.wait_event(
+        "i1",
+        "VolumeRefused",
+        &["inline volumes of backend local-pv are not enabled on this node"],
+    );
     assert_waiting(&c, "i1", "ContainerCreating");
 
     // Its own, fresh filesystem: nothing but lost+found before it writes.
     let fresh = "test \"$(ls -A /data)\" = lost+found && echo mine > /data/mine";
-    let uid = c.create_pod(pod_with("i2", "node-b", &serve(fresh), &[("data", inline("local-pv", &[("path", &img_b), ("node", "node-b")]))], Some("test -f /data/mine"), "Never"));
+    let uid = c.create_pod(pod_with(
+        "i2",
+        "node-b",
+        &serve(fresh),
+        &[("data", inline("local-pv", &[("path", &img_b), ("node", "node-b")]))],
+        Some("test -f /data/mine"),
+        "Never",
+    ));
     c.wait_pod("i2", "Ready", is_ready);
-    let rec = c.record(&format!("inline-{uid}-data")).expect("the inline volume's record is keyed by the pod's UID");
+    let rec = c
+        .record(&format!("inline-{uid}-data"))
+        .expect("the inline volume's record is keyed by the pod's UID");
     assert_eq!(rec.spec.access_mode, volagent::kube::crds::AccessMode::ReadWriteOncePod);
 
-    c.create_pod(pod_with("i3", "node-b", &serve("true"), &[("data", inline("local-pv", &[("path", &img_b), ("node", "node-b")]))], None, "Never"));
+    c.create_pod(pod_with(
+        "i3",
+        "node-b",
+        &serve("true"),
+        &[("data", inline("local-pv", &[("path", &img_b), ("node", "node-b")]))],
+        None,
+        "Never",
+    ));
     c.wait_event("i3", "VolumeMountFailed", &["one device serves one volume"]);
-    c.create_pod(pod_with("i4", "node-b", &serve("true"), &[("data", inline("local-pv", &[("path", "/etc"), ("node", "node-b")]))], None, "Never"));
-    c.wait_event("i4", "VolumeMountFailed", &["lookup-path /etc: outside the dirs this backend may ask about"]);
+    c.create_pod(pod_with(
+        "i4",
+        "node-b",
+        &serve("true"),
+        &[("data", inline("local-pv", &[("path", "/etc"), ("node", "node-b")]))],
+        None,
+        "Never",
+    ));
+    c.wait_event(
+        "i4",
+        "VolumeMountFailed",
+        &["lookup-path /etc: outside the dirs this backend may ask about"],
+    );
     for p in ["i1", "i3", "i4"] {
         assert_waiting(&c, p, "ContainerCreating");
     }
@@ -324,20 +529,45 @@ fn a_pod_writes_an_nbd_volume_and_the_next_pod_reads_it() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let server_option = format!("unix:{}", socket.display());
-    c.create_volume("export", "nbd", "ReadWriteOnce", &[("server", &server_option), ("export", "disk0"), ("attach", "userspace"), ("connections", "2")]);
+    c.create_volume(
+        "export",
+        "nbd",
+        "ReadWriteOnce",
+        &[
+            ("server", &server_option),
+            ("export", "disk0"),
+            ("attach", "userspace"),
+            ("connections", "2"),
+        ],
+    );
 
-    c.create_pod(pod("writer", "node-a", "date +%s%N > /data/note && cat /data/note > /dev/termination-log", &[("data", claim("export"))]));
+    c.create_pod(pod(
+        "writer",
+        "node-a",
+        "date +%s%N > /data/note && cat /data/note > /dev/termination-log",
+        &[("data", claim("export"))],
+    ));
     let done = c.wait_pod("writer", "Succeeded", |p| phase(p) == "Succeeded");
     let written = output(done.as_ref()).expect("the writer's output");
     c.delete_pod("writer");
     assert_nothing_left(&c, "node-a", "export");
 
-    c.create_pod(pod("reader", "node-a", "cat /data/note > /dev/termination-log", &[("data", claim("export"))]));
+    c.create_pod(pod(
+        "reader",
+        "node-a",
+        "cat /data/note > /dev/termination-log",
+        &[("data", claim("export"))],
+    ));
     let p = c.wait_pod("reader", "Succeeded", |p| phase(p) == "Succeeded");
-    assert_eq!(output(p.as_ref()).expect("output").trim(), written.trim(), "the next pod reads what the first wrote");
+    assert_eq!(
+        output(p.as_ref()).expect("output").trim(),
+        written.trim(),
+        "the next pod reads what the first wrote"
+    );
     c.delete_pod("reader");
     assert_nothing_left(&c, "node-a", "export");
-    let clients = std::fs::read_dir(c.node("node-a").dir.join("state/nbd")).map(|d| d.count()).unwrap_or(0);
+    let clients =
+        std::fs::read_dir(c.node("node-a").dir.join("state/nbd")).map(|d| d.count()).unwrap_or(0);
     assert_eq!(clients, 0, "the nbdfuse client and its files are gone");
     let _ = server.kill();
     let _ = server.wait();

@@ -31,8 +31,17 @@ fn pv_phase(pv: &PersistentVolume) -> String {
 
 #[test]
 fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
-    let mut c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
-    let _scheduler = volagent_kube_env::node::Scheduler::start(c.env(), &c.scratch.path(""), &c.assets, Some(c.ns.clone())).expect("kube-scheduler");
+    let mut c = Cluster::start(
+        &[("node-a", &[]), ("node-b", &[])],
+        &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
+    );
+    let _scheduler = volagent_kube_env::node::Scheduler::start(
+        c.env(),
+        &c.scratch.path(""),
+        &c.assets,
+        Some(c.ns.clone()),
+    )
+    .expect("kube-scheduler");
     let sc = StorageClass {
         metadata: ObjectMeta { name: Some(CLASS.into()), ..Default::default() },
         provisioner: "kubernetes.io/no-provisioner".into(),
@@ -42,7 +51,8 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
         ..Default::default()
     };
     let client = c.client();
-    c.rt.block_on(Api::<StorageClass>::all(client.clone()).create(&PostParams::default(), &sc)).unwrap();
+    c.rt.block_on(Api::<StorageClass>::all(client.clone()).create(&PostParams::default(), &sc))
+        .unwrap();
     // One file image on each node, found by its agent.
     let mut images = Vec::new();
     for node in ["node-a", "node-b"] {
@@ -55,12 +65,45 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
         c.start_agent(node, &[]);
     }
     let pvs: Api<PersistentVolume> = Api::all(client.clone());
-    let local = || c.rt.block_on(pvs.list(&ListParams::default().labels(volagent::kube::local_pvs::NODE_LABEL))).unwrap().items;
+    let local = || {
+        c.rt.block_on(
+            pvs.list(&ListParams::default().labels(volagent::kube::local_pvs::NODE_LABEL)),
+        )
+        .unwrap()
+        .items
+    };
     let wait = |what: &str, secs: u64, done: &mut dyn FnMut() -> bool| {
         let start = Instant::now();
         while !done() {
-            let pvs_now: Vec<_> = local().iter().map(|p| (p.metadata.name.clone(), pv_phase(p), p.metadata.finalizers.clone(), p.metadata.deletion_timestamp.is_some())).collect();
-            let claims_now = c.rt.block_on(Api::<PersistentVolumeClaim>::namespaced(client.clone(), "default").list(&Default::default())).map(|l| l.items.into_iter().map(|p| (p.metadata.name, p.metadata.finalizers, p.metadata.deletion_timestamp.is_some(), p.status.and_then(|s| s.phase))).collect::<Vec<_>>());
+            let pvs_now: Vec<_> = local()
+                .iter()
+                .map(|p| {
+                    (
+                        p.metadata.name.clone(),
+                        pv_phase(p),
+                        p.metadata.finalizers.clone(),
+                        p.metadata.deletion_timestamp.is_some(),
+                    )
+                })
+                .collect();
+            let claims_now =
+                c.rt.block_on(
+                    Api::<PersistentVolumeClaim>::namespaced(client.clone(), "default")
+                        .list(&Default::default()),
+                )
+                .map(|l| {
+                    l.items
+                        .into_iter()
+                        .map(|p| {
+                            (
+                                p.metadata.name,
+                                p.metadata.finalizers,
+                                p.metadata.deletion_timestamp.is_some(),
+                                p.status.and_then(|s| s.phase),
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                });
             assert!(
                 start.elapsed() < Duration::from_secs(secs),
                 "timed out waiting for {what}\nPVs: {pvs_now:?}\nclaims: {claims_now:?}\nkube-controller-manager: {}\ncontroller: {}\nnode-a: {}\nnode-b: {}",
@@ -72,8 +115,13 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
             std::thread::sleep(Duration::from_millis(300));
         }
     };
-    wait("a local PV on each node", 90, &mut || local().iter().filter(|p| pv_phase(p) == "Available").count() == 2);
-    let first: Vec<(String, String)> = local().iter().map(|p| (p.metadata.name.clone().unwrap(), p.metadata.uid.clone().unwrap())).collect();
+    wait("a local PV on each node", 90, &mut || {
+        local().iter().filter(|p| pv_phase(p) == "Available").count() == 2
+    });
+    let first: Vec<(String, String)> = local()
+        .iter()
+        .map(|p| (p.metadata.name.clone().unwrap(), p.metadata.uid.clone().unwrap()))
+        .collect();
 
     // The pair: claims data-web-0 and data-web-1, pods placed by the scheduler.
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
@@ -84,17 +132,32 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
         }))
         .unwrap();
         c.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
-        let script = format!("echo volagent-local-marker-web-{i} > /data/marker && sync && cat /data/marker > /dev/termination-log");
-        let mut pod = pod(&format!("web-{i}"), "", &script, &[("data", json!({ "persistentVolumeClaim": { "claimName": format!("data-web-{i}") } }))]);
+        let script = format!(
+            "echo volagent-local-marker-web-{i} > /data/marker && sync && cat /data/marker > /dev/termination-log"
+        );
+        let mut pod = pod(
+            &format!("web-{i}"),
+            "",
+            &script,
+            &[(
+                "data",
+                json!({ "persistentVolumeClaim": { "claimName": format!("data-web-{i}") } }),
+            )],
+        );
         pod["spec"].as_object_mut().unwrap().remove("nodeName");
         c.create_pod(pod);
     }
     let mut placed = Vec::new();
     for i in 0..2 {
         let name = format!("web-{i}");
-        let p = c.wait_pod(&name, "Succeeded", |p| phase(p) == "Succeeded" || phase(p) == "Failed").expect("the pod");
+        let p = c
+            .wait_pod(&name, "Succeeded", |p| phase(p) == "Succeeded" || phase(p) == "Failed")
+            .expect("the pod");
         assert_eq!(phase(Some(&p)), "Succeeded", "{}", c.diagnose(&name, Some(&p)));
-        assert_eq!(output(Some(&p)).as_deref().map(str::trim), Some(format!("volagent-local-marker-web-{i}").as_str()));
+        assert_eq!(
+            output(Some(&p)).as_deref().map(str::trim),
+            Some(format!("volagent-local-marker-web-{i}").as_str())
+        );
         let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap();
         let claim = c.rt.block_on(claims.get(&format!("data-web-{i}"))).unwrap();
         let pv = c.rt.block_on(pvs.get(&claim.spec.unwrap().volume_name.unwrap())).unwrap();
@@ -107,7 +170,10 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
     for (i, img) in images.iter().enumerate() {
         let bytes = std::fs::read(img).unwrap();
         let marker = b"volagent-local-marker-web-";
-        assert!(bytes.windows(marker.len()).any(|w| w == marker), "image {i} holds a pod's marker before the release");
+        assert!(
+            bytes.windows(marker.len()).any(|w| w == marker),
+            "image {i} holds a pod's marker before the release"
+        );
     }
 
     // Deleted with their claims: the volumes are wiped and offered again.
@@ -117,7 +183,11 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
     }
     wait("both volumes back as new PVs", 180, &mut || {
         let now = local();
-        now.len() == 2 && now.iter().all(|p| pv_phase(p) == "Available" && !first.iter().any(|(_, uid)| p.metadata.uid.as_ref() == Some(uid)))
+        now.len() == 2
+            && now.iter().all(|p| {
+                pv_phase(p) == "Available"
+                    && !first.iter().any(|(_, uid)| p.metadata.uid.as_ref() == Some(uid))
+            })
     });
     for img in &images {
         let bytes = std::fs::read(img).unwrap();

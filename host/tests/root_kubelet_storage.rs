@@ -49,33 +49,59 @@ struct Gluster {
 impl Gluster {
     fn start(dir: PathBuf) -> Gluster {
         let out = Command::new("unshare")
-            .args(["-m", "bash", "-c", "mount --make-rprivate / && mount -t tmpfs tmpfs /run && exec bash \"$0\" start"])
+            .args([
+                "-m",
+                "bash",
+                "-c",
+                "mount --make-rprivate / && mount -t tmpfs tmpfs /run && exec bash \"$0\" start",
+            ])
             .arg(script("gluster-env"))
             .env("VOLAGENT_GLUSTER_DIR", &dir)
             .output()
             .unwrap();
-        assert!(out.status.success(), "scripts/gluster-env start: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "scripts/gluster-env start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         Gluster { dir }
     }
 }
 
 impl Drop for Gluster {
     fn drop(&mut self) {
-        let _ = Command::new("bash").arg(script("gluster-env")).arg("stop").env("VOLAGENT_GLUSTER_DIR", &self.dir).output();
+        let _ = Command::new("bash")
+            .arg(script("gluster-env"))
+            .arg("stop")
+            .env("VOLAGENT_GLUSTER_DIR", &self.dir)
+            .output();
     }
 }
 
 impl Ceph {
     fn start(dir: PathBuf) -> Ceph {
-        let out = Command::new("bash").arg(ceph_env()).arg("start").env("VOLAGENT_CEPH_DIR", &dir).output().unwrap();
-        assert!(out.status.success(), "scripts/ceph-env start: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new("bash")
+            .arg(ceph_env())
+            .arg("start")
+            .env("VOLAGENT_CEPH_DIR", &dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "scripts/ceph-env start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         Ceph { dir }
     }
 }
 
 impl Drop for Ceph {
     fn drop(&mut self) {
-        let _ = Command::new("bash").arg(ceph_env()).arg("stop").env("VOLAGENT_CEPH_DIR", &self.dir).output();
+        let _ = Command::new("bash")
+            .arg(ceph_env())
+            .arg("stop")
+            .env("VOLAGENT_CEPH_DIR", &self.dir)
+            .output();
     }
 }
 
@@ -86,20 +112,26 @@ impl Drop for Ceph {
 /// record, or watcher on the image.
 #[test]
 fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_free() {
-    let c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::RBD, "rbd")]);
+    let c = Cluster::start(
+        &[("node-a", &[]), ("node-b", &[])],
+        &[(volagent_test_artifacts::RBD, "rbd")],
+    );
     let ceph = Ceph::start(c.scratch.path("ceph"));
     let image = ceph_common::Image::create(&ceph.dir, 64);
     let key = ceph_common::volagent_key(&ceph.dir);
 
-    let secret: k8s_openapi::api::core::v1::Secret =
-        serde_json::from_value(json!({
-            "metadata": { "name": "ceph-volagent" },
-            // kubelet hands a Flexvolume driver only a Secret of its own type.
-            "type": "volagent/rbd",
-            "stringData": { "key": key },
-        }))
-        .unwrap();
-    c.rt.block_on(Api::<k8s_openapi::api::core::v1::Secret>::namespaced(c.client(), "default").create(&PostParams::default(), &secret)).unwrap();
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "metadata": { "name": "ceph-volagent" },
+        // kubelet hands a Flexvolume driver only a Secret of its own type.
+        "type": "volagent/rbd",
+        "stringData": { "key": key },
+    }))
+    .unwrap();
+    c.rt.block_on(
+        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(c.client(), "default")
+            .create(&PostParams::default(), &secret),
+    )
+    .unwrap();
     let pv: k8s_openapi::api::core::v1::PersistentVolume = serde_json::from_value(json!({
         "metadata": { "name": "img" },
         "spec": {
@@ -115,29 +147,57 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
         }
     }))
     .unwrap();
-    c.rt.block_on(Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(c.client()).create(&PostParams::default(), &pv)).unwrap();
+    c.rt.block_on(
+        Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(c.client())
+            .create(&PostParams::default(), &pv),
+    )
+    .unwrap();
     let claim_of: k8s_openapi::api::core::v1::PersistentVolumeClaim = serde_json::from_value(json!({
         "metadata": { "name": "img-claim" },
         "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": "img", "resources": { "requests": { "storage": "64Mi" } } }
     }))
     .unwrap();
-    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> =
+        Api::namespaced(c.client(), "default");
     c.rt.block_on(claims.create(&PostParams::default(), &claim_of)).unwrap();
     let start = std::time::Instant::now();
-    while c.rt.block_on(claims.get("img-claim")).ok().and_then(|c| c.status?.phase).as_deref() != Some("Bound") {
+    while c.rt.block_on(claims.get("img-claim")).ok().and_then(|c| c.status?.phase).as_deref()
+        != Some("Bound")
+    {
         assert!(start.elapsed() < Duration::from_secs(60), "the claim of PV img did not bind");
         std::thread::sleep(Duration::from_millis(200));
     }
 
     let vol = || [("data", claim("img"))];
-    c.create_pod(pod_with("writer", "node-a", &serve("echo from-node-a > /data/note"), &vol(), Some("test -s /data/note"), "Never"));
+    c.create_pod(pod_with(
+        "writer",
+        "node-a",
+        &serve("echo from-node-a > /data/note"),
+        &vol(),
+        Some("test -s /data/note"),
+        "Never",
+    ));
     c.wait_pod("writer", "Ready", is_ready);
     assert_eq!(ceph_common::watchers(&image).len(), 1, "node-a's helper holds the image");
     let rec = c.record("img").expect("record");
-    assert_eq!(rec.spec.storage_clients.iter().map(|s| s.node.as_str()).collect::<Vec<_>>(), ["node-a"]);
+    assert_eq!(
+        rec.spec.storage_clients.iter().map(|s| s.node.as_str()).collect::<Vec<_>>(),
+        ["node-a"]
+    );
 
-    c.create_pod(pod_with("reader", "node-b", &serve("cat /data/note > /dev/termination-log"), &vol(), Some("test -s /data/note"), "Never"));
-    let said = c.wait_event("reader", "VolumeFenced", &["volume img (ReadWriteOnce) is in use by pod default/writer", "on node node-a"]);
+    c.create_pod(pod_with(
+        "reader",
+        "node-b",
+        &serve("cat /data/note > /dev/termination-log"),
+        &vol(),
+        Some("test -s /data/note"),
+        "Never",
+    ));
+    let said = c.wait_event(
+        "reader",
+        "VolumeFenced",
+        &["volume img (ReadWriteOnce) is in use by pod default/writer", "on node node-a"],
+    );
     assert!(said.starts_with("volagent on node-b"), "{said}");
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(waiting_reason(c.pod("reader").as_ref()).as_deref(), Some("ContainerCreating"));
@@ -150,15 +210,30 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
 
     // Everything comes down with the last pod.
     let start = std::time::Instant::now();
-    while (c.record("img").is_some() || !ceph_common::watchers(&image).is_empty() || !c.scratch.loops_left().is_empty()) && start.elapsed() < Duration::from_secs(30) {
+    while (c.record("img").is_some()
+        || !ceph_common::watchers(&image).is_empty()
+        || !c.scratch.loops_left().is_empty())
+        && start.elapsed() < Duration::from_secs(30)
+    {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(c.record("img").is_none(), "the record is left");
-    assert_eq!(ceph_common::watchers(&image).len(), 0, "a helper is left on the image\n{}", tail(&c.node("node-b").agent_log()));
+    assert_eq!(
+        ceph_common::watchers(&image).len(),
+        0,
+        "a helper is left on the image\n{}",
+        tail(&c.node("node-b").agent_log())
+    );
     assert!(c.scratch.loops_left().is_empty(), "loop devices left: {:?}", c.scratch.loops());
     for node in ["node-a", "node-b"] {
         let root = c.node(node).kubelet_root();
-        let left: Vec<PathBuf> = c.mounts_below(&root).into_iter().filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))).collect();
+        let left: Vec<PathBuf> = c
+            .mounts_below(&root)
+            .into_iter()
+            .filter(|m| {
+                m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))
+            })
+            .collect();
         assert!(left.is_empty(), "volume mounts left on {node}: {left:?}");
     }
 }
@@ -168,14 +243,24 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
 /// FUSE client, no record.
 #[test]
 fn pods_on_two_nodes_share_a_gluster_volume() {
-    let c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[(volagent_test_artifacts::GLUSTER, "gluster")]);
+    let c = Cluster::start(
+        &[("node-a", &[]), ("node-b", &[])],
+        &[(volagent_test_artifacts::GLUSTER, "gluster")],
+    );
     let _gluster = Gluster::start(c.scratch.path("gluster"));
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
     c.create_volume("shared", "gluster", "ReadWriteMany", &[("servers", &host), ("volume", "v0")]);
     let both = "test -f /data/from-node-a && test -f /data/from-node-b";
     for node in ["node-a", "node-b"] {
         let script = serve(&format!("echo {node} > /data/from-{node}"));
-        c.create_pod(pod_with(&format!("on-{node}"), node, &script, &[("data", claim("shared"))], Some(both), "Never"));
+        c.create_pod(pod_with(
+            &format!("on-{node}"),
+            node,
+            &script,
+            &[("data", claim("shared"))],
+            Some(both),
+            "Never",
+        ));
     }
     c.wait_pod("on-node-a", "Ready (it sees node-b's file)", is_ready);
     c.wait_pod("on-node-b", "Ready (it sees node-a's file)", is_ready);
@@ -186,16 +271,29 @@ fn pods_on_two_nodes_share_a_gluster_volume() {
 
     c.delete_pod("on-node-a");
     c.delete_pod("on-node-b");
-    let clients = || common::processes_under(&c.scratch.path(""), |a| a.first().is_some_and(|p| p.ends_with("glusterfs"))).len();
+    let clients = || {
+        common::processes_under(&c.scratch.path(""), |a| {
+            a.first().is_some_and(|p| p.ends_with("glusterfs"))
+        })
+        .len()
+    };
     let start = std::time::Instant::now();
-    while (c.record("shared").is_some() || clients() > 0) && start.elapsed() < Duration::from_secs(30) {
+    while (c.record("shared").is_some() || clients() > 0)
+        && start.elapsed() < Duration::from_secs(30)
+    {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(c.record("shared").is_none(), "the record is left");
     assert_eq!(clients(), 0, "a FUSE client is left");
     for node in ["node-a", "node-b"] {
         let root = c.node(node).kubelet_root();
-        let left: Vec<PathBuf> = c.mounts_below(&root).into_iter().filter(|m| m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))).collect();
+        let left: Vec<PathBuf> = c
+            .mounts_below(&root)
+            .into_iter()
+            .filter(|m| {
+                m.strip_prefix(&root).is_ok_and(|rel| rel.to_string_lossy().contains("volagent"))
+            })
+            .collect();
         assert!(left.is_empty(), "volume mounts left on {node}: {left:?}");
     }
 }

@@ -39,13 +39,27 @@ fn mount_points_devices_links_and_files_are_found_sized_and_named() {
     }
     // A tmpfs mount point of 64 MiB.
     std::fs::create_dir(fast.join("tmp1")).unwrap();
-    nix::mount::mount(Some("tmpfs"), &fast.join("tmp1"), Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=64m")).unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        &fast.join("tmp1"),
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=64m"),
+    )
+    .unwrap();
     // An ext4 on a loop device, mounted.
     let img = scratch.image("ext4.img", 48);
     let dev = losetup(&img);
     assert!(Command::new("mkfs.ext4").args(["-q", &dev]).status().unwrap().success());
     std::fs::create_dir(fast.join("ext1")).unwrap();
-    nix::mount::mount(Some(dev.as_str()), &fast.join("ext1"), Some("ext4"), nix::mount::MsFlags::empty(), None::<&str>).unwrap();
+    nix::mount::mount(
+        Some(dev.as_str()),
+        &fast.join("ext1"),
+        Some("ext4"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .unwrap();
     // A raw block device, through a link as in /dev/disk/by-id.
     let raw_img = scratch.image("raw.img", 20);
     let raw = losetup(&raw_img);
@@ -58,15 +72,32 @@ fn mount_points_devices_links_and_files_are_found_sized_and_named() {
     let classes = [format!("fast={}", fast.display()), format!("raw={}", by_id.display())];
     let out = discover("node-a", &classes);
     let volumes = out["volumes"].as_array().unwrap();
-    let find = |name: &str| volumes.iter().find(|v| v["path"].as_str().unwrap().ends_with(name)).cloned().unwrap_or(Value::Null);
+    let find = |name: &str| {
+        volumes
+            .iter()
+            .find(|v| v["path"].as_str().unwrap().ends_with(name))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
 
     let tmp = find("/tmp1");
-    assert_eq!((tmp["class"].as_str(), tmp["mode"].as_str(), tmp["fsType"].as_str()), (Some("fast"), Some("filesystem"), Some("tmpfs")), "{out:#}");
+    assert_eq!(
+        (tmp["class"].as_str(), tmp["mode"].as_str(), tmp["fsType"].as_str()),
+        (Some("fast"), Some("filesystem"), Some("tmpfs")),
+        "{out:#}"
+    );
     assert_eq!(tmp["capacity"], "64Mi", "{tmp}");
     let ext = find("/ext1");
-    assert_eq!((ext["mode"].as_str(), ext["fsType"].as_str()), (Some("filesystem"), Some("ext4")), "{out:#}");
+    assert_eq!(
+        (ext["mode"].as_str(), ext["fsType"].as_str()),
+        (Some("filesystem"), Some("ext4")),
+        "{out:#}"
+    );
     let cap = ext["capacityBytes"].as_u64().unwrap();
-    assert!(cap > 10 << 20 && cap <= 48 << 20 && cap % (1 << 20) == 0, "an ext4 of 48 MiB, less its metadata, in whole MiB: {cap}");
+    assert!(
+        cap > 10 << 20 && cap <= 48 << 20 && cap % (1 << 20) == 0,
+        "an ext4 of 48 MiB, less its metadata, in whole MiB: {cap}"
+    );
     let blk = find("/wwn-0xtest");
     assert_eq!(blk["mode"], "block", "{out:#}");
     assert_eq!(blk["class"], "raw");
@@ -74,7 +105,11 @@ fn mount_points_devices_links_and_files_are_found_sized_and_named() {
     assert_eq!(blk["identity"].as_str().unwrap(), format!("loop:{}", raw_img.display()), "{blk}");
     assert_eq!(blk["capacity"], "20Mi");
     let file = find("/file1.img");
-    assert_eq!((file["mode"].as_str(), file["capacity"].as_str()), (Some("file"), Some("12Mi")), "{out:#}");
+    assert_eq!(
+        (file["mode"].as_str(), file["capacity"].as_str()),
+        (Some("file"), Some("12Mi")),
+        "{out:#}"
+    );
     assert_eq!(volumes.len(), 4, "{out:#}");
 
     // Names: deterministic per node, class and path.
@@ -84,7 +119,13 @@ fn mount_points_devices_links_and_files_are_found_sized_and_named() {
     assert_ne!(other["volumes"][0]["pvName"], out["volumes"][0]["pvName"]);
 
     let skipped = out["skipped"].as_array().unwrap();
-    let why = |name: &str| skipped.iter().find(|s| s["path"].as_str().unwrap().ends_with(name)).map(|s| s["why"].to_string()).unwrap_or_default();
+    let why = |name: &str| {
+        skipped
+            .iter()
+            .find(|s| s["path"].as_str().unwrap().ends_with(name))
+            .map(|s| s["why"].to_string())
+            .unwrap_or_default()
+    };
     assert!(why("/plain-dir").contains("not a mount point"), "{out:#}");
     assert!(why("/escape").contains("not under /dev"), "{out:#}");
 

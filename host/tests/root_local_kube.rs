@@ -9,11 +9,11 @@
 
 #[path = "support/api_cluster.rs"]
 mod api_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
 mod common;
 mod driver_common;
 mod kube_common;
+#[path = "support/shipped.rs"]
+mod shipped;
 
 use api_cluster::Cluster;
 use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim};
@@ -49,14 +49,33 @@ impl Cluster {
                 return v;
             }
             if start.elapsed() > Duration::from_secs(secs) {
-                let pvs: Vec<_> = self.local_pvs().iter().map(|p| (p.metadata.name.clone(), p.status.clone().and_then(|s| s.phase))).collect();
-                let lists = self.rt.block_on(Api::<NodeLocalVolumes>::all(self.client()).list(&Default::default())).map(|l| l.items);
+                let pvs: Vec<_> = self
+                    .local_pvs()
+                    .iter()
+                    .map(|p| (p.metadata.name.clone(), p.status.clone().and_then(|s| s.phase)))
+                    .collect();
+                let lists = self
+                    .rt
+                    .block_on(Api::<NodeLocalVolumes>::all(self.client()).list(&Default::default()))
+                    .map(|l| l.items);
                 let logs: Vec<String> = ["node-a.log", "node-b.log", "controller.log"]
                     .iter()
                     .map(|f| std::fs::read_to_string(self.scratch.path(f)).unwrap_or_default())
-                    .map(|t| t.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"))
+                    .map(|t| {
+                        t.lines()
+                            .rev()
+                            .take(30)
+                            .collect::<Vec<_>>()
+                            .into_iter()
+                            .rev()
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    })
                     .collect();
-                panic!("timed out waiting for {what}; local PVs: {pvs:#?}\nNodeLocalVolumes: {lists:#?}\nlogs (agents, controller):\n{}", logs.join("\n----\n"));
+                panic!(
+                    "timed out waiting for {what}; local PVs: {pvs:#?}\nNodeLocalVolumes: {lists:#?}\nlogs (agents, controller):\n{}",
+                    logs.join("\n----\n")
+                );
             }
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -71,7 +90,9 @@ impl Cluster {
             parameters: Some(params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
             ..Default::default()
         };
-        self.rt.block_on(Api::<StorageClass>::all(self.client()).create(&PostParams::default(), &sc)).unwrap();
+        self.rt
+            .block_on(Api::<StorageClass>::all(self.client()).create(&PostParams::default(), &sc))
+            .unwrap();
     }
 
     /// The agent of `node`, managing local class `class` in `dir`.
@@ -91,7 +112,13 @@ impl Cluster {
                 storage_class_name: Some(class.into()),
                 volume_name: Some(pv.into()),
                 resources: Some(k8s_openapi::api::core::v1::VolumeResourceRequirements {
-                    requests: Some([("storage".to_string(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("1Mi".into()))].into()),
+                    requests: Some(
+                        [(
+                            "storage".to_string(),
+                            k8s_openapi::apimachinery::pkg::api::resource::Quantity("1Mi".into()),
+                        )]
+                        .into(),
+                    ),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -100,7 +127,9 @@ impl Cluster {
         };
         let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client(), "default");
         self.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
-        self.wait_for(&format!("PV {pv} Bound"), 60, || (phase(&self.pv(pv)?) == "Bound").then_some(()));
+        self.wait_for(&format!("PV {pv} Bound"), 60, || {
+            (phase(&self.pv(pv)?) == "Bound").then_some(())
+        });
         name
     }
 
@@ -112,27 +141,42 @@ impl Cluster {
     /// Waits until PV `name` is gone and back with another UID; the new PV.
     fn comes_back(&self, name: &str, old_uid: &str, secs: u64) -> PersistentVolume {
         self.wait_for(&format!("PV {name} back as a new PV"), secs, || {
-            self.pv(name).filter(|p| p.metadata.uid.as_deref() != Some(old_uid) && phase(p) == "Available")
+            self.pv(name)
+                .filter(|p| p.metadata.uid.as_deref() != Some(old_uid) && phase(p) == "Available")
         })
     }
 
     fn events_of(&self, pv: &str) -> Vec<String> {
         let events: Api<Event> = Api::namespaced(self.client(), "default");
         let list = self.rt.block_on(events.list(&ListParams::default())).unwrap().items;
-        list.into_iter().filter(|e| e.involved_object.name.as_deref() == Some(pv)).filter_map(|e| e.reason).collect()
+        list.into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(pv))
+            .filter_map(|e| e.reason)
+            .collect()
     }
 
     /// `volagent status --json` of `node`'s agent.
     fn status(&self, node: &str) -> serde_json::Value {
         let socket = self.scratch.path(&format!("{node}/run/agent.sock"));
-        let out = Command::new(env!("CARGO_BIN_EXE_volagent")).args(["status", "--json", "--socket"]).arg(&socket).output().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_volagent"))
+            .args(["status", "--json", "--socket"])
+            .arg(&socket)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()
     }
 
     fn controller_manager(&self) -> volagent_kube_env::node::ControllerManager {
-        let assets = volagent_kube_env::node::node_assets().expect("kube-controller-manager (scripts/node-assets)");
-        volagent_kube_env::node::ControllerManager::start_with(&self.env, &self.scratch.path(""), &assets, "persistentvolume-binder,pv-protection,pvc-protection").expect("kube-controller-manager")
+        let assets = volagent_kube_env::node::node_assets()
+            .expect("kube-controller-manager (scripts/node-assets)");
+        volagent_kube_env::node::ControllerManager::start_with(
+            &self.env,
+            &self.scratch.path(""),
+            &assets,
+            "persistentvolume-binder,pv-protection,pvc-protection",
+        )
+        .expect("kube-controller-manager")
     }
 }
 
@@ -185,7 +229,14 @@ fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
     // through a by-id style link.
     let fs1 = dir_a.join("fs1");
     std::fs::create_dir(&fs1).unwrap();
-    nix::mount::mount(Some("tmpfs"), &fs1, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=32m")).unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        &fs1,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=32m"),
+    )
+    .unwrap();
     let img = c.scratch.image("local-a/img1.img", 24);
     let raw = c.scratch.image("raw-b.img", 24);
     let dev = losetup(&raw);
@@ -195,26 +246,53 @@ fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
 
     c.local_agent("node-a", "local-fast", &dir_a, &[]);
     c.local_agent("node-b", "local-fast", &dir_b, &[]);
-    let (pv_fs, pv_img, pv_blk) = (pv_name("node-a", "local-fast", &fs1), pv_name("node-a", "local-fast", &img), pv_name("node-b", "local-fast", &dir_b.join("wwn-0xb")));
+    let (pv_fs, pv_img, pv_blk) = (
+        pv_name("node-a", "local-fast", &fs1),
+        pv_name("node-a", "local-fast", &img),
+        pv_name("node-b", "local-fast", &dir_b.join("wwn-0xb")),
+    );
     c.wait_for("3 local PVs", 60, || (c.local_pvs().len() == 3).then_some(()));
-    for (pv, node, path) in [(&pv_fs, "node-a", fs1.display().to_string()), (&pv_img, "node-a", img.display().to_string()), (&pv_blk, "node-b", dev.clone())] {
+    for (pv, node, path) in [
+        (&pv_fs, "node-a", fs1.display().to_string()),
+        (&pv_img, "node-a", img.display().to_string()),
+        (&pv_blk, "node-b", dev.clone()),
+    ] {
         let p = c.pv(pv).unwrap_or_else(|| panic!("PV {pv}"));
         let spec = p.spec.clone().unwrap();
         let term = &spec.node_affinity.unwrap().required.unwrap().node_selector_terms[0];
-        assert_eq!(term.match_expressions.as_ref().unwrap()[0].values, Some(vec![node.to_string()]), "{pv}");
+        assert_eq!(
+            term.match_expressions.as_ref().unwrap()[0].values,
+            Some(vec![node.to_string()]),
+            "{pv}"
+        );
         let options = spec.flex_volume.unwrap().options.unwrap();
-        assert_eq!((options["path"].as_str(), options["node"].as_str()), (path.as_str(), node), "{pv}");
+        assert_eq!(
+            (options["path"].as_str(), options["node"].as_str()),
+            (path.as_str(), node),
+            "{pv}"
+        );
         assert_eq!(spec.storage_class_name.as_deref(), Some("local-fast"));
         assert_eq!(spec.persistent_volume_reclaim_policy.as_deref(), Some("Delete"));
         assert_eq!(phase(&p), "Available", "{pv}");
     }
-    assert_eq!(c.pv(&pv_blk).unwrap().spec.unwrap().flex_volume.unwrap().options.unwrap()["identity"], format!("loop:{}", raw.display()));
+    assert_eq!(
+        c.pv(&pv_blk).unwrap().spec.unwrap().flex_volume.unwrap().options.unwrap()["identity"],
+        format!("loop:{}", raw.display())
+    );
     assert_eq!(c.pv(&pv_fs).unwrap().spec.unwrap().capacity.unwrap()["storage"].0, "32Mi");
     let status = c.local("node-a").unwrap().status.unwrap();
     assert_eq!(status.volume_count, 2, "{status:?}");
     let shown = c.status("node-a");
-    let names: Vec<&str> = shown["local"]["volumes"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
-    assert!(names.contains(&pv_fs.as_str()) && names.contains(&pv_img.as_str()) && names.len() == 2, "{shown:#}");
+    let names: Vec<&str> = shown["local"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&pv_fs.as_str()) && names.contains(&pv_img.as_str()) && names.len() == 2,
+        "{shown:#}"
+    );
     assert_eq!(c.local("node-b").unwrap().status.unwrap().volume_count, 1);
 
     // The tenants write; then their claims go.
@@ -232,17 +310,35 @@ fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
     let new_blk = c.comes_back(&pv_blk, &uid_blk, 90);
     assert_eq!(std::fs::read_dir(&fs1).unwrap().count(), 0, "the filesystem volume was emptied");
     assert!(!holds_at(Path::new(&dev), 1 << 20, MARKER), "the block volume was zeroed");
-    assert!(holds_at(&outside, 0, MARKER), "a file outside the discovery dirs is never touched (a link to it was removed, not followed)");
-    assert!(new_fs.metadata.finalizers.unwrap_or_default().contains(&"volagent.io/local-wipe".to_string()));
+    assert!(
+        holds_at(&outside, 0, MARKER),
+        "a file outside the discovery dirs is never touched (a link to it was removed, not followed)"
+    );
+    assert!(
+        new_fs
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .contains(&"volagent.io/local-wipe".to_string())
+    );
     for pv in [&pv_fs, &pv_blk] {
         let reasons = c.events_of(pv);
-        assert!(reasons.contains(&"WipeStarted".to_string()) && reasons.contains(&"WipeComplete".to_string()), "{pv}: {reasons:?}");
+        assert!(
+            reasons.contains(&"WipeStarted".to_string())
+                && reasons.contains(&"WipeComplete".to_string()),
+            "{pv}: {reasons:?}"
+        );
     }
     assert_eq!(phase(&new_blk), "Available");
     // The operations are done with: the spec is empty again.
-    c.wait_for("the operations removed", 30, || c.local("node-a").unwrap().spec.operations.is_empty().then_some(()));
+    c.wait_for("the operations removed", 30, || {
+        c.local("node-a").unwrap().spec.operations.is_empty().then_some(())
+    });
     assert_eq!(c.local_pvs().len(), 3, "never two PVs for one volume");
-    assert!(c.pv(&pv_img).is_some_and(|p| phase(&p) == "Available"), "the unclaimed volume is left alone");
+    assert!(
+        c.pv(&pv_img).is_some_and(|p| phase(&p) == "Available"),
+        "the unclaimed volume is left alone"
+    );
 }
 
 /// An agent killed mid-wipe starts the wipe again on restart and finishes
@@ -261,8 +357,16 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
     std::os::unix::fs::symlink(&dev, dir.join("wwn-0xbusy")).unwrap();
     // The first plan (the wipe: unmount, attach, shred, detach) stalls
     // after its shred, as a long wipe would run on: the agent is killed then.
-    c.local_agent("node-a", "local-slow", &dir, &[(volagent::exec::STALL_AFTER_STEP_ENV, "3:120000")]);
-    let (pv_img, pv_busy) = (pv_name("node-a", "local-slow", &img), pv_name("node-a", "local-slow", &dir.join("wwn-0xbusy")));
+    c.local_agent(
+        "node-a",
+        "local-slow",
+        &dir,
+        &[(volagent::exec::STALL_AFTER_STEP_ENV, "3:120000")],
+    );
+    let (pv_img, pv_busy) = (
+        pv_name("node-a", "local-slow", &img),
+        pv_name("node-a", "local-slow", &dir.join("wwn-0xbusy")),
+    );
     c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
 
     let claim = c.claim(&pv_img, "local-slow");
@@ -271,17 +375,41 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
     c.release(&claim);
     c.wait_for("the wipe to start", 60, || {
         let s = c.local("node-a")?.status?;
-        s.operations.iter().any(|o| o.volume == pv_img && o.phase == LocalOperationPhase::InProgress).then_some(())
+        s.operations
+            .iter()
+            .any(|o| o.volume == pv_img && o.phase == LocalOperationPhase::InProgress)
+            .then_some(())
     });
-    c.wait_for("the wipe's shred", 30, || std::fs::read_to_string(c.scratch.path("node-a.log")).ok()?.contains("VOLAGENT_TEST_STALL").then_some(()));
+    c.wait_for("the wipe's shred", 30, || {
+        std::fs::read_to_string(c.scratch.path("node-a.log"))
+            .ok()?
+            .contains("VOLAGENT_TEST_STALL")
+            .then_some(())
+    });
     let shown = c.status("node-a");
     let wipe = &shown["local"]["wipes"][0];
-    assert_eq!((wipe["volume"].as_str(), wipe["method"].as_str(), wipe["step"].as_u64(), wipe["steps"].as_u64()), (Some(pv_img.as_str()), Some("shred:2"), Some(3), Some(4)), "{shown:#}");
+    assert_eq!(
+        (
+            wipe["volume"].as_str(),
+            wipe["method"].as_str(),
+            wipe["step"].as_u64(),
+            wipe["steps"].as_u64()
+        ),
+        (Some(pv_img.as_str()), Some("shred:2"), Some(3), Some(4)),
+        "{shown:#}"
+    );
     c.kill_agent("node-a");
     let status = c.local("node-a").unwrap().status.unwrap();
     let op = status.operations.iter().find(|o| o.volume == pv_img).unwrap();
-    assert_eq!((op.phase, op.attempt), (LocalOperationPhase::InProgress, 1), "killed mid-wipe: {status:?}");
-    assert!(c.pv(&pv_img).is_some_and(|p| uid(&p) == old), "the PV stays while its wipe is unfinished");
+    assert_eq!(
+        (op.phase, op.attempt),
+        (LocalOperationPhase::InProgress, 1),
+        "killed mid-wipe: {status:?}"
+    );
+    assert!(
+        c.pv(&pv_img).is_some_and(|p| uid(&p) == old),
+        "the PV stays while its wipe is unfinished"
+    );
     c.local_agent("node-a", "local-slow", &dir, &[]);
     c.comes_back(&pv_img, &old, 240);
     assert!(!holds_at(&img, 8 << 20, MARKER), "the marker is gone");
@@ -293,14 +421,26 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
     assert!(Command::new("mkfs.ext4").args(["-q", &dev]).status().unwrap().success());
     let busy_at = c.scratch.path("busy-mount");
     std::fs::create_dir_all(&busy_at).unwrap();
-    nix::mount::mount(Some(dev.as_str()), &busy_at, Some("ext4"), nix::mount::MsFlags::empty(), None::<&str>).unwrap();
+    nix::mount::mount(
+        Some(dev.as_str()),
+        &busy_at,
+        Some("ext4"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .unwrap();
     c.release(&claim);
     let failed = c.wait_for("the wipe to fail", 60, || {
         let s = c.local("node-a")?.status?;
-        s.operations.into_iter().find(|o| o.volume == pv_busy && o.phase == LocalOperationPhase::Error)
+        s.operations
+            .into_iter()
+            .find(|o| o.volume == pv_busy && o.phase == LocalOperationPhase::Error)
     });
     let message = failed.message.clone().unwrap_or_default();
-    assert!(message.contains(&dev) && message.contains("in use"), "the reason names the device: {message}");
+    assert!(
+        message.contains(&dev) && message.contains("in use"),
+        "the reason names the device: {message}"
+    );
     assert!(c.events_of(&pv_busy).contains(&"WipeFailed".to_string()));
     std::thread::sleep(Duration::from_secs(3));
     let pv = c.pv(&pv_busy).expect("the released PV stays");
@@ -325,15 +465,30 @@ fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds
     let dir = c.scratch.path("local-a");
     let fs1 = dir.join("fs1");
     std::fs::create_dir_all(&fs1).unwrap();
-    nix::mount::mount(Some("tmpfs"), &fs1, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=16m")).unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        &fs1,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=16m"),
+    )
+    .unwrap();
     let raw = c.scratch.image("raw-a.img", 16);
     let dev = losetup(&raw);
     std::os::unix::fs::symlink(&dev, dir.join("wwn-0xfault")).unwrap();
     let faults = c.scratch.path("faults");
     std::fs::write(&faults, "wipe EIO\nclear-directory ENOSPC\n").unwrap();
     let faults_env = faults.display().to_string();
-    c.local_agent("node-a", "local-faulty", &dir, &[(volagent::sys::faults::FAULTS_FILE_ENV, faults_env.as_str())]);
-    let (pv_fs, pv_blk) = (pv_name("node-a", "local-faulty", &fs1), pv_name("node-a", "local-faulty", &dir.join("wwn-0xfault")));
+    c.local_agent(
+        "node-a",
+        "local-faulty",
+        &dir,
+        &[(volagent::sys::faults::FAULTS_FILE_ENV, faults_env.as_str())],
+    );
+    let (pv_fs, pv_blk) = (
+        pv_name("node-a", "local-faulty", &fs1),
+        pv_name("node-a", "local-faulty", &dir.join("wwn-0xfault")),
+    );
     c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
 
     let claims = [c.claim(&pv_fs, "local-faulty"), c.claim(&pv_blk, "local-faulty")];
@@ -346,16 +501,29 @@ fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds
     for (pv, step, errno) in [(&pv_blk, "wipe", "EIO"), (&pv_fs, "clear-directory", "ENOSPC")] {
         let failed = c.wait_for(&format!("the wipe of {pv} to fail"), 60, || {
             let s = c.local("node-a")?.status?;
-            s.operations.into_iter().find(|o| &o.volume == pv && o.phase == LocalOperationPhase::Error)
+            s.operations
+                .into_iter()
+                .find(|o| &o.volume == pv && o.phase == LocalOperationPhase::Error)
         });
         let message = failed.message.unwrap_or_default();
-        assert!(message.contains(&format!("{step} (injected fault)")) && message.contains(errno), "{pv}: the reason names the step and the fault: {message}");
+        assert!(
+            message.contains(&format!("{step} (injected fault)")) && message.contains(errno),
+            "{pv}: the reason names the step and the fault: {message}"
+        );
         assert!(c.events_of(pv).contains(&"WipeFailed".to_string()), "{pv}");
     }
-    assert!(holds_at(Path::new(&dev), 1 << 20, MARKER) && std::fs::read(fs1.join("marker")).unwrap() == MARKER, "a failed step destroyed nothing");
+    assert!(
+        holds_at(Path::new(&dev), 1 << 20, MARKER)
+            && std::fs::read(fs1.join("marker")).unwrap() == MARKER,
+        "a failed step destroyed nothing"
+    );
     std::thread::sleep(Duration::from_secs(3));
     for pv in [&pv_fs, &pv_blk] {
-        assert_eq!(phase(&c.pv(pv).expect("the released PV stays")), "Released", "{pv}: no new PV while its wipe failed");
+        assert_eq!(
+            phase(&c.pv(pv).expect("the released PV stays")),
+            "Released",
+            "{pv}: no new PV while its wipe failed"
+        );
     }
     assert_eq!(c.local("node-a").unwrap().status.unwrap().failed, 2);
 
@@ -363,20 +531,38 @@ fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds
     std::fs::write(&faults, "clear-directory hang\n").unwrap();
     let api: Api<NodeLocalVolumes> = Api::all(c.client());
     let patch = serde_json::json!({ "spec": { "operations": [] } });
-    c.rt.block_on(api.patch("node-a", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))).unwrap();
+    c.rt.block_on(api.patch(
+        "node-a",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&patch),
+    ))
+    .unwrap();
     c.comes_back(&pv_blk, &uid_blk, 90);
-    assert!(!holds_at(Path::new(&dev), 1 << 20, MARKER), "the block volume was zeroed on the retry");
+    assert!(
+        !holds_at(Path::new(&dev), 1 << 20, MARKER),
+        "the block volume was zeroed on the retry"
+    );
     let hung = c.wait_for("the retried wipe to hang in clear-directory", 60, || {
         let shown = c.status("node-a");
-        let wipe = shown["local"]["wipes"].as_array()?.iter().find(|w| w["volume"].as_str() == Some(pv_fs.as_str()))?.clone();
+        let wipe = shown["local"]["wipes"]
+            .as_array()?
+            .iter()
+            .find(|w| w["volume"].as_str() == Some(pv_fs.as_str()))?
+            .clone();
         (wipe["step_kind"].as_str() == Some("clear-directory")).then_some(wipe)
     });
     assert_eq!(hung["method"].as_str(), Some("clear-directory"), "{hung:#}");
     assert!(c.pv(&pv_fs).is_some_and(|p| uid(&p) == uid_fs), "the PV stays while its wipe hangs");
     std::fs::remove_file(&faults).unwrap();
     c.comes_back(&pv_fs, &uid_fs, 90);
-    assert_eq!(std::fs::read_dir(&fs1).unwrap().count(), 0, "the filesystem volume was emptied on the retry");
-    c.wait_for("the operations removed", 30, || c.local("node-a").unwrap().spec.operations.is_empty().then_some(()));
+    assert_eq!(
+        std::fs::read_dir(&fs1).unwrap().count(),
+        0,
+        "the filesystem volume was emptied on the retry"
+    );
+    c.wait_for("the operations removed", 30, || {
+        c.local("node-a").unwrap().spec.operations.is_empty().then_some(())
+    });
     let status = c.local("node-a").unwrap().status.unwrap();
     assert_eq!((status.failed, status.wiping), (0, 0), "{status:?}");
     assert_eq!(c.local_pvs().len(), 2, "never two PVs for one volume");
@@ -397,21 +583,33 @@ fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
     c.storage_class("local-strict", &[("wipe", "zero")]);
     let dir = c.scratch.path("local-a");
     std::fs::create_dir_all(&dir).unwrap();
-    let (img1, img2) = (c.scratch.image("local-a/one.img", 24), c.scratch.image("local-a/two.img", 24));
+    let (img1, img2) =
+        (c.scratch.image("local-a/one.img", 24), c.scratch.image("local-a/two.img", 24));
     assert!(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img1).status().unwrap().success());
     write_at(&img1, 20 << 20, MARKER);
     let outside = c.scratch.image("outside.img", 24);
     c.local_agent("node-a", "local-strict", &dir, &[]);
-    let (pv1, pv2) = (pv_name("node-a", "local-strict", &img1), pv_name("node-a", "local-strict", &img2));
+    let (pv1, pv2) =
+        (pv_name("node-a", "local-strict", &img1), pv_name("node-a", "local-strict", &img2));
     c.wait_for("2 local PVs", 60, || (c.local_pvs().len() == 2).then_some(()));
     let pvs: Api<PersistentVolume> = Api::all(c.client());
     let mount = |pv: &str, pod: &str| {
         let uid = c.pod_uid(pod, pv);
-        let d = c.scratch.path(&format!("node-a/kubelet/pods/{uid}/volumes/volagent~local-pv/{pv}"));
+        let d =
+            c.scratch.path(&format!("node-a/kubelet/pods/{uid}/volumes/volagent~local-pv/{pv}"));
         std::fs::create_dir_all(&d).unwrap();
         let d = d.display().to_string();
         let opts = kubelet_options(pv, pod, &uid, "ext4", "");
-        (d.clone(), run_driver(Command::new(c.scratch.path("node-a/vpd/volagent~local-pv/local-pv")).args(["mount", &d, &opts.to_string()])))
+        (
+            d.clone(),
+            run_driver(
+                Command::new(c.scratch.path("node-a/vpd/volagent~local-pv/local-pv")).args([
+                    "mount",
+                    &d,
+                    &opts.to_string(),
+                ]),
+            ),
+        )
     };
 
     // An alias: an admin's second PV naming the discovered file.
@@ -424,8 +622,17 @@ fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
     c.rt.block_on(pvs.create(&PostParams::default(), &alias)).unwrap();
     c.claim("alias", "local-strict");
     let (_, r) = mount("alias", "p-alias");
-    assert_failure(&r, &format!("which node node-a discovered as local volume {} (its PV is {pv1}): a second PV may not alias it", img1.display()));
-    assert!(c.events_of("alias").contains(&"LocalVolumeMismatch".to_string()), "an Event on the alias PV");
+    assert_failure(
+        &r,
+        &format!(
+            "which node node-a discovered as local volume {} (its PV is {pv1}): a second PV may not alias it",
+            img1.display()
+        ),
+    );
+    assert!(
+        c.events_of("alias").contains(&"LocalVolumeMismatch".to_string()),
+        "an Event on the alias PV"
+    );
 
     // Not what was discovered: a PV of a discovered volume's name (made
     // before the volume showed up, so the controller leaves it) naming
@@ -433,17 +640,31 @@ fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
     let img3 = c.scratch.path("local-a/three.img");
     let pv3 = pv_name("node-a", "local-strict", &img3);
     let mut forged = c.pv(&pv2).unwrap();
-    forged.metadata = ObjectMeta { name: Some(pv3.clone()), labels: forged.metadata.labels.clone(), annotations: forged.metadata.annotations.clone(), ..Default::default() };
+    forged.metadata = ObjectMeta {
+        name: Some(pv3.clone()),
+        labels: forged.metadata.labels.clone(),
+        annotations: forged.metadata.annotations.clone(),
+        ..Default::default()
+    };
     forged.status = None;
     if let Some(flex) = forged.spec.as_mut().and_then(|s| s.flex_volume.as_mut()) {
         flex.options.as_mut().unwrap().insert("path".into(), outside.display().to_string());
     }
     c.rt.block_on(pvs.create(&PostParams::default(), &forged)).unwrap();
     c.scratch.image("local-a/three.img", 24);
-    c.wait_for("three.img discovered", 60, || c.local("node-a")?.status?.volumes.iter().any(|v| v.name == pv3).then_some(()));
+    c.wait_for("three.img discovered", 60, || {
+        c.local("node-a")?.status?.volumes.iter().any(|v| v.name == pv3).then_some(())
+    });
     c.claim(&pv3, "local-strict");
     let (_, r) = mount(&pv3, "p-forged");
-    assert_failure(&r, &format!("PersistentVolume {pv3} names {}, but node node-a discovered {pv3} as {}: the PV was changed", outside.display(), img3.display()));
+    assert_failure(
+        &r,
+        &format!(
+            "PersistentVolume {pv3} names {}, but node node-a discovered {pv3} as {}: the PV was changed",
+            outside.display(),
+            img3.display()
+        ),
+    );
     assert!(c.events_of(&pv3).contains(&"LocalVolumeMismatch".to_string()));
     // One that says it was discovered on node-a, but was not.
     let mut invented = forged.clone();
@@ -451,7 +672,10 @@ fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
     c.rt.block_on(pvs.create(&PostParams::default(), &invented)).unwrap();
     c.claim("local-invented", "local-strict");
     let (_, r) = mount("local-invented", "p-invented");
-    assert_failure(&r, "says it is a discovered local volume of node node-a, but node node-a discovered no volume local-invented");
+    assert_failure(
+        &r,
+        "says it is a discovered local volume of node node-a, but node node-a discovered no volume local-invented",
+    );
     assert!(c.scratch.mounts().is_empty(), "nothing was mounted");
 
     // The real PV mounts; a wipe of it asked while it is bound wipes nothing.
@@ -461,12 +685,23 @@ fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
     let pv = c.pv(&pv1).unwrap();
     let op = serde_json::json!({ "spec": { "operations": [{ "volume": pv1, "kind": "Delete", "pvUID": uid(&pv), "requestedAt": "2026-01-01T00:00:00Z" }] } });
     let lists: Api<NodeLocalVolumes> = Api::all(c.client());
-    c.rt.block_on(lists.patch("node-a", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&op))).unwrap();
+    c.rt.block_on(lists.patch(
+        "node-a",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&op),
+    ))
+    .unwrap();
     let failed = c.wait_for("the wipe refused", 60, || {
         let s = c.local("node-a")?.status?;
         s.operations.into_iter().find(|o| o.volume == pv1 && o.phase == LocalOperationPhase::Error)
     });
-    assert!(failed.message.as_deref().unwrap_or("").contains("not released under Delete"), "{failed:?}");
-    assert_success(&run_driver(Command::new(c.scratch.path("node-a/vpd/volagent~local-pv/local-pv")).args(["unmount", &d1])));
+    assert!(
+        failed.message.as_deref().unwrap_or("").contains("not released under Delete"),
+        "{failed:?}"
+    );
+    assert_success(&run_driver(
+        Command::new(c.scratch.path("node-a/vpd/volagent~local-pv/local-pv"))
+            .args(["unmount", &d1]),
+    ));
     assert!(holds_at(&img1, 20 << 20, MARKER), "the tenant's data is intact");
 }

@@ -32,7 +32,10 @@ fn setup(fs: &str, mib: u64) -> Setup {
     ];
     let paths = NodePaths {
         kubelet_root: scratch.path("kubelet").display().to_string(),
-        staging_dir: scratch.path("kubelet/plugins/volagent/local-pv/mounts/pv1").display().to_string(),
+        staging_dir: scratch
+            .path("kubelet/plugins/volagent/local-pv/mounts/pv1")
+            .display()
+            .to_string(),
         state_dir: scratch.path("state/pv1").display().to_string(),
         discovery_dirs: vec![disks.display().to_string()],
     };
@@ -43,24 +46,35 @@ fn setup(fs: &str, mib: u64) -> Setup {
 
 fn pod(s: &Setup, name: &str) -> Consumer {
     let mut c = consumer("n1", name, "local-pv", "pv1");
-    c.mount_dir = s.scratch.path(&format!("kubelet/pods/uid-{name}/volumes/volagent~local-pv/pv1")).display().to_string();
+    c.mount_dir = s
+        .scratch
+        .path(&format!("kubelet/pods/uid-{name}/volumes/volagent~local-pv/pv1"))
+        .display()
+        .to_string();
     std::fs::create_dir_all(&c.mount_dir).expect("kubelet makes the pod dir");
     c
 }
 
 /// An executor acting beneath the setup's roots, as the agent's does.
 fn executor(s: &Setup) -> Executor {
-    let roots = volagent::sys::Roots::open(&[s.scratch.path("kubelet"), s.scratch.path("disks"), s.scratch.path("state")]).expect("roots");
+    let roots = volagent::sys::Roots::open(&[
+        s.scratch.path("kubelet"),
+        s.scratch.path("disks"),
+        s.scratch.path("state"),
+    ])
+    .expect("roots");
     Executor::new(Sys::linux(roots, "volagent:n1", std::env::temp_dir().join("volagent-no-nbd")))
 }
 
 fn mount(s: &Setup, exec: &Executor, c: &Consumer, others: &[Holder]) {
-    let plan = s.plugin.attach(s.facts.clone(), &s.volume, c, others, &s.paths).expect("attach plan");
+    let plan =
+        s.plugin.attach(s.facts.clone(), &s.volume, c, others, &s.paths).expect("attach plan");
     exec.run(&plan).unwrap_or_else(|e| panic!("{e}"));
 }
 
 fn unmount(s: &Setup, exec: &Executor, c: &Consumer, remaining: &[Holder]) {
-    let plan = s.plugin.detach(s.facts.clone(), &s.volume, c, remaining, &s.paths).expect("detach plan");
+    let plan =
+        s.plugin.detach(s.facts.clone(), &s.volume, c, remaining, &s.paths).expect("detach plan");
     exec.run(&plan).unwrap_or_else(|e| panic!("{e}"));
 }
 
@@ -71,7 +85,8 @@ fn round_trip(fs: &str, mib: u64) {
     mount(&s, &exec, &a, &[]);
     assert_eq!(s.scratch.loops().len(), 1);
     assert_eq!(s.scratch.mounts().len(), 2, "staging + pod bind");
-    std::fs::write(format!("{}/hello", a.mount_dir), b"persisted").expect("write through the pod's mount");
+    std::fs::write(format!("{}/hello", a.mount_dir), b"persisted")
+        .expect("write through the pod's mount");
     // Idempotent: kubelet retrying the same mount changes nothing.
     mount(&s, &exec, &a, &[]);
     assert_eq!((s.scratch.loops().len(), s.scratch.mounts().len()), (1, 2));
@@ -85,7 +100,11 @@ fn round_trip(fs: &str, mib: u64) {
     mount(&s, &exec, &b, &[]);
     let read = std::fs::read(format!("{}/hello", b.mount_dir)).expect("the data is back");
     assert_eq!(read, b"persisted");
-    let probe = std::process::Command::new("blkid").args(["-o", "value", "-s", "TYPE"]).arg(&s.scratch.loops()[0]).output().expect("blkid");
+    let probe = std::process::Command::new("blkid")
+        .args(["-o", "value", "-s", "TYPE"])
+        .arg(&s.scratch.loops()[0])
+        .output()
+        .expect("blkid");
     assert_eq!(String::from_utf8_lossy(&probe.stdout).trim(), fs);
     unmount(&s, &exec, &b, &[]);
     assert!(s.scratch.mounts().is_empty() && s.scratch.loops_left().is_empty());
@@ -143,12 +162,18 @@ fn release_wipes_the_filesystem() {
     std::fs::write(format!("{}/secret", a.mount_dir), b"old tenant").expect("write");
     unmount(&s, &exec, &a, &[]);
     let item = CleanupItem { volume: s.volume.clone(), paths: s.paths.clone(), holders: vec![] };
-    let plan = s.plugin.cleanup(s.facts.clone(), CleanupReason::LocalVolumeReleased, &[item]).expect("release plan");
+    let plan = s
+        .plugin
+        .cleanup(s.facts.clone(), CleanupReason::LocalVolumeReleased, &[item])
+        .expect("release plan");
     exec.run(&plan).unwrap_or_else(|e| panic!("{e}"));
     assert!(s.scratch.loops_left().is_empty());
     let b = pod(&s, "b");
     mount(&s, &exec, &b, &[]);
-    assert!(!std::path::Path::new(&format!("{}/secret", b.mount_dir)).exists(), "a quick reset leaves a fresh filesystem");
+    assert!(
+        !std::path::Path::new(&format!("{}/secret", b.mount_dir)).exists(),
+        "a quick reset leaves a fresh filesystem"
+    );
     unmount(&s, &exec, &b, &[]);
 }
 
@@ -156,7 +181,8 @@ fn release_wipes_the_filesystem() {
 fn flags_of(dir: &str) -> Vec<String> {
     let text = std::fs::read_to_string("/proc/thread-self/mountinfo").expect("mountinfo");
     let table = volagent::sys::mountinfo::parse(&text).expect("parse");
-    let m = table.iter().rev().find(|m| m.mount_point == std::path::Path::new(dir)).expect("mounted");
+    let m =
+        table.iter().rev().find(|m| m.mount_point == std::path::Path::new(dir)).expect("mounted");
     m.options.split(',').map(String::from).collect()
 }
 
@@ -169,10 +195,28 @@ fn a_read_only_bind_keeps_nosuid_nodev_and_noexec() {
     let a = pod(&s, "a");
     let dev = || BlockSource::Attached("dev".into());
     let plan = vec![
-        Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Loop(s.volume.options[0].value.clone()), read_only: false }),
-        Step::Format(Format { device: dev(), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
-        Step::Mount(Mount { source: MountSource::Block(dev()), target: s.paths.staging_dir.clone(), fs_type: "ext4".into(), options: vec!["noexec".into(), "noatime".into()], read_only: false }),
-        Step::BindMount(BindMount { source: s.paths.staging_dir.clone(), target: a.mount_dir.clone(), read_only: true }),
+        Step::AttachDevice(AttachDevice {
+            id: "dev".into(),
+            spec: DeviceSpec::Loop(s.volume.options[0].value.clone()),
+            read_only: false,
+        }),
+        Step::Format(Format {
+            device: dev(),
+            fs_type: "ext4".into(),
+            mode: FormatMode::IfUnformatted,
+        }),
+        Step::Mount(Mount {
+            source: MountSource::Block(dev()),
+            target: s.paths.staging_dir.clone(),
+            fs_type: "ext4".into(),
+            options: vec!["noexec".into(), "noatime".into()],
+            read_only: false,
+        }),
+        Step::BindMount(BindMount {
+            source: s.paths.staging_dir.clone(),
+            target: a.mount_dir.clone(),
+            read_only: true,
+        }),
     ];
     exec.run(&plan).unwrap_or_else(|e| panic!("{e}"));
     let staging = flags_of(&s.paths.staging_dir);
@@ -192,11 +236,21 @@ fn a_read_only_bind_keeps_nosuid_nodev_and_noexec() {
 fn disk_node(s: &Setup, name: &str, mib: u64) -> (std::path::PathBuf, String) {
     use std::os::unix::fs::MetadataExt;
     let image = s.scratch.image(&format!("{name}.img"), mib);
-    let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&image).output().expect("losetup");
+    let out = std::process::Command::new("losetup")
+        .args(["-f", "--show"])
+        .arg(&image)
+        .output()
+        .expect("losetup");
     let dev = String::from_utf8(out.stdout).expect("utf8").trim().to_string();
     let rdev = std::fs::metadata(&dev).expect("stat").rdev();
     let node = s.scratch.path(&format!("disks/{name}"));
-    nix::sys::stat::mknod(&node, nix::sys::stat::SFlag::S_IFBLK, nix::sys::stat::Mode::from_bits_truncate(0o600), rdev).expect("mknod");
+    nix::sys::stat::mknod(
+        &node,
+        nix::sys::stat::SFlag::S_IFBLK,
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+        rdev,
+    )
+    .expect("mknod");
     (node, dev)
 }
 
@@ -208,10 +262,23 @@ fn a_mounted_devices_wipe_or_format_is_refused() {
     let s = setup("ext4", 64);
     let exec = executor(&s);
     let (node, dev) = disk_node(&s, "ssd0", 64);
-    assert!(std::process::Command::new("mkfs.ext4").args(["-F", "-q", &dev]).status().expect("mkfs").success());
+    assert!(
+        std::process::Command::new("mkfs.ext4")
+            .args(["-F", "-q", &dev])
+            .status()
+            .expect("mkfs")
+            .success()
+    );
     let elsewhere = s.scratch.path("elsewhere");
     std::fs::create_dir_all(&elsewhere).expect("dir");
-    nix::mount::mount(Some(dev.as_str()), &elsewhere, Some("ext4"), nix::mount::MsFlags::empty(), None::<&str>).expect("mount");
+    nix::mount::mount(
+        Some(dev.as_str()),
+        &elsewhere,
+        Some("ext4"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .expect("mount");
     std::fs::write(elsewhere.join("data"), b"in use").expect("write");
     let device = || BlockSource::Device(node.display().to_string());
     for step in [
@@ -222,11 +289,16 @@ fn a_mounted_devices_wipe_or_format_is_refused() {
         Step::Format(Format { device: device(), fs_type: "ext4".into(), mode: FormatMode::Always }),
     ] {
         let err = exec.run(std::slice::from_ref(&step)).unwrap_err();
-        assert!(err.to_string().contains("is in use (mounted, or held open exclusively by another program)"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("is in use (mounted, or held open exclusively by another program)"),
+            "{err}"
+        );
     }
     assert_eq!(std::fs::read(elsewhere.join("data")).expect("read"), b"in use", "nothing changed");
     nix::mount::umount2(&elsewhere, nix::mount::MntFlags::empty()).expect("unmount");
-    exec.run(&[Step::Wipe(Wipe { device: device(), method: WipeMethod::Zero })]).unwrap_or_else(|e| panic!("{e}"));
+    exec.run(&[Step::Wipe(Wipe { device: device(), method: WipeMethod::Zero })])
+        .unwrap_or_else(|e| panic!("{e}"));
     let head = std::fs::read(&dev).map(|b| b[..2048].iter().all(|x| *x == 0));
     assert!(head.expect("read the device"), "zeroed once free");
     let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
@@ -242,7 +314,11 @@ fn a_symlink_to_a_block_device_is_not_followed() {
     let link = s.scratch.path("disks/by-id-link");
     std::os::unix::fs::symlink(&node, &link).expect("symlink");
     let err = exec
-        .run(&[Step::Format(Format { device: BlockSource::Device(link.display().to_string()), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted })])
+        .run(&[Step::Format(Format {
+            device: BlockSource::Device(link.display().to_string()),
+            fs_type: "ext4".into(),
+            mode: FormatMode::IfUnformatted,
+        })])
         .unwrap_err();
     assert!(err.to_string().contains("symbolic link"), "{err}");
     let out = std::process::Command::new("blkid").args(["-p", &dev]).output().expect("blkid");

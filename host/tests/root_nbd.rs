@@ -32,12 +32,19 @@ fn round_trip(peer: Peer, fs: &str) {
     let state = node.scratch.path("node-a/state");
 
     let dir_a = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let r = driver(&node, &["mount", &dir_a, &nbd_options("pv1", "pod-a", "uid-a", fs, &address).to_string()]);
+    let r = driver(
+        &node,
+        &["mount", &dir_a, &nbd_options("pv1", "pod-a", "uid-a", fs, &address).to_string()],
+    );
     assert_success(&r);
     let device = r.1["device"].as_str().unwrap_or_default().to_string();
     assert!(device.starts_with("/dev/loop"), "{}", r.1);
     // The loop device is over the client's file, under the agent's state dir.
-    let backing = std::fs::read_to_string(format!("/sys/block/{}/loop/backing_file", device.trim_start_matches("/dev/"))).unwrap();
+    let backing = std::fs::read_to_string(format!(
+        "/sys/block/{}/loop/backing_file",
+        device.trim_start_matches("/dev/")
+    ))
+    .unwrap();
     assert!(Path::new(backing.trim()).starts_with(state.join("nbd")), "{backing}");
     assert_eq!(clients_under(&state).len(), 1, "one nbdfuse client");
     let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
@@ -45,7 +52,10 @@ fn round_trip(peer: Peer, fs: &str) {
 
     // A second pod on the node shares the staged mount: no second client.
     let dir_b = node.mount_dir_of("node-a", "nbd", "uid-b", "pv1");
-    assert_success(&driver(&node, &["mount", &dir_b, &nbd_options("pv1", "pod-b", "uid-b", fs, &address).to_string()]));
+    assert_success(&driver(
+        &node,
+        &["mount", &dir_b, &nbd_options("pv1", "pod-b", "uid-b", fs, &address).to_string()],
+    ));
     assert_eq!(clients_under(&state).len(), 1);
     assert_eq!(std::fs::read(format!("{dir_b}/data")).unwrap(), payload);
     assert_success(&driver(&node, &["unmount", &dir_b]));
@@ -54,7 +64,9 @@ fn round_trip(peer: Peer, fs: &str) {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
-    let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
     assert!(left.is_empty(), "the client left {left:?}");
     // The data is in the server's file, as the filesystem wrote it.
     drop(server);
@@ -82,7 +94,10 @@ fn an_unreachable_server_or_a_kernel_only_volume_is_refused_and_leaves_nothing()
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
     let nowhere = format!("unix:{}", node.scratch.path("nobody.sock").display());
-    let r = driver(&node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere).to_string()]);
+    let r = driver(
+        &node,
+        &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere).to_string()],
+    );
     assert_failure(&r, "nbdfuse");
     let mut kernel = nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere);
     kernel["attach"] = "kernel".into();
@@ -107,7 +122,10 @@ fn mount_on_qemu_nbd(node: &Node) -> Mounted {
     let (server, address) = serve(node, Peer::QemuNbd, &image);
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-    let r = driver(node, &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()]);
+    let r = driver(
+        node,
+        &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string()],
+    );
     assert_success(&r);
     let device = r.1["device"].as_str().unwrap_or_default().to_string();
     Mounted { server, address, state, dir, device }
@@ -164,7 +182,12 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
     });
     let stale: Vec<_> = {
         use volagent::sys::Devices;
-        volagent::sys::linux::Linux::unrooted().loop_devices().unwrap().into_iter().filter(|l| l.backing_file == Path::new("/").join(&key)).collect()
+        volagent::sys::linux::Linux::unrooted()
+            .loop_devices()
+            .unwrap()
+            .into_iter()
+            .filter(|l| l.backing_file == Path::new("/").join(&key))
+            .collect()
     };
     assert!(stale.is_empty(), "loop devices left over the aborted client's file: {stale:?}");
     let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
@@ -190,7 +213,11 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     assert!(Command::new("losetup").arg("-d").arg(&device).status().unwrap().success());
     assert_eq!(clients_under(&state).len(), 1);
     node.spawn_agent_env("node-a", &[], &[]);
-    wait_or_say("the unused client to be stopped", || clients_under(&state).is_empty(), || std::fs::read_to_string(node.log_path("node-a")).unwrap_or_default());
+    wait_or_say(
+        "the unused client to be stopped",
+        || clients_under(&state).is_empty(),
+        || std::fs::read_to_string(node.log_path("node-a")).unwrap_or_default(),
+    );
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     assert!(std::fs::read_dir(state.join("nbd")).map(|d| d.count()).unwrap_or(0) == 0);
 }
@@ -226,8 +253,12 @@ fn the_agent_serves_a_local_file_itself_across_a_restart() {
     assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
     assert_success(&driver(&node, &["unmount", &dir]));
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
-    wait_until("the client and the helper server to end", || clients_under(&state).is_empty() && servers_under(&state).is_empty());
-    let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    wait_until("the client and the helper server to end", || {
+        clients_under(&state).is_empty() && servers_under(&state).is_empty()
+    });
+    let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(read_back(Path::new(&image), "ext4"), b"through the agent's own export");
 }
@@ -241,7 +272,12 @@ fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
     let options = file_options(&image);
     assert_success(&driver(&node, &["mount", &dir, &options.to_string()]));
-    let sockets: Vec<PathBuf> = std::fs::read_dir(state.join("nbd")).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "sock")).collect();
+    let sockets: Vec<PathBuf> = std::fs::read_dir(state.join("nbd"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "sock"))
+        .collect();
     let [socket] = &sockets[..] else { panic!("one helper socket: {sockets:?}") };
     let meta = std::fs::symlink_metadata(socket).unwrap();
     assert!(meta.file_type().is_socket());
@@ -255,7 +291,13 @@ fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
         up = up.parent().unwrap();
     }
     let uri = format!("nbd+unix:///?socket={}", socket.display());
-    let as_nobody = || Command::new("setpriv").args(["--reuid=65534", "--regid=65534", "--clear-groups", "nbdinfo"]).arg(&uri).output().unwrap();
+    let as_nobody = || {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "nbdinfo"])
+            .arg(&uri)
+            .output()
+            .unwrap()
+    };
     let out = as_nobody();
     assert!(!out.status.success(), "uid 65534 was served");
     assert!(String::from_utf8_lossy(&out.stderr).contains("Permission denied"), "{out:?}");
@@ -274,7 +316,9 @@ fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
     // Root is served as before: the volume works on.
     std::fs::write(format!("{dir}/data"), b"after the refusals").unwrap();
     assert_success(&driver(&node, &["unmount", &dir]));
-    wait_until("the client and the helper server to end", || clients_under(&state).is_empty() && servers_under(&state).is_empty());
+    wait_until("the client and the helper server to end", || {
+        clients_under(&state).is_empty() && servers_under(&state).is_empty()
+    });
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     assert_eq!(read_back(Path::new(&image), "ext4"), b"after the refusals");
 }
@@ -285,7 +329,10 @@ fn a_local_file_outside_the_discovery_dirs_is_refused() {
     let outside = node.scratch.image("outside.img", 16);
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
     let options = file_options(&outside.display().to_string());
-    assert_failure(&driver(&node, &["mount", &dir, &options.to_string()]), "outside the dirs this backend may use");
+    assert_failure(
+        &driver(&node, &["mount", &dir, &options.to_string()]),
+        "outside the dirs this backend may use",
+    );
     assert!(servers_under(&node.scratch.path("node-a/state")).is_empty());
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
 }
@@ -297,11 +344,25 @@ fn memory_disk(dir: &Path) -> (std::process::Child, u32) {
     std::fs::create_dir_all(dir).unwrap();
     let pid_file = dir.with_extension("pid");
     let _ = std::fs::remove_file(&pid_file);
-    let mut child = Command::new("nbdfuse").arg("-P").arg(&pid_file).arg(dir.join("disk")).args(["--command", "nbdkit", "-s", "--exit-with-parent", "memory", "1M"]).spawn().unwrap();
+    let mut child = Command::new("nbdfuse")
+        .arg("-P")
+        .arg(&pid_file)
+        .arg(dir.join("disk"))
+        .args(["--command", "nbdkit", "-s", "--exit-with-parent", "memory", "1M"])
+        .spawn()
+        .unwrap();
     let start = Instant::now();
     while !pid_file.exists() {
-        assert!(child.try_wait().unwrap().is_none(), "nbdfuse ended before it mounted {}", dir.display());
-        assert!(start.elapsed() < Duration::from_secs(20), "nbdfuse did not mount {}", dir.display());
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "nbdfuse ended before it mounted {}",
+            dir.display()
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "nbdfuse did not mount {}",
+            dir.display()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let dev = std::fs::metadata(dir).unwrap().dev();
@@ -331,7 +392,8 @@ fn an_abort_switch_outliving_its_connection_spares_the_client_that_took_its_numb
     let scratch = common::RootScratch::enter();
     // Other tests mount too: the number is not always the next one handed out.
     for attempt in 1..=20 {
-        let (first_dir, second_dir) = (scratch.path(&format!("first-{attempt}")), scratch.path(&format!("second-{attempt}")));
+        let (first_dir, second_dir) =
+            (scratch.path(&format!("first-{attempt}")), scratch.path(&format!("second-{attempt}")));
         let (first, conn) = memory_disk(&first_dir);
         let switch = AbortSwitch::open(conn).unwrap();
         assert!(reads(&first_dir));
@@ -342,7 +404,10 @@ fn an_abort_switch_outliving_its_connection_spares_the_client_that_took_its_numb
             continue;
         }
         switch.pull();
-        assert!(reads(&second_dir), "the switch of connection {conn}, ended, aborted the client that took its number");
+        assert!(
+            reads(&second_dir),
+            "the switch of connection {conn}, ended, aborted the client that took its number"
+        );
         // The control: its own switch does abort it.
         AbortSwitch::open(taken).unwrap().pull();
         assert!(!reads(&second_dir), "a pulled switch aborts its own connection");
@@ -369,7 +434,13 @@ fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
     let options = nbd_options("pv1", "pod-a", "uid-a", "ext4", &address).to_string();
     let said = |r: &(i32, serde_json::Value), what: &str| {
         let message = r.1["message"].as_str().unwrap_or_default();
-        assert!(r.1["status"] == "Failure" && message.contains(what) && message.contains("injected fault"), "{what}: {}", r.1);
+        assert!(
+            r.1["status"] == "Failure"
+                && message.contains(what)
+                && message.contains("injected fault"),
+            "{what}: {}",
+            r.1
+        );
     };
 
     std::fs::write(&rules, "attach-device EIO\n").unwrap();

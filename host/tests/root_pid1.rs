@@ -29,19 +29,27 @@ fn wait(what: &str, mut done: impl FnMut() -> bool) {
 fn as_pid_1_the_agent_serves_reaps_orphans_and_stops_on_sigterm() {
     let s = RootScratch::enter();
     std::fs::create_dir_all(s.path("plugins")).expect("dir");
-    std::fs::copy(volagent_test_artifacts::LOCAL_PV, s.path("plugins/local-pv.wasm")).expect("plugin");
+    std::fs::copy(volagent_test_artifacts::LOCAL_PV, s.path("plugins/local-pv.wasm"))
+        .expect("plugin");
     let socket = s.path("run/agent.sock");
     let mut unshare = Command::new("unshare")
         .args(["--pid", "--fork", "--mount-proc"])
         .arg(env!("CARGO_BIN_EXE_volagent"))
         .args(["agent", "--node-name", "node-a"])
-        .arg("--runtime-dir").arg(s.path("run"))
-        .arg("--state-dir").arg(s.path("state"))
-        .arg("--plugin-dir").arg(s.path("plugins"))
-        .arg("--kubelet-root").arg(s.path("kubelet"))
-        .arg("--discovery-dir").arg(s.path("disks"))
-        .arg("--volume-plugin-dir").arg(s.path("vpd"))
-        .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
+        .arg("--runtime-dir")
+        .arg(s.path("run"))
+        .arg("--state-dir")
+        .arg(s.path("state"))
+        .arg("--plugin-dir")
+        .arg(s.path("plugins"))
+        .arg("--kubelet-root")
+        .arg(s.path("kubelet"))
+        .arg("--discovery-dir")
+        .arg(s.path("disks"))
+        .arg("--volume-plugin-dir")
+        .arg(s.path("vpd"))
+        .arg("--flex-driver")
+        .arg(volagent_test_artifacts::FLEX_DRIVER)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -49,12 +57,18 @@ fn as_pid_1_the_agent_serves_reaps_orphans_and_stops_on_sigterm() {
     wait("the agent's socket", || UnixStream::connect(&socket).is_ok());
     let pid1 = *children(unshare.id()).first().expect("the namespace's PID 1");
     let status = std::fs::read_to_string(format!("/proc/{pid1}/status")).expect("status");
-    assert!(status.lines().any(|l| l.starts_with("NSpid:") && l.trim_end().ends_with("\t1")), "PID 1 in its namespace: {status}");
+    assert!(
+        status.lines().any(|l| l.starts_with("NSpid:") && l.trim_end().ends_with("\t1")),
+        "PID 1 in its namespace: {status}"
+    );
     let agent = children(pid1);
     assert_eq!(agent.len(), 1, "PID 1 runs the agent as its one child: {agent:?}");
 
     // The supervised child serves.
-    let out = Command::new(s.path("vpd/volagent~local-pv/local-pv")).arg("init").output().expect("driver");
+    let out = Command::new(s.path("vpd/volagent~local-pv/local-pv"))
+        .arg("init")
+        .output()
+        .expect("driver");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
 
     // An orphan in the namespace is reparented to PID 1 and must be reaped.
@@ -68,7 +82,11 @@ fn as_pid_1_the_agent_serves_reaps_orphans_and_stops_on_sigterm() {
     assert_eq!(children(pid1), agent, "the orphan was reaped: PID 1 has only the agent as a child");
 
     // SIGTERM to PID 1 reaches the agent, which stops cleanly.
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid1 as i32), nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid1 as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
     let start = Instant::now();
     let code = loop {
         if let Some(st) = unshare.try_wait().expect("wait") {

@@ -42,14 +42,18 @@ fn state(node: &Node, name: &str) -> PathBuf {
 
 /// Files under the agent's NBD dir (helper sockets, pid files, keyrings…).
 fn nbd_files(node: &Node, name: &str) -> Vec<PathBuf> {
-    std::fs::read_dir(state(node, name).join("nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
+    std::fs::read_dir(state(node, name).join("nbd"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
 }
 
 fn assert_nothing_left(node: &Node, image: &Image) {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     let st = state(node, "node-a");
-    wait_until("the NBD client and helper to end", || clients_under(&st).is_empty() && servers_under(&st).is_empty());
+    wait_until("the NBD client and helper to end", || {
+        clients_under(&st).is_empty() && servers_under(&st).is_empty()
+    });
     assert!(nbd_files(node, "node-a").is_empty(), "{:?}", nbd_files(node, "node-a"));
     // The helper closed the image as it exited: its watch goes at once (a
     // killed helper's would linger for the 30 s watch timeout).
@@ -77,7 +81,16 @@ fn an_rbd_image_mounts_with_the_secrets_key_and_what_pods_write_is_in_the_image(
     let image = Image::create(&dir, 64);
 
     let dir_a = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
-    let r = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce").to_string()]);
+    let r = driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_a,
+            &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce")
+                .to_string(),
+        ],
+    );
     assert_success(&r);
     let device = r.1["device"].as_str().unwrap_or_default().to_string();
     assert!(device.starts_with("/dev/loop"), "{}", r.1);
@@ -89,7 +102,11 @@ fn an_rbd_image_mounts_with_the_secrets_key_and_what_pods_write_is_in_the_image(
     for f in &files {
         if f.is_file() {
             let text = std::fs::read(f).unwrap_or_default();
-            assert!(!String::from_utf8_lossy(&text).contains(&key), "{} holds the key", f.display());
+            assert!(
+                !String::from_utf8_lossy(&text).contains(&key),
+                "{} holds the key",
+                f.display()
+            );
         }
     }
     let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
@@ -100,7 +117,16 @@ fn an_rbd_image_mounts_with_the_secrets_key_and_what_pods_write_is_in_the_image(
     // A second pod on the node: the image's one watcher is this node's own
     // helper, so the exclusive volume is shared on the node, not fenced.
     let dir_b = node.mount_dir_of("node-a", "rbd", "uid-b", "pv1");
-    assert_success(&driver(&node, "node-a", &["mount", &dir_b, &rbd_options("pv1", "pod-b", "uid-b", &image.name, Some(&key), "ReadWriteOnce").to_string()]));
+    assert_success(&driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_b,
+            &rbd_options("pv1", "pod-b", "uid-b", &image.name, Some(&key), "ReadWriteOnce")
+                .to_string(),
+        ],
+    ));
     assert_eq!(std::fs::read(format!("{dir_b}/data")).unwrap(), payload);
     assert_eq!(watchers(&image).len(), 1, "still one client");
     assert_success(&driver(&node, "node-a", &["unmount", &dir_b]));
@@ -140,14 +166,21 @@ fn a_volume_that_asks_for_rbd_fuse_is_mounted_through_it_and_shared_on_its_node(
     let device = r.1["device"].as_str().unwrap_or_default().to_string();
     assert!(device.starts_with("/dev/loop"), "{}", r.1);
     // The loop device is over rbd-fuse's file of the image; no helper runs.
-    let backing = std::fs::read_to_string(format!("/sys/block/{}/loop/backing_file", device.trim_start_matches("/dev/"))).unwrap();
+    let backing = std::fs::read_to_string(format!(
+        "/sys/block/{}/loop/backing_file",
+        device.trim_start_matches("/dev/")
+    ))
+    .unwrap();
     assert!(backing.trim().ends_with(&format!("/{}", image.name)), "{backing}");
     let st = state(&node, "node-a");
     assert_eq!(clients_under(&st).len(), 1, "one rbd-fuse");
     assert!(servers_under(&st).is_empty(), "no helper server on the rbd-fuse path");
     assert_eq!(watchers(&image).len(), 1, "one client: rbd-fuse's");
     let files = nbd_files(&node, "node-a");
-    assert!(!files.iter().any(|f| f.extension().is_some_and(|e| e == "keyring")), "the keyring went once rbd-fuse connected: {files:?}");
+    assert!(
+        !files.iter().any(|f| f.extension().is_some_and(|e| e == "keyring")),
+        "the keyring went once rbd-fuse connected: {files:?}"
+    );
     let payload: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 253) as u8).collect();
     std::fs::write(format!("{dir_a}/data"), &payload).unwrap();
 
@@ -186,19 +219,49 @@ fn an_exclusive_mount_is_denied_while_a_client_volagent_does_not_know_writes_to_
     assert_eq!(outside.len(), 1);
 
     let dir_a = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
-    let r = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce").to_string()]);
+    let r = driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_a,
+            &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce")
+                .to_string(),
+        ],
+    );
     assert_failure(&r, &format!("image rbd/{} is in use by watcher {}", image.name, outside[0]));
     assert_failure(&r, "on a node volagent does not know");
-    assert!(node.scratch.loops_left().is_empty() && servers_under(&state(&node, "node-a")).is_empty(), "a denied mount starts nothing");
+    assert!(
+        node.scratch.loops_left().is_empty() && servers_under(&state(&node, "node-a")).is_empty(),
+        "a denied mount starts nothing"
+    );
 
     // Once the other client is gone, the volume mounts.
     agent_common::stop(&mut outsider);
-    assert_success(&driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce").to_string()]));
+    assert_success(&driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_a,
+            &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce")
+                .to_string(),
+        ],
+    ));
     // A second node is denied the exclusive volume while node-a has it.
     let mut node = node;
     node.spawn_agent("node-b");
     let dir_b = node.mount_dir_of("node-b", "rbd", "uid-b", "pv1");
-    let r = driver(&node, "node-b", &["mount", &dir_b, &rbd_options("pv1", "pod-b", "uid-b", &image.name, Some(&key), "ReadWriteOnce").to_string()]);
+    let r = driver(
+        &node,
+        "node-b",
+        &[
+            "mount",
+            &dir_b,
+            &rbd_options("pv1", "pod-b", "uid-b", &image.name, Some(&key), "ReadWriteOnce")
+                .to_string(),
+        ],
+    );
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
     assert_eq!(watchers(&image).len(), 1, "node-b started no client");
     assert_success(&driver(&node, "node-a", &["unmount", &dir_a]));
@@ -215,21 +278,53 @@ fn a_missing_or_wrong_secret_is_a_clear_error_that_never_quotes_the_key_and_leav
     // No Secret: the policy says which key it wanted.
     let mut no_secret = rbd_options("pv1", "pod-a", "uid-a", &image.name, None, "ReadWriteOnce");
     no_secret["secretKey"] = "key".into();
-    assert_failure(&driver(&node, "node-a", &["mount", &dir_a, &no_secret.to_string()]), "secretKey \"key\" is not a key of the volume's secret");
+    assert_failure(
+        &driver(&node, "node-a", &["mount", &dir_a, &no_secret.to_string()]),
+        "secretKey \"key\" is not a key of the volume's secret",
+    );
 
     // A well-formed key the cluster does not accept: the cluster refuses it,
     // and the error names the image.
     let right = volagent_key(&dir);
     let wrong = format!("AQB{}", &right[3..].chars().rev().collect::<String>());
     let wrong = wrong.as_str();
-    let refused = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(wrong), "ReadWriteOnce").to_string()]);
+    let refused = driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_a,
+            &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(wrong), "ReadWriteOnce")
+                .to_string(),
+        ],
+    );
     assert_failure(&refused, &format!("rbd/{}", image.name));
     assert_failure(&refused, "connect to the cluster");
     // Not a Ceph key at all (it would add lines to a keyring file).
-    let malformed = driver(&node, "node-a", &["mount", &dir_a, &rbd_options("pv1", "pod-a", "uid-a", &image.name, Some("AQB=\n[client.admin]"), "ReadWriteMany").to_string()]);
+    let malformed = driver(
+        &node,
+        "node-a",
+        &[
+            "mount",
+            &dir_a,
+            &rbd_options(
+                "pv1",
+                "pod-a",
+                "uid-a",
+                &image.name,
+                Some("AQB=\n[client.admin]"),
+                "ReadWriteMany",
+            )
+            .to_string(),
+        ],
+    );
     assert_failure(&malformed, "does not hold a Ceph key");
     for r in [&refused, &malformed] {
-        assert!(!r.1.to_string().contains(wrong) && !r.1.to_string().contains("client.admin"), "{}", r.1);
+        assert!(
+            !r.1.to_string().contains(wrong) && !r.1.to_string().contains("client.admin"),
+            "{}",
+            r.1
+        );
     }
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
     assert!(nbd_files(&node, "node-a").is_empty(), "{:?}", nbd_files(&node, "node-a"));

@@ -38,18 +38,27 @@ impl Node {
         for d in ["plugins", "disks"] {
             std::fs::create_dir_all(scratch.path(d)).expect("dir");
         }
-        std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
+        std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm"))
+            .expect("plugin");
         let metrics = free_port();
         let agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(["agent", "--node-name", "node-a"])
-            .arg("--runtime-dir").arg(scratch.path("run"))
-            .arg("--state-dir").arg(scratch.path("state"))
-            .arg("--plugin-dir").arg(scratch.path("plugins"))
-            .arg("--kubelet-root").arg(scratch.path("kubelet"))
-            .arg("--discovery-dir").arg(scratch.path("disks"))
-            .arg("--volume-plugin-dir").arg(scratch.path("vpd"))
-            .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
-            .arg("--metrics-addr").arg(metrics.to_string())
+            .arg("--runtime-dir")
+            .arg(scratch.path("run"))
+            .arg("--state-dir")
+            .arg(scratch.path("state"))
+            .arg("--plugin-dir")
+            .arg(scratch.path("plugins"))
+            .arg("--kubelet-root")
+            .arg(scratch.path("kubelet"))
+            .arg("--discovery-dir")
+            .arg(scratch.path("disks"))
+            .arg("--volume-plugin-dir")
+            .arg(scratch.path("vpd"))
+            .arg("--flex-driver")
+            .arg(volagent_test_artifacts::FLEX_DRIVER)
+            .arg("--metrics-addr")
+            .arg(metrics.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -78,13 +87,16 @@ impl Node {
             .arg(self.socket())
             .output()
             .expect("plugin status");
-        let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+        let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!("status JSON ({e}): {}", String::from_utf8_lossy(&out.stdout))
+        });
         (out.status.code().unwrap_or(-1), v)
     }
 
     fn reloads(&self) -> u64 {
         let mut s = std::net::TcpStream::connect(self.metrics).expect("metrics endpoint");
-        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").expect("request");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .expect("request");
         let mut text = String::new();
         s.read_to_string(&mut text).expect("response");
         text.lines()
@@ -98,11 +110,14 @@ impl Node {
     }
 
     fn mount(&self, backend: &str, pod: &str, volume: &str, image: &str) -> (String, (i32, Value)) {
-        let dir = self.scratch.path(&format!("kubelet/pods/uid-{pod}/volumes/volagent~{backend}/{volume}"));
+        let dir = self
+            .scratch
+            .path(&format!("kubelet/pods/uid-{pod}/volumes/volagent~{backend}/{volume}"));
         std::fs::create_dir_all(&dir).expect("pod dir");
         let dir = dir.display().to_string();
         let opts = kubelet_options(volume, pod, &format!("uid-{pod}"), "ext4", image);
-        let r = run_driver(Command::new(self.driver(backend)).args(["mount", &dir, &opts.to_string()]));
+        let r =
+            run_driver(Command::new(self.driver(backend)).args(["mount", &dir, &opts.to_string()]));
         (dir, r)
     }
 
@@ -139,14 +154,21 @@ fn a_backend_dropped_in_serves_a_mount_within_two_seconds() {
                 break (dir, r);
             }
         }
-        assert!(start.elapsed() < Duration::from_secs(2), "no successful mount through the new driver within 2 s (driver installed: {})", node.driver("shared-file").exists());
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "no successful mount through the new driver within 2 s (driver installed: {})",
+            node.driver("shared-file").exists()
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     let took = start.elapsed();
     assert_success(&r);
     eprintln!("rename to first successful mount: {took:?}");
     assert_success(&node.unmount("shared-file", &dir));
-    assert!(node.scratch.path("vpd/volagent~shared-file/volagent.json").exists(), "the driver's config is installed beside it");
+    assert!(
+        node.scratch.path("vpd/volagent~shared-file/volagent.json").exists(),
+        "the driver's config is installed beside it"
+    );
 }
 
 #[test]
@@ -157,7 +179,10 @@ fn a_broken_update_is_reported_and_the_last_good_version_serves_on() {
     node.install("local-pv.wasm", &garbage);
     node.wait("local-pv to be reported degraded", || {
         let (code, v) = node.status();
-        code == 1 && v["problems"].as_array().is_some_and(|p| p.iter().any(|p| p["state"] == "degraded" && p["backend"] == "local-pv"))
+        code == 1
+            && v["problems"].as_array().is_some_and(|p| {
+                p.iter().any(|p| p["state"] == "degraded" && p["backend"] == "local-pv")
+            })
     });
     let (_, v) = node.status();
     let problem = &v["problems"][0];
@@ -166,7 +191,10 @@ fn a_broken_update_is_reported_and_the_last_good_version_serves_on() {
         hex::encode(sha2::Sha256::digest(&garbage))
     };
     assert_eq!(problem["sha256"], sha.as_str(), "the bad file's sha256 is reported");
-    assert!(problem["file"].as_str().is_some_and(|f| f.ends_with("plugins/local-pv.wasm")), "{problem}");
+    assert!(
+        problem["file"].as_str().is_some_and(|f| f.ends_with("plugins/local-pv.wasm")),
+        "{problem}"
+    );
     assert!(!problem["reason"].as_str().unwrap_or_default().is_empty(), "{problem}");
     assert_eq!(v["backends"][0]["name"], "local-pv", "the old version still serves: {v}");
 
@@ -192,7 +220,10 @@ fn a_broken_update_is_reported_and_the_last_good_version_serves_on() {
     node.install("shared-file.wasm", &shared);
     node.wait("the new backend to be rejected by its scenarios", || {
         node.status().1["problems"].as_array().is_some_and(|p| {
-            p.iter().any(|p| p["backend"] == "shared-file" && p["reason"].as_str().is_some_and(|r| r.contains("scenario \"names itself\"")))
+            p.iter().any(|p| {
+                p["backend"] == "shared-file"
+                    && p["reason"].as_str().is_some_and(|r| r.contains("scenario \"names itself\""))
+            })
         })
     });
     assert!(!node.driver("shared-file").exists(), "a rejected backend gets no driver");
@@ -214,15 +245,24 @@ fn a_backend_with_an_attached_volume_is_removed_only_after_its_unmount() {
     let img = image(&node, "busy.img");
     let (dir, r) = node.mount("local-pv", "p1", "pv-busy", &img);
     assert_success(&r);
-    std::fs::remove_file(node.scratch.path("plugins/local-pv.wasm")).expect("remove the backend's file");
+    std::fs::remove_file(node.scratch.path("plugins/local-pv.wasm"))
+        .expect("remove the backend's file");
     node.wait("the removal to be reported pending", || {
-        node.status().1["problems"].as_array().is_some_and(|p| p.iter().any(|p| p["state"] == "removal-pending" && p["backend"] == "local-pv"))
+        node.status().1["problems"].as_array().is_some_and(|p| {
+            p.iter().any(|p| p["state"] == "removal-pending" && p["backend"] == "local-pv")
+        })
     });
     assert!(node.driver("local-pv").exists(), "the driver stays while the volume is attached");
     assert_success(&node.unmount("local-pv", &dir));
-    node.wait("the backend's driver dir to go", || !Path::new(&node.scratch.path("vpd/volagent~local-pv")).exists());
+    node.wait("the backend's driver dir to go", || {
+        !Path::new(&node.scratch.path("vpd/volagent~local-pv")).exists()
+    });
     let (code, v) = node.status();
-    assert_eq!((code, v["backends"].as_array().map(Vec::len)), (0, Some(0)), "the backend is gone too: {v}");
+    assert_eq!(
+        (code, v["backends"].as_array().map(Vec::len)),
+        (0, Some(0)),
+        "the backend is gone too: {v}"
+    );
 }
 
 #[test]

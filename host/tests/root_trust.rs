@@ -25,7 +25,11 @@ fn options(volume: &str, pod: &str, path: &str) -> Value {
 
 /// What blkid's full probe finds on `file`, if anything.
 fn signature(file: &Path) -> Option<String> {
-    let out = Command::new("blkid").args(["-p", "-o", "value", "-s", "TYPE"]).arg(file).output().expect("blkid");
+    let out = Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "TYPE"])
+        .arg(file)
+        .output()
+        .expect("blkid");
     let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
     (!text.is_empty()).then_some(text)
 }
@@ -38,7 +42,11 @@ fn mounts_of(node: &Node, dir: &Path) -> Vec<String> {
     let mut used: Vec<String> = volagent::sys::mountinfo::parse(&text)
         .expect("parse")
         .into_iter()
-        .filter(|m| m.root.starts_with(dir) || m.mount_point.starts_with(dir) || m.source.starts_with(&dir.display().to_string()))
+        .filter(|m| {
+            m.root.starts_with(dir)
+                || m.mount_point.starts_with(dir)
+                || m.source.starts_with(&dir.display().to_string())
+        })
         .map(|m| format!("mount {} (root {})", m.mount_point.display(), m.root.display()))
         .collect();
     let linux = volagent::sys::linux::Linux::unrooted();
@@ -73,17 +81,39 @@ fn symlinks_in_a_discovery_dir_are_never_followed() {
     symlink(&outside, disks.join("sub")).expect("symlink");
     symlink("/etc", disks.join("real-etc")).expect("symlink");
     // A loop device nobody told the agent about, linked into the disks.
-    let dev = String::from_utf8(Command::new("losetup").args(["-f", "--show"]).arg(&victim).output().expect("losetup").stdout).expect("utf8");
+    let dev = String::from_utf8(
+        Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(&victim)
+            .output()
+            .expect("losetup")
+            .stdout,
+    )
+    .expect("utf8");
     let dev = dev.trim().to_string();
     symlink(&dev, disks.join("blk-link")).expect("symlink");
 
-    for (i, path) in ["etc-link", "real-etc", "img-link", "sub/victim.img", "blk-link"].iter().enumerate() {
+    for (i, path) in
+        ["etc-link", "real-etc", "img-link", "sub/victim.img", "blk-link"].iter().enumerate()
+    {
         let volume = format!("pv{i}");
         let dir = node.mount_dir(&format!("uid-{i}"), &volume);
-        let r = node.mount(&dir, &kubelet_options(&volume, &format!("p{i}"), &format!("uid-{i}"), "ext4", &disks.join(path).display().to_string()));
+        let r = node.mount(
+            &dir,
+            &kubelet_options(
+                &volume,
+                &format!("p{i}"),
+                &format!("uid-{i}"),
+                "ext4",
+                &disks.join(path).display().to_string(),
+            ),
+        );
         assert_failure(&r, "neither a regular file, a block device nor a directory");
         // Only the foreign device, which nothing here attached.
-        let used: Vec<String> = mounts_of(&node, &outside).into_iter().filter(|u| !u.starts_with(&format!("loop {dev} "))).collect();
+        let used: Vec<String> = mounts_of(&node, &outside)
+            .into_iter()
+            .filter(|u| !u.starts_with(&format!("loop {dev} ")))
+            .collect();
         assert!(used.is_empty(), "{path}: something outside got used: {used:?}");
         assert!(mounts_of(&node, Path::new("/etc")).is_empty(), "{path}: /etc got mounted");
     }
@@ -113,7 +143,14 @@ fn a_symlink_swapped_during_mounts_never_leads_outside() {
     symlink(outside.join("dir"), disks.join("flip-other")).expect("symlink");
     // The same for a file: a real image and a symlink to one outside.
     node.scratch.image("disks/flipimg", 64);
-    assert!(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(disks.join("flipimg")).status().expect("mkfs").success());
+    assert!(
+        Command::new("mkfs.ext4")
+            .args(["-F", "-q"])
+            .arg(disks.join("flipimg"))
+            .status()
+            .expect("mkfs")
+            .success()
+    );
     symlink(&victim, disks.join("flipimg-other")).expect("symlink");
 
     /// Stops the flipper however the rounds end (a failed assertion too).
@@ -131,7 +168,14 @@ fn a_symlink_swapped_during_mounts_never_leads_outside() {
             let mut flips = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 for (a, b) in [("flip", "flip-other"), ("flipimg", "flipimg-other")] {
-                    renameat2(AT_FDCWD, &disks.join(a), AT_FDCWD, &disks.join(b), RenameFlags::RENAME_EXCHANGE).expect("exchange");
+                    renameat2(
+                        AT_FDCWD,
+                        &disks.join(a),
+                        AT_FDCWD,
+                        &disks.join(b),
+                        RenameFlags::RENAME_EXCHANGE,
+                    )
+                    .expect("exchange");
                 }
                 flips += 1;
             }
@@ -141,12 +185,29 @@ fn a_symlink_swapped_during_mounts_never_leads_outside() {
             for (volume, path) in [("pv-dir", "flip"), ("pv-file", "flipimg")] {
                 let uid = format!("uid-{volume}-{round}");
                 let dir = node.mount_dir(&uid, volume);
-                let r = node.mount(&dir, &kubelet_options(volume, "p", &uid, "ext4", &disks.join(path).display().to_string()));
-                assert!(mounts_of(&node, &outside).is_empty(), "round {round}: something outside got mounted: {}", r.1);
+                let r = node.mount(
+                    &dir,
+                    &kubelet_options(
+                        volume,
+                        "p",
+                        &uid,
+                        "ext4",
+                        &disks.join(path).display().to_string(),
+                    ),
+                );
+                assert!(
+                    mounts_of(&node, &outside).is_empty(),
+                    "round {round}: something outside got mounted: {}",
+                    r.1
+                );
                 if r.0 == 0 {
                     granted += 1;
                     if volume == "pv-dir" {
-                        assert_eq!(std::fs::read(format!("{dir}/marker")).expect("marker"), b"inside", "round {round}");
+                        assert_eq!(
+                            std::fs::read(format!("{dir}/marker")).expect("marker"),
+                            b"inside",
+                            "round {round}"
+                        );
                     }
                     // While the image's path is a symlink, its loop device
                     // cannot be found by it: the unmount fails, clearly, and
@@ -157,7 +218,10 @@ fn a_symlink_swapped_during_mounts_never_leads_outside() {
                         if r.0 == 0 {
                             break;
                         }
-                        assert_failure(&r, "is or passes through a symbolic link, which the agent does not follow");
+                        assert_failure(
+                            &r,
+                            "is or passes through a symbolic link, which the agent does not follow",
+                        );
                         tries += 1;
                         assert!(tries < 200, "round {round}: the unmount never got through");
                     }
@@ -187,7 +251,8 @@ fn a_second_pod_cannot_take_a_volume_by_naming_it() {
     std::fs::write(format!("{a}/secret"), b"tenant a").expect("write");
 
     let b = node.mount_dir("uid-b", "pv1");
-    let mut other = options("pv1", "b", &node.scratch.path("disks/missing.img").display().to_string());
+    let mut other =
+        options("pv1", "b", &node.scratch.path("disks/missing.img").display().to_string());
     other["kubernetes.io/pod.namespace"] = Value::from("other");
     assert_failure(&node.mount(&b, &other), "volume pv1 is in use with another source");
     let mut xfs = options("pv1", "b", &image);
@@ -206,7 +271,10 @@ fn a_second_pod_cannot_take_a_volume_by_naming_it() {
 
     // A request whose dir is another volume's.
     let wrong = node.mount_dir("uid-d", "pv3");
-    assert_failure(&node.mount(&wrong, &options("pv1", "d", &image)), "does not match the mount dir's last component");
+    assert_failure(
+        &node.mount(&wrong, &options("pv1", "d", &image)),
+        "does not match the mount dir's last component",
+    );
 
     assert_success(&node.driver(&["unmount", &a2]));
     assert_success(&node.driver(&["unmount", &a]));
@@ -228,7 +296,9 @@ fn a_discovery_dir_is_never_a_volume() {
     assert_failure(&r, "outside the dirs this backend may ask about");
     nothing_mounted(&node);
     // A dir below it is a volume.
-    assert_success(&node.mount(&dir, &options("pv1", "a", &disks.join("vol").display().to_string())));
+    assert_success(
+        &node.mount(&dir, &options("pv1", "a", &disks.join("vol").display().to_string())),
+    );
     assert_success(&node.driver(&["unmount", &dir]));
     nothing_mounted(&node);
 }
@@ -237,11 +307,18 @@ fn a_discovery_dir_is_never_a_volume() {
 /// below it blocks until the returned device handle is closed.
 fn hung_fuse(at: &Path) -> std::fs::File {
     use std::os::fd::AsRawFd;
-    let dev = std::fs::OpenOptions::new().read(true).write(true).open("/dev/fuse").expect("/dev/fuse");
+    let dev =
+        std::fs::OpenOptions::new().read(true).write(true).open("/dev/fuse").expect("/dev/fuse");
     std::fs::create_dir_all(at).expect("dir");
     let data = format!("fd={},rootmode=40000,user_id=0,group_id=0", dev.as_raw_fd());
-    nix::mount::mount(Some("hung"), at, Some("fuse"), nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV, Some(data.as_str()))
-        .expect("mount a FUSE filesystem");
+    nix::mount::mount(
+        Some("hung"),
+        at,
+        Some("fuse"),
+        nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
+        Some(data.as_str()),
+    )
+    .expect("mount a FUSE filesystem");
     dev
 }
 
@@ -252,7 +329,8 @@ fn hung_fuse(at: &Path) -> std::fs::File {
 fn host_queries_on_a_fifo_or_a_hung_fuse_mount_fail_in_time() {
     let node = Node::start();
     let disks = node.scratch.path("disks");
-    nix::unistd::mkfifo(&disks.join("fifo.img"), nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    nix::unistd::mkfifo(&disks.join("fifo.img"), nix::sys::stat::Mode::from_bits_truncate(0o600))
+        .expect("mkfifo");
     let dir = node.mount_dir("uid-a", "pv1");
     let start = Instant::now();
     let r = node.mount(&dir, &options("pv1", "a", &disks.join("fifo.img").display().to_string()));
@@ -261,7 +339,8 @@ fn host_queries_on_a_fifo_or_a_hung_fuse_mount_fail_in_time() {
 
     let fuse = hung_fuse(&disks.join("hung"));
     let start = Instant::now();
-    let r = node.mount(&dir, &options("pv1", "a", &disks.join("hung/vol.img").display().to_string()));
+    let r =
+        node.mount(&dir, &options("pv1", "a", &disks.join("hung/vol.img").display().to_string()));
     assert_failure(&r, "lookup-path");
     assert_failure(&r, "no answer within 500 ms");
     assert!(start.elapsed() < Duration::from_secs(5), "failed in time: {:?}", start.elapsed());
@@ -274,10 +353,13 @@ fn host_queries_on_a_fifo_or_a_hung_fuse_mount_fail_in_time() {
         use volagent::sys::{Devices, Kind};
         let linux = volagent::sys::linux::Linux::new(roots, "volagent:trust");
         let root = linux.kind_of_cached(&hung).map(|r| r.map_err(|e| e.to_string()));
-        let below = linux.kind_of_cached(&hung.join("vol.img")).map(|r| r.map_err(|e| e.to_string()));
+        let below =
+            linux.kind_of_cached(&hung.join("vol.img")).map(|r| r.map_err(|e| e.to_string()));
         let _ = tx.send((root == Some(Ok(Some(Kind::Dir))), below));
     });
-    let (root_known, below) = rx.recv_timeout(Duration::from_secs(5)).expect("an in-place lookup waited on the hung server");
+    let (root_known, below) = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("an in-place lookup waited on the hung server");
     assert!(root_known, "the FUSE mount's root is a dir the kernel knows");
     assert_eq!(below, None, "a path below the hung mount is left to a query thread");
     // The agent serves on.
@@ -287,7 +369,8 @@ fn host_queries_on_a_fifo_or_a_hung_fuse_mount_fail_in_time() {
     assert_success(&node.driver(&["unmount", &dir]));
     // Aborting the connection ends the stuck lookup.
     drop(fuse);
-    nix::mount::umount2(&disks.join("hung"), nix::mount::MntFlags::MNT_DETACH).expect("unmount the FUSE mount");
+    nix::mount::umount2(&disks.join("hung"), nix::mount::MntFlags::MNT_DETACH)
+        .expect("unmount the FUSE mount");
     nothing_mounted(&node);
 }
 
@@ -298,7 +381,11 @@ fn a_two_mib_error_from_a_guest_still_gets_a_reply() {
     let node = Node::start_with(&[(volagent_test_artifacts::MISBEHAVE, "misbehave")]);
     let dir = node.mount_dir_of("node-a", "misbehave", "uid-a", "huge-error");
     let opts = kubelet_options("huge-error", "a", "uid-a", "ext4", "/x");
-    let r = run_driver(Command::new(node.driver_of("node-a", "misbehave")).args(["mount", &dir, &opts.to_string()]));
+    let r = run_driver(Command::new(node.driver_of("node-a", "misbehave")).args([
+        "mount",
+        &dir,
+        &opts.to_string(),
+    ]));
     assert_failure(&r, "invalid options: xxxx");
     let message = r.1["message"].as_str().expect("message");
     assert!(message.len() <= volagent::ops::MAX_MESSAGE, "{} bytes", message.len());
@@ -306,7 +393,11 @@ fn a_two_mib_error_from_a_guest_still_gets_a_reply() {
     // A guest asking about a path outside its roots fails its own call.
     let dir = node.mount_dir_of("node-a", "misbehave", "uid-a", "ask-etc");
     let opts = kubelet_options("ask-etc", "a", "uid-a", "ext4", "/x");
-    let r = run_driver(Command::new(node.driver_of("node-a", "misbehave")).args(["mount", &dir, &opts.to_string()]));
+    let r = run_driver(Command::new(node.driver_of("node-a", "misbehave")).args([
+        "mount",
+        &dir,
+        &opts.to_string(),
+    ]));
     assert_failure(&r, "lookup-path /etc/shadow: outside the dirs this backend may ask about");
     assert_eq!(node.driver(&["init"]).0, 0);
 }
@@ -319,26 +410,45 @@ fn both_listeners_survive_running_out_of_file_descriptors() {
     use std::io::{Read, Write};
     let mut node = Node::start();
     node.stop_agent();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("a free port")
+        .local_addr()
+        .expect("addr")
+        .port();
     let metrics = format!("127.0.0.1:{port}");
     node.spawn_agent_env("node-a", &[], &["--metrics-addr", &metrics]);
     let pid = node.pid_of("node-a");
     let open_fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fds").count();
     // Room for one more descriptor: the next accepts fail with EMFILE.
     let limit = |soft: usize| {
-        assert!(Command::new("prlimit").arg(format!("--pid={pid}")).arg(format!("--nofile={soft}:")).status().expect("prlimit").success());
+        assert!(
+            Command::new("prlimit")
+                .arg(format!("--pid={pid}"))
+                .arg(format!("--nofile={soft}:"))
+                .status()
+                .expect("prlimit")
+                .success()
+        );
     };
     limit(open_fds + 1);
-    let held: Vec<std::os::unix::net::UnixStream> = (0..8).map(|_| std::os::unix::net::UnixStream::connect(&node.socket).expect("connect")).collect();
-    let tcp: Vec<std::net::TcpStream> = (0..8).map(|_| std::net::TcpStream::connect(&metrics).expect("connect")).collect();
+    let held: Vec<std::os::unix::net::UnixStream> = (0..8)
+        .map(|_| std::os::unix::net::UnixStream::connect(&node.socket).expect("connect"))
+        .collect();
+    let tcp: Vec<std::net::TcpStream> =
+        (0..8).map(|_| std::net::TcpStream::connect(&metrics).expect("connect")).collect();
     let log = node.log_path("node-a");
     let start = Instant::now();
     loop {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains("agent socket: cannot accept a connection") && text.contains("metrics endpoint: cannot accept a connection") {
+        if text.contains("agent socket: cannot accept a connection")
+            && text.contains("metrics endpoint: cannot accept a connection")
+        {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(30), "both accept loops must hit EMFILE; log:\n{text}");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "both accept loops must hit EMFILE; log:\n{text}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     drop(held);
@@ -376,7 +486,11 @@ fn binds_keep_their_safety_flags() {
         assert!(flags(&ro).contains(&f.to_string()), "{f} on the read-only bind: {:?}", flags(&ro));
     }
     for f in ["rw", "nosuid", "nodev"] {
-        assert!(flags(&rw).contains(&f.to_string()), "{f} on the read-write bind: {:?}", flags(&rw));
+        assert!(
+            flags(&rw).contains(&f.to_string()),
+            "{f} on the read-write bind: {:?}",
+            flags(&rw)
+        );
     }
     assert!(std::fs::write(format!("{ro}/x"), b"x").is_err(), "the read-only pod cannot write");
     assert_success(&node.driver(&["unmount", &ro]));
@@ -391,13 +505,18 @@ fn write_md_1_0_superblock(image: &Path) {
     let size = f.metadata().expect("size").len();
     let at = (size & !0xfff) - 0x2000;
     let mut sb = [0u8; 256];
-    let put32 = |sb: &mut [u8; 256], off: usize, v: u32| sb[off..off + 4].copy_from_slice(&v.to_le_bytes());
+    let put32 =
+        |sb: &mut [u8; 256], off: usize, v: u32| sb[off..off + 4].copy_from_slice(&v.to_le_bytes());
     put32(&mut sb, 0, 0xa92b4efc); // magic
     put32(&mut sb, 4, 1); // major version
     put32(&mut sb, 72, 1); // level: raid1
     put32(&mut sb, 92, 2); // raid disks
     sb[144..152].copy_from_slice(&(at >> 9).to_le_bytes()); // super_offset, in sectors
-    let sum: u64 = (0..256).step_by(4).filter(|i| *i != 216).map(|i| u32::from_le_bytes(sb[i..i + 4].try_into().expect("4 bytes")) as u64).sum();
+    let sum: u64 = (0..256)
+        .step_by(4)
+        .filter(|i| *i != 216)
+        .map(|i| u32::from_le_bytes(sb[i..i + 4].try_into().expect("4 bytes")) as u64)
+        .sum();
     let csum = ((sum & 0xffff_ffff) + (sum >> 32)) as u32;
     put32(&mut sb, 216, csum);
     f.write_all_at(&sb, at).expect("write the superblock");
@@ -417,8 +536,15 @@ fn an_md_1_0_member_is_not_formatted_or_mounted() {
     for (volume, image) in [("pv1", &blank), ("pv2", &ext4)] {
         assert_eq!(signature(Path::new(image)).as_deref(), Some("linux_raid_member"));
         let dir = node.mount_dir("uid-a", volume);
-        assert_failure(&node.mount(&dir, &options(volume, "a", image)), "already holds linux_raid_member");
-        assert_eq!(signature(Path::new(image)).as_deref(), Some("linux_raid_member"), "{volume}: untouched");
+        assert_failure(
+            &node.mount(&dir, &options(volume, "a", image)),
+            "already holds linux_raid_member",
+        );
+        assert_eq!(
+            signature(Path::new(image)).as_deref(),
+            Some("linux_raid_member"),
+            "{volume}: untouched"
+        );
     }
     nothing_mounted(&node);
 }
@@ -461,7 +587,10 @@ fn damaged_or_lost_stash_entries_strand_no_pod() {
 fn a_foreign_loop_device_is_kept() {
     let mut node = Node::start();
     let image = node.image("admin.img", 16);
-    let dev = String::from_utf8(Command::new("losetup").args(["-f", "--show", &image]).output().expect("losetup").stdout).expect("utf8");
+    let dev = String::from_utf8(
+        Command::new("losetup").args(["-f", "--show", &image]).output().expect("losetup").stdout,
+    )
+    .expect("utf8");
     let dev = dev.trim().to_string();
     node.stop_agent();
     node.spawn_agent("node-a");
@@ -482,12 +611,21 @@ fn a_volume_whose_file_has_a_loop_device_is_mounted_from_that_device() {
     let dev = PathBuf::from(String::from_utf8(out.stdout).expect("utf8").trim());
     let dir = node.mount_dir("uid-a", "pv1");
     let mounted = node.mount(&dir, &options("pv1", "a", &image));
-    let seen = (node.scratch.loops(), std::fs::metadata(&dir).map(|m| m.dev()), std::fs::metadata(&dev).map(|m| m.rdev()));
+    let seen = (
+        node.scratch.loops(),
+        std::fs::metadata(&dir).map(|m| m.dev()),
+        std::fs::metadata(&dev).map(|m| m.rdev()),
+    );
     let unmounted = node.driver(&["unmount", &dir]);
     let _ = Command::new("losetup").arg("-d").arg(&dev).status();
     assert_success(&mounted);
     assert_eq!(seen.0, std::slice::from_ref(&dev), "one device over the file");
-    assert_eq!(seen.1.expect("stat the pod dir"), seen.2.expect("stat the device"), "the pod dir is the filesystem on {}", dev.display());
+    assert_eq!(
+        seen.1.expect("stat the pod dir"),
+        seen.2.expect("stat the device"),
+        "the pod dir is the filesystem on {}",
+        dev.display()
+    );
     assert_success(&unmounted);
     nothing_mounted(&node);
 }
@@ -502,15 +640,26 @@ fn loop_devices_by_status_are_the_full_listing_without_paths() {
     let devices: Vec<PathBuf> = images
         .iter()
         .map(|image| {
-            let out = Command::new("losetup").args(["-f", "--show"]).arg(image).output().expect("losetup");
+            let out = Command::new("losetup")
+                .args(["-f", "--show"])
+                .arg(image)
+                .output()
+                .expect("losetup");
             assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
             PathBuf::from(String::from_utf8(out.stdout).expect("utf8").trim())
         })
         .collect();
     let linux = volagent::sys::linux::Linux::unrooted();
     let ours = |l: &LoopStatus| devices.contains(&l.device);
-    let full: Vec<LoopStatus> = linux.loop_devices().expect("list").into_iter().map(LoopStatus::from).filter(ours).collect();
-    let by_status: Vec<LoopStatus> = linux.loop_statuses().expect("statuses").into_iter().filter(ours).collect();
+    let full: Vec<LoopStatus> = linux
+        .loop_devices()
+        .expect("list")
+        .into_iter()
+        .map(LoopStatus::from)
+        .filter(ours)
+        .collect();
+    let by_status: Vec<LoopStatus> =
+        linux.loop_statuses().expect("statuses").into_iter().filter(ours).collect();
     for d in &devices {
         let _ = Command::new("losetup").arg("-d").arg(d).status();
     }
@@ -530,8 +679,10 @@ fn a_root_mounted_over_after_start_up_is_acted_on_as_it_is_now() {
     use nix::mount::{MsFlags, mount};
     let node = Node::start();
     let root = node.scratch.path("node-a/kubelet");
-    mount(Some(&root), &root, None::<&str>, MsFlags::MS_BIND, None::<&str>).expect("bind the kubelet root onto itself");
-    mount(None::<&str>, &root, None::<&str>, MsFlags::MS_SHARED | MsFlags::MS_REC, None::<&str>).expect("make it rshared");
+    mount(Some(&root), &root, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+        .expect("bind the kubelet root onto itself");
+    mount(None::<&str>, &root, None::<&str>, MsFlags::MS_SHARED | MsFlags::MS_REC, None::<&str>)
+        .expect("make it rshared");
     let image = node.image("v.img", 64);
     let dir = node.mount_dir("uid-a", "pv1");
     assert_success(&node.mount(&dir, &options("pv1", "a", &image)));
@@ -540,8 +691,13 @@ fn a_root_mounted_over_after_start_up_is_acted_on_as_it_is_now() {
     std::fs::write(Path::new(&dir).join("f"), b"x").expect("write into the volume");
     assert_success(&node.driver(&["unmount", &dir]));
     // The driver may remove the dir itself; if it is there, it is empty.
-    let left: Vec<_> = std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
-    assert!(left.is_empty(), "after unmount the pod dir is gone or empty, as kubelet needs to remove it: {left:?}");
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        left.is_empty(),
+        "after unmount the pod dir is gone or empty, as kubelet needs to remove it: {left:?}"
+    );
     nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH).expect("unbind the root");
     nothing_mounted(&node);
 }

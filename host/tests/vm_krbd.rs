@@ -88,7 +88,8 @@ mod in_the_vm {
 
     fn node() -> VmNode {
         assert!(Path::new(BUS).join("add_single_major").exists(), "{WHY}");
-        let mut node = VmNode::new(Node::start_with(&[(volagent_test_artifacts::RBD, "rbd")]), release);
+        let mut node =
+            VmNode::new(Node::start_with(&[(volagent_test_artifacts::RBD, "rbd")]), release);
         spawn(&mut node, None);
         node
     }
@@ -98,14 +99,18 @@ mod in_the_vm {
     /// (a librados connect) needs more than the default 500 ms guest deadline.
     fn spawn(node: &mut Node, kill_after: Option<usize>) {
         node.stop_agent();
-        let env: Vec<(&str, String)> = kill_after.map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string())).into_iter().collect();
+        let env: Vec<(&str, String)> = kill_after
+            .map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string()))
+            .into_iter()
+            .collect();
         node.spawn_agent_env("node-a", &env, &["--deadline-ms", "20000"]);
     }
 
     /// The kernel's rbd mappings, by id.
     fn mappings() -> Vec<String> {
-        let mut ids: Vec<String> =
-            std::fs::read_dir(format!("{BUS}/devices")).map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
+        let mut ids: Vec<String> = std::fs::read_dir(format!("{BUS}/devices"))
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
         ids.sort();
         ids
     }
@@ -118,7 +123,10 @@ mod in_the_vm {
     /// its decoded bytes, and the AES secret in them (after a 2-byte type,
     /// an 8-byte creation time and a 2-byte length), raw and in hex.
     fn key_forms(key: &str) -> Vec<Vec<u8>> {
-        let decoded = volagent::secret::Secret::new(key.as_bytes().to_vec()).ceph_key_bytes("key").unwrap().to_vec();
+        let decoded = volagent::secret::Secret::new(key.as_bytes().to_vec())
+            .ceph_key_bytes("key")
+            .unwrap()
+            .to_vec();
         let secret = decoded.get(12..).unwrap_or_default().to_vec();
         assert_eq!(secret.len(), 16, "an AES key");
         vec![key.as_bytes().to_vec(), hex::encode(&secret).into_bytes(), secret, decoded]
@@ -128,7 +136,12 @@ mod in_the_vm {
     /// its subdirs too, not following links out) that hold any of `forms`,
     /// and how many files were read.
     fn files_holding(id: &str, forms: &[Vec<u8>]) -> (Vec<std::path::PathBuf>, usize) {
-        fn walk(dir: &Path, forms: &[Vec<u8>], holding: &mut Vec<std::path::PathBuf>, read: &mut usize) {
+        fn walk(
+            dir: &Path,
+            forms: &[Vec<u8>],
+            holding: &mut Vec<std::path::PathBuf>,
+            read: &mut usize,
+        ) {
             for entry in std::fs::read_dir(dir).unwrap().flatten() {
                 let Ok(kind) = entry.file_type() else { continue };
                 if kind.is_dir() {
@@ -154,7 +167,10 @@ mod in_the_vm {
     /// permission) every key of its UID — so the agent's, both root's.
     fn ceph_keys() -> Vec<String> {
         let keys = std::fs::read_to_string("/proc/keys").unwrap();
-        keys.lines().filter(|l| l.split_whitespace().nth(7) == Some("ceph")).map(str::to_string).collect()
+        keys.lines()
+            .filter(|l| l.split_whitespace().nth(7) == Some("ceph"))
+            .map(str::to_string)
+            .collect()
     }
 
     /// [`ceph_keys`], once the kernel's key collector, which runs shortly
@@ -174,7 +190,8 @@ mod in_the_vm {
     /// agent's do: a thread's keyring goes with it).
     fn a_key_held_by_another_thread_is_listed(key: &str) {
         assert!(ceph_keys().is_empty(), "Ceph keys before the test: {:?}", ceph_keys());
-        let payload = volagent::secret::Secret::new(key.as_bytes().to_vec()).ceph_key_bytes("key").unwrap();
+        let payload =
+            volagent::secret::Secret::new(key.as_bytes().to_vec()).ceph_key_bytes("key").unwrap();
         let (told, hear) = std::sync::mpsc::channel::<Result<String, String>>();
         let (tell, heard) = std::sync::mpsc::channel::<()>();
         let holder = std::thread::spawn(move || {
@@ -194,10 +211,18 @@ mod in_the_vm {
         });
         let description = hear.recv().unwrap().unwrap();
         let listed = ceph_keys();
-        assert_eq!(listed.len(), 1, "the key {description} held by another thread is not listed: {listed:?}");
+        assert_eq!(
+            listed.len(),
+            1,
+            "the key {description} held by another thread is not listed: {listed:?}"
+        );
         tell.send(()).unwrap();
         assert_eq!(hear.recv().unwrap().unwrap(), "removed");
-        assert!(ceph_keys_collected().is_empty(), "the key stays listed after its removal: {:?}", ceph_keys());
+        assert!(
+            ceph_keys_collected().is_empty(),
+            "the key stays listed after its removal: {:?}",
+            ceph_keys()
+        );
         tell.send(()).unwrap();
         holder.join().unwrap();
     }
@@ -208,14 +233,17 @@ mod in_the_vm {
 
     fn mount(node: &Node, uid: &str, image: &Image, key: &str) -> (String, (i32, Value)) {
         let dir = node.mount_dir_of("node-a", "rbd", uid, "pv1");
-        let options = rbd_options("pv1", &format!("pod-{uid}"), uid, &image.name, Some(key), "ReadWriteOnce");
+        let options =
+            rbd_options("pv1", &format!("pod-{uid}"), uid, &image.name, Some(key), "ReadWriteOnce");
         let r = driver(node, &["mount", &dir, &options.to_string()]);
         (dir, r)
     }
 
     /// The agent's NBD dir (its helpers' files and its krbd marks).
     fn left_in_state(node: &Node) -> Vec<std::path::PathBuf> {
-        std::fs::read_dir(node.scratch.path("node-a/state/nbd")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
+        std::fs::read_dir(node.scratch.path("node-a/state/nbd"))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
     }
 
     #[test]
@@ -232,7 +260,10 @@ mod in_the_vm {
         assert!(device.starts_with("/dev/rbd"), "auto chose the kernel's driver: {}", r.1);
         let ids = mappings();
         assert_eq!(ids.len(), 1, "{ids:?}");
-        assert_eq!((attr(&ids[0], "pool"), attr(&ids[0], "name")), ("rbd".to_string(), image.name.clone()));
+        assert_eq!(
+            (attr(&ids[0], "pool"), attr(&ids[0], "name")),
+            ("rbd".to_string(), image.name.clone())
+        );
         // The key went to the kernel through the keyring, and left it: sysfs
         // shows the line that mapped it, which only names the key.
         let config = attr(&ids[0], "config_info");
@@ -241,7 +272,11 @@ mod in_the_vm {
         assert!(holding.is_empty(), "the key is in sysfs, in {holding:?} (of {read} files)");
         // A key left behind would stay (in a keyring of the agent's thread,
         // which lives on well past 2 s), not pass as collected.
-        assert!(ceph_keys_collected().is_empty(), "a Ceph key left in the kernel's keyring: {:?}", ceph_keys());
+        assert!(
+            ceph_keys_collected().is_empty(),
+            "a Ceph key left in the kernel's keyring: {:?}",
+            ceph_keys()
+        );
         assert!(node.scratch.loops_left().is_empty(), "no loop device on the kernel's path");
         assert_eq!(watchers(&image).len(), 1, "one client: the kernel's");
         let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
@@ -283,10 +318,14 @@ mod in_the_vm {
         spawn(&mut node, None);
         assert!(mappings().is_empty(), "{:?} still mapped", mappings());
         let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
-        assert!(log.contains("rolled back an operation cut short"), "the agent says what it did:\n{log}");
+        assert!(
+            log.contains("rolled back an operation cut short"),
+            "the agent says what it did:\n{log}"
+        );
         assert!(left_in_state(&node).is_empty(), "left behind: {:?}", left_in_state(&node));
         // kubelet's retry mounts it.
-        let options = rbd_options("pv1", "pod-uid-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
+        let options =
+            rbd_options("pv1", "pod-uid-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
         assert_success(&driver(&node, &["mount", &dir, &options.to_string()]));
         assert_success(&driver(&node, &["unmount", &dir]));
         assert!(mappings().is_empty());
@@ -313,7 +352,10 @@ mod in_the_vm {
         spawn(&mut node, None);
         assert!(mappings().is_empty(), "{:?} still mapped", mappings());
         let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
-        assert!(log.contains("orphan kernel rbd mapping"), "the agent says what it removed:\n{log}");
+        assert!(
+            log.contains("orphan kernel rbd mapping"),
+            "the agent says what it removed:\n{log}"
+        );
         assert!(left_in_state(&node).is_empty(), "left behind: {:?}", left_in_state(&node));
     }
 
@@ -325,24 +367,37 @@ mod in_the_vm {
         let mut node = node();
         let image = Image::create(&ceph, 64);
         // An admin maps the image by hand, as `rbd device map` would.
-        std::fs::write(format!("{BUS}/add_single_major"), format!("127.0.0.1:6789 name=volagent,secret={key} rbd {}", image.name)).unwrap();
+        std::fs::write(
+            format!("{BUS}/add_single_major"),
+            format!("127.0.0.1:6789 name=volagent,secret={key} rbd {}", image.name),
+        )
+        .unwrap();
         let theirs = mappings();
         assert_eq!(theirs.len(), 1);
         // Their line holds the key: the sysfs check sees a key where there is one.
         let forms = key_forms(&key);
         let (holding, _) = files_holding(&theirs[0], &forms);
-        assert!(holding.iter().any(|f| f.ends_with("config_info")), "the check missed the key in {holding:?}");
+        assert!(
+            holding.iter().any(|f| f.ends_with("config_info")),
+            "the check missed the key in {holding:?}"
+        );
         // A restart's reconciliation leaves it.
         spawn(&mut node, None);
         assert_eq!(mappings(), theirs, "the admin's mapping is not the agent's to sweep");
         // A read-many volume of the image gets a mapping of its own, and
         // unmapping it leaves the admin's.
         let dir = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
-        let options = rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteMany");
+        let options =
+            rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteMany");
         // (The admin's device holds no filesystem: the agent formats its own mapping.)
         let r = driver(&node, &["mount", &dir, &options.to_string()]);
         assert_success(&r);
-        assert_ne!(r.1["device"].as_str(), Some(format!("/dev/rbd{}", theirs[0]).as_str()), "{}", r.1);
+        assert_ne!(
+            r.1["device"].as_str(),
+            Some(format!("/dev/rbd{}", theirs[0]).as_str()),
+            "{}",
+            r.1
+        );
         assert_eq!(mappings().len(), 2);
         let ours = mappings().into_iter().find(|id| !theirs.contains(id)).unwrap();
         let (holding, read) = files_holding(&ours, &forms);
@@ -372,12 +427,21 @@ mod in_the_vm {
         // Blocklisted (as a take-over's blocklist-client step does, by the
         // recorded address), its writes fail.
         let address = attr(&id, "client_addr");
-        let out = Command::new("ceph").arg("-c").arg(ceph.join("ceph.conf")).args(["osd", "blocklist", "add", &address]).output().unwrap();
+        let out = Command::new("ceph")
+            .arg("-c")
+            .arg(ceph.join("ceph.conf"))
+            .args(["osd", "blocklist", "add", &address])
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let write = std::fs::write(format!("{dir}/after"), vec![7u8; 1 << 20])
             .and_then(|()| std::fs::File::open(format!("{dir}/after"))?.sync_all());
         let err = write.expect_err("a blocklisted client's write reached the image");
         assert_eq!(err.raw_os_error(), Some(nix::libc::EIO), "{err}");
-        let _ = Command::new("ceph").arg("-c").arg(ceph.join("ceph.conf")).args(["osd", "blocklist", "rm", &address]).output();
+        let _ = Command::new("ceph")
+            .arg("-c")
+            .arg(ceph.join("ceph.conf"))
+            .args(["osd", "blocklist", "rm", &address])
+            .output();
     }
 }

@@ -20,7 +20,6 @@ mod nbd_common;
 #[path = "support/vm.rs"]
 mod vm;
 
-
 /// The inner tests, by name (each runs in its own process in the VM).
 const IN_THE_VM: &[&str] = &[
     "an_export_is_mounted_through_a_kernel_nbd_device_and_detached_whole",
@@ -61,7 +60,10 @@ mod in_the_vm {
     fn release(node: &mut Node) {
         node.stop_agent();
         for name in connected_devices() {
-            let _ = std::process::Command::new("nbd-client").arg("-d").arg(format!("/dev/{name}")).status();
+            let _ = std::process::Command::new("nbd-client")
+                .arg("-d")
+                .arg(format!("/dev/{name}"))
+                .status();
         }
     }
 
@@ -103,7 +105,10 @@ mod in_the_vm {
     /// Mount pod `uid`'s pv1 on `server`; the device.
     fn mount(node: &Node, uid: &str, server: &str) -> (String, String) {
         let dir = node.mount_dir_of("node-a", "nbd", uid, "pv1");
-        let r = driver(node, &["mount", &dir, &options("pv1", &format!("pod-{uid}"), uid, server).to_string()]);
+        let r = driver(
+            node,
+            &["mount", &dir, &options("pv1", &format!("pod-{uid}"), uid, server).to_string()],
+        );
         assert_success(&r);
         let device = r.1["device"].as_str().unwrap_or_default().to_string();
         (dir, device)
@@ -119,7 +124,10 @@ mod in_the_vm {
         let (dir_a, device) = mount(&node, "uid-a", &address);
         assert!(device.starts_with("/dev/nbd"), "auto chose the kernel's device: {device}");
         assert!(connected(&device), "{device} is connected");
-        assert!(clients_under(&state).is_empty() && node.scratch.loops_left().is_empty(), "no userspace client, no loop device");
+        assert!(
+            clients_under(&state).is_empty() && node.scratch.loops_left().is_empty(),
+            "no userspace client, no loop device"
+        );
         let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
         std::fs::write(format!("{dir_a}/data"), &payload).unwrap();
 
@@ -133,7 +141,11 @@ mod in_the_vm {
 
         assert!(!connected(&device), "{device} was disconnected");
         assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
+        assert!(
+            left_in(&state.join("nbd")).is_empty(),
+            "left behind: {:?}",
+            left_in(&state.join("nbd"))
+        );
         drop(server);
         assert_eq!(read_back(&image, "ext4"), payload, "the data is in the server's file");
     }
@@ -154,7 +166,8 @@ mod in_the_vm {
         assert!(device.starts_with("/dev/nbd") && connected(&device), "{}", r.1);
         let servers = servers_under(&state);
         assert_eq!(servers.len(), 1, "one helper server");
-        std::fs::write(format!("{dir}/data"), b"through the kernel and the agent's own export").unwrap();
+        std::fs::write(format!("{dir}/data"), b"through the kernel and the agent's own export")
+            .unwrap();
 
         // The kernel holds the connection, the helper serves it: no agent needed.
         node.stop_agent();
@@ -168,8 +181,15 @@ mod in_the_vm {
         assert!(!connected(&device));
         wait_until("the helper server to end", || servers_under(&state).is_empty());
         assert!(node.scratch.mounts().is_empty());
-        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
-        assert_eq!(read_back(Path::new(&image), "ext4"), b"through the kernel and the agent's own export");
+        assert!(
+            left_in(&state.join("nbd")).is_empty(),
+            "left behind: {:?}",
+            left_in(&state.join("nbd"))
+        );
+        assert_eq!(
+            read_back(Path::new(&image), "ext4"),
+            b"through the kernel and the agent's own export"
+        );
     }
 
     #[test]
@@ -183,7 +203,10 @@ mod in_the_vm {
         node.stop_agent();
         node.spawn_agent_with("node-a", Some(1));
         let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-        let r = driver(&node, &["mount", &dir, &options("pv1", "pod-a", "uid-a", &address).to_string()]);
+        let r = driver(
+            &node,
+            &["mount", &dir, &options("pv1", "pod-a", "uid-a", &address).to_string()],
+        );
         assert_ne!(r.1["status"], "Success", "{}", r.1);
         let left = connected_devices();
         assert_eq!(left.len(), 1, "the crash came after the connect: {left:?}");
@@ -191,10 +214,17 @@ mod in_the_vm {
         // The next agent's start-up reconciliation undoes it.
         node.spawn_agent_env("node-a", &[], &[]);
         assert!(connected_devices().is_empty(), "{:?} still connected", connected_devices());
-        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
+        assert!(
+            left_in(&state.join("nbd")).is_empty(),
+            "left behind: {:?}",
+            left_in(&state.join("nbd"))
+        );
         assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
         // kubelet's retry mounts it.
-        assert_success(&driver(&node, &["mount", &dir, &options("pv1", "pod-a", "uid-a", &address).to_string()]));
+        assert_success(&driver(
+            &node,
+            &["mount", &dir, &options("pv1", "pod-a", "uid-a", &address).to_string()],
+        ));
         assert_success(&driver(&node, &["unmount", &dir]));
         assert!(connected_devices().is_empty());
     }
@@ -218,9 +248,16 @@ mod in_the_vm {
         assert!(connected(&device));
         node.spawn_agent_env("node-a", &[], &[]);
         assert!(!connected(&device), "the next agent disconnected {device}");
-        assert!(left_in(&state.join("nbd")).is_empty(), "left behind: {:?}", left_in(&state.join("nbd")));
+        assert!(
+            left_in(&state.join("nbd")).is_empty(),
+            "left behind: {:?}",
+            left_in(&state.join("nbd"))
+        );
         let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
-        assert!(log.contains("orphan kernel NBD connection"), "the agent says what it removed:\n{log}");
+        assert!(
+            log.contains("orphan kernel NBD connection"),
+            "the agent says what it removed:\n{log}"
+        );
     }
 
     #[test]
@@ -241,10 +278,13 @@ mod in_the_vm {
         let (tx, rx) = std::sync::mpsc::channel();
         let file = format!("{dir}/after");
         std::thread::spawn(move || {
-            let written = std::fs::write(&file, vec![1u8; 1 << 20]).and_then(|()| std::fs::File::open(&file)?.sync_all());
+            let written = std::fs::write(&file, vec![1u8; 1 << 20])
+                .and_then(|()| std::fs::File::open(&file)?.sync_all());
             let _ = tx.send(written);
         });
-        let written = rx.recv_timeout(Duration::from_secs(120)).expect("the write neither failed nor finished: I/O hangs");
+        let written = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the write neither failed nor finished: I/O hangs");
         assert!(written.is_err(), "a write through a silent server cannot succeed");
         println!("the write failed after {:?}: {:?}", start.elapsed(), written);
         drop(server);

@@ -75,7 +75,10 @@ pub enum Response {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         csi: Option<Box<CsiReport>>,
     },
-    Failed { kind: FailureKind, message: String },
+    Failed {
+        kind: FailureKind,
+        message: String,
+    },
 }
 
 /// The node's discovered local volumes and the wipes running on it.
@@ -237,7 +240,10 @@ pub enum FrameError {
 
 pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
     let body = serde_json::to_vec(value)?;
-    let len = u32::try_from(body.len()).ok().filter(|l| *l <= MAX_FRAME).ok_or(FrameError::TooLarge(u32::MAX))?;
+    let len = u32::try_from(body.len())
+        .ok()
+        .filter(|l| *l <= MAX_FRAME)
+        .ok_or(FrameError::TooLarge(u32::MAX))?;
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&len.to_be_bytes());
     frame.extend_from_slice(&body);
@@ -268,7 +274,10 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, 
 }
 
 /// Send one request and read its response (the driver's whole exchange).
-pub fn exchange(stream: &mut (impl Read + Write), request: Request) -> Result<Response, FrameError> {
+pub fn exchange(
+    stream: &mut (impl Read + Write),
+    request: Request,
+) -> Result<Response, FrameError> {
     write_frame(stream, &RequestFrame { version: PROTOCOL_VERSION, request })?;
     let frame: ResponseFrame = read_frame(stream)?;
     if frame.version != PROTOCOL_VERSION {
@@ -306,7 +315,10 @@ mod tests {
         let back: RequestFrame = read_frame(&mut bytes.as_slice()).unwrap();
         assert_eq!(back, req);
         let json = String::from_utf8(bytes[4..].to_vec()).unwrap();
-        assert!(json.starts_with(r#"{"version":1,"request":{"mount":{"backend":"local-pv""#), "{json}");
+        assert!(
+            json.starts_with(r#"{"version":1,"request":{"mount":{"backend":"local-pv""#),
+            "{json}"
+        );
     }
 
     #[test]
@@ -316,7 +328,10 @@ mod tests {
         let mut frame = (old.len() as u32).to_be_bytes().to_vec();
         frame.extend_from_slice(old);
         let back: ResponseFrame = read_frame(&mut frame.as_slice()).unwrap();
-        let Response::Status { volumes, volumes_left_out, volumes_error, .. } = back.response else { panic!("{back:?}") };
+        let Response::Status { volumes, volumes_left_out, volumes_error, .. } = back.response
+        else {
+            panic!("{back:?}")
+        };
         assert!(volumes.is_empty() && volumes_left_out == 0 && volumes_error.is_none());
         // And a full answer goes out and comes back as it was.
         let status = Response::Status {
@@ -352,17 +367,29 @@ mod tests {
     #[test]
     fn oversized_and_malformed_frames_are_errors() {
         let big = (MAX_FRAME + 1).to_be_bytes();
-        assert!(matches!(read_frame::<RequestFrame>(&mut big.as_slice()), Err(FrameError::TooLarge(_))));
+        assert!(matches!(
+            read_frame::<RequestFrame>(&mut big.as_slice()),
+            Err(FrameError::TooLarge(_))
+        ));
         let mut junk = 5u32.to_be_bytes().to_vec();
         junk.extend_from_slice(b"{oops");
-        assert!(matches!(read_frame::<RequestFrame>(&mut junk.as_slice()), Err(FrameError::Malformed(_))));
+        assert!(matches!(
+            read_frame::<RequestFrame>(&mut junk.as_slice()),
+            Err(FrameError::Malformed(_))
+        ));
         let mut short = 10u32.to_be_bytes().to_vec();
         short.extend_from_slice(b"{}");
-        assert!(matches!(read_frame::<RequestFrame>(&mut short.as_slice()), Err(FrameError::Io(_))));
+        assert!(matches!(
+            read_frame::<RequestFrame>(&mut short.as_slice()),
+            Err(FrameError::Io(_))
+        ));
         let mut unknown = Vec::new();
         let body = br#"{"version":1,"request":{"format_everything":{}}}"#;
         unknown.extend_from_slice(&(body.len() as u32).to_be_bytes());
         unknown.extend_from_slice(body);
-        assert!(matches!(read_frame::<RequestFrame>(&mut unknown.as_slice()), Err(FrameError::Malformed(_))));
+        assert!(matches!(
+            read_frame::<RequestFrame>(&mut unknown.as_slice()),
+            Err(FrameError::Malformed(_))
+        ));
     }
 }

@@ -20,16 +20,20 @@ const GUESTS: &[(&str, &str, &str)] = &[
 ];
 
 fn main() {
-    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let manifest =
+        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let root = manifest.join("../..").canonicalize().expect("workspace root");
-    for dir in ["wit", "guest-plugins", "tests/guests", "protocol", "flex", "Cargo.toml", "Cargo.lock"] {
+    for dir in
+        ["wit", "guest-plugins", "tests/guests", "protocol", "flex", "Cargo.toml", "Cargo.lock"]
+    {
         println!("cargo:rerun-if-changed={}", root.join(dir).display());
     }
     // A target dir of its own: the outer cargo holds the lock on its own.
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let target_dir = env::var_os("VOLAGENT_GUEST_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| out.ancestors().nth(4).expect("OUT_DIR is inside the target dir").join("guests"));
+    let target_dir =
+        env::var_os("VOLAGENT_GUEST_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| {
+            out.ancestors().nth(4).expect("OUT_DIR is inside the target dir").join("guests")
+        });
 
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
@@ -40,14 +44,26 @@ fn main() {
         cmd.args(["-p", package]);
     }
     // Flags meant for the host build must not leak into the guest build.
-    for var in ["CARGO_ENCODED_RUSTFLAGS", "RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTC_WORKSPACE_WRAPPER"] {
+    for var in [
+        "CARGO_ENCODED_RUSTFLAGS",
+        "RUSTFLAGS",
+        "CARGO_BUILD_TARGET",
+        "CARGO_TARGET_DIR",
+        "RUSTC_WORKSPACE_WRAPPER",
+    ] {
         cmd.env_remove(var);
     }
     let status = cmd.status().expect("run cargo for the guests");
-    assert!(status.success(), "building the guest components failed (is the wasm32-wasip2 target installed? run scripts/setup)");
+    assert!(
+        status.success(),
+        "building the guest components failed (is the wasm32-wasip2 target installed? run scripts/setup)"
+    );
 
     let mut consts = String::new();
-    consts.push_str(&format!("pub const FLEX_DRIVER: &str = {:?};\n", flex_driver(&root, &out).display().to_string()));
+    consts.push_str(&format!(
+        "pub const FLEX_DRIVER: &str = {:?};\n",
+        flex_driver(&root, &out).display().to_string()
+    ));
     for (name, _, stem) in GUESTS {
         let path = target_dir.join("wasm32-wasip2/guest").join(format!("{stem}.wasm"));
         assert!(path.is_file(), "guest artifact {} is missing", path.display());
@@ -63,9 +79,24 @@ fn flex_driver(root: &std::path::Path, out: &std::path::Path) -> PathBuf {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(root)
-        .args(["build", "--quiet", "--release", "--locked", "-p", "volagent-flex", "--target", &triple, "--target-dir"])
+        .args([
+            "build",
+            "--quiet",
+            "--release",
+            "--locked",
+            "-p",
+            "volagent-flex",
+            "--target",
+            &triple,
+            "--target-dir",
+        ])
         .arg(&target_dir);
-    for var in ["CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTC_WORKSPACE_WRAPPER"] {
+    for var in [
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_BUILD_TARGET",
+        "CARGO_TARGET_DIR",
+        "RUSTC_WORKSPACE_WRAPPER",
+    ] {
         cmd.env_remove(var);
     }
     cmd.env("RUSTFLAGS", "-C target-feature=+crt-static");

@@ -6,10 +6,10 @@
 //! whose endpoints the host passes as `endpoints`), `volume` (required: the
 //! gluster volume).
 
-use volagent_guest_sdk::{VolumeMode, 
-    BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision, Holder, Host,
-    Mount, MountSource, NodeFacts, NodePaths, PathRoot, Plan, Policy, PolicyError, Step,
-    StepKind, Volume, fence, options, plans,
+use volagent_guest_sdk::{
+    BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision, Holder, Host, Mount,
+    MountSource, NodeFacts, NodePaths, PathRoot, Plan, Policy, PolicyError, Step, StepKind, Volume,
+    VolumeMode, fence, options, plans,
 };
 
 pub struct Gluster;
@@ -30,7 +30,10 @@ pub fn staging_mount(volume: &Volume, paths: &NodePaths) -> Result<Mount, Policy
         )));
     };
     if volume.mode == VolumeMode::Block {
-        return Err(PolicyError::Unsupported(format!("volume {}: a gluster volume is a filesystem; it has no block mode", volume.name)));
+        return Err(PolicyError::Unsupported(format!(
+            "volume {}: a gluster volume is a filesystem; it has no block mode",
+            volume.name
+        )));
     }
     let gluster_volume = options::required(volume, "volume")?;
     // The volume's own mount flags first; the policy's own after, so they
@@ -93,7 +96,12 @@ impl Policy for Gluster {
     }
 
     /// A gluster volume grows on its servers; the node has nothing to do.
-    fn expand(_host: &dyn Host, _volume: Volume, _consumer: Consumer, _paths: NodePaths) -> Result<Plan, PolicyError> {
+    fn expand(
+        _host: &dyn Host,
+        _volume: Volume,
+        _consumer: Consumer,
+        _paths: NodePaths,
+    ) -> Result<Plan, PolicyError> {
         Ok(Vec::new())
     }
 
@@ -116,7 +124,9 @@ impl Policy for Gluster {
             CleanupReason::StaleNode => false,
             CleanupReason::StorageClusterDeleted => true,
             CleanupReason::LocalVolumeReleased => {
-                return Err(PolicyError::Unsupported("gluster volumes are not local volumes".into()));
+                return Err(PolicyError::Unsupported(
+                    "gluster volumes are not local volumes".into(),
+                ));
             }
         };
         Ok(items.iter().flat_map(|i| plans::teardown(&i.holders, &i.paths, None, force)).collect())
@@ -161,11 +171,18 @@ mod tests {
         assert_eq!(m.fs_type, "glusterfs");
         assert_eq!(
             m.options,
-            vec!["backup-volfile-servers=g2:g3", "auto_unmount", "log-file=/var/lib/volagent/volumes/pv1/glusterfs.log"]
+            vec![
+                "backup-volfile-servers=g2:g3",
+                "auto_unmount",
+                "log-file=/var/lib/volagent/volumes/pv1/glusterfs.log"
+            ]
         );
         let single = staging_mount(&volume("g1"), &paths()).unwrap();
         assert!(!single.options.iter().any(|o| o.starts_with("backup-volfile-servers")));
-        assert!(matches!(staging_mount(&volume(" , "), &paths()), Err(PolicyError::InvalidOptions(_))));
+        assert!(matches!(
+            staging_mount(&volume(" , "), &paths()),
+            Err(PolicyError::InvalidOptions(_))
+        ));
         // A StorageCluster's endpoints stand in for servers.
         let mut v = volume(" ");
         v.options.push(KeyValue { key: "endpoints".into(), value: "g7,g8".into() });
@@ -177,16 +194,27 @@ mod tests {
     #[test]
     fn many_writers_on_many_nodes() {
         let held = vec![holder(&consumer("n1", "a")), holder(&consumer("n2", "b"))];
-        let d = Gluster::fence(&FakeHost::default(), volume("g1"), consumer("n3", "c"), held, vec![]).unwrap();
+        let d =
+            Gluster::fence(&FakeHost::default(), volume("g1"), consumer("n3", "c"), held, vec![])
+                .unwrap();
         assert_eq!(d, Decision::Grant);
     }
 
     #[test]
     fn second_pod_binds_and_last_pod_unmounts_staging() {
         let (a, b) = (consumer("n1", "a"), consumer("n1", "b"));
-        let plan = Gluster::attach(&FakeHost::default(), volume("g1"), b.clone(), vec![holder(&a)], paths()).unwrap();
+        let plan = Gluster::attach(
+            &FakeHost::default(),
+            volume("g1"),
+            b.clone(),
+            vec![holder(&a)],
+            paths(),
+        )
+        .unwrap();
         assert!(matches!(plan.as_slice(), [Step::BindMount(_)]));
         let plan = Gluster::detach(&FakeHost::default(), volume("g1"), b, vec![], paths()).unwrap();
-        assert!(matches!(plan.as_slice(), [Step::Unmount(_), Step::Unmount(s)] if s.target == paths().staging_dir));
+        assert!(
+            matches!(plan.as_slice(), [Step::Unmount(_), Step::Unmount(s)] if s.target == paths().staging_dir)
+        );
     }
 }

@@ -5,11 +5,11 @@
 //! volume lives on), `wipe` (on release: `quick-reset` (default), `blkdiscard`,
 //! `zero`, `shred` or `shred:<passes>`).
 
-use volagent_guest_sdk::{VolumeMode, 
-    BlockSource, Capabilities, CleanupItem, CleanupReason, Consumer, Decision,
-    DeviceKind, DeviceSpec, Format, FormatMode, Holder, Host, BackendInfo, NodeFacts, NodePaths,
-    PathKind, PathRoot, Plan, Policy, PolicyError, Step, StepKind, Volume, Wipe, WipeMethod,
-    AttachDevice, BindMount, ClearDirectory, DetachDevice, Unmount, fence, options, plans,
+use volagent_guest_sdk::{
+    AttachDevice, BackendInfo, BindMount, BlockSource, Capabilities, CleanupItem, CleanupReason,
+    ClearDirectory, Consumer, Decision, DetachDevice, DeviceKind, DeviceSpec, Format, FormatMode,
+    Holder, Host, NodeFacts, NodePaths, PathKind, PathRoot, Plan, Policy, PolicyError, Step,
+    StepKind, Unmount, Volume, VolumeMode, Wipe, WipeMethod, fence, options, plans,
 };
 
 pub struct LocalPv;
@@ -58,7 +58,9 @@ fn loop_spec(volume: &Volume, src: &Result<Source, PolicyError>) -> Option<Devic
     match src {
         Ok(Source::File(file)) => Some(DeviceSpec::Loop(file.clone())),
         Ok(Source::Dir(_) | Source::Block(_)) => None,
-        Err(_) => options::get(volume, "path").filter(|p| p.starts_with('/')).map(|p| DeviceSpec::Loop(p.to_string())),
+        Err(_) => options::get(volume, "path")
+            .filter(|p| p.starts_with('/'))
+            .map(|p| DeviceSpec::Loop(p.to_string())),
     }
 }
 
@@ -103,7 +105,8 @@ impl Policy for LocalPv {
         BackendInfo {
             name: "local-pv".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            description: "Node-local volumes: files on loop devices, block devices or directories".into(),
+            description: "Node-local volumes: files on loop devices, block devices or directories"
+                .into(),
             capabilities: Capabilities {
                 steps: vec![
                     StepKind::AttachDevice,
@@ -120,7 +123,11 @@ impl Policy for LocalPv {
                 device_kinds: vec![DeviceKind::Loop],
                 filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
                 network_filesystems: vec![],
-                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs],
+                path_roots: vec![
+                    PathRoot::PodMountDir,
+                    PathRoot::StagingDir,
+                    PathRoot::DiscoveryDirs,
+                ],
             },
         }
     }
@@ -150,9 +157,20 @@ impl Policy for LocalPv {
         check_node(&volume, &requester).map_err(PolicyError::Unsupported)?;
         if volume.mode == VolumeMode::Block {
             return match source(host, &volume)? {
-                Source::File(file) => Ok(plans::publish_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Loop(file)), &requester)),
-                Source::Block(device) => Ok(plans::publish_block(&volume, plans::BlockOrigin::Existing(device), &requester)),
-                Source::Dir(dir) => Err(PolicyError::Unsupported(format!("volume {}: {dir} is a directory, which has no block mode", volume.name))),
+                Source::File(file) => Ok(plans::publish_block(
+                    &volume,
+                    plans::BlockOrigin::Attach(DeviceSpec::Loop(file)),
+                    &requester,
+                )),
+                Source::Block(device) => Ok(plans::publish_block(
+                    &volume,
+                    plans::BlockOrigin::Existing(device),
+                    &requester,
+                )),
+                Source::Dir(dir) => Err(PolicyError::Unsupported(format!(
+                    "volume {}: {dir} is a directory, which has no block mode",
+                    volume.name
+                ))),
             };
         }
         if !local_holders.is_empty() {
@@ -169,11 +187,27 @@ impl Policy for LocalPv {
             ],
             Source::File(file) => {
                 let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-                plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Loop(file)), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths)
+                plans::stage_block(
+                    &volume,
+                    plans::BlockOrigin::Attach(DeviceSpec::Loop(file)),
+                    &fs,
+                    volume.mount_flags.clone(),
+                    &requester,
+                    &local_holders,
+                    &paths,
+                )
             }
             Source::Block(device) => {
                 let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-                plans::stage_block(&volume, plans::BlockOrigin::Existing(device), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths)
+                plans::stage_block(
+                    &volume,
+                    plans::BlockOrigin::Existing(device),
+                    &fs,
+                    volume.mount_flags.clone(),
+                    &requester,
+                    &local_holders,
+                    &paths,
+                )
             }
         })
     }
@@ -191,7 +225,12 @@ impl Policy for LocalPv {
 
     /// A local volume whose file, disk or dir is gone from its path (removed
     /// or replaced while in use) is not healthy, mounted or not.
-    fn condition(host: &dyn Host, volume: Volume, _consumer: Consumer, _paths: NodePaths) -> Option<String> {
+    fn condition(
+        host: &dyn Host,
+        volume: Volume,
+        _consumer: Consumer,
+        _paths: NodePaths,
+    ) -> Option<String> {
         source(host, &volume).err().map(|e| match e {
             PolicyError::InvalidOptions(m) | PolicyError::Unsupported(m) => m,
         })
@@ -207,7 +246,9 @@ impl Policy for LocalPv {
             let src = source(host, &item.volume);
             let spec = loop_spec(&item.volume, &src);
             match reason {
-                CleanupReason::StaleNode => plan.extend(plans::teardown(&item.holders, &item.paths, spec, false)),
+                CleanupReason::StaleNode => {
+                    plan.extend(plans::teardown(&item.holders, &item.paths, spec, false))
+                }
                 CleanupReason::StorageClusterDeleted => {
                     return Err(PolicyError::Unsupported(format!(
                         "volume {}: local volumes belong to no storage cluster",
@@ -234,7 +275,9 @@ fn release(item: &CleanupItem, src: Source) -> Result<Plan, PolicyError> {
         .collect();
     plan.push(Step::Unmount(Unmount { target: item.paths.staging_dir.clone(), force: false }));
     let (device, spec) = match src {
-        Source::File(file) => (BlockSource::Attached(plans::DEVICE_ID.into()), Some(DeviceSpec::Loop(file))),
+        Source::File(file) => {
+            (BlockSource::Attached(plans::DEVICE_ID.into()), Some(DeviceSpec::Loop(file)))
+        }
         Source::Block(dev) => (BlockSource::Device(dev), None),
         // A filesystem volume (the admin's mount point): its contents go,
         // whatever the method; the filesystem and the mount stay the admin's.
@@ -246,13 +289,21 @@ fn release(item: &CleanupItem, src: Source) -> Result<Plan, PolicyError> {
     // (A mount point's filesystem is the admin's, whatever it is.)
     let fs = options::fs_type(volume, "ext4", FILESYSTEMS)?;
     if let Some(spec) = &spec {
-        plan.push(Step::AttachDevice(AttachDevice { id: plans::DEVICE_ID.into(), spec: spec.clone(), read_only: false }));
+        plan.push(Step::AttachDevice(AttachDevice {
+            id: plans::DEVICE_ID.into(),
+            spec: spec.clone(),
+            read_only: false,
+        }));
     }
     for method in methods {
         plan.push(Step::Wipe(Wipe { device: device.clone(), method }));
     }
     if quick_reset {
-        plan.push(Step::Format(Format { device: device.clone(), fs_type: fs, mode: FormatMode::Always }));
+        plan.push(Step::Format(Format {
+            device: device.clone(),
+            fs_type: fs,
+            mode: FormatMode::Always,
+        }));
     }
     if let Some(spec) = spec {
         plan.push(Step::DetachDevice(DetachDevice { spec, force: false }));
@@ -300,9 +351,25 @@ mod tests {
     #[test]
     fn other_node_is_denied_naming_the_home_node() {
         let v = volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce);
-        let d = LocalPv::fence(&FakeHost::default(), v, consumer("n2", "p"), vec![], vec![live_node("n2")]).unwrap();
-        assert!(matches!(&d, Decision::Deny(r) if r.contains("lives on node n1") && r.contains("node n2")), "{d:?}");
-        let home = LocalPv::fence(&FakeHost::default(), volume("/x", AccessMode::ReadWriteOnce), consumer("n1", "p"), vec![], vec![]);
+        let d = LocalPv::fence(
+            &FakeHost::default(),
+            v,
+            consumer("n2", "p"),
+            vec![],
+            vec![live_node("n2")],
+        )
+        .unwrap();
+        assert!(
+            matches!(&d, Decision::Deny(r) if r.contains("lives on node n1") && r.contains("node n2")),
+            "{d:?}"
+        );
+        let home = LocalPv::fence(
+            &FakeHost::default(),
+            volume("/x", AccessMode::ReadWriteOnce),
+            consumer("n1", "p"),
+            vec![],
+            vec![],
+        );
         assert_eq!(home.unwrap(), Decision::Grant);
     }
 
@@ -310,41 +377,92 @@ mod tests {
     fn file_volume_is_loop_attached_formatted_if_needed_and_bound() {
         let host = host_with("/mnt/disks/a.img", PathKind::RegularFile);
         let c = consumer("n1", "p");
-        let plan = LocalPv::attach(&host, volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce), c.clone(), vec![], paths()).unwrap();
+        let plan = LocalPv::attach(
+            &host,
+            volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce),
+            c.clone(),
+            vec![],
+            paths(),
+        )
+        .unwrap();
         assert_eq!(plan.len(), 4, "{plan:?}");
-        assert!(matches!(&plan[0], Step::AttachDevice(a) if a.spec == DeviceSpec::Loop("/mnt/disks/a.img".into())));
-        assert!(matches!(&plan[1], Step::Format(f) if f.mode == FormatMode::IfUnformatted && f.fs_type == "ext4"));
-        assert!(matches!(&plan[2], Step::Mount(Mount { source: MountSource::Block(BlockSource::Attached(_)), target, .. }) if *target == paths().staging_dir));
-        assert!(matches!(&plan[3], Step::BindMount(b) if b.target == c.mount_dir && b.source == paths().staging_dir));
+        assert!(
+            matches!(&plan[0], Step::AttachDevice(a) if a.spec == DeviceSpec::Loop("/mnt/disks/a.img".into()))
+        );
+        assert!(
+            matches!(&plan[1], Step::Format(f) if f.mode == FormatMode::IfUnformatted && f.fs_type == "ext4")
+        );
+        assert!(
+            matches!(&plan[2], Step::Mount(Mount { source: MountSource::Block(BlockSource::Attached(_)), target, .. }) if *target == paths().staging_dir)
+        );
+        assert!(
+            matches!(&plan[3], Step::BindMount(b) if b.target == c.mount_dir && b.source == paths().staging_dir)
+        );
     }
 
     #[test]
     fn second_pod_on_the_node_only_binds() {
         let host = host_with("/mnt/disks/a.img", PathKind::RegularFile);
         let first = consumer("n1", "a");
-        let plan = LocalPv::attach(&host, volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce), consumer("n1", "b"), vec![holder(&first)], paths()).unwrap();
+        let plan = LocalPv::attach(
+            &host,
+            volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce),
+            consumer("n1", "b"),
+            vec![holder(&first)],
+            paths(),
+        )
+        .unwrap();
         assert!(matches!(plan.as_slice(), [Step::BindMount(_)]), "{plan:?}");
     }
 
     #[test]
     fn block_device_is_used_as_is_and_directory_is_bound() {
         let host = host_with("/mnt/disks/ssd0", PathKind::BlockDevice);
-        let plan = LocalPv::attach(&host, volume("/mnt/disks/ssd0", AccessMode::ReadWriteOnce), consumer("n1", "p"), vec![], paths()).unwrap();
-        assert!(matches!(&plan[0], Step::Format(f) if f.device == BlockSource::Device("/mnt/disks/ssd0".into())));
+        let plan = LocalPv::attach(
+            &host,
+            volume("/mnt/disks/ssd0", AccessMode::ReadWriteOnce),
+            consumer("n1", "p"),
+            vec![],
+            paths(),
+        )
+        .unwrap();
+        assert!(
+            matches!(&plan[0], Step::Format(f) if f.device == BlockSource::Device("/mnt/disks/ssd0".into()))
+        );
         assert!(!plan.iter().any(|s| matches!(s, Step::AttachDevice(_))));
         let host = host_with("/mnt/disks/d", PathKind::Directory);
-        let plan = LocalPv::attach(&host, volume("/mnt/disks/d", AccessMode::ReadWriteOnce), consumer("n1", "p"), vec![], paths()).unwrap();
-        assert!(matches!(plan.as_slice(), [Step::BindMount(a), Step::BindMount(_)] if a.source == "/mnt/disks/d"));
+        let plan = LocalPv::attach(
+            &host,
+            volume("/mnt/disks/d", AccessMode::ReadWriteOnce),
+            consumer("n1", "p"),
+            vec![],
+            paths(),
+        )
+        .unwrap();
+        assert!(
+            matches!(plan.as_slice(), [Step::BindMount(a), Step::BindMount(_)] if a.source == "/mnt/disks/d")
+        );
     }
 
     #[test]
     fn missing_path_and_bad_fs_are_policy_errors() {
-        let err = LocalPv::attach(&FakeHost::default(), volume("/mnt/disks/gone", AccessMode::ReadWriteOnce), consumer("n1", "p"), vec![], paths());
-        assert!(matches!(err, Err(PolicyError::InvalidOptions(m)) if m.contains("/mnt/disks/gone")));
+        let err = LocalPv::attach(
+            &FakeHost::default(),
+            volume("/mnt/disks/gone", AccessMode::ReadWriteOnce),
+            consumer("n1", "p"),
+            vec![],
+            paths(),
+        );
+        assert!(
+            matches!(err, Err(PolicyError::InvalidOptions(m)) if m.contains("/mnt/disks/gone"))
+        );
         let host = host_with("/mnt/disks/a.img", PathKind::RegularFile);
         let mut v = volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce);
         v.fs_type = "btrfs".into();
-        assert!(matches!(LocalPv::attach(&host, v, consumer("n1", "p"), vec![], paths()), Err(PolicyError::Unsupported(_))));
+        assert!(matches!(
+            LocalPv::attach(&host, v, consumer("n1", "p"), vec![], paths()),
+            Err(PolicyError::Unsupported(_))
+        ));
     }
 
     #[test]
@@ -355,7 +473,10 @@ mod tests {
         let plan = LocalPv::detach(&host, v.clone(), a.clone(), vec![holder(&b)], paths()).unwrap();
         assert!(matches!(plan.as_slice(), [Step::Unmount(u)] if u.target == a.mount_dir));
         let plan = LocalPv::detach(&host, v, a, vec![], paths()).unwrap();
-        assert!(matches!(plan.as_slice(), [Step::Unmount(_), Step::Unmount(_), Step::DetachDevice(_)]), "{plan:?}");
+        assert!(
+            matches!(plan.as_slice(), [Step::Unmount(_), Step::Unmount(_), Step::DetachDevice(_)]),
+            "{plan:?}"
+        );
     }
 
     #[test]
@@ -364,22 +485,37 @@ mod tests {
         let a = consumer("n1", "a");
         for host in [FakeHost::default(), host_with("/mnt/disks/a.img", PathKind::Other)] {
             let plan = LocalPv::detach(&host, v.clone(), a.clone(), vec![], paths()).unwrap();
-            assert!(matches!(plan.last(), Some(Step::DetachDevice(d)) if d.spec == DeviceSpec::Loop("/mnt/disks/a.img".into())), "{plan:?}");
+            assert!(
+                matches!(plan.last(), Some(Step::DetachDevice(d)) if d.spec == DeviceSpec::Loop("/mnt/disks/a.img".into())),
+                "{plan:?}"
+            );
         }
         let dir = host_with("/mnt/disks/a.img", PathKind::Directory);
         let plan = LocalPv::detach(&dir, v, a, vec![], paths()).unwrap();
-        assert!(!plan.iter().any(|s| matches!(s, Step::DetachDevice(_))), "a directory has no device: {plan:?}");
+        assert!(
+            !plan.iter().any(|s| matches!(s, Step::DetachDevice(_))),
+            "a directory has no device: {plan:?}"
+        );
     }
 
     fn released(method: &str) -> Result<Plan, PolicyError> {
         let host = host_with("/mnt/disks/a.img", PathKind::RegularFile);
         let mut v = volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce);
         v.options.push(KeyValue { key: "wipe".into(), value: method.into() });
-        LocalPv::cleanup(&host, CleanupReason::LocalVolumeReleased, vec![CleanupItem { volume: v, paths: paths(), holders: vec![] }])
+        LocalPv::cleanup(
+            &host,
+            CleanupReason::LocalVolumeReleased,
+            vec![CleanupItem { volume: v, paths: paths(), holders: vec![] }],
+        )
     }
 
     fn wipes(plan: &Plan) -> Vec<WipeMethod> {
-        plan.iter().filter_map(|s| match s { Step::Wipe(w) => Some(w.method), _ => None }).collect()
+        plan.iter()
+            .filter_map(|s| match s {
+                Step::Wipe(w) => Some(w.method),
+                _ => None,
+            })
+            .collect()
     }
 
     #[test]
@@ -404,7 +540,15 @@ mod tests {
         v.fs_type = "tmpfs".into();
         let item = CleanupItem { volume: v, paths: paths(), holders: vec![] };
         let plan = LocalPv::cleanup(&host, CleanupReason::LocalVolumeReleased, vec![item]).unwrap();
-        assert!(matches!(plan.last(), Some(Step::ClearDirectory(c)) if c.path == "/mnt/disks/fs1"), "{plan:?}");
-        assert!(!plan.iter().any(|s| matches!(s, Step::Wipe(_) | Step::Format(_) | Step::AttachDevice(_))), "{plan:?}");
+        assert!(
+            matches!(plan.last(), Some(Step::ClearDirectory(c)) if c.path == "/mnt/disks/fs1"),
+            "{plan:?}"
+        );
+        assert!(
+            !plan
+                .iter()
+                .any(|s| matches!(s, Step::Wipe(_) | Step::Format(_) | Step::AttachDevice(_))),
+            "{plan:?}"
+        );
     }
 }

@@ -18,8 +18,8 @@
 
 use volagent_guest_sdk::{
     AccessMode, BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision,
-    DeviceKind, DeviceSpec, Holder, Host, NbdAttach, NbdSpec, NodeFacts, NodePaths, PathRoot, Plan, Policy,
-    PolicyError, StepKind, Volume, fence, options, plans,
+    DeviceKind, DeviceSpec, Holder, Host, NbdAttach, NbdSpec, NodeFacts, NodePaths, PathRoot, Plan,
+    Policy, PolicyError, StepKind, Volume, fence, options, plans,
 };
 
 pub struct Nbd;
@@ -52,7 +52,9 @@ pub fn export_spec(volume: &Volume) -> Result<NbdSpec, PolicyError> {
     } else {
         let valid = match server.strip_prefix("unix:") {
             Some(path) => path.starts_with('/'),
-            None => server.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()),
+            None => server
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()),
         };
         if !valid {
             return Err(PolicyError::InvalidOptions(format!(
@@ -74,12 +76,14 @@ pub fn export_spec(volume: &Volume) -> Result<NbdSpec, PolicyError> {
     };
     let connections = match options::get(volume, "connections") {
         None => DEFAULT_CONNECTIONS,
-        Some(n) => n.parse::<u8>().ok().filter(|n| (1..=MAX_CONNECTIONS).contains(n)).ok_or_else(|| {
-            PolicyError::InvalidOptions(format!(
-                "volume {}: connections \"{n}\" is not a number from 1 to {MAX_CONNECTIONS}",
-                volume.name
-            ))
-        })?,
+        Some(n) => {
+            n.parse::<u8>().ok().filter(|n| (1..=MAX_CONNECTIONS).contains(n)).ok_or_else(|| {
+                PolicyError::InvalidOptions(format!(
+                    "volume {}: connections \"{n}\" is not a number from 1 to {MAX_CONNECTIONS}",
+                    volume.name
+                ))
+            })?
+        }
     };
     Ok(NbdSpec {
         server: server.to_string(),
@@ -120,7 +124,11 @@ impl Policy for Nbd {
                 device_kinds: vec![DeviceKind::Nbd],
                 filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
                 network_filesystems: vec![],
-                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs],
+                path_roots: vec![
+                    PathRoot::PodMountDir,
+                    PathRoot::StagingDir,
+                    PathRoot::DiscoveryDirs,
+                ],
             },
         }
     }
@@ -134,7 +142,9 @@ impl Policy for Nbd {
     ) -> Result<Decision, PolicyError> {
         export_spec(&volume)?;
         let volume = effective(&volume)?;
-        if volume.access_mode == AccessMode::ReadWriteMany && !options::boolean(&volume, "clustered", false)? {
+        if volume.access_mode == AccessMode::ReadWriteMany
+            && !options::boolean(&volume, "clustered", false)?
+        {
             return Ok(Decision::Deny(format!(
                 "volume {} is ReadWriteMany, but a filesystem on an NBD block device has one writer node; \
                  use ReadWriteOnce, or set clustered: \"true\" if its users coordinate writers themselves",
@@ -154,7 +164,15 @@ impl Policy for Nbd {
         let spec = export_spec(&volume)?;
         let volume = effective(&volume)?;
         let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Nbd(spec)), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths))
+        Ok(plans::stage_block(
+            &volume,
+            plans::BlockOrigin::Attach(DeviceSpec::Nbd(spec)),
+            &fs,
+            volume.mount_flags.clone(),
+            &requester,
+            &local_holders,
+            &paths,
+        ))
     }
 
     fn detach(
@@ -183,7 +201,12 @@ impl Policy for Nbd {
         let mut plan = Vec::new();
         for item in items {
             let spec = export_spec(&item.volume)?;
-            plan.extend(plans::teardown(&item.holders, &item.paths, Some(DeviceSpec::Nbd(spec)), force));
+            plan.extend(plans::teardown(
+                &item.holders,
+                &item.paths,
+                Some(DeviceSpec::Nbd(spec)),
+                force,
+            ));
         }
         Ok(plan)
     }
@@ -217,7 +240,13 @@ mod tests {
             assert!(export_spec(&volume(AccessMode::ReadWriteOnce, good)).is_ok(), "{good}");
         }
         for bad in ["unix:relative.sock", "127.0.0.1", ":10809", "host:port"] {
-            assert!(matches!(export_spec(&volume(AccessMode::ReadWriteOnce, bad)), Err(PolicyError::InvalidOptions(_))), "{bad}");
+            assert!(
+                matches!(
+                    export_spec(&volume(AccessMode::ReadWriteOnce, bad)),
+                    Err(PolicyError::InvalidOptions(_))
+                ),
+                "{bad}"
+            );
         }
     }
 
@@ -230,11 +259,22 @@ mod tests {
     fn rwx_is_refused_unless_clustered() {
         let nodes = vec![live_node("n1"), live_node("n2")];
         let rwx = volume(AccessMode::ReadWriteMany, "unix:/s");
-        let d = Nbd::fence(&FakeHost::default(), rwx.clone(), consumer("n1", "a"), vec![], nodes.clone()).unwrap();
-        assert!(matches!(&d, Decision::Deny(r) if r.contains("one writer node") && r.contains("clustered")), "{d:?}");
+        let d = Nbd::fence(
+            &FakeHost::default(),
+            rwx.clone(),
+            consumer("n1", "a"),
+            vec![],
+            nodes.clone(),
+        )
+        .unwrap();
+        assert!(
+            matches!(&d, Decision::Deny(r) if r.contains("one writer node") && r.contains("clustered")),
+            "{d:?}"
+        );
         let clustered = with(rwx, "clustered", "true");
         let held = vec![holder(&consumer("n1", "a"))];
-        let d = Nbd::fence(&FakeHost::default(), clustered, consumer("n2", "b"), held, nodes).unwrap();
+        let d =
+            Nbd::fence(&FakeHost::default(), clustered, consumer("n2", "b"), held, nodes).unwrap();
         assert_eq!(d, Decision::Grant);
     }
 
@@ -242,9 +282,23 @@ mod tests {
     fn rwo_has_one_writer_node() {
         let held = vec![holder(&consumer("n1", "a"))];
         let nodes = vec![live_node("n1"), live_node("n2")];
-        let d = Nbd::fence(&FakeHost::default(), volume(AccessMode::ReadWriteOnce, "unix:/s"), consumer("n2", "b"), held.clone(), nodes.clone()).unwrap();
+        let d = Nbd::fence(
+            &FakeHost::default(),
+            volume(AccessMode::ReadWriteOnce, "unix:/s"),
+            consumer("n2", "b"),
+            held.clone(),
+            nodes.clone(),
+        )
+        .unwrap();
         assert!(matches!(&d, Decision::Deny(r) if r.contains("node n1")), "{d:?}");
-        let d = Nbd::fence(&FakeHost::default(), volume(AccessMode::ReadWriteOnce, "unix:/s"), consumer("n1", "c"), held, nodes).unwrap();
+        let d = Nbd::fence(
+            &FakeHost::default(),
+            volume(AccessMode::ReadWriteOnce, "unix:/s"),
+            consumer("n1", "c"),
+            held,
+            nodes,
+        )
+        .unwrap();
         assert_eq!(d, Decision::Grant);
     }
 
@@ -255,21 +309,32 @@ mod tests {
         let ro = with(volume(AccessMode::ReadWriteOnce, "unix:/s"), "read-only", "true");
         let mut reader = consumer("n2", "b");
         reader.read_only = true;
-        let d = Nbd::fence(&FakeHost::default(), ro.clone(), reader, held.clone(), nodes.clone()).unwrap();
+        let d = Nbd::fence(&FakeHost::default(), ro.clone(), reader, held.clone(), nodes.clone())
+            .unwrap();
         assert_eq!(d, Decision::Grant, "readers on two nodes");
-        let d = Nbd::fence(&FakeHost::default(), ro.clone(), consumer("n2", "c"), held, nodes).unwrap();
-        assert!(matches!(&d, Decision::Deny(r) if r.contains("read-only")), "a writer is turned away: {d:?}");
+        let d =
+            Nbd::fence(&FakeHost::default(), ro.clone(), consumer("n2", "c"), held, nodes).unwrap();
+        assert!(
+            matches!(&d, Decision::Deny(r) if r.contains("read-only")),
+            "a writer is turned away: {d:?}"
+        );
         let paths = NodePaths {
             kubelet_root: "/k".into(),
             staging_dir: "/k/plugins/volagent/nbd/mounts/pv1".into(),
             state_dir: "/s".into(),
             discovery_dirs: vec![],
         };
-        let plan = Nbd::attach(&FakeHost::default(), ro, consumer("n2", "b"), vec![], paths).unwrap();
+        let plan =
+            Nbd::attach(&FakeHost::default(), ro, consumer("n2", "b"), vec![], paths).unwrap();
         assert!(matches!(&plan[0], Step::AttachDevice(a) if a.read_only));
-        assert!(!plan.iter().any(|s| matches!(s, Step::Format(_))), "never formats a read-only export");
+        assert!(
+            !plan.iter().any(|s| matches!(s, Step::Format(_))),
+            "never formats a read-only export"
+        );
         let bad = with(volume(AccessMode::ReadWriteOnce, "unix:/s"), "read-only", "yes");
-        assert!(matches!(effective(&bad), Err(PolicyError::InvalidOptions(m)) if m.contains("read-only")));
+        assert!(
+            matches!(effective(&bad), Err(PolicyError::InvalidOptions(m)) if m.contains("read-only"))
+        );
     }
 
     #[test]
@@ -277,11 +342,21 @@ mod tests {
         let mut v = volume(AccessMode::ReadWriteOnce, "unix:/s");
         v.options.retain(|kv| kv.key != "server");
         let spec = export_spec(&with(v.clone(), "file", "/mnt/disks/vol.img")).unwrap();
-        assert_eq!((spec.server.as_str(), spec.local_file.as_deref()), ("", Some("/mnt/disks/vol.img")));
+        assert_eq!(
+            (spec.server.as_str(), spec.local_file.as_deref()),
+            ("", Some("/mnt/disks/vol.img"))
+        );
         let both = with(with(v.clone(), "file", "/mnt/disks/vol.img"), "server", "unix:/s");
-        assert!(matches!(export_spec(&both), Err(PolicyError::InvalidOptions(m)) if m.contains("not both")));
-        assert!(matches!(export_spec(&with(v.clone(), "file", "vol.img")), Err(PolicyError::InvalidOptions(_))));
-        assert!(matches!(export_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("server")));
+        assert!(
+            matches!(export_spec(&both), Err(PolicyError::InvalidOptions(m)) if m.contains("not both"))
+        );
+        assert!(matches!(
+            export_spec(&with(v.clone(), "file", "vol.img")),
+            Err(PolicyError::InvalidOptions(_))
+        ));
+        assert!(
+            matches!(export_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("server"))
+        );
     }
 
     #[test]
@@ -289,11 +364,23 @@ mod tests {
         let v = volume(AccessMode::ReadWriteOnce, "unix:/s");
         let spec = export_spec(&v).unwrap();
         assert_eq!((spec.attach, spec.connections), (NbdAttach::Auto, DEFAULT_CONNECTIONS));
-        let spec = export_spec(&with(with(v.clone(), "attach", "userspace"), "connections", "1")).unwrap();
+        let spec =
+            export_spec(&with(with(v.clone(), "attach", "userspace"), "connections", "1")).unwrap();
         assert_eq!((spec.attach, spec.connections), (NbdAttach::Userspace, 1));
-        assert_eq!(export_spec(&with(v.clone(), "attach", "kernel")).unwrap().attach, NbdAttach::Kernel);
-        for (k, bad) in [("attach", "fuse"), ("connections", "0"), ("connections", "17"), ("connections", "many")] {
-            assert!(matches!(export_spec(&with(v.clone(), k, bad)), Err(PolicyError::InvalidOptions(m)) if m.contains(k)), "{k}={bad}");
+        assert_eq!(
+            export_spec(&with(v.clone(), "attach", "kernel")).unwrap().attach,
+            NbdAttach::Kernel
+        );
+        for (k, bad) in [
+            ("attach", "fuse"),
+            ("connections", "0"),
+            ("connections", "17"),
+            ("connections", "many"),
+        ] {
+            assert!(
+                matches!(export_spec(&with(v.clone(), k, bad)), Err(PolicyError::InvalidOptions(m)) if m.contains(k)),
+                "{k}={bad}"
+            );
         }
     }
 
@@ -307,8 +394,11 @@ mod tests {
         };
         let v = volume(AccessMode::ReadWriteOnce, "unix:/run/nbd.sock");
         let c = consumer("n1", "a");
-        let plan = Nbd::attach(&FakeHost::default(), v.clone(), c.clone(), vec![], paths.clone()).unwrap();
-        assert!(matches!(&plan[0], Step::AttachDevice(a) if matches!(&a.spec, DeviceSpec::Nbd(n) if n.export_name == "disk0")));
+        let plan =
+            Nbd::attach(&FakeHost::default(), v.clone(), c.clone(), vec![], paths.clone()).unwrap();
+        assert!(
+            matches!(&plan[0], Step::AttachDevice(a) if matches!(&a.spec, DeviceSpec::Nbd(n) if n.export_name == "disk0"))
+        );
         assert_eq!(plan.len(), 4);
         let plan = Nbd::detach(&FakeHost::default(), v, c, vec![], paths).unwrap();
         assert!(matches!(plan.last(), Some(Step::DetachDevice(d)) if !d.force));

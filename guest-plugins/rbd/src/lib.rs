@@ -88,7 +88,8 @@ impl Policy for Rbd {
         BackendInfo {
             name: "rbd".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            description: "Ceph RBD images: map, format if needed, mount; blocklists stale clients".into(),
+            description: "Ceph RBD images: map, format if needed, mount; blocklists stale clients"
+                .into(),
             capabilities: Capabilities {
                 steps: vec![
                     StepKind::AttachDevice,
@@ -117,7 +118,8 @@ impl Policy for Rbd {
         nodes: Vec<NodeFacts>,
     ) -> Result<Decision, PolicyError> {
         let spec = image_spec(&volume)?;
-        let decision = fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes);
+        let decision =
+            fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes);
         if !exclusive(volume.access_mode) || matches!(decision, Decision::Deny(_)) {
             return Ok(decision);
         }
@@ -141,9 +143,11 @@ impl Policy for Rbd {
                 // Only clients of the gone holders' nodes are cut off. A
                 // watcher anywhere else (a live node, or one we cannot place)
                 // may be a healthy writer: deny rather than fence it.
-                let stale_nodes: Vec<&str> = take.stale.iter().map(|h| h.consumer.node.as_str()).collect();
-                let (stale, other): (Vec<&Watcher>, Vec<&Watcher>) =
-                    foreign.into_iter().partition(|w| w.node.as_deref().is_some_and(|n| stale_nodes.contains(&n)));
+                let stale_nodes: Vec<&str> =
+                    take.stale.iter().map(|h| h.consumer.node.as_str()).collect();
+                let (stale, other): (Vec<&Watcher>, Vec<&Watcher>) = foreign
+                    .into_iter()
+                    .partition(|w| w.node.as_deref().is_some_and(|n| stale_nodes.contains(&n)));
                 if let Some(w) = other.first() {
                     return Ok(Decision::Deny(format!(
                         "volume {}: image {image} is in use by watcher {}, which is not a client of the gone holder's node",
@@ -191,7 +195,15 @@ impl Policy for Rbd {
     ) -> Result<Plan, PolicyError> {
         let spec = image_spec(&volume)?;
         let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(&volume, plans::BlockOrigin::Attach(DeviceSpec::Rbd(spec)), &fs, volume.mount_flags.clone(), &requester, &local_holders, &paths))
+        Ok(plans::stage_block(
+            &volume,
+            plans::BlockOrigin::Attach(DeviceSpec::Rbd(spec)),
+            &fs,
+            volume.mount_flags.clone(),
+            &requester,
+            &local_holders,
+            &paths,
+        ))
     }
 
     fn detach(
@@ -221,7 +233,12 @@ impl Policy for Rbd {
         let mut plan = Vec::new();
         for item in items {
             let spec = image_spec(&item.volume)?;
-            plan.extend(plans::teardown(&item.holders, &item.paths, Some(DeviceSpec::Rbd(spec)), force));
+            plan.extend(plans::teardown(
+                &item.holders,
+                &item.paths,
+                Some(DeviceSpec::Rbd(spec)),
+                force,
+            ));
         }
         Ok(plan)
     }
@@ -230,8 +247,8 @@ impl Policy for Rbd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volagent_guest_sdk::fake::{FakeHost, consumer, holder, live_node};
     use volagent_guest_sdk::KeyValue;
+    use volagent_guest_sdk::fake::{FakeHost, consumer, holder, live_node};
 
     fn volume(mode: AccessMode) -> Volume {
         Volume {
@@ -241,10 +258,14 @@ mod tests {
             fs_type: "xfs".into(),
             mode: volagent_guest_sdk::VolumeMode::Filesystem,
             mount_flags: Vec::new(),
-            options: [("monitors", "10.0.0.1:6789,10.0.0.2:6789"), ("pool", "kube"), ("image", "img1")]
-                .into_iter()
-                .map(|(k, v)| KeyValue { key: k.into(), value: v.into() })
-                .collect(),
+            options: [
+                ("monitors", "10.0.0.1:6789,10.0.0.2:6789"),
+                ("pool", "kube"),
+                ("image", "img1"),
+            ]
+            .into_iter()
+            .map(|(k, v)| KeyValue { key: k.into(), value: v.into() })
+            .collect(),
             secret_keys: vec!["key".into()],
         }
     }
@@ -266,24 +287,34 @@ mod tests {
         assert_eq!((s.pool.as_str(), s.image.as_str(), s.user.as_str()), ("kube", "img1", "admin"));
         assert_eq!(s.secret_key.as_deref(), Some("key"));
         assert_eq!(s.attach, RbdAttach::Auto);
-        for (name, attach) in [("kernel", RbdAttach::Kernel), ("nbd", RbdAttach::Nbd), ("fuse", RbdAttach::Fuse)] {
+        for (name, attach) in
+            [("kernel", RbdAttach::Kernel), ("nbd", RbdAttach::Nbd), ("fuse", RbdAttach::Fuse)]
+        {
             let mut v = volume(AccessMode::ReadWriteOnce);
             v.options.push(KeyValue { key: "attach".into(), value: name.into() });
             assert_eq!(image_spec(&v).unwrap().attach, attach);
         }
         let mut v = volume(AccessMode::ReadWriteOnce);
         v.options.push(KeyValue { key: "attach".into(), value: "krbd".into() });
-        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"krbd\" is not auto, kernel, nbd or fuse")));
+        assert!(
+            matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"krbd\" is not auto, kernel, nbd or fuse"))
+        );
         let mut v = volume(AccessMode::ReadWriteOnce);
         v.options.retain(|kv| kv.key != "image");
-        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"image\"")));
+        assert!(
+            matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"image\""))
+        );
         let mut v = volume(AccessMode::ReadWriteOnce);
         v.options.push(KeyValue { key: "secretKey".into(), value: "nope".into() });
-        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("nope")));
+        assert!(
+            matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("nope"))
+        );
         // A StorageCluster's endpoints stand in for monitors.
         let mut v = volume(AccessMode::ReadWriteOnce);
         v.options.retain(|kv| kv.key != "monitors");
-        assert!(matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"monitors\"")));
+        assert!(
+            matches!(image_spec(&v), Err(PolicyError::InvalidOptions(m)) if m.contains("\"monitors\""))
+        );
         v.options.push(KeyValue { key: "endpoints".into(), value: "10.0.0.3:6789".into() });
         assert_eq!(image_spec(&v).unwrap().monitors, vec!["10.0.0.3:6789"]);
     }
@@ -291,44 +322,106 @@ mod tests {
     #[test]
     fn foreign_watcher_denies_an_exclusive_volume() {
         let h = host(Ok(vec![watcher(Some("n9"), "10.0.0.9:0/1")]));
-        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![live_node("n1")]).unwrap();
-        assert!(matches!(&d, Decision::Deny(r) if r.contains("node n9") && r.contains("kube/img1")), "{d:?}");
+        let d = Rbd::fence(
+            &h,
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "a"),
+            vec![],
+            vec![live_node("n1")],
+        )
+        .unwrap();
+        assert!(
+            matches!(&d, Decision::Deny(r) if r.contains("node n9") && r.contains("kube/img1")),
+            "{d:?}"
+        );
         // Our own node's watcher is fine.
         let h = host(Ok(vec![watcher(Some("n1"), "10.0.0.1:0/1")]));
-        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![]).unwrap();
+        let d =
+            Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![])
+                .unwrap();
         assert_eq!(d, Decision::Grant);
         // RWX does not care.
         let h = host(Ok(vec![watcher(Some("n9"), "10.0.0.9:0/1")]));
-        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteMany), consumer("n1", "a"), vec![], vec![]).unwrap();
+        let d =
+            Rbd::fence(&h, volume(AccessMode::ReadWriteMany), consumer("n1", "a"), vec![], vec![])
+                .unwrap();
         assert_eq!(d, Decision::Grant);
     }
 
     #[test]
     fn unknown_watchers_fail_closed() {
-        let d = Rbd::fence(&host(Err("timed out".into())), volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![]).unwrap();
+        let d = Rbd::fence(
+            &host(Err("timed out".into())),
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "a"),
+            vec![],
+            vec![],
+        )
+        .unwrap();
         assert!(matches!(&d, Decision::Deny(r) if r.contains("timed out")));
     }
 
     #[test]
     fn takeover_blocklists_the_old_client_first() {
         let old = consumer("n2", "old");
-        let h = host(Ok(vec![watcher(Some("n2"), "10.0.0.2:0/77"), watcher(Some("n1"), "10.0.0.1:0/5")]));
-        let gone = NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
-        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![gone, live_node("n1")]).unwrap();
+        let h = host(Ok(vec![
+            watcher(Some("n2"), "10.0.0.2:0/77"),
+            watcher(Some("n1"), "10.0.0.1:0/5"),
+        ]));
+        let gone =
+            NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
+        let d = Rbd::fence(
+            &h,
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "new"),
+            vec![holder(&old)],
+            vec![gone, live_node("n1")],
+        )
+        .unwrap();
         let Decision::TakeOver(t) = d else { panic!("expected take-over, got {d:?}") };
         assert_eq!(t.stale, vec![holder(&old)]);
-        assert!(matches!(t.fence_steps.as_slice(), [Step::BlocklistClient(b)] if b.address == "10.0.0.2:0/77"));
+        assert!(
+            matches!(t.fence_steps.as_slice(), [Step::BlocklistClient(b)] if b.address == "10.0.0.2:0/77")
+        );
         // A watcher on a live third node during a take-over: deny, never fence it.
-        let h3 = host(Ok(vec![watcher(Some("n2"), "10.0.0.2:0/77"), watcher(Some("n3"), "10.0.0.3:0/9")]));
-        let gone = NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
-        let d = Rbd::fence(&h3, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![gone.clone(), live_node("n1"), live_node("n3")]).unwrap();
-        assert!(matches!(&d, Decision::Deny(r) if r.contains("node n3") && r.contains("not a client of the gone holder")), "{d:?}");
+        let h3 = host(Ok(vec![
+            watcher(Some("n2"), "10.0.0.2:0/77"),
+            watcher(Some("n3"), "10.0.0.3:0/9"),
+        ]));
+        let gone =
+            NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
+        let d = Rbd::fence(
+            &h3,
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "new"),
+            vec![holder(&old)],
+            vec![gone.clone(), live_node("n1"), live_node("n3")],
+        )
+        .unwrap();
+        assert!(
+            matches!(&d, Decision::Deny(r) if r.contains("node n3") && r.contains("not a client of the gone holder")),
+            "{d:?}"
+        );
         // A watcher we cannot place: deny too.
         let h4 = host(Ok(vec![watcher(None, "10.0.0.8:0/1")]));
-        let d = Rbd::fence(&h4, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![gone, live_node("n1")]).unwrap();
+        let d = Rbd::fence(
+            &h4,
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "new"),
+            vec![holder(&old)],
+            vec![gone, live_node("n1")],
+        )
+        .unwrap();
         assert!(matches!(d, Decision::Deny(_)), "{d:?}");
         // A live old node: never taken over.
-        let d = Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "new"), vec![holder(&old)], vec![live_node("n2")]).unwrap();
+        let d = Rbd::fence(
+            &h,
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "new"),
+            vec![holder(&old)],
+            vec![live_node("n2")],
+        )
+        .unwrap();
         assert!(matches!(d, Decision::Deny(r) if r.contains("pod default/old on node n2")));
     }
 
@@ -344,11 +437,14 @@ mod tests {
             },
             holders: vec![holder(&consumer("n1", "a"))],
         };
-        let plan = Rbd::cleanup(&FakeHost::default(), CleanupReason::StorageClusterDeleted, vec![item]).unwrap();
+        let plan =
+            Rbd::cleanup(&FakeHost::default(), CleanupReason::StorageClusterDeleted, vec![item])
+                .unwrap();
         assert_eq!(plan.len(), 3);
         assert!(plan.iter().all(|s| match s {
             Step::Unmount(u) => u.force,
-            Step::DetachDevice(d) => d.force && matches!(&d.spec, DeviceSpec::Rbd(r) if r.image == "img1"),
+            Step::DetachDevice(d) =>
+                d.force && matches!(&d.spec, DeviceSpec::Rbd(r) if r.image == "img1"),
             _ => false,
         }));
     }
@@ -361,7 +457,14 @@ mod tests {
             state_dir: "/s".into(),
             discovery_dirs: vec![],
         };
-        let plan = Rbd::attach(&FakeHost::default(), volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], paths).unwrap();
+        let plan = Rbd::attach(
+            &FakeHost::default(),
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "a"),
+            vec![],
+            paths,
+        )
+        .unwrap();
         let kinds: Vec<&str> = plan
             .iter()
             .map(|s| match s {

@@ -47,9 +47,9 @@ pub fn standard(
             describe(requester)
         ));
     }
-    let others = holders
-        .iter()
-        .filter(|h| !(h.consumer.pod_uid == requester.pod_uid && h.consumer.node == requester.node));
+    let others = holders.iter().filter(|h| {
+        !(h.consumer.pod_uid == requester.pod_uid && h.consumer.node == requester.node)
+    });
     let (stale, live): (Vec<&Holder>, Vec<&Holder>) = others
         .filter(|h| conflicts(mode, requester, &h.consumer))
         .partition(|h| node_gone(nodes, &h.consumer.node));
@@ -66,7 +66,12 @@ pub fn standard(
     }
 }
 
-fn deny_reason(volume_name: &str, mode: AccessMode, holder: &Holder, nodes: &[NodeFacts]) -> String {
+fn deny_reason(
+    volume_name: &str,
+    mode: AccessMode,
+    holder: &Holder,
+    nodes: &[NodeFacts],
+) -> String {
     let mut reason = format!(
         "volume {volume_name} ({}) is in use by {} since {}",
         mode_name(mode),
@@ -101,7 +106,8 @@ mod tests {
         let nodes = [live_node("n1"), live_node("n2")];
         let held = [holder(&a)];
         assert_eq!(standard("pv", AccessMode::ReadWriteOnce, &b, &held, &nodes), Decision::Grant);
-        let Decision::Deny(reason) = standard("pv", AccessMode::ReadWriteOnce, &c, &held, &nodes) else {
+        let Decision::Deny(reason) = standard("pv", AccessMode::ReadWriteOnce, &c, &held, &nodes)
+        else {
             panic!("a pod on another node must be denied")
         };
         assert!(reason.contains("pod default/a on node n1"), "{reason}");
@@ -126,9 +132,16 @@ mod tests {
         let mut r = consumer("n2", "r");
         r.read_only = true;
         let w = consumer("n2", "w");
-        let held = [holder(&{ let mut h = consumer("n1", "h"); h.read_only = true; h })];
+        let held = [holder(&{
+            let mut h = consumer("n1", "h");
+            h.read_only = true;
+            h
+        })];
         assert_eq!(standard("pv", AccessMode::ReadOnlyMany, &r, &held, &[]), Decision::Grant);
-        assert!(matches!(standard("pv", AccessMode::ReadOnlyMany, &w, &held, &[]), Decision::Deny(_)));
+        assert!(matches!(
+            standard("pv", AccessMode::ReadOnlyMany, &w, &held, &[]),
+            Decision::Deny(_)
+        ));
     }
 
     #[test]
@@ -146,14 +159,21 @@ mod tests {
         let held = [holder(&consumer("n1", "a"))];
         // NotReady alone is not proof.
         let not_ready = NodeFacts { ready: false, ..live_node("n1") };
-        let Decision::Deny(reason) = standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[not_ready]) else {
+        let Decision::Deny(reason) =
+            standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[not_ready])
+        else {
             panic!("NotReady must not be taken over")
         };
         assert!(reason.contains("NotReady"), "{reason}");
         // Unknown node: alive.
-        assert!(matches!(standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[]), Decision::Deny(_)));
+        assert!(matches!(
+            standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[]),
+            Decision::Deny(_)
+        ));
         for dead in [gone("n1"), NodeFacts { out_of_service: true, ..live_node("n1") }] {
-            let Decision::TakeOver(t) = standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[dead]) else {
+            let Decision::TakeOver(t) =
+                standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[dead])
+            else {
                 panic!("a gone node's holder must be taken over")
             };
             assert_eq!(t.stale, held.to_vec());
@@ -165,7 +185,8 @@ mod tests {
     fn a_live_holder_blocks_takeover_of_a_dead_one() {
         let c = consumer("n3", "c");
         let held = [holder(&consumer("n1", "a")), holder(&consumer("n2", "b"))];
-        let d = standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[gone("n1"), live_node("n2")]);
+        let d =
+            standard("pv", AccessMode::ReadWriteOnce, &c, &held, &[gone("n1"), live_node("n2")]);
         assert!(matches!(d, Decision::Deny(r) if r.contains("node n2")));
     }
 }

@@ -85,12 +85,22 @@ pub trait Policy {
     /// The plan growing `volume` where `consumer` has it. By default the
     /// filesystem at the consumer's dir grows to its device's size (a
     /// block volume has nothing on the node to grow).
-    fn expand(_host: &dyn Host, volume: Volume, consumer: Consumer, _paths: NodePaths) -> Result<Plan, PolicyError> {
+    fn expand(
+        _host: &dyn Host,
+        volume: Volume,
+        consumer: Consumer,
+        _paths: NodePaths,
+    ) -> Result<Plan, PolicyError> {
         Ok(plans::grow(&volume, &consumer))
     }
     /// Why the volume is not healthy where `consumer` has it; by default
     /// nothing beyond what the host checked.
-    fn condition(_host: &dyn Host, _volume: Volume, _consumer: Consumer, _paths: NodePaths) -> Option<String> {
+    fn condition(
+        _host: &dyn Host,
+        _volume: Volume,
+        _consumer: Consumer,
+        _paths: NodePaths,
+    ) -> Option<String> {
         None
     }
     fn cleanup(
@@ -167,8 +177,5 @@ pub fn mode_name(mode: AccessMode) -> &'static str {
 
 /// "pod ns/name on node n", for messages users read.
 pub fn describe(consumer: &Consumer) -> String {
-    format!(
-        "pod {}/{} on node {}",
-        consumer.pod_namespace, consumer.pod, consumer.node
-    )
+    format!("pod {}/{} on node {}", consumer.pod_namespace, consumer.pod, consumer.node)
 }

@@ -16,34 +16,21 @@ pub fn get<'v>(volume: &'v Volume, key: &str) -> Option<&'v str> {
 /// The value of a required option, or an error naming it and the volume.
 pub fn required<'v>(volume: &'v Volume, key: &str) -> Result<&'v str, PolicyError> {
     get(volume, key).ok_or_else(|| {
-        PolicyError::InvalidOptions(format!(
-            "volume {}: option \"{key}\" is required",
-            volume.name
-        ))
+        PolicyError::InvalidOptions(format!("volume {}: option \"{key}\" is required", volume.name))
     })
 }
 
 /// A comma-separated list option, blanks dropped.
 pub fn list(volume: &Volume, key: &str) -> Vec<String> {
     get(volume, key)
-        .map(|v| {
-            v.split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(String::from)
-                .collect()
-        })
+        .map(|v| v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect())
         .unwrap_or_default()
 }
 
 /// The filesystem to use: the volume's fsType, else `default`; it must be
 /// one of `allowed`.
 pub fn fs_type(volume: &Volume, default: &str, allowed: &[&str]) -> Result<String, PolicyError> {
-    let fs = if volume.fs_type.trim().is_empty() {
-        default
-    } else {
-        volume.fs_type.trim()
-    };
+    let fs = if volume.fs_type.trim().is_empty() { default } else { volume.fs_type.trim() };
     if allowed.contains(&fs) {
         Ok(fs.to_string())
     } else {

@@ -3,8 +3,8 @@
 
 use crate::{
     AccessMode, AttachDevice, BindMount, BlockSource, Consumer, DetachDevice, DeviceSpec, Format,
-    FormatMode, GrowFilesystem, Holder, Mount, MountSource, NodePaths, Plan, PublishBlock, Step, Unmount,
-    Volume, VolumeMode,
+    FormatMode, GrowFilesystem, Holder, Mount, MountSource, NodePaths, Plan, PublishBlock, Step,
+    Unmount, Volume, VolumeMode,
 };
 
 /// The id this crate gives the one device a plan attaches.
@@ -38,7 +38,11 @@ impl BlockOrigin {
     fn into_source(self, read_only: bool, plan: &mut Plan) -> BlockSource {
         match self {
             BlockOrigin::Attach(spec) => {
-                plan.push(Step::AttachDevice(AttachDevice { id: DEVICE_ID.to_string(), spec, read_only }));
+                plan.push(Step::AttachDevice(AttachDevice {
+                    id: DEVICE_ID.to_string(),
+                    spec,
+                    read_only,
+                }));
                 BlockSource::Attached(DEVICE_ID.to_string())
             }
             BlockOrigin::Existing(device) => BlockSource::Device(device),
@@ -65,7 +69,9 @@ pub fn publish_block(volume: &Volume, origin: BlockOrigin, requester: &Consumer)
 pub fn grow(volume: &Volume, consumer: &Consumer) -> Plan {
     match volume.mode {
         VolumeMode::Block => Vec::new(),
-        VolumeMode::Filesystem => vec![Step::GrowFilesystem(GrowFilesystem { target: consumer.mount_dir.clone() })],
+        VolumeMode::Filesystem => {
+            vec![Step::GrowFilesystem(GrowFilesystem { target: consumer.mount_dir.clone() })]
+        }
     }
 }
 
@@ -131,7 +137,12 @@ pub fn unstage(
 
 /// Everything a node holds for one volume, torn down: every recorded pod
 /// mount dir, the staging dir and the device. Used by cleanups.
-pub fn teardown(holders: &[Holder], paths: &NodePaths, spec: Option<DeviceSpec>, force: bool) -> Plan {
+pub fn teardown(
+    holders: &[Holder],
+    paths: &NodePaths,
+    spec: Option<DeviceSpec>,
+    force: bool,
+) -> Plan {
     let mut plan: Plan = holders
         .iter()
         .map(|h| Step::Unmount(Unmount { target: h.consumer.mount_dir.clone(), force }))

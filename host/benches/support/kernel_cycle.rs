@@ -39,12 +39,25 @@ impl Kernel {
         if self.makes_pod_dir {
             std::fs::create_dir(&self.pod).expect("make the pod's dir");
         }
-        let file = std::fs::OpenOptions::new().read(true).write(true).open(&self.image).expect("open image");
-        let dev = volagent::sys::loopdev::attach(file.as_fd(), &self.image, false, "bench").expect("attach");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.image)
+            .expect("open image");
+        let dev = volagent::sys::loopdev::attach(file.as_fd(), &self.image, false, "bench")
+            .expect("attach");
         drop(file);
         let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
-        nix::mount::mount(Some(&dev), &self.staging, Some("ext4"), flags, None::<&str>).expect("mount");
-        nix::mount::mount(Some(&self.staging), &self.pod, None::<&str>, MsFlags::MS_BIND, None::<&str>).expect("bind");
+        nix::mount::mount(Some(&dev), &self.staging, Some("ext4"), flags, None::<&str>)
+            .expect("mount");
+        nix::mount::mount(
+            Some(&self.staging),
+            &self.pod,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .expect("bind");
         up.push(t.elapsed());
         let t = Instant::now();
         nix::mount::umount2(&self.pod, MntFlags::empty()).expect("unmount pod");
@@ -56,4 +69,3 @@ impl Kernel {
         down.push(t.elapsed());
     }
 }
-

@@ -122,13 +122,17 @@ impl AgentArgs {
 }
 
 pub(super) fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
 }
 
 /// Where drivers go and what they are, or None not to install them.
 fn driver_target(args: &AgentArgs) -> (Option<PathBuf>, PathBuf) {
     let driver = args.flex_driver.clone().unwrap_or_else(|| {
-        std::env::current_exe().map(|exe| exe.with_file_name("volagent-flex")).unwrap_or_else(|_| PathBuf::from("volagent-flex"))
+        std::env::current_exe()
+            .map(|exe| exe.with_file_name("volagent-flex"))
+            .unwrap_or_else(|_| PathBuf::from("volagent-flex"))
     });
     if args.no_driver_install {
         return (None, driver);
@@ -165,7 +169,8 @@ fn discovery_dirs(args: &AgentArgs) -> anyhow::Result<Vec<PathBuf>> {
     }
     let mut resolved = Vec::new();
     for d in dirs {
-        let r = crate::sys::beneath::resolve(&d).with_context(|| format!("discovery dir {}", d.display()))?;
+        let r = crate::sys::beneath::resolve(&d)
+            .with_context(|| format!("discovery dir {}", d.display()))?;
         if !resolved.contains(&r) {
             resolved.push(r);
         }
@@ -177,14 +182,23 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     raise_nofile();
     let node = args.node_name.clone().unwrap_or_else(hostname);
     let plugin_dir = args.plugin_dir.clone().unwrap_or_else(|| args.state_dir.join("plugins"));
-    std::fs::create_dir_all(&plugin_dir).with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
+    std::fs::create_dir_all(&plugin_dir)
+        .with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
     let runtime = Runtime::new(limits)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
     let cluster = match (&args.kubeconfig, args.in_cluster) {
         (None, false) => None,
         (kubeconfig, _) => {
             let client = rt.block_on(crate::kube::cluster::client(kubeconfig.as_deref()))?;
-            Some(crate::kube::cluster::Cluster { client, component: "volagent-agent".into(), node: node.clone(), namespace: args.namespace.clone() })
+            Some(crate::kube::cluster::Cluster {
+                client,
+                component: "volagent-agent".into(),
+                node: node.clone(),
+                namespace: args.namespace.clone(),
+            })
         }
     };
     let ledger: Arc<dyn crate::ledger::Ledger> = match &cluster {
@@ -193,7 +207,8 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             Arc::new(crate::kube::ledger::KubeLedger::new(c.client.clone()))
         }
         None => {
-            let ledger_path = args.ledger.clone().unwrap_or_else(|| args.state_dir.join("ledger.redb"));
+            let ledger_path =
+                args.ledger.clone().unwrap_or_else(|| args.state_dir.join("ledger.redb"));
             tracing::info!(path = %ledger_path.display(), "ledger: embedded (no cluster configured)");
             Arc::new(EmbeddedLedger::open(&ledger_path, args.ledger_shared)?)
         }
@@ -203,7 +218,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     let socket = args.socket();
     // The dirs the agent acts in, resolved once: every path it acts on is
     // then resolved beneath one of them, following no symlink.
-    let root = |p: &Path| crate::sys::beneath::resolve(p).with_context(|| format!("root dir {}", p.display()));
+    let root = |p: &Path| {
+        crate::sys::beneath::resolve(p).with_context(|| format!("root dir {}", p.display()))
+    };
     let config = NodeConfig {
         node: node.clone(),
         kubelet_root: root(&args.kubelet_root)?,
@@ -217,7 +234,12 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     let local_classes: Vec<crate::local::LocalClass> = args
         .local_classes
         .iter()
-        .map(|c| Ok(crate::local::LocalClass { name: c.name.clone(), dirs: c.dirs.iter().map(|d| root(d)).collect::<anyhow::Result<_>>()? }))
+        .map(|c| {
+            Ok(crate::local::LocalClass {
+                name: c.name.clone(),
+                dirs: c.dirs.iter().map(|d| root(d)).collect::<anyhow::Result<_>>()?,
+            })
+        })
         .collect::<anyhow::Result<_>>()?;
     let mut nbd = crate::sys::nbd_client::NbdFuse::new(config.state_dir.join("nbd"));
     nbd.kernel.request_timeout = args.nbd_hung_after;
@@ -227,7 +249,14 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         sys = sys.with_faults(file.into());
     }
     spawn_nbd_watchdog(sys.nbd.clone(), args.nbd_hung_after);
-    let mut agent = Agent::new(config, Vec::new(), ledger.clone(), stash, sys, Duration::from_secs(args.plan_deadline_secs));
+    let mut agent = Agent::new(
+        config,
+        Vec::new(),
+        ledger.clone(),
+        stash,
+        sys,
+        Duration::from_secs(args.plan_deadline_secs),
+    );
     if let Some(c) = cluster.clone() {
         agent = agent.with_cluster(c);
     }
@@ -237,9 +266,19 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     let (volume_plugin_dir, driver_binary) = driver_target(&args);
     let csi_threads = match args.no_csi {
         true => None,
-        false => Some(crate::csi::threads::CsiThreads::start(crate::csi::threads::THREADS).context("CSI threads")?),
+        false => Some(
+            crate::csi::threads::CsiThreads::start(crate::csi::threads::THREADS)
+                .context("CSI threads")?,
+        ),
     };
-    let csi = csi_threads.as_ref().map(|t| Arc::new(crate::csi::drivers::Drivers::new(agent.clone(), rt.handle().clone(), t.handles().to_vec(), args.allowed_uids.clone())));
+    let csi = csi_threads.as_ref().map(|t| {
+        Arc::new(crate::csi::drivers::Drivers::new(
+            agent.clone(),
+            rt.handle().clone(),
+            t.handles().to_vec(),
+            args.allowed_uids.clone(),
+        ))
+    });
     if let Some(csi) = &csi {
         agent.serve_csi(csi);
     }
@@ -251,7 +290,8 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         pod: PodIdentity::from_env(),
         csi: csi.clone(),
     };
-    let mut reloader = Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
+    let mut reloader =
+        Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
     // The watch starts before the first pass: a file that lands after the
     // pass has read the dir (even before the socket appears) still counts.
     let watch = crate::plugin::watch::DirWatch::start(&plugin_dir)

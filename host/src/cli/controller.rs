@@ -12,7 +12,12 @@ use std::time::Duration;
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
     /// The cluster's kubeconfig.
-    #[arg(long, env = "KUBECONFIG", conflicts_with = "in_cluster", required_unless_present = "in_cluster")]
+    #[arg(
+        long,
+        env = "KUBECONFIG",
+        conflicts_with = "in_cluster",
+        required_unless_present = "in_cluster"
+    )]
     kubeconfig: Option<PathBuf>,
     /// Use the pod's service account.
     #[arg(long)]
@@ -73,8 +78,14 @@ pub fn run(args: ControllerArgs) -> anyhow::Result<ExitCode> {
     if args.lease_duration < Duration::from_secs(3) {
         anyhow::bail!("--lease-duration must be at least 3s (it is renewed every third of it)");
     }
-    let identity = args.identity.clone().unwrap_or_else(|| format!("{}-{}", super::agent::hostname(), std::process::id()));
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(|| format!("{}-{}", super::agent::hostname(), std::process::id()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
     rt.block_on(async move {
         let client = crate::kube::cluster::client(if args.in_cluster { None } else { args.kubeconfig.as_deref() }).await?;
         let state = Arc::new(State::default());

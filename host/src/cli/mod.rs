@@ -12,7 +12,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 #[derive(Debug, Parser)]
-#[command(name = "volagent", version, about = "Storage node agent for Kubernetes with WebAssembly backend policies")]
+#[command(
+    name = "volagent",
+    version,
+    about = "Storage node agent for Kubernetes with WebAssembly backend policies"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -101,7 +105,10 @@ impl Cli {
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
             Command::Agent { .. } | Command::Controller { .. } | Command::Nbd { .. } => "info",
-            Command::Plugin { .. } | Command::Status { .. } | Command::Crds { .. } | Command::Local { .. } => "error",
+            Command::Plugin { .. }
+            | Command::Status { .. }
+            | Command::Crds { .. }
+            | Command::Local { .. } => "error",
         }
     }
 }
@@ -124,7 +131,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             for (file, yaml) in crate::kube::crds::all() {
                 let path = dir.join(file);
-                std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
+                std::fs::write(&path, yaml)
+                    .with_context(|| format!("writing {}", path.display()))?;
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -123,7 +123,8 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
     let exports = Exports::default();
     let mut images = Vec::new();
     for (name, path) in &args.exports {
-        let export = FileExport::open(path, args.read_only).with_context(|| format!("export {name:?}"))?;
+        let export =
+            FileExport::open(path, args.read_only).with_context(|| format!("export {name:?}"))?;
         exports.insert(name, Arc::new(export));
     }
     for (name, pool, image) in &args.rbd_exports {
@@ -138,12 +139,16 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
             pool: pool.clone(),
             image: image.clone(),
         };
-        let export = Arc::new(crate::sys::rbd_export::RbdExport::open(&target, args.read_only).with_context(|| format!("export {name:?}"))?);
+        let export = Arc::new(
+            crate::sys::rbd_export::RbdExport::open(&target, args.read_only)
+                .with_context(|| format!("export {name:?}"))?,
+        );
         if let Some(file) = &args.ceph_client_file {
             // Who this export is to the cluster: the agent places its
             // watcher on this node, and fencing names it to blocklist.
             let (id, address) = export.client();
-            std::fs::write(file, format!("{id} {address}\n")).with_context(|| format!("write {}", file.display()))?;
+            std::fs::write(file, format!("{id} {address}\n"))
+                .with_context(|| format!("write {}", file.display()))?;
         }
         exports.insert(name, export.clone());
         images.push(export);
@@ -151,12 +156,18 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
     if let Some(name) = &args.export_stdin {
         use std::os::fd::AsFd;
         let fd = std::io::stdin().as_fd().try_clone_to_owned().context("standard input")?;
-        let export = FileExport::from_file(std::fs::File::from(fd), std::path::Path::new("/dev/stdin"), args.read_only)
-            .with_context(|| format!("export {name:?} from standard input"))?;
+        let export = FileExport::from_file(
+            std::fs::File::from(fd),
+            std::path::Path::new("/dev/stdin"),
+            args.read_only,
+        )
+        .with_context(|| format!("export {name:?} from standard input"))?;
         exports.insert(name, Arc::new(export));
     }
     let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(crate::nbd::tls::server_config(cert, key, args.tls_client_ca.as_deref())?),
+        (Some(cert), Some(key)) => {
+            Some(crate::nbd::tls::server_config(cert, key, args.tls_client_ca.as_deref())?)
+        }
         _ => None,
     };
     let clients = match (&tls, &args.tls_client_ca) {
@@ -171,15 +182,23 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
     }
     .context("nbd listener")?;
     let with_tls = tls.is_some();
-    let timeouts = Timeouts { idle: (!args.idle_timeout.is_zero()).then_some(args.idle_timeout), request: args.request_timeout, ..Timeouts::default() };
+    let timeouts = Timeouts {
+        idle: (!args.idle_timeout.is_zero()).then_some(args.idle_timeout),
+        request: args.request_timeout,
+        ..Timeouts::default()
+    };
     let settings = Settings { max_connections: args.max_connections as usize, tls, timeouts };
     let server = Server::start_with(listener, exports, settings).context("nbd server")?;
     tracing::info!(listener = %server.describe(), exports = exports_count(&args), tls = with_tls, "volagent nbd server serving");
     // Readiness for scripts: the socket exists and accepts from now on.
     println!("serving on {}", server.describe());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("tokio runtime")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
     rt.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("SIGTERM handler")?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -209,7 +228,9 @@ fn close_images(images: Vec<Arc<crate::sys::rbd_export::RbdExport>>) {
                     std::thread::sleep(std::time::Duration::from_millis(10));
                 }
                 Err(_) => {
-                    tracing::warn!("an RBD image is still in use by a connection at exit; its watch will time out");
+                    tracing::warn!(
+                        "an RBD image is still in use by a connection at exit; its watch will time out"
+                    );
                     break;
                 }
             }

@@ -64,15 +64,31 @@ fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
         anyhow::bail!("the agent at {} answered {response:?}, not a status", socket.display());
     };
     if json {
-        println!("{}", serde_json::json!({ "node": node, "backends": backends, "problems": problems }));
+        println!(
+            "{}",
+            serde_json::json!({ "node": node, "backends": backends, "problems": problems })
+        );
     } else {
         println!("node {node}");
         for b in &backends {
-            let state = problems.iter().find(|p| p.backend.as_deref() == Some(&b.name)).map_or("serving", |p| p.state.as_str());
-            println!("  {:<16} {:<10} {:<16} {} (sha256 {})", b.name, b.version, state, b.file, b.sha256);
+            let state = problems
+                .iter()
+                .find(|p| p.backend.as_deref() == Some(&b.name))
+                .map_or("serving", |p| p.state.as_str());
+            println!(
+                "  {:<16} {:<10} {:<16} {} (sha256 {})",
+                b.name, b.version, state, b.file, b.sha256
+            );
         }
         for p in &problems {
-            println!("  {}: {} {} (sha256 {}): {}", p.state, p.backend.as_deref().unwrap_or("-"), p.file, p.sha256, p.reason);
+            println!(
+                "  {}: {} {} (sha256 {}): {}",
+                p.state,
+                p.backend.as_deref().unwrap_or("-"),
+                p.file,
+                p.sha256,
+                p.reason
+            );
         }
     }
     Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
@@ -139,15 +155,26 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
     let names = |v: Vec<&str>| if v.is_empty() { "-".to_string() } else { v.join(", ") };
     println!("file:        {}", plugin.path().display());
     println!("sha256:      {}", plugin.sha256());
-    println!("size:        {} bytes (compiled and checked in {:.1} ms)", plugin.size(), compile.as_secs_f64() * 1e3);
-    let adapted = if plugin.contract() == crate::policy::CONTRACT_VERSION { String::new() } else { format!(" (contract {}, served through the host's adapter)", plugin.contract()) };
+    println!(
+        "size:        {} bytes (compiled and checked in {:.1} ms)",
+        plugin.size(),
+        compile.as_secs_f64() * 1e3
+    );
+    let adapted = if plugin.contract() == crate::policy::CONTRACT_VERSION {
+        String::new()
+    } else {
+        format!(" (contract {}, served through the host's adapter)", plugin.contract())
+    };
     println!("world:       exports {}{adapted}", plugin.export());
     println!("backend:     {} {}", info.name, info.version);
     println!("about:       {}", info.description);
     println!("steps:       {}", names(caps.steps.iter().map(|s| s.name()).collect()));
     println!("devices:     {}", names(caps.device_kinds.iter().map(|d| d.name()).collect()));
     println!("filesystems: {}", names(caps.filesystems.iter().map(String::as_str).collect()));
-    println!("network fs:  {}", names(caps.network_filesystems.iter().map(String::as_str).collect()));
+    println!(
+        "network fs:  {}",
+        names(caps.network_filesystems.iter().map(String::as_str).collect())
+    );
     println!("path roots:  {}", names(caps.path_roots.iter().map(|r| r.name()).collect()));
     println!("imports:");
     for i in plugin.imports() {
@@ -156,17 +183,32 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
     Ok(ExitCode::SUCCESS)
 }
 
-fn bench(runtime: &Arc<Runtime>, wasm: &Path, scenarios: Option<PathBuf>, calls: u32) -> anyhow::Result<ExitCode> {
+fn bench(
+    runtime: &Arc<Runtime>,
+    wasm: &Path,
+    scenarios: Option<PathBuf>,
+    calls: u32,
+) -> anyhow::Result<ExitCode> {
     let (plugin, compile) = load(runtime, wasm)?;
-    println!("{} {}: compiled and checked in {:.1} ms", plugin.name(), plugin.info().version, compile.as_secs_f64() * 1e3);
-    println!("{:<60} {:>8} {:>10} {:>10} {:>10} {:>10}", "call", "calls", "p50 µs", "p99 µs", "mean µs", "max µs");
+    println!(
+        "{} {}: compiled and checked in {:.1} ms",
+        plugin.name(),
+        plugin.info().version,
+        compile.as_secs_f64() * 1e3
+    );
+    println!(
+        "{:<60} {:>8} {:>10} {:>10} {:>10} {:>10}",
+        "call", "calls", "p50 µs", "p99 µs", "mean µs", "max µs"
+    );
     let mut prepared = Vec::new();
     match scenarios {
         None => prepared.push(None),
         Some(path) => {
             for file in scenario::files(&path)? {
                 for p in scenario::load(&file, plugin.name())? {
-                    let p = p.map_err(|(name, why)| anyhow::anyhow!("{}: {name}: {why}", file.display()))?;
+                    let p = p.map_err(|(name, why)| {
+                        anyhow::anyhow!("{}: {name}: {why}", file.display())
+                    })?;
                     prepared.push(Some(p));
                 }
             }
@@ -188,11 +230,23 @@ fn bench(runtime: &Arc<Runtime>, wasm: &Path, scenarios: Option<PathBuf>, calls:
             .collect();
         let crate::stats::Summary { p50, p99, mean, max } = crate::stats::summarize(&mut samples);
         let name = p.as_ref().map_or("info", |p| p.name.as_str());
-        println!("{:<60} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1}", truncate(name, 60), calls, p50, p99, mean, max);
+        println!(
+            "{:<60} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            truncate(name, 60),
+            calls,
+            p50,
+            p99,
+            mean,
+            max
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
 
 fn truncate(s: &str, n: usize) -> String {
-    if s.chars().count() <= n { s.to_string() } else { s.chars().take(n - 1).collect::<String>() + "…" }
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n - 1).collect::<String>() + "…"
+    }
 }

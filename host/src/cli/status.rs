@@ -2,7 +2,9 @@
 //! and for which pods, as a table for people or JSON for tools.
 
 use crate::socket::client;
-use crate::socket::protocol::{CsiReport, DEFAULT_SOCKET, HeldVolume, LocalReport, Request, Response};
+use crate::socket::protocol::{
+    CsiReport, DEFAULT_SOCKET, HeldVolume, LocalReport, Request, Response,
+};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -45,9 +47,22 @@ pub struct NodeVolumes {
 pub fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let response = client::ask(&args.socket, Request::Status, TIMEOUT)?;
     let status = match response {
-        Response::Status { node, volumes, volumes_left_out, volumes_error, local, csi, .. } => NodeVolumes { node, volumes, volumes_left_out, volumes_error, local, csi: csi.map(|c| *c) },
-        Response::Failed { kind, message } => anyhow::bail!("the agent at {} refused ({kind:?}): {message}", args.socket.display()),
-        other => anyhow::bail!("the agent at {} answered {other:?}, not a status", args.socket.display()),
+        Response::Status { node, volumes, volumes_left_out, volumes_error, local, csi, .. } => {
+            NodeVolumes {
+                node,
+                volumes,
+                volumes_left_out,
+                volumes_error,
+                local,
+                csi: csi.map(|c| *c),
+            }
+        }
+        Response::Failed { kind, message } => {
+            anyhow::bail!("the agent at {} refused ({kind:?}): {message}", args.socket.display())
+        }
+        other => {
+            anyhow::bail!("the agent at {} answered {other:?}, not a status", args.socket.display())
+        }
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
@@ -57,14 +72,17 @@ pub fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     Ok(if status.volumes_error.is_some() { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
-const HEADER: [&str; 9] = ["BACKEND", "VOLUME", "ACCESS", "DEVICE", "POD", "POD UID", "MODE", "SINCE", "MOUNT DIR"];
+const HEADER: [&str; 9] =
+    ["BACKEND", "VOLUME", "ACCESS", "DEVICE", "POD", "POD UID", "MODE", "SINCE", "MOUNT DIR"];
 
 /// One row per pod holding a volume, columns as wide as their widest cell.
 pub fn table(status: &NodeVolumes) -> String {
     let mut out = String::new();
     let held = status.volumes.len() + status.volumes_left_out;
     match held {
-        0 if status.volumes_error.is_none() => out.push_str(&format!("node {} holds no volumes\n", cell(&status.node))),
+        0 if status.volumes_error.is_none() => {
+            out.push_str(&format!("node {} holds no volumes\n", cell(&status.node)))
+        }
         0 => out.push_str(&format!("node {}\n", cell(&status.node))),
         1 => out.push_str(&format!("node {} holds 1 volume\n", cell(&status.node))),
         n => out.push_str(&format!("node {} holds {n} volumes\n", cell(&status.node))),
@@ -94,7 +112,8 @@ pub fn table(status: &NodeVolumes) -> String {
         }
         let header = HEADER.map(String::from);
         for row in std::iter::once(&header).chain(&rows) {
-            let line: Vec<String> = row.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
+            let line: Vec<String> =
+                row.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
             out.push_str(line.join("  ").trim_end());
             out.push('\n');
         }
@@ -120,22 +139,44 @@ pub fn table(status: &NodeVolumes) -> String {
 
 /// The CSI drivers and what kubelet said of each, then the publications.
 fn csi_table(csi: &CsiReport) -> String {
-    let mut out = format!("
+    let mut out = format!(
+        "
 CSI drivers: {}
-", csi.drivers.len());
-    let rows: Vec<Vec<String>> = csi.drivers.iter().map(|d| vec![cell(&d.name), cell(&d.backend), cell(&d.registration)]).collect();
+",
+        csi.drivers.len()
+    );
+    let rows: Vec<Vec<String>> = csi
+        .drivers
+        .iter()
+        .map(|d| vec![cell(&d.name), cell(&d.backend), cell(&d.registration)])
+        .collect();
     if !rows.is_empty() {
         out.push_str(&aligned(&["DRIVER", "BACKEND", "KUBELET"], &rows));
     }
     if !csi.publications.is_empty() {
-        let more = if csi.publications_left_out > 0 { format!(" ({} more not shown)", csi.publications_left_out) } else { String::new() };
-        out.push_str(&format!("
+        let more = if csi.publications_left_out > 0 {
+            format!(" ({} more not shown)", csi.publications_left_out)
+        } else {
+            String::new()
+        };
+        out.push_str(&format!(
+            "
 CSI publications: {}{more}
-", csi.publications.len()));
+",
+            csi.publications.len()
+        ));
         let rows: Vec<Vec<String>> = csi
             .publications
             .iter()
-            .map(|p| vec![cell(&p.backend), cell(&p.volume), if p.pod.is_empty() { "-".into() } else { cell(&p.pod) }, if p.read_only { "ro" } else { "rw" }.into(), cell(&p.target)])
+            .map(|p| {
+                vec![
+                    cell(&p.backend),
+                    cell(&p.volume),
+                    if p.pod.is_empty() { "-".into() } else { cell(&p.pod) },
+                    if p.read_only { "ro" } else { "rw" }.into(),
+                    cell(&p.target),
+                ]
+            })
             .collect();
         out.push_str(&aligned(&["BACKEND", "VOLUME", "POD", "MODE", "TARGET"], &rows));
     }
@@ -152,7 +193,16 @@ fn local_table(local: &LocalReport) -> String {
     let rows: Vec<Vec<String>> = local
         .volumes
         .iter()
-        .map(|v| vec![cell(&v.name), cell(&v.class), cell(&v.kind), cell(&v.capacity), cell(&v.state), cell(&v.path)])
+        .map(|v| {
+            vec![
+                cell(&v.name),
+                cell(&v.class),
+                cell(&v.kind),
+                cell(&v.capacity),
+                cell(&v.state),
+                cell(&v.path),
+            ]
+        })
         .collect();
     out.push_str(&aligned(&["PV", "CLASS", "KIND", "CAPACITY", "STATE", "PATH"], &rows));
     if local.volumes_left_out > 0 {
@@ -203,7 +253,9 @@ fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
 /// A value as one cell: control characters escaped, so a recorded name
 /// cannot break the table or the terminal.
 fn cell(s: &str) -> String {
-    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+    s.chars()
+        .map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() })
+        .collect()
 }
 
 #[cfg(test)]
@@ -235,7 +287,14 @@ mod tests {
     }
 
     fn status(volumes: Vec<HeldVolume>) -> NodeVolumes {
-        NodeVolumes { node: "node-a".into(), volumes, volumes_left_out: 0, volumes_error: None, local: None, csi: None }
+        NodeVolumes {
+            node: "node-a".into(),
+            volumes,
+            volumes_left_out: 0,
+            volumes_error: None,
+            local: None,
+            csi: None,
+        }
     }
 
     #[test]
@@ -268,32 +327,64 @@ mod tests {
         });
         let text = table(&s);
         assert!(text.contains("local volumes: 2 (scanned 2026-01-02T03:05:00Z)"), "{text}");
-        let row = |name: &str, n: usize| text.lines().filter(|l| l.starts_with(name)).nth(n).map(|l| l.split_whitespace().collect::<Vec<_>>()).unwrap_or_default();
-        assert_eq!(row("local-aaa", 0), ["local-aaa", "fast", "Block", "100Gi", "Available", "/mnt/fast/local-aaa"]);
-        assert_eq!(row("local-bbb", 1), ["local-bbb", "shred:3", "3/4", "wipe", "42s", "2", "2026-01-02T03:04:05Z"], "{text}");
+        let row = |name: &str, n: usize| {
+            text.lines()
+                .filter(|l| l.starts_with(name))
+                .nth(n)
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            row("local-aaa", 0),
+            ["local-aaa", "fast", "Block", "100Gi", "Available", "/mnt/fast/local-aaa"]
+        );
+        assert_eq!(
+            row("local-bbb", 1),
+            ["local-bbb", "shred:3", "3/4", "wipe", "42s", "2", "2026-01-02T03:04:05Z"],
+            "{text}"
+        );
         assert!(text.contains("wipes running: 1"), "{text}");
     }
 
     #[test]
     fn one_aligned_row_per_pod() {
-        let s = status(vec![volume("pv1", Some("/dev/loop0"), vec![pod("web-0", false), pod("reader", true)]), volume("data-long-name", None, vec![pod("db", false)])]);
+        let s = status(vec![
+            volume("pv1", Some("/dev/loop0"), vec![pod("web-0", false), pod("reader", true)]),
+            volume("data-long-name", None, vec![pod("db", false)]),
+        ]);
         let text = table(&s);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "node node-a holds 2 volumes");
         assert_eq!(lines.len(), 5, "{text}");
         let header = lines[1];
-        assert!(header.starts_with("BACKEND   VOLUME          ACCESS         DEVICE      POD"), "{text}");
+        assert!(
+            header.starts_with("BACKEND   VOLUME          ACCESS         DEVICE      POD"),
+            "{text}"
+        );
         // Every column starts where its header does.
         let at = |h: &str| header.find(h).unwrap();
         for line in &lines[2..] {
             for h in ["VOLUME", "ACCESS", "DEVICE", "POD UID", "MODE", "SINCE", "MOUNT DIR"] {
                 let i = at(h);
-                assert!(&line[i - 2..i] == "  " && line.as_bytes()[i] != b' ', "{h} misaligned in {line:?}");
+                assert!(
+                    &line[i - 2..i] == "  " && line.as_bytes()[i] != b' ',
+                    "{h} misaligned in {line:?}"
+                );
             }
         }
         assert_eq!(
             lines[2].split_whitespace().collect::<Vec<_>>(),
-            ["local-pv", "pv1", "ReadWriteOnce", "/dev/loop0", "default/web-0", "uid-web-0", "rw", "2026-01-02T03:04:05Z", "/var/lib/kubelet/pods/uid-web-0/volumes/volagent~local-pv/pv1"]
+            [
+                "local-pv",
+                "pv1",
+                "ReadWriteOnce",
+                "/dev/loop0",
+                "default/web-0",
+                "uid-web-0",
+                "rw",
+                "2026-01-02T03:04:05Z",
+                "/var/lib/kubelet/pods/uid-web-0/volumes/volagent~local-pv/pv1"
+            ]
         );
         assert_eq!(lines[3].split_whitespace().nth(4), Some("default/reader"));
         assert_eq!(lines[3].split_whitespace().nth(6), Some("ro"));
@@ -311,7 +402,10 @@ mod tests {
         assert!(text.ends_with("… and 4999 more volumes, left out to keep the agent's answer within 1 MiB (the first 1 are listed)\n"), "{text}");
         let mut failed = status(vec![]);
         failed.volumes_error = Some("attachment ledger /x: no".into());
-        assert_eq!(table(&failed), "node node-a\nthe agent cannot list the volumes: attachment ledger /x: no\n");
+        assert_eq!(
+            table(&failed),
+            "node node-a\nthe agent cannot list the volumes: attachment ledger /x: no\n"
+        );
     }
 
     #[test]
@@ -320,7 +414,12 @@ mod tests {
         p.mount_dir = "/k/\x1b[2Jx".into();
         let text = table(&status(vec![volume("pv1", None, vec![p])]));
         assert_eq!(text.lines().count(), 3, "{text}");
-        assert!(text.contains("default/evil\\npod") && text.contains("/k/\\u{1b}[2Jx") && !text.contains('\x1b'), "{text}");
+        assert!(
+            text.contains("default/evil\\npod")
+                && text.contains("/k/\\u{1b}[2Jx")
+                && !text.contains('\x1b'),
+            "{text}"
+        );
     }
 
     #[test]

@@ -170,10 +170,8 @@ impl<S> AuthorityFix<S> {
     /// Decode the block, fix its authority, and write it as HEADERS (and
     /// CONTINUATION) frames no larger than every peer accepts.
     fn emit(&mut self, p: Pending) -> io::Result<()> {
-        let mut headers = self
-            .decoder
-            .decode(&p.block)
-            .map_err(|e| invalid(format!("HPACK: {e}")))?;
+        let mut headers =
+            self.decoder.decode(&p.block).map_err(|e| invalid(format!("HPACK: {e}")))?;
         let mut rewritten = false;
         for (name, value) in &mut headers {
             if name.as_slice() == b":authority"
@@ -190,9 +188,7 @@ impl<S> AuthorityFix<S> {
             return Ok(());
         }
         self.rewriting = true;
-        let block = self
-            .encoder
-            .encode(headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let block = self.encoder.encode(headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
         let mut first = Vec::new();
         if let Some(prio) = p.priority {
             first.extend_from_slice(&prio);
@@ -340,11 +336,7 @@ mod tests {
             let (kind, flags) = (bytes[at + 3], bytes[at + 4]);
             let payload = &bytes[at + 9..at + 9 + len];
             if kind == HEADERS || kind == CONTINUATION {
-                let skip = if kind == HEADERS && flags & PRIORITY != 0 {
-                    5
-                } else {
-                    0
-                };
+                let skip = if kind == HEADERS && flags & PRIORITY != 0 { 5 } else { 0 };
                 block.extend_from_slice(&payload[skip..]);
                 if flags & END_HEADERS != 0 {
                     out.push(d.decode(&block).unwrap());
@@ -395,17 +387,18 @@ mod tests {
             assert_eq!(b[1], (b":authority".to_vec(), b"localhost".to_vec()));
             assert_eq!(b[2].1, b"/csi.v1.Node/NodeGetInfo");
         }
-        assert!(
-            out.windows(4).any(|w| w == b"data"),
-            "other frames pass through"
-        );
+        assert!(out.windows(4).any(|w| w == b"data"), "other frames pass through");
         assert!(out.starts_with(PREFACE));
     }
 
     #[tokio::test]
     async fn a_connection_whose_first_authority_is_valid_passes_through_unchanged() {
         let mut enc = loona_hpack::Encoder::new();
-        let req = [(&b":method"[..], &b"POST"[..]), (b":authority", b"localhost"), (b":path", b"/csi.v1.Node/NodeStageVolume")];
+        let req = [
+            (&b":method"[..], &b"POST"[..]),
+            (b":authority", b"localhost"),
+            (b":path", b"/csi.v1.Node/NodeStageVolume"),
+        ];
         let first = enc.encode(req);
         // Leans on the client's dynamic table: decodable only if nothing
         // before it was re-encoded.
@@ -431,16 +424,10 @@ mod tests {
         assert_eq!(got[0][0].1, b"localhost:1234");
         let mut bad = PREFACE.to_vec();
         bad.extend(frame(HEADERS, END_HEADERS, 1, &[0xff, 0xff, 0xff, 0xff]));
-        assert!(
-            through(bad).await.is_err(),
-            "an undecodable header block closes the connection"
-        );
+        assert!(through(bad).await.is_err(), "an undecodable header block closes the connection");
         let mut huge = PREFACE.to_vec();
         huge.extend_from_slice(&[0xff, 0xff, 0xff, 0x0, 0x0, 0, 0, 0, 1]);
-        assert!(
-            through(huge).await.is_err(),
-            "a frame over the limit closes the connection"
-        );
+        assert!(through(huge).await.is_err(), "a frame over the limit closes the connection");
         // Not HTTP/2: passed through as it came.
         assert_eq!(
             through(b"GET / HTTP/1.1\r\n\r\n".to_vec()).await.unwrap(),

@@ -58,17 +58,28 @@ impl std::fmt::Debug for Drivers {
 
 /// Accepted connections from peers whose uid is allowed (others are
 /// closed), their header blocks mended for older kubelets.
-fn allowed(listener: UnixListener, uids: Vec<u32>, what: &'static str) -> impl tokio_stream::Stream<Item = std::io::Result<AuthorityFix<tokio::net::UnixStream>>> {
+fn allowed(
+    listener: UnixListener,
+    uids: Vec<u32>,
+    what: &'static str,
+) -> impl tokio_stream::Stream<Item = std::io::Result<AuthorityFix<tokio::net::UnixStream>>> {
     UnixListenerStream::new(listener)
         .filter(move |conn| match conn {
             Ok(stream) => match stream.peer_cred() {
                 Ok(cred) if uids.contains(&cred.uid()) => true,
                 Ok(cred) => {
-                    tracing::warn!(uid = cred.uid(), socket = what, "refused a connection from a peer that is not allowed");
+                    tracing::warn!(
+                        uid = cred.uid(),
+                        socket = what,
+                        "refused a connection from a peer that is not allowed"
+                    );
                     false
                 }
                 Err(e) => {
-                    tracing::warn!(socket = what, "refused a connection whose peer is unknown: {e}");
+                    tracing::warn!(
+                        socket = what,
+                        "refused a connection whose peer is unknown: {e}"
+                    );
                     false
                 }
             },
@@ -78,14 +89,27 @@ fn allowed(listener: UnixListener, uids: Vec<u32>, what: &'static str) -> impl t
 }
 
 impl Drivers {
-    pub fn new(agent: Arc<Agent>, rt: tokio::runtime::Handle, threads: Vec<tokio::runtime::Handle>, allowed_uids: Vec<u32>) -> Drivers {
-        Drivers { agent, rt, threads, allowed_uids, running: Mutex::default(), waiting: Mutex::new(Some(Default::default())) }
+    pub fn new(
+        agent: Arc<Agent>,
+        rt: tokio::runtime::Handle,
+        threads: Vec<tokio::runtime::Handle>,
+        allowed_uids: Vec<u32>,
+    ) -> Drivers {
+        Drivers {
+            agent,
+            rt,
+            threads,
+            allowed_uids,
+            running: Mutex::default(),
+            waiting: Mutex::new(Some(Default::default())),
+        }
     }
 
     /// Serve the drivers of the backends added so far, and from now on
     /// each as it is added.
     pub fn start(&self) {
-        let waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
+        let waiting =
+            self.waiting.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
         for backend in waiting {
             if let Err(e) = self.add(&backend) {
                 tracing::error!(backend, "CSI driver not served: {e}");
@@ -99,12 +123,23 @@ impl Drivers {
 
     /// The backends whose drivers are served, and what kubelet said of each.
     pub fn backends(&self) -> Vec<(String, Registered)> {
-        self.running().iter().map(|(b, r)| (b.clone(), r.state.lock().unwrap_or_else(|p| p.into_inner()).clone())).collect()
+        self.running()
+            .iter()
+            .map(|(b, r)| (b.clone(), r.state.lock().unwrap_or_else(|p| p.into_inner()).clone()))
+            .collect()
     }
 
     /// Serve `router` on `listener` (registered with `rt`) to allowed peers
     /// until `until` changes, on `rt`.
-    fn serve(&self, rt: &tokio::runtime::Handle, router: tonic::transport::server::Router, listener: UnixListener, socket: &'static str, mut until: tokio::sync::watch::Receiver<bool>, what: String) {
+    fn serve(
+        &self,
+        rt: &tokio::runtime::Handle,
+        router: tonic::transport::server::Router,
+        listener: UnixListener,
+        socket: &'static str,
+        mut until: tokio::sync::watch::Receiver<bool>,
+        what: String,
+    ) {
         let incoming = allowed(listener, self.allowed_uids.clone(), socket);
         rt.spawn(async move {
             let stopped = async move {
@@ -118,10 +153,24 @@ impl Drivers {
 
     /// Serve `backend`'s driver socket on every CSI thread: each accepts
     /// connections of its own from the one socket.
-    fn serve_driver(&self, backend: &str, listener: std::os::unix::net::UnixListener, until: &tokio::sync::watch::Receiver<bool>, what: &str) -> std::io::Result<()> {
+    fn serve_driver(
+        &self,
+        backend: &str,
+        listener: std::os::unix::net::UnixListener,
+        until: &tokio::sync::watch::Receiver<bool>,
+        what: &str,
+    ) -> std::io::Result<()> {
         let router = || {
-            let node = NodeServer::new(NodeService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
-            let identity = IdentityServer::new(IdentityService { agent: self.agent.clone(), backend: backend.to_string() }).max_decoding_message_size(super::MAX_MESSAGE);
+            let node = NodeServer::new(NodeService {
+                agent: self.agent.clone(),
+                backend: backend.to_string(),
+            })
+            .max_decoding_message_size(super::MAX_MESSAGE);
+            let identity = IdentityServer::new(IdentityService {
+                agent: self.agent.clone(),
+                backend: backend.to_string(),
+            })
+            .max_decoding_message_size(super::MAX_MESSAGE);
             tonic::transport::Server::builder().add_service(identity).add_service(node)
         };
         // Every thread's listener first, each registered with the runtime
@@ -156,9 +205,12 @@ impl Drivers {
         let registration = registration_path(&config.kubelet_root, backend);
         // kubelet dials the endpoint as it spells its root.
         let endpoint = socket_path(&config.kubelet_root_given, backend).display().to_string();
-        let driver_listener = crate::socket::server::bind_std(&socket).map_err(|e| format!("CSI driver {driver}: {e}"))?;
+        let driver_listener = crate::socket::server::bind_std(&socket)
+            .map_err(|e| format!("CSI driver {driver}: {e}"))?;
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        if let Err(e) = self.serve_driver(backend, driver_listener, &stopped, &format!("CSI driver {driver}")) {
+        if let Err(e) =
+            self.serve_driver(backend, driver_listener, &stopped, &format!("CSI driver {driver}"))
+        {
             remove(&socket);
             return Err(format!("CSI driver {driver}: {}: {e}", socket.display()));
         }
@@ -174,9 +226,21 @@ impl Drivers {
                 return Err(format!("CSI driver {driver}: {e}"));
             }
         };
-        let service = RegistrationServer::new(RegistrationService { driver: driver.clone(), endpoint, state: state.clone() }).max_decoding_message_size(64 << 10);
+        let service = RegistrationServer::new(RegistrationService {
+            driver: driver.clone(),
+            endpoint,
+            state: state.clone(),
+        })
+        .max_decoding_message_size(64 << 10);
         let router = tonic::transport::Server::builder().add_service(service);
-        self.serve(&self.rt, router, reg_listener, "registration", stopped, format!("CSI registration of {driver}"));
+        self.serve(
+            &self.rt,
+            router,
+            reg_listener,
+            "registration",
+            stopped,
+            format!("CSI registration of {driver}"),
+        );
         tracing::info!(backend, driver, socket = %socket.display(), registration = %registration.display(), "CSI driver serving");
         running.insert(backend.to_string(), Running { stop, socket, registration, state });
         Ok(())

@@ -13,8 +13,12 @@ pub struct IdentityService {
 
 #[tonic::async_trait]
 impl Identity for IdentityService {
-    async fn get_plugin_info(&self, _req: Request<GetPluginInfoRequest>) -> Result<Response<GetPluginInfoResponse>, Status> {
-        let mut manifest = std::collections::HashMap::from([("backend".to_string(), self.backend.clone())]);
+    async fn get_plugin_info(
+        &self,
+        _req: Request<GetPluginInfoRequest>,
+    ) -> Result<Response<GetPluginInfoResponse>, Status> {
+        let mut manifest =
+            std::collections::HashMap::from([("backend".to_string(), self.backend.clone())]);
         // Which policy serves the driver now (it changes with a reload).
         if let Ok(plugin) = self.agent.plugin(&self.backend) {
             manifest.insert("policy-sha256".into(), plugin.sha256().to_string());
@@ -26,7 +30,10 @@ impl Identity for IdentityService {
         }))
     }
 
-    async fn get_plugin_capabilities(&self, _req: Request<GetPluginCapabilitiesRequest>) -> Result<Response<GetPluginCapabilitiesResponse>, Status> {
+    async fn get_plugin_capabilities(
+        &self,
+        _req: Request<GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<GetPluginCapabilitiesResponse>, Status> {
         // A node plugin only: no controller service, and volumes are
         // reachable where their PVs' node affinity says.
         Ok(Response::new(GetPluginCapabilitiesResponse { capabilities: Vec::new() }))

@@ -32,7 +32,9 @@ pub fn status(e: CsiError) -> Status {
             FailureKind::Denied => Status::failed_precondition(f.message),
             FailureKind::Busy => Status::aborted(f.message),
             FailureKind::TimedOut => Status::deadline_exceeded(f.message),
-            FailureKind::Unavailable | FailureKind::UnknownBackend => Status::unavailable(f.message),
+            FailureKind::Unavailable | FailureKind::UnknownBackend => {
+                Status::unavailable(f.message)
+            }
             FailureKind::Failed => Status::internal(f.message),
         },
     }
@@ -75,12 +77,22 @@ impl NodeService {
     }
 
     /// Count, time and log a call; its error as a gRPC status.
-    fn finish<T>(&self, op: &'static str, volume: &str, start: std::time::Instant, r: Result<T, CsiError>) -> Result<Response<T>, Status> {
+    fn finish<T>(
+        &self,
+        op: &'static str,
+        volume: &str,
+        start: std::time::Instant,
+        r: Result<T, CsiError>,
+    ) -> Result<Response<T>, Status> {
         let elapsed = start.elapsed();
         crate::metrics::get().operation(op, &self.backend, result_label(&r), elapsed);
         match &r {
-            Ok(_) => tracing::info!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call done"),
-            Err(e) => tracing::warn!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call failed: {e:?}"),
+            Ok(_) => {
+                tracing::info!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call done")
+            }
+            Err(e) => {
+                tracing::warn!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call failed: {e:?}")
+            }
         }
         r.map(Response::new).map_err(status)
     }
@@ -88,7 +100,10 @@ impl NodeService {
 
 #[tonic::async_trait]
 impl Node for NodeService {
-    async fn node_stage_volume(&self, req: Request<NodeStageVolumeRequest>) -> Result<Response<NodeStageVolumeResponse>, Status> {
+    async fn node_stage_volume(
+        &self,
+        req: Request<NodeStageVolumeRequest>,
+    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let id = r.volume_id.clone();
@@ -101,20 +116,35 @@ impl Node for NodeService {
         self.finish("csi_stage", &id, start, result.map(|()| NodeStageVolumeResponse {}))
     }
 
-    async fn node_unstage_volume(&self, req: Request<NodeUnstageVolumeRequest>) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
+    async fn node_unstage_volume(
+        &self,
+        req: Request<NodeUnstageVolumeRequest>,
+    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, backend, asked) = (self.agent.clone(), self.backend.clone(), r.clone());
         let result = detached(&self.agent, async move {
             let id = request::volume_id(&asked.volume_id)?;
-            let staging = request::kubelet_path(&agent.config.kubelet_roots(), "staging_target_path", &asked.staging_target_path)?;
+            let staging = request::kubelet_path(
+                &agent.config.kubelet_roots(),
+                "staging_target_path",
+                &asked.staging_target_path,
+            )?;
             agent.csi_unstage(&backend, &id, &staging).await
         })
         .await;
-        self.finish("csi_unstage", &r.volume_id, start, result.map(|()| NodeUnstageVolumeResponse {}))
+        self.finish(
+            "csi_unstage",
+            &r.volume_id,
+            start,
+            result.map(|()| NodeUnstageVolumeResponse {}),
+        )
     }
 
-    async fn node_publish_volume(&self, req: Request<NodePublishVolumeRequest>) -> Result<Response<NodePublishVolumeResponse>, Status> {
+    async fn node_publish_volume(
+        &self,
+        req: Request<NodePublishVolumeRequest>,
+    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, backend, asked) = (self.agent.clone(), self.backend.clone(), r.clone());
@@ -123,29 +153,54 @@ impl Node for NodeService {
             agent.csi_publish(&backend, p).await
         })
         .await;
-        self.finish("csi_publish", &r.volume_id, start, result.map(|()| NodePublishVolumeResponse {}))
+        self.finish(
+            "csi_publish",
+            &r.volume_id,
+            start,
+            result.map(|()| NodePublishVolumeResponse {}),
+        )
     }
 
-    async fn node_unpublish_volume(&self, req: Request<NodeUnpublishVolumeRequest>) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
+    async fn node_unpublish_volume(
+        &self,
+        req: Request<NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, asked) = (self.agent.clone(), r.clone());
         let result = detached(&self.agent, async move {
             let id = request::volume_id(&asked.volume_id)?;
-            let target = request::kubelet_path(&agent.config.kubelet_roots(), "target_path", &asked.target_path)?;
+            let target = request::kubelet_path(
+                &agent.config.kubelet_roots(),
+                "target_path",
+                &asked.target_path,
+            )?;
             agent.csi_unpublish(&id, &target).await
         })
         .await;
-        self.finish("csi_unpublish", &r.volume_id, start, result.map(|()| NodeUnpublishVolumeResponse {}))
+        self.finish(
+            "csi_unpublish",
+            &r.volume_id,
+            start,
+            result.map(|()| NodeUnpublishVolumeResponse {}),
+        )
     }
 
-    async fn node_get_volume_stats(&self, req: Request<NodeGetVolumeStatsRequest>) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
+    async fn node_get_volume_stats(
+        &self,
+        req: Request<NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
         let r = req.into_inner();
         if r.volume_id.is_empty() {
             return Err(Status::invalid_argument("volume_id is missing"));
         }
         // An id that cannot name a volume of ours names none.
-        let id = request::volume_id(&r.volume_id).map_err(|_| Status::not_found(format!("no volume {:?} on this node", crate::ops::bounded(r.volume_id.clone(), 300))))?;
+        let id = request::volume_id(&r.volume_id).map_err(|_| {
+            Status::not_found(format!(
+                "no volume {:?} on this node",
+                crate::ops::bounded(r.volume_id.clone(), 300)
+            ))
+        })?;
         if r.volume_path.is_empty() {
             return Err(Status::invalid_argument("volume_path is missing"));
         }
@@ -158,8 +213,18 @@ impl Node for NodeService {
             .map(|u| {
                 let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
                 vec![
-                    VolumeUsage { available: n(u.bytes_available), total: n(u.bytes_total), used: n(u.bytes_used), unit: volume_usage::Unit::Bytes as i32 },
-                    VolumeUsage { available: n(u.inodes_free), total: n(u.inodes_total), used: n(u.inodes_used), unit: volume_usage::Unit::Inodes as i32 },
+                    VolumeUsage {
+                        available: n(u.bytes_available),
+                        total: n(u.bytes_total),
+                        used: n(u.bytes_used),
+                        unit: volume_usage::Unit::Bytes as i32,
+                    },
+                    VolumeUsage {
+                        available: n(u.inodes_free),
+                        total: n(u.inodes_total),
+                        used: n(u.inodes_used),
+                        unit: volume_usage::Unit::Inodes as i32,
+                    },
                 ]
             })
             .unwrap_or_default();
@@ -170,7 +235,10 @@ impl Node for NodeService {
         Ok(Response::new(NodeGetVolumeStatsResponse { usage, volume_condition }))
     }
 
-    async fn node_expand_volume(&self, req: Request<NodeExpandVolumeRequest>) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+    async fn node_expand_volume(
+        &self,
+        req: Request<NodeExpandVolumeRequest>,
+    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
         let start = std::time::Instant::now();
         let r = req.into_inner();
         let (agent, asked) = (self.agent.clone(), r.clone());
@@ -197,22 +265,47 @@ impl Node for NodeService {
             Ok(size)
         })
         .await;
-        self.finish("csi_expand", &r.volume_id, start, result.map(|size| NodeExpandVolumeResponse { capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX) }))
+        self.finish(
+            "csi_expand",
+            &r.volume_id,
+            start,
+            result.map(|size| NodeExpandVolumeResponse {
+                capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX),
+            }),
+        )
     }
 
-    async fn node_get_capabilities(&self, _req: Request<NodeGetCapabilitiesRequest>) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+    async fn node_get_capabilities(
+        &self,
+        _req: Request<NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
         use node_service_capability::rpc::Type;
-        let rpc = |t: Type| NodeServiceCapability { r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc { r#type: t as i32 })) };
-        let capabilities = vec![rpc(Type::StageUnstageVolume), rpc(Type::GetVolumeStats), rpc(Type::ExpandVolume), rpc(Type::VolumeCondition), rpc(Type::SingleNodeMultiWriter)];
+        let rpc = |t: Type| NodeServiceCapability {
+            r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc {
+                r#type: t as i32,
+            })),
+        };
+        let capabilities = vec![
+            rpc(Type::StageUnstageVolume),
+            rpc(Type::GetVolumeStats),
+            rpc(Type::ExpandVolume),
+            rpc(Type::VolumeCondition),
+            rpc(Type::SingleNodeMultiWriter),
+        ];
         Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
     }
 
-    async fn node_get_info(&self, _req: Request<NodeGetInfoRequest>) -> Result<Response<NodeGetInfoResponse>, Status> {
+    async fn node_get_info(
+        &self,
+        _req: Request<NodeGetInfoRequest>,
+    ) -> Result<Response<NodeGetInfoResponse>, Status> {
         let node = self.agent.config.node.clone();
         Ok(Response::new(NodeGetInfoResponse {
             node_id: node.clone(),
             max_volumes_per_node: 0,
-            accessible_topology: Some(Topology { segments: [(TOPOLOGY_KEY.to_string(), node)].into() }),
+            accessible_topology: Some(Topology {
+                segments: [(TOPOLOGY_KEY.to_string(), node)].into(),
+            }),
         }))
     }
 }

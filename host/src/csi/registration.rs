@@ -34,7 +34,10 @@ impl Registration for RegistrationService {
         }))
     }
 
-    async fn notify_registration_status(&self, req: Request<RegistrationStatus>) -> Result<Response<RegistrationStatusResponse>, Status> {
+    async fn notify_registration_status(
+        &self,
+        req: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
         let r = req.into_inner();
         let state = if r.plugin_registered {
             tracing::info!(driver = %self.driver, "kubelet registered the CSI driver");

@@ -50,14 +50,23 @@ impl CsiThreads {
                 let counted = crate::runtime::csi_thread();
                 let _ = ready_tx.send(Ok(rt.handle().clone()));
                 // The sender dropped stops the thread too, at once.
-                let grace = rt.block_on(async move { stopped.wait_for(Option::is_some).await.ok().and_then(|g| *g).unwrap_or_default() });
+                let grace = rt.block_on(async move {
+                    stopped
+                        .wait_for(Option::is_some)
+                        .await
+                        .ok()
+                        .and_then(|g| *g)
+                        .unwrap_or_default()
+                });
                 // Calls cut here are settled as on the main runtime: by
                 // kubelet's retry, or the next start's reconciliation.
                 rt.shutdown_timeout(grace);
                 drop(counted);
                 let _ = ended_tx.send(());
             })?;
-            let handle = ready.recv().map_err(|_| std::io::Error::other("a CSI thread ended before its runtime was ready"))??;
+            let handle = ready.recv().map_err(|_| {
+                std::io::Error::other("a CSI thread ended before its runtime was ready")
+            })??;
             handles.push(handle);
         }
         Ok(CsiThreads { handles, stop, ended })
@@ -74,7 +83,8 @@ impl CsiThreads {
         let _ = self.stop.send(Some(grace));
         let deadline = Instant::now() + grace;
         for _ in 0..self.handles.len() {
-            if self.ended.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_err() {
+            if self.ended.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_err()
+            {
                 tracing::warn!("a CSI thread is still in a step at exit; it is left behind");
                 return;
             }
@@ -87,7 +97,10 @@ mod tests {
     use super::*;
 
     /// Run `f` as a task on the thread of `h`, and wait for its answer.
-    fn on<T: Send + 'static>(h: &Handle, f: impl std::future::Future<Output = T> + Send + 'static) -> T {
+    fn on<T: Send + 'static>(
+        h: &Handle,
+        f: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> T {
         let (tx, rx) = mpsc::channel();
         h.spawn(async move {
             let _ = tx.send(f.await);
@@ -106,9 +119,15 @@ mod tests {
                 on(h, async {
                     // A task and what it spawns run on that one thread.
                     let outer = std::thread::current().name().map(str::to_string);
-                    let inner = tokio::spawn(async { std::thread::current().name().map(str::to_string) }).await.unwrap();
+                    let inner =
+                        tokio::spawn(async { std::thread::current().name().map(str::to_string) })
+                            .await
+                            .unwrap();
                     assert_eq!(outer, inner);
-                    assert_eq!(Handle::current().runtime_flavor(), tokio::runtime::RuntimeFlavor::CurrentThread);
+                    assert_eq!(
+                        Handle::current().runtime_flavor(),
+                        tokio::runtime::RuntimeFlavor::CurrentThread
+                    );
                     inner.unwrap()
                 })
             })
@@ -139,7 +158,15 @@ mod tests {
         // Off the CSI threads nothing changes: a current-thread runtime
         // runs local steps itself, and no multi-thread one is limited here.
         let current = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        assert_eq!(current.block_on(async { (crate::runtime::run_here(true).is_some(), crate::runtime::run_here(false).is_some()) }), (true, false));
+        assert_eq!(
+            current.block_on(async {
+                (
+                    crate::runtime::run_here(true).is_some(),
+                    crate::runtime::run_here(false).is_some(),
+                )
+            }),
+            (true, false)
+        );
         let multi = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
         assert!(multi.block_on(async { crate::runtime::run_here(false).is_some() }));
 

@@ -2,13 +2,16 @@
 //! (already attached or mounted is success), and a failing step rolls back
 //! what the steps before it did.
 
-use crate::policy::{BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdAttach, RbdSpec, Step, WipeMethod};
+use crate::policy::{
+    BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdAttach, RbdSpec, Step,
+    WipeMethod,
+};
 use crate::secret::Secrets;
 use crate::sys::rbd_export::{CephClient, RbdTarget};
 use crate::sys::{LoopAttach, Sys, SysError, Wipe};
-use std::sync::Arc;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
@@ -90,9 +93,9 @@ static STALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 impl Executor {
     pub fn new(sys: Sys) -> Self {
         let kill_after = std::env::var(KILL_AFTER_STEP_ENV).ok().and_then(|v| v.parse().ok());
-        let stall_after = std::env::var(STALL_AFTER_STEP_ENV)
-            .ok()
-            .and_then(|v| v.split_once(':').and_then(|(s, ms)| Some((s.parse().ok()?, ms.parse().ok()?))));
+        let stall_after = std::env::var(STALL_AFTER_STEP_ENV).ok().and_then(|v| {
+            v.split_once(':').and_then(|(s, ms)| Some((s.parse().ok()?, ms.parse().ok()?)))
+        });
         Executor { sys, secrets: Arc::default(), kill_after, stall_after, progress: None }
     }
 
@@ -109,14 +112,26 @@ impl Executor {
 
     /// Run `plan` (already checked by the policy validator) step by step.
     pub fn run(&self, plan: &[Step]) -> Result<Outcome, ExecError> {
-        let mut run = Run { sys: &self.sys, secrets: &self.secrets, outcome: Outcome::default(), undo: Vec::new(), fresh: BTreeMap::new(), freed: Vec::new() };
+        let mut run = Run {
+            sys: &self.sys,
+            secrets: &self.secrets,
+            outcome: Outcome::default(),
+            undo: Vec::new(),
+            fresh: BTreeMap::new(),
+            freed: Vec::new(),
+        };
         for (index, step) in plan.iter().enumerate() {
             if let Some(p) = &self.progress {
                 p(index, plan.len(), step.kind().name());
             }
             if let Err(source) = run.step(step) {
                 let rollback_failures = run.rollback();
-                return Err(ExecError { index, step: step.kind().name(), source, rollback_failures });
+                return Err(ExecError {
+                    index,
+                    step: step.kind().name(),
+                    source,
+                    rollback_failures,
+                });
             }
             if let Some((_, ms)) = self.stall_after.filter(|(after, _)| *after == index + 1)
                 && !STALLED.swap(true, std::sync::atomic::Ordering::SeqCst)
@@ -125,8 +140,14 @@ impl Executor {
                 std::thread::sleep(std::time::Duration::from_millis(ms));
             }
             if self.kill_after == Some(index + 1) {
-                tracing::warn!("{KILL_AFTER_STEP_ENV}: killing this process after step {}", index + 1);
-                let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+                tracing::warn!(
+                    "{KILL_AFTER_STEP_ENV}: killing this process after step {}",
+                    index + 1
+                );
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::getpid(),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
         }
         Ok(run.outcome)
@@ -161,11 +182,17 @@ pub fn runs_locally(holds: Option<&str>, plan: &[Step]) -> bool {
             Step::AttachDevice(a) => matches!(a.spec, DeviceSpec::Loop(_)),
             Step::DetachDevice(d) => matches!(d.spec, DeviceSpec::Loop(_)),
             Step::Format(f) => device_local(&f.device),
-            Step::Mount(m) => matches!(&m.source, MountSource::Block(b) if device_local(b)) && fs_local(&m.fs_type),
+            Step::Mount(m) => {
+                matches!(&m.source, MountSource::Block(b) if device_local(b))
+                    && fs_local(&m.fs_type)
+            }
             Step::BindMount(_) => true,
             Step::PublishBlock(p) => device_local(&p.device),
             Step::Unmount(u) => !u.force,
-            Step::GrowFilesystem(_) | Step::Wipe(_) | Step::ClearDirectory(_) | Step::BlocklistClient(_) => false,
+            Step::GrowFilesystem(_)
+            | Step::Wipe(_)
+            | Step::ClearDirectory(_)
+            | Step::BlocklistClient(_) => false,
         })
 }
 
@@ -197,7 +224,9 @@ impl Run<'_> {
             Step::Format(f) => {
                 let device = self.device(&f.device)?;
                 let found = match self.fresh.get(&device) {
-                    Some((file, backing)) => self.sys.filesystems.probe_attached(&device, file, backing.as_ref())?,
+                    Some((file, backing)) => {
+                        self.sys.filesystems.probe_attached(&device, file, backing.as_ref())?
+                    }
                     None => self.sys.filesystems.probe(&device)?,
                 };
                 match (found, f.mode) {
@@ -218,7 +247,8 @@ impl Run<'_> {
                 let source = match &m.source {
                     MountSource::Block(b) => {
                         let device = self.device(b)?;
-                        let ours = self.undo.iter().any(|u| matches!(u, Undo::Detach(d) if *d == device));
+                        let ours =
+                            self.undo.iter().any(|u| matches!(u, Undo::Detach(d) if *d == device));
                         if !ours {
                             self.in_use_elsewhere(&device, target)?;
                         }
@@ -230,11 +260,21 @@ impl Run<'_> {
                     return if existing.source == source {
                         Ok(())
                     } else {
-                        Err(refused(format!("{} is already mounted from {}", target.display(), existing.source)))
+                        Err(refused(format!(
+                            "{} is already mounted from {}",
+                            target.display(),
+                            existing.source
+                        )))
                     };
                 }
                 self.ensure_dir(target)?;
-                self.sys.mounts.mount(&source, target, &m.fs_type, &m.options.join(","), m.read_only)?;
+                self.sys.mounts.mount(
+                    &source,
+                    target,
+                    &m.fs_type,
+                    &m.options.join(","),
+                    m.read_only,
+                )?;
                 self.undo.push(Undo::Unmount(target.to_path_buf()));
                 Ok(())
             }
@@ -242,7 +282,9 @@ impl Run<'_> {
                 let (source, target) = (Path::new(&b.source), Path::new(&b.target));
                 // A dir bound onto itself that this run has just mounted
                 // (a CSI stage: the staging dir is the "pod" dir).
-                if source == target && self.undo.iter().any(|u| matches!(u, Undo::Unmount(t) if t == target)) {
+                if source == target
+                    && self.undo.iter().any(|u| matches!(u, Undo::Unmount(t) if t == target))
+                {
                     return Ok(());
                 }
                 if self.sys.is_mounted(target)? {
@@ -266,7 +308,9 @@ impl Run<'_> {
                 // pod dir being gone); one still mounted over refuses (EBUSY).
                 // A block publication's mount point is an empty file.
                 let removed = match self.sys.mounts.remove_dir(target) {
-                    Err(SysError::Errno { errno: nix::errno::Errno::ENOTDIR, .. }) => self.sys.mounts.remove_file(target),
+                    Err(SysError::Errno { errno: nix::errno::Errno::ENOTDIR, .. }) => {
+                        self.sys.mounts.remove_file(target)
+                    }
                     other => other,
                 };
                 if let Err(e) = removed {
@@ -278,10 +322,16 @@ impl Run<'_> {
                 let (device, target) = (self.device(&p.device)?, Path::new(&p.target));
                 if self.sys.is_mounted(target)? {
                     let existing = self.sys.mounts.published_device(target)?;
-                    return if existing.is_some() && existing == self.sys.mounts.device_number(&device)? {
+                    return if existing.is_some()
+                        && existing == self.sys.mounts.device_number(&device)?
+                    {
                         Ok(())
                     } else {
-                        Err(refused(format!("{} is already mounted, and not from {}", target.display(), device.display())))
+                        Err(refused(format!(
+                            "{} is already mounted, and not from {}",
+                            target.display(),
+                            device.display()
+                        )))
                     };
                 }
                 if let Some(dir) = target.parent() {
@@ -297,12 +347,24 @@ impl Run<'_> {
             Step::GrowFilesystem(g) => {
                 let target = Path::new(&g.target);
                 let Some(mounted) = self.sys.mount_at(target)? else {
-                    return Err(refused(format!("{} is not mounted: nothing to grow", target.display())));
+                    return Err(refused(format!(
+                        "{} is not mounted: nothing to grow",
+                        target.display()
+                    )));
                 };
                 if !mounted.source.starts_with("/dev/") {
-                    return Err(refused(format!("{} is {} from {}, not a filesystem on a block device", target.display(), mounted.fs_type, mounted.source)));
+                    return Err(refused(format!(
+                        "{} is {} from {}, not a filesystem on a block device",
+                        target.display(),
+                        mounted.fs_type,
+                        mounted.source
+                    )));
                 }
-                let size = self.sys.filesystems.grow_filesystem(Path::new(&mounted.source), target, &mounted.fs_type)?;
+                let size = self.sys.filesystems.grow_filesystem(
+                    Path::new(&mounted.source),
+                    target,
+                    &mounted.fs_type,
+                )?;
                 self.outcome.grown.insert(g.target.clone(), size);
                 Ok(())
             }
@@ -419,7 +481,14 @@ impl Run<'_> {
         // agents place the image's watchers by it.
         let mut clients: Vec<(u64, String)> =
             self.krbd_mappings(spec)?.into_iter().map(|m| (m.client_id, m.client_addr)).collect();
-        clients.extend(self.sys.nbd.storage_clients().into_iter().filter(|(k, _, _)| *k == key).map(|(_, id, address)| (id, address)));
+        clients.extend(
+            self.sys
+                .nbd
+                .storage_clients()
+                .into_iter()
+                .filter(|(k, _, _)| *k == key)
+                .map(|(_, id, address)| (id, address)),
+        );
         self.outcome.storage_clients.extend(clients);
         Ok(device)
     }
@@ -433,7 +502,9 @@ impl Run<'_> {
             || self.sys.nbd.rbd_fuse_available(),
         );
         let missing = |what: &str, option: &str| {
-            refused(format!("{image}: the volume asks for {what}, which this node does not have; use attach: {option}"))
+            refused(format!(
+                "{image}: the volume asks for {what}, which this node does not have; use attach: {option}"
+            ))
         };
         match spec.attach {
             RbdAttach::Auto if kernel() => Ok(RbdAttach::Kernel),
@@ -442,9 +513,16 @@ impl Run<'_> {
             RbdAttach::Auto => Err(refused(format!(
                 "{image}: this node has no way to map it: no kernel rbd driver, no librbd with an NBD client (nbd.ko or nbdfuse), no rbd-fuse"
             ))),
-            RbdAttach::Kernel if !kernel() => Err(missing("the kernel's rbd driver (no rbd module)", "nbd, fuse or auto")),
-            RbdAttach::Nbd if !helper() => Err(missing("the agent's NBD server on librbd (librbd, and nbd.ko or nbdfuse)", "kernel, fuse or auto")),
-            RbdAttach::Fuse if !fuse() => Err(missing("rbd-fuse (not installed)", "kernel, nbd or auto")),
+            RbdAttach::Kernel if !kernel() => {
+                Err(missing("the kernel's rbd driver (no rbd module)", "nbd, fuse or auto"))
+            }
+            RbdAttach::Nbd if !helper() => Err(missing(
+                "the agent's NBD server on librbd (librbd, and nbd.ko or nbdfuse)",
+                "kernel, fuse or auto",
+            )),
+            RbdAttach::Fuse if !fuse() => {
+                Err(missing("rbd-fuse (not installed)", "kernel, nbd or auto"))
+            }
             chosen => Ok(chosen),
         }
     }
@@ -463,17 +541,29 @@ impl Run<'_> {
     /// The agent's kernel mappings of `spec`'s image (none where the kernel
     /// has no rbd driver): one an admin made by hand is never reused or
     /// unmapped.
-    fn krbd_mappings(&self, spec: &RbdSpec) -> Result<Vec<crate::sys::krbd::KernelMapping>, StepError> {
+    fn krbd_mappings(
+        &self,
+        spec: &RbdSpec,
+    ) -> Result<Vec<crate::sys::krbd::KernelMapping>, StepError> {
         if !self.sys.krbd.available() {
             return Ok(Vec::new());
         }
         // Monitors that do not resolve now name no mapping that could be found.
-        let Ok(monitors) = crate::sys::krbd::kernel_monitors(&spec.monitors.join(",")) else { return Ok(Vec::new()) };
-        Ok(self.sys.krbd.mappings_of(&monitors, &spec.pool, &spec.image)?.into_iter().filter(|m| m.ours).collect())
+        let Ok(monitors) = crate::sys::krbd::kernel_monitors(&spec.monitors.join(",")) else {
+            return Ok(Vec::new());
+        };
+        Ok(self
+            .sys
+            .krbd
+            .mappings_of(&monitors, &spec.pool, &spec.image)?
+            .into_iter()
+            .filter(|m| m.ours)
+            .collect())
     }
 
     fn attach_krbd(&mut self, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
-        let mut client = self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?;
+        let mut client =
+            self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?;
         let monitors = crate::sys::krbd::kernel_monitors(&spec.monitors.join(","))
             .map_err(|e| refused(format!("rbd image {}/{}: {e}", spec.pool, spec.image)))?;
         client.monitors = Some(monitors);
@@ -487,7 +577,12 @@ impl Run<'_> {
     /// rbd-fuse's file of the image on a loop device. rbd-fuse says
     /// nothing of its Ceph client; the watcher that appears when the loop
     /// device opens the image is it.
-    fn attach_rbd_fuse(&mut self, key: &str, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
+    fn attach_rbd_fuse(
+        &mut self,
+        key: &str,
+        spec: &RbdSpec,
+        read_only: bool,
+    ) -> Result<PathBuf, StepError> {
         let target = RbdTarget {
             client: self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?,
             pool: spec.pool.clone(),
@@ -495,10 +590,18 @@ impl Run<'_> {
         };
         // Best effort: without the lists the client stays unknown (other
         // nodes then deny exclusive mounts of the image: fail closed).
-        let watchers = |run: &Self| match run.sys.storage.rbd_watchers(&target.client, &spec.pool, &spec.image) {
+        let watchers = |run: &Self| match run.sys.storage.rbd_watchers(
+            &target.client,
+            &spec.pool,
+            &spec.image,
+        ) {
             Ok(w) => Some(w),
             Err(e) => {
-                tracing::warn!("cannot list the watchers of rbd image {}/{}: {e}", spec.pool, spec.image);
+                tracing::warn!(
+                    "cannot list the watchers of rbd image {}/{}: {e}",
+                    spec.pool,
+                    spec.image
+                );
                 None
             }
         };
@@ -506,14 +609,23 @@ impl Run<'_> {
         if self.sys.nbd.connect_rbd_fuse(key, &target, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key.to_string()));
         }
-        let device = self.sys.devices.loop_attach(&self.sys.nbd.rbd_fuse_file(key, &spec.image), read_only)?;
+        let device = self
+            .sys
+            .devices
+            .loop_attach(&self.sys.nbd.rbd_fuse_file(key, &spec.image), read_only)?;
         self.undo.push(Undo::Detach(device.clone()));
         let new: Vec<_> = match (before, watchers(self)) {
-            (Some(before), Some(after)) => after.into_iter().filter(|w| !before.iter().any(|b| b.id == w.id)).collect(),
+            (Some(before), Some(after)) => {
+                after.into_iter().filter(|w| !before.iter().any(|b| b.id == w.id)).collect()
+            }
             _ => Vec::new(),
         };
         match new.as_slice() {
-            [w] => self.sys.nbd.set_storage_client(key, u64::try_from(w.id).unwrap_or_default(), &w.address)?,
+            [w] => self.sys.nbd.set_storage_client(
+                key,
+                u64::try_from(w.id).unwrap_or_default(),
+                &w.address,
+            )?,
             other => tracing::warn!(
                 image = %format!("{}/{}", spec.pool, spec.image),
                 "rbd-fuse's Ceph client is not known ({} new watchers): other nodes cannot place it and deny exclusive mounts meanwhile",
@@ -523,7 +635,12 @@ impl Run<'_> {
         Ok(device)
     }
 
-    fn attach_rbd_export(&mut self, key: &str, spec: &RbdSpec, read_only: bool) -> Result<PathBuf, StepError> {
+    fn attach_rbd_export(
+        &mut self,
+        key: &str,
+        spec: &RbdSpec,
+        read_only: bool,
+    ) -> Result<PathBuf, StepError> {
         let key = key.to_string();
         let target = RbdTarget {
             client: self.ceph_client(&spec.monitors, &spec.user, spec.secret_key.as_deref())?,
@@ -541,7 +658,12 @@ impl Run<'_> {
 
     /// How to reach a Ceph cluster as `user`, with the key the volume's
     /// secret holds under `secret_key` (none: the node's own keyring).
-    fn ceph_client(&self, monitors: &[String], user: &str, secret_key: Option<&str>) -> Result<CephClient, StepError> {
+    fn ceph_client(
+        &self,
+        monitors: &[String],
+        user: &str,
+        secret_key: Option<&str>,
+    ) -> Result<CephClient, StepError> {
         let key = match secret_key {
             Some(name) => Some(self.secrets.get(name).cloned().ok_or_else(|| {
                 refused(format!(
@@ -553,7 +675,13 @@ impl Run<'_> {
         if let Some(secret) = &key {
             secret.ceph_key(secret_key.unwrap_or_default()).map_err(refused)?;
         }
-        Ok(CephClient { conf: None, monitors: Some(monitors.join(",")), user: user.to_string(), keyring: None, key })
+        Ok(CephClient {
+            conf: None,
+            monitors: Some(monitors.join(",")),
+            user: user.to_string(),
+            keyring: None,
+            key,
+        })
     }
 
     /// The device already there for export `key`, whichever path made it.
@@ -566,9 +694,18 @@ impl Run<'_> {
 
     /// Connect `server`'s `export` as export `key`'s device: a kernel nbd
     /// device, or a userspace client's file on a loop device.
-    fn connect_export(&mut self, key: String, server: &str, export: &str, connections: u8, kernel: bool, read_only: bool) -> Result<PathBuf, StepError> {
+    fn connect_export(
+        &mut self,
+        key: String,
+        server: &str,
+        export: &str,
+        connections: u8,
+        kernel: bool,
+        read_only: bool,
+    ) -> Result<PathBuf, StepError> {
         if kernel {
-            let (device, connected) = self.sys.nbd.kernel_connect(&key, server, export, connections, read_only)?;
+            let (device, connected) =
+                self.sys.nbd.kernel_connect(&key, server, export, connections, read_only)?;
             if connected {
                 self.undo.push(Undo::NbdKernelDisconnect(key));
             }
@@ -642,7 +779,10 @@ impl Run<'_> {
             .devices
             .loop_statuses()?
             .into_iter()
-            .filter(|l| (id.is_some() && l.backing == id) || (l.tag == tag && self.freed.contains(&l.number)))
+            .filter(|l| {
+                (id.is_some() && l.backing == id)
+                    || (l.tag == tag && self.freed.contains(&l.number))
+            })
             .map(|l| l.device)
             .collect())
     }
@@ -667,7 +807,10 @@ impl Run<'_> {
     fn in_use_elsewhere(&self, device: &Path, target: &Path) -> Result<(), StepError> {
         let source = device.display().to_string();
         let table = self.sys.mounts.mount_table()?;
-        match table.iter().find(|m| m.source == source && m.mount_point.file_name() != target.file_name()) {
+        match table
+            .iter()
+            .find(|m| m.source == source && m.mount_point.file_name() != target.file_name())
+        {
             Some(other) => Err(refused(format!(
                 "{} is already mounted at {}, which is not this volume's; one device serves one volume",
                 device.display(),

@@ -9,9 +9,23 @@ const POD: &str = "/k/pods/u/volumes/volagent~local-pv/pv";
 fn attach_plan() -> Vec<Step> {
     let dev = || BlockSource::Attached("dev".into());
     vec![
-        Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Loop(FILE.into()), read_only: false }),
-        Step::Format(Format { device: dev(), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
-        Step::Mount(Mount { source: MountSource::Block(dev()), target: STAGING.into(), fs_type: "ext4".into(), options: vec![], read_only: false }),
+        Step::AttachDevice(AttachDevice {
+            id: "dev".into(),
+            spec: DeviceSpec::Loop(FILE.into()),
+            read_only: false,
+        }),
+        Step::Format(Format {
+            device: dev(),
+            fs_type: "ext4".into(),
+            mode: FormatMode::IfUnformatted,
+        }),
+        Step::Mount(Mount {
+            source: MountSource::Block(dev()),
+            target: STAGING.into(),
+            fs_type: "ext4".into(),
+            options: vec![],
+            read_only: false,
+        }),
         Step::BindMount(BindMount { source: STAGING.into(), target: POD.into(), read_only: false }),
     ]
 }
@@ -54,7 +68,11 @@ fn a_csi_stage_binds_nothing_onto_the_staging_dir_it_mounted() {
     let (fake, exec) = node();
     let mut plan = attach_plan();
     // CSI: the "pod" dir of a stage is its staging dir.
-    plan[3] = Step::BindMount(BindMount { source: STAGING.into(), target: STAGING.into(), read_only: false });
+    plan[3] = Step::BindMount(BindMount {
+        source: STAGING.into(),
+        target: STAGING.into(),
+        read_only: false,
+    });
     exec.run(&plan).unwrap();
     let s = fake.state();
     assert_eq!(s.mounts.len(), 1, "{:?}", s.mounts);
@@ -117,7 +135,10 @@ fn a_failed_rollback_is_reported() {
     let err = exec.run(&attach_plan()).unwrap_err();
     assert_eq!(err.index, 3);
     assert_eq!(err.rollback_failures.len(), 1, "{err}");
-    assert!(err.to_string().contains(&format!("rolling back left work undone: unmount {STAGING}")), "{err}");
+    assert!(
+        err.to_string().contains(&format!("rolling back left work undone: unmount {STAGING}")),
+        "{err}"
+    );
     // The loop device was still detached: rollback goes on past a failure.
     assert!(fake.state().loops.is_empty());
 }
@@ -135,14 +156,26 @@ fn rbd_spec(secret_key: Option<&str>) -> crate::policy::RbdSpec {
 
 fn rbd_plans(secret_key: Option<&str>) -> (Vec<Step>, Vec<Step>) {
     let mut attach_steps = attach_plan();
-    attach_steps[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Rbd(rbd_spec(secret_key)), read_only: false });
+    attach_steps[0] = Step::AttachDevice(AttachDevice {
+        id: "dev".into(),
+        spec: DeviceSpec::Rbd(rbd_spec(secret_key)),
+        read_only: false,
+    });
     let mut detach_steps = detach_plan();
-    detach_steps[2] = Step::DetachDevice(DetachDevice { spec: DeviceSpec::Rbd(rbd_spec(secret_key)), force: false });
+    detach_steps[2] = Step::DetachDevice(DetachDevice {
+        spec: DeviceSpec::Rbd(rbd_spec(secret_key)),
+        force: false,
+    });
     (attach_steps, detach_steps)
 }
 
 fn secrets(pairs: &[(&str, &str)]) -> Arc<crate::secret::Secrets> {
-    Arc::new(pairs.iter().map(|(k, v)| (k.to_string(), crate::secret::Secret::new(v.as_bytes().to_vec()))).collect())
+    Arc::new(
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), crate::secret::Secret::new(v.as_bytes().to_vec())))
+            .collect(),
+    )
 }
 
 #[test]
@@ -155,15 +188,31 @@ fn an_rbd_image_is_served_by_a_helper_with_the_secrets_key_and_detached_whole() 
     exec.run(&attach).unwrap();
     {
         let s = fake.state();
-        assert_eq!(s.rbd_servers.get(&key), Some(&("p/i".to_string(), Some("AQBkey==".to_string()), 5000)));
-        assert_eq!(s.nbd_clients.get(&key).map(|c| c.0.as_str()), Some(format!("nbd+unix:///?socket=/fake-nbd/{key}.sock").as_str()));
+        assert_eq!(
+            s.rbd_servers.get(&key),
+            Some(&("p/i".to_string(), Some("AQBkey==".to_string()), 5000))
+        );
+        assert_eq!(
+            s.nbd_clients.get(&key).map(|c| c.0.as_str()),
+            Some(format!("nbd+unix:///?socket=/fake-nbd/{key}.sock").as_str())
+        );
         assert_eq!((s.loops.len(), s.mounts.len()), (1, 2));
     }
     exec.run(&attach).unwrap();
-    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("nbd-serve-rbd")).count(), 1, "a rerun reuses the device");
+    assert_eq!(
+        fake.state().log.iter().filter(|op| op.starts_with("nbd-serve-rbd")).count(),
+        1,
+        "a rerun reuses the device"
+    );
     exec.run(&detach).unwrap();
     let s = fake.state();
-    assert!(s.loops.is_empty() && s.mounts.is_empty() && s.nbd_clients.is_empty() && s.rbd_servers.is_empty(), "{s:?}");
+    assert!(
+        s.loops.is_empty()
+            && s.mounts.is_empty()
+            && s.nbd_clients.is_empty()
+            && s.rbd_servers.is_empty(),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -177,8 +226,15 @@ fn where_the_kernel_has_rbd_an_image_is_mapped_by_it_and_unmapped_whole() {
     let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
     let (attach, detach) = rbd_plans(Some("key"));
     let outcome = exec.run(&attach).unwrap();
-    assert_eq!(outcome.devices.get("dev").map(|d| d.display().to_string()).as_deref(), Some("/dev/rbd0"));
-    assert_eq!(outcome.storage_clients, vec![(7000, "10.0.0.9:0/70".to_string())], "the kernel client goes to the ledger");
+    assert_eq!(
+        outcome.devices.get("dev").map(|d| d.display().to_string()).as_deref(),
+        Some("/dev/rbd0")
+    );
+    assert_eq!(
+        outcome.storage_clients,
+        vec![(7000, "10.0.0.9:0/70".to_string())],
+        "the kernel client goes to the ledger"
+    );
     {
         let s = fake.state();
         assert_eq!(s.krbd_mappings.len(), 1);
@@ -186,7 +242,11 @@ fn where_the_kernel_has_rbd_an_image_is_mapped_by_it_and_unmapped_whole() {
         assert!(s.rbd_servers.is_empty() && s.loops.is_empty(), "no helper, no loop device: {s:?}");
     }
     exec.run(&attach).unwrap();
-    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("krbd-map")).count(), 1, "a rerun reuses the mapping");
+    assert_eq!(
+        fake.state().log.iter().filter(|op| op.starts_with("krbd-map")).count(),
+        1,
+        "a rerun reuses the mapping"
+    );
     exec.run(&detach).unwrap();
     assert!(fake.state().krbd_mappings.is_empty());
     // A failed mount unmaps what the plan mapped.
@@ -239,7 +299,11 @@ fn without_the_kernel_driver_or_librbd_an_image_is_reached_through_rbd_fuse() {
     let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
     let (attach, detach) = rbd_plans(Some("key"));
     let outcome = exec.run(&attach).unwrap();
-    assert_eq!(outcome.storage_clients, vec![(4100, "10.0.0.9:0/41".to_string())], "the watcher rbd-fuse added is its client");
+    assert_eq!(
+        outcome.storage_clients,
+        vec![(4100, "10.0.0.9:0/41".to_string())],
+        "the watcher rbd-fuse added is its client"
+    );
     {
         let s = fake.state();
         assert_eq!(s.rbd_fuse_clients.get(&key), Some(&("p/i".to_string(), false)));
@@ -248,10 +312,20 @@ fn without_the_kernel_driver_or_librbd_an_image_is_reached_through_rbd_fuse() {
         assert_eq!(s.loops[0].backing_file, Path::new("/fake-nbd").join(&key).join("i"));
     }
     exec.run(&attach).unwrap();
-    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("rbd-fuse-connect")).count(), 1, "a rerun reuses the device");
+    assert_eq!(
+        fake.state().log.iter().filter(|op| op.starts_with("rbd-fuse-connect")).count(),
+        1,
+        "a rerun reuses the device"
+    );
     exec.run(&detach).unwrap();
     let s = fake.state();
-    assert!(s.rbd_fuse_clients.is_empty() && s.loops.is_empty() && s.mounts.is_empty() && s.client_ids.is_empty(), "{s:?}");
+    assert!(
+        s.rbd_fuse_clients.is_empty()
+            && s.loops.is_empty()
+            && s.mounts.is_empty()
+            && s.client_ids.is_empty(),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -264,7 +338,11 @@ fn a_volume_that_insists_on_a_path_the_node_lacks_is_refused_by_name() {
         let mut spec = rbd_spec(Some("key"));
         spec.attach = attach;
         let mut plan = rbd_plans(Some("key")).0;
-        plan[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Rbd(spec), read_only: false });
+        plan[0] = Step::AttachDevice(AttachDevice {
+            id: "dev".into(),
+            spec: DeviceSpec::Rbd(spec),
+            read_only: false,
+        });
         let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("key", "AQBkey==")]));
         let err = exec.run(&plan).unwrap_err().to_string();
         assert!(err.contains("rbd image p/i") && err.contains(says), "{err}");
@@ -325,7 +403,10 @@ fn blocklisting_uses_the_secrets_key_and_names_the_client() {
         })]
     };
     exec.run(&step("admin")).unwrap();
-    assert_eq!(fake.state().blocklisted, vec![("10.0.0.7:0/123".to_string(), Some("AQBadmin==".to_string()))]);
+    assert_eq!(
+        fake.state().blocklisted,
+        vec![("10.0.0.7:0/123".to_string(), Some("AQBadmin==".to_string()))]
+    );
     fake.fail_next("blocklist");
     let err = exec.run(&step("admin")).unwrap_err();
     assert!(err.to_string().contains("10.0.0.7:0/123"), "{err}");
@@ -349,7 +430,11 @@ fn a_device_this_plan_attached_is_probed_through_its_file_until_written_to() {
     let s = fake.state();
     let probes: Vec<&String> = s.log.iter().filter(|op| op.starts_with("probe ")).collect();
     assert_eq!(probes.last().map(|p| p.as_str()), Some("probe /dev/loop0"), "{probes:?}");
-    assert!(s.log.iter().any(|op| op == "mkfs /dev/loop0"), "the wiped device gets a filesystem: {:?}", s.log);
+    assert!(
+        s.log.iter().any(|op| op == "mkfs /dev/loop0"),
+        "the wiped device gets a filesystem: {:?}",
+        s.log
+    );
 }
 
 #[test]
@@ -375,14 +460,25 @@ fn a_detach_leaves_other_agents_devices_alone() {
 }
 
 fn nbd_spec(attach: NbdAttach) -> NbdSpec {
-    NbdSpec { server: "unix:/run/nbd.sock".into(), export_name: "disk0".into(), local_file: None, attach, connections: 2 }
+    NbdSpec {
+        server: "unix:/run/nbd.sock".into(),
+        export_name: "disk0".into(),
+        local_file: None,
+        attach,
+        connections: 2,
+    }
 }
 
 fn nbd_plans(attach: NbdAttach) -> (Vec<Step>, Vec<Step>) {
     let mut attach_steps = attach_plan();
-    attach_steps[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(nbd_spec(attach)), read_only: false });
+    attach_steps[0] = Step::AttachDevice(AttachDevice {
+        id: "dev".into(),
+        spec: DeviceSpec::Nbd(nbd_spec(attach)),
+        read_only: false,
+    });
     let mut detach_steps = detach_plan();
-    detach_steps[2] = Step::DetachDevice(DetachDevice { spec: DeviceSpec::Nbd(nbd_spec(attach)), force: false });
+    detach_steps[2] =
+        Step::DetachDevice(DetachDevice { spec: DeviceSpec::Nbd(nbd_spec(attach)), force: false });
     (attach_steps, detach_steps)
 }
 
@@ -395,7 +491,10 @@ fn an_nbd_export_is_attached_through_a_userspace_client_and_detached_whole() {
     exec.run(&attach).unwrap();
     {
         let s = fake.state();
-        assert_eq!(s.nbd_clients.get(&key), Some(&("nbd+unix:///disk0?socket=/run/nbd.sock".to_string(), false)));
+        assert_eq!(
+            s.nbd_clients.get(&key),
+            Some(&("nbd+unix:///disk0?socket=/run/nbd.sock".to_string(), false))
+        );
         assert_eq!(s.loops.len(), 1);
         assert_eq!(s.loops[0].backing_file, file);
         assert_eq!(s.mounts.len(), 2);
@@ -431,7 +530,10 @@ fn the_kernel_attach_path_is_refused_where_it_is_not_available() {
     let (fake, exec) = node();
     let (attach, _) = nbd_plans(NbdAttach::Kernel);
     let err = exec.run(&attach).unwrap_err();
-    assert!(err.to_string().contains("kernel's nbd driver, which this node does not have"), "{err}");
+    assert!(
+        err.to_string().contains("kernel's nbd driver, which this node does not have"),
+        "{err}"
+    );
     assert!(fake.state().nbd_clients.is_empty());
 }
 
@@ -444,13 +546,23 @@ fn where_the_kernel_has_nbd_an_export_is_attached_through_it_and_detached_whole(
     exec.run(&attach).unwrap();
     {
         let s = fake.state();
-        assert_eq!(s.nbd_kernel.get(&key), Some(&("/dev/nbd0".into(), "unix:/run/nbd.sock".into(), "disk0".into(), false)));
+        assert_eq!(
+            s.nbd_kernel.get(&key),
+            Some(&("/dev/nbd0".into(), "unix:/run/nbd.sock".into(), "disk0".into(), false))
+        );
         assert!(s.loops.is_empty() && s.nbd_clients.is_empty(), "no userspace pieces: {s:?}");
-        assert!(s.mounts.iter().any(|m| m.source == "/dev/nbd0" && m.mount_point == Path::new(STAGING)), "{:?}", s.mounts);
+        assert!(
+            s.mounts.iter().any(|m| m.source == "/dev/nbd0" && m.mount_point == Path::new(STAGING)),
+            "{:?}",
+            s.mounts
+        );
     }
     // A rerun finds the connected device: nothing new.
     exec.run(&attach).unwrap();
-    assert_eq!(fake.state().log.iter().filter(|op| op.starts_with("nbd-kernel-connect")).count(), 1);
+    assert_eq!(
+        fake.state().log.iter().filter(|op| op.starts_with("nbd-kernel-connect")).count(),
+        1
+    );
     exec.run(&detach).unwrap();
     let s = fake.state();
     assert!(s.nbd_kernel.is_empty() && s.mounts.is_empty(), "{s:?}");
@@ -483,46 +595,90 @@ fn a_local_file_reaches_the_kernel_device_through_the_helper_server() {
     let (fake, exec) = node();
     fake.state().nbd_kernel_driver = true;
     fake.state().files.insert(FILE.into());
-    let spec = NbdSpec { server: String::new(), export_name: String::new(), local_file: Some(FILE.into()), attach: NbdAttach::Auto, connections: 1 };
+    let spec = NbdSpec {
+        server: String::new(),
+        export_name: String::new(),
+        local_file: Some(FILE.into()),
+        attach: NbdAttach::Auto,
+        connections: 1,
+    };
     let key = nbd_key(&spec);
     let mut attach = attach_plan();
-    attach[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(spec), read_only: false });
+    attach[0] = Step::AttachDevice(AttachDevice {
+        id: "dev".into(),
+        spec: DeviceSpec::Nbd(spec),
+        read_only: false,
+    });
     exec.run(&attach).unwrap();
     let s = fake.state();
     assert_eq!(s.nbd_servers.get(&key), Some(&false));
-    assert_eq!(s.nbd_kernel.get(&key).map(|c| (c.1.clone(), c.2.clone())), Some((format!("unix:/fake-nbd/{key}.sock"), String::new())));
+    assert_eq!(
+        s.nbd_kernel.get(&key).map(|c| (c.1.clone(), c.2.clone())),
+        Some((format!("unix:/fake-nbd/{key}.sock"), String::new()))
+    );
 }
 
 #[test]
 fn a_local_file_is_served_by_a_helper_and_attached_through_it() {
     let (fake, exec) = node();
     fake.state().files.insert(FILE.into());
-    let spec = NbdSpec { server: String::new(), export_name: String::new(), local_file: Some(FILE.into()), attach: NbdAttach::Auto, connections: 1 };
+    let spec = NbdSpec {
+        server: String::new(),
+        export_name: String::new(),
+        local_file: Some(FILE.into()),
+        attach: NbdAttach::Auto,
+        connections: 1,
+    };
     let key = nbd_key(&spec);
     let mut attach = attach_plan();
-    attach[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(spec.clone()), read_only: false });
+    attach[0] = Step::AttachDevice(AttachDevice {
+        id: "dev".into(),
+        spec: DeviceSpec::Nbd(spec.clone()),
+        read_only: false,
+    });
     exec.run(&attach).unwrap();
     {
         let s = fake.state();
         assert_eq!(s.nbd_servers.get(&key), Some(&false));
         let socket = format!("/fake-nbd/{key}.sock");
-        assert_eq!(s.nbd_clients.get(&key).map(|c| c.0.clone()), Some(format!("nbd+unix:///?socket={socket}")));
-        assert!(s.log.iter().any(|op| op == &format!("open {FILE}")), "the file is opened beneath the roots by the agent");
+        assert_eq!(
+            s.nbd_clients.get(&key).map(|c| c.0.clone()),
+            Some(format!("nbd+unix:///?socket={socket}"))
+        );
+        assert!(
+            s.log.iter().any(|op| op == &format!("open {FILE}")),
+            "the file is opened beneath the roots by the agent"
+        );
     }
     let mut detach = detach_plan();
-    detach[2] = Step::DetachDevice(DetachDevice { spec: DeviceSpec::Nbd(spec.clone()), force: false });
+    detach[2] =
+        Step::DetachDevice(DetachDevice { spec: DeviceSpec::Nbd(spec.clone()), force: false });
     exec.run(&detach).unwrap();
     let s = fake.state();
     assert!(s.nbd_servers.is_empty() && s.nbd_clients.is_empty() && s.loops.is_empty(), "{s:?}");
-    assert!(s.log.last().is_some_and(|op| op.starts_with("nbd-stop-serving")), "the server goes last: {:?}", s.log);
+    assert!(
+        s.log.last().is_some_and(|op| op.starts_with("nbd-stop-serving")),
+        "the server goes last: {:?}",
+        s.log
+    );
 }
 
 #[test]
 fn a_missing_local_file_starts_nothing() {
     let (fake, exec) = node();
-    let spec = NbdSpec { server: String::new(), export_name: String::new(), local_file: Some(FILE.into()), attach: NbdAttach::Auto, connections: 1 };
+    let spec = NbdSpec {
+        server: String::new(),
+        export_name: String::new(),
+        local_file: Some(FILE.into()),
+        attach: NbdAttach::Auto,
+        connections: 1,
+    };
     let mut attach = attach_plan();
-    attach[0] = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Nbd(spec), read_only: false });
+    attach[0] = Step::AttachDevice(AttachDevice {
+        id: "dev".into(),
+        spec: DeviceSpec::Nbd(spec),
+        read_only: false,
+    });
     let err = exec.run(&attach).unwrap_err();
     assert!(err.to_string().contains(FILE), "{err}");
     let s = fake.state();
@@ -533,25 +689,54 @@ fn a_missing_local_file_starts_nothing() {
 fn only_plans_on_local_disks_run_locally() {
     let ext4 = Some("ext4");
     assert!(runs_locally(ext4, &attach_plan()) && runs_locally(ext4, &detach_plan()));
-    assert!(runs_locally(Some("xfs"), &[Step::BindMount(BindMount { source: STAGING.into(), target: POD.into(), read_only: true })]));
-    assert!(runs_locally(None, &[Step::Unmount(Unmount { target: POD.into(), force: false })]), "a raw block volume's");
+    assert!(runs_locally(
+        Some("xfs"),
+        &[Step::BindMount(BindMount {
+            source: STAGING.into(),
+            target: POD.into(),
+            read_only: true
+        })]
+    ));
+    assert!(
+        runs_locally(None, &[Step::Unmount(Unmount { target: POD.into(), force: false })]),
+        "a raw block volume's"
+    );
     // A network filesystem's volume, one that names no filesystem (a
     // gluster PV's), or a forced unmount (of a dead one).
     assert!(!runs_locally(Some("glusterfs"), &detach_plan()));
-    assert!(!runs_locally(Some(""), &[Step::Unmount(Unmount { target: POD.into(), force: false })]));
+    assert!(!runs_locally(
+        Some(""),
+        &[Step::Unmount(Unmount { target: POD.into(), force: false })]
+    ));
     assert!(!runs_locally(ext4, &[Step::Unmount(Unmount { target: POD.into(), force: true })]));
     // Devices served over the network.
     let (nbd_attach, nbd_detach) = nbd_plans(NbdAttach::Auto);
     assert!(!runs_locally(ext4, &nbd_attach) && !runs_locally(ext4, &nbd_detach));
-    let rbd = Step::AttachDevice(AttachDevice { id: "dev".into(), spec: DeviceSpec::Rbd(rbd_spec(None)), read_only: false });
+    let rbd = Step::AttachDevice(AttachDevice {
+        id: "dev".into(),
+        spec: DeviceSpec::Rbd(rbd_spec(None)),
+        read_only: false,
+    });
     assert!(!runs_locally(ext4, &[rbd]));
     let mount = |source: &str, fs: &str| {
-        Step::Mount(Mount { source: MountSource::Block(BlockSource::Device(source.into())), target: STAGING.into(), fs_type: fs.into(), options: vec![], read_only: false })
+        Step::Mount(Mount {
+            source: MountSource::Block(BlockSource::Device(source.into())),
+            target: STAGING.into(),
+            fs_type: fs.into(),
+            options: vec![],
+            read_only: false,
+        })
     };
     assert!(runs_locally(ext4, &[mount("/dev/sdb", "ext4")]));
-    assert!(!runs_locally(ext4, &[mount("/dev/nbd0", "ext4")]) && !runs_locally(ext4, &[mount("/dev/rbd0", "ext4")]));
+    assert!(
+        !runs_locally(ext4, &[mount("/dev/nbd0", "ext4")])
+            && !runs_locally(ext4, &[mount("/dev/rbd0", "ext4")])
+    );
     assert!(!runs_locally(ext4, &[mount("/dev/sdb", "nfs")]));
     // Steps that run tools over a whole device or a dir tree.
-    let wipe = Step::Wipe(Wipe { device: BlockSource::Device("/dev/sdb".into()), method: WipeMethod::Zero });
+    let wipe = Step::Wipe(Wipe {
+        device: BlockSource::Device("/dev/sdb".into()),
+        method: WipeMethod::Zero,
+    });
     assert!(!runs_locally(ext4, &[wipe]));
 }

@@ -30,12 +30,15 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube
     use anyhow::Context;
     let mut config = match kubeconfig {
         Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path).with_context(|| format!("kubeconfig {}", path.display()))?;
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("kubeconfig {}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &Default::default())
                 .await
                 .with_context(|| format!("kubeconfig {}", path.display()))?
         }
-        None => kube::Config::incluster().context("in-cluster configuration (is this running in a pod with a service account?)")?,
+        None => kube::Config::incluster().context(
+            "in-cluster configuration (is this running in a pod with a service account?)",
+        )?,
     };
     config.connect_timeout = Some(Duration::from_secs(5));
     config.read_timeout = Some(Duration::from_secs(15));
@@ -47,7 +50,12 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube
 /// asked about counts as existing and not ready: a take-over must be proven.
 pub fn facts_of(name: &str, node: Option<&Node>) -> NodeFacts {
     let Some(node) = node else {
-        return NodeFacts { name: name.to_string(), exists: false, ready: false, out_of_service: false };
+        return NodeFacts {
+            name: name.to_string(),
+            exists: false,
+            ready: false,
+            out_of_service: false,
+        };
     };
     let status = node.status.as_ref();
     let ready = status
@@ -88,7 +96,15 @@ impl Cluster {
 
     /// A core/v1 Event about a pod, in the pod's namespace. Best effort: a
     /// failure is logged, never fails the operation.
-    pub async fn pod_event(&self, namespace: &str, pod: &str, pod_uid: &str, warning: bool, reason: &str, message: &str) {
+    pub async fn pod_event(
+        &self,
+        namespace: &str,
+        pod: &str,
+        pod_uid: &str,
+        warning: bool,
+        reason: &str,
+        message: &str,
+    ) {
         let about = ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Pod".into()),
@@ -102,7 +118,14 @@ impl Cluster {
 
     /// An Event about a PersistentVolume (cluster-scoped: its Events live
     /// in `default`, where kubectl describe looks for them).
-    pub async fn pv_event(&self, pv: &str, pv_uid: &str, warning: bool, reason: &str, message: &str) {
+    pub async fn pv_event(
+        &self,
+        pv: &str,
+        pv_uid: &str,
+        warning: bool,
+        reason: &str,
+        message: &str,
+    ) {
         let about = ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("PersistentVolume".into()),
@@ -113,17 +136,31 @@ impl Cluster {
         self.event("default", about, warning, reason, message).await;
     }
 
-    async fn event(&self, namespace: &str, about: ObjectReference, warning: bool, reason: &str, message: &str) {
+    async fn event(
+        &self,
+        namespace: &str,
+        about: ObjectReference,
+        warning: bool,
+        reason: &str,
+        message: &str,
+    ) {
         let api: Api<Event> = Api::namespaced(self.client.clone(), namespace);
         let now = k8s_openapi::jiff::Timestamp::now();
         let name = about.name.clone().unwrap_or_default();
         let event = Event {
-            metadata: ObjectMeta { generate_name: Some(format!("{name}.volagent-")), namespace: Some(namespace.to_string()), ..Default::default() },
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{name}.volagent-")),
+                namespace: Some(namespace.to_string()),
+                ..Default::default()
+            },
             involved_object: about,
             reason: Some(reason.to_string()),
             message: Some(message.chars().take(1024).collect()),
             type_: Some(if warning { "Warning" } else { "Normal" }.to_string()),
-            source: Some(k8s_openapi::api::core::v1::EventSource { component: Some(self.component.clone()), host: Some(self.node.clone()) }),
+            source: Some(k8s_openapi::api::core::v1::EventSource {
+                component: Some(self.component.clone()),
+                host: Some(self.node.clone()),
+            }),
             reporting_component: Some(format!("volagent.io/{}", self.component)),
             reporting_instance: Some(self.node.clone()),
             first_timestamp: Some(Time(now)),
@@ -146,11 +183,17 @@ mod tests {
     fn node(ready: &str, taint: Option<&str>) -> Node {
         Node {
             spec: Some(NodeSpec {
-                taints: taint.map(|k| vec![Taint { key: k.into(), effect: "NoExecute".into(), ..Default::default() }]),
+                taints: taint.map(|k| {
+                    vec![Taint { key: k.into(), effect: "NoExecute".into(), ..Default::default() }]
+                }),
                 ..Default::default()
             }),
             status: Some(NodeStatus {
-                conditions: Some(vec![NodeCondition { type_: "Ready".into(), status: ready.into(), ..Default::default() }]),
+                conditions: Some(vec![NodeCondition {
+                    type_: "Ready".into(),
+                    status: ready.into(),
+                    ..Default::default()
+                }]),
                 ..Default::default()
             }),
             ..Default::default()
@@ -159,7 +202,10 @@ mod tests {
 
     #[test]
     fn node_facts_follow_the_node_object() {
-        assert_eq!(facts_of("a", None), NodeFacts { name: "a".into(), exists: false, ready: false, out_of_service: false });
+        assert_eq!(
+            facts_of("a", None),
+            NodeFacts { name: "a".into(), exists: false, ready: false, out_of_service: false }
+        );
         assert!(facts_of("a", Some(&node("True", None))).ready);
         assert!(!facts_of("a", Some(&node("Unknown", None))).ready);
         let tainted = facts_of("a", Some(&node("False", Some(OUT_OF_SERVICE_TAINT))));

@@ -6,7 +6,10 @@
 //! names a deleted one; and makes PVs of the local volumes agents discover,
 //! asking the agents to wipe released ones (see `local_pvs`).
 
-use super::crds::{Attachment, CLEANUP_FINALIZER, CleanupEntry, CleanupReason, NodeCleanup, NodeCleanupSpec, StorageCluster, StorageClusterStatus};
+use super::crds::{
+    Attachment, CLEANUP_FINALIZER, CleanupEntry, CleanupReason, NodeCleanup, NodeCleanupSpec,
+    StorageCluster, StorageClusterStatus,
+};
 use super::lease::LeaderElector;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -45,7 +48,13 @@ pub struct State {
 
 /// Lead when the lease allows, work while leading; runs until cancelled.
 pub async fn run(client: kube::Client, config: ControllerConfig, state: Arc<State>) {
-    let elector = LeaderElector::new(client.clone(), &config.namespace, &config.lease_name, &config.identity, config.lease_duration);
+    let elector = LeaderElector::new(
+        client.clone(),
+        &config.namespace,
+        &config.lease_name,
+        &config.identity,
+        config.lease_duration,
+    );
     let renew = config.lease_duration / 3;
     let mut work: Option<tokio::task::JoinHandle<()>> = None;
     loop {
@@ -86,7 +95,10 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
         async move {
             loop {
                 match scan(&client).await {
-                    Ok(moved) if moved > 0 => tracing::warn!(moved, "scan moved attachments of vanished nodes to their cleanup lists"),
+                    Ok(moved) if moved > 0 => tracing::warn!(
+                        moved,
+                        "scan moved attachments of vanished nodes to their cleanup lists"
+                    ),
                     Ok(_) => {}
                     Err(e) => tracing::error!("scan: {e:#}"),
                 }
@@ -101,7 +113,11 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
             let mut events = watcher(nodes, watcher::Config::default()).default_backoff().boxed();
             while let Some(event) = events.next().await {
                 if let Ok(watcher::Event::Delete(node)) = event {
-                    let (name, client, grace) = (node.metadata.name.unwrap_or_default(), client.clone(), config.gone_node_grace);
+                    let (name, client, grace) = (
+                        node.metadata.name.unwrap_or_default(),
+                        client.clone(),
+                        config.gone_node_grace,
+                    );
                     tokio::spawn(async move {
                         tokio::time::sleep(grace).await;
                         // Registered again meanwhile: not gone.
@@ -109,8 +125,12 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
                             return;
                         }
                         match move_node(&client, &name).await {
-                            Ok(moved) => tracing::warn!(node = %name, moved, "Node deleted: its attachments moved to its cleanup list"),
-                            Err(e) => tracing::error!(node = %name, "moving a deleted node's attachments: {e:#} (the next scan retries)"),
+                            Ok(moved) => {
+                                tracing::warn!(node = %name, moved, "Node deleted: its attachments moved to its cleanup list")
+                            }
+                            Err(e) => {
+                                tracing::error!(node = %name, "moving a deleted node's attachments: {e:#} (the next scan retries)")
+                            }
                         }
                     });
                 }
@@ -131,19 +151,36 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
     let local = {
         let client = client.clone();
         async move {
-            let lists = watcher(Api::<super::crds::NodeLocalVolumes>::all(client.clone()), watcher::Config::default()).default_backoff().map(|_| ());
-            let pvs = watcher(Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(client.clone()), watcher::Config::default().labels(super::local_pvs::NODE_LABEL))
-                .default_backoff()
-                .map(|_| ());
+            let lists = watcher(
+                Api::<super::crds::NodeLocalVolumes>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .map(|_| ());
+            let pvs = watcher(
+                Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(client.clone()),
+                watcher::Config::default().labels(super::local_pvs::NODE_LABEL),
+            )
+            .default_backoff()
+            .map(|_| ());
             let mut changes = futures_util::stream::select(lists, pvs).boxed();
             loop {
                 match super::local_pvs::sync(&client).await {
-                    Ok(s) if s != Default::default() => tracing::info!(created = s.created.len(), wipes_requested = s.requested.len(), deleted = s.deleted.len(), refused = s.refused.len(), "local volumes"),
+                    Ok(s) if s != Default::default() => tracing::info!(
+                        created = s.created.len(),
+                        wipes_requested = s.requested.len(),
+                        deleted = s.deleted.len(),
+                        refused = s.refused.len(),
+                        "local volumes"
+                    ),
                     Ok(_) => {}
                     Err(e) => tracing::error!("local volumes: {e:#}"),
                 }
                 let _ = tokio::time::timeout(config.local_interval, changes.next()).await;
-                while let Ok(Some(())) = tokio::time::timeout(Duration::from_millis(200), changes.next()).await {}
+                while let Ok(Some(())) =
+                    tokio::time::timeout(Duration::from_millis(200), changes.next()).await
+                {
+                }
             }
         }
     };
@@ -152,13 +189,19 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
         async move {
             // An agent takes the entries it worked off out of its list but
             // may not delete it: the list goes here once it is empty.
-            let lists = watcher(Api::<NodeCleanup>::all(client.clone()), watcher::Config::default()).default_backoff().applied_objects();
+            let lists =
+                watcher(Api::<NodeCleanup>::all(client.clone()), watcher::Config::default())
+                    .default_backoff()
+                    .applied_objects();
             let mut lists = std::pin::pin!(lists);
             while let Some(list) = lists.next().await {
                 if let Ok(list) = list
                     && let Err(e) = delete_if_empty(&client, &list).await
                 {
-                    tracing::error!(node = list.metadata.name.as_deref().unwrap_or(""), "deleting an emptied cleanup list: {e:#}");
+                    tracing::error!(
+                        node = list.metadata.name.as_deref().unwrap_or(""),
+                        "deleting an emptied cleanup list: {e:#}"
+                    );
                 }
             }
         }
@@ -174,7 +217,13 @@ pub async fn delete_if_empty(client: &kube::Client, list: &NodeCleanup) -> anyho
         return Ok(false);
     }
     let name = list.metadata.name.clone().unwrap_or_default();
-    let dp = DeleteParams { preconditions: Some(Preconditions { resource_version: list.metadata.resource_version.clone(), uid: list.metadata.uid.clone() }), ..Default::default() };
+    let dp = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: list.metadata.resource_version.clone(),
+            uid: list.metadata.uid.clone(),
+        }),
+        ..Default::default()
+    };
     match Api::<NodeCleanup>::all(client.clone()).delete(&name, &dp).await {
         Ok(_) => {
             tracing::info!(node = %name, "the node worked off its cleanup list: list deleted");
@@ -188,9 +237,19 @@ pub async fn delete_if_empty(client: &kube::Client, list: &NodeCleanup) -> anyho
 /// Move the consumers on nodes that no longer exist, and delete the
 /// cleanup lists their nodes emptied; how many consumers moved.
 pub async fn scan(client: &kube::Client) -> anyhow::Result<usize> {
-    let nodes: BTreeSet<String> = Api::<Node>::all(client.clone()).list(&Default::default()).await?.items.into_iter().filter_map(|n| n.metadata.name).collect();
+    let nodes: BTreeSet<String> = Api::<Node>::all(client.clone())
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
     let records = Api::<Attachment>::all(client.clone()).list(&Default::default()).await?.items;
-    let gone: BTreeSet<String> = records.iter().flat_map(|r| r.spec.consumers.iter().map(|c| c.node.clone())).filter(|n| !nodes.contains(n)).collect();
+    let gone: BTreeSet<String> = records
+        .iter()
+        .flat_map(|r| r.spec.consumers.iter().map(|c| c.node.clone()))
+        .filter(|n| !nodes.contains(n))
+        .collect();
     let mut moved = 0;
     for node in gone {
         moved += move_node(client, &node).await?;
@@ -208,7 +267,8 @@ pub async fn move_node(client: &kube::Client, node: &str) -> anyhow::Result<usiz
     let records: Api<Attachment> = Api::all(client.clone());
     let mut moved = 0;
     for record in records.list(&Default::default()).await?.items {
-        let mine: Vec<_> = record.spec.consumers.iter().filter(|c| c.node == node).cloned().collect();
+        let mine: Vec<_> =
+            record.spec.consumers.iter().filter(|c| c.node == node).cloned().collect();
         if mine.is_empty() {
             continue;
         }
@@ -244,17 +304,33 @@ pub async fn move_node(client: &kube::Client, node: &str) -> anyhow::Result<usiz
     Ok(moved)
 }
 
-async fn append_cleanup(client: &kube::Client, node: &str, entries: Vec<CleanupEntry>) -> anyhow::Result<()> {
+async fn append_cleanup(
+    client: &kube::Client,
+    node: &str,
+    entries: Vec<CleanupEntry>,
+) -> anyhow::Result<()> {
     let api: Api<NodeCleanup> = Api::all(client.clone());
     for _ in 0..10 {
         let result = match api.get_opt(node).await? {
             None => {
-                let list = NodeCleanup { metadata: ObjectMeta { name: Some(node.into()), ..Default::default() }, spec: NodeCleanupSpec { entries: entries.clone() } };
+                let list = NodeCleanup {
+                    metadata: ObjectMeta { name: Some(node.into()), ..Default::default() },
+                    spec: NodeCleanupSpec { entries: entries.clone() },
+                };
                 api.create(&PostParams::default(), &list).await.map(drop)
             }
             Some(mut list) => {
-                let known: BTreeSet<(String, String)> = list.spec.entries.iter().map(|e| (e.volume.clone(), e.consumer.mount_dir.clone())).collect();
-                let new: Vec<CleanupEntry> = entries.iter().filter(|e| !known.contains(&(e.volume.clone(), e.consumer.mount_dir.clone()))).cloned().collect();
+                let known: BTreeSet<(String, String)> = list
+                    .spec
+                    .entries
+                    .iter()
+                    .map(|e| (e.volume.clone(), e.consumer.mount_dir.clone()))
+                    .collect();
+                let new: Vec<CleanupEntry> = entries
+                    .iter()
+                    .filter(|e| !known.contains(&(e.volume.clone(), e.consumer.mount_dir.clone())))
+                    .cloned()
+                    .collect();
                 if new.is_empty() {
                     return Ok(());
                 }
@@ -285,13 +361,20 @@ async fn fence_clients(client: &kube::Client, record: &Attachment, node: &str) -
                 tracing::warn!(%volume, %node, "the gone node's storage client: {done}");
                 fenced.push(c.id);
             }
-            Err(e) => tracing::error!(%volume, %node, "cannot fence the gone node's storage client: {e}"),
+            Err(e) => {
+                tracing::error!(%volume, %node, "cannot fence the gone node's storage client: {e}")
+            }
         }
     }
     fenced
 }
 
-async fn remove_consumers(api: &Api<Attachment>, volume: &str, node: &str, fenced: &[i64]) -> anyhow::Result<()> {
+async fn remove_consumers(
+    api: &Api<Attachment>,
+    volume: &str,
+    node: &str,
+    fenced: &[i64],
+) -> anyhow::Result<()> {
     for _ in 0..10 {
         let Some(mut record) = api.get_opt(volume).await? else { return Ok(()) };
         let before = record.spec.consumers.len();
@@ -301,7 +384,13 @@ async fn remove_consumers(api: &Api<Attachment>, volume: &str, node: &str, fence
         }
         record.spec.storage_clients.retain(|c| !(c.node == node && fenced.contains(&c.id)));
         let result = if record.spec.consumers.is_empty() {
-            let dp = DeleteParams { preconditions: Some(Preconditions { resource_version: record.metadata.resource_version.clone(), uid: None }), ..Default::default() };
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions {
+                    resource_version: record.metadata.resource_version.clone(),
+                    uid: None,
+                }),
+                ..Default::default()
+            };
             api.delete(volume, &dp).await.map(drop)
         } else {
             api.replace(volume, &PostParams::default(), &record).await.map(drop)
@@ -323,14 +412,18 @@ pub async fn storage_clusters(client: &kube::Client) -> anyhow::Result<()> {
     let mut holders: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for r in &records {
         if let Some(c) = &r.spec.storage_cluster {
-            holders.entry(c.clone()).or_default().extend(r.spec.consumers.iter().map(|c| c.node.clone()));
+            holders
+                .entry(c.clone())
+                .or_default()
+                .extend(r.spec.consumers.iter().map(|c| c.node.clone()));
         }
     }
     for sc in api.list(&Default::default()).await?.items {
         let name = sc.metadata.name.clone().unwrap_or_default();
         let finalizers = sc.metadata.finalizers.clone().unwrap_or_default();
         let has = finalizers.iter().any(|f| f == CLEANUP_FINALIZER);
-        let pending: Vec<String> = holders.get(&name).map(|s| s.iter().cloned().collect()).unwrap_or_default();
+        let pending: Vec<String> =
+            holders.get(&name).map(|s| s.iter().cloned().collect()).unwrap_or_default();
         if sc.metadata.deletion_timestamp.is_none() {
             if !has {
                 let mut f = finalizers.clone();
@@ -341,12 +434,14 @@ pub async fn storage_clusters(client: &kube::Client) -> anyhow::Result<()> {
         }
         if pending.is_empty() {
             if has {
-                let f: Vec<String> = finalizers.into_iter().filter(|f| f != CLEANUP_FINALIZER).collect();
+                let f: Vec<String> =
+                    finalizers.into_iter().filter(|f| f != CLEANUP_FINALIZER).collect();
                 set_finalizers(&api, &sc, f).await?;
                 tracing::info!(cluster = %name, "every node released the deleted cluster's volumes: finalizer removed");
             }
         } else {
-            let status = StorageClusterStatus { phase: Some("Deleting".into()), pending_nodes: pending };
+            let status =
+                StorageClusterStatus { phase: Some("Deleting".into()), pending_nodes: pending };
             if sc.status.as_ref() != Some(&status) {
                 let patch = serde_json::json!({ "status": status });
                 api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
@@ -356,7 +451,11 @@ pub async fn storage_clusters(client: &kube::Client) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn set_finalizers(api: &Api<StorageCluster>, sc: &StorageCluster, finalizers: Vec<String>) -> anyhow::Result<()> {
+async fn set_finalizers(
+    api: &Api<StorageCluster>,
+    sc: &StorageCluster,
+    finalizers: Vec<String>,
+) -> anyhow::Result<()> {
     let name = sc.metadata.name.clone().unwrap_or_default();
     // The resourceVersion makes this a compare-and-swap: a stale view fails
     // (409) and the next round looks again.

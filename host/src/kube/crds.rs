@@ -297,7 +297,9 @@ pub struct LocalOperation {
 impl LocalOperation {
     /// Whether `status` is about this request.
     pub fn is(&self, status: &LocalOperationStatus) -> bool {
-        self.volume == status.volume && self.pv_uid == status.pv_uid && self.requested_at == status.requested_at
+        self.volume == status.volume
+            && self.pv_uid == status.pv_uid
+            && self.requested_at == status.requested_at
     }
 }
 
@@ -411,15 +413,21 @@ pub struct NodeLocalVolumesStatus {
 
 /// Every CRD with the file name `deploy/crds/` keeps it under.
 pub fn all() -> Vec<(String, String)> {
-    [Attachment::crd(), NodeCleanup::crd(), StorageCluster::crd(), NodeLocalVolumes::crd(), FenceRequest::crd()]
-        .into_iter()
-        .map(|crd| {
-            let name = crd.metadata.name.clone().unwrap_or_default();
-            // Serialising a derived CRD cannot fail: it is plain data.
-            let yaml = serde_norway::to_string(&crd).unwrap_or_default();
-            (format!("{name}.yaml"), yaml)
-        })
-        .collect()
+    [
+        Attachment::crd(),
+        NodeCleanup::crd(),
+        StorageCluster::crd(),
+        NodeLocalVolumes::crd(),
+        FenceRequest::crd(),
+    ]
+    .into_iter()
+    .map(|crd| {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        // Serialising a derived CRD cannot fail: it is plain data.
+        let yaml = serde_norway::to_string(&crd).unwrap_or_default();
+        (format!("{name}.yaml"), yaml)
+    })
+    .collect()
 }
 
 /// All CRDs as one YAML stream.
@@ -435,11 +443,18 @@ mod tests {
     fn deploy_crds_are_the_generated_ones() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/crds");
         for (file, yaml) in all() {
-            let committed = std::fs::read_to_string(dir.join(&file))
-                .unwrap_or_else(|e| panic!("deploy/crds/{file}: {e}; regenerate with `volagent crds --dir deploy/crds`"));
-            assert_eq!(committed, yaml, "deploy/crds/{file} is stale; regenerate with `volagent crds --dir deploy/crds`");
+            let committed = std::fs::read_to_string(dir.join(&file)).unwrap_or_else(|e| {
+                panic!("deploy/crds/{file}: {e}; regenerate with `volagent crds --dir deploy/crds`")
+            });
+            assert_eq!(
+                committed, yaml,
+                "deploy/crds/{file} is stale; regenerate with `volagent crds --dir deploy/crds`"
+            );
         }
-        let mut files: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         files.sort();
         let mut expected: Vec<String> = all().into_iter().map(|(f, _)| f).collect();
         expected.sort();
@@ -452,7 +467,10 @@ mod tests {
             backend: "rbd".into(),
             access_mode: AccessMode::ReadWriteOnce,
             storage_cluster: None,
-            source: Some(VolumeSourceSpec { fs_type: Some("ext4".into()), options: Some([("pool".into(), "rbd".into())].into()) }),
+            source: Some(VolumeSourceSpec {
+                fs_type: Some("ext4".into()),
+                options: Some([("pool".into(), "rbd".into())].into()),
+            }),
             consumers: vec![ConsumerEntry {
                 node: "n1".into(),
                 pod_namespace: "default".into(),
@@ -469,6 +487,9 @@ mod tests {
         assert_eq!(v["source"]["fsType"], "ext4");
         assert_eq!(v["source"]["options"]["pool"], "rbd");
         assert_eq!(v["consumers"][0]["podUID"], "u1");
-        assert_eq!(v["consumers"][0]["mountDir"], "/var/lib/kubelet/pods/u1/volumes/volagent~rbd/pv1");
+        assert_eq!(
+            v["consumers"][0]["mountDir"],
+            "/var/lib/kubelet/pods/u1/volumes/volagent~rbd/pv1"
+        );
     }
 }

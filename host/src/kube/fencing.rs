@@ -24,12 +24,23 @@ impl Cluster {
     /// Ask the controller to fence `node`'s client at `address` of `volume`,
     /// and wait up to `deadline` for its answer: Ok once fenced, the
     /// controller's reason when it refused.
-    pub async fn fence_client(&self, volume: &str, node: &str, address: &str, deadline: Duration) -> Result<(), String> {
+    pub async fn fence_client(
+        &self,
+        volume: &str,
+        node: &str,
+        address: &str,
+        deadline: Duration,
+    ) -> Result<(), String> {
         let api: Api<FenceRequest> = Api::all(self.client.clone());
         let name = FenceRequest::name_for(volume, address);
         let request = FenceRequest {
             metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
-            spec: FenceRequestSpec { volume: volume.into(), requester: self.node.clone(), node: node.into(), address: address.into() },
+            spec: FenceRequestSpec {
+                volume: volume.into(),
+                requester: self.node.clone(),
+                node: node.into(),
+                address: address.into(),
+            },
             status: None,
         };
         let what = format!("FenceRequest {name} (volume {volume}, node {node}'s client {address})");
@@ -37,7 +48,9 @@ impl Cluster {
         let mut asked = false;
         loop {
             if start.elapsed() > deadline {
-                return Err(format!("{what}: no answer from the controller within {deadline:?} (is volagent controller running?)"));
+                return Err(format!(
+                    "{what}: no answer from the controller within {deadline:?} (is volagent controller running?)"
+                ));
             }
             match api.get_opt(&name).await {
                 Ok(Some(found)) => {
@@ -47,7 +60,10 @@ impl Cluster {
                         }
                         return match status.phase {
                             FencePhase::Fenced => Ok(()),
-                            FencePhase::Refused => Err(format!("the controller refused to fence node {node}'s client {address}: {}", status.message.clone().unwrap_or_default())),
+                            FencePhase::Refused => Err(format!(
+                                "the controller refused to fence node {node}'s client {address}: {}",
+                                status.message.clone().unwrap_or_default()
+                            )),
                         };
                     }
                 }
@@ -56,7 +72,12 @@ impl Cluster {
                 Ok(None) => match api.create(&PostParams::default(), &request).await {
                     Ok(_) => {
                         if !asked {
-                            tracing::warn!(volume, node, address, "asked the controller to fence a gone node's storage client");
+                            tracing::warn!(
+                                volume,
+                                node,
+                                address,
+                                "asked the controller to fence a gone node's storage client"
+                            );
                         }
                         asked = true;
                     }
@@ -76,7 +97,8 @@ impl Cluster {
 /// since an answered request sees no more changes). Runs until cancelled.
 pub async fn serve(client: kube::Client) {
     let api: Api<FenceRequest> = Api::all(client.clone());
-    let requests = watcher(api.clone(), watcher::Config::default()).default_backoff().applied_objects();
+    let requests =
+        watcher(api.clone(), watcher::Config::default()).default_backoff().applied_objects();
     let mut requests = std::pin::pin!(requests);
     let mut sweep = tokio::time::interval(Duration::from_secs(60));
     loop {
@@ -105,16 +127,25 @@ async fn tend(client: &kube::Client, api: &Api<FenceRequest>, request: FenceRequ
             let status = answer(client, &request.spec).await;
             let s = &request.spec;
             match status.phase {
-                FencePhase::Fenced => tracing::warn!(request = %name, volume = %s.volume, node = %s.node, address = %s.address, requester = %s.requester, "fenced a gone node's storage client"),
-                FencePhase::Refused => tracing::error!(request = %name, volume = %s.volume, requester = %s.requester, "refused to fence: {}", status.message.as_deref().unwrap_or("")),
+                FencePhase::Fenced => {
+                    tracing::warn!(request = %name, volume = %s.volume, node = %s.node, address = %s.address, requester = %s.requester, "fenced a gone node's storage client")
+                }
+                FencePhase::Refused => {
+                    tracing::error!(request = %name, volume = %s.volume, requester = %s.requester, "refused to fence: {}", status.message.as_deref().unwrap_or(""))
+                }
             }
             let patch = serde_json::json!({ "status": status });
-            if let Err(e) = api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            if let Err(e) =
+                api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await
+            {
                 tracing::error!(request = %name, "answering a fence request: {e}");
             }
         }
         Some(status) => {
-            let old = humantime::parse_rfc3339(&status.answered_at).ok().and_then(|t| t.elapsed().ok()).is_none_or(|age| age > ANSWERED_KEPT);
+            let old = humantime::parse_rfc3339(&status.answered_at)
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_none_or(|age| age > ANSWERED_KEPT);
             if old {
                 let _ = api.delete(&name, &DeleteParams::default()).await;
             }
@@ -124,7 +155,11 @@ async fn tend(client: &kube::Client, api: &Api<FenceRequest>, request: FenceRequ
 
 /// Check `request` and fence, or say why not.
 pub async fn answer(client: &kube::Client, request: &FenceRequestSpec) -> FenceRequestStatus {
-    let status = |phase, message: String| FenceRequestStatus { phase, message: Some(crate::ops::bounded(message, 1024)), answered_at: crate::ops::now_rfc3339() };
+    let status = |phase, message: String| FenceRequestStatus {
+        phase,
+        message: Some(crate::ops::bounded(message, 1024)),
+        answered_at: crate::ops::now_rfc3339(),
+    };
     match check_and_fence(client, request).await {
         Ok(done) => status(FencePhase::Fenced, done),
         Err(why) => status(FencePhase::Refused, why),
@@ -141,12 +176,22 @@ async fn check_and_fence(client: &kube::Client, r: &FenceRequestSpec) -> Result<
         .map_err(|e| format!("Attachment {}: {e}", r.volume))?
         .ok_or_else(|| format!("no Attachment {} records the volume", r.volume))?;
     if !record.spec.storage_clients.iter().any(|c| c.node == r.node && c.address == r.address) {
-        return Err(format!("Attachment {} records no client {} of node {}", r.volume, r.address, r.node));
+        return Err(format!(
+            "Attachment {} records no client {} of node {}",
+            r.volume, r.address, r.node
+        ));
     }
-    let node = Api::<Node>::all(client.clone()).get_opt(&r.node).await.map_err(|e| format!("Node {}: {e}", r.node))?;
+    let node = Api::<Node>::all(client.clone())
+        .get_opt(&r.node)
+        .await
+        .map_err(|e| format!("Node {}: {e}", r.node))?;
     let facts = super::cluster::facts_of(&r.node, node.as_ref());
     if facts.exists && !facts.out_of_service {
-        return Err(format!("node {} is not gone (neither deleted nor tainted {})", r.node, super::cluster::OUT_OF_SERVICE_TAINT));
+        return Err(format!(
+            "node {} is not gone (neither deleted nor tainted {})",
+            r.node,
+            super::cluster::OUT_OF_SERVICE_TAINT
+        ));
     }
     fence(client, &record, &r.address).await
 }
@@ -163,19 +208,32 @@ fn image_of(record: &Attachment) -> Option<(String, String)> {
 /// StorageCluster with the controller's credentials, then break the
 /// exclusive lock it held on the volume's image, so that the next writer
 /// need not fence it again (a node's user may not); what was done.
-pub async fn fence(client: &kube::Client, record: &Attachment, address: &str) -> Result<String, String> {
+pub async fn fence(
+    client: &kube::Client,
+    record: &Attachment,
+    address: &str,
+) -> Result<String, String> {
     let volume = record.metadata.name.clone().unwrap_or_default();
     let cluster = record.spec.storage_cluster.clone().ok_or_else(|| format!("volume {volume} names no StorageCluster, whose controller credentials could fence its clients"))?;
-    let ceph = super::storage::controller_connection(client, &cluster, &record.spec.backend).await.map_err(|e| e.to_string())?.ceph_client();
+    let ceph = super::storage::controller_connection(client, &cluster, &record.spec.backend)
+        .await
+        .map_err(|e| e.to_string())?
+        .ceph_client();
     let (owned, image) = (address.to_string(), image_of(record));
     let work = move || {
         let storage = crate::sys::rbd_export::LibCeph;
-        crate::sys::Storage::blocklist(&storage, &ceph, &owned).map_err(|e| format!("blocklisting {owned}: {e}"))?;
+        crate::sys::Storage::blocklist(&storage, &ceph, &owned)
+            .map_err(|e| format!("blocklisting {owned}: {e}"))?;
         let Some((pool, image)) = image else { return Ok(false) };
-        crate::sys::Storage::break_lock(&storage, &ceph, &pool, &image, &owned).map_err(|e| format!("blocklisted {owned}, but breaking its lock on {pool}/{image}: {e}"))
+        crate::sys::Storage::break_lock(&storage, &ceph, &pool, &image, &owned).map_err(|e| {
+            format!("blocklisted {owned}, but breaking its lock on {pool}/{image}: {e}")
+        })
     };
     match tokio::time::timeout(FENCE_TIMEOUT, tokio::task::spawn_blocking(work)).await {
-        Ok(Ok(Ok(broke))) => Ok(format!("blocklisted {address} at StorageCluster {cluster}{}", if broke { " and broke its lock on the volume's image" } else { "" })),
+        Ok(Ok(Ok(broke))) => Ok(format!(
+            "blocklisted {address} at StorageCluster {cluster}{}",
+            if broke { " and broke its lock on the volume's image" } else { "" }
+        )),
         Ok(Ok(Err(e))) => Err(e),
         Ok(Err(e)) => Err(format!("blocklisting {address}: {e}")),
         Err(_) => Err(format!("blocklisting {address}: no answer within {FENCE_TIMEOUT:?}")),

@@ -17,8 +17,19 @@ pub struct LeaderElector {
 }
 
 impl LeaderElector {
-    pub fn new(client: kube::Client, namespace: &str, name: &str, identity: &str, duration: Duration) -> LeaderElector {
-        LeaderElector { api: Api::namespaced(client, namespace), name: name.into(), identity: identity.into(), duration }
+    pub fn new(
+        client: kube::Client,
+        namespace: &str,
+        name: &str,
+        identity: &str,
+        duration: Duration,
+    ) -> LeaderElector {
+        LeaderElector {
+            api: Api::namespaced(client, namespace),
+            name: name.into(),
+            identity: identity.into(),
+            duration,
+        }
     }
 
     /// Take or renew the lease; true when this candidate leads now.
@@ -33,7 +44,10 @@ impl LeaderElector {
             ..Default::default()
         };
         let Some(current) = self.api.get_opt(&self.name).await? else {
-            let lease = Lease { metadata: ObjectMeta { name: Some(self.name.clone()), ..Default::default() }, spec: Some(spec(0, None)) };
+            let lease = Lease {
+                metadata: ObjectMeta { name: Some(self.name.clone()), ..Default::default() },
+                spec: Some(spec(0, None)),
+            };
             return match self.api.create(&PostParams::default(), &lease).await {
                 Ok(_) => Ok(true),
                 Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
@@ -43,7 +57,9 @@ impl LeaderElector {
         let held = current.spec.clone().unwrap_or_default();
         let mine = held.holder_identity.as_deref() == Some(&self.identity);
         let expired = match (held.renew_time.as_ref(), held.lease_duration_seconds) {
-            (Some(MicroTime(renewed)), Some(secs)) => *renewed + SignedDuration::from_secs(i64::from(secs)) < now,
+            (Some(MicroTime(renewed)), Some(secs)) => {
+                *renewed + SignedDuration::from_secs(i64::from(secs)) < now
+            }
             _ => true,
         };
         if !mine && !expired {

@@ -54,7 +54,10 @@ impl KubeLedger {
             match call().await {
                 Ok(v) => return Ok(v),
                 Err(e) if is_transient(&e) && attempt < self.retry.attempts => {
-                    tracing::debug!(volume, "{what}: transient API error, retrying in {wait:?}: {e}");
+                    tracing::debug!(
+                        volume,
+                        "{what}: transient API error, retrying in {wait:?}: {e}"
+                    );
                     tokio::time::sleep(wait).await;
                     wait *= 2;
                     attempt += 1;
@@ -79,10 +82,17 @@ pub fn is_transient(e: &kube::Error) -> bool {
 fn map_error(volume: &str, what: &str, expected: Option<&Version>, e: kube::Error) -> LedgerError {
     let volume = volume.to_string();
     match (&e, expected) {
-        (kube::Error::Api(s), _) if s.code == 409 && s.reason == "AlreadyExists" => LedgerError::AlreadyExists { volume },
-        (kube::Error::Api(s), Some(expected)) if s.code == 409 => LedgerError::Conflict { volume, expected: expected.clone() },
+        (kube::Error::Api(s), _) if s.code == 409 && s.reason == "AlreadyExists" => {
+            LedgerError::AlreadyExists { volume }
+        }
+        (kube::Error::Api(s), Some(expected)) if s.code == 409 => {
+            LedgerError::Conflict { volume, expected: expected.clone() }
+        }
         (kube::Error::Api(s), _) if s.code == 404 => LedgerError::NotFound { volume },
-        _ => LedgerError::Store { store: "Kubernetes API (attachments.volagent.io)".into(), message: format!("{what} {volume}: {e}") },
+        _ => LedgerError::Store {
+            store: "Kubernetes API (attachments.volagent.io)".into(),
+            message: format!("{what} {volume}: {e}"),
+        },
     }
 }
 
@@ -152,7 +162,13 @@ fn to_object(record: &Record, version: Option<&Version>) -> Attachment {
                 .storage_clients
                 .iter()
                 // Ceph's global ids are far below 2^63.
-                .filter_map(|c| Some(crds::StorageClientEntry { node: c.node.clone(), id: i64::try_from(c.id).ok()?, address: c.address.clone() }))
+                .filter_map(|c| {
+                    Some(crds::StorageClientEntry {
+                        node: c.node.clone(),
+                        id: i64::try_from(c.id).ok()?,
+                        address: c.address.clone(),
+                    })
+                })
                 .collect(),
         },
     }
@@ -174,7 +190,13 @@ pub fn from_object(a: &Attachment) -> (Record, Version) {
             .spec
             .storage_clients
             .iter()
-            .filter_map(|c| Some(crate::ledger::StorageClient { node: c.node.clone(), id: u64::try_from(c.id).ok()?, address: c.address.clone() }))
+            .filter_map(|c| {
+                Some(crate::ledger::StorageClient {
+                    node: c.node.clone(),
+                    id: u64::try_from(c.id).ok()?,
+                    address: c.address.clone(),
+                })
+            })
             .collect(),
     };
     (record, Version(a.metadata.resource_version.clone().unwrap_or_default()))
@@ -183,7 +205,10 @@ pub fn from_object(a: &Attachment) -> (Record, Version) {
 #[async_trait::async_trait]
 impl Ledger for KubeLedger {
     async fn get(&self, volume: &str) -> Result<Option<(Record, Version)>, LedgerError> {
-        let found = self.call(volume, "get", || self.api.get_opt(volume)).await.map_err(|e| map_error(volume, "get", None, e))?;
+        let found = self
+            .call(volume, "get", || self.api.get_opt(volume))
+            .await
+            .map_err(|e| map_error(volume, "get", None, e))?;
         Ok(found.as_ref().map(from_object))
     }
 
@@ -209,16 +234,24 @@ impl Ledger for KubeLedger {
 
     async fn delete(&self, volume: &str, expected: &Version) -> Result<(), LedgerError> {
         let params = DeleteParams {
-            preconditions: Some(Preconditions { resource_version: Some(expected.0.clone()), uid: None }),
+            preconditions: Some(Preconditions {
+                resource_version: Some(expected.0.clone()),
+                uid: None,
+            }),
             ..Default::default()
         };
-        self.call(volume, "delete", || self.api.delete(volume, &params)).await.map_err(|e| map_error(volume, "delete", Some(expected), e))?;
+        self.call(volume, "delete", || self.api.delete(volume, &params))
+            .await
+            .map_err(|e| map_error(volume, "delete", Some(expected), e))?;
         Ok(())
     }
 
     async fn list_by_node(&self, node: &str) -> Result<Vec<(Record, Version)>, LedgerError> {
         let lp = ListParams::default();
-        let list = self.call("*", "list", || self.api.list(&lp)).await.map_err(|e| map_error("*", "list", None, e))?;
+        let list = self
+            .call("*", "list", || self.api.list(&lp))
+            .await
+            .map_err(|e| map_error("*", "list", None, e))?;
         Ok(list
             .items
             .iter()

@@ -15,12 +15,19 @@
 //!   the operation (after fixing the cause: it is then requested again).
 //! - Retain PVs are never wiped; deleted, they are let go.
 
-use super::crds::{LOCAL_WIPE_FINALIZER, LocalOperation, LocalOperationKind, LocalOperationPhase, NodeLocalVolumes};
+use super::crds::{
+    LOCAL_WIPE_FINALIZER, LocalOperation, LocalOperationKind, LocalOperationPhase, NodeLocalVolumes,
+};
 use super::local_volumes::LOCAL_BACKEND;
-use k8s_openapi::api::core::v1::{FlexPersistentVolumeSource, Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, PersistentVolumeSpec, VolumeNodeAffinity};
+use k8s_openapi::api::core::v1::{
+    FlexPersistentVolumeSource, Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+    PersistentVolume, PersistentVolumeSpec, VolumeNodeAffinity,
+};
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{
+    Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
 pub use super::crds::{CLASS_LABEL, NODE_LABEL, PROVISIONER};
@@ -50,8 +57,13 @@ pub async fn sync(client: &kube::Client) -> anyhow::Result<Synced> {
         .into_iter()
         .filter_map(|pv| Some((pv.metadata.name.clone()?, pv)))
         .collect();
-    let classes: BTreeMap<String, StorageClass> =
-        Api::<StorageClass>::all(client.clone()).list(&Default::default()).await?.items.into_iter().filter_map(|c| Some((c.metadata.name.clone()?, c))).collect();
+    let classes: BTreeMap<String, StorageClass> = Api::<StorageClass>::all(client.clone())
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|c| Some((c.metadata.name.clone()?, c)))
+        .collect();
     let hostnames: BTreeMap<String, String> = Api::<Node>::all(client.clone())
         .list(&Default::default())
         .await?
@@ -59,14 +71,21 @@ pub async fn sync(client: &kube::Client) -> anyhow::Result<Synced> {
         .into_iter()
         .filter_map(|n| {
             let name = n.metadata.name.clone()?;
-            let host = n.metadata.labels.as_ref().and_then(|l| l.get("kubernetes.io/hostname").cloned()).unwrap_or_else(|| name.clone());
+            let host = n
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("kubernetes.io/hostname").cloned())
+                .unwrap_or_else(|| name.clone());
             Some((name, host))
         })
         .collect();
     let mut out = Synced::default();
     for list in lists {
         let node = list.metadata.name.clone().unwrap_or_default();
-        if let Err(e) = sync_node(client, &pv_api, &list, &pvs, &classes, hostnames.get(&node), &mut out).await {
+        if let Err(e) =
+            sync_node(client, &pv_api, &list, &pvs, &classes, hostnames.get(&node), &mut out).await
+        {
             tracing::error!(node = %node, "local volumes: {e:#}");
         }
     }
@@ -101,7 +120,12 @@ async fn sync_node(
             }
             if !ops.iter().any(|o| o.volume == name && o.pv_uid == uid) {
                 tracing::info!(pv = %name, node = %node, "local PV released: wipe requested");
-                ops.push(LocalOperation { volume: name.clone(), kind: LocalOperationKind::Delete, pv_uid: uid.clone(), requested_at: crate::ops::now_rfc3339() });
+                ops.push(LocalOperation {
+                    volume: name.clone(),
+                    kind: LocalOperationKind::Delete,
+                    pv_uid: uid.clone(),
+                    requested_at: crate::ops::now_rfc3339(),
+                });
                 out.requested.push(name.clone());
             }
         } else if deleting && lets_go(pv) && !ops.iter().any(|o| o.volume == name) {
@@ -112,13 +136,22 @@ async fn sync_node(
     // Wipes done: the PV goes (the next round offers the volume anew).
     let mut finished = BTreeSet::new();
     for op in &ops {
-        let complete = status.operations.iter().any(|s| op.is(s) && s.phase == LocalOperationPhase::Complete);
+        let complete =
+            status.operations.iter().any(|s| op.is(s) && s.phase == LocalOperationPhase::Complete);
         if !complete {
             continue;
         }
-        if let Some(pv) = pvs.get(&op.volume).filter(|pv| pv.metadata.uid.as_deref() == Some(op.pv_uid.as_str())) {
+        if let Some(pv) =
+            pvs.get(&op.volume).filter(|pv| pv.metadata.uid.as_deref() == Some(op.pv_uid.as_str()))
+        {
             set_finalizer(pv_api, pv, false).await?;
-            let dp = DeleteParams { preconditions: Some(Preconditions { uid: Some(op.pv_uid.clone()), resource_version: None }), ..Default::default() };
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: Some(op.pv_uid.clone()),
+                    resource_version: None,
+                }),
+                ..Default::default()
+            };
             match pv_api.delete(&op.volume, &dp).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
@@ -143,7 +176,8 @@ async fn sync_node(
     // New PVs: for volumes with none, and no operation pending on them. A
     // report is a claim: its names must be discovery's for that node, and
     // no path or device may be offered twice.
-    let mut offers: Vec<(String, String, String, Option<String>)> = pvs.values().filter_map(offer_of).collect();
+    let mut offers: Vec<(String, String, String, Option<String>)> =
+        pvs.values().filter_map(offer_of).collect();
     for v in &status.volumes {
         if let Err(why) = crate::local::claims::named_as_discovered(&node, v) {
             tracing::error!(node = %node, "no PV made: {why}");
@@ -153,9 +187,17 @@ async fn sync_node(
         if pvs.contains_key(&v.name) || ops.iter().any(|o| o.volume == v.name) {
             continue;
         }
-        let offer = crate::local::claims::Offer { pv: &v.name, node: &node, path: crate::local::claims::offered_path(v), identity: v.identity.as_deref() };
+        let offer = crate::local::claims::Offer {
+            pv: &v.name,
+            node: &node,
+            path: crate::local::claims::offered_path(v),
+            identity: v.identity.as_deref(),
+        };
         let clash = offers.iter().find_map(|(pv, n, path, identity)| {
-            crate::local::claims::clash(&offer, &crate::local::claims::Offer { pv, node: n, path, identity: identity.as_deref() })
+            crate::local::claims::clash(
+                &offer,
+                &crate::local::claims::Offer { pv, node: n, path, identity: identity.as_deref() },
+            )
         });
         if let Some(why) = clash {
             let why = format!("node {node}'s volume {}: {why}", v.name);
@@ -185,7 +227,12 @@ async fn sync_node(
 fn offer_of(pv: &PersistentVolume) -> Option<(String, String, String, Option<String>)> {
     let options = pv.spec.as_ref()?.flex_volume.as_ref()?.options.as_ref()?;
     let identity = options.get(crate::local::discovery::IDENTITY_OPTION).cloned();
-    Some((pv.metadata.name.clone()?, label(pv, NODE_LABEL)?.to_string(), options.get("path")?.clone(), identity))
+    Some((
+        pv.metadata.name.clone()?,
+        label(pv, NODE_LABEL)?.to_string(),
+        options.get("path")?.clone(),
+        identity,
+    ))
 }
 
 fn label<'a>(pv: &'a PersistentVolume, key: &str) -> Option<&'a str> {
@@ -201,7 +248,9 @@ pub fn needs_wipe(pv: &PersistentVolume) -> bool {
     let phase = pv.status.as_ref().and_then(|s| s.phase.as_deref());
     let spec = pv.spec.as_ref();
     let was_claimed = spec.is_some_and(|s| s.claim_ref.is_some());
-    let delete = spec.and_then(|s| s.persistent_volume_reclaim_policy.as_deref()).unwrap_or("Delete") == "Delete";
+    let delete =
+        spec.and_then(|s| s.persistent_volume_reclaim_policy.as_deref()).unwrap_or("Delete")
+            == "Delete";
     was_claimed && delete && matches!(phase, Some("Released" | "Failed"))
 }
 
@@ -215,9 +264,20 @@ fn lets_go(pv: &PersistentVolume) -> bool {
     !claimed || retain
 }
 
-async fn set_finalizer(api: &Api<PersistentVolume>, pv: &PersistentVolume, on: bool) -> anyhow::Result<()> {
+async fn set_finalizer(
+    api: &Api<PersistentVolume>,
+    pv: &PersistentVolume,
+    on: bool,
+) -> anyhow::Result<()> {
     let name = pv.metadata.name.clone().unwrap_or_default();
-    let mut finalizers: Vec<String> = pv.metadata.finalizers.clone().unwrap_or_default().into_iter().filter(|f| f != LOCAL_WIPE_FINALIZER).collect();
+    let mut finalizers: Vec<String> = pv
+        .metadata
+        .finalizers
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f != LOCAL_WIPE_FINALIZER)
+        .collect();
     if on {
         finalizers.push(LOCAL_WIPE_FINALIZER.into());
     }
@@ -233,21 +293,35 @@ async fn set_finalizer(api: &Api<PersistentVolume>, pv: &PersistentVolume, on: b
 /// `hostname`), of StorageClass `class`. Class parameters: `fsType` for
 /// block and file volumes (ext4 unless set), `wipe` (the local-pv policy's
 /// wipe method).
-pub fn pv_of(node: &str, hostname: &str, v: &super::crds::DiscoveredVolume, class: &StorageClass) -> PersistentVolume {
+pub fn pv_of(
+    node: &str,
+    hostname: &str,
+    v: &super::crds::DiscoveredVolume,
+    class: &StorageClass,
+) -> PersistentVolume {
     let params = class.parameters.clone().unwrap_or_default();
     let fs_type = match v.kind.as_str() {
         "Filesystem" => v.fs_type.clone().unwrap_or_default(),
         _ => params.get("fsType").cloned().unwrap_or_else(|| "ext4".into()),
     };
-    let mut options = BTreeMap::from([("path".to_string(), v.device.clone().unwrap_or_else(|| v.path.clone())), ("node".to_string(), node.to_string())]);
+    let mut options = BTreeMap::from([
+        ("path".to_string(), v.device.clone().unwrap_or_else(|| v.path.clone())),
+        ("node".to_string(), node.to_string()),
+    ]);
     if let Some(identity) = &v.identity {
         options.insert(crate::local::discovery::IDENTITY_OPTION.into(), identity.clone());
     }
     if let Some(wipe) = params.get("wipe") {
         options.insert("wipe".into(), wipe.clone());
     }
-    let labels = BTreeMap::from([(NODE_LABEL.to_string(), node.to_string()), (CLASS_LABEL.to_string(), v.class.clone())]);
-    let annotations = BTreeMap::from([(PROVISIONED_BY.to_string(), PROVISIONER.to_string()), ("volagent.io/local-path".to_string(), v.path.clone())]);
+    let labels = BTreeMap::from([
+        (NODE_LABEL.to_string(), node.to_string()),
+        (CLASS_LABEL.to_string(), v.class.clone()),
+    ]);
+    let annotations = BTreeMap::from([
+        (PROVISIONED_BY.to_string(), PROVISIONER.to_string()),
+        ("volagent.io/local-path".to_string(), v.path.clone()),
+    ]);
     PersistentVolume {
         metadata: ObjectMeta {
             name: Some(v.name.clone()),
@@ -259,7 +333,9 @@ pub fn pv_of(node: &str, hostname: &str, v: &super::crds::DiscoveredVolume, clas
         spec: Some(PersistentVolumeSpec {
             capacity: Some(BTreeMap::from([("storage".to_string(), Quantity(v.capacity.clone()))])),
             access_modes: Some(vec!["ReadWriteOnce".into()]),
-            persistent_volume_reclaim_policy: Some(class.reclaim_policy.clone().unwrap_or_else(|| "Delete".into())),
+            persistent_volume_reclaim_policy: Some(
+                class.reclaim_policy.clone().unwrap_or_else(|| "Delete".into()),
+            ),
             storage_class_name: Some(v.class.clone()),
             volume_mode: Some("Filesystem".into()),
             flex_volume: Some(FlexPersistentVolumeSource {
@@ -317,21 +393,36 @@ mod tests {
 
     #[test]
     fn a_pv_states_node_class_capacity_and_how_to_reach_the_device() {
-        let pv = pv_of("node-a", "host-a", &discovered("Block"), &class(None, &[("fsType", "xfs"), ("wipe", "zero")]));
+        let pv = pv_of(
+            "node-a",
+            "host-a",
+            &discovered("Block"),
+            &class(None, &[("fsType", "xfs"), ("wipe", "zero")]),
+        );
         let spec = pv.spec.clone().unwrap();
         assert_eq!(pv.metadata.name.as_deref(), Some("local-0123"));
-        assert_eq!(pv.metadata.finalizers, Some(vec![LOCAL_WIPE_FINALIZER.to_string()]), "no deletion can skip the wipe");
+        assert_eq!(
+            pv.metadata.finalizers,
+            Some(vec![LOCAL_WIPE_FINALIZER.to_string()]),
+            "no deletion can skip the wipe"
+        );
         assert_eq!(label(&pv, NODE_LABEL), Some("node-a"));
         assert_eq!(spec.persistent_volume_reclaim_policy.as_deref(), Some("Delete"));
         assert_eq!(spec.capacity.unwrap()["storage"], Quantity("100Gi".into()));
         let term = &spec.node_affinity.unwrap().required.unwrap().node_selector_terms[0];
         let req = &term.match_expressions.as_ref().unwrap()[0];
-        assert_eq!((req.key.as_str(), req.values.clone().unwrap()), ("kubernetes.io/hostname", vec!["host-a".to_string()]));
+        assert_eq!(
+            (req.key.as_str(), req.values.clone().unwrap()),
+            ("kubernetes.io/hostname", vec!["host-a".to_string()])
+        );
         let flex = spec.flex_volume.unwrap();
         assert_eq!(flex.driver, "volagent/local-pv");
         assert_eq!(flex.fs_type.as_deref(), Some("xfs"));
         let o = flex.options.unwrap();
-        assert_eq!((o["path"].as_str(), o["identity"].as_str(), o["wipe"].as_str(), o["node"].as_str()), ("/dev/sdb", "wwid:naa.5000", "zero", "node-a"));
+        assert_eq!(
+            (o["path"].as_str(), o["identity"].as_str(), o["wipe"].as_str(), o["node"].as_str()),
+            ("/dev/sdb", "wwid:naa.5000", "zero", "node-a")
+        );
         let fs = pv_of("node-a", "node-a", &discovered("Filesystem"), &class(Some("Retain"), &[]));
         let spec = fs.spec.unwrap();
         assert_eq!(spec.persistent_volume_reclaim_policy.as_deref(), Some("Retain"));
@@ -348,7 +439,10 @@ mod tests {
                 persistent_volume_reclaim_policy: Some(policy.into()),
                 ..Default::default()
             }),
-            status: Some(PersistentVolumeStatus { phase: Some(phase.into()), ..Default::default() }),
+            status: Some(PersistentVolumeStatus {
+                phase: Some(phase.into()),
+                ..Default::default()
+            }),
             ..Default::default()
         };
         assert!(needs_wipe(&pv("Released", true, "Delete")));

@@ -6,7 +6,10 @@
 //! again, never reported complete.
 
 use super::cluster::Cluster;
-use super::crds::{DiscoveredVolume, LocalOperation, LocalOperationPhase, LocalOperationStatus, NodeLocalVolumes, NodeLocalVolumesStatus, SkippedEntry};
+use super::crds::{
+    DiscoveredVolume, LocalOperation, LocalOperationPhase, LocalOperationStatus, NodeLocalVolumes,
+    NodeLocalVolumesStatus, SkippedEntry,
+};
 use crate::local::LocalClass;
 use crate::local::discovery::{self, Scan};
 use crate::local::report::{LocalState, RunningWipe};
@@ -62,10 +65,23 @@ struct Publisher {
 pub async fn run(agent: Arc<Agent>, cluster: Cluster, config: LocalConfig, state: Arc<LocalState>) {
     let node = cluster.node.clone();
     let api: Api<NodeLocalVolumes> = Api::all(cluster.client.clone());
-    let mut changes = watcher(api, watcher::Config::default().fields(&format!("metadata.name={node}"))).default_backoff().map(|_| ()).boxed();
+    let mut changes =
+        watcher(api, watcher::Config::default().fields(&format!("metadata.name={node}")))
+            .default_backoff()
+            .map(|_| ())
+            .boxed();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let interval = config.interval;
-    let mut me = Publisher { agent, cluster, config, state, status: None, written: None, done: tx, again: Default::default() };
+    let mut me = Publisher {
+        agent,
+        cluster,
+        config,
+        state,
+        status: None,
+        written: None,
+        done: tx,
+        again: Default::default(),
+    };
     loop {
         if let Err(e) = me.round().await {
             tracing::error!(node = %node, "local volumes: {e:#}");
@@ -91,7 +107,10 @@ impl Publisher {
         let api: Api<NodeLocalVolumes> = Api::all(self.cluster.client.clone());
         let object = match api.get_opt(&node).await? {
             Some(o) => o,
-            None => match api.create(&PostParams::default(), &NodeLocalVolumes::new(&node, Default::default())).await {
+            None => match api
+                .create(&PostParams::default(), &NodeLocalVolumes::new(&node, Default::default()))
+                .await
+            {
                 Ok(o) => o,
                 Err(kube::Error::Api(s)) if s.code == 409 => api.get(&node).await?,
                 Err(e) => return Err(e.into()),
@@ -103,10 +122,18 @@ impl Publisher {
             Some(s) => s.clone(),
             None => object.status.clone().unwrap_or_default(),
         };
-        let scan = self.agent.discover_local(self.config.classes.clone()).await.map_err(|f| anyhow::anyhow!(f.message))?;
+        let scan = self
+            .agent
+            .discover_local(self.config.classes.clone())
+            .await
+            .map_err(|f| anyhow::anyhow!(f.message))?;
         let scanned_at = now_rfc3339();
         status.volumes = scan.volumes.iter().map(|v| entry(&node, v)).collect();
-        status.skipped = scan.skipped.iter().map(|s| SkippedEntry { path: s.path.display().to_string(), why: s.why.clone() }).collect();
+        status.skipped = scan
+            .skipped
+            .iter()
+            .map(|s| SkippedEntry { path: s.path.display().to_string(), why: s.why.clone() })
+            .collect();
         status.scanned_at = Some(scanned_at.clone());
         let ops = object.spec.operations.clone();
         status.operations.retain(|s| ops.iter().any(|o| o.is(s)));
@@ -142,7 +169,18 @@ impl Publisher {
         for (op, attempt) in &start {
             // Marked running before the status is written, so that a round
             // in between does not start it twice.
-            self.state.start(&op.volume, RunningWipe { attempt: *attempt, method: None, step: 0, steps: 0, step_kind: "planning", started_at: now_rfc3339(), started: Instant::now() });
+            self.state.start(
+                &op.volume,
+                RunningWipe {
+                    attempt: *attempt,
+                    method: None,
+                    step: 0,
+                    steps: 0,
+                    step_kind: "planning",
+                    started_at: now_rfc3339(),
+                    started: Instant::now(),
+                },
+            );
         }
         if let Err(e) = self.publish(&api, status, &scan, scanned_at).await {
             // Not started after all: the next round starts them (the
@@ -154,15 +192,31 @@ impl Publisher {
             return Err(e);
         }
         for (op, _) in start {
-            let discovered = scan.volumes.iter().find(|v| entry(&node, v).name == op.volume).cloned();
-            tokio::spawn(wipe(self.agent.clone(), self.cluster.clone(), op, discovered, self.state.clone(), self.done.clone()));
+            let discovered =
+                scan.volumes.iter().find(|v| entry(&node, v).name == op.volume).cloned();
+            tokio::spawn(wipe(
+                self.agent.clone(),
+                self.cluster.clone(),
+                op,
+                discovered,
+                self.state.clone(),
+                self.done.clone(),
+            ));
         }
         Ok(())
     }
 
     /// Counts, the status report, and the object's status when it changed.
-    async fn publish(&mut self, api: &Api<NodeLocalVolumes>, mut status: NodeLocalVolumesStatus, scan: &Scan, scanned_at: String) -> anyhow::Result<()> {
-        let phase_count = |p: LocalOperationPhase| status.operations.iter().filter(|s| s.phase == p).count() as i64;
+    async fn publish(
+        &mut self,
+        api: &Api<NodeLocalVolumes>,
+        mut status: NodeLocalVolumesStatus,
+        scan: &Scan,
+        scanned_at: String,
+    ) -> anyhow::Result<()> {
+        let phase_count = |p: LocalOperationPhase| {
+            status.operations.iter().filter(|s| s.phase == p).count() as i64
+        };
         status.volume_count = status.volumes.len() as i64;
         status.wiping = phase_count(LocalOperationPhase::InProgress);
         status.failed = phase_count(LocalOperationPhase::Error);
@@ -196,7 +250,8 @@ impl Publisher {
             let mut value = serde_json::to_value(&status)?;
             value["skipped"] = serde_json::json!(status.skipped);
             let patch = serde_json::json!({ "status": value });
-            api.patch_status(&self.cluster.node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+            api.patch_status(&self.cluster.node, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
             self.written = Some(status);
         }
         Ok(())
@@ -240,7 +295,9 @@ fn state_of(status: &NodeLocalVolumesStatus, volume: &str) -> &'static str {
 pub fn entry(node: &str, v: &discovery::Volume) -> DiscoveredVolume {
     let (fs_type, device, identity) = match &v.kind {
         discovery::Kind::Filesystem { fs_type } => (Some(fs_type.clone()), None, None),
-        discovery::Kind::Block { device, identity } => (None, Some(device.display().to_string()), Some(identity.clone())),
+        discovery::Kind::Block { device, identity } => {
+            (None, Some(device.display().to_string()), Some(identity.clone()))
+        }
         discovery::Kind::File => (None, None, None),
     };
     DiscoveredVolume {
@@ -256,7 +313,14 @@ pub fn entry(node: &str, v: &discovery::Volume) -> DiscoveredVolume {
 }
 
 /// Wipe one released volume and report how it ended.
-async fn wipe(agent: Arc<Agent>, cluster: Cluster, op: LocalOperation, discovered: Option<discovery::Volume>, state: Arc<LocalState>, done: tokio::sync::mpsc::UnboundedSender<Done>) {
+async fn wipe(
+    agent: Arc<Agent>,
+    cluster: Cluster,
+    op: LocalOperation,
+    discovered: Option<discovery::Volume>,
+    state: Arc<LocalState>,
+    done: tokio::sync::mpsc::UnboundedSender<Done>,
+) {
     let started = Instant::now();
     let bytes = discovered.as_ref().map_or(0, |v| v.capacity_bytes);
     let result = wipe_volume(&agent, &cluster, &op, discovered, &state).await;
@@ -266,10 +330,16 @@ async fn wipe(agent: Arc<Agent>, cluster: Cluster, op: LocalOperation, discovere
         Ok(method) => {
             metrics.local_wipe(method, bytes, "complete", took);
             tracing::info!(volume = %op.volume, method, secs = took.as_secs_f64(), "wiped a released local volume");
-            let message = format!("wiped by {method} in {:.1} s on node {}", took.as_secs_f64(), cluster.node);
+            let message = format!(
+                "wiped by {method} in {:.1} s on node {}",
+                took.as_secs_f64(),
+                cluster.node
+            );
             cluster.pv_event(&op.volume, &op.pv_uid, false, "WipeComplete", &message).await;
         }
-        Err(Refused::Busy(message)) => tracing::info!(volume = %op.volume, "wipe of a released local volume waits: {message}"),
+        Err(Refused::Busy(message)) => {
+            tracing::info!(volume = %op.volume, "wipe of a released local volume waits: {message}")
+        }
         Err(Refused::Failed(message)) => {
             metrics.local_wipe("unknown", bytes, "error", took);
             tracing::error!(volume = %op.volume, "wipe of a released local volume failed: {message}");
@@ -279,35 +349,69 @@ async fn wipe(agent: Arc<Agent>, cluster: Cluster, op: LocalOperation, discovere
     let _ = done.send(Done { op, result });
 }
 
-async fn wipe_volume(agent: &Arc<Agent>, cluster: &Cluster, op: &LocalOperation, discovered: Option<discovery::Volume>, state: &Arc<LocalState>) -> Result<String, Refused> {
+async fn wipe_volume(
+    agent: &Arc<Agent>,
+    cluster: &Cluster,
+    op: &LocalOperation,
+    discovered: Option<discovery::Volume>,
+    state: &Arc<LocalState>,
+) -> Result<String, Refused> {
     let checked = checked_volume(cluster, op, discovered).await.map_err(Refused::Failed)?;
     let name = &op.volume;
-    cluster.pv_event(name, &op.pv_uid, false, "WipeStarted", &format!("wiping {} on node {}", checked.1.display(), cluster.node)).await;
+    cluster
+        .pv_event(
+            name,
+            &op.pv_uid,
+            false,
+            "WipeStarted",
+            &format!("wiping {} on node {}", checked.1.display(), cluster.node),
+        )
+        .await;
     let progress_state = state.clone();
     let progress_name = name.clone();
-    let progress: crate::exec::Progress = Arc::new(move |step, steps, kind| progress_state.step(&progress_name, step, steps, kind));
-    agent.release_local_volume(checked.0, |m| state.set_method(name, m), progress).await.map_err(|f| match f.kind {
-        crate::socket::protocol::FailureKind::Busy => Refused::Busy(f.message),
-        _ => Refused::Failed(f.message),
-    })
+    let progress: crate::exec::Progress =
+        Arc::new(move |step, steps, kind| progress_state.step(&progress_name, step, steps, kind));
+    agent.release_local_volume(checked.0, |m| state.set_method(name, m), progress).await.map_err(
+        |f| match f.kind {
+            crate::socket::protocol::FailureKind::Busy => Refused::Busy(f.message),
+            _ => Refused::Failed(f.message),
+        },
+    )
 }
 
 /// The volume to wipe, as its PV defines it, and its path; only what this
 /// agent discovered, and only as its PV describes exactly that volume.
-async fn checked_volume(cluster: &Cluster, op: &LocalOperation, discovered: Option<discovery::Volume>) -> Result<(Volume, std::path::PathBuf), String> {
+async fn checked_volume(
+    cluster: &Cluster,
+    op: &LocalOperation,
+    discovered: Option<discovery::Volume>,
+) -> Result<(Volume, std::path::PathBuf), String> {
     let name = &op.volume;
     let v = discovered.ok_or_else(|| format!("volume {name} is not among the local volumes node {} discovered (gone, or outside its discovery dirs): nothing wiped", cluster.node))?;
     let pvs: Api<PersistentVolume> = Api::all(cluster.client.clone());
-    let pv = pvs.get_opt(name).await.map_err(|e| format!("reading PV {name}: {e}"))?.ok_or_else(|| format!("PV {name} is gone: nothing wiped"))?;
+    let pv = pvs
+        .get_opt(name)
+        .await
+        .map_err(|e| format!("reading PV {name}: {e}"))?
+        .ok_or_else(|| format!("PV {name} is gone: nothing wiped"))?;
     if pv.metadata.uid.as_deref() != Some(op.pv_uid.as_str()) {
-        return Err(format!("PV {name} is not the released one (UID {}): nothing wiped", op.pv_uid));
+        return Err(format!(
+            "PV {name} is not the released one (UID {}): nothing wiped",
+            op.pv_uid
+        ));
     }
     // The request is the controller's; the PV still says what it asked
     // for: released (or failed) under reclaim policy Delete.
     if !super::local_pvs::needs_wipe(&pv) {
         let phase = pv.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default();
-        let policy = pv.spec.as_ref().and_then(|s| s.persistent_volume_reclaim_policy.clone()).unwrap_or_default();
-        return Err(format!("PV {name} is {phase} with reclaim policy {policy}, not released under Delete: nothing wiped"));
+        let policy = pv
+            .spec
+            .as_ref()
+            .and_then(|s| s.persistent_volume_reclaim_policy.clone())
+            .unwrap_or_default();
+        return Err(format!(
+            "PV {name} is {phase} with reclaim policy {policy}, not released under Delete: nothing wiped"
+        ));
     }
     Ok((volume_of(&pv, &v, &cluster.node)?, v.path))
 }
@@ -321,7 +425,12 @@ fn volume_of(pv: &PersistentVolume, v: &discovery::Volume, node: &str) -> Result
         .as_ref()
         .and_then(|s| s.flex_volume.as_ref())
         .filter(|f| f.driver == super::volumes::driver_name(LOCAL_BACKEND))
-        .ok_or_else(|| format!("PV {name} is not a {} volume: nothing wiped", super::volumes::driver_name(LOCAL_BACKEND)))?;
+        .ok_or_else(|| {
+            format!(
+                "PV {name} is not a {} volume: nothing wiped",
+                super::volumes::driver_name(LOCAL_BACKEND)
+            )
+        })?;
     let options: BTreeMap<String, String> = flex.options.clone().unwrap_or_default();
     let want = v.data_path().display().to_string();
     if options.get("path") != Some(&want) || options.get("node").map(String::as_str) != Some(node) {
@@ -334,7 +443,9 @@ fn volume_of(pv: &PersistentVolume, v: &discovery::Volume, node: &str) -> Result
     if let discovery::Kind::Block { identity, .. } = &v.kind
         && options.get(discovery::IDENTITY_OPTION) != Some(identity)
     {
-        return Err(format!("PV {name} records another device identity than the discovered {identity}: nothing wiped"));
+        return Err(format!(
+            "PV {name} records another device identity than the discovered {identity}: nothing wiped"
+        ));
     }
     Ok(Volume {
         name,
@@ -361,7 +472,9 @@ mod tests {
                 flex_volume: Some(FlexPersistentVolumeSource {
                     driver: driver.into(),
                     fs_type: Some("ext4".into()),
-                    options: Some(options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                    options: Some(
+                        options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                    ),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -374,16 +487,23 @@ mod tests {
         discovery::Volume {
             class: "fast".into(),
             path: PathBuf::from("/mnt/fast/wwn-1"),
-            kind: discovery::Kind::Block { device: "/dev/sdb".into(), identity: "wwid:naa.1".into() },
+            kind: discovery::Kind::Block {
+                device: "/dev/sdb".into(),
+                identity: "wwid:naa.1".into(),
+            },
             capacity_bytes: 1 << 30,
         }
     }
 
     #[test]
     fn only_the_pv_of_exactly_the_discovered_volume_is_wiped() {
-        let good = [("path", "/dev/sdb"), ("node", "n1"), ("identity", "wwid:naa.1"), ("wipe", "zero")];
+        let good =
+            [("path", "/dev/sdb"), ("node", "n1"), ("identity", "wwid:naa.1"), ("wipe", "zero")];
         let v = volume_of(&pv("volagent/local-pv", &good), &block(), "n1").unwrap();
-        assert_eq!((v.name.as_str(), v.backend.as_str(), v.fs_type.as_str()), ("local-1", "local-pv", "ext4"));
+        assert_eq!(
+            (v.name.as_str(), v.backend.as_str(), v.fs_type.as_str()),
+            ("local-1", "local-pv", "ext4")
+        );
         assert!(v.options.iter().any(|kv| kv.key == "wipe" && kv.value == "zero"));
         // A PV edited to point elsewhere, at another node, another disk, or
         // another driver is refused: nothing outside what was discovered.
@@ -396,6 +516,10 @@ mod tests {
             let e = volume_of(&pv("volagent/local-pv", &bad), &block(), "n1").unwrap_err();
             assert!(e.contains("nothing wiped"), "{why}: {e}");
         }
-        assert!(volume_of(&pv("volagent/rbd", &good), &block(), "n1").unwrap_err().contains("not a volagent/local-pv volume"));
+        assert!(
+            volume_of(&pv("volagent/rbd", &good), &block(), "n1")
+                .unwrap_err()
+                .contains("not a volagent/local-pv volume")
+        );
     }
 }

@@ -2,14 +2,14 @@
 //! PVs the agent reads, and the controller.
 
 pub mod admission;
-pub mod crds;
-pub mod ledger;
 pub mod cluster;
-pub mod node_tasks;
 pub mod controller;
+pub mod crds;
 pub mod fencing;
 pub mod lease;
+pub mod ledger;
 pub mod local_pvs;
 pub mod local_volumes;
+pub mod node_tasks;
 pub mod storage;
 pub mod volumes;

@@ -20,14 +20,20 @@ pub async fn run(agent: Arc<Agent>, client: kube::Client, node: String, interval
     let lists: Api<NodeCleanup> = Api::all(client.clone());
     let clusters: Api<StorageCluster> = Api::all(client.clone());
     // With backoff: while the API server is away, a watch must not spin.
-    let list_changes = watcher(lists, watcher::Config::default().fields(&format!("metadata.name={node}"))).default_backoff().map(|_| ());
-    let cluster_changes = watcher(clusters, watcher::Config::default()).default_backoff().map(|_| ());
+    let list_changes =
+        watcher(lists, watcher::Config::default().fields(&format!("metadata.name={node}")))
+            .default_backoff()
+            .map(|_| ());
+    let cluster_changes =
+        watcher(clusters, watcher::Config::default()).default_backoff().map(|_| ());
     let mut changes = futures_util::stream::select(list_changes, cluster_changes).boxed();
     loop {
         sync_once(&agent, &client, &node).await;
         // Coalesce a burst of watch events into one round.
         let _ = tokio::time::timeout(interval, changes.next()).await;
-        while let Ok(Some(())) = tokio::time::timeout(Duration::from_millis(200), changes.next()).await {}
+        while let Ok(Some(())) =
+            tokio::time::timeout(Duration::from_millis(200), changes.next()).await
+        {}
     }
 }
 
@@ -49,7 +55,11 @@ pub async fn sync_once(agent: &Arc<Agent>, client: &kube::Client, node: &str) {
 /// time the ledger recorded it. A mount of the same dir made since (a CSI
 /// stage's dir is the same for every stage of a volume) is another mount
 /// and is left alone; the entry is then done.
-pub async fn work_off_cleanup_list(agent: &Arc<Agent>, client: &kube::Client, node: &str) -> anyhow::Result<usize> {
+pub async fn work_off_cleanup_list(
+    agent: &Arc<Agent>,
+    client: &kube::Client,
+    node: &str,
+) -> anyhow::Result<usize> {
     let api: Api<NodeCleanup> = Api::all(client.clone());
     let Some(list) = api.get_opt(node).await? else { return Ok(0) };
     if list.spec.entries.is_empty() {
@@ -97,7 +107,10 @@ pub fn names_mount(c: &CleanupEntry, e: &Entry) -> bool {
 }
 
 /// Force-clean this node's volumes of every StorageCluster being deleted.
-pub async fn clean_deleted_clusters(agent: &Arc<Agent>, client: &kube::Client) -> anyhow::Result<usize> {
+pub async fn clean_deleted_clusters(
+    agent: &Arc<Agent>,
+    client: &kube::Client,
+) -> anyhow::Result<usize> {
     let api: Api<StorageCluster> = Api::all(client.clone());
     let deleting: BTreeSet<String> = api
         .list(&Default::default())
@@ -112,7 +125,10 @@ pub async fn clean_deleted_clusters(agent: &Arc<Agent>, client: &kube::Client) -
     }
     let cleaned = agent
         .clean_volumes(CleanupReason::StorageClusterDeleted, |e| {
-            e.volume.options.iter().any(|kv| kv.key == STORAGE_CLUSTER_OPTION && deleting.contains(&kv.value))
+            e.volume
+                .options
+                .iter()
+                .any(|kv| kv.key == STORAGE_CLUSTER_OPTION && deleting.contains(&kv.value))
         })
         .await
         .map_err(|f| anyhow::anyhow!(f.message))?;
@@ -133,7 +149,15 @@ mod tests {
             backend: "local-pv".into(),
             access_mode: AccessMode::ReadWriteOnce,
             storage_cluster: None,
-            consumer: ConsumerEntry { node: "n1".into(), pod_namespace: "ns".into(), pod: "p".into(), pod_uid: uid.into(), mount_dir: dir.into(), read_only: false, since: since.into() },
+            consumer: ConsumerEntry {
+                node: "n1".into(),
+                pod_namespace: "ns".into(),
+                pod: "p".into(),
+                pod_uid: uid.into(),
+                mount_dir: dir.into(),
+                read_only: false,
+                since: since.into(),
+            },
             reason: CleanupReason::NodeGone,
             moved_at: "2026-01-01T00:10:00Z".into(),
         }
@@ -151,8 +175,21 @@ mod tests {
             options: vec![],
             secret_keys: vec![],
         };
-        let consumer = Consumer { node: "n1".into(), pod_namespace: "ns".into(), pod: "p".into(), pod_uid: uid.into(), mount_dir: dir.into(), read_only: false, mount_group: None };
-        let paths = NodePaths { kubelet_root: "/k".into(), staging_dir: "/k/s".into(), state_dir: "/s".into(), discovery_dirs: vec![] };
+        let consumer = Consumer {
+            node: "n1".into(),
+            pod_namespace: "ns".into(),
+            pod: "p".into(),
+            pod_uid: uid.into(),
+            mount_dir: dir.into(),
+            read_only: false,
+            mount_group: None,
+        };
+        let paths = NodePaths {
+            kubelet_root: "/k".into(),
+            staging_dir: "/k/s".into(),
+            state_dir: "/s".into(),
+            discovery_dirs: vec![],
+        };
         Entry { volume, consumer, paths, since: since.map(String::from) }
     }
 
@@ -160,10 +197,25 @@ mod tests {
     fn a_cleanup_entry_names_one_mount_not_every_mount_of_its_dir() {
         let stage = "/k/plugins/kubernetes.io/csi/pv/pv1/globalmount";
         let c = entry(stage, "csi-stage-n1", "2026-01-01T00:00:00Z");
-        assert!(names_mount(&c, &stashed(stage, "csi-stage-n1", Some("2026-01-01T00:00:00Z"))), "the mount it was written about");
-        assert!(!names_mount(&c, &stashed(stage, "csi-stage-n1", Some("2026-01-01T00:20:00Z"))), "the same dir staged again later");
-        assert!(!names_mount(&c, &stashed(stage, "other-pod", Some("2026-01-01T00:00:00Z"))), "another pod's");
-        assert!(!names_mount(&c, &stashed("/k/elsewhere", "csi-stage-n1", Some("2026-01-01T00:00:00Z"))));
-        assert!(names_mount(&c, &stashed(stage, "csi-stage-n1", None)), "an older agent's entry: by dir and pod");
+        assert!(
+            names_mount(&c, &stashed(stage, "csi-stage-n1", Some("2026-01-01T00:00:00Z"))),
+            "the mount it was written about"
+        );
+        assert!(
+            !names_mount(&c, &stashed(stage, "csi-stage-n1", Some("2026-01-01T00:20:00Z"))),
+            "the same dir staged again later"
+        );
+        assert!(
+            !names_mount(&c, &stashed(stage, "other-pod", Some("2026-01-01T00:00:00Z"))),
+            "another pod's"
+        );
+        assert!(!names_mount(
+            &c,
+            &stashed("/k/elsewhere", "csi-stage-n1", Some("2026-01-01T00:00:00Z"))
+        ));
+        assert!(
+            names_mount(&c, &stashed(stage, "csi-stage-n1", None)),
+            "an older agent's entry: by dir and pod"
+        );
     }
 }

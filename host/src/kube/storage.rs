@@ -27,7 +27,8 @@ impl StorageConnection {
     /// The options a volume gets from its cluster: its endpoints and each
     /// parameter, where the PV does not set the same option itself.
     pub fn options(&self) -> Vec<(String, String)> {
-        let mut options: Vec<(String, String)> = self.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut options: Vec<(String, String)> =
+            self.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         if !self.endpoints.is_empty() {
             options.push((ENDPOINTS_OPTION.to_string(), self.endpoints.join(",")));
         }
@@ -38,7 +39,11 @@ impl StorageConnection {
 impl Cluster {
     /// The connection of StorageCluster `name`, which must serve `backend`
     /// and not be being deleted, with the nodes' credentials.
-    pub async fn storage_connection(&self, name: &str, backend: &str) -> Result<StorageConnection, VolumeError> {
+    pub async fn storage_connection(
+        &self,
+        name: &str,
+        backend: &str,
+    ) -> Result<StorageConnection, VolumeError> {
         let sc = storage_cluster(&self.client, name, backend, false).await?;
         let mut connection = StorageConnection::of(&sc);
         if let Some(r) = &sc.spec.secret_ref {
@@ -58,7 +63,11 @@ impl Cluster {
 
 impl StorageConnection {
     fn of(sc: &StorageCluster) -> StorageConnection {
-        StorageConnection { endpoints: sc.spec.endpoints.clone(), parameters: sc.spec.parameters.clone(), secrets: Secrets::new() }
+        StorageConnection {
+            endpoints: sc.spec.endpoints.clone(),
+            parameters: sc.spec.parameters.clone(),
+            secrets: Secrets::new(),
+        }
     }
 
     /// As a Ceph client: the endpoints as monitors, the `user` parameter
@@ -78,7 +87,12 @@ impl StorageConnection {
 
 /// StorageCluster `name` of `backend`; one being deleted only when
 /// `deleting_ok` (fencing still needs it, mounts do not).
-async fn storage_cluster(client: &kube::Client, name: &str, backend: &str, deleting_ok: bool) -> Result<StorageCluster, VolumeError> {
+async fn storage_cluster(
+    client: &kube::Client,
+    name: &str,
+    backend: &str,
+    deleting_ok: bool,
+) -> Result<StorageCluster, VolumeError> {
     let clusters: Api<StorageCluster> = Api::all(client.clone());
     let what = format!("StorageCluster {name}");
     let sc = clusters
@@ -87,27 +101,42 @@ async fn storage_cluster(client: &kube::Client, name: &str, backend: &str, delet
         .map_err(|source| VolumeError::Api { what: what.clone(), source })?
         .ok_or_else(|| VolumeError::Refused(format!("{what} does not exist")))?;
     if sc.spec.backend != backend {
-        return Err(VolumeError::Refused(format!("{what} is a {} cluster, not {backend}", sc.spec.backend)));
+        return Err(VolumeError::Refused(format!(
+            "{what} is a {} cluster, not {backend}",
+            sc.spec.backend
+        )));
     }
-    let deleting = sc.metadata.deletion_timestamp.is_some() || sc.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Deleting");
+    let deleting = sc.metadata.deletion_timestamp.is_some()
+        || sc.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Deleting");
     if deleting && !deleting_ok {
-        return Err(VolumeError::Refused(format!("{what} is being deleted: its volumes are being cleaned up, not mounted")));
+        return Err(VolumeError::Refused(format!(
+            "{what} is being deleted: its volumes are being cleaned up, not mounted"
+        )));
     }
     Ok(sc)
 }
 
 /// The values of Secret `r`, which StorageCluster `cluster` names.
-async fn read_secret(client: &kube::Client, r: &SecretReference, cluster: &str) -> Result<Secrets, VolumeError> {
+async fn read_secret(
+    client: &kube::Client,
+    r: &SecretReference,
+    cluster: &str,
+) -> Result<Secrets, VolumeError> {
     let secrets: Api<KubeSecret> = Api::namespaced(client.clone(), &r.namespace);
-    let secret_name = format!("Secret {}/{} (named by StorageCluster {cluster})", r.namespace, r.name);
+    let secret_name =
+        format!("Secret {}/{} (named by StorageCluster {cluster})", r.namespace, r.name);
     let found = match secrets.get_opt(&r.name).await {
         Ok(found) => found,
         Err(kube::Error::Api(s)) if s.code == 403 => {
-            return Err(VolumeError::Refused(format!("volagent may not read {secret_name}: {}", s.message)));
+            return Err(VolumeError::Refused(format!(
+                "volagent may not read {secret_name}: {}",
+                s.message
+            )));
         }
         Err(source) => return Err(VolumeError::Api { what: secret_name, source }),
     };
-    let secret = found.ok_or_else(|| VolumeError::Refused(format!("{secret_name} does not exist")))?;
+    let secret =
+        found.ok_or_else(|| VolumeError::Refused(format!("{secret_name} does not exist")))?;
     let mut out = Secrets::new();
     for (key, value) in secret.data.unwrap_or_default() {
         out.insert(key, Secret::new(value.0));
@@ -125,7 +154,11 @@ async fn read_secret(client: &kube::Client, r: &SecretReference, cluster: &str) 
 /// (also while it is being deleted): its endpoints and parameters, as the
 /// user of its `controllerCredentials`, which may fence other nodes'
 /// clients. A cluster without them cannot be fenced.
-pub async fn controller_connection(client: &kube::Client, name: &str, backend: &str) -> Result<StorageConnection, VolumeError> {
+pub async fn controller_connection(
+    client: &kube::Client,
+    name: &str,
+    backend: &str,
+) -> Result<StorageConnection, VolumeError> {
     let sc = storage_cluster(client, name, backend, true).await?;
     let creds = sc.spec.controller_credentials.as_ref().ok_or_else(|| {
         VolumeError::Refused(format!("StorageCluster {name} has no controllerCredentials: the controller has no user to fence other nodes' clients with"))
@@ -147,7 +180,13 @@ mod tests {
             parameters: [("pool".to_string(), "kube".to_string())].into(),
             secrets: Secrets::new(),
         };
-        assert_eq!(c.options(), vec![("pool".into(), "kube".into()), ("endpoints".into(), "10.0.0.1:6789,10.0.0.2:6789".into())]);
+        assert_eq!(
+            c.options(),
+            vec![
+                ("pool".into(), "kube".into()),
+                ("endpoints".into(), "10.0.0.1:6789,10.0.0.2:6789".into())
+            ]
+        );
         assert!(StorageConnection::default().options().is_empty());
     }
 }

@@ -25,7 +25,9 @@ pub fn record(volume: &str, holders: &[(&str, &str)]) -> Record {
                     pod_namespace: "default".to_string(),
                     pod: pod.to_string(),
                     pod_uid: format!("uid-{pod}"),
-                    mount_dir: format!("/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~local-pv/{volume}"),
+                    mount_dir: format!(
+                        "/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~local-pv/{volume}"
+                    ),
                     read_only: false,
                     mount_group: None,
                 },
@@ -35,7 +37,11 @@ pub fn record(volume: &str, holders: &[(&str, &str)]) -> Record {
         // Round-trips too: how other nodes place the image's watchers.
         storage_clients: holders
             .first()
-            .map(|(node, _)| super::StorageClient { node: node.to_string(), id: 4100, address: "10.0.0.7:0/3301".to_string() })
+            .map(|(node, _)| super::StorageClient {
+                node: node.to_string(),
+                id: 4100,
+                address: "10.0.0.7:0/3301".to_string(),
+            })
             .into_iter()
             .collect(),
     }
@@ -77,7 +83,10 @@ async fn stale_versions_conflict(l: &dyn Ledger) {
     l.delete("pv-b", &v).await.expect("delete");
     let v_new = l.create(&record("pv-b", &[])).await.expect("create again");
     for stale in [&v1, &v] {
-        let err = l.update(&record("pv-b", &[("n9", "z")]), stale).await.expect_err("stale version of an old incarnation");
+        let err = l
+            .update(&record("pv-b", &[("n9", "z")]), stale)
+            .await
+            .expect_err("stale version of an old incarnation");
         assert!(matches!(err, LedgerError::Conflict { .. }), "{err}");
     }
     l.delete("pv-b", &v_new).await.expect("delete");
@@ -106,7 +115,9 @@ async fn racing_creates_have_one_winner(l: Arc<dyn Ledger>) {
         let tasks: Vec<_> = (0..4)
             .map(|i| {
                 let (l, volume) = (l.clone(), volume.clone());
-                tokio::spawn(async move { l.create(&record(&volume, &[(&format!("n{i}"), "p")])).await })
+                tokio::spawn(
+                    async move { l.create(&record(&volume, &[(&format!("n{i}"), "p")])).await },
+                )
             })
             .collect();
         let mut wins = 0;
@@ -127,7 +138,9 @@ async fn racing_updates_have_one_winner(l: Arc<dyn Ledger>) {
     let tasks: Vec<_> = (0..4)
         .map(|i| {
             let (l, v0) = (l.clone(), v0.clone());
-            tokio::spawn(async move { l.update(&record("pv-cas", &[(&format!("n{i}"), "p")]), &v0).await })
+            tokio::spawn(async move {
+                l.update(&record("pv-cas", &[(&format!("n{i}"), "p")]), &v0).await
+            })
         })
         .collect();
     let mut wins = 0;

@@ -76,13 +76,22 @@ impl WriteBehind {
     /// Start the flusher; `revision` is the last version the store holds.
     pub fn start(revision: u64, commit: Commit) -> std::io::Result<WriteBehind> {
         let inner = Arc::new(Inner {
-            state: Mutex::new(State { pending: Batch::new(), revision, due: None, failed: None, attempts: 0, stopping: false }),
+            state: Mutex::new(State {
+                pending: Batch::new(),
+                revision,
+                due: None,
+                failed: None,
+                attempts: 0,
+                stopping: false,
+            }),
             wake: Condvar::new(),
             committed: Condvar::new(),
             commit,
         });
         let flusher = inner.clone();
-        let flusher = std::thread::Builder::new().name("volagent-ledger".into()).spawn(move || flusher.run())?;
+        let flusher = std::thread::Builder::new()
+            .name("volagent-ledger".into())
+            .spawn(move || flusher.run())?;
         Ok(WriteBehind { inner, flusher: Some(flusher) })
     }
 
@@ -166,7 +175,11 @@ impl Inner {
                 Some(due) if !state.stopping => {
                     let now = Instant::now();
                     if now < due {
-                        state = self.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0;
+                        state = self
+                            .wake
+                            .wait_timeout(state, due - now)
+                            .unwrap_or_else(|p| p.into_inner())
+                            .0;
                         continue;
                     }
                 }
@@ -192,10 +205,16 @@ impl Inner {
                 Err(why) => {
                     let records = batch.len();
                     if state.stopping {
-                        tracing::error!(records, "attachment records were not stored at shutdown: {why}");
+                        tracing::error!(
+                            records,
+                            "attachment records were not stored at shutdown: {why}"
+                        );
                         return;
                     }
-                    tracing::error!(records, "attachment records could not be stored; new writes are refused until they are: {why}");
+                    tracing::error!(
+                        records,
+                        "attachment records could not be stored; new writes are refused until they are: {why}"
+                    );
                     state.failed = Some(why);
                     state.due = Some(Instant::now() + RETRY);
                 }
@@ -237,7 +256,8 @@ mod tests {
 
     /// A store that keeps what it is given, and fails while `failing`.
     fn store() -> (Stored, Arc<AtomicBool>, Commit) {
-        let (stored, failing) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicBool::new(false)));
+        let (stored, failing) =
+            (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicBool::new(false)));
         let (s, f) = (stored.clone(), failing.clone());
         let commit: Commit = Box::new(move |batch: &Batch, revision| {
             if f.load(Ordering::SeqCst) {
@@ -296,16 +316,23 @@ mod tests {
         failing.store(true, Ordering::SeqCst);
         let behind = WriteBehind::start(0, commit).unwrap();
         behind.lock().put("pv-a", Some(record("pv-a"))).unwrap();
-        wait_until("a write is refused", || behind.lock().put("pv-b", Some(record("pv-b"))).is_err());
+        wait_until("a write is refused", || {
+            behind.lock().put("pv-b", Some(record("pv-b"))).is_err()
+        });
         let refused = behind.lock().put("pv-b", Some(record("pv-b"))).unwrap_err();
         assert!(refused.contains("No space left on device"), "{refused}");
         assert!(behind.lock().get("pv-a").is_some(), "the write taken before still reads back");
 
         failing.store(false, Ordering::SeqCst);
-        wait_until("writes are taken again", || behind.lock().put("pv-b", Some(record("pv-b"))).is_ok());
+        wait_until("writes are taken again", || {
+            behind.lock().put("pv-b", Some(record("pv-b"))).is_ok()
+        });
         wait_until("all committed", || behind.lock().all().is_empty());
         let stored = stored.lock().unwrap();
-        assert!(stored.iter().any(|(b, _)| b.contains_key("pv-a")), "the early write was stored once there was room");
+        assert!(
+            stored.iter().any(|(b, _)| b.contains_key("pv-a")),
+            "the early write was stored once there was room"
+        );
     }
 
     #[test]

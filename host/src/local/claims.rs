@@ -19,7 +19,10 @@ pub fn offered_path(v: &DiscoveredVolume) -> &str {
 pub fn named_as_discovered(node: &str, v: &DiscoveredVolume) -> Result<(), String> {
     let expected = super::pv_name(node, &v.class, std::path::Path::new(&v.path));
     if v.name != expected {
-        return Err(format!("node {node} reports volume {} at {} of class {}, but on node {node} that volume is {expected}", v.name, v.path, v.class));
+        return Err(format!(
+            "node {node} reports volume {} at {} of class {}, but on node {node} that volume is {expected}",
+            v.name, v.path, v.class
+        ));
     }
     Ok(())
 }
@@ -40,10 +43,16 @@ pub fn clash(new: &Offer<'_>, existing: &Offer<'_>) -> Option<String> {
         return None;
     }
     if new.node == existing.node && new.path == existing.path {
-        return Some(format!("{} on node {} is already offered by PV {}", new.path, new.node, existing.pv));
+        return Some(format!(
+            "{} on node {} is already offered by PV {}",
+            new.path, new.node, existing.pv
+        ));
     }
     match (new.identity, existing.identity) {
-        (Some(a), Some(b)) if a == b => Some(format!("device {a} is already offered by PV {} (node {})", existing.pv, existing.node)),
+        (Some(a), Some(b)) if a == b => Some(format!(
+            "device {a} is already offered by PV {} (node {})",
+            existing.pv, existing.node
+        )),
         _ => None,
     }
 }
@@ -53,8 +62,19 @@ pub fn clash(new: &Offer<'_>, existing: &Offer<'_>) -> Option<String> {
 /// made of a discovered volume (`made_of_discovery`) must be that volume,
 /// as discovered; no PV may name a discovered volume's path or device
 /// under another name. The reason names both.
-pub fn check_mount(pv: &str, node: &str, path: &str, identity: Option<&str>, made_of_discovery: bool, discovered: &[DiscoveredVolume]) -> Result<(), String> {
-    if let Some(d) = discovered.iter().find(|d| d.name != pv && (offered_path(d) == path || (identity.is_some() && d.identity.as_deref() == identity))) {
+pub fn check_mount(
+    pv: &str,
+    node: &str,
+    path: &str,
+    identity: Option<&str>,
+    made_of_discovery: bool,
+    discovered: &[DiscoveredVolume],
+) -> Result<(), String> {
+    if let Some(d) = discovered.iter().find(|d| {
+        d.name != pv
+            && (offered_path(d) == path
+                || (identity.is_some() && d.identity.as_deref() == identity))
+    }) {
         return Err(format!(
             "PersistentVolume {pv} names {path}, which node {node} discovered as local volume {} (its PV is {}): a second PV may not alias it",
             d.path, d.name
@@ -62,7 +82,9 @@ pub fn check_mount(pv: &str, node: &str, path: &str, identity: Option<&str>, mad
     }
     let Some(d) = discovered.iter().find(|d| d.name == pv) else {
         if made_of_discovery {
-            return Err(format!("PersistentVolume {pv} says it is a discovered local volume of node {node}, but node {node} discovered no volume {pv}"));
+            return Err(format!(
+                "PersistentVolume {pv} says it is a discovered local volume of node {node}, but node {node} discovered no volume {pv}"
+            ));
         }
         return Ok(());
     };
@@ -81,7 +103,12 @@ pub fn check_mount(pv: &str, node: &str, path: &str, identity: Option<&str>, mad
 mod tests {
     use super::*;
 
-    fn discovered(node: &str, path: &str, device: Option<&str>, identity: Option<&str>) -> DiscoveredVolume {
+    fn discovered(
+        node: &str,
+        path: &str,
+        device: Option<&str>,
+        identity: Option<&str>,
+    ) -> DiscoveredVolume {
         DiscoveredVolume {
             name: crate::local::pv_name(node, "fast", std::path::Path::new(path)),
             class: "fast".into(),
@@ -122,7 +149,8 @@ mod tests {
         let list = [d.clone()];
         assert_eq!(check_mount(&d.name, "a", "/dev/loop3", Some("loop:/img"), true, &list), Ok(()));
         // Edited: another path or identity under the discovered name.
-        let e = check_mount(&d.name, "a", "/dev/loop4", Some("loop:/img"), true, &list).unwrap_err();
+        let e =
+            check_mount(&d.name, "a", "/dev/loop4", Some("loop:/img"), true, &list).unwrap_err();
         assert!(e.contains("the PV was changed") && e.contains("/dev/loop3"), "{e}");
         assert!(check_mount(&d.name, "a", "/dev/loop3", None, true, &list).is_err());
         // An alias: another PV naming the discovered device, by path or identity.
@@ -130,7 +158,11 @@ mod tests {
         assert!(e.contains("alias") && e.contains(&d.name), "{e}");
         assert!(check_mount("alias", "a", "/dev/sdz", Some("loop:/img"), false, &list).is_err());
         // Says it is discovered, but is not.
-        assert!(check_mount("local-0000", "a", "/mnt/other", None, true, &list).unwrap_err().contains("discovered no volume local-0000"));
+        assert!(
+            check_mount("local-0000", "a", "/mnt/other", None, true, &list)
+                .unwrap_err()
+                .contains("discovered no volume local-0000")
+        );
         // An admin's own PV elsewhere is the admin's business.
         assert_eq!(check_mount("admins", "a", "/mnt/other", None, false, &list), Ok(()));
     }

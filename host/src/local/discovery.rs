@@ -67,14 +67,16 @@ pub struct Scan {
 /// Scan every class's dirs, with the node's mount table read once.
 pub fn scan(classes: &[LocalClass], table: &[MountInfo]) -> Scan {
     // The last mount at a point is the one seen there.
-    let mounts: BTreeMap<&Path, &MountInfo> = table.iter().map(|m| (m.mount_point.as_path(), m)).collect();
+    let mounts: BTreeMap<&Path, &MountInfo> =
+        table.iter().map(|m| (m.mount_point.as_path(), m)).collect();
     let mut out = Scan::default();
     for class in classes {
         for dir in &class.dirs {
             let entries = match std::fs::read_dir(dir) {
                 Ok(e) => e,
                 Err(e) => {
-                    out.skipped.push(Skipped { path: dir.clone(), why: format!("cannot list it: {e}") });
+                    out.skipped
+                        .push(Skipped { path: dir.clone(), why: format!("cannot list it: {e}") });
                     continue;
                 }
             };
@@ -82,7 +84,12 @@ pub fn scan(classes: &[LocalClass], table: &[MountInfo]) -> Scan {
             paths.sort();
             for path in paths {
                 match examine(&path, &mounts) {
-                    Ok((kind, bytes)) => out.volumes.push(Volume { class: class.name.clone(), path, kind, capacity_bytes: round_capacity(bytes) }),
+                    Ok((kind, bytes)) => out.volumes.push(Volume {
+                        class: class.name.clone(),
+                        path,
+                        kind,
+                        capacity_bytes: round_capacity(bytes),
+                    }),
                     Err(why) => out.skipped.push(Skipped { path, why }),
                 }
             }
@@ -104,11 +111,13 @@ fn examine(path: &Path, mounts: &BTreeMap<&Path, &MountInfo>) -> Result<(Kind, u
     }
     if ft.is_symlink() {
         // Resolved once, here, and only to a block device under /dev.
-        let target = std::fs::canonicalize(path).map_err(|e| format!("a link that does not resolve: {e}"))?;
+        let target = std::fs::canonicalize(path)
+            .map_err(|e| format!("a link that does not resolve: {e}"))?;
         if !target.starts_with("/dev") {
             return Err(format!("a link to {}, which is not under /dev", target.display()));
         }
-        let meta = std::fs::symlink_metadata(&target).map_err(|e| format!("stat {}: {e}", target.display()))?;
+        let meta = std::fs::symlink_metadata(&target)
+            .map_err(|e| format!("stat {}: {e}", target.display()))?;
         if !meta.file_type().is_block_device() {
             return Err(format!("a link to {}, which is not a block device", target.display()));
         }
@@ -135,7 +144,12 @@ fn block(device: &Path, rdev: u64) -> Result<(Kind, u64), String> {
 pub fn identity(rdev: u64) -> String {
     let (major, minor) = (nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
     let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
-    let read = |p: &str| std::fs::read_to_string(sys.join(p)).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    let read = |p: &str| {
+        std::fs::read_to_string(sys.join(p))
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    };
     if let Some(w) = read("device/wwid").or_else(|| read("wwid")) {
         return format!("wwid:{w}");
     }
@@ -156,10 +170,13 @@ pub const IDENTITY_OPTION: &str = "identity";
 /// whose identity is `identity`. Device numbers and by-id links move
 /// between boots and hot-plugs; a wrong disk must never be mounted or wiped.
 pub fn verify_device(device: &Path, identity: &str) -> Result<(), String> {
-    if !device.starts_with("/dev/") || device.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+    if !device.starts_with("/dev/")
+        || device.components().any(|c| matches!(c, std::path::Component::ParentDir))
+    {
         return Err(format!("{} is not a device node under /dev", device.display()));
     }
-    let meta = std::fs::symlink_metadata(device).map_err(|e| format!("{}: {e}", device.display()))?;
+    let meta =
+        std::fs::symlink_metadata(device).map_err(|e| format!("{}: {e}", device.display()))?;
     if !meta.file_type().is_block_device() {
         return Err(format!("{} is not a block device node", device.display()));
     }
@@ -179,8 +196,16 @@ mod tests {
 
     #[test]
     fn devices_are_checked_by_identity_and_links_refused() {
-        assert!(verify_device(Path::new("/etc/hostname"), "dev:1:1").unwrap_err().contains("not a device node under /dev"));
-        assert!(verify_device(Path::new("/dev/null"), "dev:1:3").unwrap_err().contains("not a block device"));
+        assert!(
+            verify_device(Path::new("/etc/hostname"), "dev:1:1")
+                .unwrap_err()
+                .contains("not a device node under /dev")
+        );
+        assert!(
+            verify_device(Path::new("/dev/null"), "dev:1:3")
+                .unwrap_err()
+                .contains("not a block device")
+        );
         assert!(verify_device(Path::new("/dev/../etc/hostname"), "x").is_err());
     }
 
@@ -200,9 +225,20 @@ mod tests {
         let scan = scan(&class(d), &[]);
         assert_eq!(
             scan.volumes,
-            vec![Volume { class: "fast".into(), path: d.join("disk1.img"), kind: Kind::File, capacity_bytes: 4096 }]
+            vec![Volume {
+                class: "fast".into(),
+                path: d.join("disk1.img"),
+                kind: Kind::File,
+                capacity_bytes: 4096
+            }]
         );
-        let why = |name: &str| scan.skipped.iter().find(|s| s.path == d.join(name)).map(|s| s.why.clone()).unwrap_or_default();
+        let why = |name: &str| {
+            scan.skipped
+                .iter()
+                .find(|s| s.path == d.join(name))
+                .map(|s| s.why.clone())
+                .unwrap_or_default()
+        };
         assert!(why("not-mounted").contains("not a mount point"), "{scan:?}");
         assert!(why("to-etc").contains("not under /dev"), "{scan:?}");
         assert!(why("to-null").contains("not a block device"), "{scan:?}");

@@ -19,16 +19,23 @@ impl std::str::FromStr for LocalClass {
 
     /// `<class>=<dir>[:<dir>…]`, e.g. `fast-disks=/mnt/fast`.
     fn from_str(s: &str) -> Result<Self, String> {
-        let (name, dirs) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected <storage class>=<dir>[:<dir>…]"))?;
+        let (name, dirs) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: expected <storage class>=<dir>[:<dir>…]"))?;
         let valid_name = !name.is_empty()
             && name.len() <= 253
-            && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
             && name.starts_with(|c: char| c.is_ascii_alphanumeric())
             && name.ends_with(|c: char| c.is_ascii_alphanumeric());
         if !valid_name {
-            return Err(format!("{name:?} is not a StorageClass name (lowercase letters, digits, '-' and '.')"));
+            return Err(format!(
+                "{name:?} is not a StorageClass name (lowercase letters, digits, '-' and '.')"
+            ));
         }
-        let dirs: Vec<std::path::PathBuf> = dirs.split(':').filter(|d| !d.is_empty()).map(Into::into).collect();
+        let dirs: Vec<std::path::PathBuf> =
+            dirs.split(':').filter(|d| !d.is_empty()).map(Into::into).collect();
         if dirs.is_empty() || dirs.iter().any(|d| !d.is_absolute()) {
             return Err(format!("class {name}: its dirs must be absolute paths"));
         }

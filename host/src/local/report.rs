@@ -37,8 +37,14 @@ struct Scanned {
 }
 
 impl LocalState {
-    pub fn set_scan(&self, volumes: Vec<LocalVolumeLine>, scanned_at: String, error: Option<String>) {
-        *self.scan.lock().unwrap_or_else(|p| p.into_inner()) = Scanned { volumes, scanned_at: Some(scanned_at), error };
+    pub fn set_scan(
+        &self,
+        volumes: Vec<LocalVolumeLine>,
+        scanned_at: String,
+        error: Option<String>,
+    ) {
+        *self.scan.lock().unwrap_or_else(|p| p.into_inner()) =
+            Scanned { volumes, scanned_at: Some(scanned_at), error };
     }
 
     pub fn set_error(&self, error: String) {

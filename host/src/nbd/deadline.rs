@@ -22,7 +22,11 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Timeouts { handshake: Duration::from_secs(10), idle: None, request: Duration::from_secs(30) }
+        Timeouts {
+            handshake: Duration::from_secs(10),
+            idle: None,
+            request: Duration::from_secs(30),
+        }
     }
 }
 
@@ -45,7 +49,9 @@ impl ReadTimeout for std::net::TcpStream {
     }
 }
 
-impl<S: ReadTimeout + Read + Write> ReadTimeout for rustls::StreamOwned<rustls::ServerConnection, S> {
+impl<S: ReadTimeout + Read + Write> ReadTimeout
+    for rustls::StreamOwned<rustls::ServerConnection, S>
+{
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         self.sock.set_read_timeout(timeout)
     }
@@ -101,7 +107,11 @@ pub struct Switch {
 }
 
 impl Switch {
-    pub fn set<S: ReadTimeout + ?Sized>(&mut self, stream: &S, timeout: Option<Duration>) -> io::Result<()> {
+    pub fn set<S: ReadTimeout + ?Sized>(
+        &mut self,
+        stream: &S,
+        timeout: Option<Duration>,
+    ) -> io::Result<()> {
         if self.now != Some(timeout) {
             stream.set_read_timeout(timeout)?;
             self.now = Some(timeout);

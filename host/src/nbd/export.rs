@@ -56,8 +56,10 @@ impl Memory {
 }
 
 fn range(offset: u64, length: usize, size: usize) -> io::Result<std::ops::Range<usize>> {
-    let start = usize::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    let end = start.checked_add(length).filter(|e| *e <= size).ok_or(io::ErrorKind::InvalidInput)?;
+    let start =
+        usize::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let end =
+        start.checked_add(length).filter(|e| *e <= size).ok_or(io::ErrorKind::InvalidInput)?;
     Ok(start..end)
 }
 
@@ -93,7 +95,8 @@ impl Export for Memory {
 
     fn write_zeroes(&self, offset: u64, length: u64, _punch: bool, _fast: bool) -> io::Result<()> {
         let mut data = self.data.write().unwrap_or_else(|e| e.into_inner());
-        let len = usize::try_from(length).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let len =
+            usize::try_from(length).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let r = range(offset, len, data.len())?;
         data[r].fill(0);
         Ok(())

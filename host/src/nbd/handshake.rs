@@ -35,7 +35,10 @@ pub struct Session {
 
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("name", &self.name).field("structured", &self.structured).finish()
+        f.debug_struct("Session")
+            .field("name", &self.name)
+            .field("structured", &self.structured)
+            .finish()
     }
 }
 
@@ -112,7 +115,10 @@ pub fn greet<S: Read + Write>(stream: &mut S) -> Result<bool, ProtocolError> {
 }
 
 /// A whole handshake without TLS; `None` when the client left without choosing.
-pub fn negotiate<S: Read + Write>(stream: &mut S, exports: &Exports) -> Result<Option<Session>, ProtocolError> {
+pub fn negotiate<S: Read + Write>(
+    stream: &mut S,
+    exports: &Exports,
+) -> Result<Option<Session>, ProtocolError> {
     let no_zeroes = greet(stream)?;
     match options(stream, exports, no_zeroes, Tls::Off)? {
         Ending::Go(session) => Ok(Some(session)),
@@ -121,7 +127,12 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, exports: &Exports) -> Result<O
 }
 
 /// Options until the client chooses an export, leaves, or starts TLS.
-pub fn options<S: Read + Write>(stream: &mut S, exports: &Exports, no_zeroes: bool, tls: Tls) -> Result<Ending, ProtocolError> {
+pub fn options<S: Read + Write>(
+    stream: &mut S,
+    exports: &Exports,
+    no_zeroes: bool,
+    tls: Tls,
+) -> Result<Ending, ProtocolError> {
     let mut n = Negotiation { stream, exports, no_zeroes, tls, structured: false, meta: None };
     for _ in 0..MAX_OPTIONS {
         let mut header = [0u8; wire::OPTION_HEADER_LEN];
@@ -152,13 +163,24 @@ impl<S: Read + Write> Negotiation<'_, S> {
         if self.tls == Tls::Required && ![wire::OPT_STARTTLS, wire::OPT_ABORT].contains(&option) {
             if option == wire::OPT_EXPORT_NAME {
                 // The client has no way to hear an error here.
-                return Err(ProtocolError::Handshake("EXPORT_NAME before STARTTLS on a server that requires TLS".into()));
+                return Err(ProtocolError::Handshake(
+                    "EXPORT_NAME before STARTTLS on a server that requires TLS".into(),
+                ));
             }
-            return self.error(option, wire::REP_ERR_TLS_REQD, "this server requires TLS: send STARTTLS first").map(|_| None);
+            return self
+                .error(
+                    option,
+                    wire::REP_ERR_TLS_REQD,
+                    "this server requires TLS: send STARTTLS first",
+                )
+                .map(|_| None);
         }
         match option {
             wire::OPT_EXPORT_NAME => {
-                let Some(name) = std::str::from_utf8(data).ok().filter(|s| s.len() <= MAX_NAME && !s.contains('\0')) else {
+                let Some(name) = std::str::from_utf8(data)
+                    .ok()
+                    .filter(|s| s.len() <= MAX_NAME && !s.contains('\0'))
+                else {
                     return Err(ProtocolError::Handshake("export name is not a string".into()));
                 };
                 let Some(export) = self.exports.get(name) else {
@@ -167,7 +189,9 @@ impl<S: Read + Write> Negotiation<'_, S> {
                 };
                 let mut reply = Vec::with_capacity(10 + 124);
                 reply.extend_from_slice(&export.size().to_be_bytes());
-                reply.extend_from_slice(&transmission_flags(export.as_ref(), self.structured).to_be_bytes());
+                reply.extend_from_slice(
+                    &transmission_flags(export.as_ref(), self.structured).to_be_bytes(),
+                );
                 if !self.no_zeroes {
                     reply.resize(10 + 124, 0);
                 }
@@ -181,7 +205,9 @@ impl<S: Read + Write> Negotiation<'_, S> {
             }
             wire::OPT_LIST => {
                 if !data.is_empty() {
-                    return self.error(option, wire::REP_ERR_INVALID, "LIST takes no data").map(|_| None);
+                    return self
+                        .error(option, wire::REP_ERR_INVALID, "LIST takes no data")
+                        .map(|_| None);
                 }
                 for name in self.exports.names() {
                     let mut entry = (name.len() as u32).to_be_bytes().to_vec();
@@ -191,20 +217,32 @@ impl<S: Read + Write> Negotiation<'_, S> {
                 self.reply(option, wire::REP_ACK, &[]).map(|_| None)
             }
             wire::OPT_STARTTLS => match self.tls {
-                Tls::Off => self.error(option, wire::REP_ERR_POLICY, "TLS is not configured on this server").map(|_| None),
-                Tls::Established => self.error(option, wire::REP_ERR_INVALID, "TLS is on already").map(|_| None),
-                Tls::Required if !data.is_empty() => self.error(option, wire::REP_ERR_INVALID, "STARTTLS takes no data").map(|_| None),
-                Tls::Required => self.reply(option, wire::REP_ACK, &[]).map(|_| Some(Ending::StartTls)),
+                Tls::Off => self
+                    .error(option, wire::REP_ERR_POLICY, "TLS is not configured on this server")
+                    .map(|_| None),
+                Tls::Established => {
+                    self.error(option, wire::REP_ERR_INVALID, "TLS is on already").map(|_| None)
+                }
+                Tls::Required if !data.is_empty() => self
+                    .error(option, wire::REP_ERR_INVALID, "STARTTLS takes no data")
+                    .map(|_| None),
+                Tls::Required => {
+                    self.reply(option, wire::REP_ACK, &[]).map(|_| Some(Ending::StartTls))
+                }
             },
             wire::OPT_INFO | wire::OPT_GO => self.info(option, data),
             wire::OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
-                    return self.error(option, wire::REP_ERR_INVALID, "STRUCTURED_REPLY takes no data").map(|_| None);
+                    return self
+                        .error(option, wire::REP_ERR_INVALID, "STRUCTURED_REPLY takes no data")
+                        .map(|_| None);
                 }
                 self.structured = true;
                 self.reply(option, wire::REP_ACK, &[]).map(|_| None)
             }
-            wire::OPT_LIST_META_CONTEXT | wire::OPT_SET_META_CONTEXT => self.meta_context(option, data).map(|_| None),
+            wire::OPT_LIST_META_CONTEXT | wire::OPT_SET_META_CONTEXT => {
+                self.meta_context(option, data).map(|_| None)
+            }
             _ => self.error(option, wire::REP_ERR_UNSUP, "option not supported").map(|_| None),
         }
     }
@@ -223,10 +261,14 @@ impl<S: Read + Write> Negotiation<'_, S> {
             f.is_empty().then_some((name, requests))
         })();
         let Some((name, requests)) = parsed else {
-            return self.error(option, wire::REP_ERR_INVALID, "malformed INFO/GO request").map(|_| None);
+            return self
+                .error(option, wire::REP_ERR_INVALID, "malformed INFO/GO request")
+                .map(|_| None);
         };
         let Some(export) = self.exports.get(name) else {
-            return self.error(option, wire::REP_ERR_UNKNOWN, &format!("no export named {name:?}")).map(|_| None);
+            return self
+                .error(option, wire::REP_ERR_UNKNOWN, &format!("no export named {name:?}"))
+                .map(|_| None);
         };
         let mut info = wire::INFO_EXPORT.to_be_bytes().to_vec();
         info.extend_from_slice(&export.size().to_be_bytes());
@@ -255,7 +297,11 @@ impl<S: Read + Write> Negotiation<'_, S> {
 
     fn meta_context(&mut self, option: u32, data: &[u8]) -> Result<(), ProtocolError> {
         if !self.structured {
-            return self.error(option, wire::REP_ERR_INVALID, "meta contexts need structured replies first");
+            return self.error(
+                option,
+                wire::REP_ERR_INVALID,
+                "meta contexts need structured replies first",
+            );
         }
         let mut f = Fields::new(data);
         let parsed = (|| {
@@ -264,7 +310,8 @@ impl<S: Read + Write> Negotiation<'_, S> {
             if count > MAX_QUERIES {
                 return None;
             }
-            let queries: Vec<&str> = (0..count).map(|_| f.string(MAX_NAME)).collect::<Option<_>>()?;
+            let queries: Vec<&str> =
+                (0..count).map(|_| f.string(MAX_NAME)).collect::<Option<_>>()?;
             f.is_empty().then_some((name, queries))
         })();
         let Some((name, queries)) = parsed else {
@@ -274,10 +321,13 @@ impl<S: Read + Write> Negotiation<'_, S> {
             return self.error(option, wire::REP_ERR_UNKNOWN, &format!("no export named {name:?}"));
         }
         let set = option == wire::OPT_SET_META_CONTEXT;
-        let matches = |q: &str| {
-            q == wire::BASE_ALLOCATION || (!set && (q == "base:" || q == "base"))
+        let matches =
+            |q: &str| q == wire::BASE_ALLOCATION || (!set && (q == "base:" || q == "base"));
+        let selected = if set {
+            queries.contains(&wire::BASE_ALLOCATION)
+        } else {
+            queries.is_empty() || queries.iter().any(|q| matches(q))
         };
-        let selected = if set { queries.contains(&wire::BASE_ALLOCATION) } else { queries.is_empty() || queries.iter().any(|q| matches(q)) };
         if selected {
             let mut reply = wire::BASE_ALLOCATION_ID.to_be_bytes().to_vec();
             reply.extend_from_slice(wire::BASE_ALLOCATION.as_bytes());

@@ -35,7 +35,9 @@ pub enum ListenError {
     NotASocket { path: PathBuf },
     #[error("{addr}: {source}")]
     Tcp { addr: SocketAddr, source: io::Error },
-    #[error("{addr}: NBD beyond loopback is served only over TLS, with client certificates (--tls-cert, --tls-key and --tls-client-ca)")]
+    #[error(
+        "{addr}: NBD beyond loopback is served only over TLS, with client certificates (--tls-cert, --tls-key and --tls-client-ca)"
+    )]
     Cleartext { addr: SocketAddr },
     #[error(
         "{addr}: NBD beyond loopback requires client certificates: give --tls-client-ca, or --allow-unauthenticated-clients to let any client that reaches {addr} read and write the exports"
@@ -68,10 +70,13 @@ impl Listener {
         if UnixStream::connect(path).is_ok() {
             return Err(ListenError::InUse { path: path.to_path_buf() });
         }
-        let failed = |what| move |source| ListenError::Unix { path: path.to_path_buf(), what, source };
+        let failed =
+            |what| move |source| ListenError::Unix { path: path.to_path_buf(), what, source };
         // Only a stale socket is replaced, never another kind of file.
         match std::fs::symlink_metadata(path) {
-            Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(failed("remove the stale socket"))?,
+            Ok(m) if m.file_type().is_socket() => {
+                std::fs::remove_file(path).map_err(failed("remove the stale socket"))?
+            }
             Ok(_) => return Err(ListenError::NotASocket { path: path.to_path_buf() }),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(failed("inspect")(e)),
@@ -81,24 +86,34 @@ impl Listener {
 
     /// Listen on TCP at `addr`. Beyond loopback only with TLS and client
     /// certificates, unless `allow_unauthenticated` (TLS still required).
-    pub fn tcp(addr: SocketAddr, clients: ClientAuth, allow_unauthenticated: bool) -> Result<Listener, ListenError> {
+    pub fn tcp(
+        addr: SocketAddr,
+        clients: ClientAuth,
+        allow_unauthenticated: bool,
+    ) -> Result<Listener, ListenError> {
         if !addr.ip().is_loopback() {
             match clients {
                 ClientAuth::None => return Err(ListenError::Cleartext { addr }),
-                ClientAuth::Tls if !allow_unauthenticated => return Err(ListenError::Unauthenticated { addr }),
+                ClientAuth::Tls if !allow_unauthenticated => {
+                    return Err(ListenError::Unauthenticated { addr });
+                }
                 ClientAuth::Tls => {
                     tracing::warn!(%addr, "serving NBD beyond loopback WITHOUT client authentication (--allow-unauthenticated-clients): any client that reaches this address may read and write every export");
                 }
                 ClientAuth::Certificates => {}
             }
         }
-        Ok(Listener::Tcp(TcpListener::bind(addr).map_err(|source| ListenError::Tcp { addr, source })?))
+        Ok(Listener::Tcp(
+            TcpListener::bind(addr).map_err(|source| ListenError::Tcp { addr, source })?,
+        ))
     }
 
     pub fn describe(&self) -> String {
         match self {
             Listener::Unix(_, p) => format!("unix:{}", p.display()),
-            Listener::Tcp(l) => l.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp".into()),
+            Listener::Tcp(l) => {
+                l.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp".into())
+            }
         }
     }
 
@@ -116,7 +131,9 @@ impl Listener {
             Listener::Tcp(l) => {
                 let (s, peer) = l.accept()?;
                 s.set_nodelay(true)?;
-                let keepalive = socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL);
+                let keepalive = socket2::TcpKeepalive::new()
+                    .with_time(KEEPALIVE_IDLE)
+                    .with_interval(KEEPALIVE_INTERVAL);
                 if let Err(e) = socket2::SockRef::from(&s).set_tcp_keepalive(&keepalive) {
                     tracing::warn!(%peer, "nbd: cannot turn TCP keepalive on: {e}");
                 }
@@ -140,7 +157,9 @@ impl Listener {
 
 fn connection<S: Stream>(s: S) -> io::Result<(ShutdownFn, Connection)> {
     let stop = s.shutdown_handle()?;
-    let serve: Connection = Box::new(move |exports, settings: &Settings| serve_connection(s, exports, settings.tls.as_ref(), &settings.timeouts));
+    let serve: Connection = Box::new(move |exports, settings: &Settings| {
+        serve_connection(s, exports, settings.tls.as_ref(), &settings.timeouts)
+    });
     Ok((stop, serve))
 }
 
@@ -171,14 +190,17 @@ fn bind_private(path: &Path) -> Result<UnixListener, ListenError> {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let staging = Staging::create(parent).map_err(failed("make a private dir beside the socket"))?;
+    let staging =
+        Staging::create(parent).map_err(failed("make a private dir beside the socket"))?;
     let dir = std::fs::File::open(&staging.0).map_err(failed("open the private dir"))?;
     let listener = {
         use std::os::fd::AsRawFd;
-        UnixListener::bind(format!("/proc/self/fd/{}/socket", dir.as_raw_fd())).map_err(failed("bind"))?
+        UnixListener::bind(format!("/proc/self/fd/{}/socket", dir.as_raw_fd()))
+            .map_err(failed("bind"))?
     };
     let made = staging.0.join("socket");
-    std::fs::set_permissions(&made, std::fs::Permissions::from_mode(0o600)).map_err(failed("chmod 0600"))?;
+    std::fs::set_permissions(&made, std::fs::Permissions::from_mode(0o600))
+        .map_err(failed("chmod 0600"))?;
     std::fs::rename(&made, path).map_err(failed("move into place"))?;
     Ok(listener)
 }
@@ -190,7 +212,11 @@ impl Staging {
     fn create(parent: &Path) -> io::Result<Staging> {
         use std::sync::atomic::{AtomicU64, Ordering};
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        let dir = parent.join(format!(".nbd-socket-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
+        let dir = parent.join(format!(
+            ".nbd-socket-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
         let staging = Staging(dir);
         // The mode given to mkdir is narrowed by the umask; never widened.

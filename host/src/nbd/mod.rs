@@ -98,14 +98,21 @@ impl Stream for TcpStream {
 }
 
 /// One client, from greeting to disconnect; with `tls`, inside TLS.
-pub fn serve_connection<S: Stream>(mut stream: S, exports: &Exports, tls: Option<&tls::ServerConfig>, timeouts: &Timeouts) -> Result<(), ProtocolError> {
+pub fn serve_connection<S: Stream>(
+    mut stream: S,
+    exports: &Exports,
+    tls: Option<&tls::ServerConfig>,
+    timeouts: &Timeouts,
+) -> Result<(), ProtocolError> {
     use deadline::Until;
     use handshake::{Ending, Tls};
     // A reply the client does not read ends the connection, handshake or not.
     stream.set_write_timeout(Some(timeouts.request))?;
     let deadline = Instant::now() + timeouts.handshake;
     let late = |e: ProtocolError| match e {
-        ProtocolError::Io(e) if deadline::timed_out(&e) => ProtocolError::HandshakeTimeout(timeouts.handshake),
+        ProtocolError::Io(e) if deadline::timed_out(&e) => {
+            ProtocolError::HandshakeTimeout(timeouts.handshake)
+        }
         e => e,
     };
     let mut within = Until::new(&mut stream, deadline);
@@ -119,20 +126,34 @@ pub fn serve_connection<S: Stream>(mut stream: S, exports: &Exports, tls: Option
             Ending::Left | Ending::StartTls => Ok(()),
         };
     };
-    if !matches!(handshake::options(&mut within, exports, no_zeroes, Tls::Required).map_err(late)?, Ending::StartTls) {
+    if !matches!(
+        handshake::options(&mut within, exports, no_zeroes, Tls::Required).map_err(late)?,
+        Ending::StartTls
+    ) {
         return Ok(());
     }
-    let conn = rustls::ServerConnection::new(config.clone()).map_err(|e| ProtocolError::Handshake(format!("TLS: {e}")))?;
+    let conn = rustls::ServerConnection::new(config.clone())
+        .map_err(|e| ProtocolError::Handshake(format!("TLS: {e}")))?;
     let mut secured = rustls::StreamOwned::new(conn, stream);
     let ending = {
         let mut within = Until::new(&mut secured.sock, deadline);
         // The TLS handshake now, so that its failure is named as such.
         while secured.conn.is_handshaking() {
             secured.conn.complete_io(&mut within).map_err(|e| {
-                if deadline::timed_out(&e) { ProtocolError::HandshakeTimeout(timeouts.handshake) } else { ProtocolError::Handshake(format!("TLS: {e}")) }
+                if deadline::timed_out(&e) {
+                    ProtocolError::HandshakeTimeout(timeouts.handshake)
+                } else {
+                    ProtocolError::Handshake(format!("TLS: {e}"))
+                }
             })?;
         }
-        handshake::options(&mut rustls::Stream::new(&mut secured.conn, &mut within), exports, no_zeroes, Tls::Established).map_err(late)?
+        handshake::options(
+            &mut rustls::Stream::new(&mut secured.conn, &mut within),
+            exports,
+            no_zeroes,
+            Tls::Established,
+        )
+        .map_err(late)?
     };
     match ending {
         Ending::Go(session) => {
@@ -167,16 +188,31 @@ pub struct Server {
 impl Server {
     /// Accept clients of `exports` on `listener`, at most `max_connections`
     /// at once; with `tls`, each must STARTTLS first. Default timeouts.
-    pub fn start(listener: Listener, exports: Exports, max_connections: usize, tls: Option<tls::ServerConfig>) -> io::Result<Server> {
-        Server::start_with(listener, exports, Settings { max_connections, tls, timeouts: Timeouts::default() })
+    pub fn start(
+        listener: Listener,
+        exports: Exports,
+        max_connections: usize,
+        tls: Option<tls::ServerConfig>,
+    ) -> io::Result<Server> {
+        Server::start_with(
+            listener,
+            exports,
+            Settings { max_connections, tls, timeouts: Timeouts::default() },
+        )
     }
 
-    pub fn start_with(listener: Listener, exports: Exports, settings: Settings) -> io::Result<Server> {
+    pub fn start_with(
+        listener: Listener,
+        exports: Exports,
+        settings: Settings,
+    ) -> io::Result<Server> {
         let listener = Arc::new(listener);
         let stopping = Arc::new(AtomicBool::new(false));
         let connections: Arc<Mutex<BTreeMap<u64, ShutdownFn>>> = Arc::default();
         let (l, s, c) = (listener.clone(), stopping.clone(), connections.clone());
-        let accept = std::thread::Builder::new().name("nbd-accept".into()).spawn(move || accept_loop(&l, &exports, &settings, &s, &c))?;
+        let accept = std::thread::Builder::new()
+            .name("nbd-accept".into())
+            .spawn(move || accept_loop(&l, &exports, &settings, &s, &c))?;
         Ok(Server { listener, stopping, connections, accept: Some(accept) })
     }
 
@@ -206,7 +242,13 @@ impl Drop for Server {
     }
 }
 
-fn accept_loop(listener: &Listener, exports: &Exports, settings: &Settings, stopping: &AtomicBool, connections: &Arc<Mutex<BTreeMap<u64, ShutdownFn>>>) {
+fn accept_loop(
+    listener: &Listener,
+    exports: &Exports,
+    settings: &Settings,
+    stopping: &AtomicBool,
+    connections: &Arc<Mutex<BTreeMap<u64, ShutdownFn>>>,
+) {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let max_connections = settings.max_connections;
     loop {
@@ -234,13 +276,16 @@ fn accept_loop(listener: &Listener, exports: &Exports, settings: &Settings, stop
             }
             live.insert(id, stop);
         }
-        let (exports, registry, settings) = (exports.clone(), connections.clone(), settings.clone());
+        let (exports, registry, settings) =
+            (exports.clone(), connections.clone(), settings.clone());
         let spawned = std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
             let result = conn(&exports, &settings);
             registry.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             match result {
                 Ok(()) => tracing::debug!("nbd client left"),
-                Err(ProtocolError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => tracing::debug!("nbd client left mid-message"),
+                Err(ProtocolError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    tracing::debug!("nbd client left mid-message")
+                }
                 Err(e) => tracing::info!("nbd connection closed: {e}"),
             }
         });

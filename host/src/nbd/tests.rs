@@ -247,7 +247,9 @@ fn a_client_leaving_mid_write_changes_nothing() {
     c.go("disk", false);
     // Half of a 64 KiB write's payload, then the client is gone.
     c.request(CMD_WRITE, 0, 0, 65536, &[0xee; 32768]);
-    assert!(matches!(c.end(), Err(ProtocolError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof));
+    assert!(
+        matches!(c.end(), Err(ProtocolError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof)
+    );
     assert!(m.snapshot().iter().all(|b| *b == 0), "a partial write reached the export");
 }
 
@@ -293,7 +295,10 @@ fn structured_replies_carry_data_errors_and_allocation() {
     assert!(String::from_utf8_lossy(&data[6..]).contains("beyond"), "the error says why");
     c.request(CMD_BLOCK_STATUS, 0, 0, 8192, &[]);
     let (flags, kind, data) = c.chunk();
-    assert_eq!((flags, kind, be32(&data)), (REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, BASE_ALLOCATION_ID));
+    assert_eq!(
+        (flags, kind, be32(&data)),
+        (REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, BASE_ALLOCATION_ID)
+    );
     assert_eq!((be32(&data[4..]), be32(&data[8..])), (8192, 0), "one data extent over the range");
     c.request(CMD_FLUSH, 0, 0, 0, &[]);
     assert_eq!(c.chunk(), (REPLY_FLAG_DONE, REPLY_TYPE_NONE, vec![]));
@@ -344,11 +349,14 @@ fn where_tls_is_required_nothing_but_starttls_is_served() {
     m.extend_from_slice(&4u32.to_be_bytes());
     m.extend_from_slice(b"disk");
     c.write_all(&m).unwrap();
-    assert!(matches!(server.join().unwrap(), Err(ProtocolError::Handshake(m)) if m.contains("STARTTLS")));
+    assert!(
+        matches!(server.join().unwrap(), Err(ProtocolError::Handshake(m)) if m.contains("STARTTLS"))
+    );
 
     // Once TLS is on, a second STARTTLS is an error, not a restart.
     let (c, mut s) = UnixStream::pair().unwrap();
-    let server = std::thread::spawn(move || handshake::options(&mut s, &exports, true, Tls::Established));
+    let server =
+        std::thread::spawn(move || handshake::options(&mut s, &exports, true, Tls::Established));
     let mut client = Client { s: c, server: std::thread::spawn(|| Ok(())) };
     client.option(OPT_STARTTLS, &[]);
     assert_eq!(client.option_reply().0, REP_ERR_INVALID);
@@ -410,7 +418,10 @@ fn a_write_announced_and_never_sent_times_out_and_changes_nothing() {
     c.request(CMD_WRITE, 0, 0, handshake::MAX_PAYLOAD, &[0xee; 1000]);
     let since = std::time::Instant::now();
     let (verdict, took) = verdict_after(c, since);
-    assert!(matches!(verdict, Err(ProtocolError::Stalled(t)) if t == Duration::from_millis(300)), "{verdict:?}");
+    assert!(
+        matches!(verdict, Err(ProtocolError::Stalled(t)) if t == Duration::from_millis(300)),
+        "{verdict:?}"
+    );
     assert!(took < Duration::from_secs(3), "closed after {took:?}");
     assert!(m.snapshot().iter().all(|b| *b == 0), "a partial write reached the export");
 }
@@ -447,7 +458,8 @@ fn without_an_idle_timeout_a_silent_client_stays_connected() {
 fn an_idle_timeout_closes_a_silent_client_and_restarts_with_each_request() {
     let idle = Duration::from_millis(600);
     let (exports, _) = memory(4096, false);
-    let mut c = start_with(&exports, Timeouts { request: Duration::from_secs(5), ..quick(Some(idle)) });
+    let mut c =
+        start_with(&exports, Timeouts { request: Duration::from_secs(5), ..quick(Some(idle)) });
     c.go("disk", false);
     // Requests every 300 ms keep it open well past 600 ms.
     for _ in 0..4 {
@@ -458,7 +470,10 @@ fn an_idle_timeout_closes_a_silent_client_and_restarts_with_each_request() {
     let since = std::time::Instant::now();
     let (verdict, took) = verdict_after(c, since);
     assert!(matches!(verdict, Err(ProtocolError::Idle(t)) if t == idle), "{verdict:?}");
-    assert!(took >= Duration::from_millis(500) && took < Duration::from_secs(4), "closed after {took:?}");
+    assert!(
+        took >= Duration::from_millis(500) && took < Duration::from_secs(4),
+        "closed after {took:?}"
+    );
 }
 
 #[test]
@@ -496,20 +511,32 @@ fn the_handshake_has_one_deadline_however_the_bytes_trickle() {
     });
     let (verdict, took) = verdict_after(c, since);
     trickle.join().unwrap();
-    assert!(matches!(verdict, Err(ProtocolError::HandshakeTimeout(t)) if t == Duration::from_millis(800)), "{verdict:?}");
+    assert!(
+        matches!(verdict, Err(ProtocolError::HandshakeTimeout(t)) if t == Duration::from_millis(800)),
+        "{verdict:?}"
+    );
     assert!(took < Duration::from_secs(2), "closed after {took:?}");
 }
 
 #[test]
 fn tcp_beyond_loopback_needs_tls_and_client_certificates_unless_waived() {
     let any: std::net::SocketAddr = "0.0.0.0:0".parse().unwrap();
-    let cleartext = Listener::tcp(any, ClientAuth::None, false).err().expect("cleartext beyond loopback");
+    let cleartext =
+        Listener::tcp(any, ClientAuth::None, false).err().expect("cleartext beyond loopback");
     assert!(matches!(cleartext, ListenError::Cleartext { .. }), "{cleartext}");
-    let waived = Listener::tcp(any, ClientAuth::None, true).err().expect("the waiver is of certificates, not of TLS");
+    let waived = Listener::tcp(any, ClientAuth::None, true)
+        .err()
+        .expect("the waiver is of certificates, not of TLS");
     assert!(matches!(waived, ListenError::Cleartext { .. }), "{waived}");
-    let refused = Listener::tcp(any, ClientAuth::Tls, false).err().expect("TLS without client certificates");
+    let refused =
+        Listener::tcp(any, ClientAuth::Tls, false).err().expect("TLS without client certificates");
     let said = refused.to_string();
-    assert!(said.contains("0.0.0.0:0") && said.contains("--tls-client-ca") && said.contains("--allow-unauthenticated-clients"), "{said}");
+    assert!(
+        said.contains("0.0.0.0:0")
+            && said.contains("--tls-client-ca")
+            && said.contains("--allow-unauthenticated-clients"),
+        "{said}"
+    );
     assert!(Listener::tcp(any, ClientAuth::Tls, true).is_ok());
     assert!(Listener::tcp(any, ClientAuth::Certificates, false).is_ok());
     for loopback in ["127.0.0.1:0", "[::1]:0"] {
@@ -531,7 +558,8 @@ fn a_unix_socket_is_0600_and_replaces_only_a_stale_socket() {
     let listener = Listener::unix(&path).unwrap();
     let mode = std::fs::symlink_metadata(&path).unwrap().permissions().mode();
     assert_eq!(mode & 0o7777, 0o600, "mode {mode:o}");
-    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let names: Vec<_> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, ["nbd.sock"], "nothing but the socket is left beside it");
     assert!(matches!(Listener::unix(&path), Err(ListenError::InUse { .. })));
     drop(listener);

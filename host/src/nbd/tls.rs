@@ -22,16 +22,26 @@ fn pem_error(path: &Path) -> impl Fn(rustls::pki_types::pem::Error) -> TlsError 
 }
 
 fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let certs = CertificateDer::pem_file_iter(path).map_err(pem_error(path))?.collect::<Result<Vec<_>, _>>().map_err(pem_error(path))?;
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(pem_error(path))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(pem_error(path))?;
     if certs.is_empty() {
-        return Err(TlsError::Pem { path: path.to_path_buf(), what: "no certificate in it".into() });
+        return Err(TlsError::Pem {
+            path: path.to_path_buf(),
+            what: "no certificate in it".into(),
+        });
     }
     Ok(certs)
 }
 
 /// The server side: `cert` (a chain, leaf first) and `key`; with
 /// `client_ca`, clients must present a certificate it signed.
-pub fn server_config(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<ServerConfig, TlsError> {
+pub fn server_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+) -> Result<ServerConfig, TlsError> {
     let chain = certificates(cert)?;
     let key = PrivateKeyDer::from_pem_file(key).map_err(pem_error(key))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -43,14 +53,21 @@ pub fn server_config(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Resul
         Some(ca) => {
             let mut roots = rustls::RootCertStore::empty();
             for c in certificates(ca)? {
-                roots.add(c).map_err(|e| TlsError::Pem { path: ca.to_path_buf(), what: e.to_string() })?;
+                roots
+                    .add(c)
+                    .map_err(|e| TlsError::Pem { path: ca.to_path_buf(), what: e.to_string() })?;
             }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-                .build()
-                .map_err(|e| TlsError::Config(e.to_string()))?;
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()
+            .map_err(|e| TlsError::Config(e.to_string()))?;
             builder.with_client_cert_verifier(verifier)
         }
     };
-    let config = builder.with_single_cert(chain, key).map_err(|e| TlsError::Config(format!("{}: {e}", cert.display())))?;
+    let config = builder
+        .with_single_cert(chain, key)
+        .map_err(|e| TlsError::Config(format!("{}: {e}", cert.display())))?;
     Ok(Arc::new(config))
 }

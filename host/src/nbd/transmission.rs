@@ -23,7 +23,11 @@ pub const PAYLOAD_STEP: usize = 1 << 20;
 /// between requests); an error ends the connection. Between requests the
 /// client may idle for `timeouts.idle`; once a request has begun, each
 /// read must make progress within `timeouts.request`.
-pub fn serve<S: Read + Write + ReadTimeout>(stream: S, session: &Session, timeouts: &Timeouts) -> Result<(), ProtocolError> {
+pub fn serve<S: Read + Write + ReadTimeout>(
+    stream: S,
+    session: &Session,
+    timeouts: &Timeouts,
+) -> Result<(), ProtocolError> {
     let mut reader = BufReader::with_capacity(256 * 1024, stream);
     let mut buf: Vec<u8> = Vec::new();
     let mut switch = Switch::default();
@@ -34,7 +38,9 @@ pub fn serve<S: Read + Write + ReadTimeout>(stream: S, session: &Session, timeou
                 // EOF exactly between requests is a client that left.
                 Ok([]) => return Ok(()),
                 Ok(_) => {}
-                Err(e) if timed_out(&e) => return Err(ProtocolError::Idle(timeouts.idle.unwrap_or_default())),
+                Err(e) if timed_out(&e) => {
+                    return Err(ProtocolError::Idle(timeouts.idle.unwrap_or_default()));
+                }
                 Err(e) => return Err(e.into()),
             }
             switch.set(reader.get_ref(), Some(timeouts.request))?;
@@ -53,17 +59,24 @@ pub fn serve<S: Read + Write + ReadTimeout>(stream: S, session: &Session, timeou
 
 /// The next request, its payload (a write's) in `buf[..length]`; `None`
 /// for NBD_CMD_DISC.
-fn next_request<R: Read>(reader: &mut R, buf: &mut Vec<u8>) -> Result<Option<Request>, ProtocolError> {
+fn next_request<R: Read>(
+    reader: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<Option<Request>, ProtocolError> {
     let mut header = [0u8; wire::REQUEST_LEN];
     reader.read_exact(&mut header)?;
-    let request = Request::parse(&header).map_err(|e| ProtocolError::Transmission(e.to_string()))?;
+    let request =
+        Request::parse(&header).map_err(|e| ProtocolError::Transmission(e.to_string()))?;
     if request.kind == wire::CMD_DISC {
         return Ok(None);
     }
     if request.kind == wire::CMD_WRITE {
         if request.length > MAX_PAYLOAD {
             // Its payload cannot be skipped at a reasonable cost.
-            return Err(ProtocolError::Transmission(format!("write of {} bytes, over the {MAX_PAYLOAD} cap", request.length)));
+            return Err(ProtocolError::Transmission(format!(
+                "write of {} bytes, over the {MAX_PAYLOAD} cap",
+                request.length
+            )));
         }
         read_payload(reader, buf, request.length as usize)?;
     }
@@ -106,7 +119,9 @@ fn refuse(errno: u32, message: impl Into<String>) -> Refusal {
 fn io_errno(e: &io::Error) -> u32 {
     match e.raw_os_error() {
         Some(libc_errno) => match nix::errno::Errno::from_raw(libc_errno) {
-            nix::errno::Errno::EPERM | nix::errno::Errno::EROFS | nix::errno::Errno::EACCES => wire::EPERM,
+            nix::errno::Errno::EPERM | nix::errno::Errno::EROFS | nix::errno::Errno::EACCES => {
+                wire::EPERM
+            }
             nix::errno::Errno::ENOSPC | nix::errno::Errno::EDQUOT => wire::ENOSPC,
             nix::errno::Errno::EINVAL => wire::EINVAL,
             nix::errno::Errno::ENOMEM => wire::ENOMEM,
@@ -150,12 +165,17 @@ impl<W: Write> Conn<'_, W> {
             wire::CMD_FLUSH => 0,
             wire::CMD_TRIM => wire::CMD_FLAG_FUA,
             wire::CMD_CACHE => 0,
-            wire::CMD_WRITE_ZEROES => wire::CMD_FLAG_FUA | wire::CMD_FLAG_NO_HOLE | wire::CMD_FLAG_FAST_ZERO,
+            wire::CMD_WRITE_ZEROES => {
+                wire::CMD_FLAG_FUA | wire::CMD_FLAG_NO_HOLE | wire::CMD_FLAG_FAST_ZERO
+            }
             wire::CMD_BLOCK_STATUS => wire::CMD_FLAG_REQ_ONE,
             other => return Err(refuse(wire::EINVAL, format!("unknown command {other}"))),
         };
         if r.flags & !known != 0 {
-            return Err(refuse(wire::EINVAL, format!("flags {:#x} not valid for command {}", r.flags, r.kind)));
+            return Err(refuse(
+                wire::EINVAL,
+                format!("flags {:#x} not valid for command {}", r.flags, r.kind),
+            ));
         }
         let writes = matches!(r.kind, wire::CMD_WRITE | wire::CMD_TRIM | wire::CMD_WRITE_ZEROES);
         if writes && export.read_only() {
@@ -165,7 +185,15 @@ impl<W: Write> Conn<'_, W> {
             let end = r.offset.checked_add(r.length as u64);
             if end.is_none_or(|end| end > export.size()) {
                 let errno = if writes { wire::ENOSPC } else { wire::EINVAL };
-                return Err(refuse(errno, format!("{}+{} is beyond the export's {} bytes", r.offset, r.length, export.size())));
+                return Err(refuse(
+                    errno,
+                    format!(
+                        "{}+{} is beyond the export's {} bytes",
+                        r.offset,
+                        r.length,
+                        export.size()
+                    ),
+                ));
             }
         }
         let fua = r.flags & wire::CMD_FLAG_FUA != 0;
@@ -197,7 +225,10 @@ impl<W: Write> Conn<'_, W> {
     fn read(&mut self, r: &Request) -> Result<usize, Refusal> {
         if r.length > MAX_PAYLOAD {
             let errno = if self.session.structured { wire::EOVERFLOW } else { wire::EINVAL };
-            return Err(refuse(errno, format!("read of {} bytes, over the {MAX_PAYLOAD} cap", r.length)));
+            return Err(refuse(
+                errno,
+                format!("read of {} bytes, over the {MAX_PAYLOAD} cap", r.length),
+            ));
         }
         let len = r.length as usize;
         self.buf.resize(HEADROOM + len, 0);
@@ -206,7 +237,13 @@ impl<W: Write> Conn<'_, W> {
         let start = if self.session.structured {
             let start = HEADROOM - wire::STRUCTURED_REPLY_LEN - 8;
             let (head, _) = self.buf.split_at_mut(HEADROOM);
-            wire::structured_reply(&mut head[start..], wire::REPLY_FLAG_DONE, wire::REPLY_TYPE_OFFSET_DATA, r.cookie, 8 + r.length);
+            wire::structured_reply(
+                &mut head[start..],
+                wire::REPLY_FLAG_DONE,
+                wire::REPLY_TYPE_OFFSET_DATA,
+                r.cookie,
+                8 + r.length,
+            );
             head[HEADROOM - 8..].copy_from_slice(&r.offset.to_be_bytes());
             start
         } else {
@@ -229,7 +266,13 @@ impl<W: Write> Conn<'_, W> {
         let payload_len = 4 + 8 * extents.len();
         self.buf.clear();
         self.buf.resize(wire::STRUCTURED_REPLY_LEN, 0);
-        wire::structured_reply(self.buf, wire::REPLY_FLAG_DONE, wire::REPLY_TYPE_BLOCK_STATUS, r.cookie, payload_len as u32);
+        wire::structured_reply(
+            self.buf,
+            wire::REPLY_FLAG_DONE,
+            wire::REPLY_TYPE_BLOCK_STATUS,
+            r.cookie,
+            payload_len as u32,
+        );
         self.buf.extend_from_slice(&wire::BASE_ALLOCATION_ID.to_be_bytes());
         for e in &extents {
             let state = if e.hole { wire::STATE_HOLE | wire::STATE_ZERO } else { 0 };
@@ -257,7 +300,13 @@ impl<W: Write> Conn<'_, W> {
         if self.session.structured {
             let message = truncate(&refusal.message, 4096);
             let mut reply = vec![0u8; wire::STRUCTURED_REPLY_LEN];
-            wire::structured_reply(&mut reply, wire::REPLY_FLAG_DONE, wire::REPLY_TYPE_ERROR, cookie, 6 + message.len() as u32);
+            wire::structured_reply(
+                &mut reply,
+                wire::REPLY_FLAG_DONE,
+                wire::REPLY_TYPE_ERROR,
+                cookie,
+                6 + message.len() as u32,
+            );
             reply.extend_from_slice(&refusal.errno.to_be_bytes());
             reply.extend_from_slice(&(message.len() as u16).to_be_bytes());
             reply.extend_from_slice(message.as_bytes());

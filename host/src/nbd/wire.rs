@@ -143,7 +143,8 @@ pub struct OptionHeader {
 
 impl OptionHeader {
     pub fn parse(b: &[u8; OPTION_HEADER_LEN]) -> Option<OptionHeader> {
-        (be64(&b[0..8]) == IHAVEOPT).then(|| OptionHeader { option: be32(&b[8..12]), length: be32(&b[12..16]) })
+        (be64(&b[0..8]) == IHAVEOPT)
+            .then(|| OptionHeader { option: be32(&b[8..12]), length: be32(&b[12..16]) })
     }
 }
 
@@ -243,7 +244,13 @@ mod tests {
         b[24..28].copy_from_slice(&512u32.to_be_bytes());
         assert_eq!(
             Request::parse(&b),
-            Ok(Request { flags: CMD_FLAG_FUA, kind: CMD_WRITE, cookie: 7, offset: 4096, length: 512 })
+            Ok(Request {
+                flags: CMD_FLAG_FUA,
+                kind: CMD_WRITE,
+                cookie: 7,
+                offset: 4096,
+                length: 512
+            })
         );
         b[0] ^= 1;
         assert!(Request::parse(&b).is_err());

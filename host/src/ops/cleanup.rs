@@ -22,7 +22,11 @@ pub struct Cleaned {
 
 impl Agent {
     /// Tear down every volume with a stashed mount that `pick` selects.
-    pub async fn clean_volumes(self: &Arc<Self>, reason: CleanupReason, pick: impl Fn(&Entry) -> bool) -> Result<Cleaned, Failure> {
+    pub async fn clean_volumes(
+        self: &Arc<Self>,
+        reason: CleanupReason,
+        pick: impl Fn(&Entry) -> bool,
+    ) -> Result<Cleaned, Failure> {
         let entries = self.stash_read(|s| s.all())?;
         let mut by_volume: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
         for e in entries.into_iter().filter(|e| pick(e)) {
@@ -35,11 +39,13 @@ impl Agent {
         for (volume, entries) in by_volume {
             let agent = self.clone();
             tasks.spawn(async move {
-                let dirs: Vec<String> = entries.iter().map(|e| e.consumer.mount_dir.clone()).collect();
-                let result = match tokio::time::timeout(bound, agent.clean_volume(reason, entries)).await {
-                    Ok(r) => r,
-                    Err(_) => Err(internal(format!("cleanup still running after {bound:?}"))),
-                };
+                let dirs: Vec<String> =
+                    entries.iter().map(|e| e.consumer.mount_dir.clone()).collect();
+                let result =
+                    match tokio::time::timeout(bound, agent.clean_volume(reason, entries)).await {
+                        Ok(r) => r,
+                        Err(_) => Err(internal(format!("cleanup still running after {bound:?}"))),
+                    };
                 (volume, dirs, result)
             });
         }
@@ -62,7 +68,11 @@ impl Agent {
 
     /// One volume: its backend's cleanup plan for every local holder, then
     /// the holders leave the ledger and the stash.
-    async fn clean_volume(&self, reason: CleanupReason, entries: Vec<Entry>) -> Result<(), Failure> {
+    async fn clean_volume(
+        &self,
+        reason: CleanupReason,
+        entries: Vec<Entry>,
+    ) -> Result<(), Failure> {
         let Some(first) = entries.first() else { return Ok(()) };
         let volume = first.volume.clone();
         let plugin = self.plugin(&volume.backend)?;
@@ -70,14 +80,23 @@ impl Agent {
         let item = CleanupItem {
             volume: volume.clone(),
             paths: first.paths.clone(),
-            holders: entries.iter().map(|e| Holder { consumer: e.consumer.clone(), since: now_rfc3339() }).collect(),
+            holders: entries
+                .iter()
+                .map(|e| Holder { consumer: e.consumer.clone(), since: now_rfc3339() })
+                .collect(),
         };
-        let plan = plugin.cleanup(self.queries(&plugin, &[]), reason, std::slice::from_ref(&item)).map_err(internal)?;
+        let plan = plugin
+            .cleanup(self.queries(&plugin, &[]), reason, std::slice::from_ref(&item))
+            .map_err(internal)?;
         // The volume's CSI publications (the host's binds into pods) go
         // first: a device stays busy while any mount of it remains.
-        let publications: Vec<_> = self.publications().await?.into_iter().filter(|p| p.volume == volume.name).collect();
+        let publications: Vec<_> =
+            self.publications().await?.into_iter().filter(|p| p.volume == volume.name).collect();
         let force = reason == CleanupReason::StorageClusterDeleted;
-        let mut steps: Vec<Step> = publications.iter().map(|p| Step::Unmount(Unmount { target: p.target.clone(), force })).collect();
+        let mut steps: Vec<Step> = publications
+            .iter()
+            .map(|p| Step::Unmount(Unmount { target: p.target.clone(), force }))
+            .collect();
         steps.extend(plan);
         // Off the request path: a blocking thread, whatever the plan.
         self.run_plan(steps, false, &mut lock).await?;

@@ -84,7 +84,12 @@ pub struct VolumeStats {
 /// then already done). A second mount of the device elsewhere (the agent's
 /// own staging dir) would make kubelet refuse to unstage it: kubelet
 /// checks that nothing else mounts what its staging path mounts.
-fn csi_paths(config: &super::NodeConfig, backend: &str, volume: &str, staging: &str) -> crate::policy::NodePaths {
+fn csi_paths(
+    config: &super::NodeConfig,
+    backend: &str,
+    volume: &str,
+    staging: &str,
+) -> crate::policy::NodePaths {
     crate::policy::NodePaths { staging_dir: staging.to_string(), ..config.paths(backend, volume) }
 }
 
@@ -99,7 +104,11 @@ fn stage_point(staging: &str, volume_id: &str, mode: VolumeMode) -> String {
 }
 
 /// The stash entry of `volume_id`'s stage at `staging`, of either mode.
-fn staged_entry(stash: &super::stash::Stash, staging: &str, volume_id: &str) -> Result<Option<Entry>, super::stash::StashError> {
+fn staged_entry(
+    stash: &super::stash::Stash,
+    staging: &str,
+    volume_id: &str,
+) -> Result<Option<Entry>, super::stash::StashError> {
     for mode in [VolumeMode::Filesystem, VolumeMode::Block] {
         let point = stage_point(staging, volume_id, mode);
         if let Some(e) = stash.get(&point)?
@@ -128,7 +137,10 @@ impl Agent {
         if let Some(entry) = self.stash_read(|s| staged_entry(s, &staging, &req.volume_id))? {
             let v = &entry.volume;
             if v.name != req.volume_id {
-                return Err(CsiError::Exists(format!("{staging} is the staging path of volume {}, not {}", v.name, req.volume_id)));
+                return Err(CsiError::Exists(format!(
+                    "{staging} is the staging path of volume {}, not {}",
+                    v.name, req.volume_id
+                )));
             }
             if v.backend != backend
                 || v.fs_type != shape.fs_type
@@ -159,7 +171,11 @@ impl Agent {
             fs_type: shape.fs_type.clone(),
             mode: shape.mode,
             mount_flags: shape.mount_flags.clone(),
-            options: req.attributes.iter().map(|(k, v)| KeyValue { key: k.clone(), value: v.clone() }).collect(),
+            options: req
+                .attributes
+                .iter()
+                .map(|(k, v)| KeyValue { key: k.clone(), value: v.clone() })
+                .collect(),
             secret_keys: req.secrets.keys().cloned().collect(),
         };
         // The stage is the node's one consumer of the volume (its pods come
@@ -177,23 +193,41 @@ impl Agent {
         };
         let mut secrets = req.secrets;
         self.connect_storage_cluster(backend, &mut volume, &mut secrets).await?;
-        self.attach(backend, volume, me, secrets, csi_paths(&self.config, backend, &req.volume_id, &staging)).await?;
+        self.attach(
+            backend,
+            volume,
+            me,
+            secrets,
+            csi_paths(&self.config, backend, &req.volume_id, &staging),
+        )
+        .await?;
         Ok(())
     }
 
-    pub async fn csi_unstage(&self, backend: &str, volume_id: &str, staging: &Path) -> Result<(), CsiError> {
+    pub async fn csi_unstage(
+        &self,
+        backend: &str,
+        volume_id: &str,
+        staging: &Path,
+    ) -> Result<(), CsiError> {
         let dir = text(staging);
         // A publication whose target is no longer mounted does not hold the
         // stage; it is left to its unpublish (or the next start-up), not
         // removed here without the volume's lock.
         for p in self.publications().await? {
             if p.staging == dir && p.volume == volume_id && self.mounted(&p.target).await? {
-                return Err(CsiError::Precondition(format!("volume {volume_id} is still published at {}; unpublish it first", p.target)));
+                return Err(CsiError::Precondition(format!(
+                    "volume {volume_id} is still published at {}; unpublish it first",
+                    p.target
+                )));
             }
         }
         let entry = match self.stash_read(|s| staged_entry(s, &dir, volume_id))? {
             Some(e) if e.volume.name != volume_id => {
-                return Err(CsiError::NotFound(format!("volume {volume_id} is not staged at {dir} (volume {} is)", e.volume.name)));
+                return Err(CsiError::NotFound(format!(
+                    "volume {volume_id} is not staged at {dir} (volume {} is)",
+                    e.volume.name
+                )));
             }
             Some(e) => e,
             None => {
@@ -212,7 +246,9 @@ impl Agent {
                             break;
                         }
                         None => {
-                            return Err(CsiError::Precondition(format!("{point} is mounted, but this agent has no record of staging volume {volume_id} there; refusing to guess")));
+                            return Err(CsiError::Precondition(format!(
+                                "{point} is mounted, but this agent has no record of staging volume {volume_id} there; refusing to guess"
+                            )));
                         }
                     }
                 }
@@ -271,12 +307,17 @@ impl Agent {
         if let Some(p) = &found
             && p.volume != volume_id
         {
-            return Err(CsiError::NotFound(format!("{target} publishes volume {}, not {volume_id}", p.volume)));
+            return Err(CsiError::NotFound(format!(
+                "{target} publishes volume {}, not {volume_id}",
+                p.volume
+            )));
         }
         let mut lock = Some(self.lock(volume_id)?);
         if found.is_none() {
             if self.mounted(&target).await? {
-                return Err(CsiError::Precondition(format!("{target} is mounted, but this agent did not publish volume {volume_id} there; refusing to guess")));
+                return Err(CsiError::Precondition(format!(
+                    "{target} is mounted, but this agent did not publish volume {volume_id} there; refusing to guess"
+                )));
             }
             // Done before (or never done): an empty dir we made may remain.
             let (sys, dir) = (self.sys.clone(), PathBuf::from(&target));
@@ -285,7 +326,10 @@ impl Agent {
             }
             return Ok(());
         }
-        let unmount = crate::policy::Step::Unmount(crate::policy::Unmount { target: target.clone(), force: false });
+        let unmount = crate::policy::Step::Unmount(crate::policy::Unmount {
+            target: target.clone(),
+            force: false,
+        });
         let local = found.as_ref().is_some_and(|p| self.staged_locally(&p.staging, volume_id));
         self.run_plan(vec![unmount], local, &mut lock).await?;
         let key = target.clone();
@@ -295,7 +339,11 @@ impl Agent {
 
     /// Usage of a volume where it is staged or published, and whether it
     /// is healthy there: mounted, and writable unless it was asked read-only.
-    pub async fn csi_volume_stats(&self, volume_id: &str, path: &Path) -> Result<VolumeStats, CsiError> {
+    pub async fn csi_volume_stats(
+        &self,
+        volume_id: &str,
+        path: &Path,
+    ) -> Result<VolumeStats, CsiError> {
         let at = text(path);
         let (read_only, entry) = self.volume_at(volume_id, &at).await?;
         if !self.mounted(&at).await? {
@@ -324,15 +372,20 @@ impl Agent {
         let (_, entry) = self.volume_at(volume_id, &at).await?;
         let mut lock = Some(self.lock(volume_id)?);
         if !self.mounted(&at).await? {
-            return Err(CsiError::Precondition(format!("{at} is not mounted; stage and publish the volume again")));
+            return Err(CsiError::Precondition(format!(
+                "{at} is not mounted; stage and publish the volume again"
+            )));
         }
         let plugin = self.plugin(&entry.volume.backend)?;
         let consumer = Consumer { mount_dir: at.clone(), ..entry.consumer.clone() };
         let queries = self.queries(&plugin, &[]);
-        let plan = plugin.expand(queries, &entry.volume, &consumer, &entry.paths).map_err(|e| match e.is_policy_refusal() {
-            true => CsiError::Invalid(format!("volume {volume_id}: {e}")),
-            false => CsiError::Op(internal(e)),
-        })?;
+        let plan =
+            plugin.expand(queries, &entry.volume, &consumer, &entry.paths).map_err(|e| match e
+                .is_policy_refusal()
+            {
+                true => CsiError::Invalid(format!("volume {volume_id}: {e}")),
+                false => CsiError::Op(internal(e)),
+            })?;
         let local = crate::exec::runs_locally(crate::exec::holding(&entry.volume), &plan);
         let outcome = self.run_plan(plan, local, &mut lock).await?;
         Ok(outcome.grown.values().copied().max().unwrap_or(0))
@@ -354,12 +407,18 @@ impl Agent {
     /// and its stage.
     async fn volume_at(&self, volume_id: &str, at: &str) -> Result<(bool, Entry), CsiError> {
         let found = self.stash_read(|s| {
-            if let Some(p) = s.publications()?.into_iter().find(|p| p.target == at && p.volume == volume_id) {
+            if let Some(p) =
+                s.publications()?.into_iter().find(|p| p.target == at && p.volume == volume_id)
+            {
                 return Ok(staged_entry(s, &p.staging, volume_id)?.map(|e| (p.read_only, e)));
             }
             Ok(s.get(at)?.filter(|e| e.volume.name == volume_id).map(|e| (e.consumer.read_only, e)))
         })?;
-        found.ok_or_else(|| CsiError::NotFound(format!("volume {volume_id} is neither staged nor published at {at}")))
+        found.ok_or_else(|| {
+            CsiError::NotFound(format!(
+                "volume {volume_id} is neither staged nor published at {at}"
+            ))
+        })
     }
 
     pub(crate) async fn publications(&self) -> Result<Vec<Publication>, Failure> {
@@ -392,23 +451,46 @@ fn mounted_now(sys: &crate::sys::Sys, path: &str) -> Result<bool, CsiError> {
 /// The checks of a publish, then its publication recorded: the stage of the
 /// volume in place, the target free or already this very publication, and a
 /// ReadWriteOncePod volume published nowhere else. None: published already.
-fn publish_checked(stash: &super::stash::Stash, sys: &crate::sys::Sys, backend: &str, req: &PublishRequest) -> Result<Option<Entry>, CsiError> {
+fn publish_checked(
+    stash: &super::stash::Stash,
+    sys: &crate::sys::Sys,
+    backend: &str,
+    req: &PublishRequest,
+) -> Result<Option<Entry>, CsiError> {
     let (staging, target) = (text(&req.staging), text(&req.target));
     let volume_id = &req.volume_id;
     let entry = match staged_entry(stash, &staging, volume_id).map_err(stash_failure)? {
         Some(e) if e.volume.name == *volume_id => e,
-        Some(e) => return Err(CsiError::Precondition(format!("{staging} is the staging path of volume {}, not {volume_id}", e.volume.name))),
-        None => return Err(CsiError::Precondition(format!("volume {volume_id} is not staged at {staging}; NodeStageVolume comes first"))),
+        Some(e) => {
+            return Err(CsiError::Precondition(format!(
+                "{staging} is the staging path of volume {}, not {volume_id}",
+                e.volume.name
+            )));
+        }
+        None => {
+            return Err(CsiError::Precondition(format!(
+                "volume {volume_id} is not staged at {staging}; NodeStageVolume comes first"
+            )));
+        }
     };
     if !mounted_now(sys, &entry.consumer.mount_dir)? {
-        return Err(CsiError::Precondition(format!("volume {volume_id}'s staging path {staging} is not mounted; stage it again")));
+        return Err(CsiError::Precondition(format!(
+            "volume {volume_id}'s staging path {staging} is not mounted; stage it again"
+        )));
     }
     if entry.volume.mode != req.mode {
         let m = |mode| if mode == VolumeMode::Block { "block" } else { "mount" };
-        return Err(CsiError::Precondition(format!("volume {volume_id} is staged as a {} volume, not {}", m(entry.volume.mode), m(req.mode))));
+        return Err(CsiError::Precondition(format!(
+            "volume {volume_id} is staged as a {} volume, not {}",
+            m(entry.volume.mode),
+            m(req.mode)
+        )));
     }
     if entry.volume.backend != backend {
-        return Err(CsiError::Precondition(format!("volume {volume_id} is staged by backend {}, not {backend}", entry.volume.backend)));
+        return Err(CsiError::Precondition(format!(
+            "volume {volume_id} is staged by backend {}, not {backend}",
+            entry.volume.backend
+        )));
     }
     let publications = stash.publications().map_err(stash_failure)?;
     // A publication at the target counts while the target is mounted; one
@@ -419,7 +501,11 @@ fn publish_checked(stash: &super::stash::Stash, sys: &crate::sys::Sys, backend: 
         if p.volume != *volume_id || p.staging != staging || p.read_only != req.read_only {
             return Err(CsiError::Exists(format!(
                 "{target} is already published{} from {}{}",
-                if p.volume != *volume_id { format!(" with volume {}", p.volume) } else { String::new() },
+                if p.volume != *volume_id {
+                    format!(" with volume {}", p.volume)
+                } else {
+                    String::new()
+                },
                 p.staging,
                 if p.read_only { " read-only" } else { "" }
             )));
@@ -429,8 +515,12 @@ fn publish_checked(stash: &super::stash::Stash, sys: &crate::sys::Sys, backend: 
     if req.access.single_pod {
         for p in publications.iter().filter(|p| p.volume == *volume_id && p.target != target) {
             if mounted_now(sys, &p.target)? {
-                let by = if p.pod.is_empty() { String::new() } else { format!(" by pod {}", p.pod) };
-                return Err(CsiError::Precondition(format!("volume {volume_id} is ReadWriteOncePod and already published at {}{by}", p.target)));
+                let by =
+                    if p.pod.is_empty() { String::new() } else { format!(" by pod {}", p.pod) };
+                return Err(CsiError::Precondition(format!(
+                    "volume {volume_id} is ReadWriteOncePod and already published at {}{by}",
+                    p.target
+                )));
             }
         }
     }

@@ -6,7 +6,9 @@
 use super::{Agent, Failure, blocking, ledger_failure};
 use crate::ledger::Record;
 use crate::policy::access_mode_name;
-use crate::socket::protocol::{HeldBy, HeldVolume, MAX_FRAME, PROTOCOL_VERSION, Response, ResponseFrame};
+use crate::socket::protocol::{
+    HeldBy, HeldVolume, MAX_FRAME, PROTOCOL_VERSION, Response, ResponseFrame,
+};
 use crate::sys::MountInfo;
 use std::path::Path;
 use std::time::Duration;
@@ -19,11 +21,15 @@ impl Agent {
     /// The node name, the backends, the plugin dir's problems and the held
     /// volumes; a ledger that cannot be read is reported, not fatal.
     pub async fn status(&self) -> Response {
-        let (volumes, volumes_error) = match tokio::time::timeout(LEDGER_WAIT, self.held_volumes()).await {
-            Ok(Ok(v)) => (v, None),
-            Ok(Err(f)) => (Vec::new(), Some(f.message)),
-            Err(_) => (Vec::new(), Some(format!("the attachment ledger did not answer within {LEDGER_WAIT:?}"))),
-        };
+        let (volumes, volumes_error) =
+            match tokio::time::timeout(LEDGER_WAIT, self.held_volumes()).await {
+                Ok(Ok(v)) => (v, None),
+                Ok(Err(f)) => (Vec::new(), Some(f.message)),
+                Err(_) => (
+                    Vec::new(),
+                    Some(format!("the attachment ledger did not answer within {LEDGER_WAIT:?}")),
+                ),
+            };
         let mut status = Response::Status {
             node: self.config.node.clone(),
             backends: self.backend_status(),
@@ -34,7 +40,11 @@ impl Agent {
             local: self.local_report(),
             csi: self.csi_report().await.map(Box::new),
         };
-        let base = serde_json::to_vec(&ResponseFrame { version: PROTOCOL_VERSION, response: status.clone() }).map_or(0, |b| b.len());
+        let base = serde_json::to_vec(&ResponseFrame {
+            version: PROTOCOL_VERSION,
+            response: status.clone(),
+        })
+        .map_or(0, |b| b.len());
         let (kept, left_out) = fit(volumes, (MAX_FRAME as usize).saturating_sub(base));
         if let Response::Status { volumes, volumes_left_out, .. } = &mut status {
             *volumes = kept;
@@ -61,7 +71,16 @@ impl Agent {
             })
             .collect();
         let publications = match self.publications().await {
-            Ok(p) => p.into_iter().map(|p| CsiPublication { volume: p.volume, backend: p.backend, pod: p.pod, target: p.target, read_only: p.read_only }).collect(),
+            Ok(p) => p
+                .into_iter()
+                .map(|p| CsiPublication {
+                    volume: p.volume,
+                    backend: p.backend,
+                    pod: p.pod,
+                    target: p.target,
+                    read_only: p.read_only,
+                })
+                .collect(),
             Err(f) => {
                 tracing::warn!("status: publications left out: {}", f.message);
                 Vec::new()
@@ -84,7 +103,10 @@ impl Agent {
         // A CSI stage's staging dir is kubelet's, the stage's own mount dir.
         let staging_dir = |r: &Record| {
             r.on_node(&self.config.node)
-                .find(|h| h.consumer.pod_namespace == super::csi::STAGE_NAMESPACE && h.consumer.pod == super::csi::STAGE_POD)
+                .find(|h| {
+                    h.consumer.pod_namespace == super::csi::STAGE_NAMESPACE
+                        && h.consumer.pod == super::csi::STAGE_POD
+                })
                 .map(|h| h.consumer.mount_dir.clone())
                 .unwrap_or_else(|| self.config.paths(&r.backend, &r.volume).staging_dir)
         };
@@ -94,7 +116,12 @@ impl Agent {
 
 /// `records` as `node` holds them, by backend and volume, each volume's
 /// pods by namespace, name and mount dir.
-pub fn held_of(records: &[Record], node: &str, staging_dir: impl Fn(&Record) -> String, table: &[MountInfo]) -> Vec<HeldVolume> {
+pub fn held_of(
+    records: &[Record],
+    node: &str,
+    staging_dir: impl Fn(&Record) -> String,
+    table: &[MountInfo],
+) -> Vec<HeldVolume> {
     let mut held: Vec<HeldVolume> = records
         .iter()
         .filter(|r| r.on_node(node).next().is_some())
@@ -111,7 +138,9 @@ pub fn held_of(records: &[Record], node: &str, staging_dir: impl Fn(&Record) -> 
                     since: h.since.clone(),
                 })
                 .collect();
-            pods.sort_by(|a, b| (&a.namespace, &a.name, &a.mount_dir).cmp(&(&b.namespace, &b.name, &b.mount_dir)));
+            pods.sort_by(|a, b| {
+                (&a.namespace, &a.name, &a.mount_dir).cmp(&(&b.namespace, &b.name, &b.mount_dir))
+            });
             HeldVolume {
                 backend: r.backend.clone(),
                 volume: r.volume.clone(),
@@ -175,7 +204,15 @@ mod tests {
     }
 
     fn record(volume: &str, mode: AccessMode, holders: Vec<Holder>) -> Record {
-        Record { volume: volume.into(), backend: "local-pv".into(), access_mode: mode, storage_cluster: None, source: None, holders, storage_clients: Vec::new() }
+        Record {
+            volume: volume.into(),
+            backend: "local-pv".into(),
+            access_mode: mode,
+            storage_cluster: None,
+            source: None,
+            holders,
+            storage_clients: Vec::new(),
+        }
     }
 
     fn mount(point: &str, source: &str, root: &str) -> MountInfo {
@@ -200,8 +237,20 @@ mod tests {
     #[test]
     fn only_this_nodes_pods_sorted_with_the_staging_device() {
         let records = vec![
-            record("pv2", AccessMode::ReadOnlyMany, vec![holder("n1", "b", "z-ro", "pv2", "t2"), holder("n2", "a", "elsewhere", "pv2", "t1"), holder("n1", "a", "y-ro", "pv2", "t3")]),
-            record("pv1", AccessMode::ReadWriteOnce, vec![holder("n1", "default", "web-0", "pv1", "2026-01-01T00:00:00Z")]),
+            record(
+                "pv2",
+                AccessMode::ReadOnlyMany,
+                vec![
+                    holder("n1", "b", "z-ro", "pv2", "t2"),
+                    holder("n2", "a", "elsewhere", "pv2", "t1"),
+                    holder("n1", "a", "y-ro", "pv2", "t3"),
+                ],
+            ),
+            record(
+                "pv1",
+                AccessMode::ReadWriteOnce,
+                vec![holder("n1", "default", "web-0", "pv1", "2026-01-01T00:00:00Z")],
+            ),
             record("pv3", AccessMode::ReadWriteMany, vec![holder("n2", "a", "b", "pv3", "t")]),
             record("pv4", AccessMode::ReadWriteOncePod, vec![holder("n1", "a", "c", "pv4", "t")]),
         ];
@@ -231,8 +280,13 @@ mod tests {
         );
         let pv2 = &held[1];
         assert_eq!(pv2.device, None, "a bound dir has no device");
-        let pods: Vec<(&str, &str, bool)> = pv2.pods.iter().map(|p| (p.namespace.as_str(), p.name.as_str(), p.read_only)).collect();
-        assert_eq!(pods, [("a", "y-ro", true), ("b", "z-ro", true)], "n2's holder is not this node's");
+        let pods: Vec<(&str, &str, bool)> =
+            pv2.pods.iter().map(|p| (p.namespace.as_str(), p.name.as_str(), p.read_only)).collect();
+        assert_eq!(
+            pods,
+            [("a", "y-ro", true), ("b", "z-ro", true)],
+            "n2's holder is not this node's"
+        );
         assert_eq!(held[2].access_mode, "ReadWriteOncePod");
     }
 
@@ -265,8 +319,21 @@ mod tests {
         // 20000 volumes of ~200 bytes: about 4 MiB, four frames' worth.
         let (kept, left_out) = fit((0..20_000).map(volume).collect(), MAX_FRAME as usize - 200);
         assert!(left_out > 0 && kept.len() + left_out == 20_000);
-        let status = Response::Status { node: "n1".into(), backends: vec![], problems: vec![], volumes: kept, volumes_left_out: left_out, volumes_error: None, local: None, csi: None };
-        crate::socket::protocol::encode(&ResponseFrame { version: PROTOCOL_VERSION, response: status }).expect("within a frame");
+        let status = Response::Status {
+            node: "n1".into(),
+            backends: vec![],
+            problems: vec![],
+            volumes: kept,
+            volumes_left_out: left_out,
+            volumes_error: None,
+            local: None,
+            csi: None,
+        };
+        crate::socket::protocol::encode(&ResponseFrame {
+            version: PROTOCOL_VERSION,
+            response: status,
+        })
+        .expect("within a frame");
     }
 
     #[tokio::test]
@@ -274,18 +341,55 @@ mod tests {
         use crate::ledger::Ledger;
         let tmp = tempfile::tempdir().unwrap();
         let (agent, ledger, fake) = crate::ops::tests::test_agent(tmp.path());
-        let Response::Status { volumes, volumes_left_out, volumes_error, .. } = agent.status().await else { panic!() };
-        assert_eq!((volumes, volumes_left_out, volumes_error), (vec![], 0, None), "nothing held yet");
+        let Response::Status { volumes, volumes_left_out, volumes_error, .. } =
+            agent.status().await
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (volumes, volumes_left_out, volumes_error),
+            (vec![], 0, None),
+            "nothing held yet"
+        );
 
-        ledger.create(&record("pv1", AccessMode::ReadWriteOnce, vec![holder("n1", "shop", "web-0", "pv1", "t1"), holder("n2", "shop", "web-1", "pv1", "t2")])).await.unwrap();
-        ledger.create(&record("pv2", AccessMode::ReadWriteOnce, vec![holder("n2", "shop", "db-0", "pv2", "t3")])).await.unwrap();
-        fake.state().mounts.push(mount("/k/plugins/volagent/local-pv/mounts/pv1", "/dev/loop9", "/"));
-        let Response::Status { node, volumes, volumes_left_out, volumes_error, .. } = agent.status().await else { panic!() };
+        ledger
+            .create(&record(
+                "pv1",
+                AccessMode::ReadWriteOnce,
+                vec![
+                    holder("n1", "shop", "web-0", "pv1", "t1"),
+                    holder("n2", "shop", "web-1", "pv1", "t2"),
+                ],
+            ))
+            .await
+            .unwrap();
+        ledger
+            .create(&record(
+                "pv2",
+                AccessMode::ReadWriteOnce,
+                vec![holder("n2", "shop", "db-0", "pv2", "t3")],
+            ))
+            .await
+            .unwrap();
+        fake.state().mounts.push(mount(
+            "/k/plugins/volagent/local-pv/mounts/pv1",
+            "/dev/loop9",
+            "/",
+        ));
+        let Response::Status { node, volumes, volumes_left_out, volumes_error, .. } =
+            agent.status().await
+        else {
+            panic!()
+        };
         assert_eq!((node.as_str(), volumes_left_out, volumes_error), ("n1", 0, None));
         assert_eq!(volumes.len(), 1, "pv2 is n2's alone: {volumes:?}");
         let v = &volumes[0];
-        assert_eq!((v.volume.as_str(), v.device.as_deref(), v.staging_dir.as_str()), ("pv1", Some("/dev/loop9"), "/k/plugins/volagent/local-pv/mounts/pv1"));
-        let pods: Vec<(&str, &str, &str)> = v.pods.iter().map(|p| (p.name.as_str(), p.uid.as_str(), p.since.as_str())).collect();
+        assert_eq!(
+            (v.volume.as_str(), v.device.as_deref(), v.staging_dir.as_str()),
+            ("pv1", Some("/dev/loop9"), "/k/plugins/volagent/local-pv/mounts/pv1")
+        );
+        let pods: Vec<(&str, &str, &str)> =
+            v.pods.iter().map(|p| (p.name.as_str(), p.uid.as_str(), p.since.as_str())).collect();
         assert_eq!(pods, [("web-0", "uid-web-0", "t1")]);
     }
 }

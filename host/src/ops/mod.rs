@@ -4,10 +4,10 @@
 pub mod cleanup;
 pub mod csi;
 pub mod held;
-pub mod release;
 pub mod oplog;
 pub mod queries;
 pub mod reconcile;
+pub mod release;
 pub mod request;
 pub mod stash;
 mod takeover;
@@ -72,7 +72,14 @@ impl NodeConfig {
     pub fn paths(&self, backend: &str, volume: &str) -> NodePaths {
         NodePaths {
             kubelet_root: self.kubelet_root.display().to_string(),
-            staging_dir: self.kubelet_root.join("plugins/volagent").join(backend).join("mounts").join(volume).display().to_string(),
+            staging_dir: self
+                .kubelet_root
+                .join("plugins/volagent")
+                .join(backend)
+                .join("mounts")
+                .join(volume)
+                .display()
+                .to_string(),
             state_dir: self.state_dir.join("volumes").join(volume).display().to_string(),
             discovery_dirs: self.discovery_dirs.iter().map(|d| d.display().to_string()).collect(),
         }
@@ -127,12 +134,21 @@ impl From<Failure> for Response {
 /// The device a discovered disk's PV names, checked to be that disk (by
 /// its identity) before any policy sees the volume; none for other volumes.
 async fn verified_devices(volume: &Volume) -> Result<Vec<String>, Failure> {
-    let Some(device) = crate::policy::validate::verified_device(volume) else { return Ok(Vec::new()) };
-    let identity = volume.options.iter().find(|kv| kv.key == crate::local::discovery::IDENTITY_OPTION).map(|kv| kv.value.clone()).unwrap_or_default();
+    let Some(device) = crate::policy::validate::verified_device(volume) else {
+        return Ok(Vec::new());
+    };
+    let identity = volume
+        .options
+        .iter()
+        .find(|kv| kv.key == crate::local::discovery::IDENTITY_OPTION)
+        .map(|kv| kv.value.clone())
+        .unwrap_or_default();
     let path = device.clone();
-    blocking(move || crate::local::discovery::verify_device(std::path::Path::new(&path), &identity))
-        .await?
-        .map_err(|m| Failure::new(FailureKind::Denied, format!("volume {}: {m}", volume.name)))?;
+    blocking(move || {
+        crate::local::discovery::verify_device(std::path::Path::new(&path), &identity)
+    })
+    .await?
+    .map_err(|m| Failure::new(FailureKind::Denied, format!("volume {}: {m}", volume.name)))?;
     Ok(vec![device])
 }
 
@@ -159,7 +175,8 @@ struct LockGuard {
 impl Locks {
     fn try_lock(&self, volume: &str) -> Option<LockGuard> {
         let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        held.insert(volume.to_string()).then(|| LockGuard { locks: self.clone(), volume: volume.to_string() })
+        held.insert(volume.to_string())
+            .then(|| LockGuard { locks: self.clone(), volume: volume.to_string() })
     }
 }
 
@@ -192,9 +209,28 @@ pub struct Agent {
 }
 
 impl Agent {
-    pub fn new(config: NodeConfig, plugins: Vec<Plugin>, ledger: Arc<dyn Ledger>, stash: Stash, sys: Sys, plan_deadline: Duration) -> Agent {
+    pub fn new(
+        config: NodeConfig,
+        plugins: Vec<Plugin>,
+        ledger: Arc<dyn Ledger>,
+        stash: Stash,
+        sys: Sys,
+        plan_deadline: Duration,
+    ) -> Agent {
         let plugins = plugins.into_iter().map(|p| (p.name().to_string(), Arc::new(p))).collect();
-        Agent { config, plugins: RwLock::new(plugins), ledger, stash: Arc::new(stash), sys, locks: Locks::default(), plan_deadline, cluster: None, problems: RwLock::default(), local: Default::default(), csi: Default::default() }
+        Agent {
+            config,
+            plugins: RwLock::new(plugins),
+            ledger,
+            stash: Arc::new(stash),
+            sys,
+            locks: Locks::default(),
+            plan_deadline,
+            cluster: None,
+            problems: RwLock::default(),
+            local: Default::default(),
+            csi: Default::default(),
+        }
     }
 
     /// Read node facts and PVs from `cluster`, and tell it of failures.
@@ -207,7 +243,13 @@ impl Agent {
         let plugins = self.plugins.read().unwrap_or_else(|p| p.into_inner());
         plugins.get(backend).cloned().ok_or_else(|| {
             let known: Vec<&str> = plugins.keys().map(String::as_str).collect();
-            Failure::new(FailureKind::UnknownBackend, format!("backend {backend:?} is not loaded on this node (loaded: {})", known.join(", ")))
+            Failure::new(
+                FailureKind::UnknownBackend,
+                format!(
+                    "backend {backend:?} is not loaded on this node (loaded: {})",
+                    known.join(", ")
+                ),
+            )
         })
     }
 
@@ -258,7 +300,11 @@ impl Agent {
     pub async fn volumes_of(&self, backend: &str) -> Result<Vec<String>, Failure> {
         let backend = backend.to_string();
         let entries = self.stash_read(|s| s.all())?;
-        let mut v: Vec<String> = entries.into_iter().filter(|e| e.volume.backend == backend).map(|e| e.volume.name).collect();
+        let mut v: Vec<String> = entries
+            .into_iter()
+            .filter(|e| e.volume.backend == backend)
+            .map(|e| e.volume.name)
+            .collect();
         v.sort();
         v.dedup();
         Ok(v)
@@ -301,13 +347,20 @@ impl Agent {
             .iter()
             .flat_map(|root| match root {
                 PathRoot::PodMountDir => vec![self.config.kubelet_root.join("pods")],
-                PathRoot::StagingDir => vec![self.config.kubelet_root.join("plugins/volagent").join(plugin.name()).join("mounts")],
+                PathRoot::StagingDir => vec![
+                    self.config
+                        .kubelet_root
+                        .join("plugins/volagent")
+                        .join(plugin.name())
+                        .join("mounts"),
+                ],
                 PathRoot::StateDir => vec![self.config.state_dir.join("volumes")],
                 PathRoot::DiscoveryDirs => self.config.discovery_dirs.clone(),
             })
             .collect();
         let deadline = plugin.limits().deadline;
-        NodeQueries::new(self.config.node.clone(), self.sys.clone(), roots, deadline).with_facts(facts.to_vec())
+        NodeQueries::new(self.config.node.clone(), self.sys.clone(), roots, deadline)
+            .with_facts(facts.to_vec())
     }
 
     /// Facts of this node and of every holder's: from the cluster when
@@ -318,12 +371,19 @@ impl Agent {
         names.sort();
         names.dedup();
         match &self.cluster {
-            Some(cluster) => cluster
-                .node_facts(&names)
-                .await
-                .map_err(|e| Failure::new(FailureKind::Unavailable, format!("reading Nodes from the Kubernetes API: {e}"))),
+            Some(cluster) => cluster.node_facts(&names).await.map_err(|e| {
+                Failure::new(
+                    FailureKind::Unavailable,
+                    format!("reading Nodes from the Kubernetes API: {e}"),
+                )
+            }),
             None => {
-                let q = NodeQueries::new(self.config.node.clone(), self.sys.clone(), Vec::new(), Duration::ZERO);
+                let q = NodeQueries::new(
+                    self.config.node.clone(),
+                    self.sys.clone(),
+                    Vec::new(),
+                    Duration::ZERO,
+                );
                 Ok(names.into_iter().map(|n| crate::policy::Queries::node_state(&q, n)).collect())
             }
         }
@@ -331,10 +391,14 @@ impl Agent {
 
     /// The pod mount dirs this node's stash holds.
     /// Scan the local classes' dirs for volumes, with this node's mount table.
-    pub async fn discover_local(&self, classes: Vec<crate::local::LocalClass>) -> Result<crate::local::discovery::Scan, Failure> {
+    pub async fn discover_local(
+        &self,
+        classes: Vec<crate::local::LocalClass>,
+    ) -> Result<crate::local::discovery::Scan, Failure> {
         let sys = self.sys.clone();
         blocking(move || {
-            let table = sys.mounts.mount_table().map_err(|e| internal(format!("discovery: {e}")))?;
+            let table =
+                sys.mounts.mount_table().map_err(|e| internal(format!("discovery: {e}")))?;
             Ok(crate::local::discovery::scan(&classes, &table))
         })
         .await?
@@ -347,12 +411,29 @@ impl Agent {
 
     /// kubelet's `mount <dir> <options>`; a failure is also told to the
     /// cluster as an Event on the pod.
-    pub async fn mount(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>) -> Result<Response, Failure> {
+    pub async fn mount(
+        &self,
+        backend: &str,
+        mount_dir: &str,
+        options: &BTreeMap<String, String>,
+    ) -> Result<Response, Failure> {
         let start = std::time::Instant::now();
         let mut subject = Subject::of_options(options);
         let result = self.mount_volume(backend, mount_dir, options, &mut subject).await;
-        crate::metrics::get().operation("mount", metric_backend(backend, &result), result_label(&result), start.elapsed());
-        let done = Finished { op: Op::Mount, node: &self.config.node, backend, mount_dir, subject: &subject, elapsed: start.elapsed() };
+        crate::metrics::get().operation(
+            "mount",
+            metric_backend(backend, &result),
+            result_label(&result),
+            start.elapsed(),
+        );
+        let done = Finished {
+            op: Op::Mount,
+            node: &self.config.node,
+            backend,
+            mount_dir,
+            subject: &subject,
+            elapsed: start.elapsed(),
+        };
         oplog::log(&done, &result);
         if let Err(f) = &result {
             self.tell_pod_mount_failed(options, f);
@@ -365,16 +446,27 @@ impl Agent {
     pub fn tell_pod_mount_failed(&self, options: &BTreeMap<String, String>, f: &Failure) {
         let Some(cluster) = &self.cluster else { return };
         let get = |k: &str| options.get(&format!("kubernetes.io/{k}")).cloned().unwrap_or_default();
-        let (ns, pod, uid) = (get("pod.namespace"), get("pod.name"), options.get("kubernetes.io/pod.uid").or(options.get("kubernetes.io/pod.UID")).cloned().unwrap_or_default());
+        let (ns, pod, uid) = (
+            get("pod.namespace"),
+            get("pod.name"),
+            options
+                .get("kubernetes.io/pod.uid")
+                .or(options.get("kubernetes.io/pod.UID"))
+                .cloned()
+                .unwrap_or_default(),
+        );
         let reason = match f.kind {
             FailureKind::Denied if f.fenced => "VolumeFenced",
             FailureKind::Denied => "VolumeRefused",
             _ => "VolumeMountFailed",
         };
         if !ns.is_empty() && !pod.is_empty() && f.kind != FailureKind::BadRequest {
-            let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
+            let (cluster, message) =
+                (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
             let reason = reason.to_string();
-            tokio::spawn(async move { cluster.pod_event(&ns, &pod, &uid, true, &reason, &message).await });
+            tokio::spawn(async move {
+                cluster.pod_event(&ns, &pod, &uid, true, &reason, &message).await
+            });
         }
     }
 
@@ -386,7 +478,12 @@ impl Agent {
     /// kubelet's retry (or, after a restart, reconciliation) settles them.
     /// `local`: the plan waits on this node's own disks only
     /// ([`crate::exec::runs_locally`]).
-    async fn run_plan(&self, plan: Vec<crate::policy::Step>, local: bool, lock: &mut Option<LockGuard>) -> Result<crate::exec::Outcome, Failure> {
+    async fn run_plan(
+        &self,
+        plan: Vec<crate::policy::Step>,
+        local: bool,
+        lock: &mut Option<LockGuard>,
+    ) -> Result<crate::exec::Outcome, Failure> {
         self.run_plan_with(plan, local, lock, Arc::default(), || Ok(())).await
     }
 
@@ -450,20 +547,34 @@ impl Agent {
 
     /// A stash write, on this worker: a file written and renamed in the
     /// runtime dir (a tmpfs on a node), local work of a few syscalls.
-    async fn stash_op<R: Send + 'static>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError> + Send + 'static) -> Result<R, Failure> {
+    async fn stash_op<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Stash) -> Result<R, stash::StashError> + Send + 'static,
+    ) -> Result<R, Failure> {
         crate::runtime::on_worker(true, || f(&self.stash)).map_err(internal)
     }
 
     /// A stash read, inline: the stash answers from memory.
-    fn stash_read<R>(&self, f: impl FnOnce(&Stash) -> Result<R, stash::StashError>) -> Result<R, Failure> {
+    fn stash_read<R>(
+        &self,
+        f: impl FnOnce(&Stash) -> Result<R, stash::StashError>,
+    ) -> Result<R, Failure> {
         f(&self.stash).map_err(internal)
     }
 
     /// `subject` learns the volume as soon as it is known, for the log.
-    async fn mount_volume(&self, backend: &str, mount_dir: &str, options: &BTreeMap<String, String>, subject: &mut Subject) -> Result<Response, Failure> {
-        let dir = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+    async fn mount_volume(
+        &self,
+        backend: &str,
+        mount_dir: &str,
+        options: &BTreeMap<String, String>,
+        subject: &mut Subject,
+    ) -> Result<Response, Failure> {
+        let dir = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir)
+            .map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         subject.learn_dir(&dir);
-        let req = parse_mount(&self.config.node, backend, &dir, options).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+        let req = parse_mount(&self.config.node, backend, &dir, options)
+            .map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         self.plugin(backend)?;
         let mut volume = req.volume;
         let mut me = req.consumer;
@@ -504,8 +615,15 @@ impl Agent {
     /// credentials to reach it come from the StorageCluster (and the Secret
     /// it names). Options and secrets the volume has win. Nothing to do
     /// without a cluster or a StorageCluster.
-    pub(crate) async fn connect_storage_cluster(&self, backend: &str, volume: &mut Volume, secrets: &mut crate::secret::Secrets) -> Result<(), Failure> {
-        let (Some(cluster), Some(name)) = (&self.cluster, storage_cluster(volume)) else { return Ok(()) };
+    pub(crate) async fn connect_storage_cluster(
+        &self,
+        backend: &str,
+        volume: &mut Volume,
+        secrets: &mut crate::secret::Secrets,
+    ) -> Result<(), Failure> {
+        let (Some(cluster), Some(name)) = (&self.cluster, storage_cluster(volume)) else {
+            return Ok(());
+        };
         let connection = cluster.storage_connection(&name, backend).await.map_err(|e| {
             let kind = match e {
                 crate::kube::volumes::VolumeError::Api { .. } => FailureKind::Unavailable,
@@ -530,7 +648,14 @@ impl Agent {
     /// and record, plan, stash, run — with the record and the stash entry
     /// rolled back when the steps fail. Flexvolume mounts and CSI stages
     /// both come here.
-    pub(crate) async fn attach(&self, backend: &str, volume: Volume, me: crate::policy::Consumer, secrets: crate::secret::Secrets, paths: NodePaths) -> Result<Response, Failure> {
+    pub(crate) async fn attach(
+        &self,
+        backend: &str,
+        volume: Volume,
+        me: crate::policy::Consumer,
+        secrets: crate::secret::Secrets,
+        paths: NodePaths,
+    ) -> Result<Response, Failure> {
         let plugin = self.plugin(backend)?;
         let secrets = Arc::new(secrets);
         let devices = verified_devices(&volume).await?;
@@ -546,7 +671,8 @@ impl Agent {
                 same_volume(recorded, backend, &source)?;
             }
             let holders = current.as_ref().map(|(r, _)| r.holders.clone()).unwrap_or_default();
-            let mut clients = current.as_ref().map(|(r, _)| r.storage_clients.clone()).unwrap_or_default();
+            let mut clients =
+                current.as_ref().map(|(r, _)| r.storage_clients.clone()).unwrap_or_default();
             let nodes = self.node_facts(&holders).await?;
             let queries = Arc::new(
                 self.node_queries(&plugin, &nodes)
@@ -554,7 +680,8 @@ impl Agent {
                     .with_ceph(ceph_client(&volume, &secrets))
                     .with_known_clients(clients.iter().map(|c| (c.id, c.node.clone())).collect()),
             );
-            let decision = plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
+            let decision =
+                plugin.fence(queries.clone(), &volume, &me, &holders, &nodes).map_err(internal)?;
             let mut kept = holders.clone();
             let outcome = match &decision {
                 Decision::Grant => "grant",
@@ -566,16 +693,30 @@ impl Agent {
                 Decision::Grant => {}
                 Decision::Deny(reason) => return Err(Failure::fenced(reason)),
                 Decision::TakeOver(take) => {
-                    let local = self.fence_through_controller(&volume.name, take.fence_steps.clone(), &take.stale, &clients).await?;
+                    let local = self
+                        .fence_through_controller(
+                            &volume.name,
+                            take.fence_steps.clone(),
+                            &take.stale,
+                            &clients,
+                        )
+                        .await?;
                     self.run_plan_with(local, false, &mut lock, secrets.clone(), || Ok(())).await?;
                     kept.retain(|h| !take.stale.contains(h));
                     // The gone nodes' clients were fenced with them.
                     clients.retain(|c| !take.stale.iter().any(|h| h.consumer.node == c.node));
                 }
             }
-            let earlier = kept.iter().find(|h| h.consumer.pod_uid == me.pod_uid && h.consumer.mount_dir == me.mount_dir).map(|h| h.since.clone());
+            let earlier = kept
+                .iter()
+                .find(|h| h.consumer.pod_uid == me.pod_uid && h.consumer.mount_dir == me.mount_dir)
+                .map(|h| h.since.clone());
             let already = earlier.is_some();
-            let local: Vec<Holder> = kept.iter().filter(|h| h.consumer.node == me.node && h.consumer.mount_dir != me.mount_dir).cloned().collect();
+            let local: Vec<Holder> = kept
+                .iter()
+                .filter(|h| h.consumer.node == me.node && h.consumer.mount_dir != me.mount_dir)
+                .cloned()
+                .collect();
             let since = earlier.unwrap_or_else(now_rfc3339);
             if !already {
                 kept.push(Holder { consumer: me.clone(), since: since.clone() });
@@ -592,7 +733,11 @@ impl Agent {
             let ledger = self.ledger.clone();
             let changed = match &current {
                 None => true,
-                Some((r, _)) => record.holders != holders || r.source.is_none() || record.storage_clients != r.storage_clients,
+                Some((r, _)) => {
+                    record.holders != holders
+                        || r.source.is_none()
+                        || record.storage_clients != r.storage_clients
+                }
             };
             let version = current.as_ref().map(|(_, v)| v.clone());
             let write = async move {
@@ -608,10 +753,14 @@ impl Agent {
             // in memory ([`crate::ledger::write_behind`]): no task for it.
             let (written, plan) = if self.ledger.node_private() {
                 let written = write.await;
-                (written, plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal))
+                (
+                    written,
+                    plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal),
+                )
             } else {
                 let write = tokio::spawn(write);
-                let plan = plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
+                let plan =
+                    plugin.attach(queries.clone(), &volume, &me, &local, &paths).map_err(internal);
                 (write.await.map_err(|e| internal(format!("agent task failed: {e}")))?, plan)
             };
             match written {
@@ -619,12 +768,22 @@ impl Agent {
                 // A record deleted since it was read (its last holder left,
                 // or the controller moved a gone node's holders) is a race
                 // lost too: read it again.
-                Err(e) if (e.is_race() || matches!(e, LedgerError::NotFound { .. })) && attempt < LEDGER_RETRIES => continue,
+                Err(e)
+                    if (e.is_race() || matches!(e, LedgerError::NotFound { .. }))
+                        && attempt < LEDGER_RETRIES =>
+                {
+                    continue;
+                }
                 Err(e) => return Err(ledger_failure(e)),
             }
         };
 
-        let entry = Entry { volume: volume.clone(), consumer: me.clone(), paths: paths.clone(), since: Some(since) };
+        let entry = Entry {
+            volume: volume.clone(),
+            consumer: me.clone(),
+            paths: paths.clone(),
+            since: Some(since),
+        };
         let result = async {
             // A refused plan: its record is rolled back below.
             let plan = plan?;
@@ -640,7 +799,8 @@ impl Agent {
         .await;
         if let Ok(outcome) = &result
             && !outcome.storage_clients.is_empty()
-            && let Err(e) = self.record_storage_clients(&volume.name, &outcome.storage_clients).await
+            && let Err(e) =
+                self.record_storage_clients(&volume.name, &outcome.storage_clients).await
         {
             // Fencing stays safe without it: other nodes cannot place this
             // node's client, so they deny rather than take over.
@@ -674,8 +834,20 @@ impl Agent {
         let start = std::time::Instant::now();
         let mut subject = Subject::default();
         let result = self.unmount_volume(backend, mount_dir, &mut subject).await;
-        crate::metrics::get().operation("unmount", metric_backend(backend, &result), result_label(&result), start.elapsed());
-        let done = Finished { op: Op::Unmount, node: &self.config.node, backend, mount_dir, subject: &subject, elapsed: start.elapsed() };
+        crate::metrics::get().operation(
+            "unmount",
+            metric_backend(backend, &result),
+            result_label(&result),
+            start.elapsed(),
+        );
+        let done = Finished {
+            op: Op::Unmount,
+            node: &self.config.node,
+            backend,
+            mount_dir,
+            subject: &subject,
+            elapsed: start.elapsed(),
+        };
         oplog::log(&done, &result);
         if let Err(f) = &result {
             self.tell_pod_unmount_failed(mount_dir, f);
@@ -691,15 +863,33 @@ impl Agent {
             && let Ok(Some(entry)) = self.stash_read(|s| s.get(mount_dir))
         {
             let c = entry.consumer;
-            let (cluster, message) = (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
-            tokio::spawn(async move { cluster.pod_event(&c.pod_namespace, &c.pod, &c.pod_uid, true, "VolumeUnmountFailed", &message).await });
+            let (cluster, message) =
+                (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
+            tokio::spawn(async move {
+                cluster
+                    .pod_event(
+                        &c.pod_namespace,
+                        &c.pod,
+                        &c.pod_uid,
+                        true,
+                        "VolumeUnmountFailed",
+                        &message,
+                    )
+                    .await
+            });
         }
     }
 
     /// What to undo comes from the stash; without a stash entry (a lost or
     /// damaged stash), from the ledger's record of the mounted dir.
-    async fn unmount_volume(&self, backend: &str, mount_dir: &str, subject: &mut Subject) -> Result<Response, Failure> {
-        let parsed = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir).map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
+    async fn unmount_volume(
+        &self,
+        backend: &str,
+        mount_dir: &str,
+        subject: &mut Subject,
+    ) -> Result<Response, Failure> {
+        let parsed = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir)
+            .map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         subject.learn_dir(&parsed);
         let mount_dir = parsed.dir.display().to_string();
         let mount_dir = mount_dir.as_str();
@@ -711,7 +901,10 @@ impl Agent {
                 let mounted = blocking(move || sys.mount_at(&target)).await?.map_err(internal)?;
                 let Some(m) = mounted else {
                     // Nothing is there: a retry after success, or never mounted.
-                    return Ok(Response::Ok { message: format!("{mount_dir} is not mounted"), device: None });
+                    return Ok(Response::Ok {
+                        message: format!("{mount_dir} is not mounted"),
+                        device: None,
+                    });
                 };
                 match self.entry_from_ledger(backend, &parsed).await? {
                     Some(entry) => {
@@ -721,21 +914,32 @@ impl Agent {
                     None => {
                         return Err(Failure::new(
                             FailureKind::Failed,
-                            format!("{mount_dir} is mounted from {}, but this agent has no record of mounting it; refusing to guess", m.source),
+                            format!(
+                                "{mount_dir} is mounted from {}, but this agent has no record of mounting it; refusing to guess",
+                                m.source
+                            ),
                         ));
                     }
                 }
             }
         };
         let c = &entry.consumer;
-        *subject = Subject { volume: Some(entry.volume.name.clone()), pod: oplog::pod_name(&c.pod_namespace, &c.pod, &c.pod_uid) };
+        *subject = Subject {
+            volume: Some(entry.volume.name.clone()),
+            pod: oplog::pod_name(&c.pod_namespace, &c.pod, &c.pod_uid),
+        };
         self.detach(backend, entry, mount_dir).await
     }
 
     /// Undo what the stash entry `entry` says was done at `mount_dir`:
     /// the backend's detach plan, then the record and the entry go.
     /// Flexvolume unmounts and CSI unstages both come here.
-    pub(crate) async fn detach(&self, backend: &str, entry: Entry, mount_dir: &str) -> Result<Response, Failure> {
+    pub(crate) async fn detach(
+        &self,
+        backend: &str,
+        entry: Entry,
+        mount_dir: &str,
+    ) -> Result<Response, Failure> {
         let plugin = self.plugin(backend)?;
         let volume: Volume = entry.volume.clone();
         let mut lock = Some(self.lock(&volume.name)?);
@@ -747,21 +951,32 @@ impl Agent {
             .filter(|h| h.consumer.node == self.config.node && h.consumer.mount_dir != mount_dir)
             .collect();
         let queries = self.queries(&plugin, &[]);
-        let plan = plugin.detach(queries, &volume, &entry.consumer, &remaining, &entry.paths).map_err(internal)?;
+        let plan = plugin
+            .detach(queries, &volume, &entry.consumer, &remaining, &entry.paths)
+            .map_err(internal)?;
         let local = crate::exec::runs_locally(crate::exec::holding(&volume), &plan);
         self.run_plan(plan, local, &mut lock).await?;
         self.remove_holder(&volume.name, mount_dir).await?;
         let dir = mount_dir.to_string();
         self.stash_op(move |s| s.remove(&dir)).await?;
-        Ok(Response::Ok { message: format!("volume {} unmounted from {mount_dir}", volume.name), device: None })
+        Ok(Response::Ok {
+            message: format!("volume {} unmounted from {mount_dir}", volume.name),
+            device: None,
+        })
     }
 
     /// What the stash would hold for `dir`, rebuilt from the ledger: the
     /// record of the volume the dir is named after, holding a consumer at
     /// that dir on this node, with the source it was mounted from.
-    async fn entry_from_ledger(&self, backend: &str, dir: &MountDir) -> Result<Option<Entry>, Failure> {
+    async fn entry_from_ledger(
+        &self,
+        backend: &str,
+        dir: &MountDir,
+    ) -> Result<Option<Entry>, Failure> {
         for key in [dir.name.clone(), crate::kube::volumes::inline_key(&dir.pod_uid, &dir.name)] {
-            if let Some(entry) = self.entry_of_record(backend, &dir.dir.display().to_string(), &key).await? {
+            if let Some(entry) =
+                self.entry_of_record(backend, &dir.dir.display().to_string(), &key).await?
+            {
                 return Ok(Some(entry));
             }
         }
@@ -769,9 +984,19 @@ impl Agent {
     }
 
     /// The stash entry of `path` rebuilt from the ledger's record `key`.
-    pub(crate) async fn entry_of_record(&self, backend: &str, path: &str, key: &str) -> Result<Option<Entry>, Failure> {
-        let Some((record, _)) = self.ledger.get(key).await.map_err(ledger_failure)? else { return Ok(None) };
-        let holder = record.holders.iter().find(|h| h.consumer.node == self.config.node && h.consumer.mount_dir == path);
+    pub(crate) async fn entry_of_record(
+        &self,
+        backend: &str,
+        path: &str,
+        key: &str,
+    ) -> Result<Option<Entry>, Failure> {
+        let Some((record, _)) = self.ledger.get(key).await.map_err(ledger_failure)? else {
+            return Ok(None);
+        };
+        let holder = record
+            .holders
+            .iter()
+            .find(|h| h.consumer.node == self.config.node && h.consumer.mount_dir == path);
         let (Some(holder), Some(source)) = (holder, &record.source) else { return Ok(None) };
         if record.backend != backend {
             return Ok(None);
@@ -786,24 +1011,43 @@ impl Agent {
             options: source.options(),
             secret_keys: Vec::new(),
         };
-        Ok(Some(Entry { paths: self.config.paths(backend, &volume.name), volume, consumer: holder.consumer.clone(), since: Some(holder.since.clone()) }))
+        Ok(Some(Entry {
+            paths: self.config.paths(backend, &volume.name),
+            volume,
+            consumer: holder.consumer.clone(),
+            since: Some(holder.since.clone()),
+        }))
     }
 
     fn lock(&self, volume: &str) -> Result<LockGuard, Failure> {
         self.locks.try_lock(volume).ok_or_else(|| {
-            Failure::new(FailureKind::Busy, format!("volume {volume}: an operation is in progress on this node; retry"))
+            Failure::new(
+                FailureKind::Busy,
+                format!("volume {volume}: an operation is in progress on this node; retry"),
+            )
         })
     }
 
     /// Record this node's storage clients of `volume` (replacing earlier ones).
-    async fn record_storage_clients(&self, volume: &str, clients: &[(u64, String)]) -> Result<(), Failure> {
+    async fn record_storage_clients(
+        &self,
+        volume: &str,
+        clients: &[(u64, String)],
+    ) -> Result<(), Failure> {
         let node = &self.config.node;
         for _ in 0..LEDGER_RETRIES {
-            let Some((mut record, version)) = self.ledger.get(volume).await.map_err(ledger_failure)? else {
+            let Some((mut record, version)) =
+                self.ledger.get(volume).await.map_err(ledger_failure)?
+            else {
                 return Ok(());
             };
-            let mut wanted: Vec<StorageClient> = record.storage_clients.iter().filter(|c| c.node != *node).cloned().collect();
-            wanted.extend(clients.iter().map(|(id, address)| StorageClient { node: node.clone(), id: *id, address: address.clone() }));
+            let mut wanted: Vec<StorageClient> =
+                record.storage_clients.iter().filter(|c| c.node != *node).cloned().collect();
+            wanted.extend(clients.iter().map(|(id, address)| StorageClient {
+                node: node.clone(),
+                id: *id,
+                address: address.clone(),
+            }));
             if wanted == record.storage_clients {
                 return Ok(());
             }
@@ -814,14 +1058,19 @@ impl Agent {
                 Err(e) => return Err(ledger_failure(e)),
             }
         }
-        Err(Failure::new(FailureKind::Busy, format!("attachment record {volume} keeps changing; retry")))
+        Err(Failure::new(
+            FailureKind::Busy,
+            format!("attachment record {volume} keeps changing; retry"),
+        ))
     }
 
     /// Remove the holder at `mount_dir`; the record goes with its last
     /// holder, and this node's storage clients with its last one here.
     async fn remove_holder(&self, volume: &str, mount_dir: &str) -> Result<(), Failure> {
         for _ in 0..LEDGER_RETRIES {
-            let Some((mut record, version)) = self.ledger.get(volume).await.map_err(ledger_failure)? else {
+            let Some((mut record, version)) =
+                self.ledger.get(volume).await.map_err(ledger_failure)?
+            else {
                 return Ok(());
             };
             let before = record.holders.len();
@@ -844,9 +1093,11 @@ impl Agent {
                 Err(e) => return Err(ledger_failure(e)),
             }
         }
-        Err(Failure::new(FailureKind::Busy, format!("attachment record {volume} keeps changing; retry")))
+        Err(Failure::new(
+            FailureKind::Busy,
+            format!("attachment record {volume} keeps changing; retry"),
+        ))
     }
-
 }
 
 tokio::task_local! {
@@ -870,13 +1121,18 @@ tokio::task_local! {
 ///
 /// The operation's own result, or why it has none: still running at the
 /// deadline (or its task failed).
-pub async fn served<R: Send + 'static>(deadline: Duration, work: impl std::future::Future<Output = R> + Send + 'static) -> Result<R, Failure> {
+pub async fn served<R: Send + 'static>(
+    deadline: Duration,
+    work: impl std::future::Future<Output = R> + Send + 'static,
+) -> Result<R, Failure> {
     let mut task = tokio::spawn(STEPS_IN_PLACE.scope((), work));
     match tokio::time::timeout(deadline, &mut task).await {
         Ok(joined) => joined.map_err(|e| internal(format!("agent task failed: {e}"))),
         Err(_) => Err(Failure::new(
             FailureKind::TimedOut,
-            format!("the operation was still running after {deadline:?} (a step hanging?); it goes on, and the volume stays locked until it ends; retry"),
+            format!(
+                "the operation was still running after {deadline:?} (a step hanging?); it goes on, and the volume stays locked until it ends; retry"
+            ),
         )),
     }
 }
@@ -924,7 +1180,10 @@ fn same_volume(recorded: &Record, backend: &str, source: &VolumeSource) -> Resul
     };
     Err(Failure::new(
         FailureKind::Denied,
-        format!("volume {} is in use with {other} than this request names; a volume is its name and its source, so this request is not for it", recorded.volume),
+        format!(
+            "volume {} is in use with {other} than this request names; a volume is its name and its source, so this request is not for it",
+            recorded.volume
+        ),
     ))
 }
 
@@ -936,7 +1195,10 @@ pub const STORAGE_CLUSTER_OPTION: &str = "storageCluster";
 /// `user` (default admin) and, from its secret, the key named by
 /// `secretKey` (default "key") — the rbd backend's option names. None when
 /// the volume names no monitors.
-fn ceph_client(volume: &Volume, secrets: &crate::secret::Secrets) -> Option<crate::sys::rbd_export::CephClient> {
+fn ceph_client(
+    volume: &Volume,
+    secrets: &crate::secret::Secrets,
+) -> Option<crate::sys::rbd_export::CephClient> {
     let get = |k: &str| volume.options.iter().find(|kv| kv.key == k).map(|kv| kv.value.as_str());
     let listed = get("monitors").or(get(crate::kube::storage::ENDPOINTS_OPTION))?;
     let monitors: Vec<&str> = listed.split(',').map(str::trim).filter(|m| !m.is_empty()).collect();
@@ -967,7 +1229,9 @@ mod tests {
 
     /// An agent of node `n1` with kubelet's root at `/k`, no backends, an
     /// embedded ledger (returned too) and a fake node.
-    pub(super) fn test_agent(dir: &Path) -> (Agent, Arc<crate::ledger::embedded::EmbeddedLedger>, Arc<crate::sys::fake::Fake>) {
+    pub(super) fn test_agent(
+        dir: &Path,
+    ) -> (Agent, Arc<crate::ledger::embedded::EmbeddedLedger>, Arc<crate::sys::fake::Fake>) {
         let config = NodeConfig {
             node: "n1".into(),
             kubelet_root: "/k".into(),
@@ -976,17 +1240,38 @@ mod tests {
             discovery_dirs: vec![],
             inline_backends: vec![],
         };
-        let ledger = Arc::new(crate::ledger::embedded::EmbeddedLedger::open(&dir.join("ledger.redb"), false).unwrap());
+        let ledger = Arc::new(
+            crate::ledger::embedded::EmbeddedLedger::open(&dir.join("ledger.redb"), false).unwrap(),
+        );
         let stash = Stash::open(&dir.join("stash")).unwrap();
         let fake = crate::sys::fake::Fake::new();
-        (Agent::new(config, Vec::new(), ledger.clone(), stash, fake.sys(), Duration::from_secs(5)), ledger, fake)
+        (
+            Agent::new(
+                config,
+                Vec::new(),
+                ledger.clone(),
+                stash,
+                fake.sys(),
+                Duration::from_secs(5),
+            ),
+            ledger,
+            fake,
+        )
     }
 
     #[test]
     fn loop_tags_are_per_agent_stable_and_fit_their_field() {
         let a = loop_tag("node-a", Path::new("/var/lib/volagent"));
-        assert_eq!(a, loop_tag("node-a", Path::new("/var/lib/volagent")), "the same after a restart");
-        assert_ne!(a, loop_tag("node-a", Path::new("/tmp/test-1/state")), "another agent's on this machine");
+        assert_eq!(
+            a,
+            loop_tag("node-a", Path::new("/var/lib/volagent")),
+            "the same after a restart"
+        );
+        assert_ne!(
+            a,
+            loop_tag("node-a", Path::new("/tmp/test-1/state")),
+            "another agent's on this machine"
+        );
         assert_ne!(a, loop_tag("node-b", Path::new("/var/lib/volagent")));
         assert!(a.starts_with("volagent:node-a:"), "{a}");
         assert!(loop_tag(&"n".repeat(253), Path::new("/x")).len() <= 63);

@@ -126,14 +126,27 @@ impl Agent {
     /// pipeline (no operation slot came free).
     pub fn log_unserved(&self, request: &Request, failure: &Failure, elapsed: Duration) {
         let (op, backend, mount_dir, mut subject) = match request {
-            Request::Mount { backend, mount_dir, options } => (Op::Mount, backend, mount_dir, Subject::of_options(options)),
-            Request::Unmount { backend, mount_dir } => (Op::Unmount, backend, mount_dir, Subject::default()),
+            Request::Mount { backend, mount_dir, options } => {
+                (Op::Mount, backend, mount_dir, Subject::of_options(options))
+            }
+            Request::Unmount { backend, mount_dir } => {
+                (Op::Unmount, backend, mount_dir, Subject::default())
+            }
             Request::Handshake { .. } | Request::Status => return,
         };
-        if let Ok(dir) = super::request::parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir) {
+        if let Ok(dir) =
+            super::request::parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir)
+        {
             subject.learn_dir(&dir);
         }
-        let done = Finished { op, node: &self.config.node, backend, mount_dir, subject: &subject, elapsed };
+        let done = Finished {
+            op,
+            node: &self.config.node,
+            backend,
+            mount_dir,
+            subject: &subject,
+            elapsed,
+        };
         log(&done, &Err(failure.clone()));
     }
 }
@@ -168,14 +181,21 @@ mod tests {
         fn start() -> Capture {
             let buf = Buf::default();
             let out = buf.clone();
-            let subscriber = tracing_subscriber::fmt().json().flatten_event(true).with_writer(move || out.clone()).finish();
+            let subscriber = tracing_subscriber::fmt()
+                .json()
+                .flatten_event(true)
+                .with_writer(move || out.clone())
+                .finish();
             Capture { buf, _guard: tracing::subscriber::set_default(subscriber) }
         }
 
         /// The operation lines logged so far.
         fn lines(&self) -> Vec<serde_json::Value> {
             let text = String::from_utf8(self.buf.0.lock().unwrap().clone()).unwrap();
-            let all: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+            let all: Vec<serde_json::Value> = text
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+                .collect();
             all.into_iter().filter(|l| l["target"] == TARGET).collect()
         }
     }
@@ -195,14 +215,31 @@ mod tests {
     #[test]
     fn a_success_is_one_info_line_with_every_field() {
         let subject = Subject { volume: Some("pv1".into()), pod: Some("shop/web-0".into()) };
-        let done = Finished { op: Op::Mount, node: "n1", backend: "local-pv", mount_dir: DIR, subject: &subject, elapsed: Duration::from_micros(12_345) };
-        let lines = json_lines(|| log(&done, &Ok(Response::Ok { message: "mounted".into(), device: None })));
+        let done = Finished {
+            op: Op::Mount,
+            node: "n1",
+            backend: "local-pv",
+            mount_dir: DIR,
+            subject: &subject,
+            elapsed: Duration::from_micros(12_345),
+        };
+        let lines = json_lines(|| {
+            log(&done, &Ok(Response::Ok { message: "mounted".into(), device: None }))
+        });
         assert_eq!(lines.len(), 1, "{lines:?}");
         let l = &lines[0];
         assert_eq!(l["level"], "INFO");
         assert_eq!(l["target"], TARGET);
         assert_eq!(l["message"], "mount ok");
-        for (field, want) in [("op", "mount"), ("volume", "pv1"), ("pod", "shop/web-0"), ("node", "n1"), ("backend", "local-pv"), ("mount_dir", DIR), ("outcome", "ok")] {
+        for (field, want) in [
+            ("op", "mount"),
+            ("volume", "pv1"),
+            ("pod", "shop/web-0"),
+            ("node", "n1"),
+            ("backend", "local-pv"),
+            ("mount_dir", DIR),
+            ("outcome", "ok"),
+        ] {
             assert_eq!(l[field], want, "{field} in {l}");
         }
         assert_eq!(l["duration_ms"].as_f64(), Some(12.345), "{l}");
@@ -212,14 +249,28 @@ mod tests {
     #[test]
     fn a_failure_is_one_warn_line_with_its_kind_and_message_and_unknowns_are_left_out() {
         let subject = Subject::default();
-        let done = Finished { op: Op::Unmount, node: "n1", backend: "local-pv", mount_dir: "/etc", subject: &subject, elapsed: Duration::ZERO };
+        let done = Finished {
+            op: Op::Unmount,
+            node: "n1",
+            backend: "local-pv",
+            mount_dir: "/etc",
+            subject: &subject,
+            elapsed: Duration::ZERO,
+        };
         let failure = Failure::new(FailureKind::Denied, "volume pv1 is held by pod a on node n2");
         let lines = json_lines(|| log(&done, &Err(failure)));
         assert_eq!(lines.len(), 1, "{lines:?}");
         let l = &lines[0];
-        assert_eq!((l["level"].as_str(), l["op"].as_str(), l["outcome"].as_str()), (Some("WARN"), Some("unmount"), Some("denied")), "{l}");
+        assert_eq!(
+            (l["level"].as_str(), l["op"].as_str(), l["outcome"].as_str()),
+            (Some("WARN"), Some("unmount"), Some("denied")),
+            "{l}"
+        );
         assert_eq!(l["error"], "volume pv1 is held by pod a on node n2");
-        assert!(l.get("volume").is_none() && l.get("pod").is_none(), "unknown fields are absent: {l}");
+        assert!(
+            l.get("volume").is_none() && l.get("pod").is_none(),
+            "unknown fields are absent: {l}"
+        );
     }
 
     #[test]
@@ -232,18 +283,39 @@ mod tests {
             ("password", "hunter2"),
         ]);
         assert_eq!(Subject::of_options(&full).pod.as_deref(), Some("shop/web-0"));
-        assert_eq!(Subject::of_options(&options(&[("kubernetes.io/pod.name", "web-0"), ("kubernetes.io/pod.UID", "u-2")])).pod.as_deref(), Some("u-2"));
+        assert_eq!(
+            Subject::of_options(&options(&[
+                ("kubernetes.io/pod.name", "web-0"),
+                ("kubernetes.io/pod.UID", "u-2")
+            ]))
+            .pod
+            .as_deref(),
+            Some("u-2")
+        );
         assert_eq!(Subject::of_options(&options(&[("path", "/mnt/disks/a")])), Subject::default());
         let mut subject = Subject::of_options(&full);
-        let dir = super::super::request::parse_mount_dir(&[std::path::Path::new("/var/lib/kubelet")], "local-pv", DIR).unwrap();
+        let dir = super::super::request::parse_mount_dir(
+            &[std::path::Path::new("/var/lib/kubelet")],
+            "local-pv",
+            DIR,
+        )
+        .unwrap();
         subject.learn_dir(&dir);
         assert_eq!(subject, Subject { volume: Some("pv1".into()), pod: Some("shop/web-0".into()) });
         let mut bare = Subject::default();
         bare.learn_dir(&dir);
         assert_eq!(bare.pod.as_deref(), Some("u-1"), "the dir's UID when the options had none");
 
-        let done = Finished { op: Op::Mount, node: "n1", backend: "local-pv", mount_dir: DIR, subject: &subject, elapsed: Duration::ZERO };
-        let lines = json_lines(|| log(&done, &Err(Failure::new(FailureKind::Failed, "mkfs failed"))));
+        let done = Finished {
+            op: Op::Mount,
+            node: "n1",
+            backend: "local-pv",
+            mount_dir: DIR,
+            subject: &subject,
+            elapsed: Duration::ZERO,
+        };
+        let lines =
+            json_lines(|| log(&done, &Err(Failure::new(FailureKind::Failed, "mkfs failed"))));
         assert!(!lines[0].to_string().contains("hunter2"), "{}", lines[0]);
     }
 
@@ -254,8 +326,17 @@ mod tests {
         assert!(pod.as_ref().is_some_and(|p| p.len() <= MAX_FIELD), "{:?}", pod.map(|p| p.len()));
         let subject = Subject { volume: None, pod };
         let backend = "b".repeat(100_000);
-        let done = Finished { op: Op::Mount, node: "n1", backend: &backend, mount_dir: &huge, subject: &subject, elapsed: Duration::ZERO };
-        let lines = json_lines(|| log(&done, &Err(Failure::new(FailureKind::BadRequest, "mount dir too long"))));
+        let done = Finished {
+            op: Op::Mount,
+            node: "n1",
+            backend: &backend,
+            mount_dir: &huge,
+            subject: &subject,
+            elapsed: Duration::ZERO,
+        };
+        let lines = json_lines(|| {
+            log(&done, &Err(Failure::new(FailureKind::BadRequest, "mount dir too long")))
+        });
         assert!(lines[0].to_string().len() < 8 << 10, "{} bytes", lines[0].to_string().len());
     }
 
@@ -279,15 +360,37 @@ mod tests {
         assert_eq!(r.unwrap_err().kind, FailureKind::UnknownBackend);
         // Nothing mounted there: a retried unmount succeeds.
         agent.unmount("nope", dir).await.unwrap();
-        let busy = Failure::new(FailureKind::Busy, "all 16 operation slots stayed busy for 120s; retry");
-        agent.log_unserved(&Request::Mount { backend: "nope".into(), mount_dir: dir.into(), options: pod_options() }, &busy, Duration::from_secs(120));
-        agent.log_unserved(&Request::Unmount { backend: "nope".into(), mount_dir: "/elsewhere".into() }, &busy, Duration::ZERO);
+        let busy =
+            Failure::new(FailureKind::Busy, "all 16 operation slots stayed busy for 120s; retry");
+        agent.log_unserved(
+            &Request::Mount {
+                backend: "nope".into(),
+                mount_dir: dir.into(),
+                options: pod_options(),
+            },
+            &busy,
+            Duration::from_secs(120),
+        );
+        agent.log_unserved(
+            &Request::Unmount { backend: "nope".into(), mount_dir: "/elsewhere".into() },
+            &busy,
+            Duration::ZERO,
+        );
         agent.log_unserved(&Request::Status, &busy, Duration::ZERO);
         agent.log_unserved(&Request::Handshake { backend: "nope".into() }, &busy, Duration::ZERO);
 
         let lines = capture.lines();
-        let got: Vec<(&str, Option<&str>, Option<&str>, &str)> =
-            lines.iter().map(|l| (l["op"].as_str().unwrap(), l["volume"].as_str(), l["pod"].as_str(), l["outcome"].as_str().unwrap())).collect();
+        let got: Vec<(&str, Option<&str>, Option<&str>, &str)> = lines
+            .iter()
+            .map(|l| {
+                (
+                    l["op"].as_str().unwrap(),
+                    l["volume"].as_str(),
+                    l["pod"].as_str(),
+                    l["outcome"].as_str().unwrap(),
+                )
+            })
+            .collect();
         assert_eq!(
             got,
             [
@@ -300,6 +403,10 @@ mod tests {
         );
         assert!(lines.iter().all(|l| l["node"] == "n1" && l["backend"] == "nope"), "{lines:#?}");
         assert_eq!(lines[2]["duration_ms"].as_f64(), Some(120_000.0));
-        assert!(lines[0]["error"].as_str().unwrap().contains("\"nope\" is not loaded"), "{}", lines[0]);
+        assert!(
+            lines[0]["error"].as_str().unwrap().contains("\"nope\" is not loaded"),
+            "{}",
+            lines[0]
+        );
     }
 }

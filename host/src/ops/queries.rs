@@ -44,7 +44,8 @@ static QUERY_THREADS: AtomicUsize = AtomicUsize::new(0);
 const IDLE_QUERY_THREADS: usize = 4;
 
 type Job = Box<dyn FnOnce() + Send>;
-static IDLE: std::sync::Mutex<Vec<std::sync::mpsc::Sender<Job>>> = std::sync::Mutex::new(Vec::new());
+static IDLE: std::sync::Mutex<Vec<std::sync::mpsc::Sender<Job>>> =
+    std::sync::Mutex::new(Vec::new());
 
 fn idle() -> std::sync::MutexGuard<'static, Vec<std::sync::mpsc::Sender<Job>>> {
     IDLE.lock().unwrap_or_else(|p| p.into_inner())
@@ -76,16 +77,26 @@ fn dispatch(job: Job) -> std::io::Result<()> {
     let (tx, rx) = std::sync::mpsc::channel::<Job>();
     // Cannot fail: the receiver is right here.
     let _ = tx.send(job);
-    std::thread::Builder::new().name("volagent-query".into()).spawn(move || query_thread(rx, tx)).map(drop)
+    std::thread::Builder::new()
+        .name("volagent-query".into())
+        .spawn(move || query_thread(rx, tx))
+        .map(drop)
 }
 
 /// Run `f` on a query thread and wait for it at most `deadline`; a thread
 /// that does not answer is left to finish (or not) on its own.
-fn bounded<T: Send + 'static>(query: &'static str, path: &str, deadline: Duration, f: impl FnOnce() -> T + Send + 'static) -> Result<T, QueryError> {
+fn bounded<T: Send + 'static>(
+    query: &'static str,
+    path: &str,
+    deadline: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, QueryError> {
     let failed = |message: String| QueryError::Failed { query, path: path.to_string(), message };
     if QUERY_THREADS.fetch_add(1, Ordering::SeqCst) >= MAX_QUERY_THREADS {
         QUERY_THREADS.fetch_sub(1, Ordering::SeqCst);
-        return Err(failed(format!("{MAX_QUERY_THREADS} earlier queries are still blocked (a hung filesystem?); not asking again")));
+        return Err(failed(format!(
+            "{MAX_QUERY_THREADS} earlier queries are still blocked (a hung filesystem?); not asking again"
+        )));
     }
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let job: Job = Box::new(move || {
@@ -96,14 +107,28 @@ fn bounded<T: Send + 'static>(query: &'static str, path: &str, deadline: Duratio
         QUERY_THREADS.fetch_sub(1, Ordering::SeqCst);
         return Err(failed(format!("cannot start a query thread: {e}")));
     }
-    rx.recv_timeout(deadline).map_err(|_| QueryError::Timeout { query, path: path.to_string(), ms: deadline.as_millis() })
+    rx.recv_timeout(deadline).map_err(|_| QueryError::Timeout {
+        query,
+        path: path.to_string(),
+        ms: deadline.as_millis(),
+    })
 }
 
 impl NodeQueries {
     /// Queries of a backend that may ask about `roots`, each answered
     /// within `deadline`.
     pub fn new(node: String, sys: Sys, roots: Vec<PathBuf>, deadline: Duration) -> NodeQueries {
-        NodeQueries { node, sys, roots, deadline, mounts: OnceLock::new(), facts: Vec::new(), ceph: None, known_clients: Vec::new(), devices: Vec::new() }
+        NodeQueries {
+            node,
+            sys,
+            roots,
+            deadline,
+            mounts: OnceLock::new(),
+            facts: Vec::new(),
+            ceph: None,
+            known_clients: Vec::new(),
+            devices: Vec::new(),
+        }
     }
 
     pub fn with_facts(mut self, facts: Vec<NodeFacts>) -> NodeQueries {
@@ -132,7 +157,9 @@ impl NodeQueries {
     /// `path` must be a clean absolute path strictly below one of the roots.
     fn scoped(&self, query: &'static str, path: &str) -> Result<(), QueryError> {
         let inside = clean_absolute(path).is_ok()
-            && self.roots.iter().any(|r| Path::new(path).strip_prefix(r).is_ok_and(|rest| !rest.as_os_str().is_empty()));
+            && self.roots.iter().any(|r| {
+                Path::new(path).strip_prefix(r).is_ok_and(|rest| !rest.as_os_str().is_empty())
+            });
         if inside {
             return Ok(());
         }
@@ -174,7 +201,11 @@ impl Queries for NodeQueries {
                 bounded("lookup-path", path, self.deadline, move || sys.devices.kind_of(&p))?
             }
         }
-        .map_err(|e| QueryError::Failed { query: "lookup-path", path: path.to_string(), message: e.to_string() })?;
+        .map_err(|e| QueryError::Failed {
+            query: "lookup-path",
+            path: path.to_string(),
+            message: e.to_string(),
+        })?;
         Ok(match kind {
             None => PathKind::Missing,
             Some(Kind::File) => PathKind::RegularFile,
@@ -196,14 +227,20 @@ impl Queries for NodeQueries {
             let node = if in_dev { p } else { sys.devices.block_device(&p)? };
             sys.filesystems.probe(&node)
         })?;
-        answer.map_err(|e| QueryError::Failed { query: "filesystem-type", path: device.to_string(), message: e.to_string() })
+        answer.map_err(|e| QueryError::Failed {
+            query: "filesystem-type",
+            path: device.to_string(),
+            message: e.to_string(),
+        })
     }
 
     fn mount_at(&self, target: &str) -> Result<Option<MountEntry>, QueryError> {
         self.scoped("mount-at", target)?;
         let mounts = self.mounts.get_or_init(|| {
             self.sys.mounts.mount_table().unwrap_or_else(|e| {
-                tracing::error!("a guest asked for a mount, but the mount table is unreadable: {e}");
+                tracing::error!(
+                    "a guest asked for a mount, but the mount table is unreadable: {e}"
+                );
                 Vec::new()
             })
         });
@@ -222,13 +259,18 @@ impl Queries for NodeQueries {
     fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String> {
         let name = format!("{pool}/{image}");
         let Some(client) = self.ceph.clone() else {
-            return Err(format!("image {name}: the volume names no monitors, so its cluster cannot be asked"));
+            return Err(format!(
+                "image {name}: the volume names no monitors, so its cluster cannot be asked"
+            ));
         };
         let (sys, p, i) = (self.sys.clone(), pool.to_string(), image.to_string());
-        let listed = bounded("image-watchers", &name, self.deadline, move || sys.storage.rbd_watchers(&client, &p, &i))
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        let mut ours: Vec<u64> = self.sys.nbd.storage_clients().into_iter().map(|(_, id, _)| id).collect();
+        let listed = bounded("image-watchers", &name, self.deadline, move || {
+            sys.storage.rbd_watchers(&client, &p, &i)
+        })
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+        let mut ours: Vec<u64> =
+            self.sys.nbd.storage_clients().into_iter().map(|(_, id, _)| id).collect();
         if self.sys.krbd.available() {
             let mappings = self.sys.krbd.mappings().map_err(|e| e.to_string())?;
             ours.extend(mappings.into_iter().filter(|m| m.ours).map(|m| m.client_id));
@@ -240,7 +282,10 @@ impl Queries for NodeQueries {
                     if ours.contains(&id) {
                         return Some(self.node.clone());
                     }
-                    self.known_clients.iter().find(|(known, _)| *known == id).map(|(_, node)| node.clone())
+                    self.known_clients
+                        .iter()
+                        .find(|(known, _)| *known == id)
+                        .map(|(_, node)| node.clone())
                 }),
                 client: format!("client.{}", w.id),
                 address: w.address,
@@ -255,7 +300,12 @@ mod tests {
     use crate::sys::fake::Fake;
 
     fn queries(fake: &std::sync::Arc<Fake>) -> NodeQueries {
-        NodeQueries::new("n1".into(), fake.sys(), vec![PathBuf::from("/mnt/disks")], Duration::from_millis(200))
+        NodeQueries::new(
+            "n1".into(),
+            fake.sys(),
+            vec![PathBuf::from("/mnt/disks")],
+            Duration::from_millis(200),
+        )
     }
 
     #[test]
@@ -265,7 +315,9 @@ mod tests {
         let q = queries(&fake);
         assert_eq!(q.lookup_path("/mnt/disks/a.img"), Ok(PathKind::RegularFile));
         assert_eq!(q.lookup_path("/mnt/disks/b.img"), Ok(PathKind::Missing));
-        for bad in ["/etc/shadow", "/mnt/disks", "/mnt/disks/../../etc", "/mnt/disksX/a", "relative"] {
+        for bad in
+            ["/etc/shadow", "/mnt/disks", "/mnt/disks/../../etc", "/mnt/disksX/a", "relative"]
+        {
             assert!(matches!(q.lookup_path(bad), Err(QueryError::OutsideRoots { .. })), "{bad}");
             assert!(matches!(q.mount_at(bad), Err(QueryError::OutsideRoots { .. })), "{bad}");
         }
@@ -275,19 +327,42 @@ mod tests {
     #[test]
     fn image_watchers_come_from_the_cluster_and_this_nodes_helpers_are_placed_here() {
         let fake = Fake::new();
-        let target = crate::sys::rbd_export::RbdTarget { client: CephClient::default(), pool: "rbd".into(), image: "img".into() };
+        let target = crate::sys::rbd_export::RbdTarget {
+            client: CephClient::default(),
+            pool: "rbd".into(),
+            image: "img".into(),
+        };
         fake.sys().nbd.serve_rbd("export-1", &target, false).unwrap();
-        fake.state().rbd_watchers.insert("rbd/img".into(), vec![(5000, "10.0.0.9:0/5000".into()), (4100, "10.0.0.7:0/99".into())]);
+        fake.state().rbd_watchers.insert(
+            "rbd/img".into(),
+            vec![(5000, "10.0.0.9:0/5000".into()), (4100, "10.0.0.7:0/99".into())],
+        );
         let without = queries(&fake);
         assert!(without.image_watchers("rbd", "img").unwrap_err().contains("names no monitors"));
-        let q = queries(&fake).with_ceph(Some(CephClient { monitors: Some("10.0.0.1:6789".into()), user: "admin".into(), ..Default::default() }));
+        let q = queries(&fake).with_ceph(Some(CephClient {
+            monitors: Some("10.0.0.1:6789".into()),
+            user: "admin".into(),
+            ..Default::default()
+        }));
         let w = q.image_watchers("rbd", "img").unwrap();
         assert_eq!(w.len(), 2);
         assert_eq!((w[0].client.as_str(), w[0].node.as_deref()), ("client.5000", Some("n1")));
-        assert_eq!((w[1].client.as_str(), w[1].address.as_str(), w[1].node.as_deref()), ("client.4100", "10.0.0.7:0/99", None));
-        let placed = q.with_known_clients(vec![(4100, "n2".into())]).image_watchers("rbd", "img").unwrap();
-        assert_eq!(placed[1].node.as_deref(), Some("n2"), "the ledger's record places another node's client");
-        let q = queries(&fake).with_ceph(Some(CephClient { monitors: Some("10.0.0.1:6789".into()), user: "admin".into(), ..Default::default() }));
+        assert_eq!(
+            (w[1].client.as_str(), w[1].address.as_str(), w[1].node.as_deref()),
+            ("client.4100", "10.0.0.7:0/99", None)
+        );
+        let placed =
+            q.with_known_clients(vec![(4100, "n2".into())]).image_watchers("rbd", "img").unwrap();
+        assert_eq!(
+            placed[1].node.as_deref(),
+            Some("n2"),
+            "the ledger's record places another node's client"
+        );
+        let q = queries(&fake).with_ceph(Some(CephClient {
+            monitors: Some("10.0.0.1:6789".into()),
+            user: "admin".into(),
+            ..Default::default()
+        }));
         fake.fail_next("rbd-watchers");
         assert!(q.image_watchers("rbd", "img").unwrap_err().contains("rbd/img"));
     }
@@ -295,7 +370,9 @@ mod tests {
     #[test]
     fn a_query_that_does_not_answer_fails_at_the_deadline() {
         let start = std::time::Instant::now();
-        let r = bounded("lookup-path", "/mnt/disks/hung", Duration::from_millis(100), || std::thread::sleep(Duration::from_secs(2)));
+        let r = bounded("lookup-path", "/mnt/disks/hung", Duration::from_millis(100), || {
+            std::thread::sleep(Duration::from_secs(2))
+        });
         assert!(matches!(r, Err(QueryError::Timeout { .. })), "{r:?}");
         assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
         assert_eq!(bounded("lookup-path", "/x", Duration::from_secs(1), || 7), Ok(7));

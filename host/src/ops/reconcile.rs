@@ -64,10 +64,14 @@ impl Agent {
         }
         // Holders on this node that the stash does not know never got as far
         // as a device or a mount.
-        let records = self.ledger.list_by_node(&self.config.node).await.map_err(super::ledger_failure)?;
+        let records =
+            self.ledger.list_by_node(&self.config.node).await.map_err(super::ledger_failure)?;
         // A staging dir a record names is not an orphan: its stash entry
         // may be lost or damaged, and its pods' unmounts will come.
-        let recorded: BTreeSet<String> = records.iter().map(|(r, _)| self.config.paths(&r.backend, &r.volume).staging_dir).collect();
+        let recorded: BTreeSet<String> = records
+            .iter()
+            .map(|(r, _)| self.config.paths(&r.backend, &r.volume).staging_dir)
+            .collect();
         for (record, _) in records {
             for h in record.on_node(&self.config.node) {
                 let dir = &h.consumer.mount_dir;
@@ -75,7 +79,9 @@ impl Agent {
                     continue;
                 }
                 if self.mounted(dir).await? {
-                    report.errors.push(format!("{dir} is mounted but this agent has no record of mounting it; left alone"));
+                    report.errors.push(format!(
+                        "{dir} is mounted but this agent has no record of mounting it; left alone"
+                    ));
                     continue;
                 }
                 match self.remove_holder(&record.volume, dir).await {
@@ -111,7 +117,8 @@ impl Agent {
     async fn record_holder_again(&self, entry: &super::stash::Entry) -> Result<bool, Failure> {
         let volume = &entry.volume;
         let current = self.ledger.get(&volume.name).await.map_err(super::ledger_failure)?;
-        let holder = crate::policy::Holder { consumer: entry.consumer.clone(), since: super::now_rfc3339() };
+        let holder =
+            crate::policy::Holder { consumer: entry.consumer.clone(), since: super::now_rfc3339() };
         let written = match current {
             Some((mut record, version)) => {
                 if record.holders.iter().any(|h| h.consumer.mount_dir == entry.consumer.mount_dir) {
@@ -151,7 +158,9 @@ impl Agent {
         let staging_root = self.config.kubelet_root.join("plugins/volagent");
         let rel = mount_point.strip_prefix(&staging_root).map_err(|e| e.to_string())?;
         let parts: Vec<&str> = rel.iter().filter_map(|c| c.to_str()).collect();
-        let [backend, "mounts", volume] = parts.as_slice() else { return Err("not a staging dir".into()) };
+        let [backend, "mounts", volume] = parts.as_slice() else {
+            return Err("not a staging dir".into());
+        };
         let plugin = self.plugin(backend).map_err(|f| f.message)?;
         let mut lock = Some(self.lock(volume).map_err(|f| f.message)?);
         let item = crate::policy::CleanupItem {
@@ -168,7 +177,9 @@ impl Agent {
             paths: self.config.paths(backend, volume),
             holders: Vec::new(),
         };
-        let plan = plugin.cleanup(self.queries(&plugin, &[]), crate::policy::CleanupReason::StaleNode, &[item]).map_err(|e| e.to_string())?;
+        let plan = plugin
+            .cleanup(self.queries(&plugin, &[]), crate::policy::CleanupReason::StaleNode, &[item])
+            .map_err(|e| e.to_string())?;
         self.run_plan(plan, false, &mut lock).await.map_err(|f| f.message)?;
         if self.mounted(&mount_point.display().to_string()).await.map_err(|f| f.message)? {
             return Err("still mounted after the backend's cleanup plan".into());
@@ -178,24 +189,35 @@ impl Agent {
 
     /// Staging mounts with no stashed consumer, and loop devices over local
     /// volume files that no stashed volume names and nothing mounts.
-    async fn sweep_orphans(&self, recorded: &BTreeSet<String>, report: &mut Report) -> Result<(), Failure> {
+    async fn sweep_orphans(
+        &self,
+        recorded: &BTreeSet<String>,
+        report: &mut Report,
+    ) -> Result<(), Failure> {
         let stash = self.stash_read(|s| s.all())?;
         let staging_root = self.config.kubelet_root.join("plugins/volagent");
         // First the backends' own cleanup plans, for the staging mounts
         // whose backend is loaded.
-        let mut used: BTreeSet<String> = stash.iter().map(|e| e.paths.staging_dir.clone()).collect();
+        let mut used: BTreeSet<String> =
+            stash.iter().map(|e| e.paths.staging_dir.clone()).collect();
         used.extend(recorded.iter().cloned());
         let sys = self.sys.clone();
         let table = blocking(move || sys.mounts.mount_table()).await?.map_err(internal)?;
         for m in table.iter().rev() {
             let p = m.mount_point.display().to_string();
-            let under = m.mount_point.starts_with(&staging_root) && m.mount_point.components().count() == staging_root.components().count() + 3;
+            let under = m.mount_point.starts_with(&staging_root)
+                && m.mount_point.components().count() == staging_root.components().count() + 3;
             if !under || clean_absolute(&p).is_err() || used.contains(&p) {
                 continue;
             }
             match self.clean_orphan_by_backend(&m.mount_point).await {
-                Ok(backend) => report.orphans.push(format!("orphan mount {p} (from {}), by backend {backend}'s cleanup plan", m.source)),
-                Err(why) => tracing::warn!(mount = %p, "orphan not cleaned by its backend ({why}); unmounting it plainly"),
+                Ok(backend) => report.orphans.push(format!(
+                    "orphan mount {p} (from {}), by backend {backend}'s cleanup plan",
+                    m.source
+                )),
+                Err(why) => {
+                    tracing::warn!(mount = %p, "orphan not cleaned by its backend ({why}); unmounting it plainly")
+                }
             }
         }
         let sys = self.sys.clone();

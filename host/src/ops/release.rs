@@ -31,21 +31,35 @@ impl Agent {
     /// `method` hears the wipe method once the plan is known, `progress`
     /// each step as it starts. Refused while a pod on this node still holds
     /// the volume or another operation on it runs.
-    pub async fn release_local_volume(&self, volume: Volume, method: impl FnOnce(&str), progress: Progress) -> Result<String, Failure> {
+    pub async fn release_local_volume(
+        &self,
+        volume: Volume,
+        method: impl FnOnce(&str),
+        progress: Progress,
+    ) -> Result<String, Failure> {
         let plugin = self.plugin(&volume.backend)?;
         let name = volume.name.clone();
         let held = self.stash_read(|s| s.all())?;
         if let Some(e) = held.iter().find(|e| e.volume.name == name) {
             return Err(Failure::new(
                 FailureKind::Busy,
-                format!("volume {name}: still mounted on this node for pod {}/{} at {}; not wiped", e.consumer.pod_namespace, e.consumer.pod, e.consumer.mount_dir),
+                format!(
+                    "volume {name}: still mounted on this node for pod {}/{} at {}; not wiped",
+                    e.consumer.pod_namespace, e.consumer.pod, e.consumer.mount_dir
+                ),
             ));
         }
         let devices = verified_devices(&volume).await?;
         let lock = self.lock(&name)?;
-        let item = CleanupItem { volume: volume.clone(), paths: self.config.paths(&volume.backend, &name), holders: vec![] };
+        let item = CleanupItem {
+            volume: volume.clone(),
+            paths: self.config.paths(&volume.backend, &name),
+            holders: vec![],
+        };
         let queries = Arc::new(self.node_queries(&plugin, &[]).with_devices(devices));
-        let plan = plugin.cleanup(queries, CleanupReason::LocalVolumeReleased, std::slice::from_ref(&item)).map_err(internal)?;
+        let plan = plugin
+            .cleanup(queries, CleanupReason::LocalVolumeReleased, std::slice::from_ref(&item))
+            .map_err(internal)?;
         let chosen = wipe_method(&plan);
         method(&chosen);
         let exec = Executor::new(self.sys.clone()).with_progress(progress);
@@ -62,7 +76,9 @@ impl Agent {
                 let _ = tx.send(exec.run(&plan));
             })
             .map_err(|e| internal(format!("volume {name}: cannot start the wipe thread: {e}")))?;
-        let result = rx.await.map_err(|_| internal(format!("volume {name}: the wipe thread ended without a result")))?;
+        let result = rx.await.map_err(|_| {
+            internal(format!("volume {name}: the wipe thread ended without a result"))
+        })?;
         result.map_err(|e| internal(format!("volume {name}: {e}")))?;
         Ok(chosen)
     }

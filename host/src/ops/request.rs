@@ -22,24 +22,32 @@ pub const MAX_PATH: usize = 4096;
 /// Check `dir` has kubelet's shape under one of `kubelet_roots` (kubelet's
 /// root resolved, then as configured: kubelet spells dirs its own way), and
 /// name it under the first.
-pub fn parse_mount_dir(kubelet_roots: &[&Path], backend: &str, dir: &str) -> Result<MountDir, String> {
+pub fn parse_mount_dir(
+    kubelet_roots: &[&Path],
+    backend: &str,
+    dir: &str,
+) -> Result<MountDir, String> {
     if dir.len() > MAX_PATH {
         return Err(format!("mount dir of {} bytes is longer than {MAX_PATH}", dir.len()));
     }
     clean_absolute(dir).map_err(|e| format!("mount dir: {e}"))?;
     let resolved = kubelet_roots.first().ok_or("no kubelet root configured")?;
-    let rest = kubelet_roots
-        .iter()
-        .find_map(|root| Path::new(dir).strip_prefix(root).ok())
-        .ok_or_else(|| format!("mount dir {dir} is not under the kubelet root {}", resolved.display()))?;
+    let rest =
+        kubelet_roots.iter().find_map(|root| Path::new(dir).strip_prefix(root).ok()).ok_or_else(
+            || format!("mount dir {dir} is not under the kubelet root {}", resolved.display()),
+        )?;
     let parts: Vec<&str> = rest.iter().filter_map(|c| c.to_str()).collect();
     let driver = format!("volagent~{backend}");
     match parts.as_slice() {
-        ["pods", uid, "volumes", d, name] if *d == driver && !uid.is_empty() && !name.is_empty() => Ok(MountDir {
-            dir: resolved.join(rest),
-            pod_uid: uid.to_string(),
-            name: name.to_string(),
-        }),
+        ["pods", uid, "volumes", d, name]
+            if *d == driver && !uid.is_empty() && !name.is_empty() =>
+        {
+            Ok(MountDir {
+                dir: resolved.join(rest),
+                pod_uid: uid.to_string(),
+                name: name.to_string(),
+            })
+        }
         _ => Err(format!(
             "mount dir {dir} does not have kubelet's shape {}/pods/<pod-uid>/volumes/{driver}/<volume>",
             resolved.display()
@@ -59,13 +67,19 @@ pub struct MountRequest {
 const K8S: &str = "kubernetes.io/";
 
 fn access_mode(value: &str) -> Result<AccessMode, String> {
-    crate::policy::parse_access_mode(value).ok_or_else(|| format!("accessMode {value:?} is not a Kubernetes access mode"))
+    crate::policy::parse_access_mode(value)
+        .ok_or_else(|| format!("accessMode {value:?} is not a Kubernetes access mode"))
 }
 
 /// Build the request from kubelet's options (all strings; see the
 /// Flexvolume contract). The access mode comes from the volume's own
 /// `accessMode` option (default ReadWriteOnce) until the PV is read.
-pub fn parse_mount(node: &str, backend: &str, dir: &MountDir, options: &BTreeMap<String, String>) -> Result<MountRequest, String> {
+pub fn parse_mount(
+    node: &str,
+    backend: &str,
+    dir: &MountDir,
+    options: &BTreeMap<String, String>,
+) -> Result<MountRequest, String> {
     let get = |key: &str| options.get(&format!("{K8S}{key}")).map(String::as_str);
     let required = |key: &str| {
         get(key).filter(|v| !v.is_empty()).ok_or_else(|| format!("option {K8S}{key} is missing"))
@@ -74,9 +88,15 @@ pub fn parse_mount(node: &str, backend: &str, dir: &MountDir, options: &BTreeMap
     // kubelet names a volume's dir after it: a request whose dir is another
     // volume's is not kubelet's.
     if volume_name != dir.name {
-        return Err(format!("volume {volume_name:?} does not match the mount dir's last component {:?}", dir.name));
+        return Err(format!(
+            "volume {volume_name:?} does not match the mount dir's last component {:?}",
+            dir.name
+        ));
     }
-    let pod_uid = get("pod.uid").or(get("pod.UID")).filter(|v| !v.is_empty()).ok_or("option kubernetes.io/pod.uid is missing")?;
+    let pod_uid = get("pod.uid")
+        .or(get("pod.UID"))
+        .filter(|v| !v.is_empty())
+        .ok_or("option kubernetes.io/pod.uid is missing")?;
     if pod_uid != dir.pod_uid {
         return Err(format!("pod uid {pod_uid} does not match the mount dir's {}", dir.pod_uid));
     }
@@ -171,9 +191,15 @@ mod tests {
         assert_eq!(r.volume.access_mode, AccessMode::ReadWriteMany);
         assert_eq!(r.volume.secret_keys, vec!["key"]);
         assert!(r.volume.options.iter().all(|kv| !kv.key.starts_with("kubernetes.io/")));
-        assert!(r.volume.options.iter().all(|kv| kv.value != "c2VjcmV0"), "secret values never reach guests");
+        assert!(
+            r.volume.options.iter().all(|kv| kv.value != "c2VjcmV0"),
+            "secret values never reach guests"
+        );
         assert_eq!(r.secrets["key"].expose(), b"secret", "they stay host-side, decoded");
-        assert!(!format!("{r:?}").contains("c2VjcmV0") && !format!("{r:?}").contains("\"secret\""), "and never in Debug output");
+        assert!(
+            !format!("{r:?}").contains("c2VjcmV0") && !format!("{r:?}").contains("\"secret\""),
+            "and never in Debug output"
+        );
         let mut bad = opts(&base);
         bad.insert("kubernetes.io/secret/key".into(), "%%%".into());
         assert!(parse_mount("n1", "local-pv", &d, &bad).unwrap_err().contains("not base64"));
@@ -192,16 +218,27 @@ mod tests {
         assert!(parse_mount("n1", "local-pv", &d, &bad).is_err());
         let mut missing = opts(&base);
         missing.remove("kubernetes.io/pvOrVolumeName");
-        assert!(parse_mount("n1", "local-pv", &d, &missing).unwrap_err().contains("pvOrVolumeName"));
+        assert!(
+            parse_mount("n1", "local-pv", &d, &missing).unwrap_err().contains("pvOrVolumeName")
+        );
         // The dir is the volume's: another volume's name is refused.
         let mut other = opts(&base);
         other.insert("kubernetes.io/pvOrVolumeName".into(), "pv2".into());
-        assert!(parse_mount("n1", "local-pv", &d, &other).unwrap_err().contains("does not match the mount dir"));
+        assert!(
+            parse_mount("n1", "local-pv", &d, &other)
+                .unwrap_err()
+                .contains("does not match the mount dir")
+        );
     }
 
     #[test]
     fn mount_dirs_in_kubelets_spelling_are_named_under_the_resolved_root() {
-        let d = parse_mount_dir(&[Path::new("/data/kubelet"), Path::new(ROOT)], "local-pv", "/var/lib/kubelet/pods/u-1/volumes/volagent~local-pv/pv1").unwrap();
+        let d = parse_mount_dir(
+            &[Path::new("/data/kubelet"), Path::new(ROOT)],
+            "local-pv",
+            "/var/lib/kubelet/pods/u-1/volumes/volagent~local-pv/pv1",
+        )
+        .unwrap();
         assert_eq!(d.dir, Path::new("/data/kubelet/pods/u-1/volumes/volagent~local-pv/pv1"));
         let long = format!("{ROOT}/pods/u/volumes/volagent~local-pv/{}", "x".repeat(5000));
         assert!(dir(&long).unwrap_err().contains("longer than"));

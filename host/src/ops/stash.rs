@@ -157,7 +157,10 @@ impl Stash {
     /// an agent killed mid-write left behind are removed; a file that is
     /// no record (damaged, or too large) is quarantined under its name.
     pub fn open(dir: &Path) -> Result<Stash, StashError> {
-        let err = |path: &Path, e: &dyn std::fmt::Display| StashError { path: path.to_path_buf(), message: e.to_string() };
+        let err = |path: &Path, e: &dyn std::fmt::Display| StashError {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        };
         let mut tables = Tables::new();
         let mut damaged = Vec::new();
         // The runtime dir as it comes (others reach the socket in it); the
@@ -182,7 +185,9 @@ impl Stash {
                     continue;
                 }
                 // Not a regular file within the cap: no record the agent wrote.
-                let record = read_record_file(&item.path()).map_err(|e| err(&item.path(), &e))?.unwrap_or_default();
+                let record = read_record_file(&item.path())
+                    .map_err(|e| err(&item.path(), &e))?
+                    .unwrap_or_default();
                 match decode_record(&record) {
                     Some((key, value)) if file_name(&key) == name => {
                         rows.insert(key, Row::new(value.to_vec()));
@@ -197,11 +202,22 @@ impl Stash {
         let mut dirs = BTreeMap::new();
         for table in [MOUNTS, PUBLISHED, QUARANTINE] {
             let path = dir.join(table);
-            let fd = nix::fcntl::open(&path, nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty())
-                .map_err(|e| err(&path, &e))?;
+            let fd = nix::fcntl::open(
+                &path,
+                nix::fcntl::OFlag::O_PATH
+                    | nix::fcntl::OFlag::O_DIRECTORY
+                    | nix::fcntl::OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::empty(),
+            )
+            .map_err(|e| err(&path, &e))?;
             dirs.insert(table, fd);
         }
-        let stash = Stash { dir: dir.to_path_buf(), dirs, pid: std::process::id(), tables: std::sync::Mutex::new(tables) };
+        let stash = Stash {
+            dir: dir.to_path_buf(),
+            dirs,
+            pid: std::process::id(),
+            tables: std::sync::Mutex::new(tables),
+        };
         for (table, name) in damaged {
             match table {
                 MOUNTS => stash.quarantine(&name, &name, &"not a stash record")?,
@@ -233,7 +249,13 @@ impl Stash {
 
     /// Write the file of `key`, then (under the same lock, so that the
     /// two agree) its value in memory: `decoded` when the caller has it.
-    fn write(&self, table: &'static str, key: &str, value: &[u8], decoded: Option<Decoded>) -> Result<(), StashError> {
+    fn write(
+        &self,
+        table: &'static str,
+        key: &str,
+        value: &[u8],
+        decoded: Option<Decoded>,
+    ) -> Result<(), StashError> {
         use nix::fcntl::OFlag;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let mut tables = self.tables();
@@ -242,13 +264,25 @@ impl Stash {
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = format!(".{name}.{}.{n}", self.pid);
         let dir = self.dir_of(table);
-        let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        let written = nix::fcntl::openat(dir, tmp.as_str(), flags, nix::sys::stat::Mode::from_bits_truncate(0o600))
-            .map_err(std::io::Error::from)
-            .and_then(|fd| std::io::Write::write_all(&mut std::fs::File::from(fd), &encode_record(key, value)))
-            .and_then(|()| nix::fcntl::renameat(dir, tmp.as_str(), dir, name.as_str()).map_err(std::io::Error::from));
+        let flags =
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let written = nix::fcntl::openat(
+            dir,
+            tmp.as_str(),
+            flags,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .map_err(std::io::Error::from)
+        .and_then(|fd| {
+            std::io::Write::write_all(&mut std::fs::File::from(fd), &encode_record(key, value))
+        })
+        .and_then(|()| {
+            nix::fcntl::renameat(dir, tmp.as_str(), dir, name.as_str())
+                .map_err(std::io::Error::from)
+        });
         if let Err(e) = written {
-            let _ = nix::unistd::unlinkat(dir, tmp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+            let _ =
+                nix::unistd::unlinkat(dir, tmp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
             return Err(self.err_at(&path, &e));
         }
         let row = match decoded {
@@ -266,8 +300,14 @@ impl Stash {
     fn remove_key(&self, table: &'static str, key: &str) -> Result<(), StashError> {
         let mut tables = self.tables();
         let name = file_name(key);
-        match nix::unistd::unlinkat(self.dir_of(table), name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir) {
-            Err(e) if e != nix::errno::Errno::ENOENT => Err(self.err_at(&self.dir.join(table).join(name), &e)),
+        match nix::unistd::unlinkat(
+            self.dir_of(table),
+            name.as_str(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        ) {
+            Err(e) if e != nix::errno::Errno::ENOENT => {
+                Err(self.err_at(&self.dir.join(table).join(name), &e))
+            }
             _ => {
                 tables.entry(table).or_default().remove(key);
                 Ok(())
@@ -278,21 +318,32 @@ impl Stash {
     /// What `f` makes of each row of `table` (under the lock: `f` must not
     /// touch the stash).
     fn rows<T>(&self, table: &str, f: impl Fn(&String, &Row) -> T) -> Vec<T> {
-        self.tables().get(table).map(|rows| rows.iter().map(|(k, v)| f(k, v)).collect()).unwrap_or_default()
+        self.tables()
+            .get(table)
+            .map(|rows| rows.iter().map(|(k, v)| f(k, v)).collect())
+            .unwrap_or_default()
     }
 
     /// Move the entry of `key` (its file `name`) out of the way: it cannot
     /// be decoded, and must neither fail every read of the stash nor be
     /// acted on.
-    fn quarantine(&self, key: &str, name: &str, why: &dyn std::fmt::Display) -> Result<(), StashError> {
+    fn quarantine(
+        &self,
+        key: &str,
+        name: &str,
+        why: &dyn std::fmt::Display,
+    ) -> Result<(), StashError> {
         tracing::error!(stash = %self.dir.display(), mount_dir = key, "undecodable stash entry quarantined ({why}); that dir's unmount falls back to the ledger");
         crate::metrics::get().stash_quarantined.inc();
         let mut tables = self.tables();
         match nix::fcntl::renameat(self.dir_of(MOUNTS), name, self.dir_of(QUARANTINE), name) {
-            Err(e) if e != nix::errno::Errno::ENOENT => return Err(self.err_at(&self.dir.join(MOUNTS).join(name), &e)),
+            Err(e) if e != nix::errno::Errno::ENOENT => {
+                return Err(self.err_at(&self.dir.join(MOUNTS).join(name), &e));
+            }
             _ => {}
         }
-        let value = tables.entry(MOUNTS).or_default().remove(key).map(|row| row.bytes).unwrap_or_default();
+        let value =
+            tables.entry(MOUNTS).or_default().remove(key).map(|row| row.bytes).unwrap_or_default();
         tables.entry(QUARANTINE).or_default().insert(key.to_string(), Row::new(value));
         Ok(())
     }
@@ -305,13 +356,19 @@ impl Stash {
 
     pub fn put(&self, entry: &Entry) -> Result<(), StashError> {
         let bytes = serde_json::to_vec(entry).map_err(|e| self.err(&e))?;
-        self.write(MOUNTS, &entry.consumer.mount_dir, &bytes, Some(Decoded::Entry(Box::new(entry.clone()))))
+        self.write(
+            MOUNTS,
+            &entry.consumer.mount_dir,
+            &bytes,
+            Some(Decoded::Entry(Box::new(entry.clone()))),
+        )
     }
 
     /// The entry of `mount_dir`; none when there is none or it could not
     /// be decoded (it is then quarantined).
     pub fn get(&self, mount_dir: &str) -> Result<Option<Entry>, StashError> {
-        let decoded = self.tables().get(MOUNTS).and_then(|rows| rows.get(mount_dir)).map(Row::entry);
+        let decoded =
+            self.tables().get(MOUNTS).and_then(|rows| rows.get(mount_dir)).map(Row::entry);
         match decoded {
             None => Ok(None),
             Some(Ok(entry)) => Ok(Some(entry)),
@@ -339,10 +396,14 @@ impl Stash {
     /// is then unpublished from the mount table alone).
     pub fn publications(&self) -> Result<Vec<Publication>, StashError> {
         let mut out = Vec::new();
-        for (target, decoded) in self.rows(PUBLISHED, |target, row| (target.clone(), row.publication())) {
+        for (target, decoded) in
+            self.rows(PUBLISHED, |target, row| (target.clone(), row.publication()))
+        {
             match decoded {
                 Ok(p) => out.push(p),
-                Err(e) => tracing::error!(stash = %self.dir.display(), target, "undecodable publication ignored: {e}"),
+                Err(e) => {
+                    tracing::error!(stash = %self.dir.display(), target, "undecodable publication ignored: {e}")
+                }
             }
         }
         Ok(out)
@@ -387,7 +448,11 @@ impl Stash {
             }
         };
         let mut n = 0;
-        for (table, rows) in [(MOUNTS, tables.mounts), (PUBLISHED, tables.published), (QUARANTINE, tables.quarantine)] {
+        for (table, rows) in [
+            (MOUNTS, tables.mounts),
+            (PUBLISHED, tables.published),
+            (QUARANTINE, tables.quarantine),
+        ] {
             for (key, value) in rows {
                 if !self.contains(table, &key) {
                     self.write(table, &key, &value, None)?;
@@ -407,12 +472,23 @@ impl Stash {
 fn read_record_file(path: &Path) -> Result<Option<Vec<u8>>, crate::sys::SysError> {
     let opened = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_CLOEXEC | nix::libc::O_NOCTTY)
+        .custom_flags(
+            nix::libc::O_NOFOLLOW
+                | nix::libc::O_NONBLOCK
+                | nix::libc::O_CLOEXEC
+                | nix::libc::O_NOCTTY,
+        )
         .open(path);
     let file = match opened {
         Ok(file) => file,
         Err(e) if e.raw_os_error() == Some(nix::libc::ELOOP) => return Ok(None),
-        Err(e) => return Err(crate::sys::SysError::Io { op: "open", path: path.to_path_buf(), source: e }),
+        Err(e) => {
+            return Err(crate::sys::SysError::Io {
+                op: "open",
+                path: path.to_path_buf(),
+                source: e,
+            });
+        }
     };
     match crate::sys::beneath::read_regular(file, path, MAX_FILE) {
         Ok(bytes) => Ok(Some(bytes)),
@@ -437,7 +513,10 @@ mod legacy {
     }
 
     pub fn read(file: &Path) -> Result<Tables, super::StashError> {
-        let err = |e: &dyn std::fmt::Display| super::StashError { path: file.to_path_buf(), message: e.to_string() };
+        let err = |e: &dyn std::fmt::Display| super::StashError {
+            path: file.to_path_buf(),
+            message: e.to_string(),
+        };
         let db = Database::open(file).map_err(|e| err(&e))?;
         let txn = db.begin_read().map_err(|e| err(&e))?;
         let rows = |def: TableDefinition<&str, &[u8]>| -> Result<Vec<(String, Vec<u8>)>, super::StashError> {
@@ -453,7 +532,11 @@ mod legacy {
             }
             Ok(out)
         };
-        Ok(Tables { mounts: rows(ENTRIES)?, published: rows(PUBLISHED)?, quarantine: rows(QUARANTINE)? })
+        Ok(Tables {
+            mounts: rows(ENTRIES)?,
+            published: rows(PUBLISHED)?,
+            quarantine: rows(QUARANTINE)?,
+        })
     }
 
     /// A database as an earlier agent left it (for the tests).
@@ -500,7 +583,12 @@ mod tests {
             read_only: false,
             mount_group: None,
         };
-        let paths = NodePaths { kubelet_root: "/k".into(), staging_dir: "/k/s".into(), state_dir: "/s".into(), discovery_dirs: vec![] };
+        let paths = NodePaths {
+            kubelet_root: "/k".into(),
+            staging_dir: "/k/s".into(),
+            state_dir: "/s".into(),
+            discovery_dirs: vec![],
+        };
         Entry { volume, consumer, paths, since: None }
     }
 
@@ -522,13 +610,21 @@ mod tests {
         // large — go the same way when the stash is opened.
         drop(stash);
         std::fs::write(dir.path().join("stash/mounts/junk"), b"\x01").unwrap();
-        std::fs::write(dir.path().join("stash/mounts/big"), vec![b'x'; (MAX_FILE + 1) as usize]).unwrap();
+        std::fs::write(dir.path().join("stash/mounts/big"), vec![b'x'; (MAX_FILE + 1) as usize])
+            .unwrap();
         // A FIFO is not waited on.
-        nix::unistd::mkfifo(&dir.path().join("stash/mounts/fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        nix::unistd::mkfifo(
+            &dir.path().join("stash/mounts/fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
         let stash = Stash::open(&dir.path().join("stash")).unwrap();
         assert_eq!(stash.all().unwrap(), vec![entry("/k/pods/a")]);
         assert_eq!(stash.quarantined().unwrap(), ["/k/pods/b", "/k/pods/c", "big", "fifo", "junk"]);
-        assert!(!dir.path().join("stash/mounts/junk").exists() && dir.path().join("stash/quarantine/junk").exists());
+        assert!(
+            !dir.path().join("stash/mounts/junk").exists()
+                && dir.path().join("stash/quarantine/junk").exists()
+        );
     }
 
     #[test]
@@ -545,7 +641,15 @@ mod tests {
         changed.consumer.read_only = true;
         stash.put(&changed).unwrap();
         assert_eq!(stash.all().unwrap(), vec![changed, entry(&long)]);
-        let p = Publication { volume: "pv1".into(), backend: "local-pv".into(), staging: "/s".into(), target: "/t".into(), read_only: false, single_pod: true, pod: "ns/p".into() };
+        let p = Publication {
+            volume: "pv1".into(),
+            backend: "local-pv".into(),
+            staging: "/s".into(),
+            target: "/t".into(),
+            read_only: false,
+            single_pod: true,
+            pod: "ns/p".into(),
+        };
         stash.put_publication(&p).unwrap();
         assert_eq!(stash.publications().unwrap(), vec![p]);
         stash.remove_publication("/t").unwrap();
@@ -574,15 +678,31 @@ mod tests {
         let mut changed = entry("/k/pods/a");
         changed.volume.name = "pv2".into();
         stash.put(&changed).unwrap();
-        assert_eq!(stash.get("/k/pods/a").unwrap(), Some(changed.clone()), "the new entry, not the one read before");
+        assert_eq!(
+            stash.get("/k/pods/a").unwrap(),
+            Some(changed.clone()),
+            "the new entry, not the one read before"
+        );
         assert_eq!(stash.all().unwrap(), vec![changed]);
         stash.put_raw("/k/pods/a", b"{not json").unwrap();
-        assert_eq!(stash.get("/k/pods/a").unwrap(), None, "damaged since the last read: quarantined");
+        assert_eq!(
+            stash.get("/k/pods/a").unwrap(),
+            None,
+            "damaged since the last read: quarantined"
+        );
         assert_eq!(stash.quarantined().unwrap(), ["/k/pods/a"]);
         stash.put(&entry("/k/pods/a")).unwrap();
         stash.remove("/k/pods/a").unwrap();
         assert_eq!(stash.get("/k/pods/a").unwrap(), None);
-        let mut p = Publication { volume: "pv1".into(), backend: "local-pv".into(), staging: "/s".into(), target: "/t".into(), read_only: false, single_pod: true, pod: "ns/p".into() };
+        let mut p = Publication {
+            volume: "pv1".into(),
+            backend: "local-pv".into(),
+            staging: "/s".into(),
+            target: "/t".into(),
+            read_only: false,
+            single_pod: true,
+            pod: "ns/p".into(),
+        };
         stash.put_publication(&p).unwrap();
         assert_eq!(stash.publications().unwrap(), vec![p.clone()]);
         p.read_only = true;
@@ -594,9 +714,24 @@ mod tests {
     fn an_earlier_agents_database_is_taken_in_and_set_aside() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("stash.redb");
-        let (a, b) = (serde_json::to_vec(&entry("/k/pods/a")).unwrap(), serde_json::to_vec(&entry("/k/pods/b")).unwrap());
-        let p = Publication { volume: "pv1".into(), backend: "local-pv".into(), staging: "/s".into(), target: "/t".into(), read_only: false, single_pod: false, pod: String::new() };
-        legacy::write(&file, &[("/k/pods/a", &a), ("/k/pods/b", &b)], &[("/t", &serde_json::to_vec(&p).unwrap())]);
+        let (a, b) = (
+            serde_json::to_vec(&entry("/k/pods/a")).unwrap(),
+            serde_json::to_vec(&entry("/k/pods/b")).unwrap(),
+        );
+        let p = Publication {
+            volume: "pv1".into(),
+            backend: "local-pv".into(),
+            staging: "/s".into(),
+            target: "/t".into(),
+            read_only: false,
+            single_pod: false,
+            pod: String::new(),
+        };
+        legacy::write(
+            &file,
+            &[("/k/pods/a", &a), ("/k/pods/b", &b)],
+            &[("/t", &serde_json::to_vec(&p).unwrap())],
+        );
         let stash = Stash::open(&dir.path().join("stash")).unwrap();
         // A write that fails keeps the database for the next start.
         std::fs::remove_dir(dir.path().join("stash/published")).unwrap();
@@ -610,7 +745,11 @@ mod tests {
         let mut newer = entry("/k/pods/b");
         newer.consumer.read_only = true;
         stash.put(&newer).unwrap();
-        assert_eq!(stash.import_legacy(&file).unwrap(), 2, "a and the publication; b is newer here");
+        assert_eq!(
+            stash.import_legacy(&file).unwrap(),
+            2,
+            "a and the publication; b is newer here"
+        );
         assert_eq!(stash.all().unwrap(), vec![entry("/k/pods/a"), newer]);
         assert_eq!(stash.publications().unwrap(), vec![p]);
         assert!(!file.exists() && dir.path().join("stash.redb-imported").exists(), "set aside");

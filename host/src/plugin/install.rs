@@ -32,7 +32,11 @@ pub fn volume_plugin_dir(configured: Option<&Path>) -> Result<PathBuf, InstallEr
     if let Some(dir) = configured {
         return Ok(dir.to_path_buf());
     }
-    KNOWN_VOLUME_PLUGIN_DIRS.iter().map(PathBuf::from).find(|d| d.is_dir()).ok_or(InstallError::NoPluginDir)
+    KNOWN_VOLUME_PLUGIN_DIRS
+        .iter()
+        .map(PathBuf::from)
+        .find(|d| d.is_dir())
+        .ok_or(InstallError::NoPluginDir)
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> InstallError + '_ {
@@ -58,7 +62,11 @@ fn write_atomic(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> Result<PathB
 /// whole: kubelet probes a plugin dir the moment it appears, and a dir
 /// without its executable fails that probe — which makes kubelet 1.20 drop
 /// every driver of the same probe round.
-pub fn install_driver(volume_plugin_dir: &Path, driver_binary: &Path, config: &DriverConfig) -> Result<PathBuf, InstallError> {
+pub fn install_driver(
+    volume_plugin_dir: &Path,
+    driver_binary: &Path,
+    config: &DriverConfig,
+) -> Result<PathBuf, InstallError> {
     let name = format!("volagent~{}", config.backend);
     let dir = volume_plugin_dir.join(&name);
     let json = serde_json::to_vec_pretty(config).map_err(|e| io(&dir)(std::io::Error::other(e)))?;
@@ -111,7 +119,11 @@ pub fn registration_path(kubelet_root: &Path, backend: &str) -> PathBuf {
 
 /// Tell kubelet which container carries this backend's mount utilities
 /// (the containerized mount utilities convention), atomically.
-pub fn register_container(kubelet_root: &Path, backend: &str, pod: &super::reload::PodIdentity) -> Result<PathBuf, InstallError> {
+pub fn register_container(
+    kubelet_root: &Path,
+    backend: &str,
+    pod: &super::reload::PodIdentity,
+) -> Result<PathBuf, InstallError> {
     let path = registration_path(kubelet_root, backend);
     let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
@@ -137,11 +149,15 @@ mod tests {
         let vpd = tempfile::tempdir().unwrap();
         let bin = vpd.path().join("fake-driver");
         std::fs::write(&bin, b"#!/bin/sh\n").unwrap();
-        let config = DriverConfig { socket: "/run/volagent/agent.sock".into(), backend: "local-pv".into() };
+        let config =
+            DriverConfig { socket: "/run/volagent/agent.sock".into(), backend: "local-pv".into() };
         let path = install_driver(vpd.path(), &bin, &config).unwrap();
         assert_eq!(path, vpd.path().join("volagent~local-pv/local-pv"));
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o755);
-        let back: DriverConfig = serde_json::from_slice(&std::fs::read(vpd.path().join("volagent~local-pv/volagent.json")).unwrap()).unwrap();
+        let back: DriverConfig = serde_json::from_slice(
+            &std::fs::read(vpd.path().join("volagent~local-pv/volagent.json")).unwrap(),
+        )
+        .unwrap();
         assert_eq!(back, config);
         let leftovers: Vec<_> = std::fs::read_dir(vpd.path().join("volagent~local-pv"))
             .unwrap()
@@ -154,7 +170,10 @@ mod tests {
             .filter_map(|e| e.ok())
             .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
             .collect();
-        assert!(staged.is_empty(), "the new driver's dir was staged under a dot-name and renamed: {staged:?}");
+        assert!(
+            staged.is_empty(),
+            "the new driver's dir was staged under a dot-name and renamed: {staged:?}"
+        );
         // Reinstalling replaces in place.
         install_driver(vpd.path(), &bin, &config).unwrap();
     }
@@ -164,18 +183,27 @@ mod tests {
         let vpd = tempfile::tempdir().unwrap();
         let bin = vpd.path().join("fake-driver");
         std::fs::write(&bin, b"#!/bin/sh\n").unwrap();
-        let config = DriverConfig { socket: "/run/volagent/agent.sock".into(), backend: "nbd".into() };
+        let config =
+            DriverConfig { socket: "/run/volagent/agent.sock".into(), backend: "nbd".into() };
         install_driver(vpd.path(), &bin, &config).unwrap();
         uninstall_driver(vpd.path(), "nbd").unwrap();
         assert!(!vpd.path().join("volagent~nbd").exists());
         uninstall_driver(vpd.path(), "nbd").expect("uninstalling twice is fine");
 
         let root = tempfile::tempdir().unwrap();
-        let pod = super::super::reload::PodIdentity { pod_namespace: "volagent-system".into(), pod_name: "agent-x".into(), pod_uid: "u-1".into(), container_name: "agent".into() };
+        let pod = super::super::reload::PodIdentity {
+            pod_namespace: "volagent-system".into(),
+            pod_name: "agent-x".into(),
+            pod_uid: "u-1".into(),
+            container_name: "agent".into(),
+        };
         let path = register_container(root.path(), "nbd", &pod).unwrap();
         assert_eq!(path, root.path().join("plugin-containers/volagent~nbd.json"));
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(v, serde_json::json!({"podNamespace": "volagent-system", "podName": "agent-x", "podUID": "u-1", "containerName": "agent"}));
+        assert_eq!(
+            v,
+            serde_json::json!({"podNamespace": "volagent-system", "podName": "agent-x", "podUID": "u-1", "containerName": "agent"})
+        );
         unregister_container(root.path(), "nbd").unwrap();
         assert!(!path.exists());
     }
@@ -184,6 +212,8 @@ mod tests {
     fn a_configured_dir_wins_and_none_found_says_what_to_do() {
         assert_eq!(volume_plugin_dir(Some(Path::new("/x"))).unwrap(), PathBuf::from("/x"));
         let msg = InstallError::NoPluginDir.to_string();
-        assert!(msg.contains("--volume-plugin-dir") && msg.contains("/var/lib/kubelet/volumeplugins"));
+        assert!(
+            msg.contains("--volume-plugin-dir") && msg.contains("/var/lib/kubelet/volumeplugins")
+        );
     }
 }

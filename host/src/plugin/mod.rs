@@ -5,4 +5,3 @@
 pub mod install;
 pub mod reload;
 pub mod watch;
-

@@ -116,22 +116,33 @@ fn wasm_files(dir: &Path) -> std::io::Result<BTreeMap<String, PathBuf>> {
 fn scenarios_beside(file: &Path) -> Option<PathBuf> {
     let stem = file.file_stem()?.to_str()?;
     let dir = file.parent()?;
-    [dir.join(format!("{stem}.scenarios.yaml")), dir.join(format!("{stem}.scenarios"))].into_iter().find(|p| p.exists())
+    [dir.join(format!("{stem}.scenarios.yaml")), dir.join(format!("{stem}.scenarios"))]
+        .into_iter()
+        .find(|p| p.exists())
 }
 
 /// Load `file` (its `bytes`, read once) and run its own scenarios; the
 /// plugin, or why not.
-fn load_checked(runtime: &Arc<Runtime>, file: &Path, bytes: &[u8]) -> Result<Plugin, (Option<String>, String)> {
+fn load_checked(
+    runtime: &Arc<Runtime>,
+    file: &Path,
+    bytes: &[u8],
+) -> Result<Plugin, (Option<String>, String)> {
     let plugin = Plugin::load_bytes(runtime, file, bytes).map_err(|e| (None, e.to_string()))?;
     if let Some(scenarios) = scenarios_beside(file) {
         let backend = Some(plugin.name().to_string());
-        let files = crate::policy::scenario::files(&scenarios).map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
+        let files = crate::policy::scenario::files(&scenarios)
+            .map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
         for f in files {
-            let outcomes = crate::policy::scenario::run_file(&plugin, &f).map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
+            let outcomes = crate::policy::scenario::run_file(&plugin, &f)
+                .map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
             if let Some(o) = outcomes.iter().find(|o| o.failure.is_some()) {
                 let why = o.failure.clone().unwrap_or_default();
                 let first = why.lines().next().unwrap_or_default().to_string();
-                return Err((backend, format!("its scenario {:?} in {} fails: {first}", o.name, f.display())));
+                return Err((
+                    backend,
+                    format!("its scenario {:?} in {} fails: {first}", o.name, f.display()),
+                ));
             }
         }
     }
@@ -140,8 +151,24 @@ fn load_checked(runtime: &Arc<Runtime>, file: &Path, bytes: &[u8]) -> Result<Plu
 
 impl Reloader {
     /// `rt` runs the async parts (stash reads, Events).
-    pub fn new(agent: Arc<Agent>, runtime: Arc<Runtime>, dir: PathBuf, integration: Integration, rt: tokio::runtime::Handle) -> Reloader {
-        Reloader { agent, runtime, dir, integration, served: BTreeMap::new(), rejected: BTreeMap::new(), pending_removal: BTreeMap::new(), passes: 0, rt }
+    pub fn new(
+        agent: Arc<Agent>,
+        runtime: Arc<Runtime>,
+        dir: PathBuf,
+        integration: Integration,
+        rt: tokio::runtime::Handle,
+    ) -> Reloader {
+        Reloader {
+            agent,
+            runtime,
+            dir,
+            integration,
+            served: BTreeMap::new(),
+            rejected: BTreeMap::new(),
+            pending_removal: BTreeMap::new(),
+            passes: 0,
+            rt,
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -179,7 +206,13 @@ impl Reloader {
                 Err(_) if self.rejected.get(name).is_some_and(|r| r.0.is_empty()) => continue,
                 Err(e) => {
                     let backend = self.served.get(name).map(|s| s.backend.clone());
-                    self.reject(name, String::new(), backend, format!("unreadable: {e}"), &mut report);
+                    self.reject(
+                        name,
+                        String::new(),
+                        backend,
+                        format!("unreadable: {e}"),
+                        &mut report,
+                    );
                     continue;
                 }
             };
@@ -196,10 +229,17 @@ impl Reloader {
             let Ok(bytes) = bytes else { continue };
             match load_checked(&self.runtime, path, &bytes) {
                 Ok(plugin) => self.take(name, path, sha, plugin, &mut report),
-                Err((backend, reason)) => self.reject(name, sha, backend.or_else(|| self.served.get(name).map(|s| s.backend.clone())), reason, &mut report),
+                Err((backend, reason)) => self.reject(
+                    name,
+                    sha,
+                    backend.or_else(|| self.served.get(name).map(|s| s.backend.clone())),
+                    reason,
+                    &mut report,
+                ),
             }
         }
-        let gone: Vec<String> = self.served.keys().filter(|n| !files.contains_key(*n)).cloned().collect();
+        let gone: Vec<String> =
+            self.served.keys().filter(|n| !files.contains_key(*n)).cloned().collect();
         for name in gone {
             if let Some(s) = self.served.remove(&name) {
                 self.pending_removal.insert(s.backend, (name, s.sha256));
@@ -211,9 +251,18 @@ impl Reloader {
         report
     }
 
-    fn take(&mut self, name: &str, path: &Path, sha: String, plugin: Plugin, report: &mut PassReport) {
+    fn take(
+        &mut self,
+        name: &str,
+        path: &Path,
+        sha: String,
+        plugin: Plugin,
+        report: &mut PassReport,
+    ) {
         let backend = plugin.name().to_string();
-        if let Some((other, _)) = self.served.iter().find(|(n, s)| s.backend == backend && n.as_str() != name) {
+        if let Some((other, _)) =
+            self.served.iter().find(|(n, s)| s.backend == backend && n.as_str() != name)
+        {
             let reason = format!("backend {backend} is already served by {other}");
             return self.reject(name, sha, Some(backend), reason, report);
         }
@@ -221,7 +270,8 @@ impl Reloader {
         let old = self.agent.swap_plugin(plugin);
         self.rejected.remove(name);
         self.pending_removal.remove(&backend);
-        self.served.insert(name.to_string(), Served { backend: backend.clone(), sha256: sha.clone() });
+        self.served
+            .insert(name.to_string(), Served { backend: backend.clone(), sha256: sha.clone() });
         match old {
             Some(old) => {
                 tracing::info!(backend, version, file = %path.display(), sha256 = sha, previous = %old.info().version, "backend updated");
@@ -237,18 +287,43 @@ impl Reloader {
         self.integrate(&backend);
     }
 
-    fn reject(&mut self, name: &str, sha: String, backend: Option<String>, reason: String, report: &mut PassReport) {
+    fn reject(
+        &mut self,
+        name: &str,
+        sha: String,
+        backend: Option<String>,
+        reason: String,
+        report: &mut PassReport,
+    ) {
         let file = self.dir.join(name).display().to_string();
-        let serving = backend.as_ref().is_some_and(|b| self.served.values().any(|s| &s.backend == b));
-        let consequence = if serving { "the last good version keeps serving" } else { "not loaded" };
-        tracing::error!(file, sha256 = sha, backend = backend.as_deref().unwrap_or("?"), "backend degraded: {reason}; {consequence}");
+        let serving =
+            backend.as_ref().is_some_and(|b| self.served.values().any(|s| &s.backend == b));
+        let consequence =
+            if serving { "the last good version keeps serving" } else { "not loaded" };
+        tracing::error!(
+            file,
+            sha256 = sha,
+            backend = backend.as_deref().unwrap_or("?"),
+            "backend degraded: {reason}; {consequence}"
+        );
         crate::metrics::get().backend_degraded(backend.as_deref().unwrap_or(name), 1);
         if let Some(cluster) = self.agent.cluster().cloned()
             && let Some(pod) = &self.integration.pod
         {
             let message = format!("{file} (sha256 {sha}) rejected: {reason}; {consequence}");
             let pod = pod.clone();
-            self.rt.spawn(async move { cluster.pod_event(&pod.pod_namespace, &pod.pod_name, &pod.pod_uid, true, "BackendDegraded", &message).await });
+            self.rt.spawn(async move {
+                cluster
+                    .pod_event(
+                        &pod.pod_namespace,
+                        &pod.pod_name,
+                        &pod.pod_uid,
+                        true,
+                        "BackendDegraded",
+                        &message,
+                    )
+                    .await
+            });
         }
         report.rejected.push(format!("{file}: {reason}"));
         self.rejected.insert(name.to_string(), (sha, backend, reason));
@@ -260,7 +335,11 @@ impl Reloader {
             let attached = match self.rt.block_on(self.agent.volumes_of(&backend)) {
                 Ok(v) => v,
                 Err(f) => {
-                    tracing::error!(backend, "cannot tell whether volumes are attached; removal waits: {}", f.message);
+                    tracing::error!(
+                        backend,
+                        "cannot tell whether volumes are attached; removal waits: {}",
+                        f.message
+                    );
                     continue;
                 }
             };
@@ -292,13 +371,17 @@ impl Reloader {
                 reason: reason.clone(),
             })
             .collect();
-        problems.extend(self.pending_removal.iter().map(|(backend, (name, sha))| PluginProblem {
-            backend: Some(backend.clone()),
-            file: self.dir.join(name).display().to_string(),
-            sha256: sha.clone(),
-            state: "removal-pending".into(),
-            reason: "the file was removed, but volumes of this backend are attached on this node".into(),
-        }));
+        problems.extend(
+            self.pending_removal.iter().map(|(backend, (name, sha))| PluginProblem {
+                backend: Some(backend.clone()),
+                file: self.dir.join(name).display().to_string(),
+                sha256: sha.clone(),
+                state: "removal-pending".into(),
+                reason:
+                    "the file was removed, but volumes of this backend are attached on this node"
+                        .into(),
+            }),
+        );
         // A backend served by a good file is not degraded any more.
         for s in self.served.values() {
             if !problems.iter().any(|p| p.backend.as_deref() == Some(&s.backend)) {
@@ -314,7 +397,9 @@ impl Reloader {
         if let Some(vpd) = &i.volume_plugin_dir {
             let config = DriverConfig { socket: i.socket.clone(), backend: backend.to_string() };
             match install::install_driver(vpd, &i.driver_binary, &config) {
-                Ok(path) => tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}"),
+                Ok(path) => {
+                    tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}")
+                }
                 Err(e) => tracing::error!(backend, "Flexvolume driver not installed: {e}"),
             }
         }
@@ -325,8 +410,12 @@ impl Reloader {
         }
         if let Some(pod) = &i.pod {
             match install::register_container(&i.kubelet_root, backend, pod) {
-                Ok(path) => tracing::info!(backend, file = %path.display(), "registered the agent's container for kubelet's mount utilities"),
-                Err(e) => tracing::error!(backend, "plugin-containers registration not written: {e}"),
+                Ok(path) => {
+                    tracing::info!(backend, file = %path.display(), "registered the agent's container for kubelet's mount utilities")
+                }
+                Err(e) => {
+                    tracing::error!(backend, "plugin-containers registration not written: {e}")
+                }
             }
         }
     }

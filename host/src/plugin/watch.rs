@@ -18,7 +18,9 @@ const REMOVAL_RECHECK: Duration = Duration::from_secs(2);
 fn relevant(event: &notify::Event) -> bool {
     !matches!(event.kind, EventKind::Access(_))
         && event.paths.iter().any(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| !n.starts_with('.') && n.ends_with(".wasm"))
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| !n.starts_with('.') && n.ends_with(".wasm"))
         })
 }
 
@@ -33,15 +35,18 @@ impl DirWatch {
     pub fn start(dir: &std::path::Path) -> anyhow::Result<DirWatch> {
         use anyhow::Context;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
-            Ok(e) if relevant(&e) => {
-                let _ = tx.send(());
-            }
-            Ok(_) => {}
-            Err(e) => tracing::error!("plugin dir watch: {e}"),
-        })
-        .context("inotify watch of the plugin dir")?;
-        watcher.watch(dir, RecursiveMode::NonRecursive).with_context(|| format!("watching {}", dir.display()))?;
+        let mut watcher =
+            notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+                Ok(e) if relevant(&e) => {
+                    let _ = tx.send(());
+                }
+                Ok(_) => {}
+                Err(e) => tracing::error!("plugin dir watch: {e}"),
+            })
+            .context("inotify watch of the plugin dir")?;
+        watcher
+            .watch(dir, RecursiveMode::NonRecursive)
+            .with_context(|| format!("watching {}", dir.display()))?;
         tracing::info!(dir = %dir.display(), "watching the plugin dir for backends added, updated and removed");
         Ok(DirWatch { _watcher: watcher, rx })
     }
@@ -65,12 +70,19 @@ pub async fn run(watch: DirWatch, reloader: Reloader) -> anyhow::Result<()> {
         if event.is_some() {
             // Coalesce: until quiet, or the window after the first event ends.
             let first = Instant::now();
-            while let Ok(Some(())) = tokio::time::timeout(QUIET.min((first + WINDOW).saturating_duration_since(Instant::now())), rx.recv()).await {}
+            while let Ok(Some(())) = tokio::time::timeout(
+                QUIET.min((first + WINDOW).saturating_duration_since(Instant::now())),
+                rx.recv(),
+            )
+            .await
+            {}
         }
         tokio::time::sleep_until(last_pass + WINDOW).await;
         while rx.try_recv().is_ok() {}
         let r = reloader.clone();
-        let report = tokio::task::spawn_blocking(move || r.lock().unwrap_or_else(|p| p.into_inner()).pass()).await;
+        let report =
+            tokio::task::spawn_blocking(move || r.lock().unwrap_or_else(|p| p.into_inner()).pass())
+                .await;
         last_pass = Instant::now();
         match report {
             Ok(report) => tracing::debug!(?report, "plugin dir pass"),

@@ -3,8 +3,8 @@
 //! or take-over checked before anyone acts on it.
 
 use super::bindings::{
-    Backend, BackendInfo, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts, NodePaths, Plan,
-    PolicyError, Volume,
+    Backend, BackendInfo, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts,
+    NodePaths, Plan, PolicyError, Volume,
 };
 use super::compat::v0_4::volagent::policy::types as old;
 use super::compat::{self, convert, v0_4};
@@ -19,9 +19,13 @@ use wasmtime::{Store, Trap};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
-    #[error("backend {backend}: {function} ran past its deadline of {deadline_ms} ms and was stopped")]
+    #[error(
+        "backend {backend}: {function} ran past its deadline of {deadline_ms} ms and was stopped"
+    )]
     Deadline { backend: String, function: &'static str, deadline_ms: u128 },
-    #[error("backend {backend}: {function} tried to grow its memory past the cap of {cap_mib} MiB and was stopped")]
+    #[error(
+        "backend {backend}: {function} tried to grow its memory past the cap of {cap_mib} MiB and was stopped"
+    )]
     Memory { backend: String, function: &'static str, cap_mib: usize },
     #[error("backend {backend}: {function} trapped: {message}")]
     Trap { backend: String, function: &'static str, message: String },
@@ -66,7 +70,8 @@ pub(crate) fn invoke<I, R>(
     let (mut store, instance) = match ready {
         Some(Ready { store, instance }) => (store, instance),
         None => {
-            let mut store = spare::new_store(&runtime.engine, backend.clone(), queries.clone(), &limits);
+            let mut store =
+                spare::new_store(&runtime.engine, backend.clone(), queries.clone(), &limits);
             let mut made = instantiate(&mut store);
             // Every slot in use: those of instances made ahead, and of used
             // ones not dropped yet, go to calls.
@@ -82,7 +87,11 @@ pub(crate) fn invoke<I, R>(
                 // A start function that traps or loops is the guest's fault;
                 // anything else (e.g. every pool slot in use) is the host's.
                 Err(e) if !spare::guest_fault(&store, &e) => {
-                    return Err(CallError::Instantiate { backend: backend.to_string(), function, message: format!("{e:#}") });
+                    return Err(CallError::Instantiate {
+                        backend: backend.to_string(),
+                        function,
+                        message: format!("{e:#}"),
+                    });
                 }
                 Err(e) => return Err(fault(&store, backend, function, e)),
             }
@@ -91,7 +100,12 @@ pub(crate) fn invoke<I, R>(
     let result = f(&instance, &mut store);
     let dropped = store.data().dropped_log_lines();
     if dropped > 0 {
-        tracing::warn!(backend = &**backend, function, dropped, "guest log lines over the per-call limit were dropped");
+        tracing::warn!(
+            backend = &**backend,
+            function,
+            dropped,
+            "guest log lines over the per-call limit were dropped"
+        );
     }
     let result = result.map_err(|e| fault(&store, backend, function, e));
     drop(instance);
@@ -102,22 +116,52 @@ pub(crate) fn invoke<I, R>(
 }
 
 /// `info`, of a guest of either contract.
-pub(crate) fn call_info(runtime: &Runtime, pre: &Pre, backend: &Arc<str>, queries: Arc<dyn Queries>) -> Result<BackendInfo, CallError> {
+pub(crate) fn call_info(
+    runtime: &Runtime,
+    pre: &Pre,
+    backend: &Arc<str>,
+    queries: Arc<dyn Queries>,
+) -> Result<BackendInfo, CallError> {
     match pre {
-        Pre::Current(pre) => invoke(runtime, backend, queries, "info", None, None, |s| pre.instantiate(s), |b, s| b.volagent_policy_policy().call_info(s)),
-        Pre::V0_4(pre) => invoke(runtime, backend, queries, "info", None, None, |s| pre.instantiate(s), |b, s| convert(&b.volagent_policy_policy().call_info(s)?)),
+        Pre::Current(pre) => invoke(
+            runtime,
+            backend,
+            queries,
+            "info",
+            None,
+            None,
+            |s| pre.instantiate(s),
+            |b, s| b.volagent_policy_policy().call_info(s),
+        ),
+        Pre::V0_4(pre) => invoke(
+            runtime,
+            backend,
+            queries,
+            "info",
+            None,
+            None,
+            |s| pre.instantiate(s),
+            |b, s| convert(&b.volagent_policy_policy().call_info(s)?),
+        ),
     }
 }
 
 /// A 0.4 guest's answer as the 0.5 answer it is.
-fn up<A: serde::Serialize, E: serde::Serialize, B: serde::de::DeserializeOwned>(r: Result<A, E>) -> wasmtime::Result<Result<B, PolicyError>> {
+fn up<A: serde::Serialize, E: serde::Serialize, B: serde::de::DeserializeOwned>(
+    r: Result<A, E>,
+) -> wasmtime::Result<Result<B, PolicyError>> {
     Ok(match r {
         Ok(a) => Ok(convert(&a)?),
         Err(e) => Err(convert(&e)?),
     })
 }
 
-fn fault(store: &Store<CallState>, backend: &str, function: &'static str, e: wasmtime::Error) -> CallError {
+fn fault(
+    store: &Store<CallState>,
+    backend: &str,
+    function: &'static str,
+    e: wasmtime::Error,
+) -> CallError {
     let limits = store.data().limits;
     let backend = backend.to_string();
     if store.data().memory.refused {
@@ -154,22 +198,48 @@ impl Plugin {
         queries: Arc<dyn Queries>,
         function: &'static str,
         unaskable: Option<PolicyError>,
-        current: impl FnOnce(&Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
-        v0_4: impl FnOnce(&v0_4::Backend, &mut Store<CallState>) -> wasmtime::Result<Result<R, PolicyError>>,
+        current: impl FnOnce(
+            &Backend,
+            &mut Store<CallState>,
+        ) -> wasmtime::Result<Result<R, PolicyError>>,
+        v0_4: impl FnOnce(
+            &v0_4::Backend,
+            &mut Store<CallState>,
+        ) -> wasmtime::Result<Result<R, PolicyError>>,
     ) -> Result<R, CallError> {
         let start = std::time::Instant::now();
         let result = match (&self.pre, unaskable) {
             (Pre::Current(pre), _) => {
                 let ready = self.spares.take(&queries, &self.runtime.limits);
-                invoke(&self.runtime, &self.name, queries, function, ready, Some(&self.spares), |s| pre.instantiate(s), current)
+                invoke(
+                    &self.runtime,
+                    &self.name,
+                    queries,
+                    function,
+                    ready,
+                    Some(&self.spares),
+                    |s| pre.instantiate(s),
+                    current,
+                )
             }
             (Pre::V0_4(_), Some(refusal)) => Ok(Err(refusal)),
             (Pre::V0_4(pre), None) => {
                 let ready = self.spares.take(&queries, &self.runtime.limits);
-                invoke(&self.runtime, &self.name, queries, function, ready, Some(&self.spares), |s| pre.instantiate(s), v0_4)
+                invoke(
+                    &self.runtime,
+                    &self.name,
+                    queries,
+                    function,
+                    ready,
+                    Some(&self.spares),
+                    |s| pre.instantiate(s),
+                    v0_4,
+                )
             }
         }
-        .and_then(|r| r.map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error }));
+        .and_then(|r| {
+            r.map_err(|error| CallError::Policy { backend: self.name.to_string(), function, error })
+        });
         let outcome = match &result {
             Ok(_) => "ok",
             Err(CallError::Policy { .. }) => "refused",
@@ -182,9 +252,17 @@ impl Plugin {
         result
     }
 
-    fn checked(&self, function: &'static str, plan: Plan, op: &Operation) -> Result<Plan, CallError> {
-        validate::plan(&plan, &self.info().capabilities, op)
-            .map_err(|error| CallError::Plan { backend: self.name.to_string(), function, error })?;
+    fn checked(
+        &self,
+        function: &'static str,
+        plan: Plan,
+        op: &Operation,
+    ) -> Result<Plan, CallError> {
+        validate::plan(&plan, &self.info().capabilities, op).map_err(|error| CallError::Plan {
+            backend: self.name.to_string(),
+            function,
+            error,
+        })?;
         Ok(plan)
     }
 
@@ -196,15 +274,29 @@ impl Plugin {
     /// May `requester` use `volume`? A take-over is checked: its stale
     /// holders must be recorded holders on provably gone nodes, and its
     /// fence steps storage-level steps the backend declared.
-    pub fn fence(&self, q: Arc<dyn Queries>, volume: &Volume, requester: &Consumer, holders: &[Holder], nodes: &[NodeFacts]) -> Result<Decision, CallError> {
+    pub fn fence(
+        &self,
+        q: Arc<dyn Queries>,
+        volume: &Volume,
+        requester: &Consumer,
+        holders: &[Holder],
+        nodes: &[NodeFacts],
+    ) -> Result<Decision, CallError> {
         let decision = self.call(
             q,
             "fence",
             compat::unaskable(volume, Some(requester)),
             |b, s| b.volagent_policy_policy().call_fence(s, volume, requester, holders, nodes),
             |b, s| {
-                let (h, n): (Vec<old::Holder>, Vec<old::NodeFacts>) = (convert(holders)?, convert(nodes)?);
-                up(b.volagent_policy_policy().call_fence(s, &convert(volume)?, &convert(requester)?, &h, &n)?)
+                let (h, n): (Vec<old::Holder>, Vec<old::NodeFacts>) =
+                    (convert(holders)?, convert(nodes)?);
+                up(b.volagent_policy_policy().call_fence(
+                    s,
+                    &convert(volume)?,
+                    &convert(requester)?,
+                    &h,
+                    &n,
+                )?)
             },
         )?;
         if let Decision::TakeOver(take) = &decision {
@@ -215,30 +307,60 @@ impl Plugin {
     }
 
     /// The plan attaching `volume` for `requester`, checked.
-    pub fn attach(&self, q: Arc<dyn Queries>, volume: &Volume, requester: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
+    pub fn attach(
+        &self,
+        q: Arc<dyn Queries>,
+        volume: &Volume,
+        requester: &Consumer,
+        local_holders: &[Holder],
+        paths: &NodePaths,
+    ) -> Result<Plan, CallError> {
         let plan = self.call(
             q,
             "attach",
             compat::unaskable(volume, Some(requester)),
-            |b, s| b.volagent_policy_policy().call_attach(s, volume, requester, local_holders, paths),
+            |b, s| {
+                b.volagent_policy_policy().call_attach(s, volume, requester, local_holders, paths)
+            },
             |b, s| {
                 let h: Vec<old::Holder> = convert(local_holders)?;
-                up(b.volagent_policy_policy().call_attach(s, &convert(volume)?, &convert(requester)?, &h, &convert(paths)?)?)
+                up(b.volagent_policy_policy().call_attach(
+                    s,
+                    &convert(volume)?,
+                    &convert(requester)?,
+                    &h,
+                    &convert(paths)?,
+                )?)
             },
         )?;
         self.checked("attach", plan, &Operation::Attach { volume, consumer: requester, paths })
     }
 
     /// The plan detaching `volume` from `consumer`, checked.
-    pub fn detach(&self, q: Arc<dyn Queries>, volume: &Volume, consumer: &Consumer, local_holders: &[Holder], paths: &NodePaths) -> Result<Plan, CallError> {
+    pub fn detach(
+        &self,
+        q: Arc<dyn Queries>,
+        volume: &Volume,
+        consumer: &Consumer,
+        local_holders: &[Holder],
+        paths: &NodePaths,
+    ) -> Result<Plan, CallError> {
         let plan = self.call(
             q,
             "detach",
             compat::unaskable(volume, Some(consumer)),
-            |b, s| b.volagent_policy_policy().call_detach(s, volume, consumer, local_holders, paths),
+            |b, s| {
+                b.volagent_policy_policy().call_detach(s, volume, consumer, local_holders, paths)
+            },
             |b, s| {
                 let h: Vec<old::Holder> = convert(local_holders)?;
-                up(b.volagent_policy_policy().call_detach(s, &convert(volume)?, &convert(consumer)?, &h, &convert(paths)?)?)
+                up(b.volagent_policy_policy().call_detach(
+                    s,
+                    &convert(volume)?,
+                    &convert(consumer)?,
+                    &h,
+                    &convert(paths)?,
+                )?)
             },
         )?;
         self.checked("detach", plan, &Operation::Detach { volume, consumer, paths })
@@ -247,27 +369,64 @@ impl Plugin {
     /// The plan growing `volume` where `consumer` has it, checked. A 0.4
     /// guest was never asked: the host grows the filesystem at the
     /// consumer's dir itself, as it did for 0.4.
-    pub fn expand(&self, q: Arc<dyn Queries>, volume: &Volume, consumer: &Consumer, paths: &NodePaths) -> Result<Plan, CallError> {
-        let grow = || vec![crate::policy::Step::GrowFilesystem(crate::policy::GrowFilesystem { target: consumer.mount_dir.clone() })];
+    pub fn expand(
+        &self,
+        q: Arc<dyn Queries>,
+        volume: &Volume,
+        consumer: &Consumer,
+        paths: &NodePaths,
+    ) -> Result<Plan, CallError> {
+        let grow = || {
+            vec![crate::policy::Step::GrowFilesystem(crate::policy::GrowFilesystem {
+                target: consumer.mount_dir.clone(),
+            })]
+        };
         if let Pre::V0_4(_) = self.pre {
             if let Some(error) = compat::unaskable(volume, Some(consumer)) {
-                return Err(CallError::Policy { backend: self.name.to_string(), function: "expand", error });
+                return Err(CallError::Policy {
+                    backend: self.name.to_string(),
+                    function: "expand",
+                    error,
+                });
             }
             return Ok(grow());
         }
-        let plan = self.call(q, "expand", None, |b, s| b.volagent_policy_policy().call_expand(s, volume, consumer, paths), |_, _| Ok(Ok(grow())))?;
+        let plan = self.call(
+            q,
+            "expand",
+            None,
+            |b, s| b.volagent_policy_policy().call_expand(s, volume, consumer, paths),
+            |_, _| Ok(Ok(grow())),
+        )?;
         self.checked("expand", plan, &Operation::Expand { volume, consumer, paths })
     }
 
     /// Why `volume` is not healthy where `consumer` has it, by the backend;
     /// a 0.4 guest was never asked (none). Bounded: it is shown to people.
-    pub fn condition(&self, q: Arc<dyn Queries>, volume: &Volume, consumer: &Consumer, paths: &NodePaths) -> Result<Option<String>, CallError> {
-        let said = self.call(q, "condition", None, |b, s| b.volagent_policy_policy().call_condition(s, volume, consumer, paths).map(Ok), |_, _| Ok(Ok(None)))?;
+    pub fn condition(
+        &self,
+        q: Arc<dyn Queries>,
+        volume: &Volume,
+        consumer: &Consumer,
+        paths: &NodePaths,
+    ) -> Result<Option<String>, CallError> {
+        let said = self.call(
+            q,
+            "condition",
+            None,
+            |b, s| b.volagent_policy_policy().call_condition(s, volume, consumer, paths).map(Ok),
+            |_, _| Ok(Ok(None)),
+        )?;
         Ok(said.map(|m| crate::ops::bounded(m, 1024)))
     }
 
     /// The plan cleaning up `items`, checked against all their paths.
-    pub fn cleanup(&self, q: Arc<dyn Queries>, reason: CleanupReason, items: &[CleanupItem]) -> Result<Plan, CallError> {
+    pub fn cleanup(
+        &self,
+        q: Arc<dyn Queries>,
+        reason: CleanupReason,
+        items: &[CleanupItem],
+    ) -> Result<Plan, CallError> {
         let unaskable = items.iter().find_map(|i| compat::unaskable(&i.volume, None));
         let plan = self.call(
             q,

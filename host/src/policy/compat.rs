@@ -39,22 +39,34 @@ pub fn unaskable(volume: &Volume, consumer: Option<&Consumer>) -> Option<PolicyE
     } else {
         return None;
     };
-    Some(PolicyError::Unsupported(format!("the backend speaks volagent:policy@{VERSION}, which has no {why}; rebuild it against 0.5")))
+    Some(PolicyError::Unsupported(format!(
+        "the backend speaks volagent:policy@{VERSION}, which has no {why}; rebuild it against 0.5"
+    )))
 }
 
 impl v0_4::volagent::policy::types::Host for CallState {}
 
 /// The 0.4 `host` is the 0.5 one: the same queries, the same types.
 impl v0_4::volagent::policy::host::Host for CallState {
-    fn log(&mut self, level: v0_4::volagent::policy::types::LogLevel, message: String) -> wasmtime::Result<()> {
+    fn log(
+        &mut self,
+        level: v0_4::volagent::policy::types::LogLevel,
+        message: String,
+    ) -> wasmtime::Result<()> {
         super::bindings::volagent::policy::host::Host::log(self, convert(&level)?, message)
     }
 
-    fn node_state(&mut self, name: String) -> wasmtime::Result<v0_4::volagent::policy::types::NodeFacts> {
+    fn node_state(
+        &mut self,
+        name: String,
+    ) -> wasmtime::Result<v0_4::volagent::policy::types::NodeFacts> {
         convert(&super::bindings::volagent::policy::host::Host::node_state(self, name)?)
     }
 
-    fn lookup_path(&mut self, path: String) -> wasmtime::Result<v0_4::volagent::policy::types::PathKind> {
+    fn lookup_path(
+        &mut self,
+        path: String,
+    ) -> wasmtime::Result<v0_4::volagent::policy::types::PathKind> {
         convert(&super::bindings::volagent::policy::host::Host::lookup_path(self, path)?)
     }
 
@@ -62,11 +74,18 @@ impl v0_4::volagent::policy::host::Host for CallState {
         super::bindings::volagent::policy::host::Host::filesystem_type(self, device)
     }
 
-    fn mount_at(&mut self, target: String) -> wasmtime::Result<Option<v0_4::volagent::policy::types::MountEntry>> {
+    fn mount_at(
+        &mut self,
+        target: String,
+    ) -> wasmtime::Result<Option<v0_4::volagent::policy::types::MountEntry>> {
         convert(&super::bindings::volagent::policy::host::Host::mount_at(self, target)?)
     }
 
-    fn image_watchers(&mut self, pool: String, image: String) -> wasmtime::Result<Result<Vec<v0_4::volagent::policy::types::Watcher>, String>> {
+    fn image_watchers(
+        &mut self,
+        pool: String,
+        image: String,
+    ) -> wasmtime::Result<Result<Vec<v0_4::volagent::policy::types::Watcher>, String>> {
         convert(&super::bindings::volagent::policy::host::Host::image_watchers(self, pool, image)?)
     }
 }

@@ -24,7 +24,11 @@ pub struct CallState {
 }
 
 impl CallState {
-    pub(crate) fn new(backend: Arc<str>, queries: Arc<dyn Queries>, limits: super::runtime::Limits) -> Self {
+    pub(crate) fn new(
+        backend: Arc<str>,
+        queries: Arc<dyn Queries>,
+        limits: super::runtime::Limits,
+    ) -> Self {
         CallState {
             wasi: WasiCtx::builder().build(),
             table: ResourceTable::new(),
@@ -56,14 +60,24 @@ pub(crate) struct MemoryCap {
 }
 
 impl wasmtime::ResourceLimiter for MemoryCap {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _max: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         if desired > self.cap {
             self.refused = true;
             return Ok(false);
         }
         Ok(true)
     }
-    fn table_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _max: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         Ok(desired <= 100_000)
     }
 }
@@ -119,7 +133,11 @@ impl host::Host for CallState {
         Ok(self.queries.mount_at(&target)?)
     }
 
-    fn image_watchers(&mut self, pool: String, image: String) -> wasmtime::Result<Result<Vec<Watcher>, String>> {
+    fn image_watchers(
+        &mut self,
+        pool: String,
+        image: String,
+    ) -> wasmtime::Result<Result<Vec<Watcher>, String>> {
         Ok(self.queries.image_watchers(&pool, &image))
     }
 }

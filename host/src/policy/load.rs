@@ -3,9 +3,9 @@
 
 use super::bindings::{BackendInfo, BackendPre};
 use super::call::CallError;
+use super::compat;
 use super::queries::RecordedQueries;
 use super::runtime::Runtime;
-use super::compat;
 use super::{COMPAT_VERSIONS, CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -14,7 +14,8 @@ use wasmtime::component::Component;
 
 /// WASI interfaces a std Rust guest imports even when it does no I/O. They
 /// are linked to an empty context: no preopens, environment or arguments.
-const ALLOWED_WASI_PACKAGES: &[&str] = &["wasi:cli/", "wasi:clocks/", "wasi:io/", "wasi:random/", "wasi:filesystem/"];
+const ALLOWED_WASI_PACKAGES: &[&str] =
+    &["wasi:cli/", "wasi:clocks/", "wasi:io/", "wasi:random/", "wasi:filesystem/"];
 /// Our own interfaces a guest may import.
 const ALLOWED_OWN_INTERFACES: &[&str] = &["host", "types"];
 
@@ -73,27 +74,44 @@ impl Plugin {
     /// could block or never end), refused when oversized before it is read.
     pub fn load_file(runtime: &Arc<Runtime>, path: &Path) -> Result<Plugin, LoadError> {
         let max = runtime.limits.max_file_bytes;
-        let size = std::fs::metadata(path).map_err(|source| LoadError::Read { path: path.to_path_buf(), source })?.len();
+        let size = std::fs::metadata(path)
+            .map_err(|source| LoadError::Read { path: path.to_path_buf(), source })?
+            .len();
         if size > max {
             return Err(LoadError::TooLarge { path: path.to_path_buf(), size, max });
         }
         let bytes = match crate::sys::beneath::read_file(path, max) {
             Ok(bytes) => bytes,
-            Err(crate::sys::SysError::Io { source, .. }) => return Err(LoadError::Read { path: path.to_path_buf(), source }),
-            Err(e) => return Err(LoadError::Read { path: path.to_path_buf(), source: std::io::Error::other(e.to_string()) }),
+            Err(crate::sys::SysError::Io { source, .. }) => {
+                return Err(LoadError::Read { path: path.to_path_buf(), source });
+            }
+            Err(e) => {
+                return Err(LoadError::Read {
+                    path: path.to_path_buf(),
+                    source: std::io::Error::other(e.to_string()),
+                });
+            }
         };
         Self::load_bytes(runtime, path, &bytes)
     }
 
     /// Load a component from bytes; `path` names it in errors.
-    pub fn load_bytes(runtime: &Arc<Runtime>, path: &Path, bytes: &[u8]) -> Result<Plugin, LoadError> {
+    pub fn load_bytes(
+        runtime: &Arc<Runtime>,
+        path: &Path,
+        bytes: &[u8],
+    ) -> Result<Plugin, LoadError> {
         let path_buf = || path.to_path_buf();
         let size = bytes.len() as u64;
         if size == 0 {
             return Err(LoadError::Empty { path: path_buf() });
         }
         if size > runtime.limits.max_file_bytes {
-            return Err(LoadError::TooLarge { path: path_buf(), size, max: runtime.limits.max_file_bytes });
+            return Err(LoadError::TooLarge {
+                path: path_buf(),
+                size,
+                max: runtime.limits.max_file_bytes,
+            });
         }
         check_header(path, bytes)?;
         let sha256 = hex::encode(Sha256::digest(bytes));
@@ -101,14 +119,19 @@ impl Plugin {
             .map_err(|e| LoadError::Compile { path: path_buf(), message: format!("{e:#}") })?;
 
         let ty = component.component_type();
-        let exports: Vec<String> = ty.exports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
+        let exports: Vec<String> =
+            ty.exports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
         let (export, contract) = find_policy_export(path, &exports)?;
-        let imports: Vec<String> = ty.imports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
+        let imports: Vec<String> =
+            ty.imports(&runtime.engine).map(|(name, _)| name.to_string()).collect();
         if let Some(bad) = imports.iter().find(|i| !import_allowed(i, contract)) {
             return Err(LoadError::DisallowedImport { path: path_buf(), import: bad.clone() });
         }
 
-        let contract_err = |e: wasmtime::Error| LoadError::Contract { path: path_buf(), message: format!("{e:#}") };
+        let contract_err = |e: wasmtime::Error| LoadError::Contract {
+            path: path_buf(),
+            message: format!("{e:#}"),
+        };
         let instance_pre = runtime.linker.instantiate_pre(&component).map_err(contract_err)?;
         let pre = if contract == CONTRACT_VERSION {
             Pre::Current(BackendPre::new(instance_pre).map_err(contract_err)?)
@@ -116,9 +139,15 @@ impl Plugin {
             Pre::V0_4(compat::v0_4::BackendPre::new(instance_pre).map_err(contract_err)?)
         };
 
-        let provisional: Arc<str> = Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
-        let info = super::call::call_info(runtime, &pre, &provisional, Arc::new(RecordedQueries::default()))
-            .map_err(|source| LoadError::Info { path: path_buf(), source })?;
+        let provisional: Arc<str> =
+            Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
+        let info = super::call::call_info(
+            runtime,
+            &pre,
+            &provisional,
+            Arc::new(RecordedQueries::default()),
+        )
+        .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
         let name: Arc<str> = Arc::from(info.name.as_str());
         let spares = super::spare::Spares::new(pre.clone(), name.clone());
@@ -197,7 +226,8 @@ fn split_version(name: &str) -> (&str, Option<&str>) {
 /// the major is 0, same minor too (semver's rule for 0.x, which is also how
 /// wasmtime matches import versions).
 fn same_line(found: &str, contract: &str) -> bool {
-    let (Ok(found), Ok(ours)) = (semver::Version::parse(found), semver::Version::parse(contract)) else {
+    let (Ok(found), Ok(ours)) = (semver::Version::parse(found), semver::Version::parse(contract))
+    else {
         return false;
     };
     found.major == ours.major && (ours.major != 0 || found.minor == ours.minor)
@@ -206,7 +236,9 @@ fn same_line(found: &str, contract: &str) -> bool {
 /// The contract this host serves a guest speaking `found` under: its own,
 /// or one it keeps an adapter for.
 pub(crate) fn contract_of(found: &str) -> Option<&'static str> {
-    std::iter::once(CONTRACT_VERSION).chain(COMPAT_VERSIONS.iter().copied()).find(|c| same_line(found, c))
+    std::iter::once(CONTRACT_VERSION)
+        .chain(COMPAT_VERSIONS.iter().copied())
+        .find(|c| same_line(found, c))
 }
 
 /// Our own interfaces only of the contract the guest exports (a guest
@@ -214,13 +246,17 @@ pub(crate) fn contract_of(found: &str) -> Option<&'static str> {
 fn import_allowed(import: &str, contract: &str) -> bool {
     let (name, version) = split_version(import);
     if let Some(iface) = name.strip_prefix(CONTRACT_PACKAGE).and_then(|r| r.strip_prefix('/')) {
-        return ALLOWED_OWN_INTERFACES.contains(&iface) && version.is_some_and(|v| same_line(v, contract));
+        return ALLOWED_OWN_INTERFACES.contains(&iface)
+            && version.is_some_and(|v| same_line(v, contract));
     }
     ALLOWED_WASI_PACKAGES.iter().any(|p| name.starts_with(p))
 }
 
 /// The policy export and the contract it is served under.
-fn find_policy_export(path: &Path, exports: &[String]) -> Result<(String, &'static str), LoadError> {
+fn find_policy_export(
+    path: &Path,
+    exports: &[String],
+) -> Result<(String, &'static str), LoadError> {
     let wanted = format!("{CONTRACT_PACKAGE}/{POLICY_INTERFACE}");
     let Some(export) = exports.iter().find(|e| split_version(e).0 == wanted) else {
         let list = if exports.is_empty() { "none".to_string() } else { exports.join(", ") };
@@ -228,7 +264,9 @@ fn find_policy_export(path: &Path, exports: &[String]) -> Result<(String, &'stat
     };
     match split_version(export).1.and_then(contract_of) {
         Some(contract) => Ok((export.clone(), contract)),
-        None => Err(LoadError::IncompatibleVersion { path: path.to_path_buf(), found: export.clone() }),
+        None => {
+            Err(LoadError::IncompatibleVersion { path: path.to_path_buf(), found: export.clone() })
+        }
     }
 }
 
@@ -241,18 +279,26 @@ fn check_info(info: &BackendInfo) -> Result<(), String> {
         && !name.starts_with('-')
         && !name.ends_with('-');
     if !label_ok {
-        return Err(format!("name {name:?} must be a DNS label (lower-case letters, digits, '-', at most 63)"));
+        return Err(format!(
+            "name {name:?} must be a DNS label (lower-case letters, digits, '-', at most 63)"
+        ));
     }
     if semver::Version::parse(&info.version).is_err() {
-        return Err(format!("version {:?} of backend {name} is not a semantic version", info.version));
+        return Err(format!(
+            "version {:?} of backend {name} is not a semantic version",
+            info.version
+        ));
     }
     let caps = &info.capabilities;
     if caps.steps.is_empty() {
         return Err(format!("backend {name} declares no steps"));
     }
     for fs in caps.filesystems.iter().chain(&caps.network_filesystems) {
-        if fs.is_empty() || !fs.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_') {
-            return Err(format!("backend {name} declares filesystem {fs:?}, which is not a filesystem type name"));
+        if fs.is_empty() || !fs.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_')
+        {
+            return Err(format!(
+                "backend {name} declares filesystem {fs:?}, which is not a filesystem type name"
+            ));
         }
     }
     Ok(())
@@ -266,11 +312,19 @@ mod tests {
     fn versions() {
         assert_eq!(contract_of("0.5.0"), Some("0.5.0"));
         assert_eq!(contract_of("0.5.7"), Some("0.5.0"));
-        assert_eq!(contract_of("0.4.0"), Some("0.4.0"), "0.4 guests are served through the adapter");
+        assert_eq!(
+            contract_of("0.4.0"),
+            Some("0.4.0"),
+            "0.4 guests are served through the adapter"
+        );
         assert_eq!(contract_of("0.4.2"), Some("0.4.0"));
         assert_eq!(contract_of("0.1.0"), None, "0.2 changed nbd-spec: a 0.1 guest is refused");
         assert_eq!(contract_of("0.2.0"), None, "0.3 changed rbd-spec: a 0.2 guest is refused");
-        assert_eq!(contract_of("0.3.0"), None, "0.4 added the clear-directory step: a 0.3 guest is refused");
+        assert_eq!(
+            contract_of("0.3.0"),
+            None,
+            "0.4 added the clear-directory step: a 0.3 guest is refused"
+        );
         assert_eq!(contract_of("0.6.0"), None);
         assert_eq!(contract_of("1.1.0"), None);
         assert_eq!(contract_of("garbage"), None);
@@ -281,7 +335,10 @@ mod tests {
         assert!(import_allowed("volagent:policy/host@0.5.0", "0.5.0"));
         assert!(import_allowed("volagent:policy/types@0.5.2", "0.5.0"));
         assert!(import_allowed("volagent:policy/host@0.4.0", "0.4.0"));
-        assert!(!import_allowed("volagent:policy/host@0.4.0", "0.5.0"), "one contract's imports with another's export");
+        assert!(
+            !import_allowed("volagent:policy/host@0.4.0", "0.5.0"),
+            "one contract's imports with another's export"
+        );
         assert!(!import_allowed("volagent:policy/host@0.1.0", "0.5.0"));
         assert!(!import_allowed("volagent:policy/host", "0.5.0"));
         assert!(!import_allowed("volagent:policy/secrets@0.5.0", "0.5.0"));
@@ -295,13 +352,22 @@ mod tests {
     #[test]
     fn export_version_is_checked() {
         let p = Path::new("x.wasm");
-        assert_eq!(find_policy_export(p, &["volagent:policy/policy@0.5.3".into()]).unwrap().1, "0.5.0");
-        assert_eq!(find_policy_export(p, &["volagent:policy/policy@0.4.0".into()]).unwrap().1, "0.4.0");
+        assert_eq!(
+            find_policy_export(p, &["volagent:policy/policy@0.5.3".into()]).unwrap().1,
+            "0.5.0"
+        );
+        assert_eq!(
+            find_policy_export(p, &["volagent:policy/policy@0.4.0".into()]).unwrap().1,
+            "0.4.0"
+        );
         assert!(matches!(
             find_policy_export(p, &["volagent:policy/policy@0.1.0".into()]),
             Err(LoadError::IncompatibleVersion { .. })
         ));
-        assert!(matches!(find_policy_export(p, &["wasi:cli/run@0.2.0".into()]), Err(LoadError::WrongWorld { .. })));
+        assert!(matches!(
+            find_policy_export(p, &["wasi:cli/run@0.2.0".into()]),
+            Err(LoadError::WrongWorld { .. })
+        ));
     }
 
     #[test]

@@ -9,8 +9,8 @@ mod imports;
 mod load;
 pub mod queries;
 mod runtime;
-mod spare;
 pub mod scenario;
+mod spare;
 pub mod validate;
 
 pub use bindings::volagent::policy::types::*;

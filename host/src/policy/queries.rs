@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 pub enum QueryError {
     #[error("{query} {path}: outside the dirs this backend may ask about ({roots})")]
     OutsideRoots { query: &'static str, path: String, roots: String },
-    #[error("{query} {path}: no answer within {ms} ms (a hung filesystem, or a device that does not answer); the guest's call is failed")]
+    #[error(
+        "{query} {path}: no answer within {ms} ms (a hung filesystem, or a device that does not answer); the guest's call is failed"
+    )]
     Timeout { query: &'static str, path: String, ms: u128 },
     #[error("{query} {path}: {message}")]
     Failed { query: &'static str, path: String, message: String },

@@ -106,11 +106,15 @@ impl Runtime {
         Backend::add_to_linker::<CallState, HasSelf<CallState>>(&mut linker, |s| s)
             .map_err(RuntimeError::Link)?;
         // The previous contract's `host`, for guests built against it.
-        super::compat::v0_4::Backend::add_to_linker::<CallState, HasSelf<CallState>>(&mut linker, |s| s)
-            .map_err(RuntimeError::Link)?;
+        super::compat::v0_4::Backend::add_to_linker::<CallState, HasSelf<CallState>>(
+            &mut linker,
+            |s| s,
+        )
+        .map_err(RuntimeError::Link)?;
 
         let ticker = Ticker::start(engine.clone()).map_err(RuntimeError::Ticker)?;
-        let janitor = super::spare::Janitor::start(engine.clone(), limits, ticker.handle()).map_err(RuntimeError::Janitor)?;
+        let janitor = super::spare::Janitor::start(engine.clone(), limits, ticker.handle())
+            .map_err(RuntimeError::Janitor)?;
         Ok(Arc::new(Runtime { engine, linker, limits, ticker, janitor, spares: Mutex::default() }))
     }
 }
@@ -139,7 +143,13 @@ impl Runtime {
     /// Drop every instance made ahead, of every backend, so that their pool
     /// slots serve calls; whether there were any.
     pub(crate) fn release_spares(&self) -> bool {
-        let all: Vec<_> = self.spares.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(|s| s.upgrade()).collect();
+        let all: Vec<_> = self
+            .spares
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|s| s.upgrade())
+            .collect();
         // Every backend's, not only up to the first that had some.
         all.iter().filter(|s| s.release()).count() > 0
     }
@@ -210,27 +220,31 @@ impl Ticker {
     fn start(engine: Engine) -> std::io::Result<Self> {
         let state: Arc<(Mutex<TickerState>, Condvar)> = Arc::default();
         let shared = state.clone();
-        let thread = std::thread::Builder::new().name("volagent-epoch".into()).spawn(move || {
-            let (lock, wake) = &*shared;
-            loop {
-                {
-                    let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
-                    while s.calls == 0 && !s.stop && s.idle_since.is_none_or(|t| t.elapsed() >= LINGER) {
-                        s.parked = true;
-                        s = wake.wait(s).unwrap_or_else(|e| e.into_inner());
-                        s.parked = false;
+        let thread =
+            std::thread::Builder::new().name("volagent-epoch".into()).spawn(move || {
+                let (lock, wake) = &*shared;
+                loop {
+                    {
+                        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+                        while s.calls == 0
+                            && !s.stop
+                            && s.idle_since.is_none_or(|t| t.elapsed() >= LINGER)
+                        {
+                            s.parked = true;
+                            s = wake.wait(s).unwrap_or_else(|e| e.into_inner());
+                            s.parked = false;
+                        }
+                        if s.stop {
+                            return;
+                        }
                     }
-                    if s.stop {
-                        return;
-                    }
+                    // A call that starts during this sleep counts its end as a
+                    // tick: deadline_ticks' extra tick covers that.
+                    std::thread::sleep(EPOCH_TICK);
+                    engine.increment_epoch();
+                    lock.lock().unwrap_or_else(|e| e.into_inner()).ticks += 1;
                 }
-                // A call that starts during this sleep counts its end as a
-                // tick: deadline_ticks' extra tick covers that.
-                std::thread::sleep(EPOCH_TICK);
-                engine.increment_epoch();
-                lock.lock().unwrap_or_else(|e| e.into_inner()).ticks += 1;
-            }
-        })?;
+            })?;
         Ok(Ticker { handle: TickerHandle { state }, thread: Some(thread) })
     }
 

@@ -170,11 +170,21 @@ impl Prepared {
         let q = self.queries.clone();
         match &self.call {
             Call::Info => outcome("info", plugin.call_info(q)),
-            Call::Fence(i) => outcome("decision", plugin.fence(q, &i.volume, &i.requester, &i.holders, &i.nodes)),
-            Call::Attach(i) => outcome("plan", plugin.attach(q, &i.volume, &i.requester, &i.local_holders, &i.paths)),
-            Call::Detach(i) => outcome("plan", plugin.detach(q, &i.volume, &i.consumer, &i.local_holders, &i.paths)),
+            Call::Fence(i) => {
+                outcome("decision", plugin.fence(q, &i.volume, &i.requester, &i.holders, &i.nodes))
+            }
+            Call::Attach(i) => outcome(
+                "plan",
+                plugin.attach(q, &i.volume, &i.requester, &i.local_holders, &i.paths),
+            ),
+            Call::Detach(i) => outcome(
+                "plan",
+                plugin.detach(q, &i.volume, &i.consumer, &i.local_holders, &i.paths),
+            ),
             Call::Expand(i) => outcome("plan", plugin.expand(q, &i.volume, &i.consumer, &i.paths)),
-            Call::Condition(i) => outcome("condition", plugin.condition(q, &i.volume, &i.consumer, &i.paths)),
+            Call::Condition(i) => {
+                outcome("condition", plugin.condition(q, &i.volume, &i.consumer, &i.paths))
+            }
             Call::Cleanup(i) => outcome("plan", plugin.cleanup(q, i.reason, &i.items)),
         }
     }
@@ -194,15 +204,24 @@ pub fn load(path: &Path, backend: &str) -> Result<Vec<Result<Prepared, Malformed
     let parse_err = |message: String| ScenarioError::Parse { path: path.to_path_buf(), message };
     // Scenario files ship beside plugins: read like them, a regular file
     // of bounded size.
-    let bytes = crate::sys::beneath::read_file(path, MAX_SCENARIO_BYTES)
-        .map_err(|e| ScenarioError::Read { path: path.to_path_buf(), source: std::io::Error::other(e.to_string()) })?;
+    let bytes = crate::sys::beneath::read_file(path, MAX_SCENARIO_BYTES).map_err(|e| {
+        ScenarioError::Read {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        }
+    })?;
     let text = String::from_utf8(bytes).map_err(|e| parse_err(format!("not UTF-8: {e}")))?;
     parse_str(path, &text, path.extension().is_some_and(|e| e == "json"), backend)
 }
 
 /// Parse scenario text for `backend`, JSON or YAML; `path` only names it in
 /// errors. Apart from [`load`] so that it can be fuzzed from memory.
-pub fn parse_str(path: &Path, text: &str, json: bool, backend: &str) -> Result<Vec<Result<Prepared, Malformed>>, ScenarioError> {
+pub fn parse_str(
+    path: &Path,
+    text: &str,
+    json: bool,
+    backend: &str,
+) -> Result<Vec<Result<Prepared, Malformed>>, ScenarioError> {
     let parse_err = |message: String| ScenarioError::Parse { path: path.to_path_buf(), message };
     let file: ScenarioFile = if json {
         serde_json::from_str(text).map_err(|e| parse_err(e.to_string()))?
@@ -210,13 +229,14 @@ pub fn parse_str(path: &Path, text: &str, json: bool, backend: &str) -> Result<V
         serde_norway::from_str(text).map_err(|e| parse_err(e.to_string()))?
     };
     if let Some(expected) = &file.backend
-        && expected != backend {
-            return Err(ScenarioError::WrongBackend {
-                path: path.to_path_buf(),
-                expected: expected.clone(),
-                actual: backend.to_string(),
-            });
-        }
+        && expected != backend
+    {
+        return Err(ScenarioError::WrongBackend {
+            path: path.to_path_buf(),
+            expected: expected.clone(),
+            actual: backend.to_string(),
+        });
+    }
     Ok(file
         .scenarios
         .into_iter()
@@ -232,7 +252,11 @@ pub fn run_file(plugin: &Plugin, path: &Path) -> Result<Vec<Outcome>, ScenarioEr
     Ok(load(path, plugin.name())?
         .into_iter()
         .map(|prepared| match prepared {
-            Ok(p) => Outcome { file: path.to_path_buf(), failure: p.check(&p.execute(plugin)), name: p.name },
+            Ok(p) => Outcome {
+                file: path.to_path_buf(),
+                failure: p.check(&p.execute(plugin)),
+                name: p.name,
+            },
             Err((name, why)) => Outcome { file: path.to_path_buf(), name, failure: Some(why) },
         })
         .collect())
@@ -254,7 +278,14 @@ impl CallKind {
 
 /// Keys no call takes are typos: refuse them rather than test nothing.
 fn check_default_keys(defaults: &Defaults) -> Result<(), String> {
-    let all = [CallKind::Fence, CallKind::Attach, CallKind::Detach, CallKind::Expand, CallKind::Condition, CallKind::Cleanup];
+    let all = [
+        CallKind::Fence,
+        CallKind::Attach,
+        CallKind::Detach,
+        CallKind::Expand,
+        CallKind::Condition,
+        CallKind::Cleanup,
+    ];
     match defaults.input.keys().find(|k| !all.iter().any(|c| c.keys().contains(&k.as_str()))) {
         Some(k) => Err(format!("defaults.input.{k} is not an input of any call")),
         None => Ok(()),
@@ -270,16 +301,22 @@ fn unknown_key(written: &Value, typed: &Value, at: &str) -> Option<String> {
             None => Some(format!("{at}.{k}")),
             Some(tv) => unknown_key(v, tv, &format!("{at}.{k}")),
         }),
-        (Value::Array(w), Value::Array(t)) => {
-            w.iter().zip(t).enumerate().find_map(|(i, (wv, tv))| unknown_key(wv, tv, &format!("{at}[{i}]")))
-        }
+        (Value::Array(w), Value::Array(t)) => w
+            .iter()
+            .zip(t)
+            .enumerate()
+            .find_map(|(i, (wv, tv))| unknown_key(wv, tv, &format!("{at}[{i}]"))),
         _ => None,
     }
 }
 
 /// Parse `value` as `T`, refusing keys `T` does not have.
-fn strict<T: serde::de::DeserializeOwned + serde::Serialize>(value: Value, what: &str) -> Result<T, String> {
-    let typed: T = serde_json::from_value(value.clone()).map_err(|e| format!("invalid {what}: {e}"))?;
+fn strict<T: serde::de::DeserializeOwned + serde::Serialize>(
+    value: Value,
+    what: &str,
+) -> Result<T, String> {
+    let typed: T =
+        serde_json::from_value(value.clone()).map_err(|e| format!("invalid {what}: {e}"))?;
     let again = serde_json::to_value(&typed).map_err(|e| format!("invalid {what}: {e}"))?;
     match unknown_key(&value, &again, what) {
         Some(key) => Err(format!("unknown field {key}")),
@@ -300,7 +337,14 @@ fn prepare(defaults: &Defaults, scenario: Scenario) -> Result<Prepared, String> 
     }
     // Defaults serve every call in the file; a scenario's own input is strict.
     let keys = scenario.call.keys();
-    let mut input = Value::Object(defaults.input.iter().filter(|(k, _)| keys.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect());
+    let mut input = Value::Object(
+        defaults
+            .input
+            .iter()
+            .filter(|(k, _)| keys.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    );
     merge(&mut input, Value::Object(scenario.input));
     options_as_list(&mut input);
     let mut host = Value::Object(defaults.host.clone());
@@ -325,7 +369,9 @@ fn outcome<T: serde::Serialize>(key: &str, result: Result<T, CallError>) -> Valu
     let mut map = Map::new();
     match result {
         Ok(v) => map.insert(key.to_string(), serde_json::to_value(v).unwrap_or(Value::Null)),
-        Err(CallError::Policy { error, .. }) => map.insert("error".into(), serde_json::to_value(error).unwrap_or(Value::Null)),
+        Err(CallError::Policy { error, .. }) => {
+            map.insert("error".into(), serde_json::to_value(error).unwrap_or(Value::Null))
+        }
         Err(other) => map.insert("refused".into(), Value::String(other.to_string())),
     };
     Value::Object(map)
@@ -359,13 +405,14 @@ fn options_as_list(value: &mut Value) {
                     super::volume_defaults(v);
                 }
                 if key == "volume"
-                    && let Some(Value::Object(opts)) = v.get_mut("options") {
-                        let list = opts
-                            .iter()
-                            .map(|(k, v)| serde_json::json!({ "key": k, "value": v }))
-                            .collect();
-                        v["options"] = Value::Array(list);
-                    }
+                    && let Some(Value::Object(opts)) = v.get_mut("options")
+                {
+                    let list = opts
+                        .iter()
+                        .map(|(k, v)| serde_json::json!({ "key": k, "value": v }))
+                        .collect();
+                    v["options"] = Value::Array(list);
+                }
                 options_as_list(v);
             }
         }
@@ -439,7 +486,9 @@ fn project(expected: &Value, actual: &Value) -> Value {
         (Value::Array(e), Value::Array(a)) if e.len() == a.len() => {
             Value::Array(e.iter().zip(a).map(|(ev, av)| project(ev, av)).collect())
         }
-        (Value::String(e), Value::String(a)) if e.contains('*') && wildcard(e, a) => expected.clone(),
+        (Value::String(e), Value::String(a)) if e.contains('*') && wildcard(e, a) => {
+            expected.clone()
+        }
         _ => actual.clone(),
     }
 }
@@ -490,9 +539,13 @@ mod tests {
 
     #[test]
     fn misspelt_keys_are_found_at_any_depth() {
-        let written = json!({"volume": {"name": "pv"}, "nodes": [{"name": "n", "out_of_servce": true}]});
+        let written =
+            json!({"volume": {"name": "pv"}, "nodes": [{"name": "n", "out_of_servce": true}]});
         let typed = json!({"volume": {"name": "pv", "fs_type": ""}, "nodes": [{"name": "n", "out_of_service": false}]});
-        assert_eq!(unknown_key(&written, &typed, "input").as_deref(), Some("input.nodes[0].out_of_servce"));
+        assert_eq!(
+            unknown_key(&written, &typed, "input").as_deref(),
+            Some("input.nodes[0].out_of_servce")
+        );
         assert_eq!(unknown_key(&typed, &typed, "input"), None);
     }
 
@@ -502,6 +555,9 @@ mod tests {
         merge(&mut base, json!({"volume": {"options": {"b": "2"}}}));
         options_as_list(&mut base);
         assert_eq!(base["volume"]["name"], "pv");
-        assert_eq!(base["volume"]["options"], json!([{"key": "a", "value": "1"}, {"key": "b", "value": "2"}]));
+        assert_eq!(
+            base["volume"]["options"],
+            json!([{"key": "a", "value": "1"}, {"key": "b", "value": "2"}])
+        );
     }
 }

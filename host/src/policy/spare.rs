@@ -39,7 +39,9 @@ impl Budget {
     /// A place for one more, if any is left.
     fn reserve(self: &Arc<Self>) -> Option<Counted> {
         use std::sync::atomic::Ordering;
-        self.0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < BUDGET).then_some(n + 1)).ok()?;
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < BUDGET).then_some(n + 1))
+            .ok()?;
         Some(Counted(self.clone()))
     }
 }
@@ -143,7 +145,11 @@ impl Spares {
 
     /// A ready instance, given `queries` for its call (all of a backend's
     /// instances speak its contract).
-    pub(crate) fn take<I: Contract>(&self, queries: &Arc<dyn Queries>, limits: &Limits) -> Option<Ready<I>> {
+    pub(crate) fn take<I: Contract>(
+        &self,
+        queries: &Arc<dyn Queries>,
+        limits: &Limits,
+    ) -> Option<Ready<I>> {
         let made = {
             let mut state = self.state();
             let (made, _counted) = state.ready.pop()?;
@@ -155,7 +161,14 @@ impl Spares {
 
     /// Make instances until [`READY`] wait, within the [`Budget`] (on the
     /// janitor's thread).
-    fn refill(&self, engine: &Engine, limits: &Limits, ticker: &TickerHandle, budget: &Arc<Budget>, yields: &Yields) {
+    fn refill(
+        &self,
+        engine: &Engine,
+        limits: &Limits,
+        ticker: &TickerHandle,
+        budget: &Arc<Budget>,
+        yields: &Yields,
+    ) {
         loop {
             {
                 let state = self.state();
@@ -180,7 +193,10 @@ impl Spares {
                 // The pool is full: calls need its slots more.
                 Err(Refused::Host) => return,
                 Err(Refused::Guest(e)) => {
-                    tracing::debug!(backend = &*self.name, "instances are made per call from now on: one made ahead failed: {e:#}");
+                    tracing::debug!(
+                        backend = &*self.name,
+                        "instances are made per call from now on: one made ahead failed: {e:#}"
+                    );
                     state.given_up = true;
                     return;
                 }
@@ -196,7 +212,8 @@ impl Spares {
 
     fn make(&self, engine: &Engine, limits: &Limits) -> Result<Made, Refused> {
         // No queries while it starts: a start function has nothing to ask.
-        let mut store = new_store(engine, self.name.clone(), Arc::new(RecordedQueries::default()), limits);
+        let mut store =
+            new_store(engine, self.name.clone(), Arc::new(RecordedQueries::default()), limits);
         let made = match &self.pre {
             Pre::Current(pre) => pre.instantiate(&mut store).map(Made::Current),
             Pre::V0_4(pre) => pre.instantiate(&mut store).map(Made::V0_4),
@@ -226,7 +243,12 @@ impl<I> Ready<I> {
 
 /// A fresh store for one call (or one instance made ahead), under the
 /// runtime's limits: a memory cap, and a deadline counted from now.
-pub(crate) fn new_store(engine: &Engine, backend: Arc<str>, queries: Arc<dyn Queries>, limits: &Limits) -> Store<CallState> {
+pub(crate) fn new_store(
+    engine: &Engine,
+    backend: Arc<str>,
+    queries: Arc<dyn Queries>,
+    limits: &Limits,
+) -> Store<CallState> {
     let mut store = Store::new(engine, CallState::new(backend, queries, *limits));
     store.limiter(|s| &mut s.memory);
     store.epoch_deadline_trap();
@@ -284,28 +306,33 @@ pub(crate) struct Janitor {
 }
 
 impl Janitor {
-    pub(crate) fn start(engine: Engine, limits: Limits, ticker: TickerHandle) -> std::io::Result<Janitor> {
+    pub(crate) fn start(
+        engine: Engine,
+        limits: Limits,
+        ticker: TickerHandle,
+    ) -> std::io::Result<Janitor> {
         let (tx, rx) = mpsc::channel::<Job>();
         let pending: Arc<(Mutex<usize>, std::sync::Condvar)> = Arc::default();
         let dropped = pending.clone();
         let yields: Arc<Yields> = Arc::default();
         let gives_way = yields.clone();
-        let thread = std::thread::Builder::new().name("volagent-guests".into()).spawn(move || {
-            let budget = Arc::new(Budget::default());
-            while let Ok(Job { used, spares }) = rx.recv() {
-                if let Some(store) = used {
-                    drop(store);
-                    let (count, settled) = &*dropped;
-                    let mut n = count.lock().unwrap_or_else(|p| p.into_inner());
-                    *n = n.saturating_sub(1);
-                    settled.notify_all();
+        let thread =
+            std::thread::Builder::new().name("volagent-guests".into()).spawn(move || {
+                let budget = Arc::new(Budget::default());
+                while let Ok(Job { used, spares }) = rx.recv() {
+                    if let Some(store) = used {
+                        drop(store);
+                        let (count, settled) = &*dropped;
+                        let mut n = count.lock().unwrap_or_else(|p| p.into_inner());
+                        *n = n.saturating_sub(1);
+                        settled.notify_all();
+                    }
+                    if let Some(spares) = spares.and_then(|s| s.upgrade()) {
+                        spares.refill_asked.store(false, std::sync::atomic::Ordering::Release);
+                        spares.refill(&engine, &limits, &ticker, &budget, &gives_way);
+                    }
                 }
-                if let Some(spares) = spares.and_then(|s| s.upgrade()) {
-                    spares.refill_asked.store(false, std::sync::atomic::Ordering::Release);
-                    spares.refill(&engine, &limits, &ticker, &budget, &gives_way);
-                }
-            }
-        })?;
+            })?;
         Ok(Janitor { jobs: Mutex::new(Some(tx)), pending, yields, thread: Some(thread) })
     }
 
@@ -329,7 +356,8 @@ impl Janitor {
             return;
         }
         let job = Job { used, spares: refill.then(|| Arc::downgrade(spares)) };
-        let sent = self.jobs.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|tx| tx.send(job));
+        let sent =
+            self.jobs.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|tx| tx.send(job));
         if !matches!(sent, Some(Ok(()))) {
             // No janitor: the store came back and was dropped here.
             spares.refill_asked.store(false, std::sync::atomic::Ordering::Release);
@@ -389,7 +417,11 @@ mod tests {
     fn until_ready(plugin: &Plugin, n: usize) {
         let start = Instant::now();
         while plugin.spares.counts().0 != n {
-            assert!(start.elapsed() < Duration::from_secs(10), "{n} instances were not made ahead: {:?}", plugin.spares.counts());
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{n} instances were not made ahead: {:?}",
+                plugin.spares.counts()
+            );
             std::thread::sleep(Duration::from_millis(2));
         }
     }
@@ -441,13 +473,18 @@ mod tests {
             discovery_dirs: vec!["/mnt/disks".into()],
         };
         for round in 1..=3u64 {
-            assert_eq!(plugin.fence(with_file(), &volume(), &consumer(), &[], &[]).unwrap(), Decision::Grant);
+            assert_eq!(
+                plugin.fence(with_file(), &volume(), &consumer(), &[], &[]).unwrap(),
+                Decision::Grant
+            );
             // The attach plan depends on what the call's queries say of the
             // file: an instance made ahead asked none of its own.
             let plan = plugin.attach(with_file(), &volume(), &consumer(), &[], &paths).unwrap();
             assert!(matches!(plan.first(), Some(Step::AttachDevice(_))), "{plan:?}");
             until_ready(&plugin, READY);
-            let missing = plugin.attach(Arc::new(RecordedQueries::default()), &volume(), &consumer(), &[], &paths).unwrap_err();
+            let missing = plugin
+                .attach(Arc::new(RecordedQueries::default()), &volume(), &consumer(), &[], &paths)
+                .unwrap_err();
             assert!(missing.to_string().contains("does not exist on this node"), "{missing}");
             // Every call took an instance made ahead, and they are made up.
             until_ready(&plugin, READY);
@@ -458,25 +495,33 @@ mod tests {
     #[test]
     fn instances_made_ahead_give_their_slots_to_calls() {
         // Two slots: the first backend's instances made ahead take both.
-        let rt = Runtime::new(crate::policy::Limits { concurrent_calls: 2, ..Default::default() }).unwrap();
+        let rt = Runtime::new(crate::policy::Limits { concurrent_calls: 2, ..Default::default() })
+            .unwrap();
         let first = load(&rt);
         until_ready(&first, READY);
         // Another backend's call finds the pool full, and gets a slot back.
-        let second = Plugin::load_file(&rt, Path::new(volagent_test_artifacts::RBD)).expect("rbd loads");
+        let second =
+            Plugin::load_file(&rt, Path::new(volagent_test_artifacts::RBD)).expect("rbd loads");
         let mut rbd = volume();
         rbd.backend = "rbd".into();
         rbd.options = ["monitors=10.0.0.1:6789", "pool=rbd", "image=img1"]
             .iter()
-            .map(|kv| kv.split_once('=').map(|(k, v)| crate::policy::KeyValue { key: k.into(), value: v.into() }).unwrap())
+            .map(|kv| {
+                kv.split_once('=')
+                    .map(|(k, v)| crate::policy::KeyValue { key: k.into(), value: v.into() })
+                    .unwrap()
+            })
             .collect();
-        let decided = second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
+        let decided =
+            second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
         assert!(decided.is_ok(), "{decided:?}");
         // Calls one after another, each while the janitor makes the other
         // backend's instances ahead: every call gets a slot.
         for round in 0..40 {
             let decided = first.fence(with_file(), &volume(), &consumer(), &[], &[]);
             assert!(matches!(decided, Ok(Decision::Grant)), "round {round}: {decided:?}");
-            let decided = second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
+            let decided =
+                second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
             assert!(decided.is_ok(), "round {round}: {decided:?}");
         }
     }

@@ -2,9 +2,9 @@
 //! this call allows, before anything runs. No step escapes its roots.
 
 use super::bindings::{
-    AccessMode, BlockSource, Capabilities, CleanupItem, CleanupReason, Consumer, DeviceSpec, Format,
-    FormatMode, Holder, MountSource, NodeFacts, NodePaths, PathRoot, Step, StepKind, TakeOver, Volume,
-    WipeMethod,
+    AccessMode, BlockSource, Capabilities, CleanupItem, CleanupReason, Consumer, DeviceSpec,
+    Format, FormatMode, Holder, MountSource, NodeFacts, NodePaths, PathRoot, Step, StepKind,
+    TakeOver, Volume, WipeMethod,
 };
 use std::collections::BTreeSet;
 
@@ -33,14 +33,31 @@ pub struct PlanError {
 
 /// The call a plan answers; it decides which dirs and steps are allowed.
 pub enum Operation<'a> {
-    Attach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
-    Detach { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
+    Attach {
+        volume: &'a Volume,
+        consumer: &'a Consumer,
+        paths: &'a NodePaths,
+    },
+    Detach {
+        volume: &'a Volume,
+        consumer: &'a Consumer,
+        paths: &'a NodePaths,
+    },
     /// Growing a volume in place where `consumer` has it.
-    Expand { volume: &'a Volume, consumer: &'a Consumer, paths: &'a NodePaths },
-    Cleanup { reason: CleanupReason, items: &'a [CleanupItem] },
+    Expand {
+        volume: &'a Volume,
+        consumer: &'a Consumer,
+        paths: &'a NodePaths,
+    },
+    Cleanup {
+        reason: CleanupReason,
+        items: &'a [CleanupItem],
+    },
     /// A take-over's fence steps: no dirs, only the paths the volume names
     /// (a detach of a leftover mapping of its file).
-    Fence { volume: &'a Volume },
+    Fence {
+        volume: &'a Volume,
+    },
 }
 
 /// What one plan may touch: the concrete dirs of each root, the paths its
@@ -85,13 +102,20 @@ impl Scope {
             Operation::Cleanup { reason, items } => {
                 for item in items.iter() {
                     scope.add(&item.volume, &item.paths);
-                    scope.pod_mount_dirs.extend(item.holders.iter().map(|h| h.consumer.mount_dir.clone()));
+                    scope
+                        .pod_mount_dirs
+                        .extend(item.holders.iter().map(|h| h.consumer.mount_dir.clone()));
                 }
                 scope.destructive = *reason == CleanupReason::LocalVolumeReleased;
             }
             Operation::Fence { volume } => {
                 scope.secret_keys = volume.secret_keys.clone();
-                scope.volume_paths = volume.options.iter().map(|kv| kv.value.clone()).filter(|v| v.starts_with('/')).collect();
+                scope.volume_paths = volume
+                    .options
+                    .iter()
+                    .map(|kv| kv.value.clone())
+                    .filter(|v| v.starts_with('/'))
+                    .collect();
                 scope.discovery_dirs = scope.volume_paths.clone();
             }
         }
@@ -103,7 +127,9 @@ impl Scope {
         self.state_dirs.push(paths.state_dir.clone());
         self.discovery_dirs.extend(paths.discovery_dirs.iter().cloned());
         self.discovery_roots.extend(paths.discovery_dirs.iter().cloned());
-        self.volume_paths.extend(volume.options.iter().map(|kv| kv.value.clone()).filter(|v| v.starts_with('/')));
+        self.volume_paths.extend(
+            volume.options.iter().map(|kv| kv.value.clone()).filter(|v| v.starts_with('/')),
+        );
         self.devices.extend(verified_device(volume));
         self.read_only_volume |= volume.access_mode == AccessMode::ReadOnlyMany;
         self.secret_keys.extend(volume.secret_keys.iter().cloned());
@@ -186,15 +212,24 @@ impl Checker<'_> {
         clean_absolute(path).map_err(|e| format!("{what}: {e}"))?;
         let usable = || self.caps.path_roots.iter().copied().filter(|r| roles.contains(r));
         for root in usable() {
-            if !self.scope.of_root(root).iter().any(|r| clean_absolute(r).is_ok() && within(path, r)) {
+            if !self
+                .scope
+                .of_root(root)
+                .iter()
+                .any(|r| clean_absolute(r).is_ok() && within(path, r))
+            {
                 continue;
             }
             if root == PathRoot::DiscoveryDirs {
                 if self.scope.discovery_roots.iter().any(|r| r.trim_end_matches('/') == path) {
-                    return Err(format!("{what} {path} is a discovery dir itself, which is never a volume: a local volume is a path below it"));
+                    return Err(format!(
+                        "{what} {path} is a discovery dir itself, which is never a volume: a local volume is a path below it"
+                    ));
                 }
                 if !self.scope.volume_paths.iter().any(|v| within(path, v)) {
-                    return Err(format!("{what} {path} is a local volume this plan's volume does not name"));
+                    return Err(format!(
+                        "{what} {path} is a local volume this plan's volume does not name"
+                    ));
                 }
             }
             return Ok(());
@@ -211,22 +246,31 @@ impl Checker<'_> {
     fn device_spec(&self, spec: &DeviceSpec) -> Result<(), String> {
         let kind = spec.kind();
         if !self.caps.device_kinds.contains(&kind) {
-            return Err(format!("device kind {} is not declared in the backend's capabilities", kind.name()));
+            return Err(format!(
+                "device kind {} is not declared in the backend's capabilities",
+                kind.name()
+            ));
         }
         match spec {
             DeviceSpec::Loop(file) => self.path("loop backing file", file, DEVICES),
             DeviceSpec::Nbd(nbd) => {
                 if let Some(file) = &nbd.local_file {
                     if !nbd.server.is_empty() {
-                        return Err(format!("nbd spec names both a server ({:?}) and a local file ({file})", nbd.server));
+                        return Err(format!(
+                            "nbd spec names both a server ({:?}) and a local file ({file})",
+                            nbd.server
+                        ));
                     }
                     self.path("nbd local file", file, DEVICES)?;
                 } else if nbd.server.is_empty() || nbd.server.contains(char::is_whitespace) {
                     return Err(format!("nbd server {:?} is not an address", nbd.server));
                 } else {
                     match nbd.server.strip_prefix("unix:") {
-                        Some(sock) => clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?,
-                        None => host_port(&nbd.server).map_err(|e| format!("nbd server {:?}: {e}", nbd.server))?,
+                        Some(sock) => {
+                            clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?
+                        }
+                        None => host_port(&nbd.server)
+                            .map_err(|e| format!("nbd server {:?}: {e}", nbd.server))?,
                     }
                 }
                 if nbd.export_name.contains('\0') {
@@ -264,7 +308,9 @@ impl Checker<'_> {
     fn block(&self, source: &BlockSource) -> Result<(), String> {
         match source {
             BlockSource::Attached(id) if self.attached.contains(id) => Ok(()),
-            BlockSource::Attached(id) => Err(format!("device {id:?} is not attached by an earlier step of this plan")),
+            BlockSource::Attached(id) => {
+                Err(format!("device {id:?} is not attached by an earlier step of this plan"))
+            }
             BlockSource::Device(path) if self.scope.devices.iter().any(|d| d == path) => Ok(()),
             BlockSource::Device(path) => self.path("block device", path, DEVICES),
         }
@@ -288,7 +334,9 @@ impl Checker<'_> {
             return Err(format!("{what} is read-write, but the volume is ReadOnlyMany"));
         }
         if let Some(t) = target.filter(|t| self.scope.read_only_pod_dirs.iter().any(|d| d == t)) {
-            return Err(format!("{what} at {t} is read-write, but the pod mounts the volume read-only"));
+            return Err(format!(
+                "{what} at {t} is read-write, but the pod mounts the volume read-only"
+            ));
         }
         Ok(())
     }
@@ -297,11 +345,20 @@ impl Checker<'_> {
         texts_bounded(step)?;
         let kind = step.kind();
         if !self.caps.steps.contains(&kind) {
-            return Err(format!("step kind {} is not declared in the backend's capabilities", kind.name()));
+            return Err(format!(
+                "step kind {} is not declared in the backend's capabilities",
+                kind.name()
+            ));
         }
-        let destructive = matches!(step, Step::Wipe(_) | Step::ClearDirectory(_) | Step::Format(Format { mode: FormatMode::Always, .. }));
+        let destructive = matches!(
+            step,
+            Step::Wipe(_)
+                | Step::ClearDirectory(_)
+                | Step::Format(Format { mode: FormatMode::Always, .. })
+        );
         if destructive && !self.scope.destructive {
-            return Err("destroys data, which only the cleanup of a released local volume may do".to_string());
+            return Err("destroys data, which only the cleanup of a released local volume may do"
+                .to_string());
         }
         match step {
             Step::AttachDevice(a) => {
@@ -326,7 +383,11 @@ impl Checker<'_> {
                         self.block(b)?;
                     }
                     MountSource::Network(src) => {
-                        self.filesystem(&m.fs_type, &self.caps.network_filesystems, "network filesystem")?;
+                        self.filesystem(
+                            &m.fs_type,
+                            &self.caps.network_filesystems,
+                            "network filesystem",
+                        )?;
                         if src.is_empty() || src.contains(['\0', ',', ' ']) {
                             return Err(format!("network source {src:?} is malformed"));
                         }
@@ -348,9 +409,12 @@ impl Checker<'_> {
             Step::DetachDevice(d) => self.device_spec(&d.spec),
             Step::Wipe(w) => {
                 if let WipeMethod::Shred(passes) = w.method
-                    && (passes == 0 || passes > MAX_SHRED_PASSES) {
-                        return Err(format!("shred with {passes} passes (1 to {MAX_SHRED_PASSES} allowed)"));
-                    }
+                    && (passes == 0 || passes > MAX_SHRED_PASSES)
+                {
+                    return Err(format!(
+                        "shred with {passes} passes (1 to {MAX_SHRED_PASSES} allowed)"
+                    ));
+                }
                 self.block(&w.device)
             }
             // Only the volume's own path (or below it) in a discovery dir.
@@ -390,19 +454,31 @@ impl Checker<'_> {
             None => (option, None),
         };
         let Some(kind) = mount_options::allowed(fs, key) else {
-            return Err(format!("mount option {key:?} is not one the host allows for {fs} (see docs/security.md)"));
+            return Err(format!(
+                "mount option {key:?} is not one the host allows for {fs} (see docs/security.md)"
+            ));
         };
         match (kind, value) {
             (mount_options::Value::None, None) => Ok(()),
-            (mount_options::Value::Number, Some(v)) if !v.is_empty() && v.len() <= 20 && v.bytes().all(|b| b.is_ascii_digit()) => Ok(()),
-            (mount_options::Value::OneOf(choices), Some(v)) if choices.contains(&v) => Ok(()),
-            (mount_options::Value::Name, Some(v)) if name_ok("", v).is_ok() => Ok(()),
-            (mount_options::Value::Servers, Some(v))
-                if !v.is_empty() && v.split(':').all(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b))) =>
+            (mount_options::Value::Number, Some(v))
+                if !v.is_empty() && v.len() <= 20 && v.bytes().all(|b| b.is_ascii_digit()) =>
             {
                 Ok(())
             }
-            (mount_options::Value::Path, Some(v)) => self.path(&format!("mount option {key}"), v, OPTION_PATHS),
+            (mount_options::Value::OneOf(choices), Some(v)) if choices.contains(&v) => Ok(()),
+            (mount_options::Value::Name, Some(v)) if name_ok("", v).is_ok() => Ok(()),
+            (mount_options::Value::Servers, Some(v))
+                if !v.is_empty()
+                    && v.split(':').all(|h| {
+                        !h.is_empty()
+                            && h.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b))
+                    }) =>
+            {
+                Ok(())
+            }
+            (mount_options::Value::Path, Some(v)) => {
+                self.path(&format!("mount option {key}"), v, OPTION_PATHS)
+            }
             _ => Err(format!("mount option {option:?} does not have the value {fs}'s {key} takes")),
         }
     }
@@ -419,9 +495,13 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
                 .and(bounded("nbd local file", n.local_file.as_deref().unwrap_or(""), MAX_PATH)),
             DeviceSpec::Rbd(r) => {
                 if r.monitors.len() > MAX_LIST {
-                    return Err(format!("rbd image lists {} monitors, more than the {MAX_LIST} allowed", r.monitors.len()));
+                    return Err(format!(
+                        "rbd image lists {} monitors, more than the {MAX_LIST} allowed",
+                        r.monitors.len()
+                    ));
                 }
-                for t in r.monitors.iter().chain([&r.pool, &r.image, &r.user]).chain(&r.secret_key) {
+                for t in r.monitors.iter().chain([&r.pool, &r.image, &r.user]).chain(&r.secret_key)
+                {
                     bounded("an rbd field", t, MAX_TEXT)?;
                 }
                 Ok(())
@@ -437,7 +517,10 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
         Step::Format(f) => block(&f.device).and(bounded("filesystem", &f.fs_type, MAX_TEXT)),
         Step::Mount(m) => {
             if m.options.len() > MAX_LIST {
-                return Err(format!("{} mount options, more than the {MAX_LIST} allowed", m.options.len()));
+                return Err(format!(
+                    "{} mount options, more than the {MAX_LIST} allowed",
+                    m.options.len()
+                ));
             }
             for o in &m.options {
                 bounded("a mount option", o, MAX_PATH)?;
@@ -453,7 +536,10 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
         Step::DetachDevice(d) => spec(&d.spec),
         Step::BlocklistClient(b) => {
             if b.monitors.len() > MAX_LIST {
-                return Err(format!("{} monitors, more than the {MAX_LIST} allowed", b.monitors.len()));
+                return Err(format!(
+                    "{} monitors, more than the {MAX_LIST} allowed",
+                    b.monitors.len()
+                ));
             }
             for t in b.monitors.iter().chain([&b.user, &b.address]).chain(&b.secret_key) {
                 bounded("a blocklist-client field", t, MAX_TEXT)?;
@@ -475,13 +561,24 @@ fn host_port(server: &str) -> Result<(), String> {
     }
     let ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
-        None => !host.is_empty() && host.len() <= 253 && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b)),
+        None => {
+            !host.is_empty()
+                && host.len() <= 253
+                && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b))
+        }
     };
-    if ok { Ok(()) } else { Err(format!("host {host:?} is not a DNS name, an IPv4 address or a bracketed IPv6 address")) }
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("host {host:?} is not a DNS name, an IPv4 address or a bracketed IPv6 address"))
+    }
 }
 
 fn name_ok(what: &str, name: &str) -> Result<(), String> {
-    if !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) && !name.starts_with('.') {
+    if !name.is_empty()
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        && !name.starts_with('.')
+    {
         Ok(())
     } else {
         Err(format!("{what} {name:?} is not a valid name"))
@@ -494,15 +591,20 @@ pub fn plan(plan: &[Step], caps: &Capabilities, op: &Operation) -> Result<(), Pl
         return Err(PlanError {
             index: MAX_PLAN_STEPS,
             step: "plan",
-            reason: format!("the plan has {} steps, more than the {MAX_PLAN_STEPS} allowed", plan.len()),
+            reason: format!(
+                "the plan has {} steps, more than the {MAX_PLAN_STEPS} allowed",
+                plan.len()
+            ),
         });
     }
     let scope = Scope::of(op);
     let mut checker = Checker { caps, scope: &scope, attached: BTreeSet::new() };
     for (index, step) in plan.iter().enumerate() {
-        checker
-            .step(step)
-            .map_err(|reason| PlanError { index, step: step.kind().name(), reason })?;
+        checker.step(step).map_err(|reason| PlanError {
+            index,
+            step: step.kind().name(),
+            reason,
+        })?;
     }
     Ok(())
 }
@@ -520,7 +622,10 @@ pub fn take_over(
         return Err("it names no stale holder".to_string());
     }
     for stale in &take.stale {
-        let who = format!("pod {}/{} on node {}", stale.consumer.pod_namespace, stale.consumer.pod, stale.consumer.node);
+        let who = format!(
+            "pod {}/{} on node {}",
+            stale.consumer.pod_namespace, stale.consumer.pod, stale.consumer.node
+        );
         if !holders.contains(stale) {
             return Err(format!("{who} is not a recorded holder"));
         }
@@ -540,7 +645,11 @@ pub fn take_over(
     // that mounts, formats or wipes.
     for (index, step) in take.fence_steps.iter().enumerate() {
         if !matches!(step.kind(), StepKind::BlocklistClient | StepKind::DetachDevice) {
-            return Err(format!("fence step {} is {}, but only blocklist-client and detach-device may fence", index + 1, step.kind().name()));
+            return Err(format!(
+                "fence step {} is {}, but only blocklist-client and detach-device may fence",
+                index + 1,
+                step.kind().name()
+            ));
         }
     }
     plan(&take.fence_steps, caps, &Operation::Fence { volume }).map_err(|e| format!("fence {e}"))
@@ -556,11 +665,25 @@ mod tests {
 
     fn caps() -> Capabilities {
         Capabilities {
-            steps: vec![StepKind::AttachDevice, StepKind::Format, StepKind::Mount, StepKind::BindMount, StepKind::Unmount, StepKind::DetachDevice, StepKind::Wipe, StepKind::ClearDirectory],
+            steps: vec![
+                StepKind::AttachDevice,
+                StepKind::Format,
+                StepKind::Mount,
+                StepKind::BindMount,
+                StepKind::Unmount,
+                StepKind::DetachDevice,
+                StepKind::Wipe,
+                StepKind::ClearDirectory,
+            ],
             device_kinds: vec![DeviceKind::Loop],
             filesystems: vec!["ext4".into()],
             network_filesystems: vec![],
-            path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::DiscoveryDirs, PathRoot::StateDir],
+            path_roots: vec![
+                PathRoot::PodMountDir,
+                PathRoot::StagingDir,
+                PathRoot::DiscoveryDirs,
+                PathRoot::StateDir,
+            ],
         }
     }
 
@@ -600,8 +723,16 @@ mod tests {
 
     fn good() -> Vec<Step> {
         vec![
-            Step::AttachDevice(AttachDevice { id: "d".into(), spec: DeviceSpec::Loop("/mnt/disks/a.img".into()), read_only: false }),
-            Step::Format(Format { device: BlockSource::Attached("d".into()), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
+            Step::AttachDevice(AttachDevice {
+                id: "d".into(),
+                spec: DeviceSpec::Loop("/mnt/disks/a.img".into()),
+                read_only: false,
+            }),
+            Step::Format(Format {
+                device: BlockSource::Attached("d".into()),
+                fs_type: "ext4".into(),
+                mode: FormatMode::IfUnformatted,
+            }),
             Step::Mount(Mount {
                 source: MountSource::Block(BlockSource::Attached("d".into())),
                 target: STAGING.into(),
@@ -609,7 +740,11 @@ mod tests {
                 options: vec!["noatime".into()],
                 read_only: false,
             }),
-            Step::BindMount(BindMount { source: STAGING.into(), target: POD.into(), read_only: false }),
+            Step::BindMount(BindMount {
+                source: STAGING.into(),
+                target: POD.into(),
+                read_only: false,
+            }),
         ]
     }
 
@@ -624,16 +759,34 @@ mod tests {
 
     #[test]
     fn fencing_detaches_only_the_volumes_own_file_and_does_nothing_else() {
-        let gone = NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
+        let gone =
+            NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
         let mut stale = consumer();
         stale.node = "n2".into();
         let holders = vec![Holder { consumer: stale, since: "t".into() }];
         let take = |step: Step| TakeOver { stale: holders.clone(), fence_steps: vec![step] };
-        let detach = |file: &str| Step::DetachDevice(DetachDevice { spec: DeviceSpec::Loop(file.into()), force: true });
-        take_over(&take(detach("/mnt/disks/a.img")), &holders, std::slice::from_ref(&gone), &caps(), &volume()).expect("its own file");
-        let e = take_over(&take(detach("/mnt/disks/other.img")), &holders, std::slice::from_ref(&gone), &caps(), &volume()).unwrap_err();
+        let detach = |file: &str| {
+            Step::DetachDevice(DetachDevice { spec: DeviceSpec::Loop(file.into()), force: true })
+        };
+        take_over(
+            &take(detach("/mnt/disks/a.img")),
+            &holders,
+            std::slice::from_ref(&gone),
+            &caps(),
+            &volume(),
+        )
+        .expect("its own file");
+        let e = take_over(
+            &take(detach("/mnt/disks/other.img")),
+            &holders,
+            std::slice::from_ref(&gone),
+            &caps(),
+            &volume(),
+        )
+        .unwrap_err();
         assert!(e.contains("fence step 1"), "{e}");
-        let e = take_over(&take(good().remove(2)), &holders, &[gone], &caps(), &volume()).unwrap_err();
+        let e =
+            take_over(&take(good().remove(2)), &holders, &[gone], &caps(), &volume()).unwrap_err();
         assert!(e.contains("only blocklist-client and detach-device may fence"), "{e}");
     }
 
@@ -644,17 +797,37 @@ mod tests {
 
     #[test]
     fn escapes_are_refused() {
-        for bad in ["/etc", "/k/plugins/volagent/local-pv/mounts/pv/../../../etc", "/k/plugins/volagent/local-pv/mounts/pvX", "relative", "/k/plugins/volagent/local-pv/mounts/pv/./x", "/mnt/disks//x", "/s/pv"] {
-            let e = refused(good(), 3, |s| if let Step::BindMount(b) = s { b.target = bad.into() });
+        for bad in [
+            "/etc",
+            "/k/plugins/volagent/local-pv/mounts/pv/../../../etc",
+            "/k/plugins/volagent/local-pv/mounts/pvX",
+            "relative",
+            "/k/plugins/volagent/local-pv/mounts/pv/./x",
+            "/mnt/disks//x",
+            "/s/pv",
+        ] {
+            let e = refused(good(), 3, |s| {
+                if let Step::BindMount(b) = s {
+                    b.target = bad.into()
+                }
+            });
             assert_eq!((e.index, e.step), (3, "bind-mount"), "{bad}: {e}");
         }
-        let e = refused(good(), 0, |s| if let Step::AttachDevice(a) = s { a.spec = DeviceSpec::Loop("/var/secret.img".into()) });
+        let e = refused(good(), 0, |s| {
+            if let Step::AttachDevice(a) = s {
+                a.spec = DeviceSpec::Loop("/var/secret.img".into())
+            }
+        });
         assert!(e.reason.contains("/var/secret.img"), "{e}");
     }
 
     #[test]
     fn only_the_volumes_own_local_path_may_be_used() {
-        let e = refused(good(), 0, |s| if let Step::AttachDevice(a) = s { a.spec = DeviceSpec::Loop("/mnt/disks/other.img".into()) });
+        let e = refused(good(), 0, |s| {
+            if let Step::AttachDevice(a) = s {
+                a.spec = DeviceSpec::Loop("/mnt/disks/other.img".into())
+            }
+        });
         assert!(e.reason.contains("a local volume this plan's volume does not name"), "{e}");
     }
 
@@ -663,7 +836,17 @@ mod tests {
         for good in ["10.0.0.5:10809", "nbd.example.com:10809", "[::1]:10809", "[fd00::5]:1"] {
             assert!(host_port(good).is_ok(), "{good}");
         }
-        for bad in ["10.0.0.5", "h:0", "h:70000", ":10809", "h?tls-psk-file=/etc/shadow:10809", "u@h:10809", "h/x:10809", "[nonsense]:10809", "::1:10809"] {
+        for bad in [
+            "10.0.0.5",
+            "h:0",
+            "h:70000",
+            ":10809",
+            "h?tls-psk-file=/etc/shadow:10809",
+            "u@h:10809",
+            "h/x:10809",
+            "[nonsense]:10809",
+            "::1:10809",
+        ] {
             assert!(host_port(bad).is_err(), "{bad}");
         }
     }
@@ -673,15 +856,30 @@ mod tests {
         let e = refused(good(), 0, |s| {
             *s = Step::AttachDevice(AttachDevice {
                 id: "d".into(),
-                spec: DeviceSpec::Nbd(NbdSpec { server: "unix:/run/x".into(), export_name: String::new(), local_file: None, attach: NbdAttach::Auto, connections: 1 }),
+                spec: DeviceSpec::Nbd(NbdSpec {
+                    server: "unix:/run/x".into(),
+                    export_name: String::new(),
+                    local_file: None,
+                    attach: NbdAttach::Auto,
+                    connections: 1,
+                }),
                 read_only: false,
             })
         });
         assert!(e.reason.contains("device kind nbd"), "{e}");
-        let e = refused(good(), 1, |s| if let Step::Format(f) = s { f.fs_type = "btrfs".into() });
+        let e = refused(good(), 1, |s| {
+            if let Step::Format(f) = s {
+                f.fs_type = "btrfs".into()
+            }
+        });
         assert!(e.reason.contains("btrfs"), "{e}");
         let mut p = good();
-        p.push(Step::BlocklistClient(BlocklistClient { monitors: vec!["m:1".into()], user: "u".into(), secret_key: None, address: "a".into() }));
+        p.push(Step::BlocklistClient(BlocklistClient {
+            monitors: vec!["m:1".into()],
+            user: "u".into(),
+            secret_key: None,
+            address: "a".into(),
+        }));
         let e = check(&p, &volume(), &consumer()).unwrap_err();
         assert!(e.reason.contains("step kind blocklist-client"), "{e}");
     }
@@ -695,11 +893,27 @@ mod tests {
             let mut p = good();
             p[0] = Step::AttachDevice(AttachDevice {
                 id: "d".into(),
-                spec: DeviceSpec::Rbd(RbdSpec { monitors: vec!["10.0.0.1:6789".into(), monitor.into()], pool: "rbd".into(), image: "i".into(), user: "u".into(), secret_key: None, attach: RbdAttach::Auto }),
+                spec: DeviceSpec::Rbd(RbdSpec {
+                    monitors: vec!["10.0.0.1:6789".into(), monitor.into()],
+                    pool: "rbd".into(),
+                    image: "i".into(),
+                    user: "u".into(),
+                    secret_key: None,
+                    attach: RbdAttach::Auto,
+                }),
                 read_only: false,
             });
-            p.push(Step::BlocklistClient(BlocklistClient { monitors: vec![monitor.into()], user: "u".into(), secret_key: None, address: "10.0.0.7:0/1".into() }));
-            plan(&p, &c, &Operation::Attach { volume: &volume(), consumer: &consumer(), paths: &paths() })
+            p.push(Step::BlocklistClient(BlocklistClient {
+                monitors: vec![monitor.into()],
+                user: "u".into(),
+                secret_key: None,
+                address: "10.0.0.7:0/1".into(),
+            }));
+            plan(
+                &p,
+                &c,
+                &Operation::Attach { volume: &volume(), consumer: &consumer(), paths: &paths() },
+            )
         };
         rbd("ceph-mon.example:6789").unwrap();
         for bad in ["--ceph-conf=/etc/x", "10.0.0.2", "m:0", "a b:6789"] {
@@ -711,15 +925,44 @@ mod tests {
     #[test]
     fn data_is_destroyed_only_when_releasing_a_local_volume() {
         let mut p = good();
-        p.insert(1, Step::Wipe(Wipe { device: BlockSource::Attached("d".into()), method: WipeMethod::Zero }));
+        p.insert(
+            1,
+            Step::Wipe(Wipe {
+                device: BlockSource::Attached("d".into()),
+                method: WipeMethod::Zero,
+            }),
+        );
         let e = check(&p, &volume(), &consumer()).unwrap_err();
         assert!(e.reason.contains("destroys data"), "{e}");
-        let e = refused(good(), 1, |s| if let Step::Format(f) = s { f.mode = FormatMode::Always });
+        let e = refused(good(), 1, |s| {
+            if let Step::Format(f) = s {
+                f.mode = FormatMode::Always
+            }
+        });
         assert!(e.reason.contains("destroys data"), "{e}");
-        let release = [Step::AttachDevice(AttachDevice { id: "d".into(), spec: DeviceSpec::Loop("/mnt/disks/a.img".into()), read_only: false }), p[1].clone()];
+        let release = [
+            Step::AttachDevice(AttachDevice {
+                id: "d".into(),
+                spec: DeviceSpec::Loop("/mnt/disks/a.img".into()),
+                read_only: false,
+            }),
+            p[1].clone(),
+        ];
         let items = [CleanupItem { volume: volume(), paths: paths(), holders: vec![] }];
-        plan(&release, &caps(), &Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items }).unwrap();
-        assert!(plan(&release, &caps(), &Operation::Cleanup { reason: CleanupReason::StaleNode, items: &items }).is_err());
+        plan(
+            &release,
+            &caps(),
+            &Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items },
+        )
+        .unwrap();
+        assert!(
+            plan(
+                &release,
+                &caps(),
+                &Operation::Cleanup { reason: CleanupReason::StaleNode, items: &items }
+            )
+            .is_err()
+        );
     }
 
     #[test]
@@ -727,7 +970,8 @@ mod tests {
         let mut dir_volume = volume();
         dir_volume.options = vec![KeyValue { key: "path".into(), value: "/mnt/disks/fs1".into() }];
         let items = [CleanupItem { volume: dir_volume, paths: paths(), holders: vec![] }];
-        let release = Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items };
+        let release =
+            Operation::Cleanup { reason: CleanupReason::LocalVolumeReleased, items: &items };
         let clear = |p: &str| [Step::ClearDirectory(ClearDirectory { path: p.into() })];
         plan(&clear("/mnt/disks/fs1"), &caps(), &release).unwrap();
         for bad in ["/mnt/disks/fs2", "/mnt/disks", "/etc", "/mnt/disks/fs1/../fs2", STAGING] {
@@ -744,16 +988,33 @@ mod tests {
             let mut v = volume();
             v.options = options;
             let p = vec![
-                Step::Format(Format { device: BlockSource::Device("/dev/loop7".into()), fs_type: "ext4".into(), mode: FormatMode::IfUnformatted }),
-                Step::Mount(Mount { source: MountSource::Block(BlockSource::Device("/dev/loop7".into())), target: STAGING.into(), fs_type: "ext4".into(), options: vec![], read_only: false }),
+                Step::Format(Format {
+                    device: BlockSource::Device("/dev/loop7".into()),
+                    fs_type: "ext4".into(),
+                    mode: FormatMode::IfUnformatted,
+                }),
+                Step::Mount(Mount {
+                    source: MountSource::Block(BlockSource::Device("/dev/loop7".into())),
+                    target: STAGING.into(),
+                    fs_type: "ext4".into(),
+                    options: vec![],
+                    read_only: false,
+                }),
             ];
-            plan(&p, &caps(), &Operation::Attach { volume: &v, consumer: &consumer(), paths: &paths() })
+            plan(
+                &p,
+                &caps(),
+                &Operation::Attach { volume: &v, consumer: &consumer(), paths: &paths() },
+            )
         };
         let kv = |k: &str, v: &str| KeyValue { key: k.into(), value: v.into() };
         attach(vec![kv("path", "/dev/loop7"), kv("identity", "loop:/x.img")]).unwrap();
         let e = attach(vec![kv("path", "/dev/loop7")]).unwrap_err();
         assert!(e.reason.contains("outside"), "{e}");
-        assert!(attach(vec![kv("path", "/dev/loop8"), kv("identity", "loop:/x.img")]).is_err(), "another device than the one named");
+        assert!(
+            attach(vec![kv("path", "/dev/loop8"), kv("identity", "loop:/x.img")]).is_err(),
+            "another device than the one named"
+        );
         assert!(attach(vec![kv("path", "/dev/../etc/x"), kv("identity", "i")]).is_err());
     }
 
@@ -795,7 +1056,11 @@ mod tests {
             options: options.iter().map(|o| o.to_string()).collect(),
             read_only: false,
         });
-        plan(&[step], &caps, &Operation::Attach { volume: &volume(), consumer: &consumer(), paths: &paths() })
+        plan(
+            &[step],
+            &caps,
+            &Operation::Attach { volume: &volume(), consumer: &consumer(), paths: &paths() },
+        )
     }
 
     #[test]
@@ -811,7 +1076,13 @@ mod tests {
             let e = gluster_mount(&[option]).unwrap_err();
             assert!(e.reason.contains(expected), "{option}: {e}");
         }
-        gluster_mount(&["log-file=/s/pv/gluster.log", "backup-volfile-servers=a:b", "auto_unmount", "noatime"]).unwrap();
+        gluster_mount(&[
+            "log-file=/s/pv/gluster.log",
+            "backup-volfile-servers=a:b",
+            "auto_unmount",
+            "noatime",
+        ])
+        .unwrap();
     }
 
     #[test]
@@ -825,12 +1096,17 @@ mod tests {
             ("commit=5s", "does not have the value"),
             ("discard=1", "does not have the value"),
         ] {
-            let e = refused(good(), 2, |s| if let Step::Mount(m) = s { m.options = vec![option.into()] });
+            let e = refused(good(), 2, |s| {
+                if let Step::Mount(m) = s {
+                    m.options = vec![option.into()]
+                }
+            });
             assert!(e.reason.contains(expected), "{option}: {e}");
         }
         let mut p = good();
         if let Step::Mount(m) = &mut p[2] {
-            m.options = vec!["noatime".into(), "data=ordered".into(), "commit=30".into(), "discard".into()];
+            m.options =
+                vec!["noatime".into(), "data=ordered".into(), "commit=30".into(), "discard".into()];
         }
         check(&p, &volume(), &consumer()).unwrap();
     }
@@ -839,8 +1115,17 @@ mod tests {
     fn a_discovery_dir_itself_is_never_a_volume() {
         let mut v = volume();
         v.options = vec![KeyValue { key: "path".into(), value: "/mnt/disks".into() }];
-        let bind = Step::BindMount(BindMount { source: "/mnt/disks".into(), target: STAGING.into(), read_only: false });
-        let e = plan(&[bind], &caps(), &Operation::Attach { volume: &v, consumer: &consumer(), paths: &paths() }).unwrap_err();
+        let bind = Step::BindMount(BindMount {
+            source: "/mnt/disks".into(),
+            target: STAGING.into(),
+            read_only: false,
+        });
+        let e = plan(
+            &[bind],
+            &caps(),
+            &Operation::Attach { volume: &v, consumer: &consumer(), paths: &paths() },
+        )
+        .unwrap_err();
         assert!(e.reason.contains("a discovery dir itself"), "{e}");
     }
 
@@ -850,11 +1135,23 @@ mod tests {
         let e = check(&many, &volume(), &consumer()).unwrap_err();
         assert!(e.reason.contains("more than the 512 allowed"), "{e}");
         let long = format!("{STAGING}/{}", "x".repeat(MAX_PATH));
-        let e = refused(good(), 3, |s| if let Step::BindMount(b) = s { b.target = long.clone() });
+        let e = refused(good(), 3, |s| {
+            if let Step::BindMount(b) = s {
+                b.target = long.clone()
+            }
+        });
         assert!(e.reason.contains("bytes long"), "{e}");
-        let e = refused(good(), 0, |s| if let Step::AttachDevice(a) = s { a.id = "d".repeat(MAX_TEXT + 1) });
+        let e = refused(good(), 0, |s| {
+            if let Step::AttachDevice(a) = s {
+                a.id = "d".repeat(MAX_TEXT + 1)
+            }
+        });
         assert!(e.reason.contains("bytes long"), "{e}");
-        let e = refused(good(), 2, |s| if let Step::Mount(m) = s { m.options = vec!["noatime".into(); MAX_LIST + 1] });
+        let e = refused(good(), 2, |s| {
+            if let Step::Mount(m) = s {
+                m.options = vec!["noatime".into(); MAX_LIST + 1]
+            }
+        });
         assert!(e.reason.contains("mount options, more than"), "{e}");
     }
 

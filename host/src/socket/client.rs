@@ -18,8 +18,10 @@ pub enum ClientError {
 /// Send `request` to the agent at `socket` and read its answer, waiting at
 /// most `timeout` for each read and write.
 pub fn ask(socket: &Path, request: Request, timeout: Duration) -> Result<Response, ClientError> {
-    let mut stream = UnixStream::connect(socket).map_err(|error| ClientError::Unreachable { socket: socket.to_path_buf(), error })?;
-    let exchange = |error: FrameError| ClientError::Exchange { socket: socket.to_path_buf(), error };
+    let mut stream = UnixStream::connect(socket)
+        .map_err(|error| ClientError::Unreachable { socket: socket.to_path_buf(), error })?;
+    let exchange =
+        |error: FrameError| ClientError::Exchange { socket: socket.to_path_buf(), error };
     stream.set_read_timeout(Some(timeout)).map_err(|e| exchange(e.into()))?;
     stream.set_write_timeout(Some(timeout)).map_err(|e| exchange(e.into()))?;
     protocol::exchange(&mut stream, request).map_err(exchange)
@@ -36,7 +38,10 @@ mod tests {
         let e = ask(&socket, Request::Status, Duration::from_secs(1)).unwrap_err();
         let text = e.to_string();
         assert!(matches!(e, ClientError::Unreachable { .. }), "{e:?}");
-        assert!(text.starts_with(&format!("cannot reach the agent at {}: ", socket.display())), "{text}");
+        assert!(
+            text.starts_with(&format!("cannot reach the agent at {}: ", socket.display())),
+            "{text}"
+        );
         let chain = format!("{:#}", anyhow::Error::from(e));
         assert_eq!(chain.matches("No such file").count(), 1, "the cause once: {chain}");
     }

@@ -2,7 +2,9 @@
 //! credentials checked, one request per connection with a deadline to
 //! arrive, and a bounded number of operations at once.
 
-use super::protocol::{self, FailureKind, PROTOCOL_VERSION, Request, RequestFrame, Response, ResponseFrame};
+use super::protocol::{
+    self, FailureKind, PROTOCOL_VERSION, Request, RequestFrame, Response, ResponseFrame,
+};
 use crate::ops::{Agent, Failure};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -43,7 +45,8 @@ pub fn ensure_free(path: &Path) -> Result<(), ServerError> {
 /// Bind the socket: a stale socket file left by a dead agent is replaced; a
 /// live one is not.
 pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
-    UnixListener::from_std(bind_std(path)?).map_err(|source| ServerError::Bind { path: path.to_path_buf(), source })
+    UnixListener::from_std(bind_std(path)?)
+        .map_err(|source| ServerError::Bind { path: path.to_path_buf(), source })
 }
 
 /// [`bind`], the listener not yet registered with a runtime (non-blocking,
@@ -64,7 +67,11 @@ pub fn bind_std(path: &Path) -> Result<std::os::unix::net::UnixListener, ServerE
 }
 
 /// Serve until the listener fails.
-pub async fn serve(listener: UnixListener, agent: Arc<Agent>, config: ServerConfig) -> std::io::Result<()> {
+pub async fn serve(
+    listener: UnixListener,
+    agent: Arc<Agent>,
+    config: ServerConfig,
+) -> std::io::Result<()> {
     // Accept in a task of its own, on a runtime worker: each connection's
     // task then starts on that same worker (tokio's LIFO slot), where from
     // the thread awaiting `serve` (the agent's main thread) it went through
@@ -79,7 +86,11 @@ pub async fn serve(listener: UnixListener, agent: Arc<Agent>, config: ServerConf
     }
 }
 
-async fn accept_loop(listener: UnixListener, agent: Arc<Agent>, config: ServerConfig) -> std::io::Result<()> {
+async fn accept_loop(
+    listener: UnixListener,
+    agent: Arc<Agent>,
+    config: ServerConfig,
+) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
     let config = Arc::new(config);
     let mut pause = AcceptPause::default();
@@ -105,25 +116,38 @@ async fn accept_loop(listener: UnixListener, agent: Arc<Agent>, config: ServerCo
     }
 }
 
-async fn connection(mut stream: UnixStream, agent: Arc<Agent>, slots: Arc<Semaphore>, config: Arc<ServerConfig>) -> std::io::Result<()> {
+async fn connection(
+    mut stream: UnixStream,
+    agent: Arc<Agent>,
+    slots: Arc<Semaphore>,
+    config: Arc<ServerConfig>,
+) -> std::io::Result<()> {
     let response = match stream.peer_cred() {
         Ok(cred) if config.allowed_uids.contains(&cred.uid()) => {
             match tokio::time::timeout(config.request_timeout, read_request(&mut stream)).await {
-                Err(_) => failed(FailureKind::BadRequest, format!("no request within {:?}", config.request_timeout)),
+                Err(_) => failed(
+                    FailureKind::BadRequest,
+                    format!("no request within {:?}", config.request_timeout),
+                ),
                 Ok(Err(e)) => failed(FailureKind::BadRequest, format!("unreadable request: {e}")),
-                Ok(Ok(frame)) if frame.version != PROTOCOL_VERSION => {
-                    failed(FailureKind::BadRequest, format!("protocol version {} is not {PROTOCOL_VERSION}", frame.version))
-                }
+                Ok(Ok(frame)) if frame.version != PROTOCOL_VERSION => failed(
+                    FailureKind::BadRequest,
+                    format!("protocol version {} is not {PROTOCOL_VERSION}", frame.version),
+                ),
                 Ok(Ok(frame)) => dispatch(&agent, &slots, &config, frame.request).await,
             }
         }
         Ok(cred) => {
             tracing::warn!(uid = cred.uid(), "refused a request from a peer that is not allowed");
-            failed(FailureKind::Denied, format!("uid {} may not use the volagent socket", cred.uid()))
+            failed(
+                FailureKind::Denied,
+                format!("uid {} may not use the volagent socket", cred.uid()),
+            )
         }
         Err(e) => failed(FailureKind::Denied, format!("cannot check the peer's credentials: {e}")),
     };
-    let bytes = protocol::encode(&ResponseFrame { version: PROTOCOL_VERSION, response }).map_err(std::io::Error::other)?;
+    let bytes = protocol::encode(&ResponseFrame { version: PROTOCOL_VERSION, response })
+        .map_err(std::io::Error::other)?;
     stream.write_all(&bytes).await?;
     stream.shutdown().await
 }
@@ -173,7 +197,12 @@ async fn read_request(stream: &mut UnixStream) -> Result<RequestFrame, protocol:
     Ok(serde_json::from_slice(&body)?)
 }
 
-async fn dispatch(agent: &Arc<Agent>, slots: &Semaphore, config: &ServerConfig, request: Request) -> Response {
+async fn dispatch(
+    agent: &Arc<Agent>,
+    slots: &Semaphore,
+    config: &ServerConfig,
+    request: Request,
+) -> Response {
     // Only the wait for a slot is cut short: a running operation is never
     // abandoned half-way (its lock would be released while its steps still
     // run); each of its steps has a deadline of its own instead.
@@ -181,7 +210,13 @@ async fn dispatch(agent: &Arc<Agent>, slots: &Semaphore, config: &ServerConfig, 
     let slot = match tokio::time::timeout(config.slot_timeout, slots.acquire()).await {
         Ok(Ok(slot)) => Ok(slot),
         Ok(Err(_)) => Err(Failure::new(FailureKind::Unavailable, "the agent is shutting down")),
-        Err(_) => Err(Failure::new(FailureKind::Busy, format!("all {} operation slots stayed busy for {:?}; retry", config.max_concurrent, config.slot_timeout))),
+        Err(_) => Err(Failure::new(
+            FailureKind::Busy,
+            format!(
+                "all {} operation slots stayed busy for {:?}; retry",
+                config.max_concurrent, config.slot_timeout
+            ),
+        )),
     };
     let _slot = match slot {
         Ok(slot) => slot,

@@ -52,8 +52,15 @@ impl Root {
     /// filesystem.
     fn handle_cached(&self, rel: &Path) -> rustix::io::Result<OwnedFd> {
         use rustix::fs::{Mode, OFlags, ResolveFlags};
-        let resolve = ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::CACHED;
-        rustix::fs::openat2(rustix::fs::CWD, self.path.join(rel), OFlags::PATH | OFlags::CLOEXEC, Mode::empty(), resolve)
+        let resolve =
+            ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::CACHED;
+        rustix::fs::openat2(
+            rustix::fs::CWD,
+            self.path.join(rel),
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+            resolve,
+        )
     }
 }
 
@@ -68,7 +75,9 @@ pub struct Roots {
 /// handle on the symlink itself: so no O_NOFOLLOW.
 fn how(flags: OFlag) -> OpenHow {
     OpenHow::new().flags(flags | OFlag::O_CLOEXEC).resolve(
-        ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        ResolveFlag::RESOLVE_BENEATH
+            | ResolveFlag::RESOLVE_NO_SYMLINKS
+            | ResolveFlag::RESOLVE_NO_MAGICLINKS,
     )
 }
 
@@ -102,7 +111,11 @@ impl Roots {
             {
                 // By bytes: `components()` would quietly drop a "." or an
                 // empty part, which are not a clean path's.
-                let clean = rel.as_os_str().as_encoded_bytes().split(|b| *b == b'/').all(|c| !matches!(c, b"" | b"." | b".."));
+                let clean = rel
+                    .as_os_str()
+                    .as_encoded_bytes()
+                    .split(|b| *b == b'/')
+                    .all(|c| !matches!(c, b"" | b"." | b".."));
                 if !clean || path.as_os_str().as_encoded_bytes().contains(&0) {
                     return Err(refused(path, "is not a clean path"));
                 }
@@ -110,10 +123,16 @@ impl Roots {
             }
         }
         if self.roots.iter().any(|r| r.path == path) {
-            return Err(refused(path, "is one of the agent's roots, which is never acted on itself"));
+            return Err(refused(
+                path,
+                "is one of the agent's roots, which is never acted on itself",
+            ));
         }
         let roots: Vec<String> = self.paths().map(|p| p.display().to_string()).collect();
-        Err(refused(path, &format!("is outside the dirs this agent acts in ({})", roots.join(", "))))
+        Err(refused(
+            path,
+            &format!("is outside the dirs this agent acts in ({})", roots.join(", ")),
+        ))
     }
 
     /// Whether `path` lies strictly below one of the roots.
@@ -153,7 +172,9 @@ impl Roots {
         let parent = rel.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let dir = match parent.as_os_str() == "." {
             true => root.dir()?,
-            false => root.open(parent, OFlag::O_PATH | OFlag::O_DIRECTORY).map_err(|e| resolve_error(path, e))?,
+            false => root
+                .open(parent, OFlag::O_PATH | OFlag::O_DIRECTORY)
+                .map_err(|e| resolve_error(path, e))?,
         };
         Ok((dir, PathBuf::from(name)))
     }
@@ -169,14 +190,19 @@ impl Roots {
             Err(e) => return Err(resolve_error(dir, e)),
         }
         // Next most often only the last one is missing (a pod's target).
-        if let (Some(parent), Some(name)) = (rel.parent().filter(|p| !p.as_os_str().is_empty()), rel.file_name()) {
+        if let (Some(parent), Some(name)) =
+            (rel.parent().filter(|p| !p.as_os_str().is_empty()), rel.file_name())
+        {
             match root.open(parent, OFlag::O_PATH | OFlag::O_DIRECTORY) {
-                Ok(at) => match nix::sys::stat::mkdirat(at.as_fd(), name, Mode::from_bits_truncate(0o750)) {
-                    Ok(()) => return Ok(true),
-                    // Made meanwhile: the walk below checks what it is.
-                    Err(nix::errno::Errno::EEXIST) => {}
-                    Err(e) => return Err(errno("create dir", dir)(e)),
-                },
+                Ok(at) => {
+                    match nix::sys::stat::mkdirat(at.as_fd(), name, Mode::from_bits_truncate(0o750))
+                    {
+                        Ok(()) => return Ok(true),
+                        // Made meanwhile: the walk below checks what it is.
+                        Err(nix::errno::Errno::EEXIST) => {}
+                        Err(e) => return Err(errno("create dir", dir)(e)),
+                    }
+                }
                 Err(nix::errno::Errno::ENOENT) => {}
                 Err(e) => return Err(resolve_error(dir, e)),
             }
@@ -184,12 +210,14 @@ impl Roots {
         let mut at = root.dir()?;
         let mut made = false;
         for name in rel.iter() {
-            made = match nix::sys::stat::mkdirat(at.as_fd(), name, Mode::from_bits_truncate(0o750)) {
+            made = match nix::sys::stat::mkdirat(at.as_fd(), name, Mode::from_bits_truncate(0o750))
+            {
                 Ok(()) => true,
                 Err(nix::errno::Errno::EEXIST) => false,
                 Err(e) => return Err(errno("create dir", dir)(e)),
             };
-            at = openat2(at.as_fd(), name, how(OFlag::O_PATH | OFlag::O_DIRECTORY)).map_err(|e| resolve_error(dir, e))?;
+            at = openat2(at.as_fd(), name, how(OFlag::O_PATH | OFlag::O_DIRECTORY))
+                .map_err(|e| resolve_error(dir, e))?;
         }
         Ok(made)
     }
@@ -198,12 +226,26 @@ impl Roots {
     /// it was made, false when a regular file is there already.
     pub fn make_file(&self, file: &Path) -> Result<bool, SysError> {
         let (parent, name) = self.parent(file)?;
-        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        match nix::fcntl::openat(parent.as_fd(), name.as_path(), flags, Mode::from_bits_truncate(0o600)) {
+        let flags =
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        match nix::fcntl::openat(
+            parent.as_fd(),
+            name.as_path(),
+            flags,
+            Mode::from_bits_truncate(0o600),
+        ) {
             Ok(_) => Ok(true),
             Err(nix::errno::Errno::EEXIST) => {
-                let st = nix::sys::stat::fstatat(parent.as_fd(), name.as_path(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno("inspect", file))?;
-                if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT == nix::sys::stat::SFlag::S_IFREG {
+                let st = nix::sys::stat::fstatat(
+                    parent.as_fd(),
+                    name.as_path(),
+                    nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                )
+                .map_err(errno("inspect", file))?;
+                if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode)
+                    & nix::sys::stat::SFlag::S_IFMT
+                    == nix::sys::stat::SFlag::S_IFREG
+                {
                     Ok(false)
                 } else {
                     Err(refused(file, "is there and is not a regular file"))
@@ -221,16 +263,26 @@ impl Roots {
             Err(SysError::Errno { errno: nix::errno::Errno::ENOENT, .. }) => return Ok(()),
             Err(e) => return Err(e),
         };
-        let st = match nix::sys::stat::fstatat(parent.as_fd(), name.as_path(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+        let st = match nix::sys::stat::fstatat(
+            parent.as_fd(),
+            name.as_path(),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        ) {
             Ok(st) => st,
             Err(nix::errno::Errno::ENOENT) => return Ok(()),
             Err(e) => return Err(errno("inspect", file)(e)),
         };
-        let regular = nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT == nix::sys::stat::SFlag::S_IFREG;
+        let regular = nix::sys::stat::SFlag::from_bits_truncate(st.st_mode)
+            & nix::sys::stat::SFlag::S_IFMT
+            == nix::sys::stat::SFlag::S_IFREG;
         if !regular || st.st_size != 0 {
             return Err(refused(file, "is not an empty regular file; left in place"));
         }
-        match nix::unistd::unlinkat(parent.as_fd(), name.as_path(), nix::unistd::UnlinkatFlags::NoRemoveDir) {
+        match nix::unistd::unlinkat(
+            parent.as_fd(),
+            name.as_path(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        ) {
             Ok(()) | Err(nix::errno::Errno::ENOENT) => Ok(()),
             Err(e) => Err(errno("remove file", file)(e)),
         }
@@ -243,7 +295,11 @@ impl Roots {
             Err(SysError::Errno { errno: nix::errno::Errno::ENOENT, .. }) => return Ok(()),
             Err(e) => return Err(e),
         };
-        match nix::unistd::unlinkat(parent.as_fd(), name.as_path(), nix::unistd::UnlinkatFlags::RemoveDir) {
+        match nix::unistd::unlinkat(
+            parent.as_fd(),
+            name.as_path(),
+            nix::unistd::UnlinkatFlags::RemoveDir,
+        ) {
             Ok(()) | Err(nix::errno::Errno::ENOENT) => Ok(()),
             Err(e) => Err(errno("remove dir", dir)(e)),
         }
@@ -256,7 +312,9 @@ impl Roots {
 /// when it is a regular file of at most `max` bytes.
 pub fn read_beneath(dir: &Path, name: &Path, max: u64) -> Result<Vec<u8>, SysError> {
     let path = dir.join(name);
-    let d = nix::fcntl::open(dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()).map_err(errno("open dir", dir))?;
+    let d =
+        nix::fcntl::open(dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(errno("open dir", dir))?;
     let how = OpenHow::new()
         .flags(OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY)
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
@@ -285,7 +343,10 @@ pub fn read_regular(f: std::fs::File, path: &Path, max: u64) -> Result<Vec<u8>, 
         return Err(refused(path, "is not a regular file"));
     }
     if meta.len() > max {
-        return Err(refused(path, &format!("is {} bytes, more than the {max} allowed", meta.len())));
+        return Err(refused(
+            path,
+            &format!("is {} bytes, more than the {max} allowed", meta.len()),
+        ));
     }
     let mut bytes = Vec::with_capacity(meta.len() as usize);
     // Bounded even if the file grows while it is read.
@@ -301,7 +362,10 @@ pub fn resolve(root: &Path) -> Result<PathBuf, SysError> {
     std::fs::create_dir_all(root).map_err(super::io("create root dir", root))?;
     let path = std::fs::canonicalize(root).map_err(super::io("resolve root dir", root))?;
     if path == Path::new("/") {
-        return Err(SysError::Refused { path, what: "/ cannot be a root the agent acts in".into() });
+        return Err(SysError::Refused {
+            path,
+            what: "/ cannot be a root the agent acts in".into(),
+        });
     }
     Ok(path)
 }
@@ -325,7 +389,9 @@ fn refused(path: &Path, what: &str) -> SysError {
 /// openat2's errors, said in the words of what happened.
 fn resolve_error(path: &Path, e: nix::errno::Errno) -> SysError {
     match e {
-        nix::errno::Errno::ELOOP => refused(path, "is or passes through a symbolic link, which the agent does not follow"),
+        nix::errno::Errno::ELOOP => {
+            refused(path, "is or passes through a symbolic link, which the agent does not follow")
+        }
         nix::errno::Errno::EXDEV => refused(path, "escapes its root"),
         e => SysError::Errno { op: "open", path: path.to_path_buf(), errno: e },
     }
@@ -379,7 +445,13 @@ mod tests {
                 Err(e) => assert!(e.to_string().contains("symbolic link"), "{bad}: {e}"),
             }
         }
-        assert!(roots.handle_cached(Path::new("/etc/passwd")).unwrap_err().to_string().contains("outside the dirs"));
+        assert!(
+            roots
+                .handle_cached(Path::new("/etc/passwd"))
+                .unwrap_err()
+                .to_string()
+                .contains("outside the dirs")
+        );
         assert!(roots.handle_cached(&root.join("a/../a/file")).is_err());
     }
 
@@ -410,10 +482,30 @@ mod tests {
         std::os::unix::fs::symlink("/etc/hostname", dir.join("escape.wasm")).unwrap();
         nix::unistd::mkfifo(&dir.join("fifo.wasm"), Mode::from_bits_truncate(0o600)).unwrap();
         assert_eq!(read_beneath(&dir, Path::new("a/p.wasm"), 16).unwrap(), b"wasm");
-        assert_eq!(read_beneath(&dir, Path::new("link.wasm"), 16).unwrap(), b"wasm", "a link inside (a ConfigMap's)");
-        assert!(read_beneath(&dir, Path::new("escape.wasm"), 16).unwrap_err().to_string().contains("escapes"));
-        assert!(read_beneath(&dir, Path::new("fifo.wasm"), 16).unwrap_err().to_string().contains("not a regular file"), "and it did not block");
-        assert!(read_beneath(&dir, Path::new("a/p.wasm"), 3).unwrap_err().to_string().contains("more than the 3"));
+        assert_eq!(
+            read_beneath(&dir, Path::new("link.wasm"), 16).unwrap(),
+            b"wasm",
+            "a link inside (a ConfigMap's)"
+        );
+        assert!(
+            read_beneath(&dir, Path::new("escape.wasm"), 16)
+                .unwrap_err()
+                .to_string()
+                .contains("escapes")
+        );
+        assert!(
+            read_beneath(&dir, Path::new("fifo.wasm"), 16)
+                .unwrap_err()
+                .to_string()
+                .contains("not a regular file"),
+            "and it did not block"
+        );
+        assert!(
+            read_beneath(&dir, Path::new("a/p.wasm"), 3)
+                .unwrap_err()
+                .to_string()
+                .contains("more than the 3")
+        );
         assert!(read_file(&dir.join("fifo.wasm"), 16).is_err());
     }
 

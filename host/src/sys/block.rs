@@ -22,11 +22,17 @@ pub fn devnode(rdev: u64, what: &Path) -> Result<PathBuf, SysError> {
         .lines()
         .find_map(|l| l.strip_prefix("DEVNAME="))
         .filter(|n| !n.is_empty() && !n.split('/').any(|c| c.is_empty() || c == "." || c == ".."))
-        .ok_or_else(|| SysError::Refused { path: what.to_path_buf(), what: format!("block device {major}:{minor} has no name in {}", uevent.display()) })?;
+        .ok_or_else(|| SysError::Refused {
+            path: what.to_path_buf(),
+            what: format!("block device {major}:{minor} has no name in {}", uevent.display()),
+        })?;
     let node = Path::new("/dev").join(name);
     let meta = std::fs::symlink_metadata(&node).map_err(io("stat", &node))?;
     if !meta.file_type().is_block_device() || meta.rdev() != rdev {
-        return Err(SysError::Refused { path: what.to_path_buf(), what: format!("{} is not block device {major}:{minor}", node.display()) });
+        return Err(SysError::Refused {
+            path: what.to_path_buf(),
+            what: format!("{} is not block device {major}:{minor}", node.display()),
+        });
     }
     Ok(node)
 }
@@ -36,7 +42,10 @@ pub fn devnode(rdev: u64, what: &Path) -> Result<PathBuf, SysError> {
 pub fn exclusive(device: &Path) -> Result<File, SysError> {
     let meta = std::fs::symlink_metadata(device).map_err(io("stat", device))?;
     if !meta.file_type().is_block_device() {
-        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a block device".into() });
+        return Err(SysError::Refused {
+            path: device.to_path_buf(),
+            what: "is not a block device".into(),
+        });
     }
     OpenOptions::new()
         .read(true)
@@ -56,7 +65,8 @@ pub fn exclusive(device: &Path) -> Result<File, SysError> {
 pub fn size(f: &File, device: &Path) -> Result<u64, SysError> {
     let mut bytes = 0u64;
     // SAFETY: BLKGETSIZE64 writes one u64 into `bytes`; the fd is open.
-    unsafe { blkgetsize64(f.as_raw_fd(), &mut bytes) }.map_err(errno("read the size of", device))?;
+    unsafe { blkgetsize64(f.as_raw_fd(), &mut bytes) }
+        .map_err(errno("read the size of", device))?;
     Ok(bytes)
 }
 
@@ -76,6 +86,10 @@ pub fn discard_all(f: &File, device: &Path, zero: bool) -> Result<(), SysError> 
 
 /// The size of block device `device`, opened read-only for the ioctl.
 pub fn size_of(device: &Path) -> Result<u64, SysError> {
-    let f = OpenOptions::new().read(true).custom_flags(nix::libc::O_NOFOLLOW).open(device).map_err(io("open", device))?;
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(device)
+        .map_err(io("open", device))?;
     size(&f, device)
 }

@@ -52,10 +52,16 @@ pub fn clear(top: OwnedFd, path: &Path) -> Result<u64, SysError> {
             let is_dir = match entry.file_type() {
                 Some(Type::Directory) => true,
                 Some(_) => false,
-                None => SFlag::from_bits_truncate(fstatat(at, name, AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno("stat", path))?.st_mode).contains(SFlag::S_IFDIR),
+                None => SFlag::from_bits_truncate(
+                    fstatat(at, name, AtFlags::AT_SYMLINK_NOFOLLOW)
+                        .map_err(errno("stat", path))?
+                        .st_mode,
+                )
+                .contains(SFlag::S_IFDIR),
             };
             if !is_dir {
-                unlinkat(at, name, UnlinkatFlags::NoRemoveDir).map_err(errno("remove an entry of", path))?;
+                unlinkat(at, name, UnlinkatFlags::NoRemoveDir)
+                    .map_err(errno("remove an entry of", path))?;
                 removed += 1;
                 continue;
             }
@@ -65,14 +71,25 @@ pub fn clear(top: OwnedFd, path: &Path) -> Result<u64, SysError> {
         match descend {
             Some(name) => {
                 if depth >= MAX_DEPTH {
-                    return Err(SysError::Refused { path: path.to_path_buf(), what: format!("holds a tree deeper than {MAX_DEPTH} levels") });
+                    return Err(SysError::Refused {
+                        path: path.to_path_buf(),
+                        what: format!("holds a tree deeper than {MAX_DEPTH} levels"),
+                    });
                 }
-                let sub = nix::fcntl::openat(at, name.as_c_str(), OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
-                    .map_err(errno("open a dir in", path))?;
+                let sub = nix::fcntl::openat(
+                    at,
+                    name.as_c_str(),
+                    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(errno("open a dir in", path))?;
                 if fstat(sub.as_fd()).map_err(errno("stat", path))?.st_dev != dev {
                     return Err(SysError::Refused {
                         path: path.to_path_buf(),
-                        what: format!("{:?} inside it is another filesystem (a mount): not cleared", name),
+                        what: format!(
+                            "{:?} inside it is another filesystem (a mount): not cleared",
+                            name
+                        ),
                     });
                 }
                 stack.push(level(sub, Some(name), path)?);
@@ -81,7 +98,8 @@ pub fn clear(top: OwnedFd, path: &Path) -> Result<u64, SysError> {
                 // This level is empty: remove it from its parent.
                 let done = stack.pop().expect("non-empty stack");
                 if let (Some(name), Some(parent)) = (done.name, stack.last()) {
-                    unlinkat(parent.at.as_fd(), name.as_c_str(), UnlinkatFlags::RemoveDir).map_err(errno("remove a dir in", path))?;
+                    unlinkat(parent.at.as_fd(), name.as_c_str(), UnlinkatFlags::RemoveDir)
+                        .map_err(errno("remove a dir in", path))?;
                     removed += 1;
                 }
             }
@@ -95,7 +113,12 @@ mod tests {
     use super::*;
 
     fn open(dir: &Path) -> OwnedFd {
-        nix::fcntl::open(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()).unwrap()
+        nix::fcntl::open(
+            dir,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -124,7 +147,13 @@ mod tests {
         let mut fd = open(vol.path());
         for _ in 0..MAX_DEPTH + 1 {
             nix::sys::stat::mkdirat(fd.as_fd(), "d", Mode::from_bits_truncate(0o700)).unwrap();
-            fd = nix::fcntl::openat(fd.as_fd(), "d", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+            fd = nix::fcntl::openat(
+                fd.as_fd(),
+                "d",
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .unwrap();
         }
         let e = clear(open(vol.path()), vol.path()).unwrap_err();
         assert!(e.to_string().contains("deeper than"), "{e}");

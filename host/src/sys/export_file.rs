@@ -34,11 +34,18 @@ impl FileExport {
 
     /// Serve `file`, already open (for writing too unless `read_only`);
     /// `path` names it in errors and as the export's description.
-    pub fn from_file(mut file: File, path: &Path, read_only: bool) -> Result<FileExport, super::SysError> {
+    pub fn from_file(
+        mut file: File,
+        path: &Path,
+        read_only: bool,
+    ) -> Result<FileExport, super::SysError> {
         let kind = file.metadata().map_err(super::io("stat export", path))?.file_type();
         let block_device = kind.is_block_device();
         if !kind.is_file() && !block_device {
-            return Err(super::SysError::Refused { path: path.to_path_buf(), what: "an export is a regular file or a block device".into() });
+            return Err(super::SysError::Refused {
+                path: path.to_path_buf(),
+                what: "an export is a regular file or a block device".into(),
+            });
         }
         // A block device's size is where its end is.
         let size = file.seek(io::SeekFrom::End(0)).map_err(super::io("size of export", path))?;
@@ -67,7 +74,10 @@ impl FileExport {
 }
 
 fn unsupported(e: &io::Error) -> bool {
-    matches!(e.raw_os_error().map(nix::errno::Errno::from_raw), Some(nix::errno::Errno::EOPNOTSUPP | nix::errno::Errno::ENOSYS))
+    matches!(
+        e.raw_os_error().map(nix::errno::Errno::from_raw),
+        Some(nix::errno::Errno::EOPNOTSUPP | nix::errno::Errno::ENOSYS)
+    )
 }
 
 impl Export for FileExport {
@@ -100,7 +110,8 @@ impl Export for FileExport {
     }
 
     fn trim(&self, offset: u64, length: u64) -> io::Result<()> {
-        match self.fallocate(FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, length) {
+        match self.fallocate(FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, length)
+        {
             // Trimming is advisory: a filesystem that cannot punch keeps the bytes.
             Err(e) if unsupported(&e) => Ok(()),
             other => other,
@@ -130,9 +141,15 @@ impl Export for FileExport {
 
     fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
         use std::os::fd::AsFd;
-        let (off, len) = (i64::try_from(offset).unwrap_or(i64::MAX), i64::try_from(length).unwrap_or(i64::MAX));
-        nix::fcntl::posix_fadvise(self.file.as_fd(), off, len, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED)
-            .map_err(|e| io::Error::from_raw_os_error(e as i32))
+        let (off, len) =
+            (i64::try_from(offset).unwrap_or(i64::MAX), i64::try_from(length).unwrap_or(i64::MAX));
+        nix::fcntl::posix_fadvise(
+            self.file.as_fd(),
+            off,
+            len,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+        )
+        .map_err(|e| io::Error::from_raw_os_error(e as i32))
     }
 
     fn extents(&self, offset: u64, length: u32, max: usize) -> io::Result<Vec<Extent>> {
@@ -146,7 +163,10 @@ impl Export for FileExport {
             // lseek moves the shared file offset, which nothing else uses.
             let (hole, next) = match rustix::fs::seek(&self.file, SeekFrom::Data(pos)) {
                 Ok(data) if data > pos => (true, data),
-                Ok(_) => (false, rustix::fs::seek(&self.file, SeekFrom::Hole(pos)).map_err(io::Error::from)?),
+                Ok(_) => (
+                    false,
+                    rustix::fs::seek(&self.file, SeekFrom::Hole(pos)).map_err(io::Error::from)?,
+                ),
                 // No data from here to the end of the file.
                 Err(rustix::io::Errno::NXIO) => (true, end),
                 Err(e) => return Err(e.into()),

@@ -2,7 +2,9 @@
 //! every operation logged, and failures injected on request. For tests of
 //! the logic above `sys` that need no root.
 
-use super::{Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, NbdClients, Sys, SysError, Wipe};
+use super::{
+    Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, NbdClients, Sys, SysError, Wipe,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -64,7 +66,14 @@ impl Fake {
     }
 
     pub fn sys(self: &Arc<Self>) -> Sys {
-        Sys { mounts: self.clone(), devices: self.clone(), filesystems: self.clone(), nbd: self.clone(), storage: self.clone(), krbd: self.clone() }
+        Sys {
+            mounts: self.clone(),
+            devices: self.clone(),
+            filesystems: self.clone(),
+            nbd: self.clone(),
+            storage: self.clone(),
+            krbd: self.clone(),
+        }
     }
 
     pub fn state(&self) -> MutexGuard<'_, State> {
@@ -83,7 +92,11 @@ impl Fake {
         s.log.push(entry.clone());
         if let Some(i) = s.fail.iter().position(|f| entry.starts_with(f.as_str())) {
             s.fail.remove(i);
-            return Err(SysError::Errno { op, path: path.to_path_buf(), errno: nix::errno::Errno::EIO });
+            return Err(SysError::Errno {
+                op,
+                path: path.to_path_buf(),
+                errno: nix::errno::Errno::EIO,
+            });
         }
         Ok(s)
     }
@@ -115,14 +128,33 @@ impl Mounts for Fake {
 
     fn device_of_mount(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
         let s = self.state();
-        let Some(m) = s.mounts.iter().rev().find(|m| m.mount_point == target) else { return Ok(None) };
-        Ok(Some(s.loops.iter().find(|l| l.device == Path::new(&m.source)).map(|l| l.number).unwrap_or(m.device)))
+        let Some(m) = s.mounts.iter().rev().find(|m| m.mount_point == target) else {
+            return Ok(None);
+        };
+        Ok(Some(
+            s.loops
+                .iter()
+                .find(|l| l.device == Path::new(&m.source))
+                .map(|l| l.number)
+                .unwrap_or(m.device),
+        ))
     }
 
-    fn mount(&self, source: &str, target: &Path, fs_type: &str, _options: &str, read_only: bool) -> Result<(), SysError> {
+    fn mount(
+        &self,
+        source: &str,
+        target: &Path,
+        fs_type: &str,
+        _options: &str,
+        read_only: bool,
+    ) -> Result<(), SysError> {
         let mut s = self.op("mount", target)?;
         if !s.dirs.contains(target) {
-            return Err(SysError::Errno { op: "mount", path: target.to_path_buf(), errno: nix::errno::Errno::ENOENT });
+            return Err(SysError::Errno {
+                op: "mount",
+                path: target.to_path_buf(),
+                errno: nix::errno::Errno::ENOENT,
+            });
         }
         let id = s.mounts.len() as u32 + 100;
         s.mounts.push(mount_info(id, source, target, fs_type, read_only));
@@ -132,9 +164,18 @@ impl Mounts for Fake {
     fn bind(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
         let mut s = self.op("bind", target)?;
         if !s.dirs.contains(target) || !s.dirs.contains(source) {
-            return Err(SysError::Errno { op: "bind-mount onto", path: target.to_path_buf(), errno: nix::errno::Errno::ENOENT });
+            return Err(SysError::Errno {
+                op: "bind-mount onto",
+                path: target.to_path_buf(),
+                errno: nix::errno::Errno::ENOENT,
+            });
         }
-        let from = s.mounts.iter().rev().find(|m| m.mount_point == source).map(|m| (m.source.clone(), m.fs_type.clone()));
+        let from = s
+            .mounts
+            .iter()
+            .rev()
+            .find(|m| m.mount_point == source)
+            .map(|m| (m.source.clone(), m.fs_type.clone()));
         let (src, fs) = from.unwrap_or_else(|| (source.display().to_string(), "none".into()));
         let id = s.mounts.len() as u32 + 100;
         s.mounts.push(mount_info(id, &src, target, &fs, read_only));
@@ -148,7 +189,11 @@ impl Mounts for Fake {
                 s.mounts.remove(i);
                 Ok(())
             }
-            None => Err(SysError::Errno { op: "unmount", path: target.to_path_buf(), errno: nix::errno::Errno::EINVAL }),
+            None => Err(SysError::Errno {
+                op: "unmount",
+                path: target.to_path_buf(),
+                errno: nix::errno::Errno::EINVAL,
+            }),
         }
     }
 
@@ -179,9 +224,17 @@ impl Devices for Fake {
 
     fn loop_attach(&self, file: &Path, _read_only: bool) -> Result<PathBuf, SysError> {
         let mut s = self.op("loop-attach", file)?;
-        let n = (0..).find(|n| !s.loops.iter().any(|l| l.device == Path::new(&format!("/dev/loop{n}")))).unwrap_or(0);
+        let n = (0..)
+            .find(|n| !s.loops.iter().any(|l| l.device == Path::new(&format!("/dev/loop{n}"))))
+            .unwrap_or(0);
         let device = PathBuf::from(format!("/dev/loop{n}"));
-        s.loops.push(LoopDevice { device: device.clone(), backing_file: file.to_path_buf(), backing: Some(fake_id(file)), tag: self.loop_tag().into(), number: (7, n) });
+        s.loops.push(LoopDevice {
+            device: device.clone(),
+            backing_file: file.to_path_buf(),
+            backing: Some(fake_id(file)),
+            tag: self.loop_tag().into(),
+            number: (7, n),
+        });
         // The file's filesystem shows through the device.
         if let Some(fs) = s.filesystems.get(file).cloned() {
             s.filesystems.insert(device.clone(), fs);
@@ -210,7 +263,10 @@ impl Devices for Fake {
 
     fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError> {
         if self.state().links.contains(file) {
-            return Err(SysError::Refused { path: file.to_path_buf(), what: "is or passes through a symbolic link".into() });
+            return Err(SysError::Refused {
+                path: file.to_path_buf(),
+                what: "is or passes through a symbolic link".into(),
+            });
         }
         Ok(Some(fake_id(file)))
     }
@@ -234,7 +290,11 @@ impl Devices for Fake {
     fn open_file(&self, file: &Path, _write: bool) -> Result<std::fs::File, SysError> {
         let s = self.op("open", file)?;
         if !s.files.contains(file) {
-            return Err(SysError::Errno { op: "open", path: file.to_path_buf(), errno: nix::errno::Errno::ENOENT });
+            return Err(SysError::Errno {
+                op: "open",
+                path: file.to_path_buf(),
+                errno: nix::errno::Errno::ENOENT,
+            });
         }
         std::fs::File::open("/dev/null").map_err(super::io("open", file))
     }
@@ -246,7 +306,12 @@ impl Filesystems for Fake {
         Ok(s.filesystems.get(device).cloned())
     }
 
-    fn probe_attached(&self, _device: &Path, file: &Path, _backing: Option<&std::fs::File>) -> Result<Option<String>, SysError> {
+    fn probe_attached(
+        &self,
+        _device: &Path,
+        file: &Path,
+        _backing: Option<&std::fs::File>,
+    ) -> Result<Option<String>, SysError> {
         let s = self.op("probe", file)?;
         Ok(s.filesystems.get(file).cloned())
     }
@@ -276,14 +341,27 @@ impl NbdClients for Fake {
     }
 
     /// Devices are /dev/nbd0, /dev/nbd1, … in order of connection.
-    fn kernel_connect(&self, key: &str, server: &str, export: &str, _connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError> {
+    fn kernel_connect(
+        &self,
+        key: &str,
+        server: &str,
+        export: &str,
+        _connections: u8,
+        read_only: bool,
+    ) -> Result<(PathBuf, bool), SysError> {
         let mut s = self.op("nbd-kernel-connect", Path::new(key))?;
         if let Some((device, ..)) = s.nbd_kernel.get(key) {
             return Ok((device.clone(), false));
         }
         let taken: BTreeSet<&PathBuf> = s.nbd_kernel.values().map(|(d, ..)| d).collect();
-        let device = (0..).map(|n| PathBuf::from(format!("/dev/nbd{n}"))).find(|d| !taken.contains(d)).unwrap_or_default();
-        s.nbd_kernel.insert(key.to_string(), (device.clone(), server.to_string(), export.to_string(), read_only));
+        let device = (0..)
+            .map(|n| PathBuf::from(format!("/dev/nbd{n}")))
+            .find(|d| !taken.contains(d))
+            .unwrap_or_default();
+        s.nbd_kernel.insert(
+            key.to_string(),
+            (device.clone(), server.to_string(), export.to_string(), read_only),
+        );
         Ok((device, true))
     }
 
@@ -305,7 +383,13 @@ impl NbdClients for Fake {
         Path::new("/fake-nbd").join(key).join(key)
     }
 
-    fn connect(&self, key: &str, uri: &str, _connections: u8, read_only: bool) -> Result<bool, SysError> {
+    fn connect(
+        &self,
+        key: &str,
+        uri: &str,
+        _connections: u8,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
         let file = self.file(key);
         let mut s = self.op("nbd-connect", &file)?;
         if s.nbd_clients.contains_key(key) {
@@ -337,7 +421,12 @@ impl NbdClients for Fake {
         self.state().rbd_fuse
     }
 
-    fn connect_rbd_fuse(&self, key: &str, target: &super::rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError> {
+    fn connect_rbd_fuse(
+        &self,
+        key: &str,
+        target: &super::rbd_export::RbdTarget,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
         let file = self.rbd_fuse_file(key, &target.image);
         let mut s = self.op("rbd-fuse-connect", &file)?;
         if s.rbd_fuse_clients.contains_key(key) {
@@ -358,8 +447,18 @@ impl NbdClients for Fake {
 
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
         let s = self.state();
-        let keys: BTreeSet<&String> = s.nbd_clients.keys().chain(s.nbd_servers.keys()).chain(s.rbd_fuse_clients.keys()).collect();
-        Ok(keys.into_iter().map(|k| (k.clone(), s.nbd_clients.contains_key(k) || s.rbd_fuse_clients.contains_key(k))).collect())
+        let keys: BTreeSet<&String> = s
+            .nbd_clients
+            .keys()
+            .chain(s.nbd_servers.keys())
+            .chain(s.rbd_fuse_clients.keys())
+            .collect();
+        Ok(keys
+            .into_iter()
+            .map(|k| {
+                (k.clone(), s.nbd_clients.contains_key(k) || s.rbd_fuse_clients.contains_key(k))
+            })
+            .collect())
     }
 
     fn serve(&self, key: &str, _file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
@@ -367,10 +466,16 @@ impl NbdClients for Fake {
         Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
     }
 
-    fn serve_rbd(&self, key: &str, target: &super::rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError> {
+    fn serve_rbd(
+        &self,
+        key: &str,
+        target: &super::rbd_export::RbdTarget,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
         let image = format!("{}/{}", target.pool, target.image);
         let mut s = self.op("nbd-serve-rbd", Path::new(&image))?;
-        let secret = target.client.key.as_ref().map(|k| String::from_utf8_lossy(k.expose()).into_owned());
+        let secret =
+            target.client.key.as_ref().map(|k| String::from_utf8_lossy(k.expose()).into_owned());
         if !s.rbd_servers.contains_key(key) {
             let id = 5000 + s.rbd_started;
             s.rbd_started += 1;
@@ -381,8 +486,15 @@ impl NbdClients for Fake {
 
     fn storage_clients(&self) -> Vec<(String, u64, String)> {
         let s = self.state();
-        let helpers = s.rbd_servers.iter().map(|(key, (_, _, id))| (key.clone(), *id, format!("10.0.0.9:0/{id}")));
-        helpers.chain(s.client_ids.iter().map(|(key, (id, address))| (key.clone(), *id, address.clone()))).collect()
+        let helpers = s
+            .rbd_servers
+            .iter()
+            .map(|(key, (_, _, id))| (key.clone(), *id, format!("10.0.0.9:0/{id}")));
+        helpers
+            .chain(
+                s.client_ids.iter().map(|(key, (id, address))| (key.clone(), *id, address.clone())),
+            )
+            .collect()
     }
 
     fn server_address(&self, key: &str) -> String {
@@ -398,21 +510,39 @@ impl NbdClients for Fake {
 }
 
 impl super::Storage for Fake {
-    fn rbd_watchers(&self, _client: &super::rbd_export::CephClient, pool: &str, image: &str) -> Result<Vec<super::rbd_export::ImageWatcher>, SysError> {
+    fn rbd_watchers(
+        &self,
+        _client: &super::rbd_export::CephClient,
+        pool: &str,
+        image: &str,
+    ) -> Result<Vec<super::rbd_export::ImageWatcher>, SysError> {
         let name = format!("{pool}/{image}");
         let s = self.op("rbd-watchers", Path::new(&name))?;
         let listed = s.rbd_watchers.get(&name).cloned().unwrap_or_default();
-        Ok(listed.into_iter().map(|(id, address)| super::rbd_export::ImageWatcher { address, id }).collect())
+        Ok(listed
+            .into_iter()
+            .map(|(id, address)| super::rbd_export::ImageWatcher { address, id })
+            .collect())
     }
 
-    fn blocklist(&self, client: &super::rbd_export::CephClient, address: &str) -> Result<(), SysError> {
+    fn blocklist(
+        &self,
+        client: &super::rbd_export::CephClient,
+        address: &str,
+    ) -> Result<(), SysError> {
         let mut s = self.op("blocklist", Path::new(address))?;
         let key = client.key.as_ref().map(|k| String::from_utf8_lossy(k.expose()).into_owned());
         s.blocklisted.push((address.to_string(), key));
         Ok(())
     }
 
-    fn break_lock(&self, _client: &super::rbd_export::CephClient, pool: &str, image: &str, address: &str) -> Result<bool, SysError> {
+    fn break_lock(
+        &self,
+        _client: &super::rbd_export::CephClient,
+        pool: &str,
+        image: &str,
+        address: &str,
+    ) -> Result<bool, SysError> {
         drop(self.op("break-lock", Path::new(&format!("{pool}/{image}")))?);
         Ok(!address.is_empty())
     }
@@ -424,11 +554,21 @@ impl super::KernelRbd for Fake {
         self.state().krbd
     }
 
-    fn map(&self, client: &super::rbd_export::CephClient, pool: &str, image: &str, _read_only: bool) -> Result<(super::krbd::KernelMapping, bool), SysError> {
+    fn map(
+        &self,
+        client: &super::rbd_export::CephClient,
+        pool: &str,
+        image: &str,
+        _read_only: bool,
+    ) -> Result<(super::krbd::KernelMapping, bool), SysError> {
         let name = format!("{pool}/{image}");
         let mut s = self.op("krbd-map", Path::new(&name))?;
         let monitors = client.monitors.clone().unwrap_or_default();
-        if let Some(m) = s.krbd_mappings.iter().find(|m| m.pool == pool && m.image == image && m.monitors == monitors) {
+        if let Some(m) = s
+            .krbd_mappings
+            .iter()
+            .find(|m| m.pool == pool && m.image == image && m.monitors == monitors)
+        {
             return Ok((m.clone(), false));
         }
         let id = (0..).find(|n| !s.krbd_mappings.iter().any(|m| m.id == *n)).unwrap_or_default();

@@ -10,7 +10,10 @@
 //! carry on with the real operation).
 
 use super::rbd_export::{CephClient, ImageWatcher};
-use super::{Devices, FileId, Filesystems, Kind, LoopDevice, MountInfo, Mounts, Storage, SysError, Usage, Wipe};
+use super::{
+    Devices, FileId, Filesystems, Kind, LoopDevice, MountInfo, Mounts, Storage, SysError, Usage,
+    Wipe,
+};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,7 +24,19 @@ pub const FAULTS_FILE_ENV: &str = "VOLAGENT_TEST_FAULTS_FILE";
 pub const MAX_HANG: Duration = Duration::from_secs(120);
 /// The operations faults can be injected into, each named after the step
 /// kind it serves.
-pub const OPERATIONS: &[&str] = &["attach-device", "detach-device", "format", "mount", "bind-mount", "publish-block", "unmount", "wipe", "clear-directory", "grow-filesystem", "blocklist-client"];
+pub const OPERATIONS: &[&str] = &[
+    "attach-device",
+    "detach-device",
+    "format",
+    "mount",
+    "bind-mount",
+    "publish-block",
+    "unmount",
+    "wipe",
+    "clear-directory",
+    "grow-filesystem",
+    "blocklist-client",
+];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -132,7 +147,14 @@ impl<T: Mounts + ?Sized> Mounts for Faulty<T> {
     fn device_of_mount(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
         self.inner.device_of_mount(target)
     }
-    fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError> {
+    fn mount(
+        &self,
+        source: &str,
+        target: &Path,
+        fs_type: &str,
+        options: &str,
+        read_only: bool,
+    ) -> Result<(), SysError> {
         self.rules.check("mount", target)?;
         self.inner.mount(source, target, fs_type, options, read_only)
     }
@@ -213,14 +235,24 @@ impl<T: Filesystems + ?Sized> Filesystems for Faulty<T> {
     fn probe(&self, device: &Path) -> Result<Option<String>, SysError> {
         self.inner.probe(device)
     }
-    fn probe_attached(&self, device: &Path, file: &Path, backing: Option<&std::fs::File>) -> Result<Option<String>, SysError> {
+    fn probe_attached(
+        &self,
+        device: &Path,
+        file: &Path,
+        backing: Option<&std::fs::File>,
+    ) -> Result<Option<String>, SysError> {
         self.inner.probe_attached(device, file, backing)
     }
     fn mkfs(&self, device: &Path, fs_type: &str) -> Result<(), SysError> {
         self.rules.check("format", device)?;
         self.inner.mkfs(device, fs_type)
     }
-    fn grow_filesystem(&self, device: &Path, mount_point: &Path, fs_type: &str) -> Result<u64, SysError> {
+    fn grow_filesystem(
+        &self,
+        device: &Path,
+        mount_point: &Path,
+        fs_type: &str,
+    ) -> Result<u64, SysError> {
         self.rules.check("grow-filesystem", mount_point)?;
         self.inner.grow_filesystem(device, mount_point, fs_type)
     }
@@ -235,7 +267,12 @@ impl<T: Filesystems + ?Sized> Filesystems for Faulty<T> {
 }
 
 impl<T: Storage + ?Sized> Storage for Faulty<T> {
-    fn rbd_watchers(&self, client: &CephClient, pool: &str, image: &str) -> Result<Vec<ImageWatcher>, SysError> {
+    fn rbd_watchers(
+        &self,
+        client: &CephClient,
+        pool: &str,
+        image: &str,
+    ) -> Result<Vec<ImageWatcher>, SysError> {
         self.inner.rbd_watchers(client, pool, image)
     }
     fn blocklist(&self, client: &CephClient, address: &str) -> Result<(), SysError> {
@@ -243,7 +280,13 @@ impl<T: Storage + ?Sized> Storage for Faulty<T> {
         self.inner.blocklist(client, address)
     }
 
-    fn break_lock(&self, client: &CephClient, pool: &str, image: &str, address: &str) -> Result<bool, SysError> {
+    fn break_lock(
+        &self,
+        client: &CephClient,
+        pool: &str,
+        image: &str,
+        address: &str,
+    ) -> Result<bool, SysError> {
         self.inner.break_lock(client, pool, image, address)
     }
 }
@@ -258,7 +301,8 @@ mod tests {
         let file = dir.path().join("faults");
         let rules = Rules::new(file.clone());
         assert_eq!(rules.fault("mount"), None, "no file, no fault");
-        std::fs::write(&file, "mount EIO\nformat ENOSPC\nunmount hang\nwipe EWHAT\nnonsense\n").unwrap();
+        std::fs::write(&file, "mount EIO\nformat ENOSPC\nunmount hang\nwipe EWHAT\nnonsense\n")
+            .unwrap();
         assert_eq!(rules.fault("mount"), Some(Fault::Errno(nix::errno::Errno::EIO)));
         assert_eq!(rules.fault("format"), Some(Fault::Errno(nix::errno::Errno::ENOSPC)));
         assert_eq!(rules.fault("unmount"), Some(Fault::Hang));

@@ -28,7 +28,13 @@ impl AbortSwitch {
         let fusectl = Path::new(FUSECTL);
         let dir = fusectl.join(conn.to_string());
         if !dir.exists() {
-            let _ = nix::mount::mount(Some("fusectl"), fusectl, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+            let _ = nix::mount::mount(
+                Some("fusectl"),
+                fusectl,
+                Some("fusectl"),
+                nix::mount::MsFlags::empty(),
+                None::<&str>,
+            );
         }
         let file = std::fs::OpenOptions::new().write(true).open(dir.join("abort"))?;
         Ok(AbortSwitch { conn, file })
@@ -38,8 +44,14 @@ impl AbortSwitch {
     /// nothing if it has ended.
     pub fn pull(mut self) {
         match self.file.write_all(b"1") {
-            Ok(()) => tracing::warn!(conn = self.conn, "aborted a FUSE connection (nothing happens if it had ended)"),
-            Err(e) => tracing::warn!(conn = self.conn, "cannot abort FUSE connection through fusectl: {e}"),
+            Ok(()) => tracing::warn!(
+                conn = self.conn,
+                "aborted a FUSE connection (nothing happens if it had ended)"
+            ),
+            Err(e) => tracing::warn!(
+                conn = self.conn,
+                "cannot abort FUSE connection through fusectl: {e}"
+            ),
         }
     }
 }

@@ -16,13 +16,26 @@ const HELPER: &str = "mount.glusterfs";
 /// A checked gluster source: "host:/volume".
 fn check_source(source: &str, target: &Path) -> Result<(), SysError> {
     let refused = |what: String| SysError::Refused { path: target.to_path_buf(), what };
-    let (host, volume) = source.split_once(":/").ok_or_else(|| refused(format!("gluster source {source:?} is not host:/volume")))?;
+    let (host, volume) = source
+        .split_once(":/")
+        .ok_or_else(|| refused(format!("gluster source {source:?} is not host:/volume")))?;
     let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
-        None => !host.is_empty() && host.len() <= 253 && !host.starts_with('-') && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b)),
+        None => {
+            !host.is_empty()
+                && host.len() <= 253
+                && !host.starts_with('-')
+                && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.".contains(&b))
+        }
     };
-    let volume_ok = !volume.is_empty() && volume.len() <= 255 && volume.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
-    if host_ok && volume_ok { Ok(()) } else { Err(refused(format!("gluster source {source:?} is not host:/volume"))) }
+    let volume_ok = !volume.is_empty()
+        && volume.len() <= 255
+        && volume.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if host_ok && volume_ok {
+        Ok(())
+    } else {
+        Err(refused(format!("gluster source {source:?} is not host:/volume")))
+    }
 }
 
 /// The `log-file=` among `options`.
@@ -46,7 +59,11 @@ fn tail(file: &Path, n: usize) -> String {
     let mut text = String::new();
     let _ = f.read_to_string(&mut text);
     let errors: Vec<&str> = text.lines().filter(|l| l.contains("] E [")).collect();
-    let chosen: Vec<&str> = if errors.is_empty() { text.lines().filter(|l| !l.trim().is_empty()).collect() } else { errors };
+    let chosen: Vec<&str> = if errors.is_empty() {
+        text.lines().filter(|l| !l.trim().is_empty()).collect()
+    } else {
+        errors
+    };
     let lines: Vec<&str> = chosen.into_iter().rev().take(n).collect();
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
@@ -60,20 +77,30 @@ fn clients_of(target: &Path) -> Vec<i32> {
         .filter(|pid| {
             let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
             let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).collect();
-            let argv0 = args.first().map(|a| Path::new(std::str::from_utf8(a).unwrap_or_default()).file_name().is_some_and(|n| n == "glusterfs"));
-            argv0 == Some(true) && args.last().is_some_and(|a| *a == target.as_os_str().as_encoded_bytes())
+            let argv0 = args.first().map(|a| {
+                Path::new(std::str::from_utf8(a).unwrap_or_default())
+                    .file_name()
+                    .is_some_and(|n| n == "glusterfs")
+            });
+            argv0 == Some(true)
+                && args.last().is_some_and(|a| *a == target.as_os_str().as_encoded_bytes())
         })
         .collect()
 }
 
 /// Stop what a failed mount left: its mount (lazily) and its client.
 fn clean_up(target: &Path) {
-    let mounted = super::linux::Linux::unrooted().mount_table().is_ok_and(|t| t.iter().any(|m| m.mount_point == target));
+    let mounted = super::linux::Linux::unrooted()
+        .mount_table()
+        .is_ok_and(|t| t.iter().any(|m| m.mount_point == target));
     if mounted {
         let _ = nix::mount::umount2(target, nix::mount::MntFlags::MNT_DETACH);
     }
     for pid in clients_of(target) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
 }
 
@@ -83,7 +110,13 @@ use super::Mounts;
 /// dir the caller resolved beneath its roots) with `options`, through the
 /// helper, within `deadline`. Retried once without `auto_unmount` when the
 /// client refuses that option.
-pub fn mount(source: &str, target: &Path, options: &str, read_only: bool, deadline: Duration) -> Result<(), SysError> {
+pub fn mount(
+    source: &str,
+    target: &Path,
+    options: &str,
+    read_only: bool,
+    deadline: Duration,
+) -> Result<(), SysError> {
     check_source(source, target)?;
     let mut options = options.to_string();
     if read_only {
@@ -94,7 +127,9 @@ pub fn mount(source: &str, target: &Path, options: &str, read_only: bool, deadli
         std::fs::create_dir_all(dir).map_err(io("mkdir", dir))?;
     }
     match attempt(source, target, &options, log.as_deref(), deadline) {
-        Err(SysError::Command { message, .. }) if message.contains("auto_unmount") && without_auto_unmount(&options).is_some() => {
+        Err(SysError::Command { message, .. })
+            if message.contains("auto_unmount") && without_auto_unmount(&options).is_some() =>
+        {
             tracing::warn!(target = %target.display(), "this glusterfs client does not take auto_unmount; mounting without it");
             let options = without_auto_unmount(&options).unwrap_or_default();
             attempt(source, target, &options, log.as_deref(), deadline)
@@ -103,7 +138,13 @@ pub fn mount(source: &str, target: &Path, options: &str, read_only: bool, deadli
     }
 }
 
-fn attempt(source: &str, target: &Path, options: &str, log: Option<&Path>, deadline: Duration) -> Result<(), SysError> {
+fn attempt(
+    source: &str,
+    target: &Path,
+    options: &str,
+    log: Option<&Path>,
+    deadline: Duration,
+) -> Result<(), SysError> {
     let mut cmd = Command::new(HELPER);
     cmd.arg(source).arg(target);
     if !options.is_empty() {
@@ -111,12 +152,23 @@ fn attempt(source: &str, target: &Path, options: &str, log: Option<&Path>, deadl
     }
     cmd.stdout(Stdio::piped());
     let result = super::linux::run_with(&mut cmd, HELPER, target, deadline).and_then(|out| {
-        let mounted = super::linux::Linux::unrooted().mount_table()?.iter().any(|m| m.mount_point == target && m.fs_type.starts_with("fuse"));
+        let mounted = super::linux::Linux::unrooted()
+            .mount_table()?
+            .iter()
+            .any(|m| m.mount_point == target && m.fs_type.starts_with("fuse"));
         if out.status.success() && mounted {
             return Ok(());
         }
-        let said = format!("{} {}", String::from_utf8_lossy(&out.stdout).trim(), String::from_utf8_lossy(&out.stderr).trim());
-        Err(SysError::Command { program: HELPER, path: target.to_path_buf(), message: format!("{}: {}", out.status, said.trim()) })
+        let said = format!(
+            "{} {}",
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Err(SysError::Command {
+            program: HELPER,
+            path: target.to_path_buf(),
+            message: format!("{}: {}", out.status, said.trim()),
+        })
     });
     match result {
         Ok(()) => Ok(()),
@@ -125,13 +177,17 @@ fn attempt(source: &str, target: &Path, options: &str, log: Option<&Path>, deadl
             // The helper says little ("Mount failed"); the client's log says why.
             let why = log.map(|l| tail(l, 5)).filter(|t| !t.is_empty());
             Err(match (e, why) {
-                (SysError::Command { program, path, message }, Some(why)) => {
-                    SysError::Command { program, path, message: format!("{message}; the client's log ends: {why}") }
-                }
+                (SysError::Command { program, path, message }, Some(why)) => SysError::Command {
+                    program,
+                    path,
+                    message: format!("{message}; the client's log ends: {why}"),
+                },
                 (SysError::Timeout { program, path, secs }, Some(why)) => SysError::Command {
                     program,
                     path,
-                    message: format!("no mount within {secs} s, stopped; the client's log ends: {why}"),
+                    message: format!(
+                        "no mount within {secs} s, stopped; the client's log ends: {why}"
+                    ),
                 },
                 (e, _) => e,
             })
@@ -159,7 +215,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("g.log");
         std::fs::write(&log, "[t] I [a] starting\n[t] E [name.c:1] 0-resolver: DNS resolution failed on host nosuch\n[t] W [b] shutting down\n").unwrap();
-        assert_eq!(tail(&log, 5), "[t] E [name.c:1] 0-resolver: DNS resolution failed on host nosuch");
+        assert_eq!(
+            tail(&log, 5),
+            "[t] E [name.c:1] 0-resolver: DNS resolution failed on host nosuch"
+        );
         std::fs::write(&log, "[t] I [a] one\n\n[t] W [b] two\n").unwrap();
         assert_eq!(tail(&log, 5), "[t] I [a] one | [t] W [b] two");
         assert_eq!(tail(&dir.path().join("none"), 5), "");
@@ -167,9 +226,15 @@ mod tests {
 
     #[test]
     fn options_for_the_helper() {
-        assert_eq!(log_file("auto_unmount,log-file=/s/v/glusterfs.log"), Some(PathBuf::from("/s/v/glusterfs.log")));
+        assert_eq!(
+            log_file("auto_unmount,log-file=/s/v/glusterfs.log"),
+            Some(PathBuf::from("/s/v/glusterfs.log"))
+        );
         assert_eq!(log_file("auto_unmount"), None);
-        assert_eq!(without_auto_unmount("backup-volfile-servers=a:b,auto_unmount,log-file=/l").as_deref(), Some("backup-volfile-servers=a:b,log-file=/l"));
+        assert_eq!(
+            without_auto_unmount("backup-volfile-servers=a:b,auto_unmount,log-file=/l").as_deref(),
+            Some("backup-volfile-servers=a:b,log-file=/l")
+        );
         assert_eq!(without_auto_unmount("log-file=/l"), None);
     }
 }

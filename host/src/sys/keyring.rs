@@ -62,11 +62,18 @@ impl ThreadKey {
         Self::add::<Ceph>(payload)
     }
 
-    fn add<K: keyutils::KeyType<Description = str, Payload = [u8]>>(payload: &[u8]) -> Result<ThreadKey, AddError> {
-        let failed = |e: keyutils::Error| AddError { kind: K::name(), source: std::io::Error::from_raw_os_error(e.0) };
+    fn add<K: keyutils::KeyType<Description = str, Payload = [u8]>>(
+        payload: &[u8],
+    ) -> Result<ThreadKey, AddError> {
+        let failed = |e: keyutils::Error| AddError {
+            kind: K::name(),
+            source: std::io::Error::from_raw_os_error(e.0),
+        };
         // Unique in the node: the process, and a count in it.
-        let description = format!("volagent:{}:{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let mut ring = keyutils::Keyring::attach_or_create(keyutils::SpecialKeyring::Thread).map_err(failed)?;
+        let description =
+            format!("volagent:{}:{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let mut ring = keyutils::Keyring::attach_or_create(keyutils::SpecialKeyring::Thread)
+            .map_err(failed)?;
         let key = ring.add_key::<K, _, _>(description.as_str(), payload).map_err(failed)?;
         Ok(ThreadKey { key: Some(key), description, _thread: PhantomData })
     }
@@ -84,7 +91,8 @@ impl Drop for ThreadKey {
         // it; unlinking it from this thread's is the fallback (for a
         // kernel that refused the invalidation).
         let Err(invalidate) = key.clone().invalidate() else { return };
-        let unlinked = keyutils::Keyring::attach(keyutils::SpecialKeyring::Thread).and_then(|mut ring| ring.unlink_key(&key));
+        let unlinked = keyutils::Keyring::attach(keyutils::SpecialKeyring::Thread)
+            .and_then(|mut ring| ring.unlink_key(&key));
         if let Err(unlink) = unlinked {
             tracing::warn!(
                 "kernel key {} left in the thread's keyring: invalidate: {invalidate}, unlink: {unlink}",
@@ -110,11 +118,16 @@ mod tests {
         // A "user" key: this machine's kernel may lack the Ceph type.
         let key = ThreadKey::add::<keyutils::keytypes::User>(b"payload").unwrap();
         let description = key.description().to_string();
-        assert!(description.starts_with("volagent:") && !description.contains([',', ' ', '=']), "{description}");
+        assert!(
+            description.starts_with("volagent:") && !description.contains([',', ' ', '=']),
+            "{description}"
+        );
         let shown = listed(&description);
         assert_eq!(shown.len(), 1, "{shown:?}");
         assert!(!shown[0].contains("payload"), "{shown:?}");
-        let found = keyutils::Keyring::attach(keyutils::SpecialKeyring::Thread).unwrap().search_for_key::<keyutils::keytypes::User, _, _>(
+        let found = keyutils::Keyring::attach(keyutils::SpecialKeyring::Thread)
+            .unwrap()
+            .search_for_key::<keyutils::keytypes::User, _, _>(
             description.as_str(),
             None::<&mut keyutils::Keyring>,
         );

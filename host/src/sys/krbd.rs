@@ -69,7 +69,10 @@ pub fn kernel_monitors(monitors: &str) -> Result<String, String> {
     for m in monitors.split(',').map(str::trim).filter(|m| !m.is_empty()) {
         let resolved = m.to_socket_addrs().map_err(|e| format!("monitor {m}: {e}"))?;
         // The kernel client speaks to one address per monitor.
-        let first = resolved.into_iter().next().ok_or_else(|| format!("monitor {m} resolves to no address"))?;
+        let first = resolved
+            .into_iter()
+            .next()
+            .ok_or_else(|| format!("monitor {m} resolves to no address"))?;
         addrs.push(first.to_string());
     }
     if addrs.is_empty() {
@@ -83,7 +86,8 @@ pub fn kernel_monitors(monitors: &str) -> Result<String, String> {
 /// The options of one map request, in the kernel's syntax; `key_name` is
 /// the description of the user's key in the writer's keyring.
 fn map_options(user: &str, key_name: &str, read_only: bool, timeout: Duration) -> String {
-    let mut options = format!("name={user},key={key_name},mount_timeout={},noshare", timeout.as_secs().max(1));
+    let mut options =
+        format!("name={user},key={key_name},mount_timeout={},noshare", timeout.as_secs().max(1));
     if read_only {
         options.push_str(",read_only");
     }
@@ -97,7 +101,8 @@ impl Krbd {
 
     /// Whether mapping `id`, whose client is at `client_addr`, is ours.
     fn marked(&self, id: u32, client_addr: &str) -> bool {
-        std::fs::read_to_string(self.mark(id)).is_ok_and(|m| m.split_whitespace().next() == Some(client_addr))
+        std::fs::read_to_string(self.mark(id))
+            .is_ok_and(|m| m.split_whitespace().next() == Some(client_addr))
     }
 
     fn add_file(&self) -> PathBuf {
@@ -109,7 +114,9 @@ impl Krbd {
     }
 
     fn attr(&self, id: &str, name: &str) -> Option<String> {
-        std::fs::read_to_string(self.bus.join("devices").join(id).join(name)).ok().map(|s| s.trim().to_string())
+        std::fs::read_to_string(self.bus.join("devices").join(id).join(name))
+            .ok()
+            .map(|s| s.trim().to_string())
     }
 }
 
@@ -141,26 +148,49 @@ impl KernelRbd for Krbd {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Ok(id) = name.parse::<u32>() else { continue };
             // Gone between the listing and the read: not a mapping any more.
-            let (Some(pool), Some(image)) = (self.attr(&name, "pool"), self.attr(&name, "name")) else { continue };
+            let (Some(pool), Some(image)) = (self.attr(&name, "pool"), self.attr(&name, "name"))
+            else {
+                continue;
+            };
             // config_info is the line that mapped it. The agent's name their
             // key (key=…), but one mapped by hand may carry it (secret=…):
             // only its first word (the monitors) is kept, and the rest wiped.
-            let config = zeroize::Zeroizing::new(self.attr(&name, "config_info").unwrap_or_default());
+            let config =
+                zeroize::Zeroizing::new(self.attr(&name, "config_info").unwrap_or_default());
             let monitors = config.split_whitespace().next().unwrap_or_default().to_string();
-            let client_id = self.attr(&name, "client_id").and_then(|c| c.trim_start_matches("client").parse().ok()).unwrap_or_default();
+            let client_id = self
+                .attr(&name, "client_id")
+                .and_then(|c| c.trim_start_matches("client").parse().ok())
+                .unwrap_or_default();
             let client_addr = self.attr(&name, "client_addr").unwrap_or_default();
             let device = self.dev.join(format!("rbd{id}"));
             let ours = self.marked(id, &client_addr);
-            found.push(KernelMapping { id, pool, image, monitors, client_id, client_addr, device, ours });
+            found.push(KernelMapping {
+                id,
+                pool,
+                image,
+                monitors,
+                client_id,
+                client_addr,
+                device,
+                ours,
+            });
         }
         found.sort_by_key(|m| m.id);
         Ok(found)
     }
 
-    fn map(&self, client: &CephClient, pool: &str, image: &str, read_only: bool) -> Result<(KernelMapping, bool), SysError> {
+    fn map(
+        &self,
+        client: &CephClient,
+        pool: &str,
+        image: &str,
+        read_only: bool,
+    ) -> Result<(KernelMapping, bool), SysError> {
         let what = PathBuf::from(format!("rbd image {pool}/{image}"));
         let refuse = |why: String| SysError::Refused { path: what.clone(), what: why };
-        let monitors = kernel_monitors(client.monitors.as_deref().unwrap_or_default()).map_err(refuse)?;
+        let monitors =
+            kernel_monitors(client.monitors.as_deref().unwrap_or_default()).map_err(refuse)?;
         let before = self.mappings_of(&monitors, pool, image)?;
         if let Some(m) = before.iter().find(|m| m.ours) {
             return Ok((m.clone(), false));
@@ -171,7 +201,9 @@ impl KernelRbd for Krbd {
         };
         // Image and pool names reach the kernel as words of one line.
         for (name, value) in [("pool", pool), ("image", image), ("user", client.user.as_str())] {
-            if value.is_empty() || value.chars().any(|c| c.is_whitespace() || c == ',' || c.is_control()) {
+            if value.is_empty()
+                || value.chars().any(|c| c.is_whitespace() || c == ',' || c.is_control())
+            {
                 return Err(refuse(format!("{name} {value:?} cannot be mapped by the kernel")));
             }
         }
@@ -182,16 +214,23 @@ impl KernelRbd for Krbd {
             // The kernel copies the key out of the keyring while it parses
             // the line, on this thread (see keyring): the key is there for
             // the write alone, and leaves when `handed` drops, mapped or not.
-            let handed = ThreadKey::ceph(&key).map_err(|e| refuse(format!("the kernel's rbd driver gets no key: {e}")))?;
+            let handed = ThreadKey::ceph(&key)
+                .map_err(|e| refuse(format!("the kernel's rbd driver gets no key: {e}")))?;
             drop(key);
-            let line = format!("{monitors} {} {pool} {image}", map_options(&client.user, handed.description(), read_only, self.connect_timeout));
+            let line = format!(
+                "{monitors} {} {pool} {image}",
+                map_options(&client.user, handed.description(), read_only, self.connect_timeout)
+            );
             // The write blocks until the kernel has mapped it or given up.
             std::fs::write(&add, line.as_bytes())
         };
         if let Err(e) = written {
             return Err(SysError::Refused {
                 path: what,
-                what: format!("the kernel's rbd driver refused to map it (monitors {monitors}, user {}): {e}", client.user),
+                what: format!(
+                    "the kernel's rbd driver refused to map it (monitors {monitors}, user {}): {e}",
+                    client.user
+                ),
             });
         }
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "krbd map {pool}/{image}");
@@ -202,7 +241,9 @@ impl KernelRbd for Krbd {
             .find(|m| !before.iter().any(|b| b.id == m.id))
             .ok_or_else(|| refuse("mapped, but the kernel lists no new mapping of it".into()))?;
         let mark = self.mark(mapping.id);
-        if let Err(e) = std::fs::write(&mark, format!("{} {monitors} {pool} {image}\n", mapping.client_addr)) {
+        if let Err(e) =
+            std::fs::write(&mark, format!("{} {monitors} {pool} {image}\n", mapping.client_addr))
+        {
             let _ = self.unmap(mapping.id, false);
             return Err(io("write", &mark)(e));
         }
@@ -214,7 +255,10 @@ impl KernelRbd for Krbd {
         }
         if !mapping.device.exists() {
             let _ = self.unmap(mapping.id, false);
-            return Err(refuse(format!("mapped as {}, but no device node appeared", mapping.device.display())));
+            return Err(refuse(format!(
+                "mapped as {}, but no device node appeared",
+                mapping.device.display()
+            )));
         }
         Ok((mapping, true))
     }
@@ -230,11 +274,18 @@ impl KernelRbd for Krbd {
         match std::fs::write(&remove, request) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => {}
-            Err(e) => return Err(SysError::Refused { path: self.dev.join(format!("rbd{id}")), what: format!("unmap: {e}") }),
+            Err(e) => {
+                return Err(SysError::Refused {
+                    path: self.dev.join(format!("rbd{id}")),
+                    what: format!("unmap: {e}"),
+                });
+            }
         }
         let mark = self.mark(id);
         match std::fs::remove_file(&mark) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &mark)(e)),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io("remove", &mark)(e));
+            }
             _ => {}
         }
         Ok(())
@@ -247,7 +298,10 @@ mod tests {
 
     #[test]
     fn monitors_are_resolved_sorted_and_deduplicated() {
-        assert_eq!(kernel_monitors("127.0.0.2:6789, 127.0.0.1:6789,127.0.0.1:6789").unwrap(), "127.0.0.1:6789,127.0.0.2:6789");
+        assert_eq!(
+            kernel_monitors("127.0.0.2:6789, 127.0.0.1:6789,127.0.0.1:6789").unwrap(),
+            "127.0.0.1:6789,127.0.0.2:6789"
+        );
         assert_eq!(kernel_monitors("localhost:3300").unwrap().rsplit_once(':').unwrap().1, "3300");
         assert!(kernel_monitors("").is_err());
         assert!(kernel_monitors("no-such-host.invalid:6789").is_err());
@@ -255,12 +309,21 @@ mod tests {
 
     #[test]
     fn options_name_the_key_and_carry_the_timeout_and_read_only() {
-        assert_eq!(map_options("u", "volagent:7:0", false, Duration::from_secs(20)), "name=u,key=volagent:7:0,mount_timeout=20,noshare");
-        assert_eq!(map_options("u", "volagent:7:1", true, Duration::from_millis(10)), "name=u,key=volagent:7:1,mount_timeout=1,noshare,read_only");
+        assert_eq!(
+            map_options("u", "volagent:7:0", false, Duration::from_secs(20)),
+            "name=u,key=volagent:7:0,mount_timeout=20,noshare"
+        );
+        assert_eq!(
+            map_options("u", "volagent:7:1", true, Duration::from_millis(10)),
+            "name=u,key=volagent:7:1,mount_timeout=1,noshare,read_only"
+        );
         for read_only in [false, true] {
             let options = map_options("u", "K", read_only, Duration::from_secs(20));
             assert!(!options.contains("secret"), "the key itself is never in the line: {options}");
-            assert_eq!(options.split(',').filter(|o| o.starts_with("key=")).collect::<Vec<_>>(), ["key=K"]);
+            assert_eq!(
+                options.split(',').filter(|o| o.starts_with("key=")).collect::<Vec<_>>(),
+                ["key=K"]
+            );
         }
     }
 
@@ -271,7 +334,11 @@ mod tests {
         // maps: the line names the key in the keyring.
         for (id, config, client) in [
             (3, "127.0.0.1:6789 name=u,secret=K rbd img\n", "4120"),
-            (4, "127.0.0.1:6789 name=u,key=volagent:1:0,mount_timeout=20,noshare rbd img\n", "4121"),
+            (
+                4,
+                "127.0.0.1:6789 name=u,key=volagent:1:0,mount_timeout=20,noshare rbd img\n",
+                "4121",
+            ),
         ] {
             let dev = dir.path().join(format!("devices/{id}"));
             std::fs::create_dir_all(&dev).unwrap();
@@ -286,7 +353,11 @@ mod tests {
             }
         }
         std::fs::create_dir_all(dir.path().join("devices/not-a-number")).unwrap();
-        let k = Krbd { bus: dir.path().to_path_buf(), dev: "/dev".into(), ..Krbd::new(dir.path().join("marks")) };
+        let k = Krbd {
+            bus: dir.path().to_path_buf(),
+            dev: "/dev".into(),
+            ..Krbd::new(dir.path().join("marks"))
+        };
         let found = k.mappings().unwrap();
         assert_eq!(found.len(), 2);
         assert_eq!(
@@ -317,10 +388,17 @@ mod tests {
         );
         std::fs::create_dir_all(dir.path().join("marks")).unwrap();
         std::fs::write(k.mark(3), "127.0.0.1:0/28 127.0.0.1:6789 rbd img\n").unwrap();
-        assert!(!k.mappings().unwrap()[0].ours, "a mark of an earlier mapping with that number: not this one");
+        assert!(
+            !k.mappings().unwrap()[0].ours,
+            "a mark of an earlier mapping with that number: not this one"
+        );
         std::fs::write(k.mark(3), "127.0.0.1:0/29 127.0.0.1:6789 rbd img\n").unwrap();
         assert!(k.mappings().unwrap()[0].ours, "marked: the agent's own");
-        assert_eq!(k.mappings_of("127.0.0.1:6789", "rbd", "img").unwrap().len(), 2, "found again by monitors, pool and image, either line");
+        assert_eq!(
+            k.mappings_of("127.0.0.1:6789", "rbd", "img").unwrap().len(),
+            2,
+            "found again by monitors, pool and image, either line"
+        );
         assert!(k.mappings_of("127.0.0.2:6789", "rbd", "img").unwrap().is_empty());
         // Unmapping what is not mapped is done already.
         k.unmap(9, false).unwrap();

@@ -2,8 +2,11 @@
 //! for mounts and loop devices, and the system's filesystem tools (there is
 //! no syscall for mkfs) with a deadline, on devices checked to be free.
 
-use super::{Devices, FileId, Filesystems, LoopAttach, LoopDevice, LoopStatus, MountInfo, Mounts, Roots, SysError, Wipe, block, errno, io, loopdev, mountinfo, probe};
 use super::beneath::{fd_path, fd_path_in};
+use super::{
+    Devices, FileId, Filesystems, LoopAttach, LoopDevice, LoopStatus, MountInfo, Mounts, Roots,
+    SysError, Wipe, block, errno, io, loopdev, mountinfo, probe,
+};
 use nix::fcntl::OFlag;
 use nix::mount::{MntFlags, MsFlags};
 use std::fs::File;
@@ -62,11 +65,18 @@ impl Linux {
     }
 
     /// [`open_regular`](Self::open_regular), with what the check found.
-    fn open_regular_stat(&self, path: &Path, write: bool) -> Result<(File, nix::sys::stat::FileStat), SysError> {
+    fn open_regular_stat(
+        &self,
+        path: &Path,
+        write: bool,
+    ) -> Result<(File, nix::sys::stat::FileStat), SysError> {
         let handle = self.roots.handle(path)?;
         let meta = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
         if meta.st_mode & nix::libc::S_IFMT != nix::libc::S_IFREG {
-            return Err(SysError::Refused { path: path.to_path_buf(), what: "is not a regular file".into() });
+            return Err(SysError::Refused {
+                path: path.to_path_buf(),
+                what: "is not a regular file".into(),
+            });
         }
         Ok((reopen(&handle, path, write)?, meta))
     }
@@ -85,18 +95,33 @@ fn reopen(handle: &OwnedFd, path: &Path, write: bool) -> Result<File, SysError> 
 /// wipefs) would hold the device open exclusively while the next agent
 /// retries the same step, and be refused as in use. Its output is captured
 /// and only shown when it fails.
-fn run(program: &'static str, args: &[&str], device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
+fn run(
+    program: &'static str,
+    args: &[&str],
+    device: &Path,
+    deadline: Duration,
+) -> Result<std::process::Output, SysError> {
     let mut cmd = Command::new("setpriv");
     cmd.args(["--pdeathsig", "KILL", "--", program]).args(args).arg(device).stdout(Stdio::piped());
     run_with(&mut cmd, program, device, deadline)
 }
 
-pub(super) fn run_with(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
+pub(super) fn run_with(
+    cmd: &mut Command,
+    program: &'static str,
+    device: &Path,
+    deadline: Duration,
+) -> Result<std::process::Output, SysError> {
     // A tool can run for seconds (mkfs of a big device): not on a worker.
     crate::runtime::may_take_long(|| run_until(cmd, program, device, deadline))
 }
 
-fn run_until(cmd: &mut Command, program: &'static str, device: &Path, deadline: Duration) -> Result<std::process::Output, SysError> {
+fn run_until(
+    cmd: &mut Command,
+    program: &'static str,
+    device: &Path,
+    deadline: Duration,
+) -> Result<std::process::Output, SysError> {
     let mut child = cmd
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
@@ -110,16 +135,30 @@ fn run_until(cmd: &mut Command, program: &'static str, device: &Path, deadline: 
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(SysError::Timeout { program, path: device.to_path_buf(), secs: deadline.as_secs() });
+                return Err(SysError::Timeout {
+                    program,
+                    path: device.to_path_buf(),
+                    secs: deadline.as_secs(),
+                });
             }
-            Err(source) => return Err(SysError::Io { op: program, path: device.to_path_buf(), source }),
+            Err(source) => {
+                return Err(SysError::Io { op: program, path: device.to_path_buf(), source });
+            }
         }
     }
     // The pipes are small and the tools quiet; reading after exit is fine.
-    child.wait_with_output().map_err(|source| SysError::Io { op: program, path: device.to_path_buf(), source })
+    child.wait_with_output().map_err(|source| SysError::Io {
+        op: program,
+        path: device.to_path_buf(),
+        source,
+    })
 }
 
-pub(super) fn check(program: &'static str, device: &Path, out: std::process::Output) -> Result<std::process::Output, SysError> {
+pub(super) fn check(
+    program: &'static str,
+    device: &Path,
+    out: std::process::Output,
+) -> Result<std::process::Output, SysError> {
     if out.status.success() {
         return Ok(out);
     }
@@ -156,7 +195,9 @@ fn mount_setattr(tree: &OwnedFd, attr_set: u64, target: &Path) -> Result<(), Sys
             std::mem::size_of::<MountAttr>(),
         )
     };
-    nix::errno::Errno::result(rc).map(drop).map_err(errno("set the flags of the bind mount for", target))
+    nix::errno::Errno::result(rc)
+        .map(drop)
+        .map_err(errno("set the flags of the bind mount for", target))
 }
 
 /// What a file of `mode` is.
@@ -169,8 +210,15 @@ fn kind(mode: u32) -> super::Kind {
     }
 }
 
-fn rustix_errno<'a>(op: &'static str, path: &'a Path) -> impl Fn(rustix::io::Errno) -> SysError + 'a {
-    move |e| SysError::Errno { op, path: path.to_path_buf(), errno: nix::errno::Errno::from_raw(e.raw_os_error()) }
+fn rustix_errno<'a>(
+    op: &'static str,
+    path: &'a Path,
+) -> impl Fn(rustix::io::Errno) -> SysError + 'a {
+    move |e| SysError::Errno {
+        op,
+        path: path.to_path_buf(),
+        errno: nix::errno::Errno::from_raw(e.raw_os_error()),
+    }
 }
 
 /// Options of the mount itself become flags (mount(8) does the same: the
@@ -198,7 +246,11 @@ impl Mounts for Linux {
     fn mount_table(&self) -> Result<Vec<MountInfo>, SysError> {
         // thread-self: a mount namespace may be per thread (tests unshare one).
         let path = Path::new("/proc/thread-self/mountinfo");
-        let text = super::read_proc(path).map_err(|source| SysError::Io { op: "read", path: path.to_path_buf(), source })?;
+        let text = super::read_proc(path).map_err(|source| SysError::Io {
+            op: "read",
+            path: path.to_path_buf(),
+            source,
+        })?;
         Ok(mountinfo::parse(&text)?)
     }
 
@@ -207,7 +259,10 @@ impl Mounts for Linux {
     fn is_mount_point(&self, target: &Path) -> Result<Option<bool>, SysError> {
         let handle = match self.roots.handle(target) {
             Ok(h) => h,
-            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR, .. }) => return Ok(Some(false)),
+            Err(SysError::Errno {
+                errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR,
+                ..
+            }) => return Ok(Some(false)),
             // A symlink is not a mount point the table would list there.
             Err(SysError::Refused { .. }) if self.roots.contains(target) => return Ok(Some(false)),
             Err(_) => return Ok(None),
@@ -225,18 +280,33 @@ impl Mounts for Linux {
         use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
         let Ok(handle) = self.roots.handle(target) else { return Ok(None) };
         match rustix::fs::statx(&handle, c"", AtFlags::EMPTY_PATH, StatxFlags::TYPE) {
-            Ok(st) if st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) => Ok(Some((st.stx_dev_major, st.stx_dev_minor))),
+            Ok(st) if st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) => {
+                Ok(Some((st.stx_dev_major, st.stx_dev_minor)))
+            }
             _ => Ok(None),
         }
     }
 
-    fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError> {
+    fn mount(
+        &self,
+        source: &str,
+        target: &Path,
+        fs_type: &str,
+        options: &str,
+        read_only: bool,
+    ) -> Result<(), SysError> {
         let dir = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
         if fs_type == "glusterfs" {
             // The helper takes a path: the dir was just resolved beneath the
             // roots (the agent's own staging dir, which nobody else writes).
             drop(dir);
-            return super::gluster_mount::mount(source, target, options, read_only, self.deadlines.network_mount);
+            return super::gluster_mount::mount(
+                source,
+                target,
+                options,
+                read_only,
+                self.deadlines.network_mount,
+            );
         }
         let (mut flags, data) = split_options(options);
         flags |= MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
@@ -244,7 +314,8 @@ impl Mounts for Linux {
             flags |= MsFlags::MS_RDONLY;
         }
         let data = (!data.is_empty()).then_some(data.as_str());
-        nix::mount::mount(Some(source), &fd_path(&dir), Some(fs_type), flags, data).map_err(errno("mount", target))
+        nix::mount::mount(Some(source), &fd_path(&dir), Some(fs_type), flags, data)
+            .map_err(errno("mount", target))
     }
 
     /// A clone of `source`'s mount, flagged while still detached, then
@@ -253,14 +324,26 @@ impl Mounts for Linux {
         use rustix::mount::{MoveMountFlags, OpenTreeFlags};
         let from = self.roots.open_at(source, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
         let to = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_DIRECTORY)?;
-        let tree = rustix::mount::open_tree(&from, c"", OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH)
-            .map_err(rustix_errno("bind-mount from", source))?;
+        let tree = rustix::mount::open_tree(
+            &from,
+            c"",
+            OpenTreeFlags::OPEN_TREE_CLONE
+                | OpenTreeFlags::OPEN_TREE_CLOEXEC
+                | OpenTreeFlags::AT_EMPTY_PATH,
+        )
+        .map_err(rustix_errno("bind-mount from", source))?;
         const RDONLY: u64 = 0x1;
         const NOSUID: u64 = 0x2;
         const NODEV: u64 = 0x4;
         mount_setattr(&tree, NOSUID | NODEV | if read_only { RDONLY } else { 0 }, target)?;
-        rustix::mount::move_mount(&tree, c"", &to, c"", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)
-            .map_err(rustix_errno("bind-mount onto", target))
+        rustix::mount::move_mount(
+            &tree,
+            c"",
+            &to,
+            c"",
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+        .map_err(rustix_errno("bind-mount onto", target))
     }
 
     fn bind_device(&self, device: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
@@ -268,33 +351,57 @@ impl Mounts for Linux {
         // The device is named by the plan's own attach or a verified path
         // under /dev; it is opened without following a symlink at its end
         // and must be a block device.
-        let from = nix::fcntl::open(device, OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty())
-            .map_err(errno("open device", device))?;
+        let from = nix::fcntl::open(
+            device,
+            OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(errno("open device", device))?;
         let st = nix::sys::stat::fstat(&from).map_err(errno("inspect device", device))?;
-        if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT != nix::sys::stat::SFlag::S_IFBLK {
-            return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a block device".into() });
+        if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT
+            != nix::sys::stat::SFlag::S_IFBLK
+        {
+            return Err(SysError::Refused {
+                path: device.to_path_buf(),
+                what: "is not a block device".into(),
+            });
         }
         let to = self.roots.open_at(target, OFlag::O_PATH | OFlag::O_NOFOLLOW)?;
-        let tree = rustix::mount::open_tree(&from, c"", OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH)
-            .map_err(rustix_errno("bind device", device))?;
+        let tree = rustix::mount::open_tree(
+            &from,
+            c"",
+            OpenTreeFlags::OPEN_TREE_CLONE
+                | OpenTreeFlags::OPEN_TREE_CLOEXEC
+                | OpenTreeFlags::AT_EMPTY_PATH,
+        )
+        .map_err(rustix_errno("bind device", device))?;
         const RDONLY: u64 = 0x1;
         const NOSUID: u64 = 0x2;
         mount_setattr(&tree, NOSUID | if read_only { RDONLY } else { 0 }, target)?;
-        rustix::mount::move_mount(&tree, c"", &to, c"", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)
-            .map_err(rustix_errno("bind device onto", target))
+        rustix::mount::move_mount(
+            &tree,
+            c"",
+            &to,
+            c"",
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+        .map_err(rustix_errno("bind device onto", target))
     }
 
     fn published_device(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
         use rustix::fs::{AtFlags, FileType, StatxFlags};
         let handle = self.roots.handle(target)?;
-        let st = rustix::fs::statx(&handle, c"", AtFlags::EMPTY_PATH, StatxFlags::TYPE).map_err(rustix_errno("inspect", target))?;
+        let st = rustix::fs::statx(&handle, c"", AtFlags::EMPTY_PATH, StatxFlags::TYPE)
+            .map_err(rustix_errno("inspect", target))?;
         let block = FileType::from_raw_mode(st.stx_mode.into()) == FileType::BlockDevice;
         Ok(block.then_some((st.stx_rdev_major, st.stx_rdev_minor)))
     }
 
     fn device_number(&self, device: &Path) -> Result<Option<(u32, u32)>, SysError> {
         use rustix::fs::{AtFlags, FileType, StatxFlags};
-        let st = rustix::fs::statx(rustix::fs::CWD, device, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::TYPE).map_err(rustix_errno("inspect", device))?;
+        let st =
+            rustix::fs::statx(rustix::fs::CWD, device, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::TYPE)
+                .map_err(rustix_errno("inspect", device))?;
         let block = FileType::from_raw_mode(st.stx_mode.into()) == FileType::BlockDevice;
         Ok(block.then_some((st.stx_rdev_major, st.stx_rdev_minor)))
     }
@@ -315,7 +422,8 @@ impl Mounts for Linux {
         if force {
             flags |= MntFlags::MNT_FORCE | MntFlags::MNT_DETACH;
         }
-        nix::mount::umount2(&fd_path_in(&parent, name.as_os_str()), flags).map_err(errno("unmount", target))
+        nix::mount::umount2(&fd_path_in(&parent, name.as_os_str()), flags)
+            .map_err(errno("unmount", target))
     }
 
     fn ensure_dir(&self, dir: &Path) -> Result<bool, SysError> {
@@ -387,7 +495,10 @@ impl Devices for Linux {
     fn file_id(&self, file: &Path) -> Result<Option<FileId>, SysError> {
         let handle = match self.roots.handle(file) {
             Ok(h) => h,
-            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR, .. }) => return Ok(None),
+            Err(SysError::Errno {
+                errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR,
+                ..
+            }) => return Ok(None),
             Err(e) => return Err(e),
         };
         let st = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", file))?;
@@ -398,9 +509,14 @@ impl Devices for Linux {
         use super::Kind;
         let handle = match self.roots.handle(path) {
             Ok(h) => h,
-            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR, .. }) => return Ok(None),
+            Err(SysError::Errno {
+                errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR,
+                ..
+            }) => return Ok(None),
             // A symlink is there, but it is nothing the agent follows.
-            Err(SysError::Refused { .. }) if self.roots.contains(path) => return Ok(Some(Kind::Other)),
+            Err(SysError::Refused { .. }) if self.roots.contains(path) => {
+                return Ok(Some(Kind::Other));
+            }
             Err(e) => return Err(e),
         };
         let st = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
@@ -411,20 +527,30 @@ impl Devices for Linux {
     /// looked at: answered here, no query thread is woken (two thread
     /// wake-ups, ~100 µs on a small VM, for a few µs of work).
     fn kind_of_cached(&self, path: &Path) -> Option<Result<Option<super::Kind>, SysError>> {
-        use rustix::fs::{AtFlags, StatxFlags};
         use super::Kind;
+        use rustix::fs::{AtFlags, StatxFlags};
         let handle = match self.roots.handle_cached(path) {
             Ok(Some(h)) => h,
             Ok(None) => return None,
             // A cached negative entry: a local filesystem's say-so (a
             // network one's would need revalidating, and is not answered).
-            Err(SysError::Errno { errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR, .. }) => return Some(Ok(None)),
-            Err(SysError::Refused { .. }) if self.roots.contains(path) => return Some(Ok(Some(Kind::Other))),
+            Err(SysError::Errno {
+                errno: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR,
+                ..
+            }) => return Some(Ok(None)),
+            Err(SysError::Refused { .. }) if self.roots.contains(path) => {
+                return Some(Ok(Some(Kind::Other)));
+            }
             Err(e) => return Some(Err(e)),
         };
         // The type of an inode never changes, so the cached attributes
         // answer: nothing is asked of the filesystem (a FUSE server).
-        match rustix::fs::statx(&handle, c"", AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC, StatxFlags::TYPE) {
+        match rustix::fs::statx(
+            &handle,
+            c"",
+            AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC,
+            StatxFlags::TYPE,
+        ) {
             Ok(st) => Some(Ok(Some(kind(u32::from(st.stx_mode))))),
             Err(e) => Some(Err(rustix_errno("stat", path)(e))),
         }
@@ -441,7 +567,10 @@ impl Devices for Linux {
         let handle = self.roots.handle(path)?;
         let st = nix::sys::stat::fstat(handle.as_fd()).map_err(errno("stat", path))?;
         if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFBLK {
-            return Err(SysError::Refused { path: path.to_path_buf(), what: "is not a block device".into() });
+            return Err(SysError::Refused {
+                path: path.to_path_buf(),
+                what: "is not a block device".into(),
+            });
         }
         block::devnode(st.st_rdev, path)
     }
@@ -455,7 +584,10 @@ impl Devices for Linux {
 fn dev_node(device: &Path) -> Result<(), SysError> {
     let meta = std::fs::symlink_metadata(device).map_err(io("stat", device))?;
     if !device.starts_with("/dev/") || !meta.file_type().is_block_device() {
-        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a block device node under /dev".into() });
+        return Err(SysError::Refused {
+            path: device.to_path_buf(),
+            what: "is not a block device node under /dev".into(),
+        });
     }
     Ok(())
 }
@@ -487,7 +619,12 @@ impl Filesystems for Linux {
         // read are the backing file's.
         let size = std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)).unwrap_or(0);
         for (at, len) in probe::regions(size) {
-            let _ = nix::fcntl::posix_fadvise(&f, at as i64, len as i64, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+            let _ = nix::fcntl::posix_fadvise(
+                &f,
+                at as i64,
+                len as i64,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+            );
         }
         if let Some(found) = probe::quick(&f, size) {
             return Ok(Some(found));
@@ -495,7 +632,12 @@ impl Filesystems for Linux {
         self.full_probe(device)
     }
 
-    fn probe_attached(&self, device: &Path, file: &Path, backing: Option<&File>) -> Result<Option<String>, SysError> {
+    fn probe_attached(
+        &self,
+        device: &Path,
+        file: &Path,
+        backing: Option<&File>,
+    ) -> Result<Option<String>, SysError> {
         // The device is the file rounded down to whole sectors: the same
         // bytes, and the same size for probes that look at the end, when the
         // file is whole sectors. (A file's own cache is its bytes.)
@@ -517,7 +659,12 @@ impl Filesystems for Linux {
         self.full_probe(device)
     }
 
-    fn grow_filesystem(&self, device: &Path, mount_point: &Path, fs_type: &str) -> Result<u64, SysError> {
+    fn grow_filesystem(
+        &self,
+        device: &Path,
+        mount_point: &Path,
+        fs_type: &str,
+    ) -> Result<u64, SysError> {
         dev_node(device)?;
         if loopdev::is_loop_path(device) {
             loopdev::refresh_capacity(device)?;
@@ -526,13 +673,30 @@ impl Filesystems for Linux {
         // mount point: it is given this process's handle on the dir, opened
         // beneath the roots, so a path swapped meanwhile cannot redirect it.
         match fs_type {
-            "ext4" => check("resize2fs", device, run("resize2fs", &[], device, self.deadlines.mkfs)?).map(drop)?,
+            "ext4" => {
+                check("resize2fs", device, run("resize2fs", &[], device, self.deadlines.mkfs)?)
+                    .map(drop)?
+            }
             "xfs" => {
                 let dir = self.roots.open_at(mount_point, OFlag::O_RDONLY | OFlag::O_DIRECTORY)?;
-                let held = PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), std::os::fd::AsRawFd::as_raw_fd(&dir)));
-                check("xfs_growfs", mount_point, run("xfs_growfs", &["-d"], &held, self.deadlines.mkfs)?).map(drop)?
+                let held = PathBuf::from(format!(
+                    "/proc/{}/fd/{}",
+                    std::process::id(),
+                    std::os::fd::AsRawFd::as_raw_fd(&dir)
+                ));
+                check(
+                    "xfs_growfs",
+                    mount_point,
+                    run("xfs_growfs", &["-d"], &held, self.deadlines.mkfs)?,
+                )
+                .map(drop)?
             }
-            other => return Err(SysError::Refused { path: device.to_path_buf(), what: format!("cannot grow a {other:?} filesystem (ext4 and xfs grow online)") }),
+            other => {
+                return Err(SysError::Refused {
+                    path: device.to_path_buf(),
+                    what: format!("cannot grow a {other:?} filesystem (ext4 and xfs grow online)"),
+                });
+            }
         }
         super::block_size(device)
     }
@@ -542,7 +706,10 @@ impl Filesystems for Linux {
             "ext4" => ("mkfs.ext4", &["-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1"]),
             "xfs" => ("mkfs.xfs", &["-f", "-q"]),
             other => {
-                return Err(SysError::Refused { path: device.to_path_buf(), what: format!("no mkfs for filesystem {other:?}") });
+                return Err(SysError::Refused {
+                    path: device.to_path_buf(),
+                    what: format!("no mkfs for filesystem {other:?}"),
+                });
             }
         };
         dev_node(device)?;
@@ -559,7 +726,8 @@ impl Filesystems for Linux {
             Wipe::Signatures => {
                 // wipefs opens the device exclusively itself (no -f).
                 drop(held);
-                check("wipefs", device, run("wipefs", &["-a", "-q"], device, self.deadlines.wipe)?).map(drop)
+                check("wipefs", device, run("wipefs", &["-a", "-q"], device, self.deadlines.wipe)?)
+                    .map(drop)
             }
             Wipe::Discard => block::discard_all(&held, device, false),
             Wipe::Zero => block::discard_all(&held, device, true),
@@ -569,8 +737,10 @@ impl Filesystems for Linux {
                 // Dies with the agent (setpriv --pdeathsig): a wipe cut
                 // short is started again, and must find the device free.
                 let mut cmd = Command::new("setpriv");
-                cmd.args(["--pdeathsig", "KILL", "--", "shred", "-n", &n, "-z", "-"]).stdout(Stdio::from(held));
-                check("shred", device, run_with(&mut cmd, "shred", device, self.deadlines.wipe)?).map(drop)
+                cmd.args(["--pdeathsig", "KILL", "--", "shred", "-n", &n, "-z", "-"])
+                    .stdout(Stdio::from(held));
+                check("shred", device, run_with(&mut cmd, "shred", device, self.deadlines.wipe)?)
+                    .map(drop)
             }
         }
     }
@@ -620,7 +790,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = std::fs::canonicalize(dir.path()).unwrap();
         std::fs::write(root.join("f"), b"x").unwrap();
-        nix::unistd::mkfifo(&root.join("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        nix::unistd::mkfifo(&root.join("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .unwrap();
         std::fs::create_dir(root.join("d")).unwrap();
         let linux = Linux::new(Roots::open(std::slice::from_ref(&root)).unwrap(), "t");
         linux.open_regular(&root.join("f"), false).expect("a file");

@@ -105,12 +105,22 @@ fn transient(e: nix::errno::Errno) -> bool {
 /// between asking and binding, or still be released by the kernel (a
 /// detach completes after the last opener closes it, and udev probes every
 /// device that changes): then ask again, backing off, within a budget.
-pub fn attach(backing: BorrowedFd<'_>, file: &Path, read_only: bool, tag: &str) -> Result<PathBuf, SysError> {
-    let control = OpenOptions::new().read(true).write(true).open(LOOP_CONTROL).map_err(io("open", Path::new(LOOP_CONTROL)))?;
+pub fn attach(
+    backing: BorrowedFd<'_>,
+    file: &Path,
+    read_only: bool,
+    tag: &str,
+) -> Result<PathBuf, SysError> {
+    let control = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(LOOP_CONTROL)
+        .map_err(io("open", Path::new(LOOP_CONTROL)))?;
     let mut info = LoopInfo64::zeroed();
     info.lo_flags = if read_only { LO_FLAGS_READ_ONLY } else { 0 };
     info.lo_file_name = name_field(tag.as_bytes());
-    let config = LoopConfig { fd: backing.as_raw_fd() as u32, block_size: 0, info, reserved: [0; 8] };
+    let config =
+        LoopConfig { fd: backing.as_raw_fd() as u32, block_size: 0, info, reserved: [0; 8] };
     let start = std::time::Instant::now();
     let mut pause = std::time::Duration::from_micros(500);
     loop {
@@ -122,7 +132,11 @@ pub fn attach(backing: BorrowedFd<'_>, file: &Path, read_only: bool, tag: &str) 
         if start.elapsed() + pause > ATTACH_BUDGET {
             let (device, e) = last;
             tracing::warn!(file = %file.display(), device = %device.display(), "no loop device could be bound in {ATTACH_BUDGET:?}: {e}");
-            return Err(SysError::Errno { op: "attach a loop device for", path: file.to_path_buf(), errno: e });
+            return Err(SysError::Errno {
+                op: "attach a loop device for",
+                path: file.to_path_buf(),
+                errno: e,
+            });
         }
         tracing::debug!(file = %file.display(), device = %last.0.display(), "loop device taken or being released ({}); asking again", last.1);
         std::thread::sleep(pause);
@@ -137,11 +151,21 @@ enum Bind {
 }
 
 /// One try: ask the kernel for a free device and bind it.
-fn bind_free(control: &std::fs::File, config: &LoopConfig, read_only: bool) -> Result<PathBuf, Bind> {
+fn bind_free(
+    control: &std::fs::File,
+    config: &LoopConfig,
+    read_only: bool,
+) -> Result<PathBuf, Bind> {
     // SAFETY: LOOP_CTL_GET_FREE takes no argument; the fd is open.
-    let n = unsafe { loop_ctl_get_free(control.as_raw_fd()) }.map_err(|e| Bind::Fatal(errno("find a free loop device", Path::new(LOOP_CONTROL))(e)))?;
+    let n = unsafe { loop_ctl_get_free(control.as_raw_fd()) }
+        .map_err(|e| Bind::Fatal(errno("find a free loop device", Path::new(LOOP_CONTROL))(e)))?;
     let device = PathBuf::from(format!("/dev/loop{n}"));
-    let dev = match OpenOptions::new().read(true).write(!read_only).custom_flags(nix::libc::O_CLOEXEC).open(&device) {
+    let dev = match OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .custom_flags(nix::libc::O_CLOEXEC)
+        .open(&device)
+    {
         Ok(dev) => dev,
         Err(e) => {
             let errno = nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0));
@@ -173,18 +197,25 @@ pub fn is_loop_path(device: &Path) -> bool {
 /// a grown file's device grows, with the device in use.
 pub fn refresh_capacity(device: &Path) -> Result<(), SysError> {
     if !is_loop_path(device) {
-        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a loop device path (/dev/loopN)".into() });
+        return Err(SysError::Refused {
+            path: device.to_path_buf(),
+            what: "is not a loop device path (/dev/loopN)".into(),
+        });
     }
     let dev = File::open(device).map_err(io("open", device))?;
     // SAFETY: LOOP_SET_CAPACITY takes no argument; the fd is open.
-    unsafe { loop_set_capacity(dev.as_raw_fd()) }.map_err(errno("refresh the capacity of", device))?;
+    unsafe { loop_set_capacity(dev.as_raw_fd()) }
+        .map_err(errno("refresh the capacity of", device))?;
     Ok(())
 }
 
 /// Detach `device`; a device that is not attached is fine.
 pub fn detach(device: &Path) -> Result<(), SysError> {
     if !is_loop_path(device) {
-        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a loop device path (/dev/loopN)".into() });
+        return Err(SysError::Refused {
+            path: device.to_path_buf(),
+            what: "is not a loop device path (/dev/loopN)".into(),
+        });
     }
     let dev = match File::open(device) {
         Ok(f) => f,
@@ -210,11 +241,18 @@ pub fn detach(device: &Path) -> Result<(), SysError> {
 /// device back. False when it is no longer over `backing`.
 pub fn keep(device: &Path, backing: FileId) -> Result<bool, SysError> {
     if !is_loop_path(device) {
-        return Err(SysError::Refused { path: device.to_path_buf(), what: "is not a loop device path (/dev/loopN)".into() });
+        return Err(SysError::Refused {
+            path: device.to_path_buf(),
+            what: "is not a loop device path (/dev/loopN)".into(),
+        });
     }
     // Held open from the check to the change: the device cannot be torn
     // down and handed to another file in between.
-    let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
+    let dev = match OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK)
+        .open(device)
+    {
         Ok(f) => f,
         Err(e) if gone(&e) => return Ok(false),
         Err(e) => return Err(io("open", device)(e)),
@@ -233,7 +271,9 @@ pub fn keep(device: &Path, backing: FileId) -> Result<bool, SysError> {
         info.lo_flags &= !LO_FLAGS_AUTOCLEAR;
         // SAFETY: `info` is the device's own status, one flag cleared; the fd is open.
         match unsafe { loop_set_status64(dev.as_raw_fd(), &info) } {
-            Ok(_) => tracing::info!(device = %device.display(), "took back a loop device whose detach waited for its last user (a filesystem on it unmounted lazily while in use)"),
+            Ok(_) => {
+                tracing::info!(device = %device.display(), "took back a loop device whose detach waited for its last user (a filesystem on it unmounted lazily while in use)")
+            }
             Err(nix::errno::Errno::ENXIO) => return Ok(false),
             Err(e) => return Err(errno("keep loop device", device)(e)),
         }
@@ -255,7 +295,11 @@ enum Status {
 
 /// The status of `device`, numbered `number` (as /proc/partitions says).
 fn status(device: &Path, number: Numbers) -> Result<Status, SysError> {
-    let dev = match OpenOptions::new().read(true).custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK).open(device) {
+    let dev = match OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK)
+        .open(device)
+    {
         Ok(f) => f,
         // Removed, or being torn down (its last user closed it with
         // autoclear set) while the list was read: detached.
@@ -333,7 +377,13 @@ pub fn list() -> Result<Vec<LoopDevice>, SysError> {
             Err(e) if gone(&e) => continue,
             Err(e) => return Err(io("read", &backing)(e)),
         };
-        found.push(LoopDevice { device: l.device, backing_file, backing: l.backing, tag: l.tag, number: l.number });
+        found.push(LoopDevice {
+            device: l.device,
+            backing_file,
+            backing: l.backing,
+            tag: l.tag,
+            number: l.number,
+        });
     }
     Ok(found)
 }
@@ -386,7 +436,8 @@ fn sized() -> Result<Vec<(PathBuf, Numbers)>, SysError> {
 }
 
 fn gone(e: &std::io::Error) -> bool {
-    e.kind() == std::io::ErrorKind::NotFound || [Some(nix::libc::ENODEV), Some(nix::libc::ENXIO)].contains(&e.raw_os_error())
+    e.kind() == std::io::ErrorKind::NotFound
+        || [Some(nix::libc::ENODEV), Some(nix::libc::ENXIO)].contains(&e.raw_os_error())
 }
 
 #[cfg(test)]
@@ -398,7 +449,15 @@ mod tests {
         for ok in ["/dev/loop0", "/dev/loop12"] {
             assert!(is_loop_path(Path::new(ok)), "{ok}");
         }
-        for bad in ["/dev/sda", "/dev/loop", "/dev/loop0p1", "/dev/loop/0", "/etc/loop0", "/dev/loop1/../sda", "/dev/loop99999999"] {
+        for bad in [
+            "/dev/sda",
+            "/dev/loop",
+            "/dev/loop0p1",
+            "/dev/loop/0",
+            "/etc/loop0",
+            "/dev/loop1/../sda",
+            "/dev/loop99999999",
+        ] {
             assert!(!is_loop_path(Path::new(bad)), "{bad}");
         }
     }

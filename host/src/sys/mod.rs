@@ -20,8 +20,8 @@ pub mod loopdev;
 pub mod mountinfo;
 pub mod nbd_client;
 pub mod nbd_kernel;
-pub mod rbd_export;
 mod probe;
+pub mod rbd_export;
 
 pub use beneath::Roots;
 
@@ -49,7 +49,10 @@ pub enum SysError {
 }
 
 /// `map_err` helpers naming the operation and the path.
-pub(crate) fn errno<'a>(op: &'static str, path: &'a Path) -> impl Fn(nix::errno::Errno) -> SysError + 'a {
+pub(crate) fn errno<'a>(
+    op: &'static str,
+    path: &'a Path,
+) -> impl Fn(nix::errno::Errno) -> SysError + 'a {
     move |errno| SysError::Errno { op, path: path.to_path_buf(), errno }
 }
 
@@ -139,7 +142,8 @@ impl LoopDevice {
         if self.backing_file == file {
             return true;
         }
-        let detached = file.file_name().is_some_and(|name| self.backing_file == Path::new("/").join(name));
+        let detached =
+            file.file_name().is_some_and(|name| self.backing_file == Path::new("/").join(name));
         detached && (self.tag == tag || self.tag.is_empty())
     }
 }
@@ -171,7 +175,14 @@ pub trait Mounts: Send + Sync {
     }
     /// Mount `source` (a device under /dev or a network source) at `target`,
     /// `nosuid,nodev`; `options` is the comma-joined filesystem option string.
-    fn mount(&self, source: &str, target: &Path, fs_type: &str, options: &str, read_only: bool) -> Result<(), SysError>;
+    fn mount(
+        &self,
+        source: &str,
+        target: &Path,
+        fs_type: &str,
+        options: &str,
+        read_only: bool,
+    ) -> Result<(), SysError>;
     /// Bind the dir `source` at `target`, `nosuid,nodev` (and `noexec`
     /// when `source` is), read-only when asked, with no moment in between.
     fn bind(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), SysError>;
@@ -179,7 +190,10 @@ pub trait Mounts: Send + Sync {
     /// `target`, `nosuid` (not `nodev`: the device is the point), read-only
     /// when asked.
     fn bind_device(&self, device: &Path, target: &Path, _read_only: bool) -> Result<(), SysError> {
-        Err(SysError::Refused { path: target.to_path_buf(), what: format!("publishing block device {} is not available here", device.display()) })
+        Err(SysError::Refused {
+            path: target.to_path_buf(),
+            what: format!("publishing block device {} is not available here", device.display()),
+        })
     }
     /// The device number of the block device node bound at `target`, when
     /// a block device node is mounted there.
@@ -196,7 +210,10 @@ pub trait Mounts: Send + Sync {
     }
     /// Remove `file` if it is an empty regular file; a missing one is fine.
     fn remove_file(&self, file: &Path) -> Result<(), SysError> {
-        Err(SysError::Refused { path: file.to_path_buf(), what: "files are not removed here".into() })
+        Err(SysError::Refused {
+            path: file.to_path_buf(),
+            what: "files are not removed here".into(),
+        })
     }
     /// Unmount `target` (never following it if it is a symlink); with
     /// `force`, also when busy or unreachable (lazy).
@@ -207,7 +224,10 @@ pub trait Mounts: Send + Sync {
     fn remove_dir(&self, dir: &Path) -> Result<(), SysError>;
     /// Space and inodes of the filesystem `path` is on.
     fn usage(&self, path: &Path) -> Result<Usage, SysError> {
-        Err(SysError::Refused { path: path.to_path_buf(), what: "usage is not available here".into() })
+        Err(SysError::Refused {
+            path: path.to_path_buf(),
+            what: "usage is not available here".into(),
+        })
     }
 }
 
@@ -294,7 +314,12 @@ pub trait Filesystems: Send + Sync {
     /// (offset 0, whole file), nothing written through it since: it holds
     /// exactly the file's bytes, which may be read instead — from
     /// `backing`, the file as attached, when given.
-    fn probe_attached(&self, device: &Path, _file: &Path, _backing: Option<&std::fs::File>) -> Result<Option<String>, SysError> {
+    fn probe_attached(
+        &self,
+        device: &Path,
+        _file: &Path,
+        _backing: Option<&std::fs::File>,
+    ) -> Result<Option<String>, SysError> {
         self.probe(device)
     }
     /// Make a filesystem; refused when anything holds the device (mounted,
@@ -303,9 +328,17 @@ pub trait Filesystems: Send + Sync {
     /// Grow the `fs_type` filesystem on `device`, mounted at `mount_point`,
     /// to the device's size (a loop device first takes its file's size);
     /// the device's size in bytes after.
-    fn grow_filesystem(&self, device: &Path, mount_point: &Path, fs_type: &str) -> Result<u64, SysError> {
+    fn grow_filesystem(
+        &self,
+        device: &Path,
+        mount_point: &Path,
+        fs_type: &str,
+    ) -> Result<u64, SysError> {
         let _ = (mount_point, fs_type);
-        Err(SysError::Refused { path: device.to_path_buf(), what: "growing a filesystem is not available here".into() })
+        Err(SysError::Refused {
+            path: device.to_path_buf(),
+            what: "growing a filesystem is not available here".into(),
+        })
     }
     /// Destroy the device's data; refused like [`mkfs`](Self::mkfs).
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
@@ -322,7 +355,14 @@ pub trait NbdClients: Send + Sync {
     /// Connect the export `export` at `server` ("unix:/path" or
     /// "host:port") to a free kernel nbd device for `key`; the device, and
     /// whether it was connected now (false: it was already).
-    fn kernel_connect(&self, key: &str, server: &str, export: &str, connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError>;
+    fn kernel_connect(
+        &self,
+        key: &str,
+        server: &str,
+        export: &str,
+        connections: u8,
+        read_only: bool,
+    ) -> Result<(PathBuf, bool), SysError>;
     /// The kernel nbd device connected for `key`, if any.
     fn kernel_device(&self, key: &str) -> Option<PathBuf>;
     /// Disconnect `key`'s kernel nbd device; none is fine.
@@ -335,7 +375,13 @@ pub trait NbdClients: Send + Sync {
     /// Start client `key` for the export at `uri`, and return once it
     /// serves [`file`](Self::file); true when it was started, false when it
     /// was running already.
-    fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError>;
+    fn connect(
+        &self,
+        key: &str,
+        uri: &str,
+        connections: u8,
+        read_only: bool,
+    ) -> Result<bool, SysError>;
     /// Stop client `key` and remove what it left; none running is fine.
     fn disconnect(&self, key: &str) -> Result<(), SysError>;
     /// Serve `file` (opened by the caller beneath its roots) as the default
@@ -347,7 +393,12 @@ pub trait NbdClients: Send + Sync {
     /// of helper server `key`, like [`serve`](Self::serve). A key in
     /// `target` reaches the helper in a 0600 keyring file beneath the
     /// state dir, removed once the helper has connected.
-    fn serve_rbd(&self, key: &str, target: &rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError>;
+    fn serve_rbd(
+        &self,
+        key: &str,
+        target: &rbd_export::RbdTarget,
+        read_only: bool,
+    ) -> Result<bool, SysError>;
     /// The Ceph client of each running rbd helper or rbd-fuse client: key,
     /// global id, address.
     fn storage_clients(&self) -> Vec<(String, u64, String)> {
@@ -363,7 +414,12 @@ pub trait NbdClients: Send + Sync {
     /// when started, false when running already. A key in `target` reaches
     /// it as with [`serve_rbd`](Self::serve_rbd). Stopped by
     /// [`disconnect`](Self::disconnect).
-    fn connect_rbd_fuse(&self, key: &str, target: &rbd_export::RbdTarget, read_only: bool) -> Result<bool, SysError>;
+    fn connect_rbd_fuse(
+        &self,
+        key: &str,
+        target: &rbd_export::RbdTarget,
+        read_only: bool,
+    ) -> Result<bool, SysError>;
     /// The file rbd-fuse client `key` exposes `image` as.
     fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf {
         self.file(key).with_file_name(image)
@@ -390,12 +446,23 @@ pub trait NbdClients: Send + Sync {
 /// What the agent asks of a Ceph cluster, and does to it, itself.
 pub trait Storage: Send + Sync {
     /// The clients watching image `pool/image`.
-    fn rbd_watchers(&self, client: &rbd_export::CephClient, pool: &str, image: &str) -> Result<Vec<rbd_export::ImageWatcher>, SysError>;
+    fn rbd_watchers(
+        &self,
+        client: &rbd_export::CephClient,
+        pool: &str,
+        image: &str,
+    ) -> Result<Vec<rbd_export::ImageWatcher>, SysError>;
     /// Fence the client at `address` out of the cluster.
     fn blocklist(&self, client: &rbd_export::CephClient, address: &str) -> Result<(), SysError>;
     /// Break the exclusive lock the client at `address` holds on image
     /// `pool/image`, if it does; whether it did.
-    fn break_lock(&self, client: &rbd_export::CephClient, pool: &str, image: &str, address: &str) -> Result<bool, SysError>;
+    fn break_lock(
+        &self,
+        client: &rbd_export::CephClient,
+        pool: &str,
+        image: &str,
+        address: &str,
+    ) -> Result<bool, SysError>;
 }
 
 /// The kernel's rbd driver (krbd).
@@ -404,7 +471,13 @@ pub trait KernelRbd: Send + Sync {
     fn available(&self) -> bool;
     /// Map `pool/image`, or find it mapped; the mapping, and whether this
     /// call made it.
-    fn map(&self, client: &rbd_export::CephClient, pool: &str, image: &str, read_only: bool) -> Result<(krbd::KernelMapping, bool), SysError>;
+    fn map(
+        &self,
+        client: &rbd_export::CephClient,
+        pool: &str,
+        image: &str,
+        read_only: bool,
+    ) -> Result<(krbd::KernelMapping, bool), SysError>;
     fn mappings(&self) -> Result<Vec<krbd::KernelMapping>, SysError>;
     /// Unmap mapping `id`; `force` fails its outstanding I/O instead of
     /// waiting (the cluster is gone). Unmapped already is fine.
@@ -412,8 +485,17 @@ pub trait KernelRbd: Send + Sync {
 
     /// The mappings of `pool/image` made with `monitors` (as
     /// [`krbd::kernel_monitors`] gives them).
-    fn mappings_of(&self, monitors: &str, pool: &str, image: &str) -> Result<Vec<krbd::KernelMapping>, SysError> {
-        Ok(self.mappings()?.into_iter().filter(|m| m.monitors == monitors && m.pool == pool && m.image == image).collect())
+    fn mappings_of(
+        &self,
+        monitors: &str,
+        pool: &str,
+        image: &str,
+    ) -> Result<Vec<krbd::KernelMapping>, SysError> {
+        Ok(self
+            .mappings()?
+            .into_iter()
+            .filter(|m| m.monitors == monitors && m.pool == pool && m.image == image)
+            .collect())
     }
 }
 
@@ -425,7 +507,10 @@ pub fn lower_thread_priority() {
     let tid = rustix::thread::gettid();
     // No safe binding of ioprio_set: util-linux's ionice sets it for a
     // thread id as for a process.
-    match std::process::Command::new("ionice").args(["-c", "3", "-p", &tid.as_raw_nonzero().to_string()]).output() {
+    match std::process::Command::new("ionice")
+        .args(["-c", "3", "-p", &tid.as_raw_nonzero().to_string()])
+        .output()
+    {
         Ok(o) if o.status.success() => {}
         Ok(o) => tracing::debug!("ionice: {}", String::from_utf8_lossy(&o.stderr).trim()),
         Err(e) => tracing::debug!("ionice: {e}"),
@@ -470,7 +555,14 @@ impl Sys {
     pub fn linux_with(roots: Roots, tag: &str, nbd: nbd_client::NbdFuse) -> Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
         let krbd = Arc::new(krbd::Krbd::new(nbd.base().to_path_buf()));
-        Sys { mounts: node.clone(), devices: node.clone(), filesystems: node, nbd: Arc::new(nbd), storage: Arc::new(rbd_export::LibCeph), krbd }
+        Sys {
+            mounts: node.clone(),
+            devices: node.clone(),
+            filesystems: node,
+            nbd: Arc::new(nbd),
+            storage: Arc::new(rbd_export::LibCeph),
+            krbd,
+        }
     }
 
     /// This node with the chaos tier's fault layer over its mounts, devices,

@@ -42,7 +42,9 @@ pub fn parse(text: &str) -> Result<Vec<MountInfo>, ParseError> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| parse_line(l).map_err(|reason| ParseError { line: i + 1, reason, text: l.to_string() }))
+        .map(|(i, l)| {
+            parse_line(l).map_err(|reason| ParseError { line: i + 1, reason, text: l.to_string() })
+        })
         .collect()
 }
 
@@ -64,7 +66,18 @@ fn parse_line(line: &str) -> Result<MountInfo, &'static str> {
     let fs_type = unescape(t.next().ok_or("no filesystem type")?);
     let source = unescape(t.next().ok_or("no source")?);
     let super_options = t.next().unwrap_or("").to_string();
-    Ok(MountInfo { id, parent, device, root, mount_point, options, propagation, fs_type, source, super_options })
+    Ok(MountInfo {
+        id,
+        parent,
+        device,
+        root,
+        mount_point,
+        options,
+        propagation,
+        fs_type,
+        source,
+        super_options,
+    })
 }
 
 /// The kernel escapes space, tab, newline and backslash as `\ooo`: the
@@ -106,7 +119,10 @@ mod tests {
         assert_eq!(m.len(), 4);
         assert_eq!(m[1].mount_point, PathBuf::from("/"));
         assert_eq!(m[1].propagation, vec!["shared:1"]);
-        assert_eq!(m[2].mount_point, PathBuf::from("/var/lib/kubelet/plugins/volagent/local-pv/mounts/pv 1"));
+        assert_eq!(
+            m[2].mount_point,
+            PathBuf::from("/var/lib/kubelet/plugins/volagent/local-pv/mounts/pv 1")
+        );
         assert_eq!(m[2].device, (7, 3));
         assert_eq!(m[2].propagation, vec!["shared:200", "master:3"]);
         assert_eq!((m[2].fs_type.as_str(), m[2].source.as_str()), ("ext4", "/dev/loop3"));
@@ -118,7 +134,8 @@ mod tests {
     fn malformed_lines_are_errors_naming_the_line() {
         let e = parse("23 27 0:22 / /sys rw\n").unwrap_err();
         assert_eq!((e.line, e.reason), (1, "no \" - \" separator"));
-        let e = parse("27 1 254:0 / / rw - ext4 /dev/vda rw\nx 1 0:1 / /a rw - tmpfs t rw\n").unwrap_err();
+        let e = parse("27 1 254:0 / / rw - ext4 /dev/vda rw\nx 1 0:1 / /a rw - tmpfs t rw\n")
+            .unwrap_err();
         assert_eq!((e.line, e.reason), (2, "bad mount id"));
     }
 

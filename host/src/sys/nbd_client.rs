@@ -35,7 +35,12 @@ pub struct NbdFuse {
     pub kernel: super::nbd_kernel::KernelNbd,
     /// Liveness checks under way, by client: when each started, and
     /// whether it came back.
-    checks: std::sync::Mutex<std::collections::BTreeMap<String, (Instant, std::sync::Arc<std::sync::atomic::AtomicBool>)>>,
+    checks: std::sync::Mutex<
+        std::collections::BTreeMap<
+            String,
+            (Instant, std::sync::Arc<std::sync::atomic::AtomicBool>),
+        >,
+    >,
 }
 
 impl NbdFuse {
@@ -117,13 +122,21 @@ impl NbdFuse {
             if let Ok(Some(status)) = child.try_wait() {
                 let _ = std::fs::remove_file(&pid_file);
                 let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
-                return Err(SysError::Command { program: "volagent nbd serve", path: socket, message: format!("{status}: {}", last_lines(&tail, 5)) });
+                return Err(SysError::Command {
+                    program: "volagent nbd serve",
+                    path: socket,
+                    message: format!("{status}: {}", last_lines(&tail, 5)),
+                });
             }
             if Instant::now() >= deadline {
                 let _ = child.kill();
                 let _ = child.wait();
                 let _ = std::fs::remove_file(&pid_file);
-                return Err(SysError::Timeout { program: "volagent nbd serve", path: socket, secs: self.ready_timeout.as_secs() });
+                return Err(SysError::Timeout {
+                    program: "volagent nbd serve",
+                    path: socket,
+                    secs: self.ready_timeout.as_secs(),
+                });
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -133,12 +146,16 @@ impl NbdFuse {
 
     /// The helper server's pid, when it runs ("<this binary> nbd serve").
     fn server_running(&self, key: &str) -> Option<nix::unistd::Pid> {
-        let pid: i32 = std::fs::read_to_string(self.server_pid_file(key)).ok()?.trim().parse().ok()?;
+        let pid: i32 =
+            std::fs::read_to_string(self.server_pid_file(key)).ok()?.trim().parse().ok()?;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
         let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
         let ours = self.server_program.file_name().map(|n| n.as_encoded_bytes());
-        let argv0 = Path::new(std::str::from_utf8(args.first()?).ok()?).file_name().map(|n| n.as_encoded_bytes());
-        (argv0 == ours && args.get(1) == Some(&&b"nbd"[..]) && args.get(2) == Some(&&b"serve"[..])).then(|| nix::unistd::Pid::from_raw(pid))
+        let argv0 = Path::new(std::str::from_utf8(args.first()?).ok()?)
+            .file_name()
+            .map(|n| n.as_encoded_bytes());
+        (argv0 == ours && args.get(1) == Some(&&b"nbd"[..]) && args.get(2) == Some(&&b"serve"[..]))
+            .then(|| nix::unistd::Pid::from_raw(pid))
     }
 
     /// The client's pid, when its process runs (and is nbdfuse or
@@ -158,7 +175,11 @@ impl NbdFuse {
     fn mounted(&self, key: &str) -> Result<Option<u32>, SysError> {
         let dir = self.dir(key);
         let table = super::linux::Linux::unrooted().mount_table()?;
-        Ok(table.iter().rev().find(|m| m.mount_point == dir && m.fs_type.starts_with("fuse")).map(|m| m.device.1))
+        Ok(table
+            .iter()
+            .rev()
+            .find(|m| m.mount_point == dir && m.fs_type.starts_with("fuse"))
+            .map(|m| m.device.1))
     }
 
     fn log_tail(&self, key: &str) -> String {
@@ -180,7 +201,11 @@ impl NbdFuse {
             Ok(switch) if self.mounted(key)? == Some(conn) => Ok(Some(switch)),
             Ok(_) => Ok(None),
             Err(e) => {
-                tracing::warn!(conn, client = key, "cannot open the FUSE connection's abort switch: {e}");
+                tracing::warn!(
+                    conn,
+                    client = key,
+                    "cannot open the FUSE connection's abort switch: {e}"
+                );
                 Ok(None)
             }
         }
@@ -194,25 +219,39 @@ impl NbdFuse {
             if let Some(switch) = self.switch(key)? {
                 switch.pull();
             }
-            nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).map_err(errno("unmount a stale FUSE client", &dir))?;
+            nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH)
+                .map_err(errno("unmount a stale FUSE client", &dir))?;
         }
         Ok(())
     }
 
     /// Wait for `child`, client `key`, to mount its dir; on failure or
     /// timeout, stop it and say why (its log's last lines).
-    fn await_mount(&self, key: &str, mut child: std::process::Child, program: &'static str) -> Result<(), SysError> {
+    fn await_mount(
+        &self,
+        key: &str,
+        mut child: std::process::Child,
+        program: &'static str,
+    ) -> Result<(), SysError> {
         let (dir, pid_file) = (self.dir(key), self.pid_file(key));
         std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
         let deadline = Instant::now() + self.ready_timeout;
         while self.mounted(key)?.is_none() {
             let failed = match child.try_wait() {
-                Ok(Some(status)) => Some(SysError::Command { program, path: dir.clone(), message: format!("{status}: {}", self.log_tail(key)) }),
+                Ok(Some(status)) => Some(SysError::Command {
+                    program,
+                    path: dir.clone(),
+                    message: format!("{status}: {}", self.log_tail(key)),
+                }),
                 _ if Instant::now() >= deadline => {
                     let _ = child.kill();
                     let _ = child.wait();
                     let _ = self.clear_stale_mount(key);
-                    Some(SysError::Timeout { program, path: dir.clone(), secs: self.ready_timeout.as_secs() })
+                    Some(SysError::Timeout {
+                        program,
+                        path: dir.clone(),
+                        secs: self.ready_timeout.as_secs(),
+                    })
                 }
                 _ => None,
             };
@@ -240,8 +279,16 @@ impl NbdFuse {
         std::thread::spawn(move || drop(tx.send(std::fs::metadata(&probe).map(|m| m.len()))));
         let failed = match rx.recv_timeout(self.ready_timeout) {
             Ok(Ok(_)) => return Ok(()),
-            Ok(Err(e)) => SysError::Command { program: "rbd-fuse", path: file.to_path_buf(), message: format!("{e}: {}", self.log_tail(key)) },
-            Err(_) => SysError::Timeout { program: "rbd-fuse", path: file.to_path_buf(), secs: self.ready_timeout.as_secs() },
+            Ok(Err(e)) => SysError::Command {
+                program: "rbd-fuse",
+                path: file.to_path_buf(),
+                message: format!("{e}: {}", self.log_tail(key)),
+            },
+            Err(_) => SysError::Timeout {
+                program: "rbd-fuse",
+                path: file.to_path_buf(),
+                secs: self.ready_timeout.as_secs(),
+            },
         };
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
         let _ = self.clear_stale_mount(key);
@@ -254,11 +301,17 @@ impl NbdFuse {
 
     /// The key of `client`, in a keyring file only root can read, for a
     /// process to read at connect: never on a command line.
-    fn write_keyring(&self, key: &str, client: &super::rbd_export::CephClient) -> Result<Option<PathBuf>, SysError> {
+    fn write_keyring(
+        &self,
+        key: &str,
+        client: &super::rbd_export::CephClient,
+    ) -> Result<Option<PathBuf>, SysError> {
         let Some(secret) = &client.key else { return Ok(None) };
         std::fs::create_dir_all(&self.base).map_err(io("mkdir", &self.base))?;
         let file = self.keyring_file(key);
-        let key_text = secret.ceph_key("key").map_err(|what| SysError::Refused { path: file.clone(), what })?;
+        let key_text = secret
+            .ceph_key("key")
+            .map_err(|what| SysError::Refused { path: file.clone(), what })?;
         write_private(&file, format!("[client.{}]\n\tkey = {key_text}\n", client.user).as_bytes())?;
         Ok(Some(file))
     }
@@ -279,7 +332,10 @@ impl NbdFuse {
 fn on_path(program: &str) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::env::var_os("PATH").is_some_and(|path| {
-        std::env::split_paths(&path).any(|dir| std::fs::metadata(dir.join(program)).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+        std::env::split_paths(&path).any(|dir| {
+            std::fs::metadata(dir.join(program))
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
     })
 }
 
@@ -303,7 +359,12 @@ fn write_private(file: &Path, bytes: &[u8]) -> Result<(), SysError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(file);
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(file).map_err(io("create", file))?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(file)
+        .map_err(io("create", file))?;
     f.write_all(bytes).map_err(io("write", file))
 }
 
@@ -333,7 +394,14 @@ impl NbdClients for NbdFuse {
         self.kernel.available()
     }
 
-    fn kernel_connect(&self, key: &str, server: &str, export: &str, connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError> {
+    fn kernel_connect(
+        &self,
+        key: &str,
+        server: &str,
+        export: &str,
+        connections: u8,
+        read_only: bool,
+    ) -> Result<(PathBuf, bool), SysError> {
         self.kernel.connect(key, server, export, connections, read_only)
     }
 
@@ -356,7 +424,13 @@ impl NbdClients for NbdFuse {
         self.dir(key).join(key)
     }
 
-    fn connect(&self, key: &str, uri: &str, connections: u8, read_only: bool) -> Result<bool, SysError> {
+    fn connect(
+        &self,
+        key: &str,
+        uri: &str,
+        connections: u8,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
         let dir = self.dir(key);
         if self.mounted(key)?.is_some() && self.running(key).is_some() {
             return Ok(false);
@@ -365,17 +439,22 @@ impl NbdClients for NbdFuse {
         std::fs::create_dir_all(&dir).map_err(io("mkdir", &dir))?;
         let pid_file = self.pid_file(key);
         match std::fs::remove_file(&pid_file) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &pid_file)(e)),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io("remove", &pid_file)(e));
+            }
             _ => {}
         }
-        let log = std::fs::File::create(self.log_file(key)).map_err(io("create", &self.log_file(key)))?;
+        let log =
+            std::fs::File::create(self.log_file(key)).map_err(io("create", &self.log_file(key)))?;
         let mut cmd = Command::new(&self.program);
         cmd.arg("-P").arg(&pid_file).arg("-C").arg(connections.to_string());
         if read_only {
             cmd.arg("-r");
         }
         cmd.arg(self.file(key)).arg(uri);
-        cmd.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("dup", &self.log_file(key)))?).stderr(log);
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(io("dup", &self.log_file(key)))?)
+            .stderr(log);
         // Its own process group: signals to the agent's (Ctrl-C, a
         // supervisor stopping it) do not reach it.
         cmd.process_group(0);
@@ -387,14 +466,22 @@ impl NbdClients for NbdFuse {
             }
             if let Ok(Some(status)) = child.try_wait() {
                 let _ = std::fs::remove_dir(&dir);
-                return Err(SysError::Command { program: "nbdfuse", path: dir, message: format!("{status}: {}", self.log_tail(key)) });
+                return Err(SysError::Command {
+                    program: "nbdfuse",
+                    path: dir,
+                    message: format!("{status}: {}", self.log_tail(key)),
+                });
             }
             if Instant::now() >= deadline {
                 let _ = child.kill();
                 let _ = child.wait();
                 let _ = self.clear_stale_mount(key);
                 let _ = std::fs::remove_dir(&dir);
-                return Err(SysError::Timeout { program: "nbdfuse", path: dir, secs: self.ready_timeout.as_secs() });
+                return Err(SysError::Timeout {
+                    program: "nbdfuse",
+                    path: dir,
+                    secs: self.ready_timeout.as_secs(),
+                });
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -415,7 +502,8 @@ impl NbdClients for NbdFuse {
                 // Still held (a loop device not yet released): unmount
                 // lazily; the client ends when the last user lets go.
                 tracing::debug!(dir = %dir.display(), "nbdfuse unmount: {e}; detaching lazily");
-                nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).map_err(errno("unmount nbdfuse", &dir))?;
+                nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH)
+                    .map_err(errno("unmount nbdfuse", &dir))?;
             }
             if let Some(pid) = pid
                 && !self.wait_gone(pid, key, self.stop_timeout)
@@ -433,7 +521,9 @@ impl NbdClients for NbdFuse {
         }
         for f in [self.pid_file(key), self.log_file(key), self.client_file(key)] {
             match std::fs::remove_file(&f) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => tracing::warn!(file = %f.display(), "left in place: {e}"),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!(file = %f.display(), "left in place: {e}")
+                }
                 _ => {}
             }
         }
@@ -458,7 +548,9 @@ impl NbdClients for NbdFuse {
         }
         let mut cmd = self.helper_command(key, read_only)?;
         let client = &target.client;
-        cmd.arg("--export-rbd").arg(format!("={}/{}", target.pool, target.image)).args(["--ceph-user", &client.user]);
+        cmd.arg("--export-rbd")
+            .arg(format!("={}/{}", target.pool, target.image))
+            .args(["--ceph-user", &client.user]);
         if let Some(monitors) = &client.monitors {
             cmd.args(["--ceph-monitors", monitors]);
         }
@@ -486,7 +578,12 @@ impl NbdClients for NbdFuse {
         on_path("rbd-fuse")
     }
 
-    fn connect_rbd_fuse(&self, key: &str, target: &RbdTarget, read_only: bool) -> Result<bool, SysError> {
+    fn connect_rbd_fuse(
+        &self,
+        key: &str,
+        target: &RbdTarget,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
         let dir = self.dir(key);
         if self.mounted(key)?.is_some() && self.running(key).is_some() {
             return Ok(false);
@@ -506,7 +603,8 @@ impl NbdClients for NbdFuse {
             ceph_args.push_str(&format!(" --mon-host {monitors}"));
         }
         // Connecting gives up with the client's own deadline, not librados' 300 s.
-        ceph_args.push_str(&format!(" --client-mount-timeout {}", self.ready_timeout.as_secs().max(1)));
+        ceph_args
+            .push_str(&format!(" --client-mount-timeout {}", self.ready_timeout.as_secs().max(1)));
         let log_path = self.log_file(key);
         let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
         let mut cmd = Command::new("rbd-fuse");
@@ -516,7 +614,10 @@ impl NbdClients for NbdFuse {
             cmd.args(["-o", "ro"]);
         }
         cmd.arg(&dir).env("CEPH_ARGS", ceph_args);
-        cmd.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("dup", &log_path))?).stderr(log).process_group(0);
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(io("dup", &log_path))?)
+            .stderr(log)
+            .process_group(0);
         let file = self.rbd_fuse_file(key, &target.image);
         let ready = cmd.spawn().map_err(io("run rbd-fuse for", &dir)).and_then(|child| {
             // It mounts first and connects to the cluster after, when the
@@ -567,9 +668,17 @@ impl NbdClients for NbdFuse {
                 let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
             }
         }
-        for f in [self.server_pid_file(key), self.server_log_file(key), self.socket(key), self.client_file(key), self.keyring_file(key)] {
+        for f in [
+            self.server_pid_file(key),
+            self.server_log_file(key),
+            self.socket(key),
+            self.client_file(key),
+            self.keyring_file(key),
+        ] {
             match std::fs::remove_file(&f) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", &f)(e)),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io("remove", &f)(e));
+                }
                 _ => {}
             }
         }
@@ -591,10 +700,13 @@ impl NbdClients for NbdFuse {
                 keys.insert(key.to_string());
             }
         }
-        Ok(keys.into_iter().map(|k| {
-            let running = self.running(&k).is_some();
-            (k, running)
-        }).collect())
+        Ok(keys
+            .into_iter()
+            .map(|k| {
+                let running = self.running(&k).is_some();
+                (k, running)
+            })
+            .collect())
     }
 
     fn abort_hung(&self, after: Duration) -> Vec<String> {
@@ -657,9 +769,14 @@ mod tests {
             tag: tag.into(),
             number: (7, 3),
         };
-        assert!(device("/state/nbd/export-ab/export-ab", "someone").is_over_client_file(file, "us"));
+        assert!(
+            device("/state/nbd/export-ab/export-ab", "someone").is_over_client_file(file, "us")
+        );
         assert!(device("/export-ab", "us").is_over_client_file(file, "us"));
-        assert!(device("/export-ab", "").is_over_client_file(file, "us"), "a dead mount hides the tag");
+        assert!(
+            device("/export-ab", "").is_over_client_file(file, "us"),
+            "a dead mount hides the tag"
+        );
         assert!(!device("/export-ab", "another agent").is_over_client_file(file, "us"));
         assert!(!device("/export-cd", "us").is_over_client_file(file, "us"));
     }

@@ -80,7 +80,9 @@ fn server_args(server: &str) -> Vec<String> {
         return vec!["-u".into(), socket.into()];
     }
     match server.rsplit_once(':') {
-        Some((host, port)) => vec![host.trim_start_matches('[').trim_end_matches(']').into(), port.into()],
+        Some((host, port)) => {
+            vec![host.trim_start_matches('[').trim_end_matches(']').into(), port.into()]
+        }
         None => vec![server.into()],
     }
 }
@@ -113,7 +115,14 @@ impl KernelNbd {
 
     /// Connect the export to a free device; the device, and whether it was
     /// connected now (false: it was already).
-    pub fn connect(&self, key: &str, server: &str, export: &str, connections: u8, read_only: bool) -> Result<(PathBuf, bool), SysError> {
+    pub fn connect(
+        &self,
+        key: &str,
+        server: &str,
+        export: &str,
+        connections: u8,
+        read_only: bool,
+    ) -> Result<(PathBuf, bool), SysError> {
         if let Some(device) = self.device(key) {
             return Ok((device, false));
         }
@@ -134,13 +143,17 @@ impl KernelNbd {
                 cmd.arg("-R");
             }
             cmd.stdout(Stdio::null());
-            let out = super::linux::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
+            let out =
+                super::linux::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
             match super::linux::check("nbd-client", &device, out) {
                 Ok(_) => {}
                 // Taken meanwhile (the kernel says so only in its log), or
                 // still being released by a disconnect that has not ended
                 // (busy): the next free one.
-                Err(e) if connection_pid(&name).is_some() || e.to_string().to_ascii_lowercase().contains("busy") => {
+                Err(e)
+                    if connection_pid(&name).is_some()
+                        || e.to_string().to_ascii_lowercase().contains("busy") =>
+                {
                     last = Some(e);
                     continue;
                 }
@@ -194,10 +207,12 @@ impl KernelNbd {
             .filter(|k| k.starts_with("export-"))
             .collect();
         keys.sort();
-        keys.into_iter().map(|k| {
-            let device = self.device(&k);
-            (k, device)
-        }).collect()
+        keys.into_iter()
+            .map(|k| {
+                let device = self.device(&k);
+                (k, device)
+            })
+            .collect()
     }
 }
 

@@ -46,7 +46,8 @@ pub fn quick(f: &File, size: u64) -> Option<String> {
     let mut tail = vec![0u8; len as usize];
     f.read_exact_at(&mut tail, start).ok()?;
     let suspicious = tail.chunks_exact(512).any(|sector| {
-        sector[..4] == MD_MAGIC || (sector[..3] == [0x83, 0x74, 0x02] && (0x67..=0x6f).contains(&sector[3]))
+        sector[..4] == MD_MAGIC
+            || (sector[..3] == [0x83, 0x74, 0x02] && (0x67..=0x6f).contains(&sector[3]))
     });
     (!suspicious).then(|| found.to_string())
 }
@@ -54,7 +55,9 @@ pub fn quick(f: &File, size: u64) -> Option<String> {
 /// blkid's full probe's answer, from `blkid -p -o export`: TYPE, else
 /// PTTYPE, else "unknown signature" for anything it saw.
 pub fn parse_blkid_export(text: &str) -> String {
-    let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).filter(|v| !v.is_empty()).map(str::to_string);
+    let field = |key: &str| {
+        text.lines().find_map(|l| l.strip_prefix(key)).filter(|v| !v.is_empty()).map(str::to_string)
+    };
     field("TYPE=").or_else(|| field("PTTYPE=")).unwrap_or_else(|| "unknown signature".to_string())
 }
 
@@ -105,7 +108,10 @@ mod tests {
     fn blkid_export_answers() {
         assert_eq!(parse_blkid_export("DEVNAME=/dev/loop0\nUUID=x\nTYPE=ext4\n"), "ext4");
         assert_eq!(parse_blkid_export("PTUUID=x\nPTTYPE=gpt\n"), "gpt");
-        assert_eq!(parse_blkid_export("DEVNAME=/dev/loop0\nTYPE=linux_raid_member\n"), "linux_raid_member");
+        assert_eq!(
+            parse_blkid_export("DEVNAME=/dev/loop0\nTYPE=linux_raid_member\n"),
+            "linux_raid_member"
+        );
         assert_eq!(parse_blkid_export("DEVNAME=/dev/loop0\n"), "unknown signature");
     }
 }

@@ -10,8 +10,8 @@
 #![allow(unsafe_code)]
 
 use crate::nbd::{Export, Extent};
-use libloading::Library;
 use crate::secret::Secret;
+use libloading::Library;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;
 use std::path::PathBuf;
@@ -60,7 +60,9 @@ impl RbdTarget {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RbdError {
-    #[error("librbd/librados cannot be loaded ({0}): install Ceph's client libraries (Debian: librbd1)")]
+    #[error(
+        "librbd/librados cannot be loaded ({0}): install Ceph's client libraries (Debian: librbd1)"
+    )]
     Library(String),
     #[error("{object}: {op}: {source}")]
     Ceph { object: String, op: &'static str, source: io::Error },
@@ -94,13 +96,23 @@ struct Api {
     rados_shutdown: unsafe extern "C" fn(Handle),
     rados_get_instance_id: unsafe extern "C" fn(Handle) -> u64,
     rados_getaddrs: unsafe extern "C" fn(Handle, *mut *mut c_char) -> c_int,
-    rados_mon_command:
-        unsafe extern "C" fn(Handle, *const *const c_char, usize, *const c_char, usize, *mut *mut c_char, *mut usize, *mut *mut c_char, *mut usize) -> c_int,
+    rados_mon_command: unsafe extern "C" fn(
+        Handle,
+        *const *const c_char,
+        usize,
+        *const c_char,
+        usize,
+        *mut *mut c_char,
+        *mut usize,
+        *mut *mut c_char,
+        *mut usize,
+    ) -> c_int,
     rados_buffer_free: unsafe extern "C" fn(*mut c_char),
     rados_ioctx_create: unsafe extern "C" fn(Handle, *const c_char, *mut Handle) -> c_int,
     rados_ioctx_destroy: unsafe extern "C" fn(Handle),
     rbd_open: unsafe extern "C" fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int,
-    rbd_open_read_only: unsafe extern "C" fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int,
+    rbd_open_read_only:
+        unsafe extern "C" fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int,
     rbd_close: unsafe extern "C" fn(Handle) -> c_int,
     rbd_get_size: unsafe extern "C" fn(Handle, *mut u64) -> c_int,
     rbd_read2: unsafe extern "C" fn(Handle, u64, usize, *mut c_char, c_int) -> isize,
@@ -110,7 +122,8 @@ struct Api {
     rbd_write_zeroes: unsafe extern "C" fn(Handle, u64, usize, c_int, c_int) -> isize,
     rbd_watchers_list: unsafe extern "C" fn(Handle, *mut RawWatcher, *mut usize) -> c_int,
     rbd_watchers_list_cleanup: unsafe extern "C" fn(*mut RawWatcher, usize),
-    rbd_lock_get_owners: unsafe extern "C" fn(Handle, *mut c_int, *mut *mut c_char, *mut usize) -> c_int,
+    rbd_lock_get_owners:
+        unsafe extern "C" fn(Handle, *mut c_int, *mut *mut c_char, *mut usize) -> c_int,
     rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
     rbd_lock_break: unsafe extern "C" fn(Handle, c_int, *const c_char) -> c_int,
     /// Keeps the functions above valid; never unloaded (librados keeps
@@ -127,7 +140,9 @@ pub fn libraries_available() -> bool {
 
 impl Api {
     fn get() -> Result<&'static Api, RbdError> {
-        API.get_or_init(|| Api::load().map_err(|e| e.to_string())).as_ref().map_err(|e| RbdError::Library(e.clone()))
+        API.get_or_init(|| Api::load().map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| RbdError::Library(e.clone()))
     }
 
     fn load() -> Result<Api, String> {
@@ -140,7 +155,8 @@ impl Api {
         macro_rules! sym {
             ($lib:expr, $name:literal) => {
                 // SAFETY: the signature is the one librbd.h / librados.h declare.
-                *unsafe { $lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| format!("{}: {e}", $name))?
+                *unsafe { $lib.get(concat!($name, "\0").as_bytes()) }
+                    .map_err(|e| format!("{}: {e}", $name))?
             };
         }
         Ok(Api {
@@ -176,11 +192,18 @@ impl Api {
 
 /// A negative errno from Ceph as an error.
 fn check(ret: i64) -> io::Result<u64> {
-    if ret < 0 { Err(io::Error::from_raw_os_error(i32::try_from(-ret).unwrap_or(nix::libc::EIO))) } else { Ok(ret as u64) }
+    if ret < 0 {
+        Err(io::Error::from_raw_os_error(i32::try_from(-ret).unwrap_or(nix::libc::EIO)))
+    } else {
+        Ok(ret as u64)
+    }
 }
 
 fn cstring(object: &str, what: &str, value: &str) -> Result<CString, RbdError> {
-    CString::new(value).map_err(|_| RbdError::Invalid { object: object.to_string(), what: format!("{what} contains a NUL byte") })
+    CString::new(value).map_err(|_| RbdError::Invalid {
+        object: object.to_string(),
+        what: format!("{what} contains a NUL byte"),
+    })
 }
 
 /// A connected cluster handle, shut down on drop.
@@ -193,7 +216,11 @@ struct Rados {
 
 impl Rados {
     fn fail(&self, op: &'static str, ret: c_int) -> RbdError {
-        RbdError::Ceph { object: self.object.clone(), op, source: io::Error::from_raw_os_error(-ret) }
+        RbdError::Ceph {
+            object: self.object.clone(),
+            op,
+            source: io::Error::from_raw_os_error(-ret),
+        }
     }
 
     /// Connect to the cluster `client` names; errors name `object`.
@@ -204,7 +231,11 @@ impl Rados {
         // SAFETY: `cluster` receives a handle; `user` is a valid C string.
         let ret = unsafe { (api.rados_create)(&mut cluster, user.as_ptr()) };
         if ret < 0 {
-            return Err(RbdError::Ceph { object, op: "create a cluster handle", source: io::Error::from_raw_os_error(-ret) });
+            return Err(RbdError::Ceph {
+                object,
+                op: "create a cluster handle",
+                source: io::Error::from_raw_os_error(-ret),
+            });
         }
         // From here on the handle is released by Drop.
         let rados = Rados { api, cluster, object };
@@ -223,7 +254,9 @@ impl Rados {
             rados.set("keyring", &keyring.to_string_lossy())?;
         }
         if let Some(key) = &client.key {
-            let key = key.ceph_key("key").map_err(|what| RbdError::Invalid { object: rados.object.clone(), what })?;
+            let key = key
+                .ceph_key("key")
+                .map_err(|what| RbdError::Invalid { object: rados.object.clone(), what })?;
             rados.set("key", &key)?;
         }
         // Requests to a cluster that does not answer fail instead of hanging.
@@ -239,7 +272,8 @@ impl Rados {
     }
 
     fn set(&self, option: &str, value: &str) -> Result<(), RbdError> {
-        let (o, v) = (cstring(&self.object, option, option)?, cstring(&self.object, option, value)?);
+        let (o, v) =
+            (cstring(&self.object, option, option)?, cstring(&self.object, option, value)?);
         // SAFETY: valid handle and C strings.
         let ret = unsafe { (self.api.rados_conf_set)(self.cluster, o.as_ptr(), v.as_ptr()) };
         if ret < 0 { Err(self.fail("set a client option", ret)) } else { Ok(()) }
@@ -252,7 +286,9 @@ impl Rados {
         let id = unsafe { (self.api.rados_get_instance_id)(self.cluster) };
         let mut addrs: *mut c_char = std::ptr::null_mut();
         // SAFETY: connected handle; `addrs` receives a buffer we free below.
-        let address = if unsafe { (self.api.rados_getaddrs)(self.cluster, &mut addrs) } >= 0 && !addrs.is_null() {
+        let address = if unsafe { (self.api.rados_getaddrs)(self.cluster, &mut addrs) } >= 0
+            && !addrs.is_null()
+        {
             // SAFETY: a NUL-terminated string from librados, freed once.
             let text = unsafe { std::ffi::CStr::from_ptr(addrs) }.to_string_lossy().into_owned();
             // SAFETY: allocated by librados for the caller.
@@ -269,18 +305,32 @@ impl Rados {
     fn mon_command(&self, command: &str) -> Result<String, RbdError> {
         let cmd = cstring(&self.object, "the command", command)?;
         let cmds = [cmd.as_ptr()];
-        let (mut out, mut out_len, mut status, mut status_len) = (std::ptr::null_mut(), 0usize, std::ptr::null_mut(), 0usize);
+        let (mut out, mut out_len, mut status, mut status_len) =
+            (std::ptr::null_mut(), 0usize, std::ptr::null_mut(), 0usize);
         // SAFETY: one valid C string; the out buffers are allocated by
         // librados and freed below.
         let ret = unsafe {
-            (self.api.rados_mon_command)(self.cluster, cmds.as_ptr(), 1, std::ptr::null(), 0, &mut out, &mut out_len, &mut status, &mut status_len)
+            (self.api.rados_mon_command)(
+                self.cluster,
+                cmds.as_ptr(),
+                1,
+                std::ptr::null(),
+                0,
+                &mut out,
+                &mut out_len,
+                &mut status,
+                &mut status_len,
+            )
         };
         let take = |buf: *mut c_char, len: usize| {
             if buf.is_null() {
                 return String::new();
             }
             // SAFETY: librados allocated `len` bytes at `buf` for us.
-            let text = String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }).into_owned();
+            let text = String::from_utf8_lossy(unsafe {
+                std::slice::from_raw_parts(buf.cast::<u8>(), len)
+            })
+            .into_owned();
             // SAFETY: as above; freed once.
             unsafe { (self.api.rados_buffer_free)(buf) };
             text
@@ -289,7 +339,11 @@ impl Rados {
         if ret < 0 {
             return Err(RbdError::Invalid {
                 object: self.object.clone(),
-                what: format!("monitor command failed: {} ({})", io::Error::from_raw_os_error(-ret), status.trim()),
+                what: format!(
+                    "monitor command failed: {} ({})",
+                    io::Error::from_raw_os_error(-ret),
+                    status.trim()
+                ),
             });
         }
         Ok(if out.is_empty() { status } else { out })
@@ -353,7 +407,9 @@ pub fn watchers(target: &RbdTarget) -> Result<Vec<ImageWatcher>, RbdError> {
     let (rados, api) = (&pool.rados, pool.rados.api);
     let mut capacity = 16usize;
     let listed = loop {
-        let mut raw: Vec<RawWatcher> = (0..capacity).map(|_| RawWatcher { addr: std::ptr::null_mut(), id: 0, cookie: 0 }).collect();
+        let mut raw: Vec<RawWatcher> = (0..capacity)
+            .map(|_| RawWatcher { addr: std::ptr::null_mut(), id: 0, cookie: 0 })
+            .collect();
         let mut count = capacity;
         // SAFETY: `raw` has room for `count` entries.
         let ret = unsafe { (api.rbd_watchers_list)(image, raw.as_mut_ptr(), &mut count) };
@@ -368,7 +424,11 @@ pub fn watchers(target: &RbdTarget) -> Result<Vec<ImageWatcher>, RbdError> {
             .iter()
             .map(|w| ImageWatcher {
                 // SAFETY: librbd filled `count` entries with C strings.
-                address: if w.addr.is_null() { String::new() } else { unsafe { std::ffi::CStr::from_ptr(w.addr) }.to_string_lossy().into_owned() },
+                address: if w.addr.is_null() {
+                    String::new()
+                } else {
+                    unsafe { std::ffi::CStr::from_ptr(w.addr) }.to_string_lossy().into_owned()
+                },
                 id: w.id,
             })
             .collect();
@@ -385,9 +445,13 @@ pub fn watchers(target: &RbdTarget) -> Result<Vec<ImageWatcher>, RbdError> {
 /// the OSDs refuse its I/O from now on (`ceph osd blocklist add`).
 pub fn blocklist(client: &CephClient, address: &str) -> Result<(), RbdError> {
     let rados = Rados::connect(client, client.describe())?;
-    let command = serde_json::json!({ "prefix": "osd blocklist", "blocklistop": "add", "addr": address }).to_string();
+    let command =
+        serde_json::json!({ "prefix": "osd blocklist", "blocklistop": "add", "addr": address })
+            .to_string();
     rados.mon_command(&command).map(drop).map_err(|e| match e {
-        RbdError::Invalid { object, what } => RbdError::Invalid { object, what: format!("blocklisting client {address}: {what}") },
+        RbdError::Invalid { object, what } => {
+            RbdError::Invalid { object, what: format!("blocklisting client {address}: {what}") }
+        }
         e => e,
     })
 }
@@ -407,7 +471,8 @@ pub fn break_lock_of(target: &RbdTarget, address: &str) -> Result<bool, RbdError
         let mut raw: Vec<*mut c_char> = vec![std::ptr::null_mut(); 16];
         let (mut mode, mut count): (c_int, usize) = (EXCLUSIVE, raw.len());
         // SAFETY: `raw` has room for `count` entries.
-        let ret = unsafe { (api.rbd_lock_get_owners)(image, &mut mode, raw.as_mut_ptr(), &mut count) };
+        let ret =
+            unsafe { (api.rbd_lock_get_owners)(image, &mut mode, raw.as_mut_ptr(), &mut count) };
         if ret == -nix::libc::ENOENT {
             return Ok(false);
         }
@@ -415,7 +480,11 @@ pub fn break_lock_of(target: &RbdTarget, address: &str) -> Result<bool, RbdError
             return Err(rados.fail("list the image's lock owners", ret));
         }
         // SAFETY: librbd filled `count` entries with C strings.
-        let owners: Vec<String> = raw[..count].iter().filter(|p| !p.is_null()).map(|p| unsafe { std::ffi::CStr::from_ptr(*p) }.to_string_lossy().into_owned()).collect();
+        let owners: Vec<String> = raw[..count]
+            .iter()
+            .filter(|p| !p.is_null())
+            .map(|p| unsafe { std::ffi::CStr::from_ptr(*p) }.to_string_lossy().into_owned())
+            .collect();
         // SAFETY: frees what librbd allocated in the first `count` entries.
         unsafe { (api.rbd_lock_get_owners_cleanup)(raw.as_mut_ptr(), count) };
         if mode != EXCLUSIVE || !owners.iter().any(|o| o == address) {
@@ -438,16 +507,34 @@ pub fn break_lock_of(target: &RbdTarget, address: &str) -> Result<bool, RbdError
 pub struct LibCeph;
 
 impl super::Storage for LibCeph {
-    fn rbd_watchers(&self, client: &CephClient, pool: &str, image: &str) -> Result<Vec<ImageWatcher>, super::SysError> {
-        Ok(watchers(&RbdTarget { client: client.clone(), pool: pool.to_string(), image: image.to_string() })?)
+    fn rbd_watchers(
+        &self,
+        client: &CephClient,
+        pool: &str,
+        image: &str,
+    ) -> Result<Vec<ImageWatcher>, super::SysError> {
+        Ok(watchers(&RbdTarget {
+            client: client.clone(),
+            pool: pool.to_string(),
+            image: image.to_string(),
+        })?)
     }
 
     fn blocklist(&self, client: &CephClient, address: &str) -> Result<(), super::SysError> {
         Ok(blocklist(client, address)?)
     }
 
-    fn break_lock(&self, client: &CephClient, pool: &str, image: &str, address: &str) -> Result<bool, super::SysError> {
-        Ok(break_lock_of(&RbdTarget { client: client.clone(), pool: pool.to_string(), image: image.to_string() }, address)?)
+    fn break_lock(
+        &self,
+        client: &CephClient,
+        pool: &str,
+        image: &str,
+        address: &str,
+    ) -> Result<bool, super::SysError> {
+        Ok(break_lock_of(
+            &RbdTarget { client: client.clone(), pool: pool.to_string(), image: image.to_string() },
+            address,
+        )?)
     }
 }
 
@@ -476,7 +563,14 @@ impl RbdExport {
         let pool = Rados::connect(&target.client, target.describe())?.into_pool(&target.pool)?;
         let image = pool.open(&target.image, read_only)?;
         let identity = pool.rados.identity();
-        let mut export = RbdExport { image, pool, size: 0, read_only, name: format!("{}/{}", target.pool, target.image), identity };
+        let mut export = RbdExport {
+            image,
+            pool,
+            size: 0,
+            read_only,
+            name: format!("{}/{}", target.pool, target.image),
+            identity,
+        };
         let mut size = 0u64;
         // SAFETY: open image.
         let ret = unsafe { (export.api().rbd_get_size)(export.image, &mut size) };
@@ -520,7 +614,9 @@ impl Export for RbdExport {
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         // SAFETY: `buf` is valid for `buf.len()` bytes.
-        let n = check(unsafe { (self.api().rbd_read2)(self.image, offset, buf.len(), buf.as_mut_ptr().cast(), 0) } as i64)?;
+        let n = check(unsafe {
+            (self.api().rbd_read2)(self.image, offset, buf.len(), buf.as_mut_ptr().cast(), 0)
+        } as i64)?;
         if n as usize != buf.len() {
             // Within the image (the server checks bounds): a short read is an error.
             return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
@@ -530,7 +626,9 @@ impl Export for RbdExport {
 
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         // SAFETY: `buf` is valid for `buf.len()` bytes.
-        let n = check(unsafe { (self.api().rbd_write2)(self.image, offset, buf.len(), buf.as_ptr().cast(), 0) } as i64)?;
+        let n = check(unsafe {
+            (self.api().rbd_write2)(self.image, offset, buf.len(), buf.as_ptr().cast(), 0)
+        } as i64)?;
         if n as usize != buf.len() {
             return Err(io::Error::from(io::ErrorKind::WriteZero));
         }
@@ -549,9 +647,11 @@ impl Export for RbdExport {
 
     fn write_zeroes(&self, offset: u64, length: u64, _punch: bool, _fast: bool) -> io::Result<()> {
         // librbd zeroes by discarding where whole objects are covered.
-        let len = usize::try_from(length).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let len =
+            usize::try_from(length).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: open image.
-        check(unsafe { (self.api().rbd_write_zeroes)(self.image, offset, len, 0, 0) } as i64).map(drop)
+        check(unsafe { (self.api().rbd_write_zeroes)(self.image, offset, len, 0, 0) } as i64)
+            .map(drop)
     }
 
     fn extents(&self, _offset: u64, length: u32, _max: usize) -> io::Result<Vec<Extent>> {

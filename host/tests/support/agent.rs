@@ -54,8 +54,13 @@ impl Node {
         for d in ["plugins", "disks"] {
             std::fs::create_dir_all(scratch.path(d)).expect("dir");
         }
-        std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm")).expect("plugin");
-        std::fs::copy(volagent_test_artifacts::SHARED_FILE, scratch.path("plugins/shared-file.wasm")).expect("plugin");
+        std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm"))
+            .expect("plugin");
+        std::fs::copy(
+            volagent_test_artifacts::SHARED_FILE,
+            scratch.path("plugins/shared-file.wasm"),
+        )
+        .expect("plugin");
         for (file, name) in extra {
             std::fs::copy(file, scratch.path(&format!("plugins/{name}.wasm"))).expect("plugin");
         }
@@ -71,7 +76,10 @@ impl Node {
 
     /// Start an agent that kills itself (SIGKILL) after `kill_after` steps of a plan.
     pub fn spawn_agent_with(&mut self, name: &str, kill_after: Option<usize>) {
-        let env: Vec<(&str, String)> = kill_after.map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string())).into_iter().collect();
+        let env: Vec<(&str, String)> = kill_after
+            .map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string()))
+            .into_iter()
+            .collect();
         self.spawn_agent_env(name, &env, &[]);
     }
 
@@ -82,16 +90,25 @@ impl Node {
         let ledger: &[&str] = if self.private_ledger { &[] } else { &["--ledger-shared"] };
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(["agent", "--node-name", name])
-            .arg("--socket").arg(&socket)
-            .arg("--state-dir").arg(at("state"))
-            .arg("--runtime-dir").arg(at("run"))
-            .arg("--ledger").arg(self.ledger_path(name))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(at("state"))
+            .arg("--runtime-dir")
+            .arg(at("run"))
+            .arg("--ledger")
+            .arg(self.ledger_path(name))
             .args(ledger)
-            .arg("--plugin-dir").arg(s.path("plugins"))
-            .arg("--kubelet-root").arg(at("kubelet"))
-            .arg("--discovery-dir").arg(s.path("disks"))
-            .arg("--volume-plugin-dir").arg(at("vpd"))
-            .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
+            .arg("--plugin-dir")
+            .arg(s.path("plugins"))
+            .arg("--kubelet-root")
+            .arg(at("kubelet"))
+            .arg("--discovery-dir")
+            .arg(s.path("disks"))
+            .arg("--volume-plugin-dir")
+            .arg(at("vpd"))
+            .arg("--flex-driver")
+            .arg(volagent_test_artifacts::FLEX_DRIVER)
             .args(extra)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
@@ -101,7 +118,10 @@ impl Node {
         self.agents.push((name.to_string(), child));
         let start = Instant::now();
         while UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent of {name} did not come up");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the agent of {name} did not come up"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -120,12 +140,20 @@ impl Node {
     }
 
     fn log_file(&self, name: &str) -> std::fs::File {
-        std::fs::OpenOptions::new().create(true).append(true).open(self.log_path(name)).expect("agent log")
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(name))
+            .expect("agent log")
     }
 
     /// The pid of `name`'s agent.
     pub fn pid_of(&self, name: &str) -> i32 {
-        self.agents.iter().find(|(n, _)| n == name).map(|(_, c)| c.id() as i32).expect("the agent runs")
+        self.agents
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| c.id() as i32)
+            .expect("the agent runs")
     }
 
     pub fn stop_agent(&mut self) {
@@ -139,7 +167,11 @@ impl Node {
     pub fn restart_with_faults(&mut self, extra: &[&str]) -> PathBuf {
         let rules = self.scratch.path("faults");
         self.stop_agent_of("node-a");
-        self.spawn_agent_env("node-a", &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())], extra);
+        self.spawn_agent_env(
+            "node-a",
+            &[(volagent::sys::faults::FAULTS_FILE_ENV, rules.display().to_string())],
+            extra,
+        );
         rules
     }
 
@@ -181,7 +213,9 @@ impl Node {
     }
 
     pub fn mount_dir_of(&self, node: &str, backend: &str, pod_uid: &str, volume: &str) -> String {
-        let d = self.scratch.path(&format!("{node}/kubelet/pods/{pod_uid}/volumes/volagent~{backend}/{volume}"));
+        let d = self
+            .scratch
+            .path(&format!("{node}/kubelet/pods/{pod_uid}/volumes/volagent~{backend}/{volume}"));
         std::fs::create_dir_all(&d).expect("kubelet makes the pod's volume dir");
         d.display().to_string()
     }
@@ -192,7 +226,10 @@ impl Node {
 }
 
 pub fn stop(child: &mut Child) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
     let _ = child.wait();
 }
 
@@ -201,4 +238,3 @@ impl Drop for Node {
         self.stop_agent();
     }
 }
-

@@ -51,18 +51,25 @@ impl Cluster {
     }
 
     /// [`Self::start`], the controller started with `controller_args` too.
-    pub fn start_with(nodes: &[&str], plugins: &[(&str, &str)], controller_args: &[&str]) -> Cluster {
+    pub fn start_with(
+        nodes: &[&str],
+        plugins: &[(&str, &str)],
+        controller_args: &[&str],
+    ) -> Cluster {
         // The mount namespace is per thread: unshare on the test thread, and
         // run the async parts on it too (a current-thread runtime).
         let scratch = RootScratch::enter();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let env = rt.block_on(KubeEnv::start()).expect("a real kube-apiserver (scripts/kube-assets)");
+        let rt =
+            tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let env =
+            rt.block_on(KubeEnv::start()).expect("a real kube-apiserver (scripts/kube-assets)");
         let client = {
             let _in_runtime = rt.enter();
             env.client()
         };
         let webhook_port = volagent_kube_env::free_ports(1).expect("a free port")[0];
-        rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port))).expect("deploy/'s RBAC and webhook");
+        rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port)))
+            .expect("deploy/'s RBAC and webhook");
         for n in nodes {
             rt.block_on(crate::kube_common::create_node(&client, n, true));
         }
@@ -71,7 +78,16 @@ impl Cluster {
         for (file, name) in plugins {
             std::fs::copy(file, scratch.path(&format!("plugins/{name}.wasm"))).expect("plugin");
         }
-        let mut c = Cluster { agents: Vec::new(), env, rt, scratch, pods: Default::default(), agent_server: None, webhook_port, controller_args: controller_args.iter().map(|a| a.to_string()).collect() };
+        let mut c = Cluster {
+            agents: Vec::new(),
+            env,
+            rt,
+            scratch,
+            pods: Default::default(),
+            agent_server: None,
+            webhook_port,
+            controller_args: controller_args.iter().map(|a| a.to_string()).collect(),
+        };
         c.spawn_controller();
         for n in nodes {
             c.spawn_agent(n);
@@ -82,14 +98,20 @@ impl Cluster {
     /// A client acting as node `node`'s agent (its pod-bound token).
     pub fn agent_client(&self, node: &str) -> kube::Client {
         let _in_runtime = self.rt.enter();
-        self.rt.block_on(shipped::agent_client(&self.env, node, "busybox", &self.scratch.path(""))).expect("an agent's client")
+        self.rt
+            .block_on(shipped::agent_client(&self.env, node, "busybox", &self.scratch.path("")))
+            .expect("an agent's client")
     }
 
     /// A client acting as the controller's ServiceAccount.
     pub fn controller_client(&self) -> kube::Client {
         let _in_runtime = self.rt.enter();
         let path = self.scratch.path("controller.kubeconfig");
-        self.rt.block_on(async { shipped::client_from(&shipped::controller_kubeconfig(&self.env, &path).await?).await }).expect("the controller's client")
+        self.rt
+            .block_on(async {
+                shipped::client_from(&shipped::controller_kubeconfig(&self.env, &path).await?).await
+            })
+            .expect("the controller's client")
     }
 
     /// An admin client (made inside the runtime, which its I/O needs).
@@ -112,27 +134,42 @@ impl Cluster {
     pub fn spawn_agent_env(&mut self, node: &str, extra: &[&str], env: &[(&str, &str)]) {
         let at = |p: &str| self.scratch.path(&format!("{node}/{p}"));
         let socket = at("run/agent.sock");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.scratch.path(&format!("{node}.log"))).expect("agent log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.scratch.path(&format!("{node}.log")))
+            .expect("agent log");
         let kubeconfig = self.scratch.path(&format!("{node}.kubeconfig"));
         {
             let _in_runtime = self.rt.enter();
-            self.rt.block_on(shipped::agent_kubeconfig(&self.env, node, "busybox", &kubeconfig)).expect("the agent's kubeconfig");
+            self.rt
+                .block_on(shipped::agent_kubeconfig(&self.env, node, "busybox", &kubeconfig))
+                .expect("the agent's kubeconfig");
         }
         if let Some(server) = &self.agent_server {
             let text = std::fs::read_to_string(&kubeconfig).expect("kubeconfig");
             assert!(text.contains(self.env.url()), "the kubeconfig names the API server");
-            std::fs::write(&kubeconfig, text.replace(self.env.url(), server)).expect("the agent's kubeconfig");
+            std::fs::write(&kubeconfig, text.replace(self.env.url(), server))
+                .expect("the agent's kubeconfig");
         }
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(["agent", "--node-name", node])
-            .arg("--kubeconfig").arg(&kubeconfig)
-            .arg("--runtime-dir").arg(at("run"))
-            .arg("--state-dir").arg(at("state"))
-            .arg("--plugin-dir").arg(self.scratch.path("plugins"))
-            .arg("--kubelet-root").arg(at("kubelet"))
-            .arg("--discovery-dir").arg(self.scratch.path("disks"))
-            .arg("--volume-plugin-dir").arg(at("vpd"))
-            .arg("--flex-driver").arg(volagent_test_artifacts::FLEX_DRIVER)
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .arg("--runtime-dir")
+            .arg(at("run"))
+            .arg("--state-dir")
+            .arg(at("state"))
+            .arg("--plugin-dir")
+            .arg(self.scratch.path("plugins"))
+            .arg("--kubelet-root")
+            .arg(at("kubelet"))
+            .arg("--discovery-dir")
+            .arg(self.scratch.path("disks"))
+            .arg("--volume-plugin-dir")
+            .arg(at("vpd"))
+            .arg("--flex-driver")
+            .arg(volagent_test_artifacts::FLEX_DRIVER)
             .args(extra)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
@@ -142,7 +179,10 @@ impl Cluster {
         self.agents.push((node.to_string(), child));
         let start = Instant::now();
         while UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent of {node} did not come up");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the agent of {node} did not come up"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -161,9 +201,15 @@ impl Cluster {
         let kubeconfig = self.scratch.path("controller.kubeconfig");
         {
             let _in_runtime = self.rt.enter();
-            self.rt.block_on(shipped::controller_kubeconfig(&self.env, &kubeconfig)).expect("the controller's kubeconfig");
+            self.rt
+                .block_on(shipped::controller_kubeconfig(&self.env, &kubeconfig))
+                .expect("the controller's kubeconfig");
         }
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.scratch.path("controller.log")).expect("controller log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.scratch.path("controller.log"))
+            .expect("controller log");
         let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
             .args(shipped::controller_args(&kubeconfig, self.webhook_port))
             .args(["--scan-interval", "1h", "--cluster-interval", "1s", "--local-interval", "2s"])
@@ -173,12 +219,21 @@ impl Cluster {
             .spawn()
             .expect("start the controller");
         self.agents.push(("controller".into(), child));
-        let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(self.client(), shipped::CONTROLLER_NAMESPACE);
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+            Api::namespaced(self.client(), shipped::CONTROLLER_NAMESPACE);
         self.wait("the controller to take the lease", || {
-            self.rt.block_on(leases.get_opt("volagent-controller")).ok().flatten().and_then(|l| l.spec?.holder_identity).as_deref() == Some("test-controller")
+            self.rt
+                .block_on(leases.get_opt("volagent-controller"))
+                .ok()
+                .flatten()
+                .and_then(|l| l.spec?.holder_identity)
+                .as_deref()
+                == Some("test-controller")
         });
         let probe = self.agent_client("volagent-webhook-probe");
-        self.rt.block_on(shipped::wait_webhook(&probe, "volagent-webhook-probe")).expect("the admission webhook");
+        self.rt
+            .block_on(shipped::wait_webhook(&probe, "volagent-webhook-probe"))
+            .expect("the admission webhook");
     }
 
     pub fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
@@ -195,7 +250,8 @@ impl Cluster {
         if let Some(uid) = self.pods.lock().expect("pods").get(pod) {
             return uid.clone();
         }
-        let uid = self.rt.block_on(crate::kube_common::create_pod(&self.client(), pod, &[volume], &[]));
+        let uid =
+            self.rt.block_on(crate::kube_common::create_pod(&self.client(), pod, &[volume], &[]));
         self.pods.lock().expect("pods").insert(pod.to_string(), uid.clone());
         uid
     }

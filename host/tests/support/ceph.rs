@@ -18,7 +18,12 @@ pub fn ceph_dir() -> PathBuf {
 }
 
 pub fn rbd(dir: &Path, args: &[&str]) -> Output {
-    let out = Command::new("rbd").arg("-c").arg(dir.join("ceph.conf")).args(args).output().expect("rbd (ceph-common)");
+    let out = Command::new("rbd")
+        .arg("-c")
+        .arg(dir.join("ceph.conf"))
+        .args(args)
+        .output()
+        .expect("rbd (ceph-common)");
     assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     out
 }
@@ -43,7 +48,11 @@ impl Image {
 
 impl Drop for Image {
     fn drop(&mut self) {
-        let _ = Command::new("rbd").arg("-c").arg(self.dir.join("ceph.conf")).args(["rm", "--no-progress", &self.spec()]).output();
+        let _ = Command::new("rbd")
+            .arg("-c")
+            .arg(self.dir.join("ceph.conf"))
+            .args(["rm", "--no-progress", &self.spec()])
+            .output();
     }
 }
 
@@ -77,5 +86,9 @@ pub fn watchers(image: &Image) -> Vec<String> {
 pub fn lockers(image: &Image) -> Vec<String> {
     let out = rbd(&image.dir, &["lock", "ls", "--format", "json", &image.spec()]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v.as_array().into_iter().flatten().filter_map(|l| l["address"].as_str().map(String::from)).collect()
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| l["address"].as_str().map(String::from))
+        .collect()
 }

@@ -27,7 +27,9 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use volagent_kube_env::node::{self, Containerd, ControllerManager, Kubelet, Layout, NodeAssets, Scheduler};
+use volagent_kube_env::node::{
+    self, Containerd, ControllerManager, Kubelet, Layout, NodeAssets, Scheduler,
+};
 use volagent_kube_env::{KubeEnv, Namespaces, Options};
 
 /// The node's address (on the namespace's loopback): its InternalIP, the
@@ -76,25 +78,45 @@ impl DsCluster {
     /// pods are Ready.
     pub fn start(node: &str) -> DsCluster {
         let scratch = RootScratch::enter();
-        let assets = node::node_assets().expect("the kubelet tier's assets (scripts/kube-assets, scripts/node-assets)");
+        let assets = node::node_assets()
+            .expect("the kubelet tier's assets (scripts/kube-assets, scripts/node-assets)");
         let archive = node::agent_image().unwrap_or_else(|e| panic!("{e:#}"));
         let image = image_name(&archive);
         node::become_subreaper().expect("subreaper");
         let ns = node::enter_node_namespaces().expect("private namespaces for the node");
         bind_node_paths(&scratch);
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let rt =
+            tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let env = rt
-            .block_on(KubeEnv::start_with(Options { namespaces: Some(ns.clone()), in_cluster: true }))
+            .block_on(KubeEnv::start_with(Options {
+                namespaces: Some(ns.clone()),
+                in_cluster: true,
+            }))
             .expect("a real kube-apiserver (scripts/kube-assets)");
         let mut ip = std::process::Command::new("ip");
         ip.args(["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]);
         node::run_in(ip, Some(&ns), "ip addr add").expect("the node's address");
-        let containerd = Containerd::start(&scratch.path("containerd"), 1, &assets.image, Some(ns.clone())).expect("containerd");
+        let containerd =
+            Containerd::start(&scratch.path("containerd"), 1, &assets.image, Some(ns.clone()))
+                .expect("containerd");
         containerd.import(&archive).expect("import the agent image");
-        let layout = Layout { root_dir: NODE_PATHS[0].1.into(), plugin_dir: NODE_PATHS[1].1.into(), node_ip: NODE_IP.into() };
-        let kubelet = Kubelet::start_with(&env, node, &scratch.path("node"), &containerd, &assets, layout).expect("kubelet");
-        let kcm = ControllerManager::start_for_workloads(&env, &scratch.path(""), &assets, Some(ns.clone())).expect("kube-controller-manager");
-        let scheduler = Scheduler::start(&env, &scratch.path(""), &assets, Some(ns.clone())).expect("kube-scheduler");
+        let layout = Layout {
+            root_dir: NODE_PATHS[0].1.into(),
+            plugin_dir: NODE_PATHS[1].1.into(),
+            node_ip: NODE_IP.into(),
+        };
+        let kubelet =
+            Kubelet::start_with(&env, node, &scratch.path("node"), &containerd, &assets, layout)
+                .expect("kubelet");
+        let kcm = ControllerManager::start_for_workloads(
+            &env,
+            &scratch.path(""),
+            &assets,
+            Some(ns.clone()),
+        )
+        .expect("kube-controller-manager");
+        let scheduler = Scheduler::start(&env, &scratch.path(""), &assets, Some(ns.clone()))
+            .expect("kube-scheduler");
         let c = DsCluster {
             node: node.into(),
             scheduler: Some(scheduler),
@@ -108,7 +130,13 @@ impl DsCluster {
             image,
             scratch,
         };
-        c.rt.block_on(node::wait_node_ready(&c.client(), node, Duration::from_secs(90), c.kubelet())).expect("node Ready");
+        c.rt.block_on(node::wait_node_ready(
+            &c.client(),
+            node,
+            Duration::from_secs(90),
+            c.kubelet(),
+        ))
+        .expect("node Ready");
         c.apply_deploy();
         c.wait_ready(AGENT_LABEL, 1);
         c.wait_ready(CONTROLLER_LABEL, 2);
@@ -118,10 +146,16 @@ impl DsCluster {
     /// `kubectl apply -k` of an overlay whose base is `deploy/` and which
     /// only renames the image, as a user with their own registry would.
     fn apply_deploy(&self) {
-        let deploy = std::fs::canonicalize(crate::common::workspace().join("deploy")).expect("deploy/");
-        let base = std::fs::read_to_string(deploy.join("kustomization.yaml")).expect("deploy/kustomization.yaml");
+        let deploy =
+            std::fs::canonicalize(crate::common::workspace().join("deploy")).expect("deploy/");
+        let base = std::fs::read_to_string(deploy.join("kustomization.yaml"))
+            .expect("deploy/kustomization.yaml");
         // The base already renames `volagent`; the overlay renames its result.
-        let base_name = base.lines().find_map(|l| l.trim().strip_prefix("newName:")).expect("deploy/kustomization.yaml sets images[].newName").trim();
+        let base_name = base
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("newName:"))
+            .expect("deploy/kustomization.yaml sets images[].newName")
+            .trim();
         let (name, tag) = self.image.rsplit_once(':').expect("the image has a tag");
         let overlay = self.scratch.path("overlay");
         std::fs::create_dir_all(&overlay).expect("dir");
@@ -131,13 +165,18 @@ impl DsCluster {
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nbases:\n  - {up}{}\nimages:\n  - name: {base_name}\n    newName: {name}\n    newTag: \"{tag}\"\n",
             deploy.strip_prefix("/").expect("an absolute path").display()
         );
-        std::fs::write(overlay.join("kustomization.yaml"), kustomization).expect("write the overlay");
+        std::fs::write(overlay.join("kustomization.yaml"), kustomization)
+            .expect("write the overlay");
         let out = self.kubectl(&["apply", "-k", &overlay.display().to_string()]);
-        assert!(out.contains("daemonset.apps/volagent-agent created"), "kubectl apply -k created the DaemonSet:\n{out}");
+        assert!(
+            out.contains("daemonset.apps/volagent-agent created"),
+            "kubectl apply -k created the DaemonSet:\n{out}"
+        );
     }
 
     pub fn kubectl(&self, args: &[&str]) -> String {
-        node::kubectl(self.env(), &self.assets, Some(&self.ns), args).unwrap_or_else(|e| panic!("{e:#}"))
+        node::kubectl(self.env(), &self.assets, Some(&self.ns), args)
+            .unwrap_or_else(|e| panic!("{e:#}"))
     }
 
     pub fn env(&self) -> &KubeEnv {
@@ -173,13 +212,16 @@ impl DsCluster {
     pub fn create_pod(&self, pod: Value) -> String {
         let pod: Pod = serde_json::from_value(pod).expect("a pod");
         let api: Api<Pod> = Api::namespaced(self.client(), "default");
-        let created = self.rt.block_on(api.create(&PostParams::default(), &pod)).expect("create pod");
+        let created =
+            self.rt.block_on(api.create(&PostParams::default(), &pod)).expect("create pod");
         created.metadata.uid.expect("a UID")
     }
 
     pub fn delete_pod(&self, namespace: &str, name: &str) {
         let api: Api<Pod> = Api::namespaced(self.client(), namespace);
-        self.rt.block_on(api.delete(name, &DeleteParams::default())).unwrap_or_else(|e| panic!("delete pod {namespace}/{name}: {e}"));
+        self.rt
+            .block_on(api.delete(name, &DeleteParams::default()))
+            .unwrap_or_else(|e| panic!("delete pod {namespace}/{name}: {e}"));
     }
 
     /// The one Ready pod with `label` in the system namespace that is not
@@ -194,7 +236,14 @@ impl DsCluster {
         self.wait(&format!("{count} Ready pods {label}"), || {
             let namespace = if label == CONTROLLER_LABEL { CONTROLLER_NS } else { SYSTEM };
             let pods = self.pods(namespace, label);
-            let ready: Vec<Pod> = pods.iter().filter(|p| p.metadata.deletion_timestamp.is_none() && crate::kubelet_cluster::is_ready(Some(p))).cloned().collect();
+            let ready: Vec<Pod> = pods
+                .iter()
+                .filter(|p| {
+                    p.metadata.deletion_timestamp.is_none()
+                        && crate::kubelet_cluster::is_ready(Some(p))
+                })
+                .cloned()
+                .collect();
             (ready.len() == count && pods.len() == count).then_some(ready)
         })
     }
@@ -219,10 +268,20 @@ impl DsCluster {
         let mut out = String::new();
         for namespace in [SYSTEM, CONTROLLER_NS, "default"] {
             let api: Api<Pod> = Api::namespaced(self.client(), namespace);
-            let pods = self.rt.block_on(api.list(&ListParams::default())).map(|l| l.items).unwrap_or_default();
+            let pods = self
+                .rt
+                .block_on(api.list(&ListParams::default()))
+                .map(|l| l.items)
+                .unwrap_or_default();
             for p in pods {
                 let name = p.metadata.name.clone().unwrap_or_default();
-                out += &format!("pod {namespace}/{name}: {}\n", p.status.as_ref().map(|s| serde_json::to_string(s).unwrap_or_default()).unwrap_or_default());
+                out += &format!(
+                    "pod {namespace}/{name}: {}\n",
+                    p.status
+                        .as_ref()
+                        .map(|s| serde_json::to_string(s).unwrap_or_default())
+                        .unwrap_or_default()
+                );
                 for (reason, message) in events_about(&self.rt, &self.client(), namespace, &name) {
                     out += &format!("  {reason}: {message}\n");
                 }
@@ -256,13 +315,19 @@ impl DsCluster {
 
     /// Like [`Self::agent_json_lines`], of agent pod `pod` only.
     pub fn json_lines_of(&self, pod: &Pod) -> Vec<Value> {
-        let (name, uid) = (pod.metadata.name.as_deref().unwrap_or_default(), pod.metadata.uid.as_deref().unwrap_or_default());
+        let (name, uid) = (
+            pod.metadata.name.as_deref().unwrap_or_default(),
+            pod.metadata.uid.as_deref().unwrap_or_default(),
+        );
         json_lines(&container_logs(&format!("{SYSTEM}_{name}_{uid}"), "agent"))
     }
 
     /// The operation lines the agent's containers logged.
     pub fn operation_lines(&self) -> Vec<Value> {
-        self.agent_json_lines().into_iter().filter(|v| v["op"].is_string() && v["outcome"].is_string()).collect()
+        self.agent_json_lines()
+            .into_iter()
+            .filter(|v| v["op"].is_string() && v["outcome"].is_string())
+            .collect()
     }
 
     /// A GET to the agent's metrics port through the node's address: (status
@@ -274,7 +339,12 @@ impl DsCluster {
     /// Mounts whose mount point is below `dir` (in the node's namespace).
     pub fn mounts_below(&self, dir: &Path) -> Vec<PathBuf> {
         let text = std::fs::read_to_string("/proc/thread-self/mountinfo").expect("mountinfo");
-        volagent::sys::mountinfo::parse(&text).expect("parse mountinfo").into_iter().map(|m| m.mount_point).filter(|p| p.starts_with(dir)).collect()
+        volagent::sys::mountinfo::parse(&text)
+            .expect("parse mountinfo")
+            .into_iter()
+            .map(|m| m.mount_point)
+            .filter(|p| p.starts_with(dir))
+            .collect()
     }
 
     /// A sparse image file of `mib` MiB in the node's `/mnt/disks`; its
@@ -313,8 +383,14 @@ impl DsCluster {
         }
         logs.extend(container_logs("", ""));
         for (i, log) in logs.iter().enumerate() {
-            let name = log.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            let parent = log.parent().and_then(|p| p.parent()).and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name =
+                log.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let parent = log
+                .parent()
+                .and_then(|p| p.parent())
+                .and_then(|p| p.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             let _ = std::fs::copy(log, dest.join(format!("{i:02}-{parent}-{name}")));
         }
         eprintln!("daemonset tier: logs kept in {}", dest.display());
@@ -347,8 +423,13 @@ fn json_lines(logs: &[PathBuf]) -> Vec<Value> {
     let mut lines = Vec::new();
     for log in logs {
         for l in std::fs::read_to_string(log).unwrap_or_default().lines() {
-            let text = l.splitn(4, ' ').nth(3).unwrap_or_else(|| panic!("a CRI log line in {}: {l:?}", log.display()));
-            let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("the agent logs JSON, not {text:?} ({e}) in {}", log.display()));
+            let text = l
+                .splitn(4, ' ')
+                .nth(3)
+                .unwrap_or_else(|| panic!("a CRI log line in {}: {l:?}", log.display()));
+            let v: Value = serde_json::from_str(text).unwrap_or_else(|e| {
+                panic!("the agent logs JSON, not {text:?} ({e}) in {}", log.display())
+            });
             lines.push(v);
         }
     }
@@ -361,12 +442,17 @@ fn json_lines(logs: &[PathBuf]) -> Vec<Value> {
 pub fn container_logs(prefix: &str, container: &str) -> Vec<PathBuf> {
     let mut logs = Vec::new();
     let Ok(dirs) = std::fs::read_dir("/var/log/pods") else { return logs };
-    let mut dirs: Vec<_> = dirs.flatten().filter(|d| d.file_name().to_string_lossy().starts_with(prefix)).collect();
+    let mut dirs: Vec<_> =
+        dirs.flatten().filter(|d| d.file_name().to_string_lossy().starts_with(prefix)).collect();
     dirs.sort_by_key(|d| d.metadata().and_then(|m| m.modified()).ok());
     for d in dirs {
-        let containers: Vec<PathBuf> = std::fs::read_dir(d.path()).map(|f| f.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        let containers: Vec<PathBuf> = std::fs::read_dir(d.path())
+            .map(|f| f.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
         for c in containers.into_iter().filter(|c| container.is_empty() || c.ends_with(container)) {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(&c).map(|f| f.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&c)
+                .map(|f| f.flatten().map(|e| e.path()).collect())
+                .unwrap_or_default();
             files.sort();
             logs.extend(files);
         }
@@ -376,8 +462,18 @@ pub fn container_logs(prefix: &str, container: &str) -> Vec<PathBuf> {
 
 /// The first name in the archive's manifest.json.
 fn image_name(archive: &Path) -> String {
-    let out = std::process::Command::new("tar").arg("-xOf").arg(archive).arg("./manifest.json").output().expect("run tar");
-    assert!(out.status.success(), "no manifest.json in {}: {}", archive.display(), String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new("tar")
+        .arg("-xOf")
+        .arg(archive)
+        .arg("./manifest.json")
+        .output()
+        .expect("run tar");
+    assert!(
+        out.status.success(),
+        "no manifest.json in {}: {}",
+        archive.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let manifest: Value = serde_json::from_slice(&out.stdout).expect("manifest.json is JSON");
     manifest[0]["RepoTags"][0].as_str().expect("the archive names its image").to_string()
 }
@@ -392,9 +488,12 @@ fn bind_node_paths(scratch: &RootScratch) {
     for (dir, path) in NODE_PATHS {
         let from = scratch.path(dir);
         std::fs::create_dir_all(&from).expect("dir");
-        std::fs::create_dir_all(path).unwrap_or_else(|e| panic!("create the mount point {path}: {e}"));
-        mount(Some(&from), path, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap_or_else(|e| panic!("bind {} onto {path}: {e}", from.display()));
-        mount(None::<&str>, path, None::<&str>, MsFlags::MS_SHARED, None::<&str>).unwrap_or_else(|e| panic!("make {path} shared: {e}"));
+        std::fs::create_dir_all(path)
+            .unwrap_or_else(|e| panic!("create the mount point {path}: {e}"));
+        mount(Some(&from), path, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .unwrap_or_else(|e| panic!("bind {} onto {path}: {e}", from.display()));
+        mount(None::<&str>, path, None::<&str>, MsFlags::MS_SHARED, None::<&str>)
+            .unwrap_or_else(|e| panic!("make {path} shared: {e}"));
     }
     // The manifests mount the host's modules (read-only, for modprobe); a
     // machine without any has no /lib/modules.
@@ -403,15 +502,27 @@ fn bind_node_paths(scratch: &RootScratch) {
 
 /// The containerd ID of `container` in `pod` (from `containerd://<id>`).
 pub fn container_id(pod: &Pod, container: &str) -> String {
-    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref()).expect("container statuses");
-    let s = statuses.iter().find(|s| s.name == container).unwrap_or_else(|| panic!("no container {container}"));
-    s.container_id.as_deref().and_then(|id| id.strip_prefix("containerd://")).expect("a containerd ID").to_string()
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .expect("container statuses");
+    let s = statuses
+        .iter()
+        .find(|s| s.name == container)
+        .unwrap_or_else(|| panic!("no container {container}"));
+    s.container_id
+        .as_deref()
+        .and_then(|id| id.strip_prefix("containerd://"))
+        .expect("a containerd ID")
+        .to_string()
 }
 
 /// A plain HTTP/1.0 GET to `addr`: (status code, body).
 pub fn http_get(addr: &str, path: &str) -> (u16, String) {
     use std::io::{Read as _, Write as _};
-    let mut conn = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let mut conn =
+        std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
     conn.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     write!(conn, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send");
     let mut answer = String::new();

@@ -84,19 +84,40 @@ impl Cluster {
     }
 
     /// [`Self::start`], the controller started with `controller_args` too.
-    pub fn start_with(nodes: &[NodeSpec], backends: &[(&str, &str)], controller_args: &[&str]) -> Cluster {
+    pub fn start_with(
+        nodes: &[NodeSpec],
+        backends: &[(&str, &str)],
+        controller_args: &[&str],
+    ) -> Cluster {
         let scratch = RootScratch::enter();
-        let assets = node::node_assets().expect("the kubelet tier's assets (scripts/kube-assets, scripts/node-assets)");
+        let assets = node::node_assets()
+            .expect("the kubelet tier's assets (scripts/kube-assets, scripts/node-assets)");
         node::become_subreaper().expect("subreaper");
         let ns = node::enter_node_namespaces().expect("private namespaces for the nodes");
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let env = rt.block_on(KubeEnv::start_in(Some(ns.clone()))).expect("a real kube-apiserver (scripts/kube-assets)");
-        let kcm = ControllerManager::start(&env, &scratch.path(""), &assets, Some(ns.clone())).expect("kube-controller-manager");
+        let rt =
+            tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let env = rt
+            .block_on(KubeEnv::start_in(Some(ns.clone())))
+            .expect("a real kube-apiserver (scripts/kube-assets)");
+        let kcm = ControllerManager::start(&env, &scratch.path(""), &assets, Some(ns.clone()))
+            .expect("kube-controller-manager");
         std::fs::create_dir_all(scratch.path("disks")).expect("dir");
         let webhook_port = volagent_kube_env::free_ports(1).expect("a free port")[0];
-        let mut c = Cluster { nodes: Vec::new(), kcm: Some(kcm), env: Some(env), rt, ns, assets, scratch, controller: None, webhook_port, controller_args: controller_args.iter().map(|a| a.to_string()).collect() };
+        let mut c = Cluster {
+            nodes: Vec::new(),
+            kcm: Some(kcm),
+            env: Some(env),
+            rt,
+            ns,
+            assets,
+            scratch,
+            controller: None,
+            webhook_port,
+            controller_args: controller_args.iter().map(|a| a.to_string()).collect(),
+        };
         let client = c.client();
-        c.rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port))).expect("deploy/'s RBAC and webhook");
+        c.rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port)))
+            .expect("deploy/'s RBAC and webhook");
         c.start_controller();
         for (i, (name, extra)) in nodes.iter().enumerate() {
             let dir = c.scratch.path(name);
@@ -104,8 +125,15 @@ impl Cluster {
             for (file, backend) in backends {
                 std::fs::copy(file, dir.join(format!("plugins/{backend}.wasm"))).expect("plugin");
             }
-            let containerd = Containerd::start(&dir.join("containerd"), i as u8 + 1, &c.assets.image, Some(c.ns.clone())).expect("containerd");
-            let kubelet = Kubelet::start(c.env(), name, &dir, &containerd, &c.assets).expect("kubelet");
+            let containerd = Containerd::start(
+                &dir.join("containerd"),
+                i as u8 + 1,
+                &c.assets.image,
+                Some(c.ns.clone()),
+            )
+            .expect("containerd");
+            let kubelet =
+                Kubelet::start(c.env(), name, &dir, &containerd, &c.assets).expect("kubelet");
             c.nodes.push(NodeBox {
                 name: name.to_string(),
                 dir,
@@ -117,7 +145,13 @@ impl Cluster {
             c.start_agent(name, &[]);
         }
         for n in &c.nodes {
-            c.rt.block_on(node::wait_node_ready(&client, &n.name, Duration::from_secs(90), n.kubelet())).expect("node Ready");
+            c.rt.block_on(node::wait_node_ready(
+                &client,
+                &n.name,
+                Duration::from_secs(90),
+                n.kubelet(),
+            ))
+            .expect("node Ready");
         }
         c
     }
@@ -147,27 +181,49 @@ impl Cluster {
         let kubeconfig = self.scratch.path("controller.kubeconfig");
         {
             let _in_runtime = self.rt.enter();
-            self.rt.block_on(shipped::controller_kubeconfig(self.env(), &kubeconfig)).expect("the controller's kubeconfig");
+            self.rt
+                .block_on(shipped::controller_kubeconfig(self.env(), &kubeconfig))
+                .expect("the controller's kubeconfig");
         }
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
-        cmd.args(shipped::controller_args(&kubeconfig, self.webhook_port)).args(["--local-interval", "2s"]).args(&self.controller_args);
-        let child = volagent_kube_env::spawn_in(cmd, &self.scratch.path("controller.log"), true, Some(&self.ns)).expect("start the controller");
+        cmd.args(shipped::controller_args(&kubeconfig, self.webhook_port))
+            .args(["--local-interval", "2s"])
+            .args(&self.controller_args);
+        let child = volagent_kube_env::spawn_in(
+            cmd,
+            &self.scratch.path("controller.log"),
+            true,
+            Some(&self.ns),
+        )
+        .expect("start the controller");
         self.controller = Some(child);
         let probe = {
             let _in_runtime = self.rt.enter();
-            self.rt.block_on(shipped::agent_client(self.env(), "volagent-webhook-probe", node::IMAGE, &self.scratch.path(""))).expect("a probe agent's client")
+            self.rt
+                .block_on(shipped::agent_client(
+                    self.env(),
+                    "volagent-webhook-probe",
+                    node::IMAGE,
+                    &self.scratch.path(""),
+                ))
+                .expect("a probe agent's client")
         };
-        self.rt.block_on(shipped::wait_webhook(&probe, "volagent-webhook-probe")).unwrap_or_else(|e| panic!("{e}\n{}", tail(&self.scratch.path("controller.log"))));
+        self.rt
+            .block_on(shipped::wait_webhook(&probe, "volagent-webhook-probe"))
+            .unwrap_or_else(|e| panic!("{e}\n{}", tail(&self.scratch.path("controller.log"))));
     }
 
     /// Starts `node`'s agent (its extra arguments, then `env`) and waits
     /// until its socket answers.
     pub fn start_agent(&mut self, name: &str, env: &[(&str, &str)]) {
-        let env_vars: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let env_vars: Vec<(String, String)> =
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let kubeconfig = self.scratch.path(&format!("{name}.kubeconfig"));
         {
             let _in_runtime = self.rt.enter();
-            self.rt.block_on(shipped::agent_kubeconfig(self.env(), name, node::IMAGE, &kubeconfig)).expect("the agent's kubeconfig");
+            self.rt
+                .block_on(shipped::agent_kubeconfig(self.env(), name, node::IMAGE, &kubeconfig))
+                .expect("the agent's kubeconfig");
         }
         let (disks, ns) = (self.scratch.path("disks"), self.ns.clone());
         let n = self.node_mut(name);
@@ -191,12 +247,17 @@ impl Cluster {
             .arg(volagent_test_artifacts::FLEX_DRIVER)
             .args(&n.agent_args)
             .envs(env_vars);
-        let child = volagent_kube_env::spawn_in(cmd, &n.agent_log(), true, Some(&ns)).expect("start the agent");
+        let child = volagent_kube_env::spawn_in(cmd, &n.agent_log(), true, Some(&ns))
+            .expect("start the agent");
         n.agent = Some(child);
         let socket = n.socket();
         let start = Instant::now();
         while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "the agent of {name} did not come up\n{}", tail(&self.node(name).agent_log()));
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the agent of {name} did not come up\n{}",
+                tail(&self.node(name).agent_log())
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -247,7 +308,8 @@ impl Cluster {
     pub fn create_pod(&self, pod: Value) -> String {
         let pod: Pod = serde_json::from_value(pod).expect("a pod");
         let api: Api<Pod> = Api::namespaced(self.client(), "default");
-        let created = self.rt.block_on(api.create(&PostParams::default(), &pod)).expect("create pod");
+        let created =
+            self.rt.block_on(api.create(&PostParams::default(), &pod)).expect("create pod");
         created.metadata.uid.expect("a UID")
     }
 
@@ -266,7 +328,12 @@ impl Cluster {
 
     /// Polls pod `name` until `done` holds; on timeout fails with what the
     /// pod, its Events, the kubelets and the agents said.
-    pub fn wait_pod(&self, name: &str, what: &str, mut done: impl FnMut(Option<&Pod>) -> bool) -> Option<Pod> {
+    pub fn wait_pod(
+        &self,
+        name: &str,
+        what: &str,
+        mut done: impl FnMut(Option<&Pod>) -> bool,
+    ) -> Option<Pod> {
         let start = Instant::now();
         loop {
             let pod = self.pod(name);
@@ -274,7 +341,10 @@ impl Cluster {
                 return pod;
             }
             if start.elapsed() > POD_WAIT {
-                panic!("pod {name} not {what} after {POD_WAIT:?}\n{}", self.diagnose(name, pod.as_ref()));
+                panic!(
+                    "pod {name} not {what} after {POD_WAIT:?}\n{}",
+                    self.diagnose(name, pod.as_ref())
+                );
             }
             std::thread::sleep(Duration::from_millis(250));
         }
@@ -282,7 +352,12 @@ impl Cluster {
 
     /// What the pod, its Events and the nodes' logs say, for a failure.
     pub fn diagnose(&self, name: &str, pod: Option<&Pod>) -> String {
-        let mut out = format!("status: {}\nevents:\n", pod.and_then(|p| p.status.as_ref()).map(|s| serde_json::to_string_pretty(s).unwrap_or_default()).unwrap_or_else(|| "(no pod)".into()));
+        let mut out = format!(
+            "status: {}\nevents:\n",
+            pod.and_then(|p| p.status.as_ref())
+                .map(|s| serde_json::to_string_pretty(s).unwrap_or_default())
+                .unwrap_or_else(|| "(no pod)".into())
+        );
         for (reason, message) in self.events_of(name) {
             out += &format!("  {reason}: {message}\n");
         }
@@ -305,11 +380,18 @@ impl Cluster {
     pub fn wait_event(&self, name: &str, reason: &str, words: &[&str]) -> String {
         let start = Instant::now();
         loop {
-            if let Some((_, m)) = self.events_of(name).into_iter().find(|(r, m)| r == reason && words.iter().all(|w| m.contains(w))) {
+            if let Some((_, m)) = self
+                .events_of(name)
+                .into_iter()
+                .find(|(r, m)| r == reason && words.iter().all(|w| m.contains(w)))
+            {
                 return m;
             }
             if start.elapsed() > POD_WAIT {
-                panic!("no {reason} Event about {name} saying {words:?}\n{}", self.diagnose(name, self.pod(name).as_ref()));
+                panic!(
+                    "no {reason} Event about {name} saying {words:?}\n{}",
+                    self.diagnose(name, self.pod(name).as_ref())
+                );
             }
             std::thread::sleep(Duration::from_millis(250));
         }
@@ -329,26 +411,77 @@ impl Cluster {
     /// A PV of driver `volagent/<backend>` and a claim for it (named
     /// `<pv>-claim`) that kube-controller-manager binds.
     pub fn create_volume(&self, pv: &str, backend: &str, mode: &str, options: &[(&str, &str)]) {
-        create_volume(&self.rt, &self.client(), pv, backend, mode, options, self.kcm.as_ref().expect("kcm").log());
+        create_volume(
+            &self.rt,
+            &self.client(),
+            pv,
+            backend,
+            mode,
+            options,
+            self.kcm.as_ref().expect("kcm").log(),
+        );
     }
 
     /// A CSI PV of `driver` (handle: its name) and a bound claim `<pv>-claim`.
-    pub fn create_csi_volume(&self, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)]) {
-        create_csi_volume(&self.rt, &self.client(), pv, driver, mode, attributes, self.kcm.as_ref().expect("kcm").log());
+    pub fn create_csi_volume(
+        &self,
+        pv: &str,
+        driver: &str,
+        mode: &str,
+        attributes: &[(&str, &str)],
+    ) {
+        create_csi_volume(
+            &self.rt,
+            &self.client(),
+            pv,
+            driver,
+            mode,
+            attributes,
+            self.kcm.as_ref().expect("kcm").log(),
+        );
     }
 
     /// A CSI PV of `driver` in `volumeMode: Block`, and its claim, bound.
-    pub fn create_csi_block_volume(&self, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)]) {
-        let attrs: serde_json::Map<String, Value> = attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+    pub fn create_csi_block_volume(
+        &self,
+        pv: &str,
+        driver: &str,
+        mode: &str,
+        attributes: &[(&str, &str)],
+    ) {
+        let attrs: serde_json::Map<String, Value> =
+            attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
         let source = json!({ "csi": { "driver": driver, "volumeHandle": pv, "volumeAttributes": attrs }, "volumeMode": "Block" });
-        create_pv_and_claim(&self.rt, &self.client(), pv, mode, source, self.kcm.as_ref().expect("kcm").log());
+        create_pv_and_claim(
+            &self.rt,
+            &self.client(),
+            pv,
+            mode,
+            source,
+            self.kcm.as_ref().expect("kcm").log(),
+        );
     }
 
     /// A CSI PV of `driver` whose `mountOptions` are `options`, and its claim.
-    pub fn create_csi_volume_with_options(&self, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)], options: &[&str]) {
-        let attrs: serde_json::Map<String, Value> = attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+    pub fn create_csi_volume_with_options(
+        &self,
+        pv: &str,
+        driver: &str,
+        mode: &str,
+        attributes: &[(&str, &str)],
+        options: &[&str],
+    ) {
+        let attrs: serde_json::Map<String, Value> =
+            attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
         let source = json!({ "csi": { "driver": driver, "volumeHandle": pv, "fsType": "ext4", "volumeAttributes": attrs }, "mountOptions": options });
-        create_pv_and_claim(&self.rt, &self.client(), pv, mode, source, self.kcm.as_ref().expect("kcm").log());
+        create_pv_and_claim(
+            &self.rt,
+            &self.client(),
+            pv,
+            mode,
+            source,
+            self.kcm.as_ref().expect("kcm").log(),
+        );
     }
 
     /// A sparse image file of `mib` MiB in the discovery dir; its path.
@@ -379,7 +512,10 @@ impl Cluster {
         let test = std::thread::current().name().unwrap_or("test").replace("::", "-");
         let dest = std::env::temp_dir().join("volagent-kubelet-tier").join(test);
         let _ = std::fs::create_dir_all(&dest);
-        let mut logs: Vec<PathBuf> = vec![self.scratch.path("kube-controller-manager.log"), self.scratch.path("controller.log")];
+        let mut logs: Vec<PathBuf> = vec![
+            self.scratch.path("kube-controller-manager.log"),
+            self.scratch.path("controller.log"),
+        ];
         if let Some(env) = &self.env {
             logs.push(env.dir().join("kube-apiserver.log"));
         }
@@ -389,7 +525,11 @@ impl Cluster {
             }
         }
         for log in logs {
-            let name = log.strip_prefix(self.scratch.path("")).unwrap_or(&log).to_string_lossy().replace('/', "-");
+            let name = log
+                .strip_prefix(self.scratch.path(""))
+                .unwrap_or(&log)
+                .to_string_lossy()
+                .replace('/', "-");
             let _ = std::fs::copy(&log, dest.join(name.trim_start_matches('-')));
         }
         eprintln!("kubelet tier: logs kept in {}", dest.display());
@@ -446,7 +586,14 @@ pub fn pod(name: &str, node: &str, script: &str, volumes: &[(&str, Value)]) -> V
 /// /dev/termination-log), with each volume at `/data` (one volume) or
 /// `/data/<name>`; `ready` is an exec readiness probe. It tolerates every
 /// taint, so nothing but the test removes it.
-pub fn pod_with(name: &str, node: &str, script: &str, volumes: &[(&str, Value)], ready: Option<&str>, restart: &str) -> Value {
+pub fn pod_with(
+    name: &str,
+    node: &str,
+    script: &str,
+    volumes: &[(&str, Value)],
+    ready: Option<&str>,
+    restart: &str,
+) -> Value {
     let mounts: Vec<Value> = volumes
         .iter()
         .map(|(v, _)| json!({ "name": v, "mountPath": if volumes.len() == 1 { "/data".to_string() } else { format!("/data/{v}") } }))
@@ -487,8 +634,10 @@ pub fn pod_with(name: &str, node: &str, script: &str, volumes: &[(&str, Value)],
 /// the device `/dev/xvda`.
 pub fn block_pod(name: &str, node: &str, script: &str, pv: &str) -> Value {
     let mut p = pod(name, node, script, &[]);
-    p["spec"]["containers"][0]["volumeDevices"] = json!([{ "name": "blk", "devicePath": "/dev/xvda" }]);
-    p["spec"]["volumes"] = json!([{ "name": "blk", "persistentVolumeClaim": { "claimName": format!("{pv}-claim") } }]);
+    p["spec"]["containers"][0]["volumeDevices"] =
+        json!([{ "name": "blk", "devicePath": "/dev/xvda" }]);
+    p["spec"]["volumes"] =
+        json!([{ "name": "blk", "persistentVolumeClaim": { "claimName": format!("{pv}-claim") } }]);
     p
 }
 
@@ -499,7 +648,8 @@ pub fn claim(pv: &str) -> Value {
 
 /// A pod-authored (inline) Flexvolume volume source.
 pub fn inline(backend: &str, options: &[(&str, &str)]) -> Value {
-    let opts: serde_json::Map<String, Value> = options.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+    let opts: serde_json::Map<String, Value> =
+        options.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
     json!({ "flexVolume": { "driver": format!("volagent/{backend}"), "fsType": "ext4", "options": opts } })
 }
 
@@ -520,17 +670,39 @@ pub fn is_ready(p: Option<&Pod>) -> bool {
 
 /// The reason the container waits (e.g. ContainerCreating), if it does.
 pub fn waiting_reason(p: Option<&Pod>) -> Option<String> {
-    p?.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.waiting.as_ref()?.reason.clone()
+    p?.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .first()?
+        .state
+        .as_ref()?
+        .waiting
+        .as_ref()?
+        .reason
+        .clone()
 }
 
 /// The container's output (its termination message) once it has exited.
 pub fn output(p: Option<&Pod>) -> Option<String> {
-    let t = p?.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.terminated.clone()?;
+    let t = p?
+        .status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .first()?
+        .state
+        .as_ref()?
+        .terminated
+        .clone()?;
     Some(t.message.unwrap_or_default())
 }
 
 pub fn restarts(p: Option<&Pod>) -> i32 {
-    p.and_then(|p| p.status.as_ref()).and_then(|s| s.container_statuses.as_ref()).and_then(|c| c.first()).map_or(0, |c| c.restart_count)
+    p.and_then(|p| p.status.as_ref())
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .map_or(0, |c| c.restart_count)
 }
 
 pub fn tail(log: &Path) -> String {
@@ -541,11 +713,21 @@ pub fn tail(log: &Path) -> String {
 pub fn tail_matching(log: &Path, what: &str, n: usize) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| l.contains(what)).collect();
-    format!("--- {} lines of {} about {what} ---\n{}\n", lines.len().min(n), log.display(), lines[lines.len().saturating_sub(n)..].join("\n"))
+    format!(
+        "--- {} lines of {} about {what} ---\n{}\n",
+        lines.len().min(n),
+        log.display(),
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    )
 }
 
 /// (reason, message) of every Event about object `name` in `namespace`.
-pub fn events_about(rt: &tokio::runtime::Runtime, client: &kube::Client, namespace: &str, name: &str) -> Vec<(String, String)> {
+pub fn events_about(
+    rt: &tokio::runtime::Runtime,
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> Vec<(String, String)> {
     let api: Api<Event> = Api::namespaced(client.clone(), namespace);
     let list = rt.block_on(api.list(&Default::default())).expect("list events");
     list.items
@@ -558,22 +740,47 @@ pub fn events_about(rt: &tokio::runtime::Runtime, client: &kube::Client, namespa
 /// A PV of driver `volagent/<backend>` and a claim for it in `default`
 /// (named `<pv>-claim`), and waits until kube-controller-manager (its log:
 /// `kcm_log`) has bound them.
-pub fn create_volume(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: &str, backend: &str, mode: &str, options: &[(&str, &str)], kcm_log: &Path) {
-    let opts: serde_json::Map<String, Value> = options.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+pub fn create_volume(
+    rt: &tokio::runtime::Runtime,
+    client: &kube::Client,
+    pv: &str,
+    backend: &str,
+    mode: &str,
+    options: &[(&str, &str)],
+    kcm_log: &Path,
+) {
+    let opts: serde_json::Map<String, Value> =
+        options.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
     let source = json!({ "flexVolume": { "driver": format!("volagent/{backend}"), "fsType": "ext4", "options": opts } });
     create_pv_and_claim(rt, client, pv, mode, source, kcm_log);
 }
 
 /// A CSI PV of `driver` (volume handle: the PV's name) and its bound claim.
-pub fn create_csi_volume(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: &str, driver: &str, mode: &str, attributes: &[(&str, &str)], kcm_log: &Path) {
-    let attrs: serde_json::Map<String, Value> = attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
+pub fn create_csi_volume(
+    rt: &tokio::runtime::Runtime,
+    client: &kube::Client,
+    pv: &str,
+    driver: &str,
+    mode: &str,
+    attributes: &[(&str, &str)],
+    kcm_log: &Path,
+) {
+    let attrs: serde_json::Map<String, Value> =
+        attributes.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect();
     let source = json!({ "csi": { "driver": driver, "volumeHandle": pv, "fsType": "ext4", "volumeAttributes": attrs } });
     create_pv_and_claim(rt, client, pv, mode, source, kcm_log);
 }
 
 /// A PV with `source` (an object of one volume source) and a claim for it
 /// (`<pv>-claim`), waited for until kube-controller-manager binds them.
-fn create_pv_and_claim(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: &str, mode: &str, source: Value, kcm_log: &Path) {
+fn create_pv_and_claim(
+    rt: &tokio::runtime::Runtime,
+    client: &kube::Client,
+    pv: &str,
+    mode: &str,
+    source: Value,
+    kcm_log: &Path,
+) {
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
     let mut spec = json!({
         "capacity": { "storage": "64Mi" },
@@ -583,7 +790,8 @@ fn create_pv_and_claim(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: 
     for (k, v) in source.as_object().expect("a volume source") {
         spec[k] = v.clone();
     }
-    let volume: PersistentVolume = serde_json::from_value(json!({ "metadata": { "name": pv }, "spec": spec })).expect("a PV");
+    let volume: PersistentVolume =
+        serde_json::from_value(json!({ "metadata": { "name": pv }, "spec": spec })).expect("a PV");
     let mut claim_spec = json!({
         "accessModes": [mode],
         "storageClassName": "",
@@ -599,7 +807,10 @@ fn create_pv_and_claim(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: 
         "spec": claim_spec,
     }))
     .expect("a PVC");
-    rt.block_on(Api::<PersistentVolume>::all(client.clone()).create(&PostParams::default(), &volume)).expect("create PV");
+    rt.block_on(
+        Api::<PersistentVolume>::all(client.clone()).create(&PostParams::default(), &volume),
+    )
+    .expect("create PV");
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
     rt.block_on(claims.create(&PostParams::default(), &claim)).expect("create PVC");
     // The PV controller binds them.
@@ -609,7 +820,11 @@ fn create_pv_and_claim(rt: &tokio::runtime::Runtime, client: &kube::Client, pv: 
         if c.status.and_then(|s| s.phase).as_deref() == Some("Bound") {
             return;
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "claim of {pv} not Bound\n{}", tail(kcm_log));
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "claim of {pv} not Bound\n{}",
+            tail(kcm_log)
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }

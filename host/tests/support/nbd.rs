@@ -79,7 +79,9 @@ pub fn serve(node: &Node, peer: Peer, image: &Path) -> (Server, String) {
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("volagent nbd serve");
-            wait_until("volagent nbd serve", || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+            wait_until("volagent nbd serve", || {
+                std::os::unix::net::UnixStream::connect(&socket).is_ok()
+            });
             (Server(child), format!("unix:{}", socket.display()))
         }
     }
@@ -105,19 +107,34 @@ pub fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
 
 /// nbdfuse processes whose mount lies under `dir`.
 pub fn clients_under(dir: &Path) -> Vec<i32> {
-    crate::common::processes_under(dir, |a| a.first().is_some_and(|p| p.ends_with("nbdfuse") || p.ends_with("rbd-fuse")))
+    crate::common::processes_under(dir, |a| {
+        a.first().is_some_and(|p| p.ends_with("nbdfuse") || p.ends_with("rbd-fuse"))
+    })
 }
 
 /// The contents of `/data` in the ext4 or xfs filesystem on `image`, read
 /// straight from the file.
 pub fn read_back(image: &Path, fs: &str) -> Vec<u8> {
     let out = match fs {
-        "ext4" => Command::new("debugfs").args(["-R", "cat /data"]).arg(image).stderr(Stdio::null()).output().unwrap(),
+        "ext4" => Command::new("debugfs")
+            .args(["-R", "cat /data"])
+            .arg(image)
+            .stderr(Stdio::null())
+            .output()
+            .unwrap(),
         _ => {
             // xfs_db cannot cat a file: mount the file read-only instead.
             let dir = image.with_extension("mnt");
             std::fs::create_dir_all(&dir).unwrap();
-            assert!(Command::new("mount").args(["-o", "ro,loop,norecovery"]).arg(image).arg(&dir).status().unwrap().success());
+            assert!(
+                Command::new("mount")
+                    .args(["-o", "ro,loop,norecovery"])
+                    .arg(image)
+                    .arg(&dir)
+                    .status()
+                    .unwrap()
+                    .success()
+            );
             let data = std::fs::read(dir.join("data")).unwrap();
             assert!(Command::new("umount").arg("-d").arg(&dir).status().unwrap().success());
             return data;

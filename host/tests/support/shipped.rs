@@ -43,10 +43,12 @@ fn deploy_dir() -> PathBuf {
 
 /// Every object of `deploy/<file>`.
 pub fn objects(file: &str) -> anyhow::Result<Vec<Value>> {
-    let text = std::fs::read_to_string(deploy_dir().join(file)).with_context(|| format!("reading deploy/{file}"))?;
+    let text = std::fs::read_to_string(deploy_dir().join(file))
+        .with_context(|| format!("reading deploy/{file}"))?;
     let mut out = Vec::new();
     for document in serde_norway::Deserializer::from_str(&text) {
-        let object = Value::deserialize(document).with_context(|| format!("parsing deploy/{file}"))?;
+        let object =
+            Value::deserialize(document).with_context(|| format!("parsing deploy/{file}"))?;
         if !object.is_null() {
             out.push(object);
         }
@@ -66,7 +68,11 @@ pub async fn install_rbac(client: &kube::Client) -> anyhow::Result<()> {
     install_files(client, &FILES[..FILES.len() - 1], "").await
 }
 
-async fn install_files(client: &kube::Client, files: &[&str], webhook_url: &str) -> anyhow::Result<()> {
+async fn install_files(
+    client: &kube::Client,
+    files: &[&str],
+    webhook_url: &str,
+) -> anyhow::Result<()> {
     let mut discovery = Discovery::new(client.clone()).run().await?;
     for &file in files {
         for mut object in objects(file)? {
@@ -75,20 +81,29 @@ async fn install_files(client: &kube::Client, files: &[&str], webhook_url: &str)
                     hook["clientConfig"] = serde_json::json!({ "url": webhook_url });
                 }
             }
-            let gvk = kube::core::GroupVersionKind::try_from(&serde_json::from_value::<kube::core::TypeMeta>(object.clone())?)?;
+            let gvk = kube::core::GroupVersionKind::try_from(&serde_json::from_value::<
+                kube::core::TypeMeta,
+            >(object.clone())?)?;
             let (resource, caps) = match discovery.resolve_gvk(&gvk) {
                 Some(found) => found,
                 None => {
                     discovery = Discovery::new(client.clone()).run().await?;
-                    discovery.resolve_gvk(&gvk).with_context(|| format!("deploy/{file}: no {gvk:?}"))?
+                    discovery
+                        .resolve_gvk(&gvk)
+                        .with_context(|| format!("deploy/{file}: no {gvk:?}"))?
                 }
             };
             let name = object["metadata"]["name"].as_str().context("a named object")?.to_string();
-            let api: Api<DynamicObject> = match (caps.scope, object["metadata"]["namespace"].as_str()) {
-                (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &resource),
-                _ => Api::all_with(client.clone(), &resource),
-            };
-            api.patch(&name, &PatchParams::apply("volagent-tests").force(), &Patch::Apply(&object)).await.with_context(|| format!("applying deploy/{file}: {name}"))?;
+            let api: Api<DynamicObject> =
+                match (caps.scope, object["metadata"]["namespace"].as_str()) {
+                    (Scope::Namespaced, Some(ns)) => {
+                        Api::namespaced_with(client.clone(), ns, &resource)
+                    }
+                    _ => Api::all_with(client.clone(), &resource),
+                };
+            api.patch(&name, &PatchParams::apply("volagent-tests").force(), &Patch::Apply(&object))
+                .await
+                .with_context(|| format!("applying deploy/{file}: {name}"))?;
             if object["kind"] == "CustomResourceDefinition" {
                 crate::kube_common::wait_established(client, &name).await;
             }
@@ -100,46 +115,85 @@ async fn install_files(client: &kube::Client, files: &[&str], webhook_url: &str)
 /// The pod node `node`'s agent runs as (its token is bound to it): in the
 /// agents' namespace, on the node. Where a kubelet runs the node, it runs
 /// the pod (`image`, sleeping); without one it is only an object.
-pub async fn stand_in_pod(client: &kube::Client, node: &str, image: &str) -> anyhow::Result<(String, String)> {
+pub async fn stand_in_pod(
+    client: &kube::Client,
+    node: &str,
+    image: &str,
+) -> anyhow::Result<(String, String)> {
     let api: Api<Pod> = Api::namespaced(client.clone(), AGENT_NAMESPACE);
     let name = format!("volagent-agent-{node}");
     if let Some(found) = api.get_opt(&name).await? {
         return Ok((name, found.metadata.uid.context("a pod has a UID")?));
     }
     let pod = Pod {
-        metadata: ObjectMeta { name: Some(name.clone()), labels: Some([("app.kubernetes.io/name".to_string(), "volagent-agent".to_string())].into()), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            labels: Some(
+                [("app.kubernetes.io/name".to_string(), "volagent-agent".to_string())].into(),
+            ),
+            ..Default::default()
+        },
         spec: Some(PodSpec {
             node_name: Some(node.into()),
             service_account_name: Some(AGENT_ACCOUNT.into()),
             automount_service_account_token: Some(false),
-            tolerations: Some(vec![Toleration { operator: Some("Exists".into()), ..Default::default() }]),
-            containers: vec![Container { name: "agent".into(), image: Some(image.into()), command: Some(vec!["sleep".into(), "86400".into()]), ..Default::default() }],
+            tolerations: Some(vec![Toleration {
+                operator: Some("Exists".into()),
+                ..Default::default()
+            }]),
+            containers: vec![Container {
+                name: "agent".into(),
+                image: Some(image.into()),
+                command: Some(vec!["sleep".into(), "86400".into()]),
+                ..Default::default()
+            }],
             ..Default::default()
         }),
         ..Default::default()
     };
-    let created = api.create(&PostParams::default(), &pod).await.with_context(|| format!("the stand-in pod of node {node}'s agent"))?;
+    let created = api
+        .create(&PostParams::default(), &pod)
+        .await
+        .with_context(|| format!("the stand-in pod of node {node}'s agent"))?;
     Ok((name, created.metadata.uid.context("a pod has a UID")?))
 }
 
 /// A kubeconfig (written to `path`) for node `node`'s agent: a token of the
 /// agents' ServiceAccount bound to its stand-in pod.
-pub async fn agent_kubeconfig(env: &KubeEnv, node: &str, image: &str, path: &Path) -> anyhow::Result<PathBuf> {
+pub async fn agent_kubeconfig(
+    env: &KubeEnv,
+    node: &str,
+    image: &str,
+    path: &Path,
+) -> anyhow::Result<PathBuf> {
     let (pod, uid) = stand_in_pod(&env.client(), node, image).await?;
-    let token = env.service_account_token(AGENT_NAMESPACE, AGENT_ACCOUNT, Some((&pod, &uid)), TOKEN_SECONDS).await?;
+    let token = env
+        .service_account_token(AGENT_NAMESPACE, AGENT_ACCOUNT, Some((&pod, &uid)), TOKEN_SECONDS)
+        .await?;
     env.kubeconfig_with_token(path, &format!("agent-{node}"), &token)?;
     Ok(path.to_path_buf())
 }
 
 /// A client acting as node `node`'s agent.
-pub async fn agent_client(env: &KubeEnv, node: &str, image: &str, dir: &Path) -> anyhow::Result<kube::Client> {
-    let path = agent_kubeconfig(env, node, image, &dir.join(format!("agent-{node}.kubeconfig"))).await?;
+pub async fn agent_client(
+    env: &KubeEnv,
+    node: &str,
+    image: &str,
+    dir: &Path,
+) -> anyhow::Result<kube::Client> {
+    let path =
+        agent_kubeconfig(env, node, image, &dir.join(format!("agent-{node}.kubeconfig"))).await?;
     client_from(&path).await
 }
 
 /// A client acting as ServiceAccount `namespace/name` (a token bound to
 /// nothing), written as a kubeconfig into `dir`.
-pub async fn account_client(env: &KubeEnv, namespace: &str, name: &str, dir: &Path) -> anyhow::Result<kube::Client> {
+pub async fn account_client(
+    env: &KubeEnv,
+    namespace: &str,
+    name: &str,
+    dir: &Path,
+) -> anyhow::Result<kube::Client> {
     let token = env.service_account_token(namespace, name, None, TOKEN_SECONDS).await?;
     let path = dir.join(format!("{namespace}-{name}.kubeconfig"));
     env.kubeconfig_with_token(&path, name, &token)?;
@@ -148,7 +202,9 @@ pub async fn account_client(env: &KubeEnv, namespace: &str, name: &str, dir: &Pa
 
 /// A kubeconfig (written to `path`) for the controller's ServiceAccount.
 pub async fn controller_kubeconfig(env: &KubeEnv, path: &Path) -> anyhow::Result<PathBuf> {
-    let token = env.service_account_token(CONTROLLER_NAMESPACE, CONTROLLER_ACCOUNT, None, TOKEN_SECONDS).await?;
+    let token = env
+        .service_account_token(CONTROLLER_NAMESPACE, CONTROLLER_ACCOUNT, None, TOKEN_SECONDS)
+        .await?;
     env.kubeconfig_with_token(path, "controller", &token)?;
     Ok(path.to_path_buf())
 }
@@ -162,7 +218,18 @@ pub async fn client_from(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
 /// The controller's arguments: its kubeconfig, its namespace, and its
 /// webhook on loopback port `port` (the URL [`install`] configured).
 pub fn controller_args(kubeconfig: &Path, port: u16) -> Vec<OsString> {
-    let mut args: Vec<OsString> = ["controller", "--namespace", CONTROLLER_NAMESPACE, "--identity", "test-controller", "--lease-duration", "3s"].iter().map(OsString::from).collect();
+    let mut args: Vec<OsString> = [
+        "controller",
+        "--namespace",
+        CONTROLLER_NAMESPACE,
+        "--identity",
+        "test-controller",
+        "--lease-duration",
+        "3s",
+    ]
+    .iter()
+    .map(OsString::from)
+    .collect();
     args.push("--kubeconfig".into());
     args.push(kubeconfig.into());
     args.push("--webhook-addr".into());
@@ -189,9 +256,13 @@ pub async fn wait_webhook(agent: &kube::Client, node: &str) -> anyhow::Result<()
     let mut last = String::new();
     while start.elapsed() < Duration::from_secs(60) {
         match api.create(&PostParams { dry_run: true, ..Default::default() }, &probe).await {
-            Err(kube::Error::Api(s)) if s.message.contains("may record only its own node's") => return Ok(()),
+            Err(kube::Error::Api(s)) if s.message.contains("may record only its own node's") => {
+                return Ok(());
+            }
             Err(e) => last = e.to_string(),
-            Ok(_) => anyhow::bail!("the webhook let node {node}'s agent record another node's consumer"),
+            Ok(_) => {
+                anyhow::bail!("the webhook let node {node}'s agent record another node's consumer")
+            }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -20,7 +20,10 @@ pub fn work_dir() -> tempfile::TempDir {
 /// The tests of this binary in module `module` that run in the VM, as
 /// listed by the binary (they are `#[ignore]`d outside it).
 pub fn listed(module: &str) -> Vec<String> {
-    let out = Command::new(std::env::current_exe().unwrap()).args(["--list", "--ignored", "--format", "terse"]).output().unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--list", "--ignored", "--format", "terse"])
+        .output()
+        .unwrap();
     let prefix = format!("{module}::");
     let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -37,7 +40,14 @@ const TEST_DEADLINE_SECS: u32 = 240;
 /// Boot the VM in `dir` with `mem_mib` of memory; run `prelude`, then each
 /// of `tests` (in `module` of this binary), then, if one failed,
 /// `on_failure` (diagnostics for the console); assert that each passed.
-pub fn run_tests(dir: &Path, mem_mib: u32, prelude: &str, module: &str, tests: &[&str], on_failure: &str) {
+pub fn run_tests(
+    dir: &Path,
+    mem_mib: u32,
+    prelude: &str,
+    module: &str,
+    tests: &[&str],
+    on_failure: &str,
+) {
     let assets = PathBuf::from(std::env::var("VOLAGENT_VM_ASSETS").expect(
         "VOLAGENT_VM_ASSETS: the dir with the VM tier's vmlinuz and initrd.gz (scripts/vm-assets makes it; scripts/test sets it)",
     ));
@@ -84,11 +94,20 @@ pub fn run_tests(dir: &Path, mem_mib: u32, prelude: &str, module: &str, tests: &
     let output = String::from_utf8_lossy(&std::fs::read(&console).unwrap()).into_owned();
     println!("--- the VM's console ({:?}) ---\n{output}", started.elapsed());
     assert!(status.is_some(), "the VM did not finish within {VM_DEADLINE:?}");
-    assert!(!output.contains("VOLAGENT_VM_FAILED"), "the VM's set-up failed (see its console above)");
+    assert!(
+        !output.contains("VOLAGENT_VM_FAILED"),
+        "the VM's set-up failed (see its console above)"
+    );
     for name in tests {
-        assert!(output.contains(&format!("test {module}::{name} ... ok")), "in the VM, {name} did not pass (see its console above)");
+        assert!(
+            output.contains(&format!("test {module}::{name} ... ok")),
+            "in the VM, {name} did not pass (see its console above)"
+        );
     }
-    assert!(output.contains("VOLAGENT_VM_EXIT=0"), "the tests in the VM failed (see its console above)");
+    assert!(
+        output.contains("VOLAGENT_VM_EXIT=0"),
+        "the tests in the VM failed (see its console above)"
+    );
 }
 
 /// A test's node inside the VM whose kernel state (nbd connections, rbd

@@ -4,4 +4,5 @@
 include!(concat!(env!("OUT_DIR"), "/guests.rs"));
 
 /// The four real backends, as (name, path).
-pub const BACKENDS: &[(&str, &str)] = &[("rbd", RBD), ("nbd", NBD), ("local-pv", LOCAL_PV), ("gluster", GLUSTER)];
+pub const BACKENDS: &[(&str, &str)] =
+    &[("rbd", RBD), ("nbd", NBD), ("local-pv", LOCAL_PV), ("gluster", GLUSTER)];

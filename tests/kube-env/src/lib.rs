@@ -117,7 +117,9 @@ impl KubeEnv {
     pub async fn start_with(options: Options) -> anyhow::Result<KubeEnv> {
         let Options { namespaces, in_cluster } = options;
         if in_cluster {
-            let ns = namespaces.as_deref().context("an in-cluster kube-env needs a private network namespace")?;
+            let ns = namespaces
+                .as_deref()
+                .context("an in-cluster kube-env needs a private network namespace")?;
             for ip in [SERVICE_IP, CONTROL_PLANE_IP] {
                 let mut cmd = Command::new("ip");
                 cmd.args(["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
@@ -142,10 +144,7 @@ impl KubeEnv {
                 "running `openssl genrsa` for the service-account key (is openssl installed?)",
             )?;
         if !out.status.success() {
-            bail!(
-                "openssl genrsa failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            bail!("openssl genrsa failed: {}", String::from_utf8_lossy(&out.stderr));
         }
 
         let admin_token = random_token()?;
@@ -222,7 +221,8 @@ impl KubeEnv {
             // port 443 to itself.
             let port = if in_cluster { 443 } else { free_ports(1)?[0] };
             env.url = format!("https://127.0.0.1:{port}");
-            let (bind, advertise) = if in_cluster { ("0.0.0.0", CONTROL_PLANE_IP) } else { ("127.0.0.1", "127.0.0.1") };
+            let (bind, advertise) =
+                if in_cluster { ("0.0.0.0", CONTROL_PLANE_IP) } else { ("127.0.0.1", "127.0.0.1") };
             env.apiserver_args = vec![
                 format!("--etcd-servers={etcd_url}").into(),
                 format!("--secure-port={port}").into(),
@@ -254,11 +254,7 @@ impl KubeEnv {
                 };
                 write_kubeconfig(&kubeconfig, &env.url, name, token)?;
                 let config = config_from(&kubeconfig).await?;
-                env.users.push(User {
-                    name,
-                    kubeconfig,
-                    config,
-                });
+                env.users.push(User { name, kubeconfig, config });
             }
             match env.run_apiserver(attempt > 1).await {
                 Ok(()) => return Ok(env),
@@ -303,8 +299,16 @@ impl KubeEnv {
     /// when given, as kubelet's projected tokens are: the API server then
     /// puts the pod's name and UID into the user's extra fields, and the
     /// token dies with the pod.
-    pub async fn service_account_token(&self, namespace: &str, name: &str, bound_pod: Option<(&str, &str)>, seconds: i64) -> anyhow::Result<String> {
-        use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+    pub async fn service_account_token(
+        &self,
+        namespace: &str,
+        name: &str,
+        bound_pod: Option<(&str, &str)>,
+        seconds: i64,
+    ) -> anyhow::Result<String> {
+        use k8s_openapi::api::authentication::v1::{
+            BoundObjectReference, TokenRequest, TokenRequestSpec,
+        };
         use k8s_openapi::api::core::v1::ServiceAccount;
         let api: kube::Api<ServiceAccount> = kube::Api::namespaced(self.client(), namespace);
         let request = TokenRequest {
@@ -329,7 +333,12 @@ impl KubeEnv {
 
     /// A kubeconfig at `path` for this API server that authenticates with
     /// `token` (as user `user` in its contexts), for child processes.
-    pub fn kubeconfig_with_token(&self, path: &Path, user: &str, token: &str) -> anyhow::Result<()> {
+    pub fn kubeconfig_with_token(
+        &self,
+        path: &Path,
+        user: &str,
+        token: &str,
+    ) -> anyhow::Result<()> {
         write_kubeconfig(path, &self.url, user, token)
     }
 
@@ -393,10 +402,7 @@ impl KubeEnv {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Some(status) = exited(&self.apiserver)? {
-                bail!(
-                    "kube-apiserver exited ({status}) before it was ready\n{}",
-                    log_tail(&log)
-                );
+                bail!("kube-apiserver exited ({status}) before it was ready\n{}", log_tail(&log));
             }
             let request = http::Request::get("/readyz").body(Vec::new())?;
             let last = match probe.request_text(request).await {
@@ -452,7 +458,10 @@ pub fn assets_dir() -> anyhow::Result<PathBuf> {
             d.display()
         );
     }
-    let d = cache_dir().context("neither KUBEBUILDER_ASSETS nor HOME is set")?.join("kube-assets").join(KUBE_VERSION);
+    let d = cache_dir()
+        .context("neither KUBEBUILDER_ASSETS nor HOME is set")?
+        .join("kube-assets")
+        .join(KUBE_VERSION);
     if has(&d) {
         return Ok(d);
     }
@@ -492,10 +501,7 @@ pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
         .map(|_| TcpListener::bind("127.0.0.1:0"))
         .collect::<io::Result<Vec<_>>>()
         .context("picking a free loopback port")?;
-    listeners
-        .iter()
-        .map(|l| Ok(l.local_addr()?.port()))
-        .collect()
+    listeners.iter().map(|l| Ok(l.local_addr()?.port())).collect()
 }
 
 fn port_clash(log: &Path) -> bool {
@@ -542,10 +548,7 @@ async fn wait_etcd(child: &mut Child, port: u16, log: &Path) -> anyhow::Result<(
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         if let Some(status) = child.try_wait()? {
-            bail!(
-                "etcd exited ({status}) before it was ready\n{}",
-                log_tail(log)
-            );
+            bail!("etcd exited ({status}) before it was ready\n{}", log_tail(log));
         }
         if etcd_healthy(port).await {
             return Ok(());
@@ -560,16 +563,12 @@ async fn wait_etcd(child: &mut Child, port: u16, log: &Path) -> anyhow::Result<(
 async fn etcd_healthy(port: u16) -> bool {
     let ask = async {
         let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        conn.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-            .await?;
+        conn.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").await?;
         let mut answer = Vec::new();
         conn.read_to_end(&mut answer).await?;
         io::Result::Ok(String::from_utf8_lossy(&answer).contains(r#""health":"true""#))
     };
-    matches!(
-        tokio::time::timeout(Duration::from_secs(2), ask).await,
-        Ok(Ok(true))
-    )
+    matches!(tokio::time::timeout(Duration::from_secs(2), ask).await, Ok(Ok(true)))
 }
 
 fn lock(m: &Mutex<Option<Child>>) -> MutexGuard<'_, Option<Child>> {
@@ -595,11 +594,7 @@ pub fn log_tail(log: &Path) -> String {
         Ok(text) => {
             let lines: Vec<&str> = text.lines().collect();
             let tail = &lines[lines.len().saturating_sub(LINES)..];
-            format!(
-                "--- last lines of {} ---\n{}",
-                log.display(),
-                tail.join("\n")
-            )
+            format!("--- last lines of {} ---\n{}", log.display(), tail.join("\n"))
         }
         Err(e) => format!("({}: {e})", log.display()),
     }
@@ -608,7 +603,12 @@ pub fn log_tail(log: &Path) -> String {
 /// Starts `cmd` with stdout and stderr going to `log`, and with `SIGKILL` as
 /// its parent-death signal, so it dies with the test process; in
 /// `namespaces` when given.
-pub fn spawn_in(mut cmd: Command, log: &Path, append: bool, namespaces: Option<&Namespaces>) -> anyhow::Result<Child> {
+pub fn spawn_in(
+    mut cmd: Command,
+    log: &Path,
+    append: bool,
+    namespaces: Option<&Namespaces>,
+) -> anyhow::Result<Child> {
     let out = OpenOptions::new()
         .create(true)
         .write(true)
@@ -616,9 +616,7 @@ pub fn spawn_in(mut cmd: Command, log: &Path, append: bool, namespaces: Option<&
         .truncate(!append)
         .open(log)
         .with_context(|| format!("opening {}", log.display()))?;
-    cmd.stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out);
+    cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out);
     set_parent_death_signal(&mut cmd);
     if let Some(ns) = namespaces {
         ns.enter_on_exec(&mut cmd);
@@ -642,12 +640,8 @@ pub fn spawn_in(mut cmd: Command, log: &Path, append: bool, namespaces: Option<&
         tx
     });
     let (reply, answer) = mpsc::channel();
-    spawner
-        .send((cmd, reply))
-        .context("the kube-env spawner thread is gone")?;
-    Ok(answer
-        .recv()
-        .context("the kube-env spawner thread is gone")??)
+    spawner.send((cmd, reply)).context("the kube-env spawner thread is gone")?;
+    Ok(answer.recv().context("the kube-env spawner thread is gone")??)
 }
 
 #[allow(unsafe_code)]

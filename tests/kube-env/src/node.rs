@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::{KubeEnv, Namespaces, arg, assets_dir, cache_dir, free_ports, kill, lock, log_tail, spawn_in};
+use crate::{
+    KubeEnv, Namespaces, arg, assets_dir, cache_dir, free_ports, kill, lock, log_tail, spawn_in,
+};
 
 /// The image `scripts/node-assets` builds: busybox, also the pod sandbox.
 pub const IMAGE: &str = "volagent.test/busybox:1";
@@ -53,11 +55,16 @@ pub fn node_assets() -> anyhow::Result<NodeAssets> {
     }
     let images = match std::env::var_os("VOLAGENT_NODE_ASSETS").filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d),
-        None => cache_dir().context("neither VOLAGENT_NODE_ASSETS nor HOME is set")?.join("node-assets"),
+        None => {
+            cache_dir().context("neither VOLAGENT_NODE_ASSETS nor HOME is set")?.join("node-assets")
+        }
     };
     let image = images.join("busybox.tar");
     if !image.is_file() {
-        bail!("{} is missing: run scripts/node-assets (it installs containerd and runc and makes the image)", image.display());
+        bail!(
+            "{} is missing: run scripts/node-assets (it installs containerd and runc and makes the image)",
+            image.display()
+        );
     }
     for tool in ["containerd", "ctr", "runc"] {
         if !on_path(tool) {
@@ -73,7 +80,9 @@ pub fn node_assets() -> anyhow::Result<NodeAssets> {
 pub fn agent_image() -> anyhow::Result<PathBuf> {
     let path = match std::env::var_os("VOLAGENT_IMAGE").filter(|p| !p.is_empty()) {
         Some(p) => PathBuf::from(p),
-        None => cache_dir().context("neither VOLAGENT_IMAGE nor HOME is set")?.join("image/volagent.tar"),
+        None => cache_dir()
+            .context("neither VOLAGENT_IMAGE nor HOME is set")?
+            .join("image/volagent.tar"),
     };
     if !path.is_file() {
         bail!("{} is missing: run scripts/build-image (scripts/test does)", path.display());
@@ -82,7 +91,8 @@ pub fn agent_image() -> anyhow::Result<PathBuf> {
 }
 
 fn on_path(tool: &str) -> bool {
-    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
 }
 
 /// A child process with a log, restartable with the same command line.
@@ -96,8 +106,21 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn new(what: &str, bin: &Path, args: Vec<std::ffi::OsString>, log: PathBuf, namespaces: Option<Arc<Namespaces>>) -> Daemon {
-        Daemon { what: what.into(), bin: bin.into(), args, log, child: Mutex::new(None), namespaces }
+    fn new(
+        what: &str,
+        bin: &Path,
+        args: Vec<std::ffi::OsString>,
+        log: PathBuf,
+        namespaces: Option<Arc<Namespaces>>,
+    ) -> Daemon {
+        Daemon {
+            what: what.into(),
+            bin: bin.into(),
+            args,
+            log,
+            child: Mutex::new(None),
+            namespaces,
+        }
     }
 
     fn start(&self) -> anyhow::Result<()> {
@@ -149,7 +172,12 @@ impl Containerd {
     /// Starts containerd with everything under `dir`, pods on the bridge
     /// `vabr<index>` with addresses from 10.244.<index>.0/24, and imports
     /// the test image.
-    pub fn start(dir: &Path, index: u8, image: &Path, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<Containerd> {
+    pub fn start(
+        dir: &Path,
+        index: u8,
+        image: &Path,
+        namespaces: Option<Arc<Namespaces>>,
+    ) -> anyhow::Result<Containerd> {
         let cni = dir.join("cni");
         fs::create_dir_all(&cni).with_context(|| format!("creating {}", cni.display()))?;
         let conflist = serde_json::json!({
@@ -210,7 +238,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             cni = cni.display(),
         );
         let config_path = dir.join("config.toml");
-        fs::write(&config_path, config).with_context(|| format!("writing {}", config_path.display()))?;
+        fs::write(&config_path, config)
+            .with_context(|| format!("writing {}", config_path.display()))?;
         let daemon = Daemon::new(
             &format!("containerd {}", dir.display()),
             Path::new("containerd"),
@@ -235,7 +264,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     /// Imports the image archive `image` (docker-archive or OCI) for the
     /// CRI plugin; its output names the images.
     pub fn import(&self, image: &Path) -> anyhow::Result<String> {
-        self.ctr(&["images", "import", &image.display().to_string()]).with_context(|| format!("importing {}", image.display()))
+        self.ctr(&["images", "import", &image.display().to_string()])
+            .with_context(|| format!("importing {}", image.display()))
     }
 
     /// `unix://<socket>`, for kubelet.
@@ -265,7 +295,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         let shims: Vec<i32> = processes()
             .into_iter()
             .filter(|(pid, _, _)| {
-                fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+                fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
             })
             .map(|(pid, _, _)| pid)
             .collect();
@@ -300,7 +331,11 @@ impl Layout {
     /// Everything under `dir`, node IP 127.0.0.1: for many nodes in one
     /// namespace.
     pub fn under(dir: &Path) -> Layout {
-        Layout { root_dir: dir.join("kubelet"), plugin_dir: dir.join("volume-plugins"), node_ip: "127.0.0.1".into() }
+        Layout {
+            root_dir: dir.join("kubelet"),
+            plugin_dir: dir.join("volume-plugins"),
+            node_ip: "127.0.0.1".into(),
+        }
     }
 }
 
@@ -316,13 +351,26 @@ impl Kubelet {
     /// Starts a kubelet named `name` with its root dir, volume plugin dir,
     /// config and logs under `dir`, on `containerd`. It registers its Node
     /// itself; wait for that with [`wait_node_ready`].
-    pub fn start(env: &KubeEnv, name: &str, dir: &Path, containerd: &Containerd, assets: &NodeAssets) -> anyhow::Result<Kubelet> {
+    pub fn start(
+        env: &KubeEnv,
+        name: &str,
+        dir: &Path,
+        containerd: &Containerd,
+        assets: &NodeAssets,
+    ) -> anyhow::Result<Kubelet> {
         Kubelet::start_with(env, name, dir, containerd, assets, Layout::under(dir))
     }
 
     /// Like [`Self::start`], with the root dir, plugin dir and node IP of
     /// `layout` (config, certificates and logs still under `dir`).
-    pub fn start_with(env: &KubeEnv, name: &str, dir: &Path, containerd: &Containerd, assets: &NodeAssets, layout: Layout) -> anyhow::Result<Kubelet> {
+    pub fn start_with(
+        env: &KubeEnv,
+        name: &str,
+        dir: &Path,
+        containerd: &Containerd,
+        assets: &NodeAssets,
+        layout: Layout,
+    ) -> anyhow::Result<Kubelet> {
         let Layout { root_dir, plugin_dir, node_ip } = layout;
         for d in [dir, &root_dir, &plugin_dir] {
             fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
@@ -356,7 +404,8 @@ impl Kubelet {
             "serializeImagePulls": false,
         });
         let config_path = dir.join("kubelet-config.json");
-        fs::write(&config_path, serde_json::to_vec_pretty(&config)?).with_context(|| format!("writing {}", config_path.display()))?;
+        fs::write(&config_path, serde_json::to_vec_pretty(&config)?)
+            .with_context(|| format!("writing {}", config_path.display()))?;
         let args = vec![
             arg("--config=", &config_path),
             arg("--kubeconfig=", env.kubeconfig_path()),
@@ -369,7 +418,13 @@ impl Kubelet {
             format!("--pod-infra-container-image={IMAGE}").into(),
             "--v=2".into(),
         ];
-        let daemon = Daemon::new(&format!("kubelet {name}"), &assets.kubelet, args, dir.join("kubelet.log"), containerd.daemon.namespaces.clone());
+        let daemon = Daemon::new(
+            &format!("kubelet {name}"),
+            &assets.kubelet,
+            args,
+            dir.join("kubelet.log"),
+            containerd.daemon.namespaces.clone(),
+        );
         daemon.start()?;
         Ok(Kubelet { name: name.into(), daemon, root_dir, plugin_dir })
     }
@@ -404,7 +459,8 @@ impl Kubelet {
 /// The controllers volumes depend on: PV/PVC binding and protection (the
 /// API server puts the protection finalizers on), attach/detach, node
 /// lifecycle (NotReady after 8 s of silence) and pod GC.
-const VOLUME_CONTROLLERS: &str = "persistentvolume-binder,pv-protection,pvc-protection,attachdetach,nodelifecycle,podgc";
+const VOLUME_CONTROLLERS: &str =
+    "persistentvolume-binder,pv-protection,pvc-protection,attachdetach,nodelifecycle,podgc";
 
 /// kube-controller-manager with [`VOLUME_CONTROLLERS`] (and more, see
 /// [`ControllerManager::start_for_workloads`]).
@@ -413,13 +469,23 @@ pub struct ControllerManager {
 }
 
 impl ControllerManager {
-    pub fn start(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<ControllerManager> {
+    pub fn start(
+        env: &KubeEnv,
+        dir: &Path,
+        assets: &NodeAssets,
+        namespaces: Option<Arc<Namespaces>>,
+    ) -> anyhow::Result<ControllerManager> {
         ControllerManager::launch(env, dir, assets, namespaces, VOLUME_CONTROLLERS, Vec::new())
     }
 
     /// Only `controllers` (kube-controller-manager's `--controllers`), e.g.
     /// the PV binder and PV protection for a test of PVs without kubelets.
-    pub fn start_with(env: &KubeEnv, dir: &Path, assets: &NodeAssets, controllers: &str) -> anyhow::Result<ControllerManager> {
+    pub fn start_with(
+        env: &KubeEnv,
+        dir: &Path,
+        assets: &NodeAssets,
+        controllers: &str,
+    ) -> anyhow::Result<ControllerManager> {
         ControllerManager::launch(env, dir, assets, None, controllers, Vec::new())
     }
 
@@ -427,16 +493,33 @@ impl ControllerManager {
     /// ReplicaSets, owner-reference garbage collection, and service
     /// accounts with their token Secrets (signed with the env's key, with
     /// its CA) — for an in-cluster env ([`crate::Options::in_cluster`]).
-    pub fn start_for_workloads(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<ControllerManager> {
+    pub fn start_for_workloads(
+        env: &KubeEnv,
+        dir: &Path,
+        assets: &NodeAssets,
+        namespaces: Option<Arc<Namespaces>>,
+    ) -> anyhow::Result<ControllerManager> {
         // endpoint: Services (an admission webhook's) reach their pods;
         // root-ca-cert-publisher: the kube-root-ca.crt ConfigMap a projected
         // service-account volume takes the cluster's CA from.
-        let controllers = format!("{VOLUME_CONTROLLERS},daemonset,deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token,endpoint,root-ca-cert-publisher");
-        let extra = vec![arg("--service-account-private-key-file=", env.service_account_key()), arg("--root-ca-file=", &env.ca_file())];
+        let controllers = format!(
+            "{VOLUME_CONTROLLERS},daemonset,deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token,endpoint,root-ca-cert-publisher"
+        );
+        let extra = vec![
+            arg("--service-account-private-key-file=", env.service_account_key()),
+            arg("--root-ca-file=", &env.ca_file()),
+        ];
         ControllerManager::launch(env, dir, assets, namespaces, &controllers, extra)
     }
 
-    fn launch(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>, controllers: &str, extra: Vec<std::ffi::OsString>) -> anyhow::Result<ControllerManager> {
+    fn launch(
+        env: &KubeEnv,
+        dir: &Path,
+        assets: &NodeAssets,
+        namespaces: Option<Arc<Namespaces>>,
+        controllers: &str,
+        extra: Vec<std::ffi::OsString>,
+    ) -> anyhow::Result<ControllerManager> {
         let mut args = vec![
             arg("--kubeconfig=", env.kubeconfig_path()),
             format!("--controllers={controllers}").into(),
@@ -450,7 +533,13 @@ impl ControllerManager {
             "--v=2".into(),
         ];
         args.extend(extra);
-        let daemon = Daemon::new("kube-controller-manager", &assets.controller_manager, args, dir.join("kube-controller-manager.log"), namespaces);
+        let daemon = Daemon::new(
+            "kube-controller-manager",
+            &assets.controller_manager,
+            args,
+            dir.join("kube-controller-manager.log"),
+            namespaces,
+        );
         daemon.start()?;
         Ok(ControllerManager { daemon })
     }
@@ -470,7 +559,12 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn start(env: &KubeEnv, dir: &Path, assets: &NodeAssets, namespaces: Option<Arc<Namespaces>>) -> anyhow::Result<Scheduler> {
+    pub fn start(
+        env: &KubeEnv,
+        dir: &Path,
+        assets: &NodeAssets,
+        namespaces: Option<Arc<Namespaces>>,
+    ) -> anyhow::Result<Scheduler> {
         let args = vec![
             arg("--kubeconfig=", env.kubeconfig_path()),
             "--leader-elect=false".into(),
@@ -478,7 +572,13 @@ impl Scheduler {
             "--secure-port=0".into(),
             "--v=2".into(),
         ];
-        let daemon = Daemon::new("kube-scheduler", &assets.scheduler, args, dir.join("kube-scheduler.log"), namespaces);
+        let daemon = Daemon::new(
+            "kube-scheduler",
+            &assets.scheduler,
+            args,
+            dir.join("kube-scheduler.log"),
+            namespaces,
+        );
         daemon.start()?;
         Ok(Scheduler { daemon })
     }
@@ -493,7 +593,12 @@ impl Scheduler {
 }
 
 /// Runs kubectl as the env's admin, in `namespaces`; its stdout.
-pub fn kubectl(env: &KubeEnv, assets: &NodeAssets, namespaces: Option<&Namespaces>, args: &[&str]) -> anyhow::Result<String> {
+pub fn kubectl(
+    env: &KubeEnv,
+    assets: &NodeAssets,
+    namespaces: Option<&Namespaces>,
+    args: &[&str],
+) -> anyhow::Result<String> {
     let mut cmd = Command::new(&assets.kubectl);
     cmd.arg(arg("--kubeconfig=", env.kubeconfig_path())).args(args);
     run_in(cmd, namespaces, &format!("kubectl {}", args.join(" ")))
@@ -593,7 +698,12 @@ fn processes() -> Vec<(i32, i32, String)> {
 }
 
 /// Waits until Node `name` exists and is Ready.
-pub async fn wait_node_ready(client: &kube::Client, name: &str, within: Duration, kubelet: &Kubelet) -> anyhow::Result<()> {
+pub async fn wait_node_ready(
+    client: &kube::Client,
+    name: &str,
+    within: Duration,
+    kubelet: &Kubelet,
+) -> anyhow::Result<()> {
     let api: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
     let deadline = Instant::now() + within;
     loop {
@@ -622,10 +732,15 @@ pub async fn wait_node_ready(client: &kube::Client, name: &str, within: Duration
 pub fn enter_node_namespaces() -> anyhow::Result<Arc<Namespaces>> {
     use nix::mount::{MsFlags, mount};
     use nix::sched::{CloneFlags, unshare};
-    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWNET).context("unshare a mount and network namespace (root needed)")?;
-    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).context("making / private")?;
+    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWNET)
+        .context("unshare a mount and network namespace (root needed)")?;
+    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+        .context("making / private")?;
     // Forked from this thread, so in its network namespace.
-    let status = Command::new("ip").args(["link", "set", "lo", "up"]).status().context("running ip (iproute2)")?;
+    let status = Command::new("ip")
+        .args(["link", "set", "lo", "up"])
+        .status()
+        .context("running ip (iproute2)")?;
     if !status.success() {
         bail!("ip link set lo up: {status}");
     }
@@ -634,7 +749,8 @@ pub fn enter_node_namespaces() -> anyhow::Result<Arc<Namespaces>> {
     // a killed shim leaves there goes with it.
     for d in ["/var/log/pods", "/var/log/containers", "/run/containerd"] {
         fs::create_dir_all(d).with_context(|| format!("creating {d}"))?;
-        mount(Some("tmpfs"), d, Some("tmpfs"), MsFlags::empty(), Some("mode=0755")).with_context(|| format!("tmpfs on {d}"))?;
+        mount(Some("tmpfs"), d, Some("tmpfs"), MsFlags::empty(), Some("mode=0755"))
+            .with_context(|| format!("tmpfs on {d}"))?;
     }
     Ok(Arc::new(Namespaces::of_current_thread()?))
 }
@@ -648,7 +764,14 @@ pub fn unmount_below(dir: &Path) {
     let mut points: Vec<PathBuf> = table
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(p.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")))
+        .map(|p| {
+            PathBuf::from(
+                p.replace("\\040", " ")
+                    .replace("\\011", "\t")
+                    .replace("\\012", "\n")
+                    .replace("\\134", "\\"),
+            )
+        })
         .filter(|p| p.starts_with(dir))
         .collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));

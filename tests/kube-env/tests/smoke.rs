@@ -11,10 +11,7 @@ use volagent_kube_env::{AGENT_USER, KubeEnv};
 
 fn config_map(name: &str, value: &str) -> ConfigMap {
     ConfigMap {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..ObjectMeta::default()
-        },
+        metadata: ObjectMeta { name: Some(name.into()), ..ObjectMeta::default() },
         data: Some(BTreeMap::from([("k".to_string(), value.to_string())])),
         ..ConfigMap::default()
     }
@@ -35,11 +32,7 @@ async fn conflicts_and_an_api_outage() -> anyhow::Result<()> {
 
     let created = cms.create(&pp, &config_map("cm", "1")).await?;
     let again = cms.create(&pp, &config_map("cm", "2")).await;
-    assert_eq!(
-        api_code(again),
-        Some((409, "AlreadyExists".to_string())),
-        "second create"
-    );
+    assert_eq!(api_code(again), Some((409, "AlreadyExists".to_string())), "second create");
 
     let mut newer = created.clone();
     newer.data = Some(BTreeMap::from([("k".to_string(), "2".to_string())]));
@@ -58,10 +51,7 @@ async fn conflicts_and_an_api_outage() -> anyhow::Result<()> {
 
     env.start_apiserver().await?;
     let after = cms.get("cm").await.context("get after the restart")?;
-    assert_eq!(
-        after.data.and_then(|d| d.get("k").cloned()).as_deref(),
-        Some("2")
-    );
+    assert_eq!(after.data.and_then(|d| d.get("k").cloned()).as_deref(), Some("2"));
     Ok(())
 }
 

@@ -36,7 +36,9 @@ impl std::str::FromStr for AgentAccount {
     /// `<namespace>/<name>`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s.split_once('/') {
-            Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Some((namespace, name))
+                if !namespace.is_empty() && !name.is_empty() && !name.contains('/') =>
+            {
                 Ok(AgentAccount { namespace: namespace.into(), name: name.into() })
             }
             _ => Err(format!("{s:?} is not <namespace>/<service-account>")),
@@ -63,7 +65,14 @@ impl Callers {
         if user.username.as_deref() != Some(self.username.as_str()) {
             return Ok(None);
         }
-        let extra = |key: &str| user.extra.as_ref().and_then(|e| e.get(key)).and_then(|v| v.first()).filter(|v| !v.is_empty()).cloned();
+        let extra = |key: &str| {
+            user.extra
+                .as_ref()
+                .and_then(|e| e.get(key))
+                .and_then(|v| v.first())
+                .filter(|v| !v.is_empty())
+                .cloned()
+        };
         let (Some(pod), Some(uid)) = (extra(POD_NAME_EXTRA), extra(POD_UID_EXTRA)) else {
             return Err(format!(
                 "{} wrote with a token that is not bound to its pod, so its node is unknown: agents must use a projected serviceAccountToken (deploy/agent-daemonset.yaml)",
@@ -75,11 +84,19 @@ impl Callers {
         }
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.agent.namespace);
         let what = format!("the agent's pod {}/{pod}", self.agent.namespace);
-        let found = api.get_opt(&pod).await.map_err(|e| format!("cannot read {what}: {e}"))?.ok_or_else(|| format!("{what} does not exist"))?;
+        let found = api
+            .get_opt(&pod)
+            .await
+            .map_err(|e| format!("cannot read {what}: {e}"))?
+            .ok_or_else(|| format!("{what} does not exist"))?;
         if found.metadata.uid.as_deref() != Some(uid.as_str()) {
             return Err(format!("{what} is not the pod the token was bound to (UID {uid})"));
         }
-        let node = found.spec.and_then(|s| s.node_name).filter(|n| !n.is_empty()).ok_or_else(|| format!("{what} is on no node"))?;
+        let node = found
+            .spec
+            .and_then(|s| s.node_name)
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| format!("{what} is on no node"))?;
         let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
         if nodes.len() >= CACHED_PODS {
             nodes.clear();

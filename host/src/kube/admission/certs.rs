@@ -12,7 +12,10 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ObjectMeta, PostParams};
-use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose,
+};
 use std::collections::BTreeMap;
 use time::OffsetDateTime;
 
@@ -53,7 +56,10 @@ pub struct Material {
 
 impl std::fmt::Debug for Material {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Material").field("ca_cert", &self.ca_cert).field("cert", &self.cert).finish_non_exhaustive()
+        f.debug_struct("Material")
+            .field("ca_cert", &self.ca_cert)
+            .field("cert", &self.cert)
+            .finish_non_exhaustive()
     }
 }
 
@@ -65,7 +71,11 @@ fn ca_params(not_before: OffsetDateTime) -> CertificateParams {
     dn.push(DnType::CommonName, "volagent admission webhook CA");
     params.distinguished_name = dn;
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     params.not_before = not_before;
     params.not_after = not_before + CA_LIFETIME;
     params
@@ -73,11 +83,18 @@ fn ca_params(not_before: OffsetDateTime) -> CertificateParams {
 
 /// A serving certificate for `names` (DNS names or IP addresses) signed by
 /// the CA key `ca_key`.
-fn serving(names: &[String], ca_key: &KeyPair, now: OffsetDateTime) -> Result<(String, String, OffsetDateTime), CertError> {
+fn serving(
+    names: &[String],
+    ca_key: &KeyPair,
+    now: OffsetDateTime,
+) -> Result<(String, String, OffsetDateTime), CertError> {
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::new(names.to_vec())?;
     let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, names.first().cloned().unwrap_or_else(|| "volagent-webhook".into()));
+    dn.push(
+        DnType::CommonName,
+        names.first().cloned().unwrap_or_else(|| "volagent-webhook".into()),
+    );
     params.distinguished_name = dn;
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -90,11 +107,19 @@ fn serving(names: &[String], ca_key: &KeyPair, now: OffsetDateTime) -> Result<(S
 }
 
 /// A new CA and a serving certificate for `names`.
-fn fresh(names: &[String], now: OffsetDateTime) -> Result<(BTreeMap<String, String>, OffsetDateTime), CertError> {
+fn fresh(
+    names: &[String],
+    now: OffsetDateTime,
+) -> Result<(BTreeMap<String, String>, OffsetDateTime), CertError> {
     let ca_key = KeyPair::generate()?;
     let ca = ca_params(now).self_signed(&ca_key)?;
     let (cert, key, not_after) = serving(names, &ca_key, now)?;
-    let data = BTreeMap::from([(CA_CERT.into(), ca.pem()), (CA_KEY.into(), ca_key.serialize_pem()), (TLS_CERT.into(), cert), (TLS_KEY.into(), key)]);
+    let data = BTreeMap::from([
+        (CA_CERT.into(), ca.pem()),
+        (CA_KEY.into(), ca_key.serialize_pem()),
+        (TLS_CERT.into(), cert),
+        (TLS_KEY.into(), key),
+    ]);
     Ok((data, not_after))
 }
 
@@ -115,35 +140,61 @@ fn names_label(names: &[String]) -> String {
 /// What `secret` needs: nothing (None), a new serving certificate, or
 /// everything anew (its CA is missing or damaged).
 fn needs(secret: &Secret, names: &[String], now: OffsetDateTime) -> Option<bool> {
-    let complete = [CA_CERT, CA_KEY, TLS_CERT, TLS_KEY].iter().all(|k| text(secret, k).is_some_and(|v| !v.is_empty()));
+    let complete = [CA_CERT, CA_KEY, TLS_CERT, TLS_KEY]
+        .iter()
+        .all(|k| text(secret, k).is_some_and(|v| !v.is_empty()));
     if !complete || text(secret, CA_KEY).is_none_or(|k| KeyPair::from_pem(&k).is_err()) {
         return Some(true);
     }
     let annotations = secret.metadata.annotations.clone().unwrap_or_default();
-    let not_after = annotations.get(NOT_AFTER).and_then(|t| humantime::parse_rfc3339(t).ok()).map(OffsetDateTime::from);
-    let renew = not_after.is_none_or(|t| t - now < RENEW_BEFORE) || annotations.get(NAMES) != Some(&names_label(names));
+    let not_after = annotations
+        .get(NOT_AFTER)
+        .and_then(|t| humantime::parse_rfc3339(t).ok())
+        .map(OffsetDateTime::from);
+    let renew = not_after.is_none_or(|t| t - now < RENEW_BEFORE)
+        || annotations.get(NAMES) != Some(&names_label(names));
     renew.then_some(false)
 }
 
-fn with_serving(secret: &Secret, names: &[String], now: OffsetDateTime) -> Result<(BTreeMap<String, String>, OffsetDateTime), CertError> {
+fn with_serving(
+    secret: &Secret,
+    names: &[String],
+    now: OffsetDateTime,
+) -> Result<(BTreeMap<String, String>, OffsetDateTime), CertError> {
     let name = secret.metadata.name.clone().unwrap_or_default();
-    let ca_key = text(secret, CA_KEY).ok_or_else(|| CertError::Damaged { secret: name.clone(), what: format!("no {CA_KEY}") })?;
-    let ca_key = KeyPair::from_pem(&ca_key).map_err(|e| CertError::Damaged { secret: name.clone(), what: format!("{CA_KEY}: {e}") })?;
+    let ca_key = text(secret, CA_KEY)
+        .ok_or_else(|| CertError::Damaged { secret: name.clone(), what: format!("no {CA_KEY}") })?;
+    let ca_key = KeyPair::from_pem(&ca_key)
+        .map_err(|e| CertError::Damaged { secret: name.clone(), what: format!("{CA_KEY}: {e}") })?;
     let (cert, key, not_after) = serving(names, &ca_key, now)?;
-    let mut data: BTreeMap<String, String> = [CA_CERT, CA_KEY].iter().filter_map(|k| Some((k.to_string(), text(secret, k)?))).collect();
+    let mut data: BTreeMap<String, String> =
+        [CA_CERT, CA_KEY].iter().filter_map(|k| Some((k.to_string(), text(secret, k)?))).collect();
     data.insert(TLS_CERT.into(), cert);
     data.insert(TLS_KEY.into(), key);
     Ok((data, not_after))
 }
 
-fn secret_of(namespace: &str, name: &str, data: BTreeMap<String, String>, names: &[String], not_after: OffsetDateTime, version: Option<String>) -> Secret {
+fn secret_of(
+    namespace: &str,
+    name: &str,
+    data: BTreeMap<String, String>,
+    names: &[String],
+    not_after: OffsetDateTime,
+    version: Option<String>,
+) -> Secret {
     Secret {
         metadata: ObjectMeta {
             name: Some(name.into()),
             namespace: Some(namespace.into()),
             resource_version: version,
-            labels: Some(BTreeMap::from([("app.kubernetes.io/part-of".to_string(), "volagent".to_string())])),
-            annotations: Some(BTreeMap::from([(NOT_AFTER.to_string(), rfc3339(not_after)), (NAMES.to_string(), names_label(names))])),
+            labels: Some(BTreeMap::from([(
+                "app.kubernetes.io/part-of".to_string(),
+                "volagent".to_string(),
+            )])),
+            annotations: Some(BTreeMap::from([
+                (NOT_AFTER.to_string(), rfc3339(not_after)),
+                (NAMES.to_string(), names_label(names)),
+            ])),
             ..Default::default()
         },
         type_: Some("Opaque".into()),
@@ -155,7 +206,12 @@ fn secret_of(namespace: &str, name: &str, data: BTreeMap<String, String>, names:
 /// The webhook's material from Secret `namespace/name`, made (or its
 /// serving certificate issued again) when needed. Replicas racing to make
 /// it settle on whichever write the API server took first.
-pub async fn ensure(client: &kube::Client, namespace: &str, name: &str, names: &[String]) -> Result<Material, CertError> {
+pub async fn ensure(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    names: &[String],
+) -> Result<Material, CertError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let what = format!("{namespace}/{name}");
     let api_error = |source| CertError::Api { secret: what.clone(), source };
@@ -165,14 +221,31 @@ pub async fn ensure(client: &kube::Client, namespace: &str, name: &str, names: &
         let result = match &current {
             None => {
                 let (data, not_after) = fresh(names, now)?;
-                api.create(&PostParams::default(), &secret_of(namespace, name, data, names, not_after, None)).await
+                api.create(
+                    &PostParams::default(),
+                    &secret_of(namespace, name, data, names, not_after, None),
+                )
+                .await
             }
             Some(secret) => match needs(secret, names, now) {
                 None => return material(secret, &what),
                 Some(all) => {
-                    let (data, not_after) = if all { fresh(names, now)? } else { with_serving(secret, names, now)? };
+                    let (data, not_after) =
+                        if all { fresh(names, now)? } else { with_serving(secret, names, now)? };
                     tracing::warn!(secret = %what, new_ca = all, "issuing the admission webhook's serving certificate");
-                    api.replace(name, &PostParams::default(), &secret_of(namespace, name, data, names, not_after, secret.metadata.resource_version.clone())).await
+                    api.replace(
+                        name,
+                        &PostParams::default(),
+                        &secret_of(
+                            namespace,
+                            name,
+                            data,
+                            names,
+                            not_after,
+                            secret.metadata.resource_version.clone(),
+                        ),
+                    )
+                    .await
                 }
             },
         };
@@ -187,7 +260,10 @@ pub async fn ensure(client: &kube::Client, namespace: &str, name: &str, names: &
 }
 
 fn material(secret: &Secret, what: &str) -> Result<Material, CertError> {
-    let get = |k: &str| text(secret, k).ok_or_else(|| CertError::Damaged { secret: what.to_string(), what: format!("no {k}") });
+    let get = |k: &str| {
+        text(secret, k)
+            .ok_or_else(|| CertError::Damaged { secret: what.to_string(), what: format!("no {k}") })
+    };
     Ok(Material { ca_cert: get(CA_CERT)?, cert: get(TLS_CERT)?, key: get(TLS_KEY)? })
 }
 
@@ -210,7 +286,10 @@ pub async fn publish_ca(client: &kube::Client, name: &str, ca: &str) -> Result<b
         }
         match api.replace(name, &PostParams::default(), &config).await {
             Ok(_) => {
-                tracing::info!(webhook = name, "the admission webhook's CA published in its configuration");
+                tracing::info!(
+                    webhook = name,
+                    "the admission webhook's CA published in its configuration"
+                );
                 return Ok(true);
             }
             Err(kube::Error::Api(s)) if s.code == 409 => continue,
@@ -224,8 +303,11 @@ pub async fn publish_ca(client: &kube::Client, name: &str, ca: &str) -> Result<b
 pub fn server_config(material: &Material) -> Result<std::sync::Arc<rustls::ServerConfig>, String> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let chain = CertificateDer::pem_slice_iter(material.cert.as_bytes()).collect::<Result<Vec<_>, _>>().map_err(|e| format!("serving certificate: {e}"))?;
-    let key = PrivateKeyDer::from_pem_slice(material.key.as_bytes()).map_err(|e| format!("serving key: {e}"))?;
+    let chain = CertificateDer::pem_slice_iter(material.cert.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("serving certificate: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(material.key.as_bytes())
+        .map_err(|e| format!("serving key: {e}"))?;
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
     let config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -240,22 +322,35 @@ pub fn server_config(material: &Material) -> Result<std::sync::Arc<rustls::Serve
 mod tests {
     use super::*;
 
-    fn stored(data: BTreeMap<String, String>, names: &[String], not_after: OffsetDateTime) -> Secret {
+    fn stored(
+        data: BTreeMap<String, String>,
+        names: &[String],
+        not_after: OffsetDateTime,
+    ) -> Secret {
         secret_of("ns", "tls", data, names, not_after, None)
     }
 
     #[test]
     fn a_serving_certificate_chains_to_its_ca_and_is_renewed_in_time() {
-        let names = vec!["volagent-webhook.volagent-controller.svc".to_string(), "127.0.0.1".to_string()];
+        let names =
+            vec!["volagent-webhook.volagent-controller.svc".to_string(), "127.0.0.1".to_string()];
         let now = OffsetDateTime::now_utc();
         let (data, not_after) = fresh(&names, now).unwrap();
         let secret = stored(data.clone(), &names, not_after);
         assert_eq!(needs(&secret, &names, now), None, "fresh material is kept");
-        assert_eq!(needs(&secret, &names, now + SERVING_LIFETIME - time::Duration::days(10)), Some(false), "renewed a month before it ends");
+        assert_eq!(
+            needs(&secret, &names, now + SERVING_LIFETIME - time::Duration::days(10)),
+            Some(false),
+            "renewed a month before it ends"
+        );
         assert_eq!(needs(&secret, &names[..1], now), Some(false), "renewed when the names change");
         let mut broken = data.clone();
         broken.insert(CA_KEY.into(), "not a key".into());
-        assert_eq!(needs(&stored(broken, &names, not_after), &names, now), Some(true), "a damaged CA is made anew");
+        assert_eq!(
+            needs(&stored(broken, &names, not_after), &names, now),
+            Some(true),
+            "a damaged CA is made anew"
+        );
 
         // A certificate issued again by the stored CA key verifies against
         // the stored CA certificate: what the API server's caBundle holds.
@@ -263,9 +358,15 @@ mod tests {
         assert_eq!(renewed[CA_CERT], data[CA_CERT], "the CA stays");
         assert_ne!(renewed[TLS_CERT], data[TLS_CERT]);
         for served in [&data, &renewed] {
-            let material = Material { ca_cert: served[CA_CERT].clone(), cert: served[TLS_CERT].clone(), key: served[TLS_KEY].clone() };
-            handshake(&material, "127.0.0.1").expect("a client trusting the CA accepts the serving certificate for its IP");
-            handshake(&material, "volagent-webhook.volagent-controller.svc").expect("and for its service name");
+            let material = Material {
+                ca_cert: served[CA_CERT].clone(),
+                cert: served[TLS_CERT].clone(),
+                key: served[TLS_KEY].clone(),
+            };
+            handshake(&material, "127.0.0.1")
+                .expect("a client trusting the CA accepts the serving certificate for its IP");
+            handshake(&material, "volagent-webhook.volagent-controller.svc")
+                .expect("and for its service name");
             assert!(handshake(&material, "elsewhere.example").is_err(), "not for another name");
         }
     }
@@ -280,9 +381,16 @@ mod tests {
             roots.add(c.map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
         }
         let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-        let client_config = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().map_err(|e| e.to_string())?.with_root_certificates(roots).with_no_client_auth();
-        let server_name = rustls::pki_types::ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
-        let mut client = rustls::ClientConnection::new(std::sync::Arc::new(client_config), server_name).map_err(|e| e.to_string())?;
+        let client_config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let server_name =
+            rustls::pki_types::ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
+        let mut client =
+            rustls::ClientConnection::new(std::sync::Arc::new(client_config), server_name)
+                .map_err(|e| e.to_string())?;
         let mut server = rustls::ServerConnection::new(server_config).map_err(|e| e.to_string())?;
         for _ in 0..10 {
             let mut buf = Vec::new();

@@ -51,7 +51,11 @@ impl WebhookConfig {
     /// The DNS names of Service `service` in `namespace`, as the API server
     /// calls it.
     pub fn service_names(service: &str, namespace: &str) -> Vec<String> {
-        vec![format!("{service}.{namespace}.svc"), format!("{service}.{namespace}.svc.cluster.local"), format!("{service}.{namespace}")]
+        vec![
+            format!("{service}.{namespace}.svc"),
+            format!("{service}.{namespace}.svc.cluster.local"),
+            format!("{service}.{namespace}"),
+        ]
     }
 }
 
@@ -69,13 +73,19 @@ impl Webhook {
     /// The answer to one request.
     pub async fn review(&self, request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
         let response = AdmissionResponse::from(request);
-        let Some(kind) = rules::Kind::of(&request.resource.group, &request.resource.resource) else { return response };
+        let Some(kind) = rules::Kind::of(&request.resource.group, &request.resource.resource)
+        else {
+            return response;
+        };
         let node = match self.callers.node_of(&request.user_info).await {
             Ok(None) => return response,
             Ok(Some(node)) => node,
-            Err(why) => return denied(response, &request.resource.resource, &request.name, "?", why),
+            Err(why) => {
+                return denied(response, &request.resource.resource, &request.name, "?", why);
+            }
         };
-        let (old, new) = (request.old_object.as_ref().map(to_value), request.object.as_ref().map(to_value));
+        let (old, new) =
+            (request.old_object.as_ref().map(to_value), request.object.as_ref().map(to_value));
         let change = rules::Change {
             kind,
             operation: match request.operation {
@@ -122,7 +132,13 @@ fn is_gone(node: Option<&Node>) -> bool {
     !facts.exists || facts.out_of_service
 }
 
-fn denied(response: AdmissionResponse, resource: &str, name: &str, node: &str, why: String) -> AdmissionResponse {
+fn denied(
+    response: AdmissionResponse,
+    resource: &str,
+    name: &str,
+    node: &str,
+    why: String,
+) -> AdmissionResponse {
     crate::metrics::get().agent_write(resource, false);
     tracing::warn!(resource, name, node, "refused an agent's write: {why}");
     let mut response = response.deny(why);
@@ -142,8 +158,14 @@ pub struct Serving {
 /// Serve the webhook on `config.addr` until cancelled. The listener is
 /// bound first (a taken port fails the start); certificates and the
 /// `caBundle` are retried while the API server cannot be reached.
-pub async fn run(client: kube::Client, config: WebhookConfig, serving: Arc<Serving>) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(config.addr).await.with_context(|| format!("admission webhook {}", config.addr))?;
+pub async fn run(
+    client: kube::Client,
+    config: WebhookConfig,
+    serving: Arc<Serving>,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(config.addr)
+        .await
+        .with_context(|| format!("admission webhook {}", config.addr))?;
     let material = loop {
         match certs::ensure(&client, &config.namespace, &config.secret, &config.names).await {
             Ok(m) => break m,
@@ -171,11 +193,16 @@ pub async fn run(client: kube::Client, config: WebhookConfig, serving: Arc<Servi
             }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.read().unwrap_or_else(|e| e.into_inner()).clone());
+        let acceptor =
+            tokio_rustls::TlsAcceptor::from(tls.read().unwrap_or_else(|e| e.into_inner()).clone());
         let webhook = webhook.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            let Ok(Ok(stream)) = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await else { return };
+            let Ok(Ok(stream)) =
+                tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await
+            else {
+                return;
+            };
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let webhook = webhook.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(&webhook, req).await) }
@@ -191,7 +218,13 @@ pub async fn run(client: kube::Client, config: WebhookConfig, serving: Arc<Servi
 
 /// Publish the CA, and renew the serving certificate in time (swapping it
 /// in for new connections).
-async fn maintain(client: kube::Client, config: WebhookConfig, mut material: certs::Material, tls: Arc<RwLock<Arc<rustls::ServerConfig>>>, serving: Arc<Serving>) {
+async fn maintain(
+    client: kube::Client,
+    config: WebhookConfig,
+    mut material: certs::Material,
+    tls: Arc<RwLock<Arc<rustls::ServerConfig>>>,
+    serving: Arc<Serving>,
+) {
     loop {
         match certs::publish_ca(&client, &config.configuration, &material.ca_cert).await {
             Ok(_) => serving.ready.store(true, Ordering::Relaxed),
@@ -237,7 +270,10 @@ async fn handle(webhook: &Webhook, req: Request<hyper::body::Incoming>) -> Respo
     match serde_json::to_vec(&answer) {
         Ok(json) => {
             let mut r = Response::new(Full::new(Bytes::from(json)));
-            r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("application/json"),
+            );
             r
         }
         Err(e) => reply(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),

@@ -90,10 +90,17 @@ pub fn nodes_to_check(me: &str, change: &Change<'_>) -> Vec<String> {
     if change.kind != Kind::Attachment {
         return Vec::new();
     }
-    let (Ok(old), new) = (parse::<Attachment>(change.old, "the old object"), parse::<Attachment>(change.new, "the object").ok()) else { return Vec::new() };
+    let (Ok(old), new) = (
+        parse::<Attachment>(change.old, "the old object"),
+        parse::<Attachment>(change.new, "the object").ok(),
+    ) else {
+        return Vec::new();
+    };
     let mut out: Vec<String> = foreign_nodes(me, &old.spec)
         .into_iter()
-        .filter(|n| new.as_ref().is_none_or(|new| entries_of(n, &new.spec) != entries_of(n, &old.spec)))
+        .filter(|n| {
+            new.as_ref().is_none_or(|new| entries_of(n, &new.spec) != entries_of(n, &old.spec))
+        })
         .collect();
     out.sort();
     out.dedup();
@@ -106,7 +113,9 @@ fn parse<T: DeserializeOwned>(v: Option<&Value>, what: &str) -> Result<T, String
 }
 
 fn finalizers(v: Option<&Value>) -> Option<&Value> {
-    v?.get("metadata")?.get("finalizers").filter(|f| !f.is_null() && f.as_array().is_none_or(|a| !a.is_empty()))
+    v?.get("metadata")?
+        .get("finalizers")
+        .filter(|f| !f.is_null() && f.as_array().is_none_or(|a| !a.is_empty()))
 }
 
 fn same_finalizers(change: &Change<'_>) -> Result<(), String> {
@@ -118,7 +127,13 @@ fn same_finalizers(change: &Change<'_>) -> Result<(), String> {
 
 /// Every node but `me` that holds a consumer or a storage client.
 fn foreign_nodes(me: &str, spec: &AttachmentSpec) -> Vec<String> {
-    let mut nodes: Vec<String> = spec.consumers.iter().map(|c| c.node.clone()).chain(spec.storage_clients.iter().map(|c| c.node.clone())).filter(|n| n != me).collect();
+    let mut nodes: Vec<String> = spec
+        .consumers
+        .iter()
+        .map(|c| c.node.clone())
+        .chain(spec.storage_clients.iter().map(|c| c.node.clone()))
+        .filter(|n| n != me)
+        .collect();
     nodes.sort();
     nodes.dedup();
     nodes
@@ -126,8 +141,18 @@ fn foreign_nodes(me: &str, spec: &AttachmentSpec) -> Vec<String> {
 
 /// What an Attachment holds of `node`, comparable as a whole.
 fn entries_of(node: &str, spec: &AttachmentSpec) -> (Vec<String>, Vec<String>) {
-    let consumers = spec.consumers.iter().filter(|c| c.node == node).map(|c| serde_json::to_string(c).unwrap_or_default()).collect();
-    let clients = spec.storage_clients.iter().filter(|c| c.node == node).map(|c| serde_json::to_string(c).unwrap_or_default()).collect();
+    let consumers = spec
+        .consumers
+        .iter()
+        .filter(|c| c.node == node)
+        .map(|c| serde_json::to_string(c).unwrap_or_default())
+        .collect();
+    let clients = spec
+        .storage_clients
+        .iter()
+        .filter(|c| c.node == node)
+        .map(|c| serde_json::to_string(c).unwrap_or_default())
+        .collect();
     (consumers, clients)
 }
 
@@ -137,7 +162,9 @@ fn attachment(me: &str, change: &Change<'_>, nodes: &dyn Nodes) -> Result<(), St
         Operation::Create => {
             let new: Attachment = parse(change.new, "the object")?;
             if let Some(other) = foreign_nodes(me, &new.spec).first() {
-                return Err(format!("the agent of node {me} may record only its own node's consumers and clients; Attachment {name} names node {other}"));
+                return Err(format!(
+                    "the agent of node {me} may record only its own node's consumers and clients; Attachment {name} names node {other}"
+                ));
             }
             same_finalizers(change)
         }
@@ -148,7 +175,9 @@ fn attachment(me: &str, change: &Change<'_>, nodes: &dyn Nodes) -> Result<(), St
             let foreign_before = foreign_nodes(me, &old.spec);
             for node in foreign_nodes(me, &new.spec) {
                 if !foreign_before.contains(&node) {
-                    return Err(format!("the agent of node {me} may not add node {node}'s consumers or clients to Attachment {name}"));
+                    return Err(format!(
+                        "the agent of node {me} may not add node {node}'s consumers or clients to Attachment {name}"
+                    ));
                 }
             }
             for node in &foreign_before {
@@ -156,9 +185,12 @@ fn attachment(me: &str, change: &Change<'_>, nodes: &dyn Nodes) -> Result<(), St
                 if before == after {
                     continue;
                 }
-                let kept = after.0.iter().all(|c| before.0.contains(c)) && after.1.iter().all(|c| before.1.contains(c));
+                let kept = after.0.iter().all(|c| before.0.contains(c))
+                    && after.1.iter().all(|c| before.1.contains(c));
                 if !kept {
-                    return Err(format!("the agent of node {me} may not change node {node}'s consumers or clients in Attachment {name}"));
+                    return Err(format!(
+                        "the agent of node {me} may not change node {node}'s consumers or clients in Attachment {name}"
+                    ));
                 }
                 if !nodes.gone(node) {
                     return Err(format!(
@@ -167,9 +199,13 @@ fn attachment(me: &str, change: &Change<'_>, nodes: &dyn Nodes) -> Result<(), St
                 }
             }
             let others_hold = old.spec.consumers.iter().any(|c| c.node != me);
-            let identity = |s: &AttachmentSpec| (s.backend.clone(), s.access_mode, s.storage_cluster.clone(), s.source.clone());
+            let identity = |s: &AttachmentSpec| {
+                (s.backend.clone(), s.access_mode, s.storage_cluster.clone(), s.source.clone())
+            };
             if others_hold && identity(&old.spec) != identity(&new.spec) {
-                return Err(format!("the agent of node {me} may not change what volume {name} is (backend, access mode, source, storage cluster) while other nodes hold it"));
+                return Err(format!(
+                    "the agent of node {me} may not change what volume {name} is (backend, access mode, source, storage cluster) while other nodes hold it"
+                ));
             }
             Ok(())
         }
@@ -177,7 +213,9 @@ fn attachment(me: &str, change: &Change<'_>, nodes: &dyn Nodes) -> Result<(), St
             let old: Attachment = parse(change.old, "the old object")?;
             for node in foreign_nodes(me, &old.spec) {
                 if !nodes.gone(&node) {
-                    return Err(format!("the agent of node {me} may not delete Attachment {name}: node {node} still holds it"));
+                    return Err(format!(
+                        "the agent of node {me} may not delete Attachment {name}: node {node} still holds it"
+                    ));
                 }
             }
             Ok(())
@@ -188,7 +226,9 @@ fn attachment(me: &str, change: &Change<'_>, nodes: &dyn Nodes) -> Result<(), St
 
 fn own(me: &str, kind: &str, name: &str) -> Result<(), String> {
     if name != me {
-        return Err(format!("the agent of node {me} may write only its own node's {kind}, not {kind} {name}"));
+        return Err(format!(
+            "the agent of node {me} may write only its own node's {kind}, not {kind} {name}"
+        ));
     }
     Ok(())
 }
@@ -209,9 +249,9 @@ fn node_cleanup(me: &str, change: &Change<'_>) -> Result<(), String> {
             }
             Ok(())
         }
-        Operation::Create | Operation::Delete | Operation::Connect => {
-            Err(format!("cleanup lists are the controller's to create and delete; the agent of node {me} may only work its own off (NodeCleanup {name})"))
-        }
+        Operation::Create | Operation::Delete | Operation::Connect => Err(format!(
+            "cleanup lists are the controller's to create and delete; the agent of node {me} may only work its own off (NodeCleanup {name})"
+        )),
     }
 }
 
@@ -222,7 +262,9 @@ fn local_volumes(me: &str, change: &Change<'_>) -> Result<(), String> {
         (Operation::Create, None) => {
             let new: NodeLocalVolumes = parse(change.new, "the object")?;
             if !new.spec.operations.is_empty() {
-                return Err(format!("the operations in NodeLocalVolumes {name} are the controller's to request"));
+                return Err(format!(
+                    "the operations in NodeLocalVolumes {name} are the controller's to request"
+                ));
             }
             discovered_names(me, &new)
         }
@@ -236,11 +278,15 @@ fn local_volumes(me: &str, change: &Change<'_>) -> Result<(), String> {
             let old: NodeLocalVolumes = parse(change.old, "the old object")?;
             let new: NodeLocalVolumes = parse(change.new, "the object")?;
             if old.spec != new.spec {
-                return Err(format!("the operations in NodeLocalVolumes {name} are the controller's to request"));
+                return Err(format!(
+                    "the operations in NodeLocalVolumes {name} are the controller's to request"
+                ));
             }
             Ok(())
         }
-        _ => Err(format!("the agent of node {me} may only create its NodeLocalVolumes and write their status")),
+        _ => Err(format!(
+            "the agent of node {me} may only create its NodeLocalVolumes and write their status"
+        )),
     }
 }
 
@@ -250,7 +296,10 @@ fn discovered_names(me: &str, list: &NodeLocalVolumes) -> Result<(), String> {
     for v in list.status.iter().flat_map(|s| s.volumes.iter()) {
         let expected = crate::local::pv_name(me, &v.class, std::path::Path::new(&v.path));
         if v.name != expected {
-            return Err(format!("NodeLocalVolumes {me} lists volume {} at {} of class {}: on node {me} that volume is {expected}", v.name, v.path, v.class));
+            return Err(format!(
+                "NodeLocalVolumes {me} lists volume {} at {} of class {}: on node {me} that volume is {expected}",
+                v.name, v.path, v.class
+            ));
         }
     }
     Ok(())
@@ -262,21 +311,31 @@ fn fence_request(me: &str, change: &Change<'_>) -> Result<(), String> {
         (Operation::Create, None) => {
             let new: FenceRequest = parse(change.new, "the object")?;
             if new.spec.requester != me {
-                return Err(format!("the agent of node {me} may ask for fencing only as itself, not as node {}", new.spec.requester));
+                return Err(format!(
+                    "the agent of node {me} may ask for fencing only as itself, not as node {}",
+                    new.spec.requester
+                ));
             }
             if new.spec.node == me {
-                return Err(format!("the agent of node {me} may not ask to fence its own node's clients"));
+                return Err(format!(
+                    "the agent of node {me} may not ask to fence its own node's clients"
+                ));
             }
             Ok(())
         }
         (Operation::Delete, None) => {
             let old: FenceRequest = parse(change.old, "the old object")?;
             if old.spec.requester != me {
-                return Err(format!("FenceRequest {name} is node {}'s, not node {me}'s", old.spec.requester));
+                return Err(format!(
+                    "FenceRequest {name} is node {}'s, not node {me}'s",
+                    old.spec.requester
+                ));
             }
             Ok(())
         }
-        _ => Err(format!("fence requests are answered by the controller; the agent of node {me} may only make and delete its own (FenceRequest {name})")),
+        _ => Err(format!(
+            "fence requests are answered by the controller; the agent of node {me} may only make and delete its own (FenceRequest {name})"
+        )),
     }
 }
 
@@ -290,14 +349,23 @@ mod tests {
     }
 
     fn attachment(consumers: &[Value], clients: &[(&str, i64)]) -> Value {
-        let clients: Vec<Value> = clients.iter().map(|(n, id)| json!({ "node": n, "id": id, "address": format!("10.0.0.1:0/{id}") })).collect();
+        let clients: Vec<Value> = clients
+            .iter()
+            .map(|(n, id)| json!({ "node": n, "id": id, "address": format!("10.0.0.1:0/{id}") }))
+            .collect();
         json!({
             "apiVersion": "volagent.io/v1alpha1", "kind": "Attachment", "metadata": { "name": "pv1" },
             "spec": { "backend": "rbd", "accessMode": "ReadWriteOnce", "consumers": consumers, "storageClients": clients }
         })
     }
 
-    fn change<'a>(kind: Kind, operation: Operation, name: &'a str, old: Option<&'a Value>, new: Option<&'a Value>) -> Change<'a> {
+    fn change<'a>(
+        kind: Kind,
+        operation: Operation,
+        name: &'a str,
+        old: Option<&'a Value>,
+        new: Option<&'a Value>,
+    ) -> Change<'a> {
         Change { kind, operation, sub_resource: None, name, old, new }
     }
 
@@ -306,12 +374,31 @@ mod tests {
     #[test]
     fn an_agent_records_only_its_own_node() {
         let mine = attachment(&[consumer("a", "/k/a")], &[("a", 1)]);
-        assert_eq!(review("a", &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&mine)), &NONE_GONE), Ok(()));
+        assert_eq!(
+            review(
+                "a",
+                &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&mine)),
+                &NONE_GONE
+            ),
+            Ok(())
+        );
         let theirs = attachment(&[consumer("b", "/k/b")], &[]);
-        let e = review("a", &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&theirs)), &NONE_GONE).unwrap_err();
+        let e = review(
+            "a",
+            &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&theirs)),
+            &NONE_GONE,
+        )
+        .unwrap_err();
         assert!(e.contains("names node b"), "{e}");
         let their_client = attachment(&[consumer("a", "/k/a")], &[("b", 2)]);
-        assert!(review("a", &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&their_client)), &NONE_GONE).is_err());
+        assert!(
+            review(
+                "a",
+                &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&their_client)),
+                &NONE_GONE
+            )
+            .is_err()
+        );
     }
 
     #[test]
@@ -330,11 +417,21 @@ mod tests {
         assert_eq!(review("a", &c, &NONE_GONE), Ok(()));
         // Rewriting the holder (its mount dir) is never allowed, gone or not.
         let moved = attachment(&[consumer("b", "/k/elsewhere")], &[("b", 2)]);
-        let e = review("a", &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&moved)), &|_: &str| true).unwrap_err();
+        let e = review(
+            "a",
+            &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&moved)),
+            &|_: &str| true,
+        )
+        .unwrap_err();
         assert!(e.contains("may not change node b's"), "{e}");
         // Nor adding a third node.
         let added = attachment(&[consumer("b", "/k/b"), consumer("c", "/k/c")], &[("b", 2)]);
-        let e = review("a", &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&added)), &NONE_GONE).unwrap_err();
+        let e = review(
+            "a",
+            &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&added)),
+            &NONE_GONE,
+        )
+        .unwrap_err();
         assert!(e.contains("may not add node c's"), "{e}");
     }
 
@@ -343,16 +440,47 @@ mod tests {
         let old = attachment(&[consumer("b", "/k/b"), consumer("a", "/k/a")], &[]);
         let mut other = old.clone();
         other["spec"]["accessMode"] = json!("ReadWriteMany");
-        let e = review("a", &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&other)), &NONE_GONE).unwrap_err();
+        let e = review(
+            "a",
+            &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&other)),
+            &NONE_GONE,
+        )
+        .unwrap_err();
         assert!(e.contains("while other nodes hold it"), "{e}");
         let alone = attachment(&[consumer("a", "/k/a")], &[]);
         let mut alone_rwx = alone.clone();
         alone_rwx["spec"]["accessMode"] = json!("ReadWriteMany");
-        assert_eq!(review("a", &change(Kind::Attachment, Operation::Update, "pv1", Some(&alone), Some(&alone_rwx)), &NONE_GONE), Ok(()));
-        let e = review("a", &change(Kind::Attachment, Operation::Delete, "pv1", Some(&old), None), &NONE_GONE).unwrap_err();
+        assert_eq!(
+            review(
+                "a",
+                &change(Kind::Attachment, Operation::Update, "pv1", Some(&alone), Some(&alone_rwx)),
+                &NONE_GONE
+            ),
+            Ok(())
+        );
+        let e = review(
+            "a",
+            &change(Kind::Attachment, Operation::Delete, "pv1", Some(&old), None),
+            &NONE_GONE,
+        )
+        .unwrap_err();
         assert!(e.contains("node b still holds it"), "{e}");
-        assert_eq!(review("a", &change(Kind::Attachment, Operation::Delete, "pv1", Some(&alone), None), &NONE_GONE), Ok(()));
-        assert_eq!(review("a", &change(Kind::Attachment, Operation::Delete, "pv1", Some(&old), None), &|n: &str| n == "b"), Ok(()));
+        assert_eq!(
+            review(
+                "a",
+                &change(Kind::Attachment, Operation::Delete, "pv1", Some(&alone), None),
+                &NONE_GONE
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            review(
+                "a",
+                &change(Kind::Attachment, Operation::Delete, "pv1", Some(&old), None),
+                &|n: &str| n == "b"
+            ),
+            Ok(())
+        );
     }
 
     #[test]
@@ -360,10 +488,24 @@ mod tests {
         let old = attachment(&[consumer("a", "/k/a")], &[]);
         let mut new = old.clone();
         new["metadata"]["finalizers"] = json!(["x"]);
-        assert!(review("a", &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&new)), &NONE_GONE).is_err());
+        assert!(
+            review(
+                "a",
+                &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&new)),
+                &NONE_GONE
+            )
+            .is_err()
+        );
         // An absent list and an empty one are the same.
         new["metadata"]["finalizers"] = json!([]);
-        assert_eq!(review("a", &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&new)), &NONE_GONE), Ok(()));
+        assert_eq!(
+            review(
+                "a",
+                &change(Kind::Attachment, Operation::Update, "pv1", Some(&old), Some(&new)),
+                &NONE_GONE
+            ),
+            Ok(())
+        );
     }
 
     fn cleanup(node: &str, dirs: &[&str]) -> Value {
@@ -380,13 +522,33 @@ mod tests {
         let less = cleanup("a", &["/k/2"]);
         let empty = cleanup("a", &[]);
         let more = cleanup("a", &["/k/1", "/k/2", "/k/3"]);
-        let up = |old: &'static str, o: &Value, n: &Value| review(old, &change(Kind::NodeCleanup, Operation::Update, "a", Some(o), Some(n)), &NONE_GONE);
+        let up = |old: &'static str, o: &Value, n: &Value| {
+            review(
+                old,
+                &change(Kind::NodeCleanup, Operation::Update, "a", Some(o), Some(n)),
+                &NONE_GONE,
+            )
+        };
         assert_eq!(up("a", &old, &less), Ok(()));
         assert_eq!(up("a", &old, &empty), Ok(()));
         assert!(up("a", &old, &more).unwrap_err().contains("only take entries out"));
         assert!(up("b", &old, &empty).unwrap_err().contains("only its own node's NodeCleanup"));
-        assert!(review("a", &change(Kind::NodeCleanup, Operation::Delete, "a", Some(&empty), None), &NONE_GONE).is_err());
-        assert!(review("a", &change(Kind::NodeCleanup, Operation::Create, "a", None, Some(&empty)), &NONE_GONE).is_err());
+        assert!(
+            review(
+                "a",
+                &change(Kind::NodeCleanup, Operation::Delete, "a", Some(&empty), None),
+                &NONE_GONE
+            )
+            .is_err()
+        );
+        assert!(
+            review(
+                "a",
+                &change(Kind::NodeCleanup, Operation::Create, "a", None, Some(&empty)),
+                &NONE_GONE
+            )
+            .is_err()
+        );
     }
 
     fn local(node: &str, volumes: &[(&str, &str)], operations: usize) -> Value {
@@ -399,7 +561,20 @@ mod tests {
     fn local_volumes_are_published_only_under_their_own_node_and_names() {
         let name = crate::local::pv_name("a", "fast", std::path::Path::new("/mnt/fast/d1"));
         let good = local("a", &[(&name, "/mnt/fast/d1")], 0);
-        let status = |me: &'static str, obj: &Value| review(me, &Change { kind: Kind::NodeLocalVolumes, operation: Operation::Update, sub_resource: Some("status"), name: "a", old: Some(obj), new: Some(obj) }, &NONE_GONE);
+        let status = |me: &'static str, obj: &Value| {
+            review(
+                me,
+                &Change {
+                    kind: Kind::NodeLocalVolumes,
+                    operation: Operation::Update,
+                    sub_resource: Some("status"),
+                    name: "a",
+                    old: Some(obj),
+                    new: Some(obj),
+                },
+                &NONE_GONE,
+            )
+        };
         assert_eq!(status("a", &good), Ok(()));
         assert!(status("b", &good).unwrap_err().contains("only its own node's NodeLocalVolumes"));
         // A name of its own choosing, or another node's name for the path.
@@ -408,32 +583,128 @@ mod tests {
         let borrowed = crate::local::pv_name("b", "fast", std::path::Path::new("/mnt/fast/d1"));
         assert!(status("a", &local("a", &[(&borrowed, "/mnt/fast/d1")], 0)).is_err());
         // The spec is the controller's.
-        assert_eq!(review("a", &change(Kind::NodeLocalVolumes, Operation::Create, "a", None, Some(&local("a", &[], 0))), &NONE_GONE), Ok(()));
-        assert!(review("a", &change(Kind::NodeLocalVolumes, Operation::Create, "a", None, Some(&local("a", &[], 1))), &NONE_GONE).is_err());
-        let e = review("a", &change(Kind::NodeLocalVolumes, Operation::Update, "a", Some(&local("a", &[], 1)), Some(&local("a", &[], 0))), &NONE_GONE).unwrap_err();
+        assert_eq!(
+            review(
+                "a",
+                &change(
+                    Kind::NodeLocalVolumes,
+                    Operation::Create,
+                    "a",
+                    None,
+                    Some(&local("a", &[], 0))
+                ),
+                &NONE_GONE
+            ),
+            Ok(())
+        );
+        assert!(
+            review(
+                "a",
+                &change(
+                    Kind::NodeLocalVolumes,
+                    Operation::Create,
+                    "a",
+                    None,
+                    Some(&local("a", &[], 1))
+                ),
+                &NONE_GONE
+            )
+            .is_err()
+        );
+        let e = review(
+            "a",
+            &change(
+                Kind::NodeLocalVolumes,
+                Operation::Update,
+                "a",
+                Some(&local("a", &[], 1)),
+                Some(&local("a", &[], 0)),
+            ),
+            &NONE_GONE,
+        )
+        .unwrap_err();
         assert!(e.contains("controller's to request"), "{e}");
-        assert!(review("a", &change(Kind::NodeLocalVolumes, Operation::Delete, "a", Some(&good), None), &NONE_GONE).is_err());
+        assert!(
+            review(
+                "a",
+                &change(Kind::NodeLocalVolumes, Operation::Delete, "a", Some(&good), None),
+                &NONE_GONE
+            )
+            .is_err()
+        );
     }
 
     #[test]
     fn fence_requests_are_made_and_deleted_by_their_requester_only() {
         let req = |requester: &str, node: &str| json!({ "apiVersion": "volagent.io/v1alpha1", "kind": "FenceRequest", "metadata": { "name": "f" }, "spec": { "volume": "pv1", "requester": requester, "node": node, "address": "10.0.0.1:0/1" } });
         let (ab, ba, aa) = (req("a", "b"), req("b", "a"), req("a", "a"));
-        assert_eq!(review("a", &change(Kind::FenceRequest, Operation::Create, "f", None, Some(&ab)), &NONE_GONE), Ok(()));
-        assert!(review("a", &change(Kind::FenceRequest, Operation::Create, "f", None, Some(&ba)), &NONE_GONE).is_err());
-        assert!(review("a", &change(Kind::FenceRequest, Operation::Create, "f", None, Some(&aa)), &NONE_GONE).is_err());
-        assert_eq!(review("a", &change(Kind::FenceRequest, Operation::Delete, "f", Some(&ab), None), &NONE_GONE), Ok(()));
-        assert!(review("b", &change(Kind::FenceRequest, Operation::Delete, "f", Some(&ab), None), &NONE_GONE).is_err());
-        let answer = Change { kind: Kind::FenceRequest, operation: Operation::Update, sub_resource: Some("status"), name: "f", old: Some(&ab), new: Some(&ab) };
+        assert_eq!(
+            review(
+                "a",
+                &change(Kind::FenceRequest, Operation::Create, "f", None, Some(&ab)),
+                &NONE_GONE
+            ),
+            Ok(())
+        );
+        assert!(
+            review(
+                "a",
+                &change(Kind::FenceRequest, Operation::Create, "f", None, Some(&ba)),
+                &NONE_GONE
+            )
+            .is_err()
+        );
+        assert!(
+            review(
+                "a",
+                &change(Kind::FenceRequest, Operation::Create, "f", None, Some(&aa)),
+                &NONE_GONE
+            )
+            .is_err()
+        );
+        assert_eq!(
+            review(
+                "a",
+                &change(Kind::FenceRequest, Operation::Delete, "f", Some(&ab), None),
+                &NONE_GONE
+            ),
+            Ok(())
+        );
+        assert!(
+            review(
+                "b",
+                &change(Kind::FenceRequest, Operation::Delete, "f", Some(&ab), None),
+                &NONE_GONE
+            )
+            .is_err()
+        );
+        let answer = Change {
+            kind: Kind::FenceRequest,
+            operation: Operation::Update,
+            sub_resource: Some("status"),
+            name: "f",
+            old: Some(&ab),
+            new: Some(&ab),
+        };
         assert!(review("a", &answer, &NONE_GONE).is_err());
     }
 
     #[test]
     fn malformed_objects_are_refused_with_the_reason() {
         let junk = json!({ "spec": { "consumers": "nope" } });
-        let e = review("a", &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&junk)), &NONE_GONE).unwrap_err();
+        let e = review(
+            "a",
+            &change(Kind::Attachment, Operation::Create, "pv1", None, Some(&junk)),
+            &NONE_GONE,
+        )
+        .unwrap_err();
         assert!(e.contains("does not parse"), "{e}");
-        let e = review("a", &change(Kind::Attachment, Operation::Update, "pv1", None, Some(&junk)), &NONE_GONE).unwrap_err();
+        let e = review(
+            "a",
+            &change(Kind::Attachment, Operation::Update, "pv1", None, Some(&junk)),
+            &NONE_GONE,
+        )
+        .unwrap_err();
         assert!(e.contains("missing"), "{e}");
     }
 }

@@ -124,7 +124,10 @@ const GLUSTERFS: &[(&str, Value)] = &[
     ("fopen-keep-cache", Value::None),
     ("backup-volfile-servers", Value::Servers),
     ("log-file", Value::Path),
-    ("log-level", Value::OneOf(&["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRACE", "NONE"])),
+    (
+        "log-level",
+        Value::OneOf(&["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRACE", "NONE"]),
+    ),
     ("transport", Value::OneOf(&["tcp", "rdma", "socket"])),
     ("direct-io-mode", Value::OneOf(&["enable", "disable", "auto"])),
     ("attribute-timeout", Value::Number),
@@ -169,7 +172,11 @@ mod tests {
         ] {
             assert_eq!(allowed(fs, key), None, "{fs} {key}");
         }
-        assert_eq!(allowed("ext4", "errors"), Some(Value::OneOf(&["continue", "remount-ro"])), "errors=panic is not among them");
+        assert_eq!(
+            allowed("ext4", "errors"),
+            Some(Value::OneOf(&["continue", "remount-ro"])),
+            "errors=panic is not among them"
+        );
         assert_eq!(allowed("btrfs", "noatime"), Some(Value::None), "mount flags are good anywhere");
         assert_eq!(allowed("glusterfs", "log-file"), Some(Value::Path));
     }

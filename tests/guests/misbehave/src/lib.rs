@@ -19,8 +19,8 @@
 use std::hint::black_box;
 use volagent_guest_sdk::{
     AttachDevice, BackendInfo, BindMount, Capabilities, CleanupItem, CleanupReason, Consumer,
-    Decision, DeviceKind, DeviceSpec, Holder, Host, LogLevel, NodeFacts, NodePaths, PathRoot,
-    Plan, Policy, PolicyError, RbdSpec, Step, StepKind, TakeOver, Unmount, Volume, plans,
+    Decision, DeviceKind, DeviceSpec, Holder, Host, LogLevel, NodeFacts, NodePaths, PathRoot, Plan,
+    Policy, PolicyError, RbdSpec, Step, StepKind, TakeOver, Unmount, Volume, plans,
 };
 
 pub struct Misbehave;
@@ -34,7 +34,12 @@ impl Policy for Misbehave {
             version: "0.0.1".into(),
             description: "test-only: misbehaves on request".into(),
             capabilities: Capabilities {
-                steps: vec![StepKind::AttachDevice, StepKind::BindMount, StepKind::Unmount, StepKind::Mount],
+                steps: vec![
+                    StepKind::AttachDevice,
+                    StepKind::BindMount,
+                    StepKind::Unmount,
+                    StepKind::Mount,
+                ],
                 device_kinds: vec![DeviceKind::Loop],
                 filesystems: vec!["ext4".into()],
                 network_filesystems: vec![],
@@ -71,7 +76,9 @@ impl Policy for Misbehave {
                 }
                 Ok(Decision::Grant)
             }
-            "takeover-live" => Ok(Decision::TakeOver(TakeOver { stale: holders, fence_steps: vec![] })),
+            "takeover-live" => {
+                Ok(Decision::TakeOver(TakeOver { stale: holders, fence_steps: vec![] }))
+            }
             _ => Ok(Decision::Grant),
         }
     }
@@ -83,7 +90,9 @@ impl Policy for Misbehave {
         _local_holders: Vec<Holder>,
         paths: NodePaths,
     ) -> Result<Plan, PolicyError> {
-        let bind = |source: String, target: String| Step::BindMount(BindMount { source, target, read_only: false });
+        let bind = |source: String, target: String| {
+            Step::BindMount(BindMount { source, target, read_only: false })
+        };
         match volume.name.as_str() {
             "undeclared-device" => Ok(vec![Step::AttachDevice(AttachDevice {
                 id: "dev".into(),
@@ -98,14 +107,26 @@ impl Policy for Misbehave {
                 read_only: false,
             })]),
             "escape" => Ok(vec![bind(paths.staging_dir.clone(), "/etc".into())]),
-            "dotdot" => Ok(vec![bind(paths.staging_dir.clone(), format!("{}/../../..", requester.mount_dir))]),
-            "refuse" => Err(PolicyError::InvalidOptions(format!("volume {} is refused on request", volume.name))),
-            "huge-plan" => Ok((0..1_000_000).map(|_| Step::Unmount(Unmount { target: String::new(), force: false })).collect()),
-            "big-plan" => Ok((0..5_000).map(|_| Step::Unmount(Unmount { target: String::new(), force: false })).collect()),
+            "dotdot" => Ok(vec![bind(
+                paths.staging_dir.clone(),
+                format!("{}/../../..", requester.mount_dir),
+            )]),
+            "refuse" => Err(PolicyError::InvalidOptions(format!(
+                "volume {} is refused on request",
+                volume.name
+            ))),
+            "huge-plan" => Ok((0..1_000_000)
+                .map(|_| Step::Unmount(Unmount { target: String::new(), force: false }))
+                .collect()),
+            "big-plan" => Ok((0..5_000)
+                .map(|_| Step::Unmount(Unmount { target: String::new(), force: false }))
+                .collect()),
             "huge-error" => Err(PolicyError::InvalidOptions("x".repeat(2 << 20))),
             "ask-etc" => {
                 let kind = host.path_kind("/etc/shadow");
-                Err(PolicyError::Unsupported(format!("the host answered {kind:?} about /etc/shadow")))
+                Err(PolicyError::Unsupported(format!(
+                    "the host answered {kind:?} about /etc/shadow"
+                )))
             }
             _ => Ok(vec![plans::bind_into_pod(&paths, &requester)]),
         }
@@ -121,7 +142,11 @@ impl Policy for Misbehave {
         Ok(plans::unstage(&consumer, &local_holders, &paths, None, false))
     }
 
-    fn cleanup(_host: &dyn Host, _reason: CleanupReason, _items: Vec<CleanupItem>) -> Result<Plan, PolicyError> {
+    fn cleanup(
+        _host: &dyn Host,
+        _reason: CleanupReason,
+        _items: Vec<CleanupItem>,
+    ) -> Result<Plan, PolicyError> {
         Ok(vec![])
     }
 }

@@ -26,18 +26,36 @@ impl Policy for NetImport {
         }
     }
 
-    fn fence(_: &dyn Host, volume: Volume, _: Consumer, _: Vec<Holder>, _: Vec<NodeFacts>) -> Result<Decision, PolicyError> {
+    fn fence(
+        _: &dyn Host,
+        volume: Volume,
+        _: Consumer,
+        _: Vec<Holder>,
+        _: Vec<NodeFacts>,
+    ) -> Result<Decision, PolicyError> {
         match std::net::TcpStream::connect("127.0.0.1:9") {
             Ok(_) => Ok(Decision::Grant),
             Err(e) => Ok(Decision::Deny(format!("{}: {e}", volume.name))),
         }
     }
 
-    fn attach(_: &dyn Host, _: Volume, _: Consumer, _: Vec<Holder>, _: NodePaths) -> Result<Plan, PolicyError> {
+    fn attach(
+        _: &dyn Host,
+        _: Volume,
+        _: Consumer,
+        _: Vec<Holder>,
+        _: NodePaths,
+    ) -> Result<Plan, PolicyError> {
         Ok(vec![])
     }
 
-    fn detach(_: &dyn Host, _: Volume, _: Consumer, _: Vec<Holder>, _: NodePaths) -> Result<Plan, PolicyError> {
+    fn detach(
+        _: &dyn Host,
+        _: Volume,
+        _: Consumer,
+        _: Vec<Holder>,
+        _: NodePaths,
+    ) -> Result<Plan, PolicyError> {
         Ok(vec![])
     }
 

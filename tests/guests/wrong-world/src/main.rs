@@ -1,1 +1,3 @@
-fn main() { println!("I am not a volagent backend"); }
+fn main() {
+    println!("I am not a volagent backend");
+}
