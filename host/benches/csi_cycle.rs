@@ -98,7 +98,7 @@ fn main() {
         std::fs::copy(&image, &copy).expect("copy of the volume");
         agents.push(rt.block_on(AgentUnderTest::start(&scratch, &name, other, &copy)));
     }
-    for a in agents.iter_mut() {
+    for a in &mut agents {
         let rpc = rt.block_on(a.rpc_latency());
         println!(
             "{}: gRPC round trip (NodeGetCapabilities): p50 {:.2} ms",
@@ -121,7 +121,7 @@ fn main() {
                 0 => kernel.cycle(&mut k.up, &mut k.down),
                 n => {
                     let s = &mut samples[n - 1];
-                    rt.block_on(agents[n - 1].cycle(&mut s.up, &mut s.down))
+                    rt.block_on(agents[n - 1].cycle(&mut s.up, &mut s.down));
                 }
             }
         }
@@ -130,7 +130,7 @@ fn main() {
     drop(agents);
     let kernel = (summarize(&mut k.up), summarize(&mut k.down));
     let row = |name: &str, s: &Summary| {
-        println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3)
+        println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
     };
     println!(
         "CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles, {} other loop devices attached",

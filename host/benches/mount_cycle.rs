@@ -73,7 +73,7 @@ fn main() {
     let (mount, unmount) = (summarize(&mut up), summarize(&mut down));
     let kernel = (summarize(&mut k_up), summarize(&mut k_down));
     let row = |name: &str, s: &Summary| {
-        println!("{name:<44} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3)
+        println!("{name:<44} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
     };
     println!(
         "mount/unmount cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles",

@@ -407,7 +407,7 @@ mod tests {
                 on_worker(true, move || {
                     inside.0.send(()).unwrap();
                     release.1.recv().unwrap();
-                })
+                });
             });
             inside.1.recv_timeout(Duration::from_secs(10)).expect("the first holds its worker");
             // The other worker runs this one, and must not be held too.
@@ -426,7 +426,7 @@ mod tests {
                     assert_eq!(held(), 1);
                     may_take_long(|| assert_eq!(held(), 0));
                     assert!(!HOLDING.get());
-                })
+                });
             })
             .await
             .unwrap();

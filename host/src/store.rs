@@ -51,10 +51,10 @@ impl Reopening {
             drop(guard);
             match self.reopen() {
                 Ok(()) => {
-                    tracing::warn!(path = %self.path.display(), "database opened again after a failed write")
+                    tracing::warn!(path = %self.path.display(), "database opened again after a failed write");
                 }
                 Err(why) => {
-                    tracing::error!(path = %self.path.display(), "database closed after a failed write; opening it again failed: {why}")
+                    tracing::error!(path = %self.path.display(), "database closed after a failed write; opening it again failed: {why}");
                 }
             }
         }

@@ -563,9 +563,9 @@ fn the_policy_and_the_webhook_agree_but_where_cel_cannot_look() {
             ),
         }
         if cel.is_ok() {
-            allowed += 1
+            allowed += 1;
         } else {
-            denied += 1
+            denied += 1;
         }
         // Anyone but the agents is left to RBAC; an agent whose token
         // names no node may write nothing.

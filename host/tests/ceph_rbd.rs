@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 fn volagent_keyring(dir: &Path, scratch: &Path) -> PathBuf {
     let key = ceph_common::volagent_key(dir);
     let keyring = scratch.join("volagent.keyring");
-    std::fs::write(&keyring, format!("[client.volagent]\n\tkey = {}\n", key)).unwrap();
+    std::fs::write(&keyring, format!("[client.volagent]\n\tkey = {key}\n")).unwrap();
     keyring
 }
 

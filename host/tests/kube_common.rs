@@ -98,7 +98,7 @@ pub async fn create_pv(
     mode: &str,
     options: &[(&str, &str)],
 ) {
-    create_pv_with(client, name, backend, mode, options, None).await
+    create_pv_with(client, name, backend, mode, options, None).await;
 }
 
 /// [`create_pv`] with node affinity to `node` (by `kubernetes.io/hostname`).

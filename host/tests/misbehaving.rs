@@ -178,7 +178,7 @@ fn a_component_importing_sockets_is_refused() {
     let err = load_err(&rt, Path::new(NET_IMPORT));
     match &err {
         LoadError::DisallowedImport { import, .. } => {
-            assert!(import.starts_with("wasi:sockets/"), "{err}")
+            assert!(import.starts_with("wasi:sockets/"), "{err}");
         }
         other => panic!("expected a disallowed import, got {other}"),
     }

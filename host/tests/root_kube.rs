@@ -667,7 +667,7 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
         c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty(),
         "nothing left mounted or attached"
     );
-    for (node, agent) in c.agents.iter_mut() {
+    for (node, agent) in &mut c.agents {
         assert!(agent.try_wait().expect("agent status").is_none(), "{node}'s agent serves on");
     }
 }

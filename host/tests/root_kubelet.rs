@@ -289,7 +289,7 @@ fn take_over_from_a_dead_node(gone: Gone) {
             c.rt.block_on(nodes.delete("node-a", &Default::default())).expect("delete node-a");
         }
         Gone::OutOfService => {
-            c.rt.block_on(kube_common::taint_out_of_service(&c.client(), "node-a"))
+            c.rt.block_on(kube_common::taint_out_of_service(&c.client(), "node-a"));
         }
     }
     c.wait_pod("w", "Ready after the take-over (it writes, so its device is read-write)", is_ready);

@@ -515,7 +515,7 @@ fn write_md_1_0_superblock(image: &Path) {
     let sum: u64 = (0..256)
         .step_by(4)
         .filter(|i| *i != 216)
-        .map(|i| u32::from_le_bytes(sb[i..i + 4].try_into().expect("4 bytes")) as u64)
+        .map(|i| u64::from(u32::from_le_bytes(sb[i..i + 4].try_into().expect("4 bytes"))))
         .sum();
     let csum = ((sum & 0xffff_ffff) + (sum >> 32)) as u32;
     put32(&mut sb, 216, csum);

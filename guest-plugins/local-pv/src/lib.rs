@@ -247,7 +247,7 @@ impl Policy for LocalPv {
             let spec = loop_spec(&item.volume, &src);
             match reason {
                 CleanupReason::StaleNode => {
-                    plan.extend(plans::teardown(&item.holders, &item.paths, spec, false))
+                    plan.extend(plans::teardown(&item.holders, &item.paths, spec, false));
                 }
                 CleanupReason::StorageClusterDeleted => {
                     return Err(PolicyError::Unsupported(format!(

@@ -39,7 +39,7 @@ pub struct WasmHost;
 
 impl Host for WasmHost {
     fn log(&self, level: LogLevel, message: &str) {
-        bindings::volagent::policy::host::log(level, message)
+        bindings::volagent::policy::host::log(level, message);
     }
     fn node_state(&self, name: &str) -> NodeFacts {
         bindings::volagent::policy::host::node_state(name)

@@ -81,7 +81,7 @@ pub fn table(status: &NodeVolumes) -> String {
     let held = status.volumes.len() + status.volumes_left_out;
     match held {
         0 if status.volumes_error.is_none() => {
-            out.push_str(&format!("node {} holds no volumes\n", cell(&status.node)))
+            out.push_str(&format!("node {} holds no volumes\n", cell(&status.node)));
         }
         0 => out.push_str(&format!("node {}\n", cell(&status.node))),
         1 => out.push_str(&format!("node {} holds 1 volume\n", cell(&status.node))),

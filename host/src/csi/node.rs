@@ -88,10 +88,10 @@ impl NodeService {
         crate::metrics::get().operation(op, &self.backend, result_label(&r), elapsed);
         match &r {
             Ok(_) => {
-                tracing::info!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call done")
+                tracing::info!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call done");
             }
             Err(e) => {
-                tracing::warn!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call failed: {e:?}")
+                tracing::warn!(op, backend = %self.backend, volume, took_ms = elapsed.as_secs_f64() * 1e3, "csi call failed: {e:?}");
             }
         }
         r.map(Response::new).map_err(status)
@@ -259,7 +259,7 @@ impl Node for NodeService {
                 .map_err(|_| CsiError::NotFound(format!("volume {id} is not at {}", asked.volume_path)))?;
             let size = agent.csi_expand(&id, &path).await?;
             let required = asked.capacity_range.as_ref().map(|c| c.required_bytes).unwrap_or(0);
-            if required > 0 && (size as i128) < required as i128 {
+            if required > 0 && i128::from(size) < i128::from(required) {
                 return Err(CsiError::OutOfRange(format!("volume {id} grew to its device's {size} bytes, less than the {required} asked: the storage under it has not grown enough")));
             }
             Ok(size)

@@ -126,10 +126,10 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
                         }
                         match move_node(&client, &name).await {
                             Ok(moved) => {
-                                tracing::warn!(node = %name, moved, "Node deleted: its attachments moved to its cleanup list")
+                                tracing::warn!(node = %name, moved, "Node deleted: its attachments moved to its cleanup list");
                             }
                             Err(e) => {
-                                tracing::error!(node = %name, "moving a deleted node's attachments: {e:#} (the next scan retries)")
+                                tracing::error!(node = %name, "moving a deleted node's attachments: {e:#} (the next scan retries)");
                             }
                         }
                     });
@@ -362,7 +362,7 @@ async fn fence_clients(client: &kube::Client, record: &Attachment, node: &str) -
                 fenced.push(c.id);
             }
             Err(e) => {
-                tracing::error!(%volume, %node, "cannot fence the gone node's storage client: {e}")
+                tracing::error!(%volume, %node, "cannot fence the gone node's storage client: {e}");
             }
         }
     }

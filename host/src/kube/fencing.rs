@@ -128,10 +128,10 @@ async fn tend(client: &kube::Client, api: &Api<FenceRequest>, request: FenceRequ
             let s = &request.spec;
             match status.phase {
                 FencePhase::Fenced => {
-                    tracing::warn!(request = %name, volume = %s.volume, node = %s.node, address = %s.address, requester = %s.requester, "fenced a gone node's storage client")
+                    tracing::warn!(request = %name, volume = %s.volume, node = %s.node, address = %s.address, requester = %s.requester, "fenced a gone node's storage client");
                 }
                 FencePhase::Refused => {
-                    tracing::error!(request = %name, volume = %s.volume, requester = %s.requester, "refused to fence: {}", status.message.as_deref().unwrap_or(""))
+                    tracing::error!(request = %name, volume = %s.volume, requester = %s.requester, "refused to fence: {}", status.message.as_deref().unwrap_or(""));
                 }
             }
             let patch = serde_json::json!({ "status": status });

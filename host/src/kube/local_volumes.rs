@@ -338,7 +338,7 @@ async fn wipe(
             cluster.pv_event(&op.volume, &op.pv_uid, false, "WipeComplete", &message).await;
         }
         Err(Refused::Busy(message)) => {
-            tracing::info!(volume = %op.volume, "wipe of a released local volume waits: {message}")
+            tracing::info!(volume = %op.volume, "wipe of a released local volume waits: {message}");
         }
         Err(Refused::Failed(message)) => {
             metrics.local_wipe("unknown", bytes, "error", took);

@@ -146,10 +146,11 @@ impl Cluster {
                     );
                 }
                 (None, _) => {
-                    why_not_pv = format!("PersistentVolume {} is not a Flexvolume volume", req.name)
+                    why_not_pv =
+                        format!("PersistentVolume {} is not a Flexvolume volume", req.name);
                 }
                 (Some(_), None) => {
-                    why_not_pv = format!("PersistentVolume {} is bound to no claim", req.name)
+                    why_not_pv = format!("PersistentVolume {} is bound to no claim", req.name);
                 }
                 (Some(flex), Some(claim)) => {
                     let claim_name = claim.name.as_deref().unwrap_or_default();

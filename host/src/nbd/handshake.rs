@@ -144,7 +144,10 @@ pub fn options<S: Read + Write>(
             if length > MAX_SKIPPED_LEN {
                 return Err(ProtocolError::Handshake(format!("option {option} of {length} bytes")));
             }
-            std::io::copy(&mut Read::by_ref(n.stream).take(length as u64), &mut std::io::sink())?;
+            std::io::copy(
+                &mut Read::by_ref(n.stream).take(u64::from(length)),
+                &mut std::io::sink(),
+            )?;
             n.error(option, wire::REP_ERR_TOO_BIG, "option too long")?;
             continue;
         }

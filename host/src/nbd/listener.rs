@@ -75,7 +75,7 @@ impl Listener {
         // Only a stale socket is replaced, never another kind of file.
         match std::fs::symlink_metadata(path) {
             Ok(m) if m.file_type().is_socket() => {
-                std::fs::remove_file(path).map_err(failed("remove the stale socket"))?
+                std::fs::remove_file(path).map_err(failed("remove the stale socket"))?;
             }
             Ok(_) => return Err(ListenError::NotASocket { path: path.to_path_buf() }),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}

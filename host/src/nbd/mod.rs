@@ -284,7 +284,7 @@ fn accept_loop(
             match result {
                 Ok(()) => tracing::debug!("nbd client left"),
                 Err(ProtocolError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    tracing::debug!("nbd client left mid-message")
+                    tracing::debug!("nbd client left mid-message");
                 }
                 Err(e) => tracing::info!("nbd connection closed: {e}"),
             }

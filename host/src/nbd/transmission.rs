@@ -182,7 +182,7 @@ impl<W: Write> Conn<'_, W> {
             return Err(refuse(wire::EPERM, "the export is read-only"));
         }
         if r.kind != wire::CMD_FLUSH {
-            let end = r.offset.checked_add(r.length as u64);
+            let end = r.offset.checked_add(u64::from(r.length));
             if end.is_none_or(|end| end > export.size()) {
                 let errno = if writes { wire::ENOSPC } else { wire::EINVAL };
                 return Err(refuse(
@@ -202,16 +202,16 @@ impl<W: Write> Conn<'_, W> {
             wire::CMD_WRITE => export.write_at(&self.buf[..r.length as usize], r.offset, fua)?,
             wire::CMD_FLUSH => export.flush()?,
             wire::CMD_TRIM => {
-                export.trim(r.offset, r.length as u64)?;
+                export.trim(r.offset, u64::from(r.length))?;
                 if fua {
                     export.flush()?;
                 }
             }
-            wire::CMD_CACHE => export.cache(r.offset, r.length as u64)?,
+            wire::CMD_CACHE => export.cache(r.offset, u64::from(r.length))?,
             wire::CMD_WRITE_ZEROES => {
                 let punch = r.flags & wire::CMD_FLAG_NO_HOLE == 0;
                 let fast = r.flags & wire::CMD_FLAG_FAST_ZERO != 0;
-                export.write_zeroes(r.offset, r.length as u64, punch, fast)?;
+                export.write_zeroes(r.offset, u64::from(r.length), punch, fast)?;
                 if fua {
                     export.flush()?;
                 }

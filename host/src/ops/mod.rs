@@ -465,7 +465,7 @@ impl Agent {
                 (cluster.clone(), format!("volagent on {}: {}", self.config.node, f.message));
             let reason = reason.to_string();
             tokio::spawn(async move {
-                cluster.pod_event(&ns, &pod, &uid, true, &reason, &message).await
+                cluster.pod_event(&ns, &pod, &uid, true, &reason, &message).await;
             });
         }
     }
@@ -875,7 +875,7 @@ impl Agent {
                         "VolumeUnmountFailed",
                         &message,
                     )
-                    .await
+                    .await;
             });
         }
     }

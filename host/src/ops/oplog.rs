@@ -224,7 +224,7 @@ mod tests {
             elapsed: Duration::from_micros(12_345),
         };
         let lines = json_lines(|| {
-            log(&done, &Ok(Response::Ok { message: "mounted".into(), device: None }))
+            log(&done, &Ok(Response::Ok { message: "mounted".into(), device: None }));
         });
         assert_eq!(lines.len(), 1, "{lines:?}");
         let l = &lines[0];
@@ -335,7 +335,7 @@ mod tests {
             elapsed: Duration::ZERO,
         };
         let lines = json_lines(|| {
-            log(&done, &Err(Failure::new(FailureKind::BadRequest, "mount dir too long")))
+            log(&done, &Err(Failure::new(FailureKind::BadRequest, "mount dir too long")));
         });
         assert!(lines[0].to_string().len() < 8 << 10, "{} bytes", lines[0].to_string().len());
     }

@@ -371,7 +371,7 @@ mod tests {
     fn a_query_that_does_not_answer_fails_at_the_deadline() {
         let start = std::time::Instant::now();
         let r = bounded("lookup-path", "/mnt/disks/hung", Duration::from_millis(100), || {
-            std::thread::sleep(Duration::from_secs(2))
+            std::thread::sleep(Duration::from_secs(2));
         });
         assert!(matches!(r, Err(QueryError::Timeout { .. })), "{r:?}");
         assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());

@@ -216,7 +216,7 @@ impl Agent {
                     m.source
                 )),
                 Err(why) => {
-                    tracing::warn!(mount = %p, "orphan not cleaned by its backend ({why}); unmounting it plainly")
+                    tracing::warn!(mount = %p, "orphan not cleaned by its backend ({why}); unmounting it plainly");
                 }
             }
         }

@@ -402,7 +402,7 @@ impl Stash {
             match decoded {
                 Ok(p) => out.push(p),
                 Err(e) => {
-                    tracing::error!(stash = %self.dir.display(), target, "undecodable publication ignored: {e}")
+                    tracing::error!(stash = %self.dir.display(), target, "undecodable publication ignored: {e}");
                 }
             }
         }

@@ -322,7 +322,7 @@ impl Reloader {
                         "BackendDegraded",
                         &message,
                     )
-                    .await
+                    .await;
             });
         }
         report.rejected.push(format!("{file}: {reason}"));
@@ -398,7 +398,7 @@ impl Reloader {
             let config = DriverConfig { socket: i.socket.clone(), backend: backend.to_string() };
             match install::install_driver(vpd, &i.driver_binary, &config) {
                 Ok(path) => {
-                    tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}")
+                    tracing::info!(backend, driver = %path.display(), "Flexvolume driver installed: kubelet sees it as volagent/{backend}");
                 }
                 Err(e) => tracing::error!(backend, "Flexvolume driver not installed: {e}"),
             }
@@ -411,10 +411,10 @@ impl Reloader {
         if let Some(pod) = &i.pod {
             match install::register_container(&i.kubelet_root, backend, pod) {
                 Ok(path) => {
-                    tracing::info!(backend, file = %path.display(), "registered the agent's container for kubelet's mount utilities")
+                    tracing::info!(backend, file = %path.display(), "registered the agent's container for kubelet's mount utilities");
                 }
                 Err(e) => {
-                    tracing::error!(backend, "plugin-containers registration not written: {e}")
+                    tracing::error!(backend, "plugin-containers registration not written: {e}");
                 }
             }
         }

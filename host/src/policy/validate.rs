@@ -100,7 +100,7 @@ impl Scope {
                 }
             }
             Operation::Cleanup { reason, items } => {
-                for item in items.iter() {
+                for item in *items {
                     scope.add(&item.volume, &item.paths);
                     scope
                         .pod_mount_dirs
@@ -267,7 +267,7 @@ impl Checker<'_> {
                 } else {
                     match nbd.server.strip_prefix("unix:") {
                         Some(sock) => {
-                            clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?
+                            clean_absolute(sock).map_err(|e| format!("nbd server socket: {e}"))?;
                         }
                         None => host_port(&nbd.server)
                             .map_err(|e| format!("nbd server {:?}: {e}", nbd.server))?,
@@ -808,14 +808,14 @@ mod tests {
         ] {
             let e = refused(good(), 3, |s| {
                 if let Step::BindMount(b) = s {
-                    b.target = bad.into()
+                    b.target = bad.into();
                 }
             });
             assert_eq!((e.index, e.step), (3, "bind-mount"), "{bad}: {e}");
         }
         let e = refused(good(), 0, |s| {
             if let Step::AttachDevice(a) = s {
-                a.spec = DeviceSpec::Loop("/var/secret.img".into())
+                a.spec = DeviceSpec::Loop("/var/secret.img".into());
             }
         });
         assert!(e.reason.contains("/var/secret.img"), "{e}");
@@ -825,7 +825,7 @@ mod tests {
     fn only_the_volumes_own_local_path_may_be_used() {
         let e = refused(good(), 0, |s| {
             if let Step::AttachDevice(a) = s {
-                a.spec = DeviceSpec::Loop("/mnt/disks/other.img".into())
+                a.spec = DeviceSpec::Loop("/mnt/disks/other.img".into());
             }
         });
         assert!(e.reason.contains("a local volume this plan's volume does not name"), "{e}");
@@ -864,12 +864,12 @@ mod tests {
                     connections: 1,
                 }),
                 read_only: false,
-            })
+            });
         });
         assert!(e.reason.contains("device kind nbd"), "{e}");
         let e = refused(good(), 1, |s| {
             if let Step::Format(f) = s {
-                f.fs_type = "btrfs".into()
+                f.fs_type = "btrfs".into();
             }
         });
         assert!(e.reason.contains("btrfs"), "{e}");
@@ -936,7 +936,7 @@ mod tests {
         assert!(e.reason.contains("destroys data"), "{e}");
         let e = refused(good(), 1, |s| {
             if let Step::Format(f) = s {
-                f.mode = FormatMode::Always
+                f.mode = FormatMode::Always;
             }
         });
         assert!(e.reason.contains("destroys data"), "{e}");
@@ -1098,7 +1098,7 @@ mod tests {
         ] {
             let e = refused(good(), 2, |s| {
                 if let Step::Mount(m) = s {
-                    m.options = vec![option.into()]
+                    m.options = vec![option.into()];
                 }
             });
             assert!(e.reason.contains(expected), "{option}: {e}");
@@ -1137,19 +1137,19 @@ mod tests {
         let long = format!("{STAGING}/{}", "x".repeat(MAX_PATH));
         let e = refused(good(), 3, |s| {
             if let Step::BindMount(b) = s {
-                b.target = long.clone()
+                b.target = long.clone();
             }
         });
         assert!(e.reason.contains("bytes long"), "{e}");
         let e = refused(good(), 0, |s| {
             if let Step::AttachDevice(a) = s {
-                a.id = "d".repeat(MAX_TEXT + 1)
+                a.id = "d".repeat(MAX_TEXT + 1);
             }
         });
         assert!(e.reason.contains("bytes long"), "{e}");
         let e = refused(good(), 2, |s| {
             if let Step::Mount(m) = s {
-                m.options = vec!["noatime".into(); MAX_LIST + 1]
+                m.options = vec!["noatime".into(); MAX_LIST + 1];
             }
         });
         assert!(e.reason.contains("mount options, more than"), "{e}");

@@ -209,7 +209,7 @@ impl Roots {
         }
         let mut at = root.dir()?;
         let mut made = false;
-        for name in rel.iter() {
+        for name in rel {
             made = match nix::sys::stat::mkdirat(at.as_fd(), name, Mode::from_bits_truncate(0o750))
             {
                 Ok(()) => true,

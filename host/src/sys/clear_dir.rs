@@ -87,8 +87,7 @@ pub fn clear(top: OwnedFd, path: &Path) -> Result<u64, SysError> {
                     return Err(SysError::Refused {
                         path: path.to_path_buf(),
                         what: format!(
-                            "{:?} inside it is another filesystem (a mount): not cleared",
-                            name
+                            "{name:?} inside it is another filesystem (a mount): not cleared"
                         ),
                     });
                 }

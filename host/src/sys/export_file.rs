@@ -153,7 +153,7 @@ impl Export for FileExport {
     }
 
     fn extents(&self, offset: u64, length: u32, max: usize) -> io::Result<Vec<Extent>> {
-        let end = offset + length as u64;
+        let end = offset + u64::from(length);
         if self.block_device {
             return Ok(vec![Extent { length, hole: false }]);
         }

@@ -675,7 +675,7 @@ impl Filesystems for Linux {
         match fs_type {
             "ext4" => {
                 check("resize2fs", device, run("resize2fs", &[], device, self.deadlines.mkfs)?)
-                    .map(drop)?
+                    .map(drop)?;
             }
             "xfs" => {
                 let dir = self.roots.open_at(mount_point, OFlag::O_RDONLY | OFlag::O_DIRECTORY)?;
@@ -689,7 +689,7 @@ impl Filesystems for Linux {
                     mount_point,
                     run("xfs_growfs", &["-d"], &held, self.deadlines.mkfs)?,
                 )
-                .map(drop)?
+                .map(drop)?;
             }
             other => {
                 return Err(SysError::Refused {

@@ -272,7 +272,7 @@ pub fn keep(device: &Path, backing: FileId) -> Result<bool, SysError> {
         // SAFETY: `info` is the device's own status, one flag cleared; the fd is open.
         match unsafe { loop_set_status64(dev.as_raw_fd(), &info) } {
             Ok(_) => {
-                tracing::info!(device = %device.display(), "took back a loop device whose detach waited for its last user (a filesystem on it unmounted lazily while in use)")
+                tracing::info!(device = %device.display(), "took back a loop device whose detach waited for its last user (a filesystem on it unmounted lazily while in use)");
             }
             Err(nix::errno::Errno::ENXIO) => return Ok(false),
             Err(e) => return Err(errno("keep loop device", device)(e)),

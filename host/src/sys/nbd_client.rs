@@ -522,7 +522,7 @@ impl NbdClients for NbdFuse {
         for f in [self.pid_file(key), self.log_file(key), self.client_file(key)] {
             match std::fs::remove_file(&f) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    tracing::warn!(file = %f.display(), "left in place: {e}")
+                    tracing::warn!(file = %f.display(), "left in place: {e}");
                 }
                 _ => {}
             }

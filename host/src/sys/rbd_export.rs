@@ -140,7 +140,7 @@ pub fn libraries_available() -> bool {
 
 impl Api {
     fn get() -> Result<&'static Api, RbdError> {
-        API.get_or_init(|| Api::load().map_err(|e| e.to_string()))
+        API.get_or_init(|| Api::load().map_err(|e| e.clone()))
             .as_ref()
             .map_err(|e| RbdError::Library(e.clone()))
     }

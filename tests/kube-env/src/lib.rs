@@ -405,10 +405,7 @@ impl KubeEnv {
                 bail!("kube-apiserver exited ({status}) before it was ready\n{}", log_tail(&log));
             }
             let request = http::Request::get("/readyz").body(Vec::new())?;
-            let last = match probe.request_text(request).await {
-                Ok(_) => return Ok(()),
-                Err(e) => e,
-            };
+            let Err(last) = probe.request_text(request).await else { return Ok(()) };
             if Instant::now() > deadline {
                 bail!(
                     "kube-apiserver not ready after {READY_TIMEOUT:?} (last: {last})\n{}",
