@@ -76,7 +76,7 @@ pub const MAX_CONNECTIONS: usize = 64;
 
 pub async fn serve(listener: tokio::net::TcpListener, ready: Readiness) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let mut pause = crate::socket::server::AcceptPause::default();
+    let mut pause = crate::listener::AcceptPause::default();
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => {

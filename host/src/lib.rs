@@ -4,12 +4,14 @@
 //! Floors (arrows point down only): `cli` → `exec` → `policy`, `sys`.
 
 pub mod cli;
+pub mod clock;
 pub mod csi;
 pub mod exec;
 pub mod http;
 pub mod init;
 pub mod kube;
 pub mod ledger;
+pub mod listener;
 pub mod local;
 pub mod metrics;
 pub mod nbd;
@@ -22,3 +24,4 @@ pub mod socket;
 pub mod stats;
 pub mod store;
 pub mod sys;
+pub mod text;

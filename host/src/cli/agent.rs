@@ -325,7 +325,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             });
             tokio::spawn(crate::http::serve(listener, ready));
         }
-        server::ensure_free(&socket)?;
+        crate::listener::ensure_free(&socket)?;
         // Before serving (and before the socket appears, so callers wait or
         // retry): repair what a crash left, so the first request meets a node
         // whose records and mounts agree.
@@ -345,7 +345,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         if let Some(csi) = &csi {
             csi.start();
         }
-        let listener = match server::bind(&socket) {
+        let listener = match crate::listener::bind(&socket) {
             Ok(l) => l,
             Err(e) => {
                 if let Some(csi) = &csi {

@@ -205,8 +205,8 @@ impl Drivers {
         let registration = registration_path(&config.kubelet_root, backend);
         // kubelet dials the endpoint as it spells its root.
         let endpoint = socket_path(&config.kubelet_root_given, backend).display().to_string();
-        let driver_listener = crate::socket::server::bind_std(&socket)
-            .map_err(|e| format!("CSI driver {driver}: {e}"))?;
+        let driver_listener =
+            crate::listener::bind_std(&socket).map_err(|e| format!("CSI driver {driver}: {e}"))?;
         let (stop, stopped) = tokio::sync::watch::channel(false);
         if let Err(e) =
             self.serve_driver(backend, driver_listener, &stopped, &format!("CSI driver {driver}"))
@@ -218,7 +218,7 @@ impl Drivers {
         // it sees it.
         let state = Arc::new(Mutex::new(Registered::NotYet));
         let _entered = self.rt.enter();
-        let reg_listener = match crate::socket::server::bind(&registration) {
+        let reg_listener = match crate::listener::bind(&registration) {
             Ok(l) => l,
             Err(e) => {
                 let _ = stop.send(true);

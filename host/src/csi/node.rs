@@ -198,7 +198,7 @@ impl Node for NodeService {
         let id = request::volume_id(&r.volume_id).map_err(|_| {
             Status::not_found(format!(
                 "no volume {:?} on this node",
-                crate::ops::bounded(r.volume_id.clone(), 300)
+                crate::text::bounded(r.volume_id.clone(), 300)
             ))
         })?;
         if r.volume_path.is_empty() {
@@ -246,7 +246,7 @@ impl Node for NodeService {
             if asked.volume_id.is_empty() {
                 return Err(CsiError::Invalid("volume_id is missing".into()));
             }
-            let id = request::volume_id(&asked.volume_id).map_err(|_| CsiError::NotFound(format!("no volume {:?} on this node", crate::ops::bounded(asked.volume_id.clone(), 300))))?;
+            let id = request::volume_id(&asked.volume_id).map_err(|_| CsiError::NotFound(format!("no volume {:?} on this node", crate::text::bounded(asked.volume_id.clone(), 300))))?;
             if asked.volume_path.is_empty() {
                 return Err(CsiError::Invalid("volume_path is missing".into()));
             }

@@ -43,7 +43,7 @@ impl Registration for RegistrationService {
             tracing::info!(driver = %self.driver, "kubelet registered the CSI driver");
             Registered::Yes
         } else {
-            let error = crate::ops::bounded(r.error, 1024);
+            let error = crate::text::bounded(r.error, 1024);
             tracing::error!(driver = %self.driver, "kubelet did not register the CSI driver: {error}");
             Registered::Refused(error)
         };

@@ -39,7 +39,7 @@ pub fn volume_id(id: &str) -> Result<String, CsiError> {
     {
         return Err(invalid(format!(
             "volume_id {:?} is not a Kubernetes object name (lowercase letters, digits, '-' and '.', at most {MAX_ID}, starting and ending alphanumeric)",
-            crate::ops::bounded(id.to_string(), 300)
+            crate::text::bounded(id.to_string(), 300)
         )));
     }
     Ok(id.to_string())
@@ -108,7 +108,7 @@ pub fn access(capability: Option<&VolumeCapability>) -> Result<Shape, CsiError> 
             }) {
                 return Err(invalid(format!(
                     "mount flag {:?} is empty, too long or holds a ',' (one flag per entry)",
-                    crate::ops::bounded(f.clone(), 64)
+                    crate::text::bounded(f.clone(), 64)
                 )));
             }
             if !m.volume_mount_group.is_empty() {

@@ -273,7 +273,7 @@ pub async fn move_node(client: &kube::Client, node: &str) -> anyhow::Result<usiz
             continue;
         }
         let volume = record.metadata.name.clone().unwrap_or_default();
-        let now = crate::ops::now_rfc3339();
+        let now = crate::clock::now_rfc3339();
         let entries: Vec<CleanupEntry> = mine
             .iter()
             .map(|c| CleanupEntry {

@@ -157,8 +157,8 @@ async fn tend(client: &kube::Client, api: &Api<FenceRequest>, request: FenceRequ
 pub async fn answer(client: &kube::Client, request: &FenceRequestSpec) -> FenceRequestStatus {
     let status = |phase, message: String| FenceRequestStatus {
         phase,
-        message: Some(crate::ops::bounded(message, 1024)),
-        answered_at: crate::ops::now_rfc3339(),
+        message: Some(crate::text::bounded(message, 1024)),
+        answered_at: crate::clock::now_rfc3339(),
     };
     match check_and_fence(client, request).await {
         Ok(done) => status(FencePhase::Fenced, done),

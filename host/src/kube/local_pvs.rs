@@ -124,7 +124,7 @@ async fn sync_node(
                     volume: name.clone(),
                     kind: LocalOperationKind::Delete,
                     pv_uid: uid.clone(),
-                    requested_at: crate::ops::now_rfc3339(),
+                    requested_at: crate::clock::now_rfc3339(),
                 });
                 out.requested.push(name.clone());
             }

@@ -10,10 +10,11 @@ use super::crds::{
     DiscoveredVolume, LocalOperation, LocalOperationPhase, LocalOperationStatus, NodeLocalVolumes,
     NodeLocalVolumesStatus, SkippedEntry,
 };
+use crate::clock::now_rfc3339;
 use crate::local::LocalClass;
 use crate::local::discovery::{self, Scan};
 use crate::local::report::{LocalState, RunningWipe};
-use crate::ops::{Agent, now_rfc3339};
+use crate::ops::Agent;
 use crate::policy::{AccessMode, KeyValue, Volume};
 use crate::socket::protocol::LocalVolumeLine;
 use futures_util::StreamExt;
@@ -269,13 +270,13 @@ impl Publisher {
                 s.message = None;
             }
             Err(Refused::Busy(message)) => {
-                s.message = Some(crate::ops::bounded(format!("waiting: {message}"), 4096));
+                s.message = Some(crate::text::bounded(format!("waiting: {message}"), 4096));
                 s.finished_at = None;
                 self.again.insert(done.op.volume.clone());
             }
             Err(Refused::Failed(message)) => {
                 s.phase = LocalOperationPhase::Error;
-                s.message = Some(crate::ops::bounded(message, 4096));
+                s.message = Some(crate::text::bounded(message, 4096));
             }
         }
     }

@@ -5,7 +5,8 @@
 //! that hangs does not hold up the others.
 
 use super::stash::Entry;
-use super::{Agent, Failure, internal, now_rfc3339};
+use super::{Agent, Failure, internal};
+use crate::clock::now_rfc3339;
 use crate::policy::{CleanupItem, CleanupReason, Holder, Step, Unmount};
 use std::collections::BTreeMap;
 use std::sync::Arc;

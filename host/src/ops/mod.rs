@@ -12,11 +12,13 @@ pub mod request;
 pub mod stash;
 mod takeover;
 
+use crate::clock::now_rfc3339;
 use crate::exec::Executor;
 use crate::ledger::{Ledger, LedgerError, Record, StorageClient, VolumeSource};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
 use crate::socket::protocol::{BackendStatus, FailureKind, Response};
 use crate::sys::Sys;
+use crate::text::bounded;
 use oplog::{Finished, Op, Subject};
 use queries::NodeQueries;
 use request::{MountDir, parse_mount, parse_mount_dir};
@@ -99,20 +101,6 @@ pub struct Failure {
 /// Longest message a failure carries: a guest's refusal or a tool's output
 /// may be of any size, and the reply must fit in a frame and an Event.
 pub const MAX_MESSAGE: usize = 8 << 10;
-
-/// `message` cut to at most `max` bytes, on a character boundary, marked.
-pub fn bounded(mut message: String, max: usize) -> String {
-    if message.len() > max {
-        let mut cut = max.saturating_sub(40);
-        while !message.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let dropped = message.len() - cut;
-        message.truncate(cut);
-        message.push_str(&format!("… ({dropped} more bytes cut)"));
-    }
-    message
-}
 
 impl Failure {
     pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
@@ -1216,10 +1204,6 @@ fn ceph_client(
 
 fn storage_cluster(volume: &Volume) -> Option<String> {
     volume.options.iter().find(|kv| kv.key == STORAGE_CLUSTER_OPTION).map(|kv| kv.value.clone())
-}
-
-pub fn now_rfc3339() -> String {
-    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 
 #[cfg(test)]

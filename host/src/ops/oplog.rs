@@ -4,8 +4,9 @@
 //! kubelet's options are read: other option values may be secrets.
 
 use super::request::MountDir;
-use super::{Agent, Failure, bounded};
+use super::{Agent, Failure};
 use crate::socket::protocol::{Request, Response};
+use crate::text::bounded;
 use std::collections::BTreeMap;
 use std::time::Duration;
 

@@ -166,7 +166,7 @@ impl NodeQueries {
         let roots: Vec<String> = self.roots.iter().map(|r| r.display().to_string()).collect();
         Err(QueryError::OutsideRoots {
             query,
-            path: crate::ops::bounded(path.to_string(), 512),
+            path: crate::text::bounded(path.to_string(), 512),
             roots: if roots.is_empty() { "none".into() } else { roots.join(", ") },
         })
     }

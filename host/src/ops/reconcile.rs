@@ -117,8 +117,10 @@ impl Agent {
     async fn record_holder_again(&self, entry: &super::stash::Entry) -> Result<bool, Failure> {
         let volume = &entry.volume;
         let current = self.ledger.get(&volume.name).await.map_err(super::ledger_failure)?;
-        let holder =
-            crate::policy::Holder { consumer: entry.consumer.clone(), since: super::now_rfc3339() };
+        let holder = crate::policy::Holder {
+            consumer: entry.consumer.clone(),
+            since: crate::clock::now_rfc3339(),
+        };
         let written = match current {
             Some((mut record, version)) => {
                 if record.holders.iter().any(|h| h.consumer.mount_dir == entry.consumer.mount_dir) {

@@ -417,7 +417,7 @@ impl Plugin {
             |b, s| b.volagent_policy_policy().call_condition(s, volume, consumer, paths).map(Ok),
             |_, _| Ok(Ok(None)),
         )?;
-        Ok(said.map(|m| crate::ops::bounded(m, 1024)))
+        Ok(said.map(|m| crate::text::bounded(m, 1024)))
     }
 
     /// The plan cleaning up `items`, checked against all their paths.

@@ -180,7 +180,7 @@ pub async fn run(
     let webhook = Arc::new(Webhook::new(client, config.agent.clone()));
     tracing::info!(addr = %config.addr, agent = %config.agent.username(), "admission webhook serving");
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let mut pause = crate::socket::server::AcceptPause::default();
+    let mut pause = crate::listener::AcceptPause::default();
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => {
