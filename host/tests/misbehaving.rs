@@ -282,10 +282,7 @@ fn a_two_mib_refusal_is_cut_to_a_bounded_message() {
     let plugin = load(&rt, MISBEHAVE);
     let err = attach_named(&plugin, "huge-error").unwrap_err();
     assert!(err.is_policy_refusal(), "{err}");
-    let failure = volagent::ops::Failure::new(
-        volagent::socket::protocol::FailureKind::Failed,
-        err.to_string(),
-    );
+    let failure = volagent::ops::Failure::new(volagent::ops::FailureKind::Failed, err.to_string());
     assert!(failure.message.len() <= volagent::ops::MAX_MESSAGE, "{}", failure.message.len());
     assert!(
         failure.message.ends_with("bytes cut)"),

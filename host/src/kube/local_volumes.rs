@@ -374,7 +374,7 @@ async fn wipe_volume(
         Arc::new(move |step, steps, kind| progress_state.step(&progress_name, step, steps, kind));
     agent.release_local_volume(checked.0, |m| state.set_method(name, m), progress).await.map_err(
         |f| match f.kind {
-            crate::socket::protocol::FailureKind::Busy => Refused::Busy(f.message),
+            crate::ops::FailureKind::Busy => Refused::Busy(f.message),
             _ => Refused::Failed(f.message),
         },
     )

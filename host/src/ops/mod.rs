@@ -3,6 +3,7 @@
 
 pub mod cleanup;
 pub mod csi;
+mod failure;
 pub mod held;
 pub mod oplog;
 pub mod queries;
@@ -16,9 +17,9 @@ use crate::clock::now_rfc3339;
 use crate::exec::Executor;
 use crate::ledger::{Ledger, LedgerError, Record, StorageClient, VolumeSource};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
-use crate::socket::protocol::{BackendStatus, FailureKind, Response};
+use crate::socket::protocol::BackendStatus;
 use crate::sys::Sys;
-use crate::text::bounded;
+pub use failure::{Done, Failure, FailureKind, MAX_MESSAGE};
 use oplog::{Finished, Op, Subject};
 use queries::NodeQueries;
 use request::{MountDir, parse_mount, parse_mount_dir};
@@ -85,37 +86,6 @@ impl NodeConfig {
             state_dir: self.state_dir.join("volumes").join(volume).display().to_string(),
             discovery_dirs: self.discovery_dirs.iter().map(|d| d.display().to_string()).collect(),
         }
-    }
-}
-
-/// A failed request: its kind (for retry decisions) and a message for users.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Failure {
-    pub kind: FailureKind,
-    pub message: String,
-    /// Denied by the backend's fence decision (another holder), as opposed
-    /// to refused by a trust rule: the two get different Event reasons.
-    pub fenced: bool,
-}
-
-/// Longest message a failure carries: a guest's refusal or a tool's output
-/// may be of any size, and the reply must fit in a frame and an Event.
-pub const MAX_MESSAGE: usize = 8 << 10;
-
-impl Failure {
-    pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
-        Failure { kind, message: bounded(message.into(), MAX_MESSAGE), fenced: false }
-    }
-
-    /// A denial by the fence decision.
-    pub fn fenced(message: impl Into<String>) -> Failure {
-        Failure { fenced: true, ..Failure::new(FailureKind::Denied, message) }
-    }
-}
-
-impl From<Failure> for Response {
-    fn from(f: Failure) -> Response {
-        Response::Failed { kind: f.kind, message: f.message }
     }
 }
 
@@ -404,7 +374,7 @@ impl Agent {
         backend: &str,
         mount_dir: &str,
         options: &BTreeMap<String, String>,
-    ) -> Result<Response, Failure> {
+    ) -> Result<Done, Failure> {
         let start = std::time::Instant::now();
         let mut subject = Subject::of_options(options);
         let result = self.mount_volume(backend, mount_dir, options, &mut subject).await;
@@ -557,7 +527,7 @@ impl Agent {
         mount_dir: &str,
         options: &BTreeMap<String, String>,
         subject: &mut Subject,
-    ) -> Result<Response, Failure> {
+    ) -> Result<Done, Failure> {
         let dir = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir)
             .map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         subject.learn_dir(&dir);
@@ -643,7 +613,7 @@ impl Agent {
         me: crate::policy::Consumer,
         secrets: crate::secret::Secrets,
         paths: NodePaths,
-    ) -> Result<Response, Failure> {
+    ) -> Result<Done, Failure> {
         let plugin = self.plugin(backend)?;
         let secrets = Arc::new(secrets);
         let devices = verified_devices(&volume).await?;
@@ -795,7 +765,7 @@ impl Agent {
             tracing::warn!(volume = %volume.name, "recording the volume's storage client failed: {}", e.message);
         }
         match result {
-            Ok(outcome) => Ok(Response::Ok {
+            Ok(outcome) => Ok(Done {
                 message: format!("volume {} mounted at {}", volume.name, me.mount_dir),
                 device: outcome.devices.values().next().map(|d| d.display().to_string()),
             }),
@@ -818,7 +788,7 @@ impl Agent {
 
     /// kubelet's `unmount <dir>`; a failure is also told to the cluster as
     /// an Event on the pod.
-    pub async fn unmount(&self, backend: &str, mount_dir: &str) -> Result<Response, Failure> {
+    pub async fn unmount(&self, backend: &str, mount_dir: &str) -> Result<Done, Failure> {
         let start = std::time::Instant::now();
         let mut subject = Subject::default();
         let result = self.unmount_volume(backend, mount_dir, &mut subject).await;
@@ -875,7 +845,7 @@ impl Agent {
         backend: &str,
         mount_dir: &str,
         subject: &mut Subject,
-    ) -> Result<Response, Failure> {
+    ) -> Result<Done, Failure> {
         let parsed = parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir)
             .map_err(|m| Failure::new(FailureKind::BadRequest, m))?;
         subject.learn_dir(&parsed);
@@ -889,7 +859,7 @@ impl Agent {
                 let mounted = blocking(move || sys.mount_at(&target)).await?.map_err(internal)?;
                 let Some(m) = mounted else {
                     // Nothing is there: a retry after success, or never mounted.
-                    return Ok(Response::Ok {
+                    return Ok(Done {
                         message: format!("{mount_dir} is not mounted"),
                         device: None,
                     });
@@ -927,7 +897,7 @@ impl Agent {
         backend: &str,
         entry: Entry,
         mount_dir: &str,
-    ) -> Result<Response, Failure> {
+    ) -> Result<Done, Failure> {
         let plugin = self.plugin(backend)?;
         let volume: Volume = entry.volume.clone();
         let mut lock = Some(self.lock(&volume.name)?);
@@ -947,7 +917,7 @@ impl Agent {
         self.remove_holder(&volume.name, mount_dir).await?;
         let dir = mount_dir.to_string();
         self.stash_op(move |s| s.remove(&dir)).await?;
-        Ok(Response::Ok {
+        Ok(Done {
             message: format!("volume {} unmounted from {mount_dir}", volume.name),
             device: None,
         })

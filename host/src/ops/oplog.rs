@@ -4,8 +4,7 @@
 //! kubelet's options are read: other option values may be secrets.
 
 use super::request::MountDir;
-use super::{Agent, Failure};
-use crate::socket::protocol::{Request, Response};
+use super::{Agent, Done, Failure};
 use crate::text::bounded;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -83,7 +82,7 @@ pub struct Finished<'a> {
 
 /// Log `done`'s line: info when it succeeded, warn (with the failure's
 /// already bounded message) when it did not.
-pub fn log(done: &Finished, result: &Result<Response, Failure>) {
+pub fn log(done: &Finished, result: &Result<Done, Failure>) {
     let op = done.op.name();
     let outcome = super::result_label(result);
     // Request strings are passed as &str: the text format quotes and
@@ -122,18 +121,24 @@ pub fn log(done: &Finished, result: &Result<Response, Failure>) {
     }
 }
 
+/// A mount or unmount as kubelet asked for it.
+#[derive(Debug, Clone, Copy)]
+pub enum Asked<'a> {
+    Mount { backend: &'a str, mount_dir: &'a str, options: &'a BTreeMap<String, String> },
+    Unmount { backend: &'a str, mount_dir: &'a str },
+}
+
 impl Agent {
     /// The line of a mount or unmount refused before it reached the
     /// pipeline (no operation slot came free).
-    pub fn log_unserved(&self, request: &Request, failure: &Failure, elapsed: Duration) {
-        let (op, backend, mount_dir, mut subject) = match request {
-            Request::Mount { backend, mount_dir, options } => {
+    pub fn log_unserved(&self, asked: Asked, failure: &Failure, elapsed: Duration) {
+        let (op, backend, mount_dir, mut subject) = match asked {
+            Asked::Mount { backend, mount_dir, options } => {
                 (Op::Mount, backend, mount_dir, Subject::of_options(options))
             }
-            Request::Unmount { backend, mount_dir } => {
+            Asked::Unmount { backend, mount_dir } => {
                 (Op::Unmount, backend, mount_dir, Subject::default())
             }
-            Request::Handshake { .. } | Request::Status => return,
         };
         if let Ok(dir) =
             super::request::parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir)
@@ -155,7 +160,7 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::socket::protocol::FailureKind;
+    use crate::ops::FailureKind;
     use std::sync::{Arc, Mutex};
 
     #[derive(Clone, Default)]
@@ -225,7 +230,7 @@ mod tests {
             elapsed: Duration::from_micros(12_345),
         };
         let lines = json_lines(|| {
-            log(&done, &Ok(Response::Ok { message: "mounted".into(), device: None }));
+            log(&done, &Ok(Done { message: "mounted".into(), device: None }));
         });
         assert_eq!(lines.len(), 1, "{lines:?}");
         let l = &lines[0];
@@ -363,22 +368,17 @@ mod tests {
         agent.unmount("nope", dir).await.unwrap();
         let busy =
             Failure::new(FailureKind::Busy, "all 16 operation slots stayed busy for 120s; retry");
+        let options = pod_options();
         agent.log_unserved(
-            &Request::Mount {
-                backend: "nope".into(),
-                mount_dir: dir.into(),
-                options: pod_options(),
-            },
+            Asked::Mount { backend: "nope", mount_dir: dir, options: &options },
             &busy,
             Duration::from_secs(120),
         );
         agent.log_unserved(
-            &Request::Unmount { backend: "nope".into(), mount_dir: "/elsewhere".into() },
+            Asked::Unmount { backend: "nope", mount_dir: "/elsewhere" },
             &busy,
             Duration::ZERO,
         );
-        agent.log_unserved(&Request::Status, &busy, Duration::ZERO);
-        agent.log_unserved(&Request::Handshake { backend: "nope".into() }, &busy, Duration::ZERO);
 
         let lines = capture.lines();
         let got: Vec<(&str, Option<&str>, Option<&str>, &str)> = lines

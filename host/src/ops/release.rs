@@ -4,8 +4,8 @@
 
 use super::{Agent, Failure, internal, verified_devices};
 use crate::exec::{Executor, Progress};
+use crate::ops::FailureKind;
 use crate::policy::{CleanupItem, CleanupReason, Step, Volume, WipeMethod};
-use crate::socket::protocol::FailureKind;
 use std::sync::Arc;
 
 /// How a plan destroys the data, as metrics and the status name it.

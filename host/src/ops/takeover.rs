@@ -7,8 +7,8 @@
 
 use super::{Agent, Failure};
 use crate::ledger::StorageClient;
+use crate::ops::FailureKind;
 use crate::policy::{Holder, Step};
-use crate::socket::protocol::FailureKind;
 use std::time::Duration;
 
 /// How long a take-over waits for the controller to fence.

@@ -5,3 +5,4 @@
 pub mod client;
 pub use volagent_protocol as protocol;
 pub mod server;
+mod wire;

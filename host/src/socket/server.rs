@@ -2,11 +2,10 @@
 //! credentials checked, one request per connection with a deadline to
 //! arrive, and a bounded number of operations at once.
 
-use super::protocol::{
-    self, FailureKind, PROTOCOL_VERSION, Request, RequestFrame, Response, ResponseFrame,
-};
+use super::protocol::{self, PROTOCOL_VERSION, Request, RequestFrame, Response, ResponseFrame};
 use crate::listener::AcceptPause;
-use crate::ops::{Agent, Failure};
+use crate::ops::oplog::Asked;
+use crate::ops::{Agent, Failure, FailureKind};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -149,7 +148,9 @@ async fn dispatch(
         Ok(slot) => slot,
         Err(f) => {
             // A mount or unmount refused here still gets its log line.
-            agent.log_unserved(&request, &f, start.elapsed());
+            if let Some(asked) = asked(&request) {
+                agent.log_unserved(asked, &f, start.elapsed());
+            }
             return f.into();
         }
     };
@@ -161,14 +162,27 @@ async fn dispatch(
         Request::Status => Ok(agent.status().await),
         Request::Mount { backend, mount_dir, options } => {
             let (a, b, d, o) = (agent.clone(), backend.clone(), mount_dir.clone(), options.clone());
-            served(agent, &request, start, async move { a.mount(&b, &d, &o).await }).await
+            served(agent, &request, start, async move { a.mount(&b, &d, &o).await.map(Into::into) })
+                .await
         }
         Request::Unmount { backend, mount_dir } => {
             let (a, b, d) = (agent.clone(), backend.clone(), mount_dir.clone());
-            served(agent, &request, start, async move { a.unmount(&b, &d).await }).await
+            served(agent, &request, start, async move { a.unmount(&b, &d).await.map(Into::into) })
+                .await
         }
     };
     result.unwrap_or_else(Failure::into)
+}
+
+/// A mount or unmount, for the agent's operation log.
+fn asked(request: &Request) -> Option<Asked<'_>> {
+    match request {
+        Request::Mount { backend, mount_dir, options } => {
+            Some(Asked::Mount { backend, mount_dir, options })
+        }
+        Request::Unmount { backend, mount_dir } => Some(Asked::Unmount { backend, mount_dir }),
+        Request::Handshake { .. } | Request::Status => None,
+    }
 }
 
 /// A mount or unmount on a task of its own, answered by the plan deadline
@@ -182,7 +196,9 @@ async fn served(
     crate::ops::served(agent.plan_deadline(), op).await.unwrap_or_else(|f| {
         // The operation logs itself (and tells the pod) when it ends; the
         // answer given before that is logged here.
-        agent.log_unserved(request, &f, start.elapsed());
+        if let Some(asked) = asked(request) {
+            agent.log_unserved(asked, &f, start.elapsed());
+        }
         match request {
             Request::Mount { options, .. } => agent.tell_pod_mount_failed(options, &f),
             Request::Unmount { mount_dir, .. } => agent.tell_pod_unmount_failed(mount_dir, &f),
