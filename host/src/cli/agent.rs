@@ -279,8 +279,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             args.allowed_uids.clone(),
         ))
     });
+    let board = Arc::new(crate::socket::status::Board::default());
     if let Some(csi) = &csi {
-        agent.serve_csi(csi);
+        board.serve_csi(csi);
     }
     let integration = Integration {
         volume_plugin_dir,
@@ -289,6 +290,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         kubelet_root: args.kubelet_root.clone(),
         pod: PodIdentity::from_env(),
         csi: csi.clone(),
+        board: board.clone(),
     };
     let mut reloader =
         Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
@@ -365,7 +367,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
             if !local_classes.is_empty() {
                 let state = Arc::new(crate::local::report::LocalState::default());
-                agent.manage_local(state.clone());
+                board.manage_local(state.clone());
                 let config = crate::kube::local_volumes::LocalConfig { classes: local_classes.clone(), interval: args.local_scan_interval };
                 tokio::spawn(crate::kube::local_volumes::run(agent.clone(), c.clone(), config, state));
             }
@@ -375,7 +377,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         serving.store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(node, socket = %socket.display(), backends = ?backends, "volagent agent serving");
         tokio::select! {
-            r = server::serve(listener, agent, server_config) => r.context("socket server")?,
+            r = server::serve(listener, agent, board, server_config) => r.context("socket server")?,
             _ = interrupt.recv() => tracing::info!("interrupted"),
             _ = term.recv() => tracing::info!("terminated"),
         }

@@ -17,7 +17,6 @@ use crate::clock::now_rfc3339;
 use crate::exec::Executor;
 use crate::ledger::{Ledger, LedgerError, Record, StorageClient, VolumeSource};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
-use crate::socket::protocol::BackendStatus;
 use crate::sys::Sys;
 pub use failure::{Done, Failure, FailureKind, MAX_MESSAGE};
 use oplog::{Finished, Op, Subject};
@@ -158,12 +157,6 @@ pub struct Agent {
     plan_deadline: Duration,
     /// The cluster, when there is one: node facts, PVs, Events.
     cluster: Option<crate::kube::cluster::Cluster>,
-    /// Degraded backends and pending removals, from the last reload pass.
-    problems: RwLock<Vec<crate::socket::protocol::PluginProblem>>,
-    /// Local volumes, when this agent manages them.
-    local: std::sync::OnceLock<Arc<crate::local::report::LocalState>>,
-    /// The CSI drivers, when this agent serves CSI (weak: they hold the agent).
-    csi: std::sync::OnceLock<std::sync::Weak<crate::csi::drivers::Drivers>>,
 }
 
 impl Agent {
@@ -185,9 +178,6 @@ impl Agent {
             locks: Locks::default(),
             plan_deadline,
             cluster: None,
-            problems: RwLock::default(),
-            local: Default::default(),
-            csi: Default::default(),
         }
     }
 
@@ -218,26 +208,13 @@ impl Agent {
         plugins.insert(plugin.name().to_string(), Arc::new(plugin))
     }
 
+    /// The backends served now.
+    pub fn plugins(&self) -> Vec<Arc<Plugin>> {
+        self.plugins.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+    }
+
     pub fn backend_names(&self) -> Vec<String> {
         self.plugins.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
-    }
-
-    /// Report on local volumes in the status from now on.
-    pub fn manage_local(&self, state: Arc<crate::local::report::LocalState>) {
-        let _ = self.local.set(state);
-    }
-
-    /// Report these CSI drivers in the status.
-    pub fn serve_csi(&self, drivers: &Arc<crate::csi::drivers::Drivers>) {
-        let _ = self.csi.set(Arc::downgrade(drivers));
-    }
-
-    pub(crate) fn csi_drivers(&self) -> Option<Arc<crate::csi::drivers::Drivers>> {
-        self.csi.get().and_then(std::sync::Weak::upgrade)
-    }
-
-    pub fn local_report(&self) -> Option<crate::socket::protocol::LocalReport> {
-        self.local.get().map(|l| l.report())
     }
 
     pub fn cluster(&self) -> Option<&crate::kube::cluster::Cluster> {
@@ -268,28 +245,7 @@ impl Agent {
         Ok(v)
     }
 
-    /// Problems with the plugin dir, shown with the status.
-    pub fn set_plugin_problems(&self, problems: Vec<crate::socket::protocol::PluginProblem>) {
-        *self.problems.write().unwrap_or_else(|p| p.into_inner()) = problems;
-    }
-
     /// The loaded backends, for the status.
-    fn backend_status(&self) -> Vec<BackendStatus> {
-        let plugins = self.plugins.read().unwrap_or_else(|p| p.into_inner());
-        plugins
-            .values()
-            .map(|p| BackendStatus {
-                name: p.name().to_string(),
-                version: p.info().version.clone(),
-                file: p.path().display().to_string(),
-                sha256: p.sha256().to_string(),
-            })
-            .collect()
-    }
-
-    fn plugin_problems(&self) -> Vec<crate::socket::protocol::PluginProblem> {
-        self.problems.read().unwrap_or_else(|p| p.into_inner()).clone()
-    }
 
     /// What `plugin`'s guest may ask this call: about the dirs it declared,
     /// within its own deadline.
@@ -1177,13 +1133,13 @@ fn storage_cluster(volume: &Volume) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::path::Path;
 
     /// An agent of node `n1` with kubelet's root at `/k`, no backends, an
     /// embedded ledger (returned too) and a fake node.
-    pub(super) fn test_agent(
+    pub(crate) fn test_agent(
         dir: &Path,
     ) -> (Agent, Arc<crate::ledger::embedded::EmbeddedLedger>, Arc<crate::sys::fake::Fake>) {
         let config = NodeConfig {

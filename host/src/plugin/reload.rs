@@ -36,6 +36,8 @@ pub struct Integration {
     pub pod: Option<PodIdentity>,
     /// The CSI drivers, or None not to serve CSI.
     pub csi: Option<Arc<crate::csi::drivers::Drivers>>,
+    /// Where the status learns of the plugin dir's problems.
+    pub board: Arc<crate::socket::status::Board>,
 }
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -388,7 +390,7 @@ impl Reloader {
                 crate::metrics::get().backend_degraded(&s.backend, 0);
             }
         }
-        self.agent.set_plugin_problems(problems);
+        self.integration.board.set_plugin_problems(problems);
     }
 
     /// The driver and the plugin-containers registration of `backend`.

@@ -5,4 +5,5 @@
 pub mod client;
 pub use volagent_protocol as protocol;
 pub mod server;
+pub mod status;
 mod wire;

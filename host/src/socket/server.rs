@@ -3,6 +3,7 @@
 //! arrive, and a bounded number of operations at once.
 
 use super::protocol::{self, PROTOCOL_VERSION, Request, RequestFrame, Response, ResponseFrame};
+use super::status::Board;
 use crate::listener::AcceptPause;
 use crate::ops::oplog::Asked;
 use crate::ops::{Agent, Failure, FailureKind};
@@ -29,6 +30,7 @@ pub struct ServerConfig {
 pub async fn serve(
     listener: UnixListener,
     agent: Arc<Agent>,
+    board: Arc<Board>,
     config: ServerConfig,
 ) -> std::io::Result<()> {
     // Accept in a task of its own, on a runtime worker: each connection's
@@ -37,7 +39,7 @@ pub async fn serve(
     // two thread wake-ups, which cost most on a busy node. Dropping the set
     // (the caller stops serving) aborts the loop.
     let mut accepting = tokio::task::JoinSet::new();
-    accepting.spawn(accept_loop(listener, agent, config));
+    accepting.spawn(accept_loop(listener, agent, board, config));
     match accepting.join_next().await {
         Some(Ok(result)) => result,
         Some(Err(e)) => Err(std::io::Error::other(e)),
@@ -48,6 +50,7 @@ pub async fn serve(
 async fn accept_loop(
     listener: UnixListener,
     agent: Arc<Agent>,
+    board: Arc<Board>,
     config: ServerConfig,
 ) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
@@ -66,9 +69,10 @@ async fn accept_loop(
                 continue;
             }
         };
-        let (agent, slots, config) = (agent.clone(), slots.clone(), config.clone());
+        let (agent, board, slots, config) =
+            (agent.clone(), board.clone(), slots.clone(), config.clone());
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, agent, slots, config).await {
+            if let Err(e) = connection(stream, agent, board, slots, config).await {
                 tracing::debug!("connection ended: {e}");
             }
         });
@@ -78,6 +82,7 @@ async fn accept_loop(
 async fn connection(
     mut stream: UnixStream,
     agent: Arc<Agent>,
+    board: Arc<Board>,
     slots: Arc<Semaphore>,
     config: Arc<ServerConfig>,
 ) -> std::io::Result<()> {
@@ -93,7 +98,7 @@ async fn connection(
                     FailureKind::BadRequest,
                     format!("protocol version {} is not {PROTOCOL_VERSION}", frame.version),
                 ),
-                Ok(Ok(frame)) => dispatch(&agent, &slots, &config, frame.request).await,
+                Ok(Ok(frame)) => dispatch(&agent, &board, &slots, &config, frame.request).await,
             }
         }
         Ok(cred) => {
@@ -125,6 +130,7 @@ async fn read_request(stream: &mut UnixStream) -> Result<RequestFrame, protocol:
 
 async fn dispatch(
     agent: &Arc<Agent>,
+    board: &Board,
     slots: &Semaphore,
     config: &ServerConfig,
     request: Request,
@@ -159,7 +165,7 @@ async fn dispatch(
             message: format!("volagent serves {} {}", p.name(), p.info().version),
             device: None,
         }),
-        Request::Status => Ok(agent.status().await),
+        Request::Status => Ok(super::status::status(agent, board).await),
         Request::Mount { backend, mount_dir, options } => {
             let (a, b, d, o) = (agent.clone(), backend.clone(), mount_dir.clone(), options.clone());
             served(agent, &request, start, async move { a.mount(&b, &d, &o).await.map(Into::into) })
