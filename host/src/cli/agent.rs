@@ -258,7 +258,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         Duration::from_secs(args.plan_deadline_secs),
     );
     if let Some(c) = cluster.clone() {
-        agent = agent.with_cluster(c);
+        agent = agent.with_cluster(Arc::new(c));
     }
     let agent = Arc::new(agent);
     // The backends: loaded (and their drivers installed) by the first pass
@@ -291,6 +291,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         pod: PodIdentity::from_env(),
         csi: csi.clone(),
         board: board.clone(),
+        cluster: cluster.clone(),
     };
     let mut reloader =
         Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());

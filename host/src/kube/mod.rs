@@ -10,6 +10,7 @@ pub mod lease;
 pub mod ledger;
 pub mod local_pvs;
 pub mod local_volumes;
+mod node_view;
 pub mod node_tasks;
 pub mod storage;
 pub mod volumes;

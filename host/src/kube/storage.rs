@@ -7,13 +7,12 @@
 use super::cluster::Cluster;
 use super::crds::{SecretReference, StorageCluster};
 use super::volumes::VolumeError;
+pub use crate::ops::cluster::ENDPOINTS_OPTION;
 use crate::secret::{Secret, Secrets};
 use k8s_openapi::api::core::v1::Secret as KubeSecret;
 use kube::api::Api;
 use std::collections::BTreeMap;
 
-/// The option a guest finds a StorageCluster's endpoints in (comma-separated).
-pub const ENDPOINTS_OPTION: &str = "endpoints";
 
 /// What a StorageCluster gives a volume that names it.
 #[derive(Debug, Default)]

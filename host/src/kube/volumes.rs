@@ -4,6 +4,7 @@
 //! request carries: a pod could name any PV, path or node there.
 
 use super::cluster::{Cluster, fencing_mode};
+pub use crate::ops::cluster::{ClusterVolume, VolumeRequest, inline_key};
 use crate::policy::{AccessMode, KeyValue};
 use k8s_openapi::api::core::v1::{
     Node, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, PersistentVolumeClaim, Pod,
@@ -11,20 +12,6 @@ use k8s_openapi::api::core::v1::{
 use kube::api::Api;
 use std::collections::BTreeMap;
 
-/// A volume as the cluster defines it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ClusterVolume {
-    /// The name the volume goes by on nodes and in the ledger: the PV's
-    /// name, or for an inline volume one made of the pod's UID and the
-    /// volume's name (no two pods share an inline volume by naming it).
-    pub key: String,
-    pub access_mode: AccessMode,
-    pub fs_type: String,
-    /// The backend's options.
-    pub options: Vec<KeyValue>,
-    /// The PV (or the inline volume) says read-only.
-    pub read_only: bool,
-}
 
 /// Why a request is not served.
 #[derive(Debug, thiserror::Error)]
@@ -42,23 +29,7 @@ pub fn driver_name(backend: &str) -> String {
     format!("volagent/{backend}")
 }
 
-/// The ledger key of `pod_uid`'s inline volume `name`.
-pub fn inline_key(pod_uid: &str, name: &str) -> String {
-    format!("inline-{pod_uid}-{name}")
-}
 
-/// What a request for volume `name` of backend `backend` by pod
-/// `namespace/pod` (`pod_uid`, as kubelet sent them) on `node` gets.
-pub struct VolumeRequest<'a> {
-    pub backend: &'a str,
-    pub name: &'a str,
-    pub namespace: &'a str,
-    pub pod: &'a str,
-    pub pod_uid: &'a str,
-    pub node: &'a str,
-    /// An admin enabled inline volumes of this backend on this node.
-    pub inline_allowed: bool,
-}
 
 impl Cluster {
     /// A local PV is what its node discovered: one made of a discovered

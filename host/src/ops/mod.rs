@@ -2,6 +2,7 @@
 //! execute, with the ledger entry rolled back when execution fails.
 
 pub mod cleanup;
+pub mod cluster;
 pub mod csi;
 mod failure;
 pub mod held;
@@ -15,6 +16,7 @@ mod takeover;
 
 use crate::clock::now_rfc3339;
 use crate::exec::Executor;
+use cluster::{ClusterError, ClusterView};
 use crate::ledger::{Ledger, LedgerError, Record, StorageClient, VolumeSource};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
 use crate::sys::Sys;
@@ -109,6 +111,15 @@ async fn verified_devices(volume: &Volume) -> Result<Vec<String>, Failure> {
     Ok(vec![device])
 }
 
+/// What the cluster answered, as the failure of the request about `what`.
+fn cluster_failure(what: &str, e: ClusterError) -> Failure {
+    let kind = match e {
+        ClusterError::Unavailable(_) => FailureKind::Unavailable,
+        ClusterError::Refused(_) => FailureKind::Denied,
+    };
+    Failure::new(kind, format!("{what}: {e}"))
+}
+
 fn internal(e: impl std::fmt::Display) -> Failure {
     Failure::new(FailureKind::Failed, e.to_string())
 }
@@ -156,7 +167,7 @@ pub struct Agent {
     /// How long a request waits for a plan's steps.
     plan_deadline: Duration,
     /// The cluster, when there is one: node facts, PVs, Events.
-    cluster: Option<crate::kube::cluster::Cluster>,
+    cluster: Option<Arc<dyn ClusterView>>,
 }
 
 impl Agent {
@@ -182,7 +193,7 @@ impl Agent {
     }
 
     /// Read node facts and PVs from `cluster`, and tell it of failures.
-    pub fn with_cluster(mut self, cluster: crate::kube::cluster::Cluster) -> Agent {
+    pub fn with_cluster(mut self, cluster: Arc<dyn ClusterView>) -> Agent {
         self.cluster = Some(cluster);
         self
     }
@@ -217,9 +228,6 @@ impl Agent {
         self.plugins.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
     }
 
-    pub fn cluster(&self) -> Option<&crate::kube::cluster::Cluster> {
-        self.cluster.as_ref()
-    }
 
     /// Stop serving `backend`.
     pub fn remove_plugin(&self, backend: &str) -> Option<Arc<Plugin>> {
@@ -497,7 +505,7 @@ impl Agent {
             // What the volume is comes from the cluster (its PV, or the
             // pod's inline volume where an admin allows those), never from
             // options the pod's author could write.
-            let asked = crate::kube::volumes::VolumeRequest {
+            let asked = cluster::VolumeRequest {
                 backend,
                 name: &volume.name,
                 namespace: &me.pod_namespace,
@@ -506,13 +514,10 @@ impl Agent {
                 node: &self.config.node,
                 inline_allowed: self.config.inline_backends.iter().any(|b| b == backend),
             };
-            let defined = cluster.volume(&asked).await.map_err(|e| {
-                let kind = match e {
-                    crate::kube::volumes::VolumeError::Api { .. } => FailureKind::Unavailable,
-                    crate::kube::volumes::VolumeError::Refused(_) => FailureKind::Denied,
-                };
-                Failure::new(kind, format!("volume {}: {e}", asked.name))
-            })?;
+            let defined = cluster
+                .volume(&asked)
+                .await
+                .map_err(|e| cluster_failure(&format!("volume {}", asked.name), e))?;
             volume.name = defined.key;
             volume.access_mode = defined.access_mode;
             volume.fs_type = defined.fs_type;
@@ -538,14 +543,11 @@ impl Agent {
         let (Some(cluster), Some(name)) = (&self.cluster, storage_cluster(volume)) else {
             return Ok(());
         };
-        let connection = cluster.storage_connection(&name, backend).await.map_err(|e| {
-            let kind = match e {
-                crate::kube::volumes::VolumeError::Api { .. } => FailureKind::Unavailable,
-                crate::kube::volumes::VolumeError::Refused(_) => FailureKind::Denied,
-            };
-            Failure::new(kind, format!("volume {}: {e}", volume.name))
-        })?;
-        for (key, value) in connection.options() {
+        let connection = cluster
+            .storage_connection(&name, backend)
+            .await
+            .map_err(|e| cluster_failure(&format!("volume {}", volume.name), e))?;
+        for (key, value) in connection.options {
             if !volume.options.iter().any(|kv| kv.key == key) {
                 volume.options.push(crate::policy::KeyValue { key, value });
             }
@@ -887,7 +889,7 @@ impl Agent {
         backend: &str,
         dir: &MountDir,
     ) -> Result<Option<Entry>, Failure> {
-        for key in [dir.name.clone(), crate::kube::volumes::inline_key(&dir.pod_uid, &dir.name)] {
+        for key in [dir.name.clone(), cluster::inline_key(&dir.pod_uid, &dir.name)] {
             if let Some(entry) =
                 self.entry_of_record(backend, &dir.dir.display().to_string(), &key).await?
             {
@@ -1114,7 +1116,7 @@ fn ceph_client(
     secrets: &crate::secret::Secrets,
 ) -> Option<crate::sys::rbd_export::CephClient> {
     let get = |k: &str| volume.options.iter().find(|kv| kv.key == k).map(|kv| kv.value.as_str());
-    let listed = get("monitors").or(get(crate::kube::storage::ENDPOINTS_OPTION))?;
+    let listed = get("monitors").or(get(cluster::ENDPOINTS_OPTION))?;
     let monitors: Vec<&str> = listed.split(',').map(str::trim).filter(|m| !m.is_empty()).collect();
     if monitors.is_empty() {
         return None;

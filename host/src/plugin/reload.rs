@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Where a backend's kubelet integration goes.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Integration {
     /// kubelet's volume plugin dir, or None not to install drivers.
     pub volume_plugin_dir: Option<PathBuf>,
@@ -38,6 +38,8 @@ pub struct Integration {
     pub csi: Option<Arc<crate::csi::drivers::Drivers>>,
     /// Where the status learns of the plugin dir's problems.
     pub board: Arc<crate::socket::status::Board>,
+    /// The cluster, told of a rejected file with an Event on the agent's pod.
+    pub cluster: Option<crate::kube::cluster::Cluster>,
 }
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -309,7 +311,7 @@ impl Reloader {
             "backend degraded: {reason}; {consequence}"
         );
         crate::metrics::get().backend_degraded(backend.as_deref().unwrap_or(name), 1);
-        if let Some(cluster) = self.agent.cluster().cloned()
+        if let Some(cluster) = self.integration.cluster.clone()
             && let Some(pod) = &self.integration.pod
         {
             let message = format!("{file} (sha256 {sha}) rejected: {reason}; {consequence}");
