@@ -4,7 +4,7 @@
 //! before a lock, record or mount is touched.
 
 use super::proto::csi::{VolumeCapability, volume_capability};
-use crate::ops::csi::{Access, CsiError, PublishRequest, StageRequest};
+use crate::ops::csi::{Access, CsiError, PublishRequest, Shape, StageRequest};
 use crate::policy::validate::clean_absolute;
 use crate::policy::{AccessMode, VolumeMode};
 use std::collections::BTreeMap;
@@ -72,15 +72,6 @@ pub fn kubelet_path(roots: &[&Path; 2], field: &str, path: &str) -> Result<PathB
     Ok(roots[0].join(rest))
 }
 
-/// What a capability asks for: the access, and how the volume is consumed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shape {
-    pub access: Access,
-    /// Empty for block volumes, and when unspecified.
-    pub fs_type: String,
-    pub mode: VolumeMode,
-    pub mount_flags: Vec<String>,
-}
 
 /// The access and shape a capability asks for. A volume mount group is not
 /// served: the driver does not offer VOLUME_MOUNT_GROUP, so kubelet applies

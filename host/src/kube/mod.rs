@@ -10,7 +10,7 @@ pub mod lease;
 pub mod ledger;
 pub mod local_pvs;
 pub mod local_volumes;
-mod node_view;
 pub mod node_tasks;
+mod node_view;
 pub mod storage;
 pub mod volumes;

@@ -18,9 +18,7 @@ fn cluster_error(e: VolumeError) -> ClusterError {
 #[async_trait::async_trait]
 impl ClusterView for Cluster {
     async fn node_facts(&self, names: &[&str]) -> Result<Vec<NodeFacts>, ClusterError> {
-        Cluster::node_facts(self, names)
-            .await
-            .map_err(|e| ClusterError::Unavailable(e.to_string()))
+        Cluster::node_facts(self, names).await.map_err(|e| ClusterError::Unavailable(e.to_string()))
     }
 
     async fn volume(&self, req: &VolumeRequest<'_>) -> Result<ClusterVolume, ClusterError> {

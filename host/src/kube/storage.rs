@@ -13,7 +13,6 @@ use k8s_openapi::api::core::v1::Secret as KubeSecret;
 use kube::api::Api;
 use std::collections::BTreeMap;
 
-
 /// What a StorageCluster gives a volume that names it.
 #[derive(Debug, Default)]
 pub struct StorageConnection {

@@ -12,7 +12,6 @@ use k8s_openapi::api::core::v1::{
 use kube::api::Api;
 use std::collections::BTreeMap;
 
-
 /// Why a request is not served.
 #[derive(Debug, thiserror::Error)]
 pub enum VolumeError {
@@ -28,8 +27,6 @@ pub enum VolumeError {
 pub fn driver_name(backend: &str) -> String {
     format!("volagent/{backend}")
 }
-
-
 
 impl Cluster {
     /// A local PV is what its node discovered: one made of a discovered

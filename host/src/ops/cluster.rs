@@ -71,8 +71,11 @@ pub trait ClusterView: Send + Sync {
     /// What the volume asked for is, as the cluster defines it.
     async fn volume(&self, req: &VolumeRequest<'_>) -> Result<ClusterVolume, ClusterError>;
     /// The connection of StorageCluster `name` for `backend`.
-    async fn storage_connection(&self, name: &str, backend: &str)
-    -> Result<Connection, ClusterError>;
+    async fn storage_connection(
+        &self,
+        name: &str,
+        backend: &str,
+    ) -> Result<Connection, ClusterError>;
     /// Have the controller fence `node`'s client `address` for `volume`,
     /// waiting at most `wait`.
     async fn fence_client(

@@ -12,6 +12,16 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// What a capability asks for: the access, and how the volume is consumed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    pub access: Access,
+    /// Empty for block volumes, and when unspecified.
+    pub fs_type: String,
+    pub mode: VolumeMode,
+    pub mount_flags: Vec<String>,
+}
+
 /// Why a CSI call failed, in the terms the spec gives codes to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CsiError {
@@ -51,7 +61,7 @@ pub struct StageRequest {
     pub volume_id: String,
     /// Resolved beneath kubelet's root.
     pub staging: PathBuf,
-    pub shape: crate::csi::request::Shape,
+    pub shape: Shape,
     /// The PV's volume attributes, kubelet's own keys removed.
     pub attributes: BTreeMap<String, String>,
     pub secrets: crate::secret::Secrets,

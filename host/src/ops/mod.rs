@@ -16,10 +16,10 @@ mod takeover;
 
 use crate::clock::now_rfc3339;
 use crate::exec::Executor;
-use cluster::{ClusterError, ClusterView};
 use crate::ledger::{Ledger, LedgerError, Record, StorageClient, VolumeSource};
 use crate::policy::{Decision, Holder, NodeFacts, NodePaths, PathRoot, Plugin, Volume};
 use crate::sys::Sys;
+use cluster::{ClusterError, ClusterView};
 pub use failure::{Done, Failure, FailureKind, MAX_MESSAGE};
 use oplog::{Finished, Op, Subject};
 use queries::NodeQueries;
@@ -227,7 +227,6 @@ impl Agent {
     pub fn backend_names(&self) -> Vec<String> {
         self.plugins.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
     }
-
 
     /// Stop serving `backend`.
     pub fn remove_plugin(&self, backend: &str) -> Option<Arc<Plugin>> {
