@@ -367,7 +367,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         if let Some(c) = &cluster {
             tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
             if !local_classes.is_empty() {
-                let state = Arc::new(crate::local::report::LocalState::default());
+                let state = Arc::new(crate::socket::local_report::LocalState::default());
                 board.manage_local(state.clone());
                 let config = crate::kube::local_volumes::LocalConfig { classes: local_classes.clone(), interval: args.local_scan_interval };
                 tokio::spawn(crate::kube::local_volumes::run(agent.clone(), c.clone(), config, state));

@@ -72,7 +72,6 @@ pub fn kubelet_path(roots: &[&Path; 2], field: &str, path: &str) -> Result<PathB
     Ok(roots[0].join(rest))
 }
 
-
 /// The access and shape a capability asks for. A volume mount group is not
 /// served: the driver does not offer VOLUME_MOUNT_GROUP, so kubelet applies
 /// the pod's fsGroup itself.

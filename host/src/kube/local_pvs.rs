@@ -18,7 +18,7 @@
 use super::crds::{
     LOCAL_WIPE_FINALIZER, LocalOperation, LocalOperationKind, LocalOperationPhase, NodeLocalVolumes,
 };
-use super::local_volumes::LOCAL_BACKEND;
+use super::crds::LOCAL_BACKEND;
 use k8s_openapi::api::core::v1::{
     FlexPersistentVolumeSource, Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
     PersistentVolume, PersistentVolumeSpec, VolumeNodeAffinity,
@@ -179,7 +179,7 @@ async fn sync_node(
     let mut offers: Vec<(String, String, String, Option<String>)> =
         pvs.values().filter_map(offer_of).collect();
     for v in &status.volumes {
-        if let Err(why) = crate::local::claims::named_as_discovered(&node, v) {
+        if let Err(why) = super::local_claims::named_as_discovered(&node, v) {
             tracing::error!(node = %node, "no PV made: {why}");
             out.refused.push(why);
             continue;
@@ -187,16 +187,16 @@ async fn sync_node(
         if pvs.contains_key(&v.name) || ops.iter().any(|o| o.volume == v.name) {
             continue;
         }
-        let offer = crate::local::claims::Offer {
+        let offer = super::local_claims::Offer {
             pv: &v.name,
             node: &node,
-            path: crate::local::claims::offered_path(v),
+            path: super::local_claims::offered_path(v),
             identity: v.identity.as_deref(),
         };
         let clash = offers.iter().find_map(|(pv, n, path, identity)| {
-            crate::local::claims::clash(
+            super::local_claims::clash(
                 &offer,
-                &crate::local::claims::Offer { pv, node: n, path, identity: identity.as_deref() },
+                &super::local_claims::Offer { pv, node: n, path, identity: identity.as_deref() },
             )
         });
         if let Some(why) = clash {

@@ -13,9 +13,9 @@ use super::crds::{
 use crate::clock::now_rfc3339;
 use crate::local::LocalClass;
 use crate::local::discovery::{self, Scan};
-use crate::local::report::{LocalState, RunningWipe};
 use crate::ops::Agent;
 use crate::policy::{AccessMode, KeyValue, Volume};
+use crate::socket::local_report::{LocalState, RunningWipe};
 use crate::socket::protocol::LocalVolumeLine;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::PersistentVolume;

@@ -8,6 +8,7 @@ pub mod crds;
 pub mod fencing;
 pub mod lease;
 pub mod ledger;
+pub mod local_claims;
 pub mod local_pvs;
 pub mod local_volumes;
 pub mod node_tasks;

@@ -57,7 +57,7 @@ impl Cluster {
             .await
             .map_err(|source| VolumeError::Api { what, source })?;
         let discovered = list.and_then(|l| l.status).map(|s| s.volumes).unwrap_or_default();
-        if let Err(why) = crate::local::claims::check_mount(
+        if let Err(why) = super::local_claims::check_mount(
             &name,
             node,
             &path,

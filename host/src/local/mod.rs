@@ -2,9 +2,7 @@
 //! dirs of each local storage class, and how it is named and sized for the
 //! PVs the controller makes of it.
 
-pub mod claims;
 pub mod discovery;
-pub mod report;
 
 /// One local storage class: the dirs whose entries are its volumes.
 #[derive(Debug, Clone, PartialEq, Eq)]

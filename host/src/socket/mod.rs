@@ -4,6 +4,7 @@
 
 pub mod client;
 pub use volagent_protocol as protocol;
+pub mod local_report;
 pub mod server;
 pub mod status;
 mod wire;

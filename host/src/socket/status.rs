@@ -9,9 +9,9 @@ use super::protocol::{
 use crate::csi::drivers::Drivers;
 use crate::csi::registration::Registered;
 use crate::ledger::Record;
-use crate::local::report::LocalState;
 use crate::ops::Agent;
 use crate::policy::access_mode_name;
+use crate::socket::local_report::LocalState;
 use crate::sys::MountInfo;
 use std::path::Path;
 use std::sync::{Arc, OnceLock, RwLock, Weak};

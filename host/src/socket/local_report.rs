@@ -2,7 +2,7 @@
 //! status`: the last scan's volumes with their state, and the running wipes
 //! with the step each is at (updated by the wipe as it goes).
 
-use crate::socket::protocol::{LocalReport, LocalVolumeLine, WipeLine};
+use super::protocol::{LocalReport, LocalVolumeLine, WipeLine};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Instant;

@@ -6,7 +6,7 @@
 //! discovered volume's path, is refused. Pure: the controller checks
 //! reports with it, and the agent every local PV it mounts.
 
-use crate::kube::crds::DiscoveredVolume;
+use super::crds::DiscoveredVolume;
 
 /// What a discovered volume's PV names as its `path`: the device node a
 /// link resolved to, or the mount point or file itself.
@@ -17,7 +17,7 @@ pub fn offered_path(v: &DiscoveredVolume) -> &str {
 /// Whether `v`, listed in node `node`'s NodeLocalVolumes, carries the name
 /// discovery gives its path there.
 pub fn named_as_discovered(node: &str, v: &DiscoveredVolume) -> Result<(), String> {
-    let expected = super::pv_name(node, &v.class, std::path::Path::new(&v.path));
+    let expected = crate::local::pv_name(node, &v.class, std::path::Path::new(&v.path));
     if v.name != expected {
         return Err(format!(
             "node {node} reports volume {} at {} of class {}, but on node {node} that volume is {expected}",
