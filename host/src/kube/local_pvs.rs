@@ -15,10 +15,10 @@
 //!   the operation (after fixing the cause: it is then requested again).
 //! - Retain PVs are never wiped; deleted, they are let go.
 
+use super::crds::LOCAL_BACKEND;
 use super::crds::{
     LOCAL_WIPE_FINALIZER, LocalOperation, LocalOperationKind, LocalOperationPhase, NodeLocalVolumes,
 };
-use super::crds::LOCAL_BACKEND;
 use k8s_openapi::api::core::v1::{
     FlexPersistentVolumeSource, Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
     PersistentVolume, PersistentVolumeSpec, VolumeNodeAffinity,

@@ -122,7 +122,7 @@ pub fn registration_path(kubelet_root: &Path, backend: &str) -> PathBuf {
 pub fn register_container(
     kubelet_root: &Path,
     backend: &str,
-    pod: &super::reload::PodIdentity,
+    pod: &PodIdentity,
 ) -> Result<PathBuf, InstallError> {
     let path = registration_path(kubelet_root, backend);
     let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -137,6 +137,29 @@ pub fn unregister_container(kubelet_root: &Path, backend: &str) -> Result<(), In
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&path)(e)),
         _ => Ok(()),
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodIdentity {
+    pub pod_namespace: String,
+    pub pod_name: String,
+    #[serde(rename = "podUID")]
+    pub pod_uid: String,
+    pub container_name: String,
+}
+
+impl PodIdentity {
+    /// From POD_NAMESPACE, POD_NAME, POD_UID and CONTAINER_NAME, when all are set.
+    pub fn from_env() -> Option<PodIdentity> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Some(PodIdentity {
+            pod_namespace: var("POD_NAMESPACE")?,
+            pod_name: var("POD_NAME")?,
+            pod_uid: var("POD_UID")?,
+            container_name: var("CONTAINER_NAME")?,
+        })
     }
 }
 
@@ -191,7 +214,7 @@ mod tests {
         uninstall_driver(vpd.path(), "nbd").expect("uninstalling twice is fine");
 
         let root = tempfile::tempdir().unwrap();
-        let pod = super::super::reload::PodIdentity {
+        let pod = super::PodIdentity {
             pod_namespace: "volagent-system".into(),
             pod_name: "agent-x".into(),
             pod_uid: "u-1".into(),

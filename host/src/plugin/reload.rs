@@ -33,36 +33,13 @@ pub struct Integration {
     pub kubelet_root: PathBuf,
     /// The agent's pod, for kubelet's plugin-containers registration
     /// (from the downward API); None outside a pod.
-    pub pod: Option<PodIdentity>,
+    pub pod: Option<super::install::PodIdentity>,
     /// The CSI drivers, or None not to serve CSI.
     pub csi: Option<Arc<crate::csi::drivers::Drivers>>,
     /// Where the status learns of the plugin dir's problems.
     pub board: Arc<crate::socket::status::Board>,
     /// The cluster, told of a rejected file with an Event on the agent's pod.
     pub cluster: Option<crate::kube::cluster::Cluster>,
-}
-
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PodIdentity {
-    pub pod_namespace: String,
-    pub pod_name: String,
-    #[serde(rename = "podUID")]
-    pub pod_uid: String,
-    pub container_name: String,
-}
-
-impl PodIdentity {
-    /// From POD_NAMESPACE, POD_NAME, POD_UID and CONTAINER_NAME, when all are set.
-    pub fn from_env() -> Option<PodIdentity> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        Some(PodIdentity {
-            pod_namespace: var("POD_NAMESPACE")?,
-            pod_name: var("POD_NAME")?,
-            pod_uid: var("POD_UID")?,
-            container_name: var("CONTAINER_NAME")?,
-        })
-    }
 }
 
 /// One file that serves a backend.

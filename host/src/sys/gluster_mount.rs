@@ -90,9 +90,7 @@ fn clients_of(target: &Path) -> Vec<i32> {
 
 /// Stop what a failed mount left: its mount (lazily) and its client.
 fn clean_up(target: &Path) {
-    let mounted = super::linux::Linux::unrooted()
-        .mount_table()
-        .is_ok_and(|t| t.iter().any(|m| m.mount_point == target));
+    let mounted = super::mountinfo::own().is_ok_and(|t| t.iter().any(|m| m.mount_point == target));
     if mounted {
         let _ = nix::mount::umount2(target, nix::mount::MntFlags::MNT_DETACH);
     }
@@ -103,8 +101,6 @@ fn clean_up(target: &Path) {
         );
     }
 }
-
-use super::Mounts;
 
 /// Mount gluster volume `source` ("host:/volume") at `target` (an existing
 /// dir the caller resolved beneath its roots) with `options`, through the
@@ -151,9 +147,8 @@ fn attempt(
         cmd.arg("-o").arg(options);
     }
     cmd.stdout(Stdio::piped());
-    let result = super::linux::run_with(&mut cmd, HELPER, target, deadline).and_then(|out| {
-        let mounted = super::linux::Linux::unrooted()
-            .mount_table()?
+    let result = super::tool::run_with(&mut cmd, HELPER, target, deadline).and_then(|out| {
+        let mounted = super::mountinfo::own()?
             .iter()
             .any(|m| m.mount_point == target && m.fs_type.starts_with("fuse"));
         if out.status.success() && mounted {

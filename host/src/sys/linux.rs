@@ -3,6 +3,7 @@
 //! no syscall for mkfs) with a deadline, on devices checked to be free.
 
 use super::beneath::{fd_path, fd_path_in};
+use super::tool::{check, run, run_with};
 use super::{
     Devices, FileId, Filesystems, LoopAttach, LoopDevice, LoopStatus, MountInfo, Mounts, Roots,
     SysError, Wipe, block, errno, io, loopdev, mountinfo, probe,
@@ -14,7 +15,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Deadlines of the external tools: a hung mkfs must not hang a mount.
 #[derive(Debug, Clone, Copy)]
@@ -88,86 +89,6 @@ fn reopen(handle: &OwnedFd, path: &Path, write: bool) -> Result<File, SysError> 
     let mut options = std::fs::OpenOptions::new();
     options.read(true).write(write);
     options.open(fd_path(handle)).map_err(io("open", path))
-}
-
-/// Run `program` with `args` on `device`, killed after `deadline`, and
-/// with the agent (setpriv --pdeathsig): a tool of a killed agent (mkfs,
-/// wipefs) would hold the device open exclusively while the next agent
-/// retries the same step, and be refused as in use. Its output is captured
-/// and only shown when it fails.
-fn run(
-    program: &'static str,
-    args: &[&str],
-    device: &Path,
-    deadline: Duration,
-) -> Result<std::process::Output, SysError> {
-    let mut cmd = Command::new("setpriv");
-    cmd.args(["--pdeathsig", "KILL", "--", program]).args(args).arg(device).stdout(Stdio::piped());
-    run_with(&mut cmd, program, device, deadline)
-}
-
-pub(super) fn run_with(
-    cmd: &mut Command,
-    program: &'static str,
-    device: &Path,
-    deadline: Duration,
-) -> Result<std::process::Output, SysError> {
-    // A tool can run for seconds (mkfs of a big device): not on a worker.
-    crate::runtime::may_take_long(|| run_until(cmd, program, device, deadline))
-}
-
-fn run_until(
-    cmd: &mut Command,
-    program: &'static str,
-    device: &Path,
-    deadline: Duration,
-) -> Result<std::process::Output, SysError> {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|source| SysError::Io { op: program, path: device.to_path_buf(), source })?;
-    let start = Instant::now();
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break,
-            Ok(None) if start.elapsed() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(SysError::Timeout {
-                    program,
-                    path: device.to_path_buf(),
-                    secs: deadline.as_secs(),
-                });
-            }
-            Err(source) => {
-                return Err(SysError::Io { op: program, path: device.to_path_buf(), source });
-            }
-        }
-    }
-    // The pipes are small and the tools quiet; reading after exit is fine.
-    child.wait_with_output().map_err(|source| SysError::Io {
-        op: program,
-        path: device.to_path_buf(),
-        source,
-    })
-}
-
-pub(super) fn check(
-    program: &'static str,
-    device: &Path,
-    out: std::process::Output,
-) -> Result<std::process::Output, SysError> {
-    if out.status.success() {
-        return Ok(out);
-    }
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    Err(SysError::Command {
-        program,
-        path: device.to_path_buf(),
-        message: format!("{}: {}", out.status, stderr.trim()),
-    })
 }
 
 /// `mount_setattr(2)`, which rustix does not wrap: set `attr_set` on the
@@ -244,14 +165,7 @@ fn split_options(options: &str) -> (MsFlags, String) {
 
 impl Mounts for Linux {
     fn mount_table(&self) -> Result<Vec<MountInfo>, SysError> {
-        // thread-self: a mount namespace may be per thread (tests unshare one).
-        let path = Path::new("/proc/thread-self/mountinfo");
-        let text = super::read_proc(path).map_err(|source| SysError::Io {
-            op: "read",
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Ok(mountinfo::parse(&text)?)
+        mountinfo::own()
     }
 
     /// statx(2)'s `STATX_ATTR_MOUNT_ROOT` on a handle resolved beneath the

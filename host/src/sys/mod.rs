@@ -22,6 +22,7 @@ pub mod nbd_client;
 pub mod nbd_kernel;
 mod probe;
 pub mod rbd_export;
+pub mod tool;
 
 pub use beneath::Roots;
 

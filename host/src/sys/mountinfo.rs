@@ -1,7 +1,7 @@
-//! A parser for `/proc/self/mountinfo` (proc(5)): pure, so it is tested on
-//! recorded text.
+//! The mount table: `/proc/thread-self/mountinfo` (proc(5)) read, and parsed
+//! by a pure parser tested on recorded text.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// One line of mountinfo.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +38,18 @@ pub struct ParseError {
 
 /// Parse the whole file. A malformed line is an error naming it: a mount
 /// table we cannot read is not one to act on.
+/// This thread's mount table (thread-self: a mount namespace may be per
+/// thread; tests unshare one).
+pub fn own() -> Result<Vec<MountInfo>, super::SysError> {
+    let path = Path::new("/proc/thread-self/mountinfo");
+    let text = super::read_proc(path).map_err(|source| super::SysError::Io {
+        op: "read",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(parse(&text)?)
+}
+
 pub fn parse(text: &str) -> Result<Vec<MountInfo>, ParseError> {
     text.lines()
         .enumerate()

@@ -143,9 +143,8 @@ impl KernelNbd {
                 cmd.arg("-R");
             }
             cmd.stdout(Stdio::null());
-            let out =
-                super::linux::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
-            match super::linux::check("nbd-client", &device, out) {
+            let out = super::tool::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
+            match super::tool::check("nbd-client", &device, out) {
                 Ok(_) => {}
                 // Taken meanwhile (the kernel says so only in its log), or
                 // still being released by a disconnect that has not ended
@@ -181,8 +180,8 @@ impl KernelNbd {
     fn disconnect_device(&self, device: &Path) -> Result<(), SysError> {
         let mut cmd = Command::new(&self.program);
         cmd.arg("-d").arg(device).stdout(Stdio::null());
-        let out = super::linux::run_with(&mut cmd, "nbd-client", device, self.command_timeout)?;
-        super::linux::check("nbd-client", device, out).map(drop)
+        let out = super::tool::run_with(&mut cmd, "nbd-client", device, self.command_timeout)?;
+        super::tool::check("nbd-client", device, out).map(drop)
     }
 
     /// Disconnect `key`'s device (only while it is still the one recorded)
