@@ -252,8 +252,6 @@ impl Agent {
         Ok(v)
     }
 
-    /// The loaded backends, for the status.
-
     /// What `plugin`'s guest may ask this call: about the dirs it declared,
     /// within its own deadline.
     fn queries(&self, plugin: &Plugin, facts: &[NodeFacts]) -> Arc<NodeQueries> {

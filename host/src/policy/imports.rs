@@ -20,14 +20,14 @@ pub struct CallState {
     backend: Arc<str>,
     logged: u32,
     pub(crate) memory: MemoryCap,
-    pub(crate) limits: super::runtime::Limits,
+    pub(crate) limits: super::limits::Limits,
 }
 
 impl CallState {
     pub(crate) fn new(
         backend: Arc<str>,
         queries: Arc<dyn Queries>,
-        limits: super::runtime::Limits,
+        limits: super::limits::Limits,
     ) -> Self {
         CallState {
             wasi: WasiCtx::builder().build(),

@@ -2,8 +2,9 @@
 //! allow-list, contract export and version, link, and `info`.
 
 use super::bindings::{BackendInfo, BackendPre};
-use super::call::CallError;
 use super::compat;
+use super::invoke::CallError;
+use super::pre::Pre;
 use super::queries::RecordedQueries;
 use super::runtime::Runtime;
 use super::{COMPAT_VERSIONS, CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
@@ -45,13 +46,6 @@ pub enum LoadError {
     Info { path: PathBuf, source: CallError },
     #[error("{}: its info is invalid: {reason}", path.display())]
     BadInfo { path: PathBuf, reason: String },
-}
-
-/// A component linked for the contract it speaks.
-#[derive(Clone)]
-pub(crate) enum Pre {
-    Current(BackendPre<super::imports::CallState>),
-    V0_4(compat::v0_4::BackendPre<super::imports::CallState>),
 }
 
 /// A loaded, checked backend, ready to be called. Cheap to share.
@@ -141,7 +135,7 @@ impl Plugin {
 
         let provisional: Arc<str> =
             Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
-        let info = super::call::call_info(
+        let info = super::invoke::call_info(
             runtime,
             &pre,
             &provisional,

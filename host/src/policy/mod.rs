@@ -6,18 +6,23 @@ pub mod bindings;
 mod call;
 mod compat;
 mod imports;
+mod invoke;
+mod limits;
 mod load;
+mod pre;
 pub mod queries;
 mod runtime;
 pub mod scenario;
 mod spare;
+mod ticker;
 pub mod validate;
 
 pub use bindings::volagent::policy::types::*;
-pub use call::CallError;
+pub use invoke::CallError;
+pub use limits::Limits;
 pub use load::{LoadError, Plugin};
 pub use queries::{Queries, QueryError, RecordedQueries};
-pub use runtime::{Limits, Runtime, RuntimeError};
+pub use runtime::{Runtime, RuntimeError};
 
 /// The contract version this host speaks.
 pub const CONTRACT_PACKAGE: &str = "volagent:policy";

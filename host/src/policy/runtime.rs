@@ -5,48 +5,18 @@
 
 use super::bindings::Backend;
 use super::imports::CallState;
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use super::limits::Limits;
+#[cfg(test)]
+use super::ticker::LINGER;
+use super::ticker::{Calling, Ticker};
+use std::sync::{Arc, Mutex};
+#[cfg(test)]
+use std::time::Duration;
 use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 /// Memory of a freed instance slot kept mapped for the next call.
 const KEEP_RESIDENT: usize = 2 << 20;
-
-/// How often the epoch advances; deadlines are rounded up to it.
-pub const EPOCH_TICK: Duration = Duration::from_millis(5);
-
-/// Bounds on what one guest call and one plugin file may use.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Wall-clock budget of one call, instantiation included.
-    pub deadline: Duration,
-    /// Linear memory one call may grow to, in bytes.
-    pub memory_bytes: usize,
-    /// Largest `.wasm` file accepted.
-    pub max_file_bytes: u64,
-    /// Guest calls that may run at once (pooling allocator slots).
-    pub concurrent_calls: u32,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            deadline: Duration::from_millis(500),
-            memory_bytes: 64 << 20,
-            max_file_bytes: 16 << 20,
-            concurrent_calls: 64,
-        }
-    }
-}
-
-impl Limits {
-    /// The deadline in epoch ticks (at least one full tick past it).
-    pub(crate) fn deadline_ticks(&self) -> u64 {
-        (self.deadline.as_micros() / EPOCH_TICK.as_micros()) as u64 + 1
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -130,7 +100,7 @@ impl Drop for Runtime {
 impl Runtime {
     /// Held for the length of a guest call: the epoch advances meanwhile.
     pub(crate) fn calling(&self) -> Calling {
-        self.ticker.handle.begin()
+        self.ticker.begin()
     }
 
     /// Count `spares` among the backends' instances made ahead.
@@ -155,119 +125,12 @@ impl Runtime {
     }
 }
 
-/// How long the ticker goes on after the last guest call ended. Calls come
-/// in bursts (a pod's volumes, a node's drain): waking a parked ticker is
-/// a futex wake and, on a small VM, an interrupt to an idle CPU on every
-/// call's path; ticking on meanwhile costs 200 cheap wake-ups a second.
-const LINGER: Duration = Duration::from_secs(1);
-
-/// Guest calls running, and whether the ticker is to stop.
-#[derive(Default)]
-struct TickerState {
-    calls: usize,
-    stop: bool,
-    /// Waiting for a call (to be woken by the next one).
-    parked: bool,
-    /// When the last call ended.
-    idle_since: Option<Instant>,
-    /// Ticks so far (for the tests).
-    ticks: u64,
-}
-
-/// Advances the engine's epoch every [`EPOCH_TICK`] while a guest call
-/// runs (and for [`LINGER`] after), so that calls past their deadline
-/// trap; parked otherwise.
-struct Ticker {
-    handle: TickerHandle,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// Where guest calls are counted for the ticker.
-#[derive(Clone)]
-pub(crate) struct TickerHandle {
-    state: Arc<(Mutex<TickerState>, Condvar)>,
-}
-
-/// A guest call, for the ticker: counted until dropped.
-pub(crate) struct Calling {
-    state: Arc<(Mutex<TickerState>, Condvar)>,
-}
-
-impl Drop for Calling {
-    fn drop(&mut self) {
-        let mut s = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
-        s.calls = s.calls.saturating_sub(1);
-        if s.calls == 0 {
-            s.idle_since = Some(Instant::now());
-        }
-    }
-}
-
-impl TickerHandle {
-    /// A call begins: the epoch advances until it ends.
-    pub(crate) fn begin(&self) -> Calling {
-        let (lock, wake) = &*self.state;
-        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
-        s.calls += 1;
-        if s.parked {
-            wake.notify_one();
-        }
-        Calling { state: self.state.clone() }
-    }
-}
-
-impl Ticker {
-    fn start(engine: Engine) -> std::io::Result<Self> {
-        let state: Arc<(Mutex<TickerState>, Condvar)> = Arc::default();
-        let shared = state.clone();
-        let thread =
-            std::thread::Builder::new().name("volagent-epoch".into()).spawn(move || {
-                let (lock, wake) = &*shared;
-                loop {
-                    {
-                        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
-                        while s.calls == 0
-                            && !s.stop
-                            && s.idle_since.is_none_or(|t| t.elapsed() >= LINGER)
-                        {
-                            s.parked = true;
-                            s = wake.wait(s).unwrap_or_else(|e| e.into_inner());
-                            s.parked = false;
-                        }
-                        if s.stop {
-                            return;
-                        }
-                    }
-                    // A call that starts during this sleep counts its end as a
-                    // tick: deadline_ticks' extra tick covers that.
-                    std::thread::sleep(EPOCH_TICK);
-                    engine.increment_epoch();
-                    lock.lock().unwrap_or_else(|e| e.into_inner()).ticks += 1;
-                }
-            })?;
-        Ok(Ticker { handle: TickerHandle { state }, thread: Some(thread) })
-    }
-
-    fn handle(&self) -> TickerHandle {
-        self.handle.clone()
-    }
-
-    fn stop(&mut self) {
-        let (lock, wake) = &*self.handle.state;
-        lock.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
-        wake.notify_one();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn ticks(rt: &Runtime) -> u64 {
-        rt.ticker.handle.state.0.lock().unwrap().ticks
+        rt.ticker.ticks()
     }
 
     #[test]

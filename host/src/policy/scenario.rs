@@ -3,7 +3,7 @@
 //! documented in docs/scenarios.md.
 
 use super::bindings::{CleanupItem, CleanupReason, Consumer, Holder, NodeFacts, NodePaths, Volume};
-use super::call::CallError;
+use super::invoke::CallError;
 use super::load::Plugin;
 use super::queries::RecordedQueries;
 use serde::Deserialize;

@@ -14,9 +14,10 @@
 
 use super::compat::v0_4;
 use super::imports::CallState;
-use super::load::Pre;
+use super::limits::Limits;
+use super::pre::Pre;
 use super::queries::{Queries, RecordedQueries};
-use super::runtime::{Limits, TickerHandle};
+use super::ticker::TickerHandle;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
