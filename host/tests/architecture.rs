@@ -36,8 +36,10 @@ const EDGE_CRATES: &[&str] = &["volagent_protocol", "tonic", "prost", "k8s_opena
 
 fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
     if path.is_dir() {
-        let mut entries: Vec<_> =
-            std::fs::read_dir(path).unwrap().map(|e| e.unwrap().path()).collect();
+        let mut entries: Vec<_> = std::fs::read_dir(path)
+            .expect("source dir")
+            .map(|e| e.expect("entry").path())
+            .collect();
         entries.sort();
         for e in entries {
             rust_files(&e, out);
@@ -83,14 +85,15 @@ fn reaches(src: &Path) -> Vec<String> {
         rust_files(&src.join(below), &mut files);
         assert!(!files.is_empty(), "{below}: no source found under {}", src.display());
         for file in files {
-            let text = std::fs::read_to_string(&file).unwrap();
+            let text = std::fs::read_to_string(&file).expect("source file");
             for (n, line) in text.lines().enumerate() {
                 let code = code(line);
-                let hit = EDGE_MODULES.iter().find(|m| names(code, m, true)).or_else(|| {
-                    EDGE_CRATES.iter().find(|c| names(code, c, false))
-                });
+                let hit = EDGE_MODULES
+                    .iter()
+                    .find(|m| names(code, m, true))
+                    .or_else(|| EDGE_CRATES.iter().find(|c| names(code, c, false)));
                 if let Some(edge) = hit {
-                    let file = file.strip_prefix(src).unwrap().display();
+                    let file = file.strip_prefix(src).expect("beneath src").display();
                     found.push(format!("{file}:{}: reaches {edge}: {}", n + 1, line.trim()));
                 }
             }

@@ -22,18 +22,21 @@ pub struct ControllerArgs {
     /// Use the pod's service account.
     #[arg(long)]
     in_cluster: bool,
-    /// How often every attachment record is checked against the Nodes.
+    /// How often every attachment record is checked against the Nodes
+    /// besides on its changes and on Node deletions; the resync interval of
+    /// the controller's other objects too.
     #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
     scan_interval: Duration,
     /// How long after a Node is deleted its attachments move to its cleanup
     /// list (meanwhile other nodes may take its volumes over, with fencing).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     gone_node_grace: Duration,
-    /// How often deleted StorageClusters are checked for release.
+    /// How often a deleted StorageCluster is checked for release besides
+    /// on every change of an attachment record naming it.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     cluster_interval: Duration,
-    /// How often local volumes' PVs are checked besides on every change of
-    /// a node's local volumes or a local PV.
+    /// How often a node's local volumes' PVs are checked besides on every
+    /// change of its local volumes or its local PVs.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     local_interval: Duration,
     /// The namespace of the leader-election Lease.

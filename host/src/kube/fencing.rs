@@ -8,11 +8,10 @@
 //! waits for the answer, then deletes the request.
 
 use super::cluster::Cluster;
+use super::controller::{ReconcileError, api_error};
 use super::crds::{Attachment, FencePhase, FenceRequest, FenceRequestSpec, FenceRequestStatus};
-use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
 use std::time::{Duration, Instant};
 
 /// How long a blocklist call to the storage may take.
@@ -92,64 +91,42 @@ impl Cluster {
     }
 }
 
-/// The controller's side: answer every request as it comes, and delete
-/// answered ones their requester left behind (checked every minute too,
-/// since an answered request sees no more changes). Runs until cancelled.
-pub async fn serve(client: kube::Client) {
+/// The controller's side, for each request as it comes: answer it, or
+/// delete it once answered long ago (its requester died). Ok(Some): look
+/// again after that long.
+pub async fn tend(
+    client: &kube::Client,
+    request: &FenceRequest,
+) -> Result<Option<Duration>, ReconcileError> {
     let api: Api<FenceRequest> = Api::all(client.clone());
-    let requests =
-        watcher(api.clone(), watcher::Config::default()).default_backoff().applied_objects();
-    let mut requests = std::pin::pin!(requests);
-    let mut sweep = tokio::time::interval(Duration::from_secs(60));
-    loop {
-        tokio::select! {
-            Some(request) = requests.next() => {
-                if let Ok(request) = request {
-                    tend(&client, &api, request).await;
-                }
-            }
-            _ = sweep.tick() => {
-                if let Ok(list) = api.list(&Default::default()).await {
-                    for request in list.items.into_iter().filter(|r| r.status.is_some()) {
-                        tend(&client, &api, request).await;
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Answer `request`, or delete it when it was answered long ago.
-async fn tend(client: &kube::Client, api: &Api<FenceRequest>, request: FenceRequest) {
     let name = request.metadata.name.clone().unwrap_or_default();
-    match &request.status {
-        None => {
-            let status = answer(client, &request.spec).await;
-            let s = &request.spec;
-            match status.phase {
-                FencePhase::Fenced => {
-                    tracing::warn!(request = %name, volume = %s.volume, node = %s.node, address = %s.address, requester = %s.requester, "fenced a gone node's storage client");
-                }
-                FencePhase::Refused => {
-                    tracing::error!(request = %name, volume = %s.volume, requester = %s.requester, "refused to fence: {}", status.message.as_deref().unwrap_or(""));
-                }
+    let object = format!("FenceRequest {name}");
+    let Some(status) = &request.status else {
+        let status = answer(client, &request.spec).await;
+        let s = &request.spec;
+        match status.phase {
+            FencePhase::Fenced => {
+                tracing::warn!(request = %name, volume = %s.volume, node = %s.node, address = %s.address, requester = %s.requester, "fenced a gone node's storage client");
             }
-            let patch = serde_json::json!({ "status": status });
-            if let Err(e) =
-                api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await
-            {
-                tracing::error!(request = %name, "answering a fence request: {e}");
+            FencePhase::Refused => {
+                tracing::error!(request = %name, volume = %s.volume, requester = %s.requester, "refused to fence: {}", status.message.as_deref().unwrap_or(""));
             }
         }
-        Some(status) => {
-            let old = humantime::parse_rfc3339(&status.answered_at)
-                .ok()
-                .and_then(|t| t.elapsed().ok())
-                .is_none_or(|age| age > ANSWERED_KEPT);
-            if old {
-                let _ = api.delete(&name, &DeleteParams::default()).await;
-            }
-        }
+        let patch = serde_json::json!({ "status": status });
+        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(format!("{object} (answering it)")))?;
+        // The answer comes back as a change: kept or deleted then.
+        return Ok(None);
+    };
+    let age = humantime::parse_rfc3339(&status.answered_at).ok().and_then(|t| t.elapsed().ok());
+    if let Some(left) = age.and_then(|age| ANSWERED_KEPT.checked_sub(age)) {
+        return Ok(Some(left));
+    }
+    match api.delete(&name, &DeleteParams::default()).await {
+        Ok(_) => Ok(None),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
+        Err(e) => Err(api_error(object)(e)),
     }
 }
 

@@ -15,6 +15,7 @@
 //!   the operation (after fixing the cause: it is then requested again).
 //! - Retain PVs are never wiped; deleted, they are let go.
 
+use super::controller::{ReconcileError, api_error};
 use super::crds::LOCAL_BACKEND;
 use super::crds::{
     LOCAL_WIPE_FINALIZER, LocalOperation, LocalOperationKind, LocalOperationPhase, NodeLocalVolumes,
@@ -43,52 +44,44 @@ pub struct Synced {
     pub refused: Vec<String>,
 }
 
-/// One pass over every node's local volumes.
-pub async fn sync(client: &kube::Client) -> anyhow::Result<Synced> {
-    let lists = Api::<NodeLocalVolumes>::all(client.clone()).list(&Default::default()).await?.items;
-    if lists.is_empty() {
-        return Ok(Synced::default());
-    }
+/// One node's local volumes (`list`): its PVs made, wipes requested and
+/// wiped ones deleted. Every local PV is read, of every node: no two may
+/// offer the same device.
+pub async fn sync(
+    client: &kube::Client,
+    list: &NodeLocalVolumes,
+) -> Result<Synced, ReconcileError> {
+    let node = list.metadata.name.clone().unwrap_or_default();
     let pv_api: Api<PersistentVolume> = Api::all(client.clone());
     let pvs: BTreeMap<String, PersistentVolume> = pv_api
         .list(&ListParams::default().labels(NODE_LABEL))
-        .await?
+        .await
+        .map_err(api_error("the local PersistentVolumes"))?
         .items
         .into_iter()
         .filter_map(|pv| Some((pv.metadata.name.clone()?, pv)))
         .collect();
     let classes: BTreeMap<String, StorageClass> = Api::<StorageClass>::all(client.clone())
         .list(&Default::default())
-        .await?
+        .await
+        .map_err(api_error("the StorageClasses"))?
         .items
         .into_iter()
         .filter_map(|c| Some((c.metadata.name.clone()?, c)))
         .collect();
-    let hostnames: BTreeMap<String, String> = Api::<Node>::all(client.clone())
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .filter_map(|n| {
-            let name = n.metadata.name.clone()?;
-            let host = n
-                .metadata
+    let hostname = Api::<Node>::all(client.clone())
+        .get_opt(&node)
+        .await
+        .map_err(api_error(format!("Node {node}")))?
+        .map(|n| {
+            n.metadata
                 .labels
                 .as_ref()
                 .and_then(|l| l.get("kubernetes.io/hostname").cloned())
-                .unwrap_or_else(|| name.clone());
-            Some((name, host))
-        })
-        .collect();
+                .unwrap_or_else(|| node.clone())
+        });
     let mut out = Synced::default();
-    for list in lists {
-        let node = list.metadata.name.clone().unwrap_or_default();
-        if let Err(e) =
-            sync_node(client, &pv_api, &list, &pvs, &classes, hostnames.get(&node), &mut out).await
-        {
-            tracing::error!(node = %node, "local volumes: {e:#}");
-        }
-    }
+    sync_node(client, &pv_api, list, &pvs, &classes, hostname.as_ref(), &mut out).await?;
     Ok(out)
 }
 
@@ -100,7 +93,7 @@ async fn sync_node(
     classes: &BTreeMap<String, StorageClass>,
     hostname: Option<&String>,
     out: &mut Synced,
-) -> anyhow::Result<()> {
+) -> Result<(), ReconcileError> {
     let node = list.metadata.name.clone().unwrap_or_default();
     let status = list.status.clone().unwrap_or_default();
     let mut ops = list.spec.operations.clone();
@@ -155,7 +148,7 @@ async fn sync_node(
             match pv_api.delete(&op.volume, &dp).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(api_error(format!("PersistentVolume {}", op.volume))(e)),
             }
             tracing::info!(pv = %op.volume, node = %node, "local volume wiped: its PV deleted");
             out.deleted.push(op.volume.clone());
@@ -165,12 +158,13 @@ async fn sync_node(
     ops.retain(|o| !finished.contains(&(o.volume.clone(), o.pv_uid.clone())));
     if ops != before {
         let lists: Api<NodeLocalVolumes> = Api::all(client.clone());
-        // A compare-and-swap on what was read: a conflict waits for the next round.
+        // A compare-and-swap on what was read: on a conflict, the change
+        // that caused it has the list reconciled again.
         let patch = serde_json::json!({ "metadata": { "resourceVersion": list.metadata.resource_version }, "spec": { "operations": ops } });
         match lists.patch(&node, &PatchParams::default(), &Patch::Merge(&patch)).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 409 => return Ok(()),
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(api_error(format!("NodeLocalVolumes {node}"))(e)),
         }
     }
     // New PVs: for volumes with none, and no operation pending on them. A
@@ -217,7 +211,7 @@ async fn sync_node(
                 out.created.push(v.name.clone());
             }
             Err(kube::Error::Api(s)) if s.code == 409 => {}
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(api_error(format!("PersistentVolume {}", v.name))(e)),
         }
     }
     Ok(())
@@ -268,7 +262,7 @@ async fn set_finalizer(
     api: &Api<PersistentVolume>,
     pv: &PersistentVolume,
     on: bool,
-) -> anyhow::Result<()> {
+) -> Result<(), ReconcileError> {
     let name = pv.metadata.name.clone().unwrap_or_default();
     let mut finalizers: Vec<String> = pv
         .metadata
@@ -285,7 +279,7 @@ async fn set_finalizer(
     match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(api_error(format!("PersistentVolume {name}"))(e)),
     }
 }
 
