@@ -1,7 +1,10 @@
 //! volagent: a storage node agent for Kubernetes whose policy decisions are
 //! made by per-backend WebAssembly components.
 //!
-//! Floors (arrows point down only): `cli` → `exec` → `policy`, `sys`.
+//! Floors (arrows point down only), from the top: `cli`; the edges
+//! `plugin`, `kube`, `socket`, `csi`; `ops`; `exec` and `ledger`; `policy`;
+//! `local`; `sys`; the leaves. docs/architecture.md says what each may
+//! import, and tests/architecture.rs holds the edges apart from the rest.
 
 pub mod cli;
 pub mod clock;

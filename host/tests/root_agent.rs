@@ -482,7 +482,7 @@ fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
 fn a_mount_stalled_for(stall: Duration, volume: &str) -> (Node, String, String) {
     let mut node = Node::start();
     node.stop_agent();
-    let hook = (volagent::exec::STALL_AFTER_STEP_ENV, format!("1:{}", stall.as_millis()));
+    let hook = (volagent::sys::faults::STALL_AFTER_STEP_ENV, format!("1:{}", stall.as_millis()));
     node.spawn_agent_env("node-a", &[hook], &["--plan-deadline-secs", "1"]);
     let image = node.image(&format!("{volume}.img"), 64);
     let dir = node.mount_dir("uid-a", volume);

@@ -580,7 +580,7 @@ fn a_stage_held_in_its_steps_leaves_the_next_calls_served() {
     node.stop_agent();
     node.spawn_agent_env(
         "node-a",
-        &[(volagent::exec::STALL_AFTER_STEP_ENV, "1:5000".to_string())],
+        &[(volagent::sys::faults::STALL_AFTER_STEP_ENV, "1:5000".to_string())],
         &[],
     );
     let (held_image, free_image) = (node.image("held.img", 64), node.image("free.img", 64));

@@ -399,7 +399,7 @@ fn an_agent_killed_while_kubelet_mounts_serves_kubelets_retry() {
     c.create_volume("kill", "local-pv", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
     // After the device is attached, before it is formatted and mounted.
     c.kill_agent("node-a");
-    c.start_agent("node-a", &[(volagent::exec::KILL_AFTER_STEP_ENV, "1")]);
+    c.start_agent("node-a", &[(volagent::sys::faults::KILL_AFTER_STEP_ENV, "1")]);
     c.create_pod(pod_with(
         "k",
         "node-a",

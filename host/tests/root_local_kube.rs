@@ -361,7 +361,7 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
         "node-a",
         "local-slow",
         &dir,
-        &[(volagent::exec::STALL_AFTER_STEP_ENV, "3:120000")],
+        &[(volagent::sys::faults::STALL_AFTER_STEP_ENV, "3:120000")],
     );
     let (pv_img, pv_busy) = (
         pv_name("node-a", "local-slow", &img),

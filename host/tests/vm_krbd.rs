@@ -100,7 +100,7 @@ mod in_the_vm {
     fn spawn(node: &mut Node, kill_after: Option<usize>) {
         node.stop_agent();
         let env: Vec<(&str, String)> = kill_after
-            .map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string()))
+            .map(|n| (volagent::sys::faults::KILL_AFTER_STEP_ENV, n.to_string()))
             .into_iter()
             .collect();
         node.spawn_agent_env("node-a", &env, &["--deadline-ms", "20000"]);

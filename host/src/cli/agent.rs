@@ -179,6 +179,21 @@ fn discovery_dirs(args: &AgentArgs) -> anyhow::Result<Vec<PathBuf>> {
     Ok(resolved)
 }
 
+/// `sys` with the fault layer and the step hooks the environment asks for
+/// (the chaos tier's: [`crate::sys::faults`]).
+#[cfg(feature = "testing")]
+fn with_test_hooks(mut sys: Sys) -> Sys {
+    if let Some(file) = std::env::var_os(crate::sys::faults::FAULTS_FILE_ENV) {
+        tracing::warn!(rules = %std::path::Path::new(&file).display(), "fault injection on (a test hook): operations fail as the rules file says");
+        sys = sys.with_faults(file.into());
+    }
+    if let Some(hooks) = crate::sys::faults::CrashHooks::from_env() {
+        tracing::warn!("step hooks on (a test hook): {hooks:?}");
+        sys = sys.with_step_hook(std::sync::Arc::new(hooks));
+    }
+    sys
+}
+
 pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     raise_nofile();
     let node = args.node_name.clone().unwrap_or_else(hostname);
@@ -244,11 +259,10 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         .collect::<anyhow::Result<_>>()?;
     let mut nbd = crate::sys::nbd_client::NbdFuse::new(config.state_dir.join("nbd"));
     nbd.kernel.request_timeout = args.nbd_hung_after;
-    let mut sys = Sys::linux_with(roots, &crate::ops::loop_tag(&node, &config.state_dir), nbd);
-    if let Some(file) = std::env::var_os(crate::sys::faults::FAULTS_FILE_ENV) {
-        tracing::warn!(rules = %std::path::Path::new(&file).display(), "fault injection on (a test hook): operations fail as the rules file says");
-        sys = sys.with_faults(file.into());
-    }
+    let sys = Sys::linux_with(roots, &crate::ops::loop_tag(&node, &config.state_dir), nbd);
+    // The chaos tier's hooks exist only in a build for tests.
+    #[cfg(feature = "testing")]
+    let sys = with_test_hooks(sys);
     spawn_nbd_watchdog(sys.nbd.clone(), args.nbd_hung_after);
     let mut agent = Agent::new(
         config,

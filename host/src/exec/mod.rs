@@ -73,8 +73,6 @@ pub struct Executor {
     sys: Sys,
     /// The volume's secret values, for steps that name a key.
     secrets: Arc<Secrets>,
-    kill_after: Option<usize>,
-    stall_after: Option<(usize, u64)>,
     /// Told (step index, step count, step kind) as each step starts.
     progress: Option<Progress>,
 }
@@ -82,21 +80,9 @@ pub struct Executor {
 /// A step-progress listener (a long wipe's status).
 pub type Progress = Arc<dyn Fn(usize, usize, &'static str) + Send + Sync>;
 
-/// Crash-test hook: the agent kills itself with SIGKILL right after this
-/// many steps of a plan, as a node failure would stop it.
-pub const KILL_AFTER_STEP_ENV: &str = "VOLAGENT_TEST_KILL_AFTER_STEP";
-/// Hang-test hook, `<step>:<ms>`: stall that long after that step of the
-/// first plan that has it, as a mount of an unreachable filesystem would.
-pub const STALL_AFTER_STEP_ENV: &str = "VOLAGENT_TEST_STALL_AFTER_STEP";
-static STALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
 impl Executor {
     pub fn new(sys: Sys) -> Self {
-        let kill_after = std::env::var(KILL_AFTER_STEP_ENV).ok().and_then(|v| v.parse().ok());
-        let stall_after = std::env::var(STALL_AFTER_STEP_ENV).ok().and_then(|v| {
-            v.split_once(':').and_then(|(s, ms)| Some((s.parse().ok()?, ms.parse().ok()?)))
-        });
-        Executor { sys, secrets: Arc::default(), kill_after, stall_after, progress: None }
+        Executor { sys, secrets: Arc::default(), progress: None }
     }
 
     /// Steps that name a secret key use its value from `secrets`.
@@ -133,21 +119,9 @@ impl Executor {
                     rollback_failures,
                 });
             }
-            if let Some((_, ms)) = self.stall_after.filter(|(after, _)| *after == index + 1)
-                && !STALLED.swap(true, std::sync::atomic::Ordering::SeqCst)
-            {
-                tracing::warn!("{STALL_AFTER_STEP_ENV}: stalling {ms} ms after step {}", index + 1);
-                std::thread::sleep(std::time::Duration::from_millis(ms));
-            }
-            if self.kill_after == Some(index + 1) {
-                tracing::warn!(
-                    "{KILL_AFTER_STEP_ENV}: killing this process after step {}",
-                    index + 1
-                );
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::getpid(),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
+            #[cfg(feature = "testing")]
+            if let Some(hook) = &self.sys.step_hook {
+                hook.after_step(index + 1);
             }
         }
         Ok(run.outcome)

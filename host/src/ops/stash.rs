@@ -422,7 +422,7 @@ impl Stash {
     }
 
     /// Store raw bytes as the entry of `key`: for tests of damaged state.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "testing"))]
     pub fn put_raw(&self, key: &str, bytes: &[u8]) -> Result<(), StashError> {
         self.write(MOUNTS, key, bytes, None)
     }

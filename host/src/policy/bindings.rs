@@ -9,7 +9,7 @@ wasmtime::component::bindgen!({
     imports: { default: trappable },
 });
 
-pub use volagent::policy::types::*;
+pub use self::volagent::policy::types::*;
 
 impl StepKind {
     pub fn name(self) -> &'static str {

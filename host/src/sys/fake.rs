@@ -73,6 +73,8 @@ impl Fake {
             nbd: self.clone(),
             storage: self.clone(),
             krbd: self.clone(),
+            #[cfg(feature = "testing")]
+            step_hook: None,
         }
     }
 

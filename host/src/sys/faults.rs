@@ -291,6 +291,62 @@ impl<T: Storage + ?Sized> Storage for Faulty<T> {
     }
 }
 
+/// Told as each step of a plan ends: how the chaos tier stops or stalls an
+/// agent at a chosen point of an operation, as a node failure or a mount of
+/// an unreachable filesystem would.
+pub trait StepHook: Send + Sync {
+    /// Step `number` (1-based) of a plan has just succeeded.
+    fn after_step(&self, number: usize);
+}
+
+/// Crash-test hook: the agent kills itself with SIGKILL right after this
+/// many steps of a plan.
+pub const KILL_AFTER_STEP_ENV: &str = "VOLAGENT_TEST_KILL_AFTER_STEP";
+/// Hang-test hook, `<step>:<ms>`: stall that long after that step of the
+/// first plan that has it.
+pub const STALL_AFTER_STEP_ENV: &str = "VOLAGENT_TEST_STALL_AFTER_STEP";
+
+/// The step hooks the environment asks for ([`KILL_AFTER_STEP_ENV`],
+/// [`STALL_AFTER_STEP_ENV`]).
+#[derive(Debug, Default)]
+pub struct CrashHooks {
+    kill_after: Option<usize>,
+    stall_after: Option<(usize, u64)>,
+    /// Only the first plan that reaches the step stalls.
+    stalled: std::sync::atomic::AtomicBool,
+}
+
+impl CrashHooks {
+    /// The hooks the environment names, if it names any.
+    pub fn from_env() -> Option<CrashHooks> {
+        let kill_after = std::env::var(KILL_AFTER_STEP_ENV).ok().and_then(|v| v.parse().ok());
+        let stall_after = std::env::var(STALL_AFTER_STEP_ENV).ok().and_then(|v| {
+            v.split_once(':').and_then(|(s, ms)| Some((s.parse().ok()?, ms.parse().ok()?)))
+        });
+        (kill_after.is_some() || stall_after.is_some()).then(|| CrashHooks {
+            kill_after,
+            stall_after,
+            stalled: Default::default(),
+        })
+    }
+}
+
+impl StepHook for CrashHooks {
+    fn after_step(&self, number: usize) {
+        if let Some((_, ms)) = self.stall_after.filter(|(after, _)| *after == number)
+            && !self.stalled.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            tracing::warn!("{STALL_AFTER_STEP_ENV}: stalling {ms} ms after step {number}");
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        if self.kill_after == Some(number) {
+            tracing::warn!("{KILL_AFTER_STEP_ENV}: killing this process after step {number}");
+            let _ =
+                nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,9 @@ pub mod beneath;
 mod block;
 pub mod clear_dir;
 pub mod export_file;
+#[cfg(any(test, feature = "testing"))]
 pub mod fake;
+#[cfg(feature = "testing")]
 pub mod faults;
 pub mod fusectl;
 pub mod gluster_mount;
@@ -542,6 +544,9 @@ pub struct Sys {
     pub nbd: Arc<dyn NbdClients>,
     pub storage: Arc<dyn Storage>,
     pub krbd: Arc<dyn KernelRbd>,
+    /// Told as each step of a plan ends; none but in the chaos tier.
+    #[cfg(feature = "testing")]
+    pub step_hook: Option<Arc<dyn faults::StepHook>>,
 }
 
 impl Sys {
@@ -563,9 +568,12 @@ impl Sys {
             nbd: Arc::new(nbd),
             storage: Arc::new(rbd_export::LibCeph),
             krbd,
+            #[cfg(feature = "testing")]
+            step_hook: None,
         }
     }
 
+    #[cfg(feature = "testing")]
     /// This node with the chaos tier's fault layer over its mounts, devices,
     /// filesystems and storage cluster, following the rules in `file` ([`faults`]).
     pub fn with_faults(self, file: PathBuf) -> Sys {
@@ -577,6 +585,12 @@ impl Sys {
             storage: Arc::new(faults::Faulty::new(self.storage, rules)),
             ..self
         }
+    }
+
+    /// This node with `hook` told of every plan step's end.
+    #[cfg(feature = "testing")]
+    pub fn with_step_hook(self, hook: Arc<dyn faults::StepHook>) -> Sys {
+        Sys { step_hook: Some(hook), ..self }
     }
 
     /// The mount at exactly `target`, if any (the last one wins, as in the kernel).

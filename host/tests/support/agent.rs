@@ -77,7 +77,7 @@ impl Node {
     /// Start an agent that kills itself (SIGKILL) after `kill_after` steps of a plan.
     pub fn spawn_agent_with(&mut self, name: &str, kill_after: Option<usize>) {
         let env: Vec<(&str, String)> = kill_after
-            .map(|n| (volagent::exec::KILL_AFTER_STEP_ENV, n.to_string()))
+            .map(|n| (volagent::sys::faults::KILL_AFTER_STEP_ENV, n.to_string()))
             .into_iter()
             .collect();
         self.spawn_agent_env(name, &env, &[]);
