@@ -68,13 +68,23 @@ impl KubeLedger {
     }
 }
 
-/// Worth retrying: the server could not answer, or asked us to come back.
+/// Worth retrying: the server could not answer, asked us to come back, or
+/// has not loaded the roles it authorizes by yet.
 pub fn is_transient(e: &kube::Error) -> bool {
     match e {
+        kube::Error::Api(s) if s.code == 403 => roles_not_loaded(&s.message),
         kube::Error::Api(s) => s.code >= 500 || s.code == 429,
         kube::Error::HyperError(_) | kube::Error::Service(_) => true,
         _ => false,
     }
+}
+
+/// A 403 whose RBAC authorizer could not find the (Cluster)Role a binding
+/// names: an API server just (re)started answers so until its caches are
+/// loaded, though the binding grants the call. A Role really deleted reads
+/// the same, and fails once the retries are spent.
+fn roles_not_loaded(message: &str) -> bool {
+    message.split_once("RBAC: ").is_some_and(|(_, why)| why.contains(" not found"))
 }
 
 /// The ledger's error for a failed `what` on `volume`; `expected`: the
