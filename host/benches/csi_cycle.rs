@@ -20,12 +20,6 @@
 //! `CSI_CYCLE_AGENT=<volagent binary>` runs that build instead of this
 //! tree's.
 
-#[path = "../tests/common.rs"]
-mod common;
-#[path = "support/kernel_cycle.rs"]
-mod kernel_cycle;
-
-use kernel_cycle::Kernel;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -36,6 +30,11 @@ use volagent::csi::proto::csi::volume_capability::{
 };
 use volagent::csi::proto::csi::*;
 use volagent::stats::{Summary, summarize};
+use volagent_test_support::kernel_cycle::Kernel;
+use volagent_test_support::scratch;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const CYCLES: usize = 200;
 
@@ -69,7 +68,7 @@ fn main() {
         eprintln!("csi_cycle needs root: loop devices and mounts");
         std::process::exit(1);
     }
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     for d in ["disks", "others"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
@@ -89,7 +88,7 @@ fn main() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let this = std::env::var_os("CSI_CYCLE_AGENT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_volagent")));
+        .unwrap_or_else(|| PathBuf::from(VOLAGENT));
     let mut agents = vec![rt.block_on(AgentUnderTest::start(&scratch, "a", &this, &image))];
     for (i, other) in compare().iter().enumerate() {
         // Each its own volume (a copy of the same filesystem) and dirs.
@@ -166,7 +165,7 @@ struct AgentUnderTest {
 impl AgentUnderTest {
     /// The agent `binary` with dirs of its own under `name`.
     async fn start(
-        scratch: &common::RootScratch,
+        scratch: &scratch::RootScratch,
         name: &str,
         binary: &Path,
         image: &Path,

@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 use volagent::socket::protocol::{self, Request, Response};
 use volagent::stats::summarize;
 
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
+
 const ROUNDS: usize = 10;
 
 fn main() {
@@ -23,7 +26,7 @@ fn main() {
     std::fs::create_dir_all(at("plugins")).expect("dir");
     std::fs::copy(volagent_test_artifacts::LOCAL_PV, at("plugins/local-pv.wasm")).expect("plugin");
     let uid = nix::unistd::geteuid().as_raw().to_string();
-    let mut agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let mut agent = Command::new(VOLAGENT)
         .args(["agent", "--node-name", "bench", "--allow-uid", &uid])
         .arg("--runtime-dir")
         .arg(at("run"))

@@ -8,16 +8,15 @@
 //! sets the number of cycles; `MOUNT_CYCLE_FLEX_DRIVER` runs another build
 //! of the driver than the statically linked one that ships.
 
-#[path = "../tests/common.rs"]
-mod common;
-#[path = "support/kernel_cycle.rs"]
-mod kernel_cycle;
-
-use kernel_cycle::Kernel;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use volagent::stats::{Summary, summarize};
+use volagent_test_support::kernel_cycle::Kernel;
+use volagent_test_support::scratch;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const CYCLES: usize = 200;
 
@@ -29,7 +28,7 @@ fn main() {
         eprintln!("mount_cycle needs root: loop devices and mounts");
         std::process::exit(1);
     }
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     for d in ["plugins", "disks", "kubelet", "vpd", "state"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
@@ -104,9 +103,9 @@ struct AgentUnderTest {
 }
 
 impl AgentUnderTest {
-    fn start(scratch: &common::RootScratch, image: &Path) -> AgentUnderTest {
+    fn start(scratch: &scratch::RootScratch, image: &Path) -> AgentUnderTest {
         let socket = scratch.path("run/agent.sock");
-        let agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
+        let agent = Command::new(VOLAGENT)
             .args(["agent", "--node-name", "node-a"])
             .arg("--socket")
             .arg(&socket)

@@ -7,11 +7,8 @@
 //! Run: `cargo bench -p volagent --bench nbd_throughput`; `NBD_BENCH_ROUNDS`
 //! sets the rounds (median reported), `NBD_BENCH_SECS` fio's run time.
 
-#[path = "../tests/common.rs"]
-mod common;
-mod support;
-
-use support::{env_or, median, run};
+use volagent_test_support::bench::{env_or, median, run};
+use volagent_test_support::scratch;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -186,7 +183,7 @@ fn main() {
 /// fio on a loop device over `file`, and on one over the same file served
 /// by volagent through nbdfuse.
 fn attach_latency(image: &Path, secs: u64) {
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     let exports = Exports::default();
     exports.insert("", Arc::new(FileExport::open(image, false).expect("export")));
     let socket = scratch.path("nbd.sock");

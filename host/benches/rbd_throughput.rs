@@ -12,11 +12,8 @@
 //! `RBD_BENCH_ROUNDS` sets the rounds (median reported), `RBD_BENCH_SECS`
 //! fio's run time.
 
-#[path = "../tests/common.rs"]
-mod common;
-mod support;
-
-use support::{env_or, median, run};
+use volagent_test_support::bench::{env_or, median, run};
+use volagent_test_support::scratch;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -108,7 +105,7 @@ fn main() {
     let conf = ceph.join("ceph.conf");
     let rounds = env_or("RBD_BENCH_ROUNDS", 3).max(1) as usize;
     let secs = env_or("RBD_BENCH_SECS", 4).max(1);
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     let image = format!("bench-{}", std::process::id());
     run(Command::new("rbd").arg("-c").arg(&conf).args([
         "create",

@@ -6,17 +6,18 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/ceph.rs"]
-mod ceph_common;
-
-use ceph_common::{Image, ceph_dir, rbd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use volagent_test_support::ceph;
+use volagent_test_support::ceph::{Image, ceph_dir, rbd};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// A keyring file for client.volagent, in `scratch`.
 fn volagent_keyring(dir: &Path, scratch: &Path) -> PathBuf {
-    let key = ceph_common::volagent_key(dir);
+    let key = ceph::volagent_key(dir);
     let keyring = scratch.join("volagent.keyring");
     std::fs::write(&keyring, format!("[client.volagent]\n\tkey = {key}\n")).unwrap();
     keyring
@@ -56,7 +57,7 @@ fn serve(
 ) -> Result<Server, String> {
     let keyring = keyring.map_or_else(|| volagent_keyring(dir, scratch), Path::to_path_buf);
     let socket = scratch.join("rbd.sock");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let mut child = Command::new(VOLAGENT)
         .args(["nbd", "serve", "--unix"])
         .arg(&socket)
         .arg(format!("--export-rbd=disk0={}", image.spec()))

@@ -8,10 +8,6 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod kube_common;
-#[path = "support/shipped.rs"]
-mod shipped;
-
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
@@ -20,6 +16,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use volagent::kube::crds::{Attachment, FencePhase, FenceRequest, NodeCleanup, NodeLocalVolumes};
 use volagent_kube_env::KubeEnv;
+use volagent_test_support::{kube_objects, shipped};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// The API server with deploy/ applied, the controller (and its webhook)
 /// running as its ServiceAccount, Nodes node-a and node-b, and a client of
@@ -51,13 +51,13 @@ async fn start() -> Setup {
     let port = volagent_kube_env::free_ports(1).unwrap()[0];
     shipped::install(&env.client(), &shipped::webhook_url(port)).await.unwrap();
     for n in ["node-a", "node-b"] {
-        kube_common::create_node(&env.client(), n, true).await;
+        kube_objects::create_node(&env.client(), n, true).await;
     }
     let kubeconfig =
         shipped::controller_kubeconfig(&env, &dir.path().join("controller.kubeconfig"))
             .await
             .unwrap();
-    let controller = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let controller = Command::new(VOLAGENT)
         .args(shipped::controller_args(&kubeconfig, port))
         .args(["--local-interval", "1s"])
         .stdout(Stdio::null())
@@ -295,7 +295,7 @@ async fn a_nodes_token_reaches_only_its_own_nodes_objects() {
     );
 
     // B gone (out of service): A may take its holder out, as a take-over does.
-    kube_common::taint_out_of_service(&admin, "node-b").await;
+    kube_objects::taint_out_of_service(&admin, "node-b").await;
     let current = aa.get("pv-1").await.unwrap();
     let mut taken = current.clone();
     taken.spec.consumers = vec![serde_json::from_value(consumer("node-a")).unwrap()];

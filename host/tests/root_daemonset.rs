@@ -7,24 +7,17 @@
 //! scripts/node-assets and scripts/build-image; fails (never skips) without
 //! them.
 
-mod common;
-#[path = "support/daemonset_cluster.rs"]
-mod daemonset_cluster;
-mod kube_common;
-#[path = "support/kubelet_cluster.rs"]
-mod kubelet_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
-
-use daemonset_cluster::*;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, Patch, PatchParams};
-use kubelet_cluster::{claim, create_volume, is_ready, pod_with, restarts, serve};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use volagent::kube::crds::Attachment;
+use volagent_test_support::daemonset_cluster::*;
+use volagent_test_support::kubelet_cluster::{
+    claim, create_volume, is_ready, pod_with, restarts, serve,
+};
 
 /// Where kubelet mounts volume `pv` of pod `uid` (and where the agent, in
 /// its container, binds it).

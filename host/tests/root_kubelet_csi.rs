@@ -8,17 +8,13 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod kube_common;
-#[path = "support/kubelet_cluster.rs"]
-mod kubelet_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
-
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode};
 use kube::api::{Api, PostParams};
-use kubelet_cluster::*;
 use std::time::{Duration, Instant};
+use volagent_test_support::kubelet_cluster::*;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// The CSIDriver objects of deploy/csidrivers.yaml, as shipped.
 fn shipped_csi_drivers() -> Vec<CSIDriver> {
@@ -71,7 +67,11 @@ fn assert_unmounted(c: &Cluster, node: &str, volume: &str) {
 
 #[test]
 fn a_csi_volume_serves_pods_and_a_dropped_in_backend_becomes_a_driver() {
-    let c = Cluster::start(&[("node-a", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    let c = Cluster::start(
+        VOLAGENT,
+        &[("node-a", &[])],
+        &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
+    );
     let drivers: Api<CSIDriver> = Api::all(c.client());
     let shipped = shipped_csi_drivers();
     assert!(shipped.iter().any(|d| d.metadata.name.as_deref() == Some("local-pv.csi.volagent.io")));
@@ -178,7 +178,11 @@ fn a_csi_volume_serves_pods_and_a_dropped_in_backend_becomes_a_driver() {
 /// needs kubelet 1.22 or later; this tier's kubelet is 1.20.)
 #[test]
 fn a_block_volume_is_a_device_in_the_container_and_mount_options_reach_the_mount() {
-    let c = Cluster::start(&[("node-a", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    let c = Cluster::start(
+        VOLAGENT,
+        &[("node-a", &[])],
+        &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
+    );
     let drivers: Api<CSIDriver> = Api::all(c.client());
     for d in shipped_csi_drivers() {
         c.rt.block_on(drivers.create(&PostParams::default(), &d)).unwrap();

@@ -2,12 +2,13 @@
 //! it serves through a supervised child, reaps orphans reparented to it,
 //! and stops cleanly on SIGTERM. Needs root (namespaces).
 
-mod common;
-
-use common::RootScratch;
 use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use volagent_test_support::scratch::RootScratch;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
@@ -34,7 +35,7 @@ fn as_pid_1_the_agent_serves_reaps_orphans_and_stops_on_sigterm() {
     let socket = s.path("run/agent.sock");
     let mut unshare = Command::new("unshare")
         .args(["--pid", "--fork", "--mount-proc"])
-        .arg(env!("CARGO_BIN_EXE_volagent"))
+        .arg(VOLAGENT)
         .args(["agent", "--node-name", "node-a"])
         .arg("--runtime-dir")
         .arg(s.path("run"))

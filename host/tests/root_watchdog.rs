@@ -5,13 +5,11 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::RootScratch;
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use volagent_test_support::scratch::RootScratch;
 
 #[test]
 fn a_read_hung_on_a_stopped_nbd_server_is_failed_by_the_watchdog() {

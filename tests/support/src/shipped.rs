@@ -5,7 +5,6 @@
 //! agent on a token of the agents' ServiceAccount bound to a pod on that
 //! node — as the DaemonSet's projected token is. The admin kubeconfig is
 //! for the test's own set-up only: a missing or excess grant fails a test.
-#![allow(dead_code)]
 
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Toleration};
@@ -38,7 +37,7 @@ pub const FILES: [&str; 9] = [
 const TOKEN_SECONDS: i64 = 6 * 3600;
 
 fn deploy_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+    crate::workspace().join("deploy")
 }
 
 /// Every object of `deploy/<file>`.
@@ -105,7 +104,7 @@ async fn install_files(
                 .await
                 .with_context(|| format!("applying deploy/{file}: {name}"))?;
             if object["kind"] == "CustomResourceDefinition" {
-                crate::kube_common::wait_established(client, &name).await;
+                crate::kube_objects::wait_established(client, &name).await;
             }
         }
     }
