@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use volagent::csi::proto::csi::node_client::NodeClient;
 use volagent::csi::proto::csi::volume_capability::{
@@ -30,6 +30,7 @@ use volagent::csi::proto::csi::volume_capability::{
 };
 use volagent::csi::proto::csi::*;
 use volagent::stats::{Summary, summarize};
+use volagent_test_support::agent::AgentBuilder;
 use volagent_test_support::kernel_cycle::Kernel;
 use volagent_test_support::scratch;
 
@@ -187,31 +188,16 @@ impl AgentUnderTest {
         .expect("tmpfs for the runtime dir");
         std::fs::copy(volagent_test_artifacts::LOCAL_PV, dir("plugins").join("local-pv.wasm"))
             .expect("plugin");
-        let agent = Command::new(binary)
-            .args(["agent", "--node-name", "node-a", "--no-driver-install"])
-            .arg("--state-dir")
-            .arg(dir("state"))
-            .arg("--runtime-dir")
-            .arg(dir("run"))
-            .arg("--plugin-dir")
-            .arg(dir("plugins"))
-            .arg("--kubelet-root")
-            .arg(&kubelet)
-            .arg("--discovery-dir")
-            .arg(scratch.path("disks"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("agent");
         let socket = volagent::csi::drivers::socket_path(&kubelet, "local-pv");
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "the agent's CSI socket did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let agent = AgentBuilder::new(binary, "node-a")
+            .state_dir(dir("state"))
+            .runtime_dir(dir("run"))
+            .plugin_dir(dir("plugins"))
+            .kubelet_root(kubelet.clone())
+            .discovery_dir(scratch.path("disks"))
+            .no_driver_install()
+            .ready_when(socket.clone())
+            .spawn();
         let client =
             NodeClient::new(volagent::csi::client::connect(socket).await.expect("connect"));
         let staging = kubelet.join("plugins/kubernetes.io/csi/pv/pv1/globalmount");

@@ -9,9 +9,10 @@
 //! of the driver than the statically linked one that ships.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use volagent::stats::{Summary, summarize};
+use volagent_test_support::agent::AgentBuilder;
 use volagent_test_support::kernel_cycle::Kernel;
 use volagent_test_support::scratch;
 
@@ -104,37 +105,14 @@ struct AgentUnderTest {
 
 impl AgentUnderTest {
     fn start(scratch: &scratch::RootScratch, image: &Path) -> AgentUnderTest {
-        let socket = scratch.path("run/agent.sock");
-        let agent = Command::new(VOLAGENT)
-            .args(["agent", "--node-name", "node-a"])
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(scratch.path("state"))
-            .arg("--runtime-dir")
-            .arg(scratch.path("run"))
-            .arg("--plugin-dir")
-            .arg(scratch.path("plugins"))
-            .arg("--kubelet-root")
-            .arg(scratch.path("kubelet"))
-            .arg("--discovery-dir")
-            .arg(scratch.path("disks"))
-            .arg("--volume-plugin-dir")
-            .arg(scratch.path("vpd"))
-            .arg("--flex-driver")
-            .arg(
+        let agent = AgentBuilder::new(VOLAGENT, "node-a")
+            .under(&scratch.path(""))
+            .socket(scratch.path("run/agent.sock"))
+            .flex_driver(
                 std::env::var_os("MOUNT_CYCLE_FLEX_DRIVER")
                     .unwrap_or(volagent_test_artifacts::FLEX_DRIVER.into()),
             )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("agent");
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "agent did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            .spawn();
         let options = serde_json::json!({
             "kubernetes.io/fsType": "ext4", "kubernetes.io/readwrite": "rw",
             "kubernetes.io/pvOrVolumeName": "pv1", "kubernetes.io/pod.name": "p",

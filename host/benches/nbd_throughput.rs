@@ -9,6 +9,7 @@
 
 use volagent_test_support::bench::{env_or, median, run};
 use volagent_test_support::scratch;
+use volagent_test_support::{Deadline, wait_until};
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,11 +21,10 @@ use volagent::sys::export_file::FileExport;
 const SIZE: u64 = 1 << 30;
 
 fn wait_for_socket(socket: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::os::unix::net::UnixStream::connect(socket).is_err() {
-        assert!(Instant::now() < deadline, "{} never accepted", socket.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let deadline = Deadline::within(Duration::from_secs(10)).polling(Duration::from_millis(10));
+    wait_until(deadline, &format!("{} to accept", socket.display()), || {
+        std::os::unix::net::UnixStream::connect(socket).is_ok()
+    });
 }
 
 enum Peer {

@@ -14,22 +14,20 @@
 
 use volagent_test_support::bench::{env_or, median, run};
 use volagent_test_support::scratch;
+use volagent_test_support::{Deadline, wait_until};
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent::nbd::{Exports, Listener, Server};
 use volagent::sys::rbd_export::{CephClient, RbdExport, RbdTarget};
 
 const IMAGE_MIB: u64 = 512;
 
-fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready() {
-        assert!(Instant::now() < deadline, "{what} never became ready");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn wait_for(what: &str, ready: impl FnMut() -> bool) {
+    let deadline = Deadline::within(Duration::from_secs(30)).polling(Duration::from_millis(10));
+    wait_until(deadline, what, ready);
 }
 
 /// A FUSE daemon, unmounted and stopped on drop.

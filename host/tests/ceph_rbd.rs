@@ -11,6 +11,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use volagent_test_support::ceph;
 use volagent_test_support::ceph::{Image, ceph_dir, rbd};
+use volagent_test_support::wait_until;
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
@@ -70,15 +71,17 @@ fn serve(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
-            return Err(format!("{status}: {err}"));
+    // Up (None), or exited (its status): a refused start is what some tests want.
+    let exited = wait_until(Duration::from_secs(60), "volagent nbd serve to come up", || {
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            return Some(None);
         }
-        assert!(Instant::now() < deadline, "volagent nbd serve did not come up");
-        std::thread::sleep(Duration::from_millis(20));
+        child.try_wait().unwrap().map(Some)
+    });
+    if let Some(status) = exited {
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        return Err(format!("{status}: {err}"));
     }
     Ok(Server { child, socket })
 }

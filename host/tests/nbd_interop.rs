@@ -10,6 +10,7 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 use volagent::nbd::{ClientAuth, Exports, Listener, Server};
 use volagent::sys::export_file::FileExport;
+use volagent_test_support::wait_until_or;
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
@@ -479,18 +480,15 @@ impl Cli {
 
     /// Waits (20 s at most) for its log to say `what`.
     fn wait_for_log(&self, what: &str) -> String {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            let log = self.log();
-            if log.contains(what) {
-                return log;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the server never logged {what:?}:\n{log}"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        wait_until_or(
+            std::time::Duration::from_secs(20),
+            &format!("the server to log {what:?}"),
+            || {
+                let log = self.log();
+                log.contains(what).then_some(log)
+            },
+            || self.log(),
+        )
     }
 
     /// Its peak resident memory, in KiB.

@@ -19,6 +19,7 @@ use volagent::csi::proto::registration::registration_client::RegistrationClient;
 use volagent::csi::proto::registration::{InfoRequest, RegistrationStatus};
 use volagent_test_support::agent::Node;
 use volagent_test_support::policy;
+use volagent_test_support::wait_until;
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
@@ -32,11 +33,7 @@ fn kubelet_root(node: &Node, name: &str) -> PathBuf {
 }
 
 fn wait_for(path: &Path) {
-    let start = Instant::now();
-    while !path.exists() {
-        assert!(start.elapsed() < Duration::from_secs(30), "{} did not appear", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(Duration::from_secs(30), &format!("{} to appear", path.display()), || path.exists());
 }
 
 /// The node client of `backend`'s driver on node `name`.

@@ -8,6 +8,7 @@
 use std::time::Duration;
 use volagent_test_support::kube_objects;
 use volagent_test_support::kubelet_cluster::*;
+use volagent_test_support::wait_until;
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
@@ -522,11 +523,9 @@ fn a_pod_writes_an_nbd_volume_and_the_next_pod_reads_it() {
         .arg(&image)
         .spawn()
         .expect("qemu-nbd (scripts/setup installs it)");
-    let start = std::time::Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(start.elapsed() < Duration::from_secs(20), "qemu-nbd never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(Duration::from_secs(20), "qemu-nbd to listen", || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
     let server_option = format!("unix:{}", socket.display());
     c.create_volume(
         "export",

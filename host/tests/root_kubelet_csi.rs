@@ -12,6 +12,7 @@ use k8s_openapi::api::storage::v1::{CSIDriver, CSINode};
 use kube::api::{Api, PostParams};
 use std::time::{Duration, Instant};
 use volagent_test_support::kubelet_cluster::*;
+use volagent_test_support::{Deadline, wait_until_or};
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
@@ -35,17 +36,19 @@ fn csinode_drivers(c: &Cluster, node: &str) -> Vec<String> {
 }
 
 fn wait_driver(c: &Cluster, node: &str, driver: &str) {
-    let start = Instant::now();
-    while !csinode_drivers(c, node).iter().any(|d| d == driver) {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "kubelet did not register {driver}: CSINode lists {:?}\nkubelet: {}\nagent: {}",
-            csinode_drivers(c, node),
-            tail_matching(c.node(node).kubelet().log(), "csi", 30),
-            tail(&c.node(node).agent_log())
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    wait_until_or(
+        Deadline::within(Duration::from_secs(60)).polling(Duration::from_millis(250)),
+        &format!("kubelet to register {driver}"),
+        || csinode_drivers(c, node).iter().any(|d| d == driver),
+        || {
+            format!(
+                "CSINode lists {:?}\nkubelet: {}\nagent: {}",
+                csinode_drivers(c, node),
+                tail_matching(c.node(node).kubelet().log(), "csi", 30),
+                tail(&c.node(node).agent_log())
+            )
+        },
+    );
 }
 
 /// No mount of the volume left below the node's kubelet root.

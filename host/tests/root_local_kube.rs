@@ -13,9 +13,10 @@ use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent::kube::crds::{LocalOperationPhase, NodeLocalVolumes};
 use volagent_test_support::api_cluster::Cluster;
+use volagent_test_support::{Deadline, wait_until_or};
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
@@ -53,43 +54,38 @@ impl LocalCluster for Cluster {
         self.rt.block_on(Api::<PersistentVolume>::all(self.client()).list(&lp)).unwrap().items
     }
 
-    fn wait_for<T>(&self, what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
-        let start = Instant::now();
-        loop {
-            if let Some(v) = f() {
-                return v;
-            }
-            if start.elapsed() > Duration::from_secs(secs) {
-                let pvs: Vec<_> = self
-                    .local_pvs()
-                    .iter()
-                    .map(|p| (p.metadata.name.clone(), p.status.clone().and_then(|s| s.phase)))
-                    .collect();
-                let lists = self
-                    .rt
-                    .block_on(Api::<NodeLocalVolumes>::all(self.client()).list(&Default::default()))
-                    .map(|l| l.items);
-                let logs: Vec<String> = ["node-a.log", "node-b.log", "controller.log"]
-                    .iter()
-                    .map(|f| std::fs::read_to_string(self.scratch.path(f)).unwrap_or_default())
-                    .map(|t| {
-                        t.lines()
-                            .rev()
-                            .take(30)
-                            .collect::<Vec<_>>()
-                            .into_iter()
-                            .rev()
-                            .collect::<Vec<_>>()
-                            .join("\n")
-                    })
-                    .collect();
-                panic!(
-                    "timed out waiting for {what}; local PVs: {pvs:#?}\nNodeLocalVolumes: {lists:#?}\nlogs (agents, controller):\n{}",
-                    logs.join("\n----\n")
-                );
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+    fn wait_for<T>(&self, what: &str, secs: u64, f: impl FnMut() -> Option<T>) -> T {
+        let deadline =
+            Deadline::within(Duration::from_secs(secs)).polling(Duration::from_millis(200));
+        wait_until_or(deadline, what, f, || {
+            let pvs: Vec<_> = self
+                .local_pvs()
+                .iter()
+                .map(|p| (p.metadata.name.clone(), p.status.clone().and_then(|s| s.phase)))
+                .collect();
+            let lists = self
+                .rt
+                .block_on(Api::<NodeLocalVolumes>::all(self.client()).list(&Default::default()))
+                .map(|l| l.items);
+            let logs: Vec<String> = ["node-a.log", "node-b.log", "controller.log"]
+                .iter()
+                .map(|f| std::fs::read_to_string(self.scratch.path(f)).unwrap_or_default())
+                .map(|t| {
+                    t.lines()
+                        .rev()
+                        .take(30)
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .rev()
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .collect();
+            format!(
+                "local PVs: {pvs:#?}\nNodeLocalVolumes: {lists:#?}\nlogs (agents, controller):\n{}",
+                logs.join("\n----\n")
+            )
+        })
     }
 
     fn storage_class(&self, name: &str, params: &[(&str, &str)]) {

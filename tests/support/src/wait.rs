@@ -18,12 +18,12 @@ impl Deadline {
     /// include the wait's last sleep.
     pub const POLL: Duration = Duration::from_millis(20);
 
-    pub fn within(within: Duration) -> Deadline {
+    pub const fn within(within: Duration) -> Deadline {
         Deadline { within, poll: Deadline::POLL }
     }
 
-    pub fn polling(self, every: Duration) -> Deadline {
-        Deadline { poll: every, ..self }
+    pub const fn polling(self, every: Duration) -> Deadline {
+        Deadline { within: self.within, poll: every }
     }
 }
 
