@@ -1,6 +1,6 @@
 //! The DaemonSet tier: `deploy/` applied with `kubectl apply -k` to a
 //! one-node cluster in a box (real kubelet 1.20.2, containerd, scheduler and
-//! controller manager; see support/daemonset_cluster.rs), the agent running
+//! controller manager; see volagent_test_support::daemonset_cluster), the agent running
 //! as the DaemonSet's privileged pod from the image `scripts/build-image`
 //! makes, the controller as its two-replica Deployment. Workload pods get
 //! their volumes from the agent in the pod. Needs root, scripts/kube-assets,

@@ -1,6 +1,6 @@
 //! The kubelet tier: pods on volagent volumes through a real kubelet
 //! 1.20.2 and containerd, on two nodes of a cluster in a box (see
-//! support/kubelet_cluster.rs), checked from the pod's side: its phase, its
+//! volagent_test_support::kubelet_cluster), checked from the pod's side: its phase, its
 //! container's output and its Events. Needs root, the binaries from
 //! scripts/kube-assets and what scripts/node-assets installs; fails (never
 //! skips) without them.

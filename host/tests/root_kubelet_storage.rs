@@ -1,5 +1,5 @@
 //! rbd and gluster volumes under the kubelet tier: a real kubelet 1.20.2
-//! and containerd on two nodes (support/kubelet_cluster.rs) mount PVs of
+//! and containerd on two nodes (volagent_test_support::kubelet_cluster) mount PVs of
 //! `volagent/rbd` (whose `secretRef` kubelet resolves and passes on, as for
 //! any Flexvolume driver) and `volagent/gluster`. The nodes live in a
 //! network namespace of their own, so each test starts its own storage

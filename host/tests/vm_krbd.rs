@@ -1,6 +1,6 @@
 //! rbd volumes through the kernel's rbd driver (krbd), which this machine's
 //! kernel lacks. The tests in `in_the_vm` run inside the VM tier's VM
-//! (support/vm.rs), whose Debian kernel has rbd: the prelude starts a
+//! (volagent_test_support::vm), whose Debian kernel has rbd: the prelude starts a
 //! single-node Ceph inside the VM (scripts/ceph-env, copied beside the VM's
 //! run script — the kernel client must reach the monitor and OSD at the
 //! addresses the cluster's maps give, 127.0.0.1, which outside the VM

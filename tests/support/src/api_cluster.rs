@@ -4,7 +4,8 @@
 //! ([`crate::shipped`]): `deploy/`'s RBAC and admission webhook, the
 //! controller as its ServiceAccount, each agent on a token of the agents'
 //! ServiceAccount bound to a pod on its node. The API-server tier's tests
-//! add what their backend needs in `impl Cluster` blocks of their own.
+//! add what their backend needs as extension traits of their own (the type
+//! is foreign to them).
 
 use crate::agent::{AgentBuilder, kill};
 use crate::scratch::RootScratch;
