@@ -44,7 +44,7 @@ use manifests::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use volagent_kube_env::KubeEnv;
-use volagent_test_support::kube_objects;
+use volagent_test_support::{kube_objects, shipped};
 
 const NAMESPACE: &str = "volagent-system";
 /// The controller's own namespace: its Lease, webhook certificate and the

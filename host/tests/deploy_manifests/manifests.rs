@@ -181,16 +181,9 @@ pub(crate) async fn apply_deploy(
             continue;
         }
         let gvk = m.gvk()?;
-        let (resource, caps) = match discovery.resolve_gvk(&gvk) {
-            Some(found) => found,
-            None => {
-                // Perhaps a kind a CRD applied earlier serves.
-                discovery = Discovery::new(client.clone()).run().await?;
-                discovery
-                    .resolve_gvk(&gvk)
-                    .with_context(|| format!("{}: the API server has no {gvk:?}", m.describe()))?
-            }
-        };
+        let (resource, caps) = shipped::resolve(&mut discovery, &client, &gvk)
+            .await?
+            .with_context(|| format!("{}: the API server has no {gvk:?}", m.describe()))?;
         ensure!(!m.name().is_empty(), "{}: no metadata.name", m.describe());
         let api: Api<DynamicObject> = match (caps.scope, m.namespace()) {
             (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &resource),

@@ -9,7 +9,7 @@
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Toleration};
 use kube::api::{Api, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::discovery::{Discovery, Scope};
+use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
 use serde::Deserialize as _;
 use serde_json::Value;
 use std::ffi::OsString;
@@ -83,15 +83,9 @@ async fn install_files(
             let gvk = kube::core::GroupVersionKind::try_from(&serde_json::from_value::<
                 kube::core::TypeMeta,
             >(object.clone())?)?;
-            let (resource, caps) = match discovery.resolve_gvk(&gvk) {
-                Some(found) => found,
-                None => {
-                    discovery = Discovery::new(client.clone()).run().await?;
-                    discovery
-                        .resolve_gvk(&gvk)
-                        .with_context(|| format!("deploy/{file}: no {gvk:?}"))?
-                }
-            };
+            let (resource, caps) = resolve(&mut discovery, client, &gvk)
+                .await?
+                .with_context(|| format!("deploy/{file}: no {gvk:?}"))?;
             let name = object["metadata"]["name"].as_str().context("a named object")?.to_string();
             let api: Api<DynamicObject> =
                 match (caps.scope, object["metadata"]["namespace"].as_str()) {
@@ -109,6 +103,21 @@ async fn install_files(
         }
     }
     Ok(())
+}
+
+/// What serves `gvk`, discovering again once when it is unknown: perhaps a
+/// kind a CRD applied just now serves. (Plain discovery: kube-apiserver
+/// 1.20 has no aggregated discovery.)
+pub async fn resolve(
+    discovery: &mut Discovery,
+    client: &kube::Client,
+    gvk: &kube::core::GroupVersionKind,
+) -> anyhow::Result<Option<(ApiResource, ApiCapabilities)>> {
+    if let Some(found) = discovery.resolve_gvk(gvk) {
+        return Ok(Some(found));
+    }
+    *discovery = Discovery::new(client.clone()).run().await?;
+    Ok(discovery.resolve_gvk(gvk))
 }
 
 /// The pod node `node`'s agent runs as (its token is bound to it): in the
