@@ -7,16 +7,15 @@
 //! Run: `cargo bench -p volagent --bench nbd_throughput`; `NBD_BENCH_ROUNDS`
 //! sets the rounds (median reported), `NBD_BENCH_SECS` fio's run time.
 
-use volagent_test_support::bench::{env_or, median, run};
-use volagent_test_support::scratch;
-use volagent_test_support::{Deadline, wait_until};
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use volagent::nbd::{Exports, Listener, Server};
 use volagent::sys::export_file::FileExport;
+use volagent_test_support::bench::{env_or, median, run};
+use volagent_test_support::scratch;
+use volagent_test_support::{Deadline, wait_until};
 
 const SIZE: u64 = 1 << 30;
 

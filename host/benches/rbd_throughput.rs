@@ -12,16 +12,15 @@
 //! `RBD_BENCH_ROUNDS` sets the rounds (median reported), `RBD_BENCH_SECS`
 //! fio's run time.
 
-use volagent_test_support::bench::{env_or, median, run};
-use volagent_test_support::scratch;
-use volagent_test_support::{Deadline, wait_until};
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 use volagent::nbd::{Exports, Listener, Server};
 use volagent::sys::rbd_export::{CephClient, RbdExport, RbdTarget};
+use volagent_test_support::bench::{env_or, median, run};
+use volagent_test_support::scratch;
+use volagent_test_support::{Deadline, wait_until};
 
 const IMAGE_MIB: u64 = 512;
 

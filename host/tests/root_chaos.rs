@@ -4,7 +4,12 @@
 //! Needs root (loop devices, mounts).
 
 use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 use volagent::sys::Devices;
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver::{kubelet_options, run_driver};
 use volagent_test_support::scratch::RootScratch;
 use volagent_test_support::{driver, scratch};
 
@@ -114,12 +119,6 @@ const KILLS: usize = 5;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const RETRY_BUDGET: Duration = Duration::from_secs(120);
-
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
-use volagent_test_support::agent::Node;
-use volagent_test_support::driver::{kubelet_options, run_driver};
 
 /// A failure that says the agent was not there to answer (down, or killed
 /// mid-call): kubelet retries those. Anything else a running agent said.

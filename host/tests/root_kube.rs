@@ -3,17 +3,17 @@
 //! devices and mounts on this machine (both "nodes" are this machine, each
 //! agent with its own kubelet root, runtime and state dirs). Needs root.
 
+use kube::api::Api;
+use serde_json::Value;
+use std::process::Command;
 use volagent_test_support::api_cluster::Cluster;
+use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options, run_driver};
 use volagent_test_support::{kube_objects, scratch};
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const SHARED_FILE: (&str, &str) = (volagent_test_artifacts::SHARED_FILE, "shared-file");
-use kube::api::Api;
-use serde_json::Value;
-use std::process::Command;
-use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options, run_driver};
 
 /// What this tier's tests ask of the cluster beyond [`Cluster`]'s own.
 trait SharedFileCluster {
