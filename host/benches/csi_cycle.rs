@@ -20,15 +20,9 @@
 //! `CSI_CYCLE_AGENT=<volagent binary>` runs that build instead of this
 //! tree's.
 
-#[path = "../tests/common.rs"]
-mod common;
-#[path = "support/kernel_cycle.rs"]
-mod kernel_cycle;
-
-use kernel_cycle::Kernel;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use volagent::csi::proto::csi::node_client::NodeClient;
 use volagent::csi::proto::csi::volume_capability::{
@@ -36,6 +30,12 @@ use volagent::csi::proto::csi::volume_capability::{
 };
 use volagent::csi::proto::csi::*;
 use volagent::stats::{Summary, summarize};
+use volagent_test_support::agent::AgentBuilder;
+use volagent_test_support::kernel_cycle::Kernel;
+use volagent_test_support::scratch;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const CYCLES: usize = 200;
 
@@ -69,7 +69,7 @@ fn main() {
         eprintln!("csi_cycle needs root: loop devices and mounts");
         std::process::exit(1);
     }
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     for d in ["disks", "others"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
@@ -89,7 +89,7 @@ fn main() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let this = std::env::var_os("CSI_CYCLE_AGENT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_volagent")));
+        .unwrap_or_else(|| PathBuf::from(VOLAGENT));
     let mut agents = vec![rt.block_on(AgentUnderTest::start(&scratch, "a", &this, &image))];
     for (i, other) in compare().iter().enumerate() {
         // Each its own volume (a copy of the same filesystem) and dirs.
@@ -166,7 +166,7 @@ struct AgentUnderTest {
 impl AgentUnderTest {
     /// The agent `binary` with dirs of its own under `name`.
     async fn start(
-        scratch: &common::RootScratch,
+        scratch: &scratch::RootScratch,
         name: &str,
         binary: &Path,
         image: &Path,
@@ -188,31 +188,16 @@ impl AgentUnderTest {
         .expect("tmpfs for the runtime dir");
         std::fs::copy(volagent_test_artifacts::LOCAL_PV, dir("plugins").join("local-pv.wasm"))
             .expect("plugin");
-        let agent = Command::new(binary)
-            .args(["agent", "--node-name", "node-a", "--no-driver-install"])
-            .arg("--state-dir")
-            .arg(dir("state"))
-            .arg("--runtime-dir")
-            .arg(dir("run"))
-            .arg("--plugin-dir")
-            .arg(dir("plugins"))
-            .arg("--kubelet-root")
-            .arg(&kubelet)
-            .arg("--discovery-dir")
-            .arg(scratch.path("disks"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("agent");
         let socket = volagent::csi::drivers::socket_path(&kubelet, "local-pv");
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "the agent's CSI socket did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let agent = AgentBuilder::new(binary, "node-a")
+            .state_dir(dir("state"))
+            .runtime_dir(dir("run"))
+            .plugin_dir(dir("plugins"))
+            .kubelet_root(kubelet.clone())
+            .discovery_dir(scratch.path("disks"))
+            .no_driver_install()
+            .ready_when(socket.clone())
+            .spawn();
         let client =
             NodeClient::new(volagent::csi::client::connect(socket).await.expect("connect"));
         let staging = kubelet.join("plugins/kubernetes.io/csi/pv/pv1/globalmount");

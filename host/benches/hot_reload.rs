@@ -7,10 +7,15 @@
 
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use volagent::socket::protocol::{self, Request, Response};
 use volagent::stats::summarize;
+use volagent_test_support::agent::AgentBuilder;
+use volagent_test_support::{Deadline, wait_until};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const ROUNDS: usize = 10;
 
@@ -23,32 +28,9 @@ fn main() {
     std::fs::create_dir_all(at("plugins")).expect("dir");
     std::fs::copy(volagent_test_artifacts::LOCAL_PV, at("plugins/local-pv.wasm")).expect("plugin");
     let uid = nix::unistd::geteuid().as_raw().to_string();
-    let mut agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
-        .args(["agent", "--node-name", "bench", "--allow-uid", &uid])
-        .arg("--runtime-dir")
-        .arg(at("run"))
-        .arg("--state-dir")
-        .arg(at("state"))
-        .arg("--plugin-dir")
-        .arg(at("plugins"))
-        .arg("--kubelet-root")
-        .arg(at("kubelet"))
-        .arg("--discovery-dir")
-        .arg(at("disks"))
-        .arg("--volume-plugin-dir")
-        .arg(at("vpd"))
-        .arg("--flex-driver")
-        .arg(volagent_test_artifacts::FLEX_DRIVER)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("agent");
+    let mut agent =
+        AgentBuilder::new(VOLAGENT, "bench").under(dir.path()).args(["--allow-uid", &uid]).spawn();
     let socket = at("run/agent.sock");
-    let start = Instant::now();
-    while UnixStream::connect(&socket).is_err() {
-        assert!(start.elapsed() < Duration::from_secs(60), "agent did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let new_backend = std::fs::read(volagent_test_artifacts::SHARED_FILE).expect("guest");
     let local_pv = std::fs::read(volagent_test_artifacts::LOCAL_PV).expect("guest");
 
@@ -112,12 +94,10 @@ fn install(dir: &Path, name: &str, bytes: &[u8]) {
     std::fs::rename(&tmp, dir.join(name)).expect("rename");
 }
 
-fn wait(mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(10), "the new version never answered");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+/// Waits for the new version; polled often, as its time is what is measured.
+fn wait(done: impl FnMut() -> bool) {
+    let deadline = Deadline::within(Duration::from_secs(10)).polling(Duration::from_millis(5));
+    wait_until(deadline, "the new version to answer", done);
 }
 
 fn init_ok(driver: &PathBuf) -> bool {

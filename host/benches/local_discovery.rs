@@ -6,11 +6,9 @@
 //! Needs root. Run: `cargo bench -p volagent --bench local_discovery`;
 //! `LOCAL_DISCOVERY_VOLUMES` sets the number of volumes.
 
-#[path = "../tests/common.rs"]
-mod common;
-
 use std::time::{Duration, Instant};
 use volagent::local::{LocalClass, discovery};
+use volagent_test_support::scratch;
 
 const SCANS: usize = 20;
 
@@ -24,7 +22,7 @@ fn main() {
     }
     let volumes: usize =
         std::env::var("LOCAL_DISCOVERY_VOLUMES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     let dir = scratch.path("disks");
     std::fs::create_dir_all(&dir).expect("dir");
     let made = Instant::now();

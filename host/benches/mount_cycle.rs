@@ -8,16 +8,16 @@
 //! sets the number of cycles; `MOUNT_CYCLE_FLEX_DRIVER` runs another build
 //! of the driver than the statically linked one that ships.
 
-#[path = "../tests/common.rs"]
-mod common;
-#[path = "support/kernel_cycle.rs"]
-mod kernel_cycle;
-
-use kernel_cycle::Kernel;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use volagent::stats::{Summary, summarize};
+use volagent_test_support::agent::AgentBuilder;
+use volagent_test_support::kernel_cycle::Kernel;
+use volagent_test_support::scratch;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const CYCLES: usize = 200;
 
@@ -29,7 +29,7 @@ fn main() {
         eprintln!("mount_cycle needs root: loop devices and mounts");
         std::process::exit(1);
     }
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     for d in ["plugins", "disks", "kubelet", "vpd", "state"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
@@ -104,38 +104,15 @@ struct AgentUnderTest {
 }
 
 impl AgentUnderTest {
-    fn start(scratch: &common::RootScratch, image: &Path) -> AgentUnderTest {
-        let socket = scratch.path("run/agent.sock");
-        let agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["agent", "--node-name", "node-a"])
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(scratch.path("state"))
-            .arg("--runtime-dir")
-            .arg(scratch.path("run"))
-            .arg("--plugin-dir")
-            .arg(scratch.path("plugins"))
-            .arg("--kubelet-root")
-            .arg(scratch.path("kubelet"))
-            .arg("--discovery-dir")
-            .arg(scratch.path("disks"))
-            .arg("--volume-plugin-dir")
-            .arg(scratch.path("vpd"))
-            .arg("--flex-driver")
-            .arg(
+    fn start(scratch: &scratch::RootScratch, image: &Path) -> AgentUnderTest {
+        let agent = AgentBuilder::new(VOLAGENT, "node-a")
+            .under(&scratch.path(""))
+            .socket(scratch.path("run/agent.sock"))
+            .flex_driver(
                 std::env::var_os("MOUNT_CYCLE_FLEX_DRIVER")
                     .unwrap_or(volagent_test_artifacts::FLEX_DRIVER.into()),
             )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("agent");
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "agent did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            .spawn();
         let options = serde_json::json!({
             "kubernetes.io/fsType": "ext4", "kubernetes.io/readwrite": "rw",
             "kubernetes.io/pvOrVolumeName": "pv1", "kubernetes.io/pod.name": "p",

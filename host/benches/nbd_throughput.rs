@@ -7,27 +7,23 @@
 //! Run: `cargo bench -p volagent --bench nbd_throughput`; `NBD_BENCH_ROUNDS`
 //! sets the rounds (median reported), `NBD_BENCH_SECS` fio's run time.
 
-#[path = "../tests/common.rs"]
-mod common;
-mod support;
-
-use support::{env_or, median, run};
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use volagent::nbd::{Exports, Listener, Server};
 use volagent::sys::export_file::FileExport;
+use volagent_test_support::bench::{env_or, median, run};
+use volagent_test_support::scratch;
+use volagent_test_support::{Deadline, wait_until};
 
 const SIZE: u64 = 1 << 30;
 
 fn wait_for_socket(socket: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::os::unix::net::UnixStream::connect(socket).is_err() {
-        assert!(Instant::now() < deadline, "{} never accepted", socket.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let deadline = Deadline::within(Duration::from_secs(10)).polling(Duration::from_millis(10));
+    wait_until(deadline, &format!("{} to accept", socket.display()), || {
+        std::os::unix::net::UnixStream::connect(socket).is_ok()
+    });
 }
 
 enum Peer {
@@ -186,7 +182,7 @@ fn main() {
 /// fio on a loop device over `file`, and on one over the same file served
 /// by volagent through nbdfuse.
 fn attach_latency(image: &Path, secs: u64) {
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     let exports = Exports::default();
     exports.insert("", Arc::new(FileExport::open(image, false).expect("export")));
     let socket = scratch.path("nbd.sock");

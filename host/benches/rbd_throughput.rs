@@ -12,27 +12,21 @@
 //! `RBD_BENCH_ROUNDS` sets the rounds (median reported), `RBD_BENCH_SECS`
 //! fio's run time.
 
-#[path = "../tests/common.rs"]
-mod common;
-mod support;
-
-use support::{env_or, median, run};
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent::nbd::{Exports, Listener, Server};
 use volagent::sys::rbd_export::{CephClient, RbdExport, RbdTarget};
+use volagent_test_support::bench::{env_or, median, run};
+use volagent_test_support::scratch;
+use volagent_test_support::{Deadline, wait_until};
 
 const IMAGE_MIB: u64 = 512;
 
-fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready() {
-        assert!(Instant::now() < deadline, "{what} never became ready");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn wait_for(what: &str, ready: impl FnMut() -> bool) {
+    let deadline = Deadline::within(Duration::from_secs(30)).polling(Duration::from_millis(10));
+    wait_until(deadline, what, ready);
 }
 
 /// A FUSE daemon, unmounted and stopped on drop.
@@ -108,7 +102,7 @@ fn main() {
     let conf = ceph.join("ceph.conf");
     let rounds = env_or("RBD_BENCH_ROUNDS", 3).max(1) as usize;
     let secs = env_or("RBD_BENCH_SECS", 4).max(1);
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     let image = format!("bench-{}", std::process::id());
     run(Command::new("rbd").arg("-c").arg(&conf).args([
         "create",

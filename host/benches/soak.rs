@@ -7,15 +7,12 @@
 //! each agent's resources stayed flat.
 //! Needs root. Run: `scripts/soak 2h` (see there for the knobs).
 
-#[path = "../tests/support/agent.rs"]
-mod agent_common;
-#[path = "../tests/common.rs"]
-mod common;
-#[path = "../tests/driver_common.rs"]
-mod driver_common;
-
-use agent_common::Node;
 use std::time::{Duration, Instant};
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn knob(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -84,13 +81,13 @@ fn main() {
     );
     let mut rng = fastrand::Rng::with_seed(seed);
 
-    let mut node = Node::start_alone_for(Duration::from_secs(secs + 3600));
+    let mut node = Node::start_alone_for(VOLAGENT, Duration::from_secs(secs + 3600));
     let vols: Vec<(String, String)> = (0..volumes)
         .map(|i| {
             let name = format!("pv-s{i}");
             let image = node.image(&format!("s{i}.img"), 32);
             let dir = node.mount_dir(&format!("uid-s{i}"), &name);
-            let opts = driver_common::kubelet_options(
+            let opts = driver::kubelet_options(
                 &name,
                 &format!("pod-s{i}"),
                 &format!("uid-s{i}"),
@@ -146,9 +143,8 @@ fn main() {
                 let (dir, opts) = &vols[i];
                 let args: Vec<&str> =
                     if mounted[i] { vec!["unmount", dir] } else { vec!["mount", dir, opts] };
-                let (code, reply) = driver_common::run_driver(
-                    std::process::Command::new(node.driver_path()).args(&args),
-                );
+                let (code, reply) =
+                    driver::run_driver(std::process::Command::new(node.driver_path()).args(&args));
                 if code == 0 && reply["status"] == "Success" {
                     mounted[i] = !mounted[i];
                     if mounted[i] {
@@ -166,7 +162,7 @@ fn main() {
 
     for (i, (dir, _)) in vols.iter().enumerate() {
         if mounted[i] {
-            let (code, reply) = driver_common::run_driver(
+            let (code, reply) = driver::run_driver(
                 std::process::Command::new(node.driver_path()).args(["unmount", dir]),
             );
             if code != 0 {

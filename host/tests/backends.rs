@@ -1,12 +1,11 @@
 //! The four real backends, built as components, through the host runtime.
 
-mod common;
-
-use common::*;
 use std::path::{Path, PathBuf};
 use volagent::policy::scenario;
 use volagent::policy::*;
 use volagent_test_artifacts::BACKENDS;
+use volagent_test_support::policy::*;
+use volagent_test_support::workspace;
 
 #[test]
 fn every_backend_loads_and_declares_itself() {

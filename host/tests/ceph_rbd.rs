@@ -6,17 +6,19 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/ceph.rs"]
-mod ceph_common;
-
-use ceph_common::{Image, ceph_dir, rbd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use volagent_test_support::ceph;
+use volagent_test_support::ceph::{Image, ceph_dir, rbd};
+use volagent_test_support::wait_until;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// A keyring file for client.volagent, in `scratch`.
 fn volagent_keyring(dir: &Path, scratch: &Path) -> PathBuf {
-    let key = ceph_common::volagent_key(dir);
+    let key = ceph::volagent_key(dir);
     let keyring = scratch.join("volagent.keyring");
     std::fs::write(&keyring, format!("[client.volagent]\n\tkey = {key}\n")).unwrap();
     keyring
@@ -56,7 +58,7 @@ fn serve(
 ) -> Result<Server, String> {
     let keyring = keyring.map_or_else(|| volagent_keyring(dir, scratch), Path::to_path_buf);
     let socket = scratch.join("rbd.sock");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let mut child = Command::new(VOLAGENT)
         .args(["nbd", "serve", "--unix"])
         .arg(&socket)
         .arg(format!("--export-rbd=disk0={}", image.spec()))
@@ -69,15 +71,17 @@ fn serve(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
-            return Err(format!("{status}: {err}"));
+    // Up (None), or exited (its status): a refused start is what some tests want.
+    let exited = wait_until(Duration::from_secs(60), "volagent nbd serve to come up", || {
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            return Some(None);
         }
-        assert!(Instant::now() < deadline, "volagent nbd serve did not come up");
-        std::thread::sleep(Duration::from_millis(20));
+        child.try_wait().unwrap().map(Some)
+    });
+    if let Some(status) = exited {
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        return Err(format!("{status}: {err}"));
     }
     Ok(Server { child, socket })
 }

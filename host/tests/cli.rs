@@ -1,13 +1,13 @@
 //! The `volagent plugin` commands, run as the real binary.
 
-mod common;
-
 use std::process::Command;
 use volagent_test_artifacts::{LOCAL_PV, RBD, WRONG_WORLD};
 
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
+
 fn volagent(args: &[&str]) -> (i32, String, String) {
-    let out =
-        Command::new(env!("CARGO_BIN_EXE_volagent")).args(args).output().expect("run volagent");
+    let out = Command::new(VOLAGENT).args(args).output().expect("run volagent");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -17,7 +17,7 @@ fn volagent(args: &[&str]) -> (i32, String, String) {
 
 #[test]
 fn plugin_test_passes_the_shipped_scenarios() {
-    let dir = common::workspace().join("guest-plugins/local-pv/scenarios");
+    let dir = volagent_test_support::workspace().join("guest-plugins/local-pv/scenarios");
     let (code, out, err) =
         volagent(&["plugin", "test", LOCAL_PV, dir.to_str().expect("utf-8 path")]);
     assert_eq!(code, 0, "{out}{err}");
@@ -109,7 +109,7 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
     assert_eq!(v["contract"], "0.5.0");
     // A build for the previous contract says which it speaks, and that the
     // host serves it through its adapter.
-    let old = common::workspace().join("tests/fixtures/contract-0.4/rbd.wasm");
+    let old = volagent_test_support::workspace().join("tests/fixtures/contract-0.4/rbd.wasm");
     let (code, out, err) = volagent(&["plugin", "inspect", old.to_str().expect("utf-8")]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("exports volagent:policy/policy@0.4.0 (contract 0.4.0, served through the host's adapter)"), "{out}");
@@ -118,7 +118,7 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
 
 #[test]
 fn plugin_bench_reports_percentiles() {
-    let dir = common::workspace().join("guest-plugins/rbd/scenarios/fence.yaml");
+    let dir = volagent_test_support::workspace().join("guest-plugins/rbd/scenarios/fence.yaml");
     let (code, out, err) =
         volagent(&["plugin", "bench", RBD, dir.to_str().expect("utf-8"), "-n", "20"]);
     assert_eq!(code, 0, "{err}");

@@ -4,15 +4,12 @@
 //! ServiceAccount that does it in a cluster, with `deploy/`'s RBAC (and no
 //! admission webhook: these are about the store, not about nodes).
 
-mod kube_common;
-#[path = "support/shipped.rs"]
-mod shipped;
-
 use std::sync::Arc;
 use std::time::Duration;
 use volagent::kube::ledger::{Backoff, KubeLedger};
 use volagent::ledger::{Ledger, LedgerError, conformance};
 use volagent_kube_env::KubeEnv;
+use volagent_test_support::shipped;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_ledger_conforms() {

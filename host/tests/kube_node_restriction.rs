@@ -8,18 +8,21 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod kube_common;
-#[path = "support/shipped.rs"]
-mod shipped;
-
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent::kube::crds::{Attachment, FencePhase, FenceRequest, NodeCleanup, NodeLocalVolumes};
 use volagent_kube_env::KubeEnv;
+use volagent_test_support::{Deadline, kube_objects, shipped, wait_until_async};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
+/// How long the controller may take to act on a change (polled every 100 ms).
+const API_WAIT: Deadline =
+    Deadline::within(Duration::from_secs(30)).polling(Duration::from_millis(100));
 
 /// The API server with deploy/ applied, the controller (and its webhook)
 /// running as its ServiceAccount, Nodes node-a and node-b, and a client of
@@ -51,13 +54,13 @@ async fn start() -> Setup {
     let port = volagent_kube_env::free_ports(1).unwrap()[0];
     shipped::install(&env.client(), &shipped::webhook_url(port)).await.unwrap();
     for n in ["node-a", "node-b"] {
-        kube_common::create_node(&env.client(), n, true).await;
+        kube_objects::create_node(&env.client(), n, true).await;
     }
     let kubeconfig =
         shipped::controller_kubeconfig(&env, &dir.path().join("controller.kubeconfig"))
             .await
             .unwrap();
-    let controller = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let controller = Command::new(VOLAGENT)
         .args(shipped::controller_args(&kubeconfig, port))
         .args(["--local-interval", "1s"])
         .stdout(Stdio::null())
@@ -194,7 +197,10 @@ async fn a_nodes_token_reaches_only_its_own_nodes_objects() {
     refused("A asks as B", fa.create(&pp, &request("node-b", "node-a")).await, "only as itself");
     let asked = fa.create(&pp, &request("node-a", "node-b")).await.expect("A may ask");
     let name = asked.metadata.name.clone().unwrap();
-    let answer = wait(|| async { fa.get(&name).await.ok().and_then(|r| r.status) }).await;
+    let answer = wait_until_async(API_WAIT, "the fence request's answer", || async {
+        fa.get(&name).await.ok().and_then(|r| r.status)
+    })
+    .await;
     assert_eq!(answer.phase, FencePhase::Refused, "{answer:?}");
     assert!(
         answer.message.as_deref().unwrap_or("").contains("node node-b is not gone"),
@@ -246,8 +252,10 @@ async fn a_nodes_token_reaches_only_its_own_nodes_objects() {
         "forbidden",
     );
     cb.replace("node-b", &pp, &emptied).await.expect("B works its list off");
-    wait(|| async { cb.get_opt("node-b").await.ok().and_then(|l| l.is_none().then_some(())) })
-        .await;
+    wait_until_async(API_WAIT, "node-b's cleanup list to go", || async {
+        cb.get_opt("node-b").await.ok().and_then(|l| l.is_none().then_some(()))
+    })
+    .await;
 
     // Secrets: only the agents' namespace.
     Api::<Namespace>::all(admin.clone())
@@ -295,7 +303,7 @@ async fn a_nodes_token_reaches_only_its_own_nodes_objects() {
     );
 
     // B gone (out of service): A may take its holder out, as a take-over does.
-    kube_common::taint_out_of_service(&admin, "node-b").await;
+    kube_objects::taint_out_of_service(&admin, "node-b").await;
     let current = aa.get("pv-1").await.unwrap();
     let mut taken = current.clone();
     taken.spec.consumers = vec![serde_json::from_value(consumer("node-a")).unwrap()];
@@ -358,8 +366,14 @@ async fn the_controller_makes_pvs_only_of_reports_it_can_verify() {
     }
     let pvs: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(admin.clone());
     let name = |v: &serde_json::Value| v["name"].as_str().unwrap().to_string();
-    wait(|| async { pvs.get_opt(&name(&good)).await.ok().flatten() }).await;
-    wait(|| async { pvs.get_opt(&name(&disk_b)).await.ok().flatten() }).await;
+    wait_until_async(API_WAIT, "the good disk's PV", || async {
+        pvs.get_opt(&name(&good)).await.ok().flatten()
+    })
+    .await;
+    wait_until_async(API_WAIT, "node-b's disk's PV", || async {
+        pvs.get_opt(&name(&disk_b)).await.ok().flatten()
+    })
+    .await;
     // node-a now reports the same disk (by identity) under its own name.
     lists
         .patch_status(
@@ -376,21 +390,5 @@ async fn the_controller_makes_pvs_only_of_reports_it_can_verify() {
     let log = std::fs::read_to_string(t.dir.path().join("controller.log")).unwrap();
     for says in ["on node node-b that volume is", "device wwn-0x5000 is already offered by PV"] {
         assert!(log.contains(says), "the controller says why ({says}):\n{log}");
-    }
-}
-
-/// Poll `f` until it gives a value (30 s at most).
-async fn wait<T, F, Fut>(mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(start.elapsed() < Duration::from_secs(30), "timed out");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -1,13 +1,11 @@
 //! Test-only guests that misbehave, and files that are not backends: each
 //! fails with its own clear error, and the runtime serves the next call.
 
-mod common;
-
-use common::*;
 use std::path::Path;
 use std::sync::Arc;
 use volagent::policy::*;
 use volagent_test_artifacts::{MISBEHAVE, NET_IMPORT, WRONG_WORLD};
+use volagent_test_support::policy::*;
 
 fn fence_named(plugin: &Plugin, name: &str) -> Result<Decision, CallError> {
     let v = volume(name, "misbehave");

@@ -10,6 +10,10 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 use volagent::nbd::{ClientAuth, Exports, Listener, Server};
 use volagent::sys::export_file::FileExport;
+use volagent_test_support::wait_until_or;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn tool(name: &str) -> Command {
     let path = ["/usr/bin", "/usr/local/bin", "/bin"]
@@ -300,7 +304,7 @@ fn writes_acknowledged_with_fua_or_before_a_flush_survive_kill_9() {
     let image = dir.path().join("disk.img");
     std::fs::File::create(&image).unwrap().set_len(4 << 20).unwrap();
     let socket = dir.path().join("nbd.sock");
-    let mut server = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let mut server = Command::new(VOLAGENT)
         .args(["nbd", "serve", "--unix"])
         .arg(&socket)
         .arg(format!("--export=={}", image.display()))
@@ -437,7 +441,7 @@ impl Cli {
     /// Start it with `args`; `None` when it exits instead of serving, with
     /// its log.
     fn start(dir: &Path, args: &[&str]) -> Result<Cli, String> {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
+        let mut cmd = Command::new(VOLAGENT);
         cmd.args(["nbd", "serve"]).args(args);
         Cli::run(dir, cmd)
     }
@@ -476,18 +480,15 @@ impl Cli {
 
     /// Waits (20 s at most) for its log to say `what`.
     fn wait_for_log(&self, what: &str) -> String {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            let log = self.log();
-            if log.contains(what) {
-                return log;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the server never logged {what:?}:\n{log}"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        wait_until_or(
+            std::time::Duration::from_secs(20),
+            &format!("the server to log {what:?}"),
+            || {
+                let log = self.log();
+                log.contains(what).then_some(log)
+            },
+            || self.log(),
+        )
     }
 
     /// Its peak resident memory, in KiB.
@@ -912,7 +913,7 @@ fn a_unix_socket_is_made_0600_whatever_the_umask() {
     let mut cmd = tool("sh");
     cmd.arg("-c")
         .arg("umask 000; exec \"$0\" nbd serve --unix \"$1\" --export=disk=\"$2\"")
-        .arg(env!("CARGO_BIN_EXE_volagent"))
+        .arg(VOLAGENT)
         .arg(&socket)
         .arg(&image);
     let _server = Cli::run(dir.path(), cmd).unwrap();

@@ -3,22 +3,20 @@
 //! through the installed `volagent-flex` driver with kubelet's exact argv
 //! and options JSON, on real loop devices and mounts. Needs root.
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-
-use agent_common::Node;
-use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
 use serde_json::Value;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options, run_driver};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 #[test]
 fn init_handshakes_and_other_calls_are_not_supported() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let (code, v) = node.driver(&["init"]);
     assert_eq!(code, 0);
     assert_eq!(v["status"], "Success");
@@ -36,7 +34,7 @@ fn init_handshakes_and_other_calls_are_not_supported() {
 }
 
 fn round_trip(fs: &str, mib: u64) {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("vol1.img", mib);
     let dir_a = node.mount_dir("uid-a", "pv1");
     assert_success(&node.mount(&dir_a, &kubelet_options("pv1", "pod-a", "uid-a", fs, &image)));
@@ -71,7 +69,7 @@ fn xfs_volume_mount_write_unmount_mount_read() {
 
 #[test]
 fn a_second_pod_on_the_node_shares_the_volume_and_the_old_uid_spelling_works() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("vol1.img", 64);
     let (a, b) = (node.mount_dir("uid-a", "pv1"), node.mount_dir("uid-b", "pv1"));
     assert_success(&node.mount(&a, &kubelet_options("pv1", "pod-a", "uid-a", "ext4", &image)));
@@ -88,7 +86,7 @@ fn a_second_pod_on_the_node_shares_the_volume_and_the_old_uid_spelling_works() {
 
 #[test]
 fn bad_requests_are_refused_and_change_nothing() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("vol1.img", 64);
     let dir = node.mount_dir("uid-a", "pv1");
     let ok = kubelet_options("pv1", "pod-a", "uid-a", "ext4", &image);
@@ -139,7 +137,7 @@ fn bad_requests_are_refused_and_change_nothing() {
 
 #[test]
 fn malformed_and_oversized_frames_get_clear_errors() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let ask = |bytes: &[u8]| -> Value {
         let mut s = UnixStream::connect(&node.socket).expect("connect");
         s.write_all(bytes).expect("send");
@@ -181,7 +179,7 @@ fn malformed_and_oversized_frames_get_clear_errors() {
 
 #[test]
 fn a_non_root_caller_is_refused() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     // kubelet runs drivers as root; anyone else is kept out by the socket's
     // 0600 mode and, behind it, the peer credential check.
     let r = run_driver(
@@ -196,7 +194,7 @@ fn a_non_root_caller_is_refused() {
 
 #[test]
 fn with_the_agent_down_init_succeeds_and_operations_fail_naming_the_socket() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.stop_agent();
     // kubelet probes a driver as soon as it is installed, before the agent
     // serves; a failed init would make it drop the driver.
@@ -222,7 +220,7 @@ fn with_the_agent_down_init_succeeds_and_operations_fail_naming_the_socket() {
 
 #[test]
 fn fifty_volumes_mount_and_unmount_concurrently() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let volumes: Vec<(String, String)> = (0..50)
         .map(|i| {
             (
@@ -259,7 +257,7 @@ fn fifty_volumes_mount_and_unmount_concurrently() {
 
 #[test]
 fn fencing_across_nodes_follows_the_access_mode() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.spawn_agent("node-b");
     let image = node.image("shared.img", 64);
     let opts = |pod: &str, mode: &str| {
@@ -324,7 +322,7 @@ fn driver(node: &Node, on: &str, args: &[&str]) -> (i32, Value) {
 /// behind, and the volume must mount again.
 #[test]
 fn kill_9_between_any_two_steps_leaves_nothing_behind() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     let image = node.image("crash.img", 64);
     let opts = |pod: &str| {
         kubelet_options("pv-crash", pod, &format!("uid-{pod}"), "ext4", &image).to_string()
@@ -393,7 +391,7 @@ fn kill_9_between_any_two_steps_leaves_nothing_behind() {
 /// another node may take the ReadWriteOnce volume, and mount it again itself.
 #[test]
 fn after_a_reboot_the_ledger_forgets_what_the_node_no_longer_has() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.spawn_agent("node-b");
     let image = node.image("reboot.img", 64);
     let opts = |pod: &str| {
@@ -480,7 +478,7 @@ fn a_hanging_step_times_out_and_keeps_the_volume_locked() {
 /// a plan deadline of 1 s), and the mount of `volume` (its image, its
 /// dir) that stalled and was answered at the deadline.
 fn a_mount_stalled_for(stall: Duration, volume: &str) -> (Node, String, String) {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.stop_agent();
     let hook = (volagent::sys::faults::STALL_AFTER_STEP_ENV, format!("1:{}", stall.as_millis()));
     node.spawn_agent_env("node-a", &[hook], &["--plan-deadline-secs", "1"]);
@@ -524,7 +522,7 @@ fn the_agent_exits_while_a_step_hangs_and_its_next_start_cleans_up() {
 #[test]
 fn orphans_under_volagents_dirs_are_cleaned_at_start_up() {
     use volagent::sys::{Devices, Mounts};
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     let image = node.image("orphan.img", 64);
     assert!(Command::new("mkfs.ext4").args(["-F", "-q", &image]).status().expect("mkfs").success());
     node.stop_agent();

@@ -3,14 +3,18 @@
 //! Each random test prints its seed; `VOLAGENT_CHAOS_SEED` replays one.
 //! Needs root (loop devices, mounts).
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-
-use common::RootScratch;
 use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 use volagent::sys::Devices;
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver::{kubelet_options, run_driver};
+use volagent_test_support::scratch::RootScratch;
+use volagent_test_support::{driver, scratch};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// Loop devices attached while others are detached, all at once, as start-up
 /// reconciliation releases devices while kubelet's retries attach new ones:
@@ -115,12 +119,6 @@ const KILLS: usize = 5;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const RETRY_BUDGET: Duration = Duration::from_secs(120);
-
-use agent_common::Node;
-use driver_common::{kubelet_options, run_driver};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
 
 /// A failure that says the agent was not there to answer (down, or killed
 /// mid-call): kubelet retries those. Anything else a running agent said.
@@ -244,10 +242,10 @@ fn records(node: &mut Node) -> std::collections::BTreeMap<String, Vec<String>> {
 /// records name exactly what is mounted, and nothing is left at the end.
 #[test]
 fn the_agent_killed_at_random_under_load_loses_nothing() {
-    let mut rng = fastrand::Rng::with_seed(common::chaos_seed(
+    let mut rng = fastrand::Rng::with_seed(scratch::chaos_seed(
         "the_agent_killed_at_random_under_load_loses_nothing",
     ));
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     let kubelet = node.scratch.path("node-a/kubelet");
     let volumes: Vec<Volume> = (0..VOLUMES)
         .map(|i| Volume {
@@ -314,7 +312,7 @@ fn until_success(node: &Node, args: &[&str]) {
     let (start, mut backoff) = (Instant::now(), FIRST_BACKOFF);
     loop {
         let (code, reply) =
-            driver_common::run_driver(std::process::Command::new(node.driver_path()).args(args));
+            driver::run_driver(std::process::Command::new(node.driver_path()).args(args));
         if code == 0 && reply["status"] == "Success" {
             return;
         }
@@ -332,7 +330,7 @@ fn until_success(node: &Node, args: &[&str]) {
 /// kubelet's retry succeeds and the volume unmounts clean.
 #[test]
 fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     let rules = node.restart_with_faults(&["--plan-deadline-secs", "2"]);
     let expect_fault = |r: &(i32, serde_json::Value), step: &str, fault: &str| {
         let said = |s: &str| r.1["message"].as_str().unwrap_or_default().contains(s);
@@ -363,7 +361,7 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
                 until_success(&node, &mount);
             }
             std::fs::write(&rules, format!("{step} {fault}\n")).expect("rules");
-            let r = driver_common::run_driver(
+            let r = driver::run_driver(
                 std::process::Command::new(node.driver_path()).args(if on_mount {
                     &mount[..]
                 } else {
@@ -373,7 +371,7 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
             expect_fault(&r, step, fault);
             if *fault == "hang" {
                 // Locked while the step hangs: the retry is told to wait.
-                let again = driver_common::run_driver(
+                let again = driver::run_driver(
                     std::process::Command::new(node.driver_path()).args(if on_mount {
                         &mount[..]
                     } else {
@@ -425,7 +423,7 @@ fn faults_at_every_step_kind_fail_clearly_roll_back_and_retries_succeed() {
 /// it (which would leave the volume held by a mount that never happened).
 #[test]
 fn a_mount_failing_at_any_step_leaves_no_holder_recorded() {
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     let rules = node.restart_with_faults(&[]);
     for (case, step) in MOUNT_STEPS.iter().enumerate() {
         let (name, pod, uid) =
@@ -434,7 +432,7 @@ fn a_mount_failing_at_any_step_leaves_no_holder_recorded() {
         let dir = node.mount_dir(&uid, &name);
         let opts = kubelet_options(&name, &pod, &uid, "ext4", &image).to_string();
         std::fs::write(&rules, format!("{step} EIO\n")).expect("rules");
-        let r = driver_common::run_driver(std::process::Command::new(node.driver_path()).args([
+        let r = driver::run_driver(std::process::Command::new(node.driver_path()).args([
             "mount",
             dir.as_str(),
             opts.as_str(),
@@ -463,7 +461,7 @@ fn a_mount_failing_at_any_step_leaves_no_holder_recorded() {
 #[test]
 fn a_volume_torn_down_lazily_while_in_use_mounts_again_and_leaves_nothing() {
     use std::io::Write;
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     let image = node.image("lazy.img", 16);
     let staging = node.scratch.path("node-a/kubelet/plugins/volagent/local-pv/mounts/pv-lazy");
     let options =
@@ -551,7 +549,7 @@ fn fill(dir: &std::path::Path) -> PathBuf {
 /// once there is space the agent serves again — without a restart.
 #[test]
 fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() {
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     node.stop_agent_of("node-a");
     let (state, run) = (node.scratch.path("node-a/state"), node.scratch.path("node-a/run"));
     for dir in [&state, &run] {
@@ -583,7 +581,7 @@ fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() 
     let before = volume_mounts();
 
     let fillers = [fill(&state), fill(&run)];
-    let r = driver_common::run_driver(
+    let r = driver::run_driver(
         std::process::Command::new(node.driver_path()).args(["mount", &b_dir, &b_opts]),
     );
     assert_eq!(r.0, 1, "{}", r.1);
@@ -595,7 +593,7 @@ fn full_state_and_runtime_disks_fail_calls_cleanly_and_the_agent_serves_again() 
     // An unmount still takes the volume down. Forgetting it takes no room
     // in the stash (a file removed); the ledger's commit may find none: the
     // unmount then fails, saying why, and its retry finishes the job.
-    let r = driver_common::run_driver(
+    let r = driver::run_driver(
         std::process::Command::new(node.driver_path()).args(["unmount", &a_dir]),
     );
     assert!(

@@ -4,12 +4,6 @@
 //! idempotency and error codes; fencing across two nodes; registration;
 //! a restart in between. Needs root.
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-
-use agent_common::Node;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -23,6 +17,12 @@ use volagent::csi::proto::csi::volume_capability::{
 use volagent::csi::proto::csi::*;
 use volagent::csi::proto::registration::registration_client::RegistrationClient;
 use volagent::csi::proto::registration::{InfoRequest, RegistrationStatus};
+use volagent_test_support::agent::Node;
+use volagent_test_support::policy;
+use volagent_test_support::wait_until;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
@@ -33,11 +33,7 @@ fn kubelet_root(node: &Node, name: &str) -> PathBuf {
 }
 
 fn wait_for(path: &Path) {
-    let start = Instant::now();
-    while !path.exists() {
-        assert!(start.elapsed() < Duration::from_secs(30), "{} did not appear", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(Duration::from_secs(30), &format!("{} to appear", path.display()), || path.exists());
 }
 
 /// The node client of `backend`'s driver on node `name`.
@@ -137,7 +133,7 @@ fn assert_code<T: std::fmt::Debug>(
 
 #[test]
 fn identity_registration_and_node_info() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     rt().block_on(async {
         let socket =
             volagent::csi::drivers::socket_path(&kubelet_root(&node, "node-a"), "local-pv");
@@ -222,7 +218,7 @@ fn identity_registration_and_node_info() {
         wait_for(&other);
     });
     // `volagent status` lists the drivers and what kubelet said.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let out = std::process::Command::new(VOLAGENT)
         .args(["status", "--json", "--socket"])
         .arg(&node.socket)
         .output()
@@ -244,7 +240,7 @@ fn identity_registration_and_node_info() {
 
 #[test]
 fn stage_publish_write_unpublish_unstage_and_back() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("csi1.img", 64);
     let (st, ta, tb) =
         (staging(&node, "pv1"), target(&node, "uid-a", "pv1"), target(&node, "uid-b", "pv1"));
@@ -270,7 +266,7 @@ fn stage_publish_write_unpublish_unstage_and_back() {
         let mut ro = publish_request("pv1", &st, &tr, Mode::SingleNodeWriter, "pod-r");
         ro.readonly = true;
         c.node_publish_volume(ro).await.expect("read-only publish");
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_volagent"))
+        let out = std::process::Command::new(VOLAGENT)
             .args(["status", "--socket"])
             .arg(&node.socket)
             .output()
@@ -353,7 +349,7 @@ fn stage_publish_write_unpublish_unstage_and_back() {
 
 #[test]
 fn error_codes_and_nothing_changes() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("csi2.img", 64);
     let st = staging(&node, "pv2");
     rt().block_on(async {
@@ -543,7 +539,7 @@ fn error_codes_and_nothing_changes() {
 /// node-a let go.
 #[test]
 fn fencing_across_nodes() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.spawn_agent("node-b");
     let image = node.image("csi3.img", 64);
     let st_a = staging(&node, "pv3");
@@ -576,7 +572,7 @@ fn fencing_across_nodes() {
 /// meanwhile; the held stage then ends as it would have.
 #[test]
 fn a_stage_held_in_its_steps_leaves_the_next_calls_served() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.stop_agent();
     node.spawn_agent_env(
         "node-a",
@@ -634,7 +630,7 @@ fn a_stage_held_in_its_steps_leaves_the_next_calls_served() {
 /// retried calls are answered from what it recorded, and it cleans up.
 #[test]
 fn a_restart_keeps_stages_and_publications() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     let image = node.image("csi4.img", 64);
     let (st, ta) = (staging(&node, "pv4"), target(&node, "uid-a", "pv4"));
     let stage = stage_request("pv4", &st, &image, Mode::SingleNodeSingleWriter);
@@ -679,7 +675,7 @@ fn a_restart_keeps_stages_and_publications() {
 /// appear) with no restart; removed, its sockets go.
 #[test]
 fn a_hot_loaded_backend_is_a_driver_and_goes_with_its_file() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let root = kubelet_root(&node, "node-a");
     let (socket, reg) = (
         volagent::csi::drivers::socket_path(&root, "nbd"),
@@ -728,7 +724,7 @@ fn has_sys_resource() -> bool {
 /// saying so, and the volume is unharmed.
 #[test]
 fn expansion_grows_a_mounted_filesystem() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     for (fs, from, to) in [("xfs", 320u64, 480u64), ("ext4", 64, 160)] {
         let id = format!("grow-{fs}");
         let image = node.image(&format!("{id}.img"), from);
@@ -826,7 +822,7 @@ fn block_capability(mode: Mode) -> Option<VolumeCapability> {
 /// the files they made and detach the device.
 #[test]
 fn a_block_volume_is_published_as_a_device_node() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("blk.img", 16);
     let root = kubelet_root(&node, "node-a");
     let st = root.join("plugins/kubernetes.io/csi/volumeDevices/staging/blk1");
@@ -930,8 +926,8 @@ fn a_block_volume_is_published_as_a_device_node() {
 /// nothing.
 #[test]
 fn a_guest_of_the_previous_contract_serves_on() {
-    let node = Node::start();
-    let old = common::workspace().join("tests/fixtures/contract-0.4/local-pv.wasm");
+    let node = Node::start(VOLAGENT);
+    let old = volagent_test_support::workspace().join("tests/fixtures/contract-0.4/local-pv.wasm");
     std::fs::copy(&old, node.scratch.path("plugins/.local-pv.wasm")).expect("copy");
     std::fs::rename(
         node.scratch.path("plugins/.local-pv.wasm"),
@@ -940,7 +936,7 @@ fn a_guest_of_the_previous_contract_serves_on() {
     .expect("install");
     let start = Instant::now();
     loop {
-        let out = Command::new(env!("CARGO_BIN_EXE_volagent"))
+        let out = Command::new(VOLAGENT)
             .args(["plugin", "status", "--json", "--socket"])
             .arg(&node.socket)
             .output()
@@ -951,7 +947,7 @@ fn a_guest_of_the_previous_contract_serves_on() {
             .and_then(|b| b.iter().find(|b| b["name"] == "local-pv"))
             .map(|b| b["sha256"].clone());
         if sha.is_some_and(|s| {
-            s == volagent::policy::Plugin::load_file(&common::runtime(500), &old)
+            s == volagent::policy::Plugin::load_file(&policy::runtime(500), &old)
                 .expect("fixture")
                 .sha256()
         }) {
@@ -993,7 +989,7 @@ fn a_guest_of_the_previous_contract_serves_on() {
 /// its path while it is mounted (the loop device still holds the data).
 #[test]
 fn the_backend_judges_the_volume_condition() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("cond.img", 64);
     let (st, ta) = (staging(&node, "pv-cond"), target(&node, "uid-c", "pv-cond"));
     rt().block_on(async {
@@ -1061,7 +1057,7 @@ fn recorded_holders(node: &Node, volume: &str) -> Vec<String> {
 /// recorded again from the stash when the agent starts.
 #[test]
 fn a_private_ledger_records_every_stage_and_recovers_a_lost_holder() {
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     let image = node.image("alone.img", 64);
     let (st, ta) = (staging(&node, "pv-alone"), target(&node, "uid-a", "pv-alone"));
     rt().block_on(async {
@@ -1116,7 +1112,7 @@ fn a_private_ledger_records_every_stage_and_recovers_a_lost_holder() {
 /// no longer holds the one whose volume went.
 #[test]
 fn a_kill_right_after_staging_or_unstaging_loses_no_holder_and_keeps_no_stale_one() {
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     let image = node.image("killed.img", 64);
     let (st, ta) = (staging(&node, "pv-killed"), target(&node, "uid-a", "pv-killed"));
     rt().block_on(async {
@@ -1164,7 +1160,7 @@ fn a_kill_right_after_staging_or_unstaging_loses_no_holder_and_keeps_no_stale_on
 /// disk: nothing was lost.
 #[test]
 fn a_full_state_disk_refuses_stages_until_there_is_room_and_loses_no_record() {
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     node.stop_agent_of("node-a");
     let state = node.scratch.path("node-a/state");
     std::fs::remove_dir_all(&state).expect("clear the state dir");
@@ -1259,7 +1255,7 @@ fn a_full_state_disk_refuses_stages_until_there_is_room_and_loses_no_record() {
 /// leaves what it found; once the fault is gone the retry succeeds.
 #[test]
 fn faults_at_publish_block_and_grow_filesystem_fail_clearly_and_retries_succeed() {
-    let mut node = Node::start_alone();
+    let mut node = Node::start_alone(VOLAGENT);
     let rules = node.restart_with_faults(&[]);
     let inject = |rule: &str| std::fs::write(&rules, format!("{rule}\n")).expect("rules");
     let clear = || std::fs::remove_file(&rules).expect("the fault is gone");

@@ -1,30 +1,23 @@
 //! The DaemonSet tier: `deploy/` applied with `kubectl apply -k` to a
 //! one-node cluster in a box (real kubelet 1.20.2, containerd, scheduler and
-//! controller manager; see support/daemonset_cluster.rs), the agent running
+//! controller manager; see volagent_test_support::daemonset_cluster), the agent running
 //! as the DaemonSet's privileged pod from the image `scripts/build-image`
 //! makes, the controller as its two-replica Deployment. Workload pods get
 //! their volumes from the agent in the pod. Needs root, scripts/kube-assets,
 //! scripts/node-assets and scripts/build-image; fails (never skips) without
 //! them.
 
-mod common;
-#[path = "support/daemonset_cluster.rs"]
-mod daemonset_cluster;
-mod kube_common;
-#[path = "support/kubelet_cluster.rs"]
-mod kubelet_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
-
-use daemonset_cluster::*;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, Patch, PatchParams};
-use kubelet_cluster::{claim, create_volume, is_ready, pod_with, restarts, serve};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use volagent::kube::crds::Attachment;
+use volagent_test_support::daemonset_cluster::*;
+use volagent_test_support::kubelet_cluster::{
+    claim, create_volume, is_ready, pod_with, restarts, serve,
+};
 
 /// Where kubelet mounts volume `pv` of pod `uid` (and where the agent, in
 /// its container, binds it).

@@ -9,16 +9,17 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-
-use agent_common::Node;
-use driver_common::{assert_failure, assert_success, kubelet_options};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options};
+use volagent_test_support::wait_until;
+use volagent_test_support::{driver, scratch};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// The run's gluster dir; its volume v0 is served from this host.
 fn gluster_host() -> String {
@@ -30,13 +31,13 @@ fn gluster_host() -> String {
 }
 
 fn gluster_node() -> Node {
-    let mut node = Node::start_with(&[(volagent_test_artifacts::GLUSTER, "gluster")]);
+    let mut node = Node::start_with(VOLAGENT, &[(volagent_test_artifacts::GLUSTER, "gluster")]);
     node.spawn_agent("node-b");
     node
 }
 
 fn driver(node: &Node, name: &str, args: &[&str]) -> (i32, Value) {
-    driver_common::run_driver(Command::new(node.driver_of(name, "gluster")).args(args))
+    driver::run_driver(Command::new(node.driver_of(name, "gluster")).args(args))
 }
 
 fn gluster_options(
@@ -57,18 +58,7 @@ fn gluster_options(
 
 /// glusterfs client processes whose mount point lies under `dir`.
 fn clients_under(dir: &Path) -> Vec<i32> {
-    common::processes_under(dir, |a| a.first().is_some_and(|p| p.ends_with("glusterfs")))
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = std::time::Instant::now();
-    while !done() {
-        assert!(
-            start.elapsed() < std::time::Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    scratch::processes_under(dir, |a| a.first().is_some_and(|p| p.ends_with("glusterfs")))
 }
 
 #[test]
@@ -111,7 +101,9 @@ fn pods_on_two_nodes_share_a_gluster_volume_and_see_each_others_writes() {
     assert_success(&driver(&node, "node-a", &["unmount", &dir_a]));
     assert_success(&driver(&node, "node-b", &["unmount", &dir_b]));
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    wait_until("the FUSE clients to end", || clients_under(&node.scratch.path("")).is_empty());
+    wait_until(Duration::from_secs(20), "the FUSE clients to end", || {
+        clients_under(&node.scratch.path("")).is_empty()
+    });
 }
 
 #[test]
@@ -144,7 +136,9 @@ fn a_wrong_server_or_volume_fails_quoting_the_clients_log_and_leaves_nothing() {
     assert_failure(&r, "the client's log ends:");
     assert_failure(&r, "failed to fetch volume file (key:/no-such-volume)");
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
-    wait_until("no client to be left", || clients_under(&node.scratch.path("")).is_empty());
+    wait_until(Duration::from_secs(20), "no client to be left", || {
+        clients_under(&node.scratch.path("")).is_empty()
+    });
     // A source that is not host:/volume never reaches the helper.
     let r = driver(
         &node,

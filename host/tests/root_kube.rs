@@ -3,23 +3,30 @@
 //! devices and mounts on this machine (both "nodes" are this machine, each
 //! agent with its own kubelet root, runtime and state dirs). Needs root.
 
-#[path = "support/api_cluster.rs"]
-mod api_cluster;
-mod common;
-mod driver_common;
-mod kube_common;
-#[path = "support/shipped.rs"]
-mod shipped;
-
-use api_cluster::Cluster;
-
-const SHARED_FILE: (&str, &str) = (volagent_test_artifacts::SHARED_FILE, "shared-file");
-use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
 use kube::api::Api;
 use serde_json::Value;
 use std::process::Command;
+use volagent_test_support::api_cluster::Cluster;
+use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options, run_driver};
+use volagent_test_support::{kube_objects, scratch};
 
-impl Cluster {
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
+
+const SHARED_FILE: (&str, &str) = (volagent_test_artifacts::SHARED_FILE, "shared-file");
+
+/// What this tier's tests ask of the cluster beyond [`Cluster`]'s own.
+trait SharedFileCluster {
+    fn mount_dir(&self, node: &str, uid: &str, volume: &str) -> String;
+    fn driver(&self, node: &str) -> std::path::PathBuf;
+    fn mount(&self, node: &str, pod: &str, volume: &str, image: &str) -> (String, (i32, Value));
+    fn unmount(&self, node: &str, dir: &str) -> (i32, Value);
+    fn image(&self, name: &str) -> String;
+    fn cleanup_list(&self, node: &str) -> Option<volagent::kube::crds::NodeCleanup>;
+    fn mounts_under(&self, node: &str) -> usize;
+}
+
+impl SharedFileCluster for Cluster {
     fn mount_dir(&self, node: &str, uid: &str, volume: &str) -> String {
         let d = self
             .scratch
@@ -54,15 +61,25 @@ impl Cluster {
         assert!(ok, "mkfs.ext4 {}", p.display());
         p.display().to_string()
     }
+
+    fn cleanup_list(&self, node: &str) -> Option<volagent::kube::crds::NodeCleanup> {
+        let api: Api<volagent::kube::crds::NodeCleanup> = Api::all(self.client());
+        self.rt.block_on(api.get_opt(node)).expect("read the cleanup list")
+    }
+
+    fn mounts_under(&self, node: &str) -> usize {
+        let root = self.scratch.path(node);
+        self.scratch.mounts().iter().filter(|m| m.starts_with(&root)).count()
+    }
 }
 
 /// Two agents race for one ReadWriteOnce volume, 100 rounds: exactly one
 /// wins each round and the loser's error names the winner's pod and node.
 #[test]
 fn two_nodes_race_for_a_read_write_once_volume() {
-    let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
+    let c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[SHARED_FILE]);
     let image = c.image("race.img");
-    c.rt.block_on(kube_common::create_pv(
+    c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-race",
         "shared-file",
@@ -128,6 +145,7 @@ fn two_nodes_race_for_a_read_write_once_volume() {
 fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     use volagent::sys::Devices;
     let mut c = Cluster::start_with(
+        VOLAGENT,
         &["node-a", "node-b", "node-c"],
         &[SHARED_FILE],
         &["--gone-node-grace", "1h"],
@@ -137,7 +155,7 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     let loops = volagent::sys::linux::Linux::new(roots, "volagent:gone-node");
     for (volume, how) in [("pv-deleted", "deleted"), ("pv-tainted", "out-of-service")] {
         let image = c.image(&format!("{volume}.img"));
-        c.rt.block_on(kube_common::create_pv(
+        c.rt.block_on(kube_objects::create_pv(
             &c.client(),
             volume,
             "shared-file",
@@ -150,7 +168,7 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
         assert_success(&r);
 
         // NotReady is not gone: denied, and the reason says why.
-        c.rt.block_on(kube_common::set_ready(&c.client(), holder, false));
+        c.rt.block_on(kube_objects::set_ready(&c.client(), holder, false));
         let (_, r) = c.mount("node-a", &a, volume, &image);
         assert_failure(
             &r,
@@ -172,8 +190,8 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
             .loop_attach(std::path::Path::new(&image), true)
             .expect("a leftover read-only mapping");
         match how {
-            "deleted" => c.rt.block_on(kube_common::delete_node(&c.client(), holder)),
-            _ => c.rt.block_on(kube_common::taint_out_of_service(&c.client(), holder)),
+            "deleted" => c.rt.block_on(kube_objects::delete_node(&c.client(), holder)),
+            _ => c.rt.block_on(kube_objects::taint_out_of_service(&c.client(), holder)),
         }
 
         let (adir, r) = c.mount("node-a", &a, volume, &image);
@@ -199,27 +217,15 @@ fn only_gone_nodes_are_taken_over_and_only_after_fencing() {
     );
 }
 
-impl Cluster {
-    fn cleanup_list(&self, node: &str) -> Option<volagent::kube::crds::NodeCleanup> {
-        let api: Api<volagent::kube::crds::NodeCleanup> = Api::all(self.client());
-        self.rt.block_on(api.get_opt(node)).expect("read the cleanup list")
-    }
-
-    fn mounts_under(&self, node: &str) -> usize {
-        let root = self.scratch.path(node);
-        self.scratch.mounts().iter().filter(|m| m.starts_with(&root)).count()
-    }
-}
-
 /// The controller's scan moves a vanished node's records into its cleanup
 /// list; its agent, started again, tears the mounts down through the
 /// backend's cleanup plan and empties the list. A Node deletion is acted on
 /// at once by a running controller.
 #[test]
 fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
-    let mut c = Cluster::start(&["node-a", "node-b", "node-c"], &[SHARED_FILE]);
+    let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b", "node-c"], &[SHARED_FILE]);
     let image = c.image("stale.img");
-    c.rt.block_on(kube_common::create_pv(
+    c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-stale",
         "shared-file",
@@ -235,7 +241,7 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
     // node-b drops out of the cluster while its mounts stay: the running
     // controller moves its records at once.
     c.kill_agent("node-b");
-    c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
+    c.rt.block_on(kube_objects::delete_node(&c.client(), "node-b"));
     c.wait("node-b's records to move", || {
         c.cleanup_list("node-b").is_some_and(|l| l.spec.entries.len() == 1)
     });
@@ -267,7 +273,7 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
     let (_, r) = c.mount("node-c", "c1", "pv-stale", &image);
     assert_success(&r);
     c.kill_agent("node-c");
-    c.rt.block_on(kube_common::delete_node(&c.client(), "node-c"));
+    c.rt.block_on(kube_objects::delete_node(&c.client(), "node-c"));
     c.wait("node-c's records to move", || {
         c.cleanup_list("node-c").is_some_and(|l| l.spec.entries.len() == 1)
     });
@@ -284,7 +290,7 @@ fn vanished_nodes_are_cleaned_up_through_their_cleanup_lists() {
 #[test]
 fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
     use volagent::kube::crds::{StorageCluster, StorageClusterSpec};
-    let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
+    let c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[SHARED_FILE]);
     let clusters: Api<StorageCluster> = Api::all(c.client());
     let sc = StorageCluster::new(
         "sc1",
@@ -305,7 +311,7 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
     });
     let (one, two) = (c.image("sc-one.img"), c.image("sc-two.img"));
     for (pv, image) in [("pv-sc-1", &one), ("pv-sc-2", &two)] {
-        c.rt.block_on(kube_common::create_pv(
+        c.rt.block_on(kube_objects::create_pv(
             &c.client(),
             pv,
             "shared-file",
@@ -347,9 +353,9 @@ fn deleting_a_storage_cluster_cleans_every_node_and_releases_it() {
 /// once it is back, with the record right.
 #[test]
 fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
-    let c = Cluster::start(&["node-a"], &[SHARED_FILE]);
+    let c = Cluster::start(VOLAGENT, &["node-a"], &[SHARED_FILE]);
     let image = c.image("outage.img");
-    c.rt.block_on(kube_common::create_pv(
+    c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-out",
         "shared-file",
@@ -392,9 +398,9 @@ fn an_api_outage_fails_operations_clearly_and_loses_nothing() {
 /// are not enabled.
 #[test]
 fn with_a_cluster_a_volume_is_what_its_pv_says() {
-    let c = Cluster::start(&["node-a", "node-b"], &[SHARED_FILE]);
+    let c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[SHARED_FILE]);
     let (image, other) = (c.image("trust.img"), c.image("other.img"));
-    c.rt.block_on(kube_common::create_pv_with(
+    c.rt.block_on(kube_objects::create_pv_with(
         &c.client(),
         "pv-trust",
         "shared-file",
@@ -443,7 +449,7 @@ fn with_a_cluster_a_volume_is_what_its_pv_says() {
     let (_, r) = drive("node-b", &uid2, &kubelet_options("pv-trust", "p2", &uid2, "ext4", &image));
     assert_failure(&r, "PersistentVolume pv-trust's node affinity does not select node node-b");
     // A pod that does not use the claim.
-    let uid3 = c.rt.block_on(kube_common::create_pod(&c.client(), "p3", &[], &[]));
+    let uid3 = c.rt.block_on(kube_objects::create_pod(&c.client(), "p3", &[], &[]));
     let (_, r) = drive("node-a", &uid3, &kubelet_options("pv-trust", "p3", &uid3, "ext4", &image));
     assert_failure(&r, "pod default/p3 uses no claim bound to PersistentVolume pv-trust");
     // A request with another pod's UID.
@@ -454,8 +460,8 @@ fn with_a_cluster_a_volume_is_what_its_pv_says() {
     );
     assert_failure(&r, "not bogus-uid as the request says");
     // An inline volume named like the PV, pointing elsewhere.
-    let inline: kube_common::Inline = ("pv-trust", "shared-file", &[("path", other.as_str())]);
-    let uid4 = c.rt.block_on(kube_common::create_pod(&c.client(), "p4", &[], &[inline]));
+    let inline: kube_objects::Inline = ("pv-trust", "shared-file", &[("path", other.as_str())]);
+    let uid4 = c.rt.block_on(kube_objects::create_pod(&c.client(), "p4", &[], &[inline]));
     let (_, r) = drive("node-a", &uid4, &kubelet_options("pv-trust", "p4", &uid4, "ext4", &other));
     assert_failure(&r, "inline volumes of backend shared-file are not enabled on this node");
     assert_eq!(c.record("pv-trust").expect("record").spec.consumers.len(), 1, "only p1 holds it");
@@ -469,13 +475,13 @@ fn with_a_cluster_a_volume_is_what_its_pv_says() {
 /// and never one the other's filesystem.
 #[test]
 fn inline_volumes_where_allowed_are_each_pods_own() {
-    let mut c = Cluster::start(&[], &[SHARED_FILE]);
-    c.rt.block_on(kube_common::create_node(&c.client(), "node-a", true));
+    let mut c = Cluster::start(VOLAGENT, &[], &[SHARED_FILE]);
+    c.rt.block_on(kube_objects::create_node(&c.client(), "node-a", true));
     c.spawn_agent_with("node-a", &["--allow-inline-volumes", "shared-file"]);
     let (shared, own) = (c.image("inline.img"), c.image("own.img"));
     let mount = |pod: &str, path: &str| {
-        let inline: kube_common::Inline = ("data", "shared-file", &[("path", path)]);
-        let uid = c.rt.block_on(kube_common::create_pod(&c.client(), pod, &[], &[inline]));
+        let inline: kube_objects::Inline = ("data", "shared-file", &[("path", path)]);
+        let uid = c.rt.block_on(kube_objects::create_pod(&c.client(), pod, &[], &[inline]));
         let dir = c.mount_dir("node-a", &uid, "data");
         let opts = kubelet_options("data", pod, &uid, "ext4", path);
         (
@@ -564,11 +570,11 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
     use std::time::{Duration, Instant};
     const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
     const ROUNDS: usize = 12;
-    let mut rng = fastrand::Rng::with_seed(common::chaos_seed(
+    let mut rng = fastrand::Rng::with_seed(scratch::chaos_seed(
         "races_for_a_volume_survive_the_api_server_dying_and_crawling",
     ));
 
-    let mut c = Cluster::start(&NODES, &[SHARED_FILE]);
+    let mut c = Cluster::start(VOLAGENT, &NODES, &[SHARED_FILE]);
     let proxy = SlowProxy::start(c.env.url());
     c.agent_server = Some(proxy.url.clone());
     for n in NODES {
@@ -576,7 +582,7 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
         c.spawn_agent(n);
     }
     let image = c.image("chaos.img");
-    c.rt.block_on(kube_common::create_pv(
+    c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-chaos",
         "shared-file",

@@ -1,19 +1,17 @@
 //! The kubelet tier: pods on volagent volumes through a real kubelet
 //! 1.20.2 and containerd, on two nodes of a cluster in a box (see
-//! support/kubelet_cluster.rs), checked from the pod's side: its phase, its
+//! volagent_test_support::kubelet_cluster), checked from the pod's side: its phase, its
 //! container's output and its Events. Needs root, the binaries from
 //! scripts/kube-assets and what scripts/node-assets installs; fails (never
 //! skips) without them.
 
-mod common;
-mod kube_common;
-#[path = "support/kubelet_cluster.rs"]
-mod kubelet_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
-
-use kubelet_cluster::*;
 use std::time::Duration;
+use volagent_test_support::kube_objects;
+use volagent_test_support::kubelet_cluster::*;
+use volagent_test_support::wait_until;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const LOCAL_PV: (&str, &str) = (volagent_test_artifacts::LOCAL_PV, "local-pv");
 const SHARED_FILE: (&str, &str) = (volagent_test_artifacts::SHARED_FILE, "shared-file");
@@ -53,7 +51,7 @@ fn assert_nothing_left(c: &Cluster, node: &str, volume: &str) {
 /// same node reads the data back; after the last pod nothing is left.
 #[test]
 fn a_pod_writes_a_local_volume_and_the_next_pod_reads_it() {
-    let c = Cluster::start(&[("node-a", &[])], &[LOCAL_PV]);
+    let c = Cluster::start(VOLAGENT, &[("node-a", &[])], &[LOCAL_PV]);
     let image = c.image("data.img", 64);
     c.create_volume("data", "local-pv", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
 
@@ -127,7 +125,7 @@ fn assert_waiting(c: &Cluster, pod: &str, reason: &str) {
 /// once the holders are gone.
 #[test]
 fn a_read_write_once_volume_is_shared_on_its_node_and_waited_for_elsewhere() {
-    let c = Cluster::start(&[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE]);
+    let c = Cluster::start(VOLAGENT, &[("node-a", &[]), ("node-b", &[])], &[SHARED_FILE]);
     let image = c.image("shared.img", 64);
     c.create_volume("shared", "shared-file", "ReadWriteOnce", &[("path", &image)]);
     let vol = || [("data", claim("shared"))];
@@ -214,6 +212,7 @@ fn take_over_from_a_dead_node(gone: Gone) {
     // machine: had the controller moved them, node-b could find the dead
     // node's leftover mapping with no holder to fence).
     let mut c = Cluster::start_with(
+        VOLAGENT,
         &[("node-a", &[]), ("node-b", &[])],
         &[SHARED_FILE],
         &["--gone-node-grace", "1h"],
@@ -289,7 +288,7 @@ fn take_over_from_a_dead_node(gone: Gone) {
             c.rt.block_on(nodes.delete("node-a", &Default::default())).expect("delete node-a");
         }
         Gone::OutOfService => {
-            c.rt.block_on(kube_common::taint_out_of_service(&c.client(), "node-a"));
+            c.rt.block_on(kube_objects::taint_out_of_service(&c.client(), "node-a"));
         }
     }
     c.wait_pod("w", "Ready after the take-over (it writes, so its device is read-write)", is_ready);
@@ -317,7 +316,7 @@ fn take_over_from_a_dead_node(gone: Gone) {
 /// leaves the running pod untouched, and its volume still comes down.
 #[test]
 fn a_backend_dropped_in_serves_new_pods_and_a_broken_one_harms_none() {
-    let c = Cluster::start(&[("node-a", &[])], &[SHARED_FILE]);
+    let c = Cluster::start(VOLAGENT, &[("node-a", &[])], &[SHARED_FILE]);
     let (kubelet_pid, agent_pid) =
         (c.node("node-a").kubelet().pid(), c.node("node-a").agent.as_ref().map(|a| a.id()));
     let image = c.image("hot.img", 64);
@@ -394,7 +393,7 @@ fn a_backend_dropped_in_serves_new_pods_and_a_broken_one_harms_none() {
 /// volume, one bind into the pod and one record.
 #[test]
 fn an_agent_killed_while_kubelet_mounts_serves_kubelets_retry() {
-    let mut c = Cluster::start(&[("node-a", &[])], &[LOCAL_PV]);
+    let mut c = Cluster::start(VOLAGENT, &[("node-a", &[])], &[LOCAL_PV]);
     let image = c.image("kill.img", 64);
     c.create_volume("kill", "local-pv", "ReadWriteOnce", &[("path", &image), ("node", "node-a")]);
     // After the device is attached, before it is formatted and mounted.
@@ -441,6 +440,7 @@ fn an_agent_killed_while_kubelet_mounts_serves_kubelets_retry() {
 #[test]
 fn inline_volumes_get_what_the_trust_rules_say() {
     let c = Cluster::start(
+        VOLAGENT,
         &[("node-a", &[]), ("node-b", &["--allow-inline-volumes", "local-pv"])],
         &[LOCAL_PV],
     );
@@ -514,7 +514,7 @@ fn inline_volumes_get_what_the_trust_rules_say() {
 /// the next pod reads it back, and the last one leaves no client behind.
 #[test]
 fn a_pod_writes_an_nbd_volume_and_the_next_pod_reads_it() {
-    let c = Cluster::start(&[("node-a", &[])], &[NBD]);
+    let c = Cluster::start(VOLAGENT, &[("node-a", &[])], &[NBD]);
     let image = c.image("export.img", 64);
     let socket = c.scratch.path("qemu.sock");
     let mut server = std::process::Command::new("qemu-nbd")
@@ -523,11 +523,9 @@ fn a_pod_writes_an_nbd_volume_and_the_next_pod_reads_it() {
         .arg(&image)
         .spawn()
         .expect("qemu-nbd (scripts/setup installs it)");
-    let start = std::time::Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(start.elapsed() < Duration::from_secs(20), "qemu-nbd never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(Duration::from_secs(20), "qemu-nbd to listen", || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
     let server_option = format!("unix:{}", socket.display());
     c.create_volume(
         "export",

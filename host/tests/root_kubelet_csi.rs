@@ -8,17 +8,14 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod kube_common;
-#[path = "support/kubelet_cluster.rs"]
-mod kubelet_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
-
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode};
 use kube::api::{Api, PostParams};
-use kubelet_cluster::*;
 use std::time::{Duration, Instant};
+use volagent_test_support::kubelet_cluster::*;
+use volagent_test_support::{Deadline, wait_until_or};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// The CSIDriver objects of deploy/csidrivers.yaml, as shipped.
 fn shipped_csi_drivers() -> Vec<CSIDriver> {
@@ -39,17 +36,19 @@ fn csinode_drivers(c: &Cluster, node: &str) -> Vec<String> {
 }
 
 fn wait_driver(c: &Cluster, node: &str, driver: &str) {
-    let start = Instant::now();
-    while !csinode_drivers(c, node).iter().any(|d| d == driver) {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "kubelet did not register {driver}: CSINode lists {:?}\nkubelet: {}\nagent: {}",
-            csinode_drivers(c, node),
-            tail_matching(c.node(node).kubelet().log(), "csi", 30),
-            tail(&c.node(node).agent_log())
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    wait_until_or(
+        Deadline::within(Duration::from_secs(60)).polling(Duration::from_millis(250)),
+        &format!("kubelet to register {driver}"),
+        || csinode_drivers(c, node).iter().any(|d| d == driver),
+        || {
+            format!(
+                "CSINode lists {:?}\nkubelet: {}\nagent: {}",
+                csinode_drivers(c, node),
+                tail_matching(c.node(node).kubelet().log(), "csi", 30),
+                tail(&c.node(node).agent_log())
+            )
+        },
+    );
 }
 
 /// No mount of the volume left below the node's kubelet root.
@@ -71,7 +70,11 @@ fn assert_unmounted(c: &Cluster, node: &str, volume: &str) {
 
 #[test]
 fn a_csi_volume_serves_pods_and_a_dropped_in_backend_becomes_a_driver() {
-    let c = Cluster::start(&[("node-a", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    let c = Cluster::start(
+        VOLAGENT,
+        &[("node-a", &[])],
+        &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
+    );
     let drivers: Api<CSIDriver> = Api::all(c.client());
     let shipped = shipped_csi_drivers();
     assert!(shipped.iter().any(|d| d.metadata.name.as_deref() == Some("local-pv.csi.volagent.io")));
@@ -178,7 +181,11 @@ fn a_csi_volume_serves_pods_and_a_dropped_in_backend_becomes_a_driver() {
 /// needs kubelet 1.22 or later; this tier's kubelet is 1.20.)
 #[test]
 fn a_block_volume_is_a_device_in_the_container_and_mount_options_reach_the_mount() {
-    let c = Cluster::start(&[("node-a", &[])], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    let c = Cluster::start(
+        VOLAGENT,
+        &[("node-a", &[])],
+        &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
+    );
     let drivers: Api<CSIDriver> = Api::all(c.client());
     for d in shipped_csi_drivers() {
         c.rt.block_on(drivers.create(&PostParams::default(), &d)).unwrap();

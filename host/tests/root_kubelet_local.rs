@@ -9,19 +9,15 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod kube_common;
-#[path = "support/kubelet_cluster.rs"]
-mod kubelet_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
-
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
-use kubelet_cluster::*;
 use serde_json::json;
 use std::time::{Duration, Instant};
+use volagent_test_support::kubelet_cluster::*;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const CLASS: &str = "local-wffc";
 
@@ -32,6 +28,7 @@ fn pv_phase(pv: &PersistentVolume) -> String {
 #[test]
 fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
     let mut c = Cluster::start(
+        VOLAGENT,
         &[("node-a", &[]), ("node-b", &[])],
         &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
     );

@@ -1,5 +1,5 @@
 //! rbd and gluster volumes under the kubelet tier: a real kubelet 1.20.2
-//! and containerd on two nodes (support/kubelet_cluster.rs) mount PVs of
+//! and containerd on two nodes (volagent_test_support::kubelet_cluster) mount PVs of
 //! `volagent/rbd` (whose `secretRef` kubelet resolves and passes on, as for
 //! any Flexvolume driver) and `volagent/gluster`. The nodes live in a
 //! network namespace of their own, so each test starts its own storage
@@ -10,21 +10,16 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/ceph.rs"]
-mod ceph_common;
-mod common;
-mod kube_common;
-#[path = "support/kubelet_cluster.rs"]
-mod kubelet_cluster;
-#[path = "support/shipped.rs"]
-mod shipped;
-
 use kube::api::{Api, PostParams};
-use kubelet_cluster::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
+use volagent_test_support::kubelet_cluster::*;
+use volagent_test_support::{ceph, scratch};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// A single-node Ceph in the calling thread's network namespace, stopped
 /// on drop.
@@ -113,12 +108,13 @@ impl Drop for Ceph {
 #[test]
 fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_free() {
     let c = Cluster::start(
+        VOLAGENT,
         &[("node-a", &[]), ("node-b", &[])],
         &[(volagent_test_artifacts::RBD, "rbd")],
     );
     let ceph = Ceph::start(c.scratch.path("ceph"));
-    let image = ceph_common::Image::create(&ceph.dir, 64);
-    let key = ceph_common::volagent_key(&ceph.dir);
+    let image = ceph::Image::create(&ceph.dir, 64);
+    let key = ceph::volagent_key(&ceph.dir);
 
     let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
         "metadata": { "name": "ceph-volagent" },
@@ -178,7 +174,7 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
         "Never",
     ));
     c.wait_pod("writer", "Ready", is_ready);
-    assert_eq!(ceph_common::watchers(&image).len(), 1, "node-a's helper holds the image");
+    assert_eq!(ceph::watchers(&image).len(), 1, "node-a's helper holds the image");
     let rec = c.record("img").expect("record");
     assert_eq!(
         rec.spec.storage_clients.iter().map(|s| s.node.as_str()).collect::<Vec<_>>(),
@@ -211,7 +207,7 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
     // Everything comes down with the last pod.
     let start = std::time::Instant::now();
     while (c.record("img").is_some()
-        || !ceph_common::watchers(&image).is_empty()
+        || !ceph::watchers(&image).is_empty()
         || !c.scratch.loops_left().is_empty())
         && start.elapsed() < Duration::from_secs(30)
     {
@@ -219,7 +215,7 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
     }
     assert!(c.record("img").is_none(), "the record is left");
     assert_eq!(
-        ceph_common::watchers(&image).len(),
+        ceph::watchers(&image).len(),
         0,
         "a helper is left on the image\n{}",
         tail(&c.node("node-b").agent_log())
@@ -244,6 +240,7 @@ fn a_pod_writes_an_rbd_image_and_a_pod_on_the_other_node_reads_it_once_it_is_fre
 #[test]
 fn pods_on_two_nodes_share_a_gluster_volume() {
     let c = Cluster::start(
+        VOLAGENT,
         &[("node-a", &[]), ("node-b", &[])],
         &[(volagent_test_artifacts::GLUSTER, "gluster")],
     );
@@ -272,7 +269,7 @@ fn pods_on_two_nodes_share_a_gluster_volume() {
     c.delete_pod("on-node-a");
     c.delete_pod("on-node-b");
     let clients = || {
-        common::processes_under(&c.scratch.path(""), |a| {
+        scratch::processes_under(&c.scratch.path(""), |a| {
             a.first().is_some_and(|p| p.ends_with("glusterfs"))
         })
         .len()

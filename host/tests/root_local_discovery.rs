@@ -5,12 +5,13 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::RootScratch;
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
+use volagent_test_support::scratch::RootScratch;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn losetup(file: &Path) -> String {
     let out = Command::new("losetup").args(["--find", "--show"]).arg(file).output().unwrap();
@@ -19,7 +20,7 @@ fn losetup(file: &Path) -> String {
 }
 
 fn discover(node: &str, classes: &[String]) -> Value {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
+    let mut cmd = Command::new(VOLAGENT);
     cmd.args(["local", "discover", "--node-name", node]);
     for c in classes {
         cmd.args(["--class", c]);

@@ -7,28 +7,40 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/api_cluster.rs"]
-mod api_cluster;
-mod common;
-mod driver_common;
-mod kube_common;
-#[path = "support/shipped.rs"]
-mod shipped;
-
-use api_cluster::Cluster;
 use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent::kube::crds::{LocalOperationPhase, NodeLocalVolumes};
+use volagent_test_support::api_cluster::Cluster;
+use volagent_test_support::{Deadline, wait_until_or};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const LOCAL_PV: (&str, &str) = (volagent_test_artifacts::LOCAL_PV, "local-pv");
 const MARKER: &[u8] = b"volagent-marker: the last tenant's data";
 
-impl Cluster {
+/// What this tier's tests ask of the cluster beyond [`Cluster`]'s own.
+trait LocalCluster {
+    fn local(&self, node: &str) -> Option<NodeLocalVolumes>;
+    fn pv(&self, name: &str) -> Option<PersistentVolume>;
+    fn local_pvs(&self) -> Vec<PersistentVolume>;
+    fn wait_for<T>(&self, what: &str, secs: u64, f: impl FnMut() -> Option<T>) -> T;
+    fn storage_class(&self, name: &str, params: &[(&str, &str)]);
+    fn local_agent(&mut self, node: &str, class: &str, dir: &Path, env: &[(&str, &str)]);
+    fn claim(&self, pv: &str, class: &str) -> String;
+    fn release(&self, claim: &str);
+    fn comes_back(&self, name: &str, old_uid: &str, secs: u64) -> PersistentVolume;
+    fn events_of(&self, pv: &str) -> Vec<String>;
+    fn status(&self, node: &str) -> serde_json::Value;
+    fn controller_manager(&self) -> volagent_kube_env::node::ControllerManager;
+}
+
+impl LocalCluster for Cluster {
     fn local(&self, node: &str) -> Option<NodeLocalVolumes> {
         self.rt.block_on(Api::<NodeLocalVolumes>::all(self.client()).get_opt(node)).unwrap()
     }
@@ -42,43 +54,38 @@ impl Cluster {
         self.rt.block_on(Api::<PersistentVolume>::all(self.client()).list(&lp)).unwrap().items
     }
 
-    fn wait_for<T>(&self, what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
-        let start = Instant::now();
-        loop {
-            if let Some(v) = f() {
-                return v;
-            }
-            if start.elapsed() > Duration::from_secs(secs) {
-                let pvs: Vec<_> = self
-                    .local_pvs()
-                    .iter()
-                    .map(|p| (p.metadata.name.clone(), p.status.clone().and_then(|s| s.phase)))
-                    .collect();
-                let lists = self
-                    .rt
-                    .block_on(Api::<NodeLocalVolumes>::all(self.client()).list(&Default::default()))
-                    .map(|l| l.items);
-                let logs: Vec<String> = ["node-a.log", "node-b.log", "controller.log"]
-                    .iter()
-                    .map(|f| std::fs::read_to_string(self.scratch.path(f)).unwrap_or_default())
-                    .map(|t| {
-                        t.lines()
-                            .rev()
-                            .take(30)
-                            .collect::<Vec<_>>()
-                            .into_iter()
-                            .rev()
-                            .collect::<Vec<_>>()
-                            .join("\n")
-                    })
-                    .collect();
-                panic!(
-                    "timed out waiting for {what}; local PVs: {pvs:#?}\nNodeLocalVolumes: {lists:#?}\nlogs (agents, controller):\n{}",
-                    logs.join("\n----\n")
-                );
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+    fn wait_for<T>(&self, what: &str, secs: u64, f: impl FnMut() -> Option<T>) -> T {
+        let deadline =
+            Deadline::within(Duration::from_secs(secs)).polling(Duration::from_millis(200));
+        wait_until_or(deadline, what, f, || {
+            let pvs: Vec<_> = self
+                .local_pvs()
+                .iter()
+                .map(|p| (p.metadata.name.clone(), p.status.clone().and_then(|s| s.phase)))
+                .collect();
+            let lists = self
+                .rt
+                .block_on(Api::<NodeLocalVolumes>::all(self.client()).list(&Default::default()))
+                .map(|l| l.items);
+            let logs: Vec<String> = ["node-a.log", "node-b.log", "controller.log"]
+                .iter()
+                .map(|f| std::fs::read_to_string(self.scratch.path(f)).unwrap_or_default())
+                .map(|t| {
+                    t.lines()
+                        .rev()
+                        .take(30)
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .rev()
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .collect();
+            format!(
+                "local PVs: {pvs:#?}\nNodeLocalVolumes: {lists:#?}\nlogs (agents, controller):\n{}",
+                logs.join("\n----\n")
+            )
+        })
     }
 
     fn storage_class(&self, name: &str, params: &[(&str, &str)]) {
@@ -158,7 +165,7 @@ impl Cluster {
     /// `volagent status --json` of `node`'s agent.
     fn status(&self, node: &str) -> serde_json::Value {
         let socket = self.scratch.path(&format!("{node}/run/agent.sock"));
-        let out = Command::new(env!("CARGO_BIN_EXE_volagent"))
+        let out = Command::new(VOLAGENT)
             .args(["status", "--json", "--socket"])
             .arg(&socket)
             .output()
@@ -219,7 +226,7 @@ fn pv_name(node: &str, class: &str, path: &Path) -> String {
 /// same marker is never touched.
 #[test]
 fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
-    let mut c = Cluster::start(&["node-a", "node-b"], &[LOCAL_PV]);
+    let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[LOCAL_PV]);
     let _kcm = c.controller_manager();
     c.storage_class("local-fast", &[("wipe", "zero")]);
     let (dir_a, dir_b) = (c.scratch.path("local-a"), c.scratch.path("local-b"));
@@ -346,7 +353,7 @@ fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
 /// in Error with the reason, and no PV is made for that volume.
 #[test]
 fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
-    let mut c = Cluster::start(&["node-a"], &[LOCAL_PV]);
+    let mut c = Cluster::start(VOLAGENT, &["node-a"], &[LOCAL_PV]);
     let _kcm = c.controller_manager();
     c.storage_class("local-slow", &[("wipe", "shred:2")]);
     let dir = c.scratch.path("local-a");
@@ -459,7 +466,7 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
 /// hang is lifted.
 #[test]
 fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds() {
-    let mut c = Cluster::start(&["node-a"], &[LOCAL_PV]);
+    let mut c = Cluster::start(VOLAGENT, &["node-a"], &[LOCAL_PV]);
     let _kcm = c.controller_manager();
     c.storage_class("local-faulty", &[("wipe", "zero")]);
     let dir = c.scratch.path("local-a");
@@ -576,9 +583,11 @@ fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds
 /// PV in use destroys nothing).
 #[test]
 fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
-    use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
     use k8s_openapi::api::core::v1::PersistentVolume;
-    let mut c = Cluster::start(&["node-a"], &[LOCAL_PV]);
+    use volagent_test_support::driver::{
+        assert_failure, assert_success, kubelet_options, run_driver,
+    };
+    let mut c = Cluster::start(VOLAGENT, &["node-a"], &[LOCAL_PV]);
     let _kcm = c.controller_manager();
     c.storage_class("local-strict", &[("wipe", "zero")]);
     let dir = c.scratch.path("local-a");

@@ -1,13 +1,12 @@
 //! local-pv on real loop devices and mounts: the built local-pv component
 //! plans, the host checks, the executor runs it. Needs root (CI is root).
 
-mod common;
-
-use common::*;
 use std::sync::Arc;
 use volagent::exec::Executor;
 use volagent::policy::*;
 use volagent::sys::Sys;
+use volagent_test_support::policy::*;
+use volagent_test_support::scratch::RootScratch;
 
 struct Setup {
     scratch: RootScratch,

@@ -9,23 +9,20 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-
-#[path = "support/nbd.rs"]
-mod nbd_common;
-
-use agent_common::Node;
-use driver_common::{assert_failure, assert_success};
-use nbd_common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver::{assert_failure, assert_success};
+use volagent_test_support::nbd::*;
+use volagent_test_support::scratch;
+use volagent_test_support::{wait_until, wait_until_or};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn round_trip(peer: Peer, fs: &str) {
-    let node = nbd_node();
+    let node = nbd_node(VOLAGENT);
     // mkfs.xfs wants 300 MB at least; the file is sparse.
     let image = node.scratch.image("export.img", if fs == "xfs" { 320 } else { 64 });
     let (server, address) = serve(&node, peer, &image);
@@ -63,7 +60,7 @@ fn round_trip(peer: Peer, fs: &str) {
 
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
-    wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
+    wait_until(NBD_WAIT, "the nbdfuse client to end", || clients_under(&state).is_empty());
     let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd"))
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
@@ -90,7 +87,7 @@ fn volagents_own_server_mounts_as_ext4() {
 
 #[test]
 fn an_unreachable_server_or_a_kernel_only_volume_is_refused_and_leaves_nothing() {
-    let node = nbd_node();
+    let node = nbd_node(VOLAGENT);
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
     let nowhere = format!("unix:{}", node.scratch.path("nobody.sock").display());
@@ -133,7 +130,7 @@ fn mount_on_qemu_nbd(node: &Node) -> Mounted {
 
 #[test]
 fn clients_outlive_an_agent_restart_and_the_next_agent_detaches_them() {
-    let mut node = nbd_node();
+    let mut node = nbd_node(VOLAGENT);
     let Mounted { server: _server, state, dir, .. } = mount_on_qemu_nbd(&node);
     let before = clients_under(&state);
     node.stop_agent();
@@ -145,12 +142,12 @@ fn clients_outlive_an_agent_restart_and_the_next_agent_detaches_them() {
     assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
     assert_success(&driver(&node, &["unmount", &dir]));
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
-    wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
+    wait_until(NBD_WAIT, "the nbdfuse client to end", || clients_under(&state).is_empty());
 }
 
 #[test]
 fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
-    let mut node = nbd_node();
+    let mut node = nbd_node(VOLAGENT);
     node.stop_agent();
     node.spawn_agent_env("node-a", &[], &["--nbd-hung-after", "2s"]);
     let Mounted { server, address, state, dir, .. } = mount_on_qemu_nbd(&node);
@@ -170,7 +167,7 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
     }
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
-    wait_until("the aborted client to be gone", || clients_under(&state).is_empty());
+    wait_until(NBD_WAIT, "the aborted client to be gone", || clients_under(&state).is_empty());
     // The aborted client's mount is gone, so the kernel names a device
     // still over its file "/<key>": none may be left.
     let key = volagent::exec::nbd_key(&volagent::policy::NbdSpec {
@@ -197,7 +194,7 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
 
 #[test]
 fn start_up_reconciliation_removes_clients_nothing_uses() {
-    let mut node = nbd_node();
+    let mut node = nbd_node(VOLAGENT);
     let Mounted { server: _server, state, dir, device, .. } = mount_on_qemu_nbd(&node);
     let (_, mut agent) = node.agents.remove(0);
     agent.kill().unwrap();
@@ -213,7 +210,8 @@ fn start_up_reconciliation_removes_clients_nothing_uses() {
     assert!(Command::new("losetup").arg("-d").arg(&device).status().unwrap().success());
     assert_eq!(clients_under(&state).len(), 1);
     node.spawn_agent_env("node-a", &[], &[]);
-    wait_or_say(
+    wait_until_or(
+        NBD_WAIT,
         "the unused client to be stopped",
         || clients_under(&state).is_empty(),
         || std::fs::read_to_string(node.log_path("node-a")).unwrap_or_default(),
@@ -232,7 +230,7 @@ fn file_options(file: &str) -> serde_json::Value {
 
 #[test]
 fn the_agent_serves_a_local_file_itself_across_a_restart() {
-    let mut node = nbd_node();
+    let mut node = nbd_node(VOLAGENT);
     let image = node.image("own.img", 64);
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
@@ -253,7 +251,7 @@ fn the_agent_serves_a_local_file_itself_across_a_restart() {
     assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
     assert_success(&driver(&node, &["unmount", &dir]));
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
-    wait_until("the client and the helper server to end", || {
+    wait_until(NBD_WAIT, "the client and the helper server to end", || {
         clients_under(&state).is_empty() && servers_under(&state).is_empty()
     });
     let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd"))
@@ -266,7 +264,7 @@ fn the_agent_serves_a_local_file_itself_across_a_restart() {
 #[test]
 fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    let node = nbd_node();
+    let node = nbd_node(VOLAGENT);
     let image = node.image("own.img", 64);
     let state = node.scratch.path("node-a/state");
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
@@ -307,7 +305,8 @@ fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
     let out = as_nobody();
     assert!(!out.status.success(), "uid 65534 was served through a widened socket");
     let log = socket.with_extension("server.log");
-    wait_or_say(
+    wait_until_or(
+        NBD_WAIT,
         "the helper to log the refusal",
         || std::fs::read_to_string(&log).unwrap_or_default().contains("uid=65534"),
         || std::fs::read_to_string(&log).unwrap_or_default(),
@@ -316,7 +315,7 @@ fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
     // Root is served as before: the volume works on.
     std::fs::write(format!("{dir}/data"), b"after the refusals").unwrap();
     assert_success(&driver(&node, &["unmount", &dir]));
-    wait_until("the client and the helper server to end", || {
+    wait_until(NBD_WAIT, "the client and the helper server to end", || {
         clients_under(&state).is_empty() && servers_under(&state).is_empty()
     });
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
@@ -325,7 +324,7 @@ fn a_helper_servers_socket_is_0600_and_serves_no_other_uid() {
 
 #[test]
 fn a_local_file_outside_the_discovery_dirs_is_refused() {
-    let node = nbd_node();
+    let node = nbd_node(VOLAGENT);
     let outside = node.scratch.image("outside.img", 16);
     let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
     let options = file_options(&outside.display().to_string());
@@ -389,7 +388,7 @@ fn reads(dir: &Path) -> bool {
 #[test]
 fn an_abort_switch_outliving_its_connection_spares_the_client_that_took_its_number() {
     use volagent::sys::fusectl::AbortSwitch;
-    let scratch = common::RootScratch::enter();
+    let scratch = scratch::RootScratch::enter();
     // Other tests mount too: the number is not always the next one handed out.
     for attempt in 1..=20 {
         let (first_dir, second_dir) =
@@ -425,7 +424,7 @@ fn an_abort_switch_outliving_its_connection_spares_the_client_that_took_its_numb
 /// ends unmounted clean with what the pod wrote in the server's file.
 #[test]
 fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
-    let mut node = nbd_node();
+    let mut node = nbd_node(VOLAGENT);
     let rules = node.restart_with_faults(&[]);
     let image = node.scratch.image("export.img", 64);
     let (_server, address) = serve(&node, Peer::QemuNbd, &image);
@@ -448,7 +447,9 @@ fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
     said(&r, "EIO");
     assert!(node.scratch.mounts().is_empty(), "rolled back: {:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "rolled back: {:?}", node.scratch.loops());
-    wait_until("the rolled back nbdfuse client to end", || clients_under(&state).is_empty());
+    wait_until(NBD_WAIT, "the rolled back nbdfuse client to end", || {
+        clients_under(&state).is_empty()
+    });
     std::fs::remove_file(&rules).unwrap();
     assert_success(&driver(&node, &["mount", &dir, &options]));
     std::fs::write(format!("{dir}/data"), b"after the fault").unwrap();
@@ -461,6 +462,6 @@ fn faults_at_an_nbd_volumes_attach_and_detach_roll_back_and_retries_succeed() {
     assert_success(&driver(&node, &["unmount", &dir]));
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
-    wait_until("the nbdfuse client to end", || clients_under(&state).is_empty());
+    wait_until(NBD_WAIT, "the nbdfuse client to end", || clients_under(&state).is_empty());
     assert_eq!(read_back(&image, "ext4"), b"after the fault");
 }

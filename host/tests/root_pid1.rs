@@ -2,12 +2,14 @@
 //! it serves through a supervised child, reaps orphans reparented to it,
 //! and stops cleanly on SIGTERM. Needs root (namespaces).
 
-mod common;
-
-use common::RootScratch;
-use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use volagent_test_support::agent::AgentBuilder;
+use volagent_test_support::scratch::RootScratch;
+use volagent_test_support::wait_until;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
@@ -17,44 +19,23 @@ fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
-fn wait(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn as_pid_1_the_agent_serves_reaps_orphans_and_stops_on_sigterm() {
     let s = RootScratch::enter();
     std::fs::create_dir_all(s.path("plugins")).expect("dir");
     std::fs::copy(volagent_test_artifacts::LOCAL_PV, s.path("plugins/local-pv.wasm"))
         .expect("plugin");
-    let socket = s.path("run/agent.sock");
+    let agent = AgentBuilder::new(VOLAGENT, "node-a").under(&s.path(""));
+    let socket = agent.socket_path();
     let mut unshare = Command::new("unshare")
         .args(["--pid", "--fork", "--mount-proc"])
-        .arg(env!("CARGO_BIN_EXE_volagent"))
-        .args(["agent", "--node-name", "node-a"])
-        .arg("--runtime-dir")
-        .arg(s.path("run"))
-        .arg("--state-dir")
-        .arg(s.path("state"))
-        .arg("--plugin-dir")
-        .arg(s.path("plugins"))
-        .arg("--kubelet-root")
-        .arg(s.path("kubelet"))
-        .arg("--discovery-dir")
-        .arg(s.path("disks"))
-        .arg("--volume-plugin-dir")
-        .arg(s.path("vpd"))
-        .arg("--flex-driver")
-        .arg(volagent_test_artifacts::FLEX_DRIVER)
+        .arg(VOLAGENT)
+        .args(agent.argv())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("unshare");
-    wait("the agent's socket", || UnixStream::connect(&socket).is_ok());
+    agent.within(Duration::from_secs(30)).wait_ready();
     let pid1 = *children(unshare.id()).first().expect("the namespace's PID 1");
     let status = std::fs::read_to_string(format!("/proc/{pid1}/status")).expect("status");
     assert!(
@@ -87,14 +68,9 @@ fn as_pid_1_the_agent_serves_reaps_orphans_and_stops_on_sigterm() {
         nix::sys::signal::Signal::SIGTERM,
     )
     .expect("SIGTERM");
-    let start = Instant::now();
-    let code = loop {
-        if let Some(st) = unshare.try_wait().expect("wait") {
-            break st;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "the agent did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let code = wait_until(Duration::from_secs(20), "the agent to stop on SIGTERM", || {
+        unshare.try_wait().expect("wait")
+    });
     assert!(code.success(), "exit status {code:?}");
     assert!(!socket.exists(), "the agent removed its socket on the way out");
 }

@@ -11,29 +11,25 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/agent.rs"]
-mod agent_common;
-#[path = "support/ceph.rs"]
-mod ceph_common;
-mod common;
-mod driver_common;
-#[path = "support/nbd.rs"]
-mod nbd_common;
-
-use agent_common::Node;
-use ceph_common::{Image, ceph_dir, rbd, volagent_key, watchers};
-use driver_common::{assert_failure, assert_success, rbd_options};
-use nbd_common::{clients_under, read_back, servers_under, wait_until};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use volagent_test_support::agent::Node;
+use volagent_test_support::ceph::{Image, ceph_dir, rbd, volagent_key, watchers};
+use volagent_test_support::driver::{assert_failure, assert_success, rbd_options};
+use volagent_test_support::nbd::{NBD_WAIT, clients_under, read_back, servers_under};
+use volagent_test_support::wait_until;
+use volagent_test_support::{agent, driver};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 fn rbd_node() -> Node {
-    Node::start_with(&[(volagent_test_artifacts::RBD, "rbd")])
+    Node::start_with(VOLAGENT, &[(volagent_test_artifacts::RBD, "rbd")])
 }
 
 fn driver(node: &Node, name: &str, args: &[&str]) -> (i32, Value) {
-    driver_common::run_driver(Command::new(node.driver_of(name, "rbd")).args(args))
+    driver::run_driver(Command::new(node.driver_of(name, "rbd")).args(args))
 }
 
 fn state(node: &Node, name: &str) -> PathBuf {
@@ -51,7 +47,7 @@ fn assert_nothing_left(node: &Node, image: &Image) {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     let st = state(node, "node-a");
-    wait_until("the NBD client and helper to end", || {
+    wait_until(NBD_WAIT, "the NBD client and helper to end", || {
         clients_under(&st).is_empty() && servers_under(&st).is_empty()
     });
     assert!(nbd_files(node, "node-a").is_empty(), "{:?}", nbd_files(node, "node-a"));
@@ -203,7 +199,7 @@ fn an_exclusive_mount_is_denied_while_a_client_volagent_does_not_know_writes_to_
     let image = Image::create(&dir, 64);
     // A writer outside volagent's view: a librbd client on the image.
     let socket = node.scratch.path("outsider.sock");
-    let mut outsider = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let mut outsider = Command::new(VOLAGENT)
         .args(["nbd", "serve", "--unix"])
         .arg(&socket)
         .args(["--export-rbd", &format!("={}", image.spec())])
@@ -214,7 +210,7 @@ fn an_exclusive_mount_is_denied_while_a_client_volagent_does_not_know_writes_to_
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    wait_until("the outside client to open the image", || socket.exists());
+    wait_until(NBD_WAIT, "the outside client to open the image", || socket.exists());
     let outside = watchers(&image);
     assert_eq!(outside.len(), 1);
 
@@ -237,7 +233,7 @@ fn an_exclusive_mount_is_denied_while_a_client_volagent_does_not_know_writes_to_
     );
 
     // Once the other client is gone, the volume mounts.
-    agent_common::stop(&mut outsider);
+    agent::stop(&mut outsider);
     assert_success(&driver(
         &node,
         "node-a",

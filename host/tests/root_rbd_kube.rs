@@ -11,34 +11,40 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/agent.rs"]
-mod agent_common;
-#[path = "support/api_cluster.rs"]
-mod api_cluster;
-#[path = "support/ceph.rs"]
-mod ceph_common;
-mod common;
-mod driver_common;
-mod kube_common;
-#[path = "support/nbd.rs"]
-mod nbd_common;
-#[path = "support/shipped.rs"]
-mod shipped;
-
-use api_cluster::Cluster;
 use base64::Engine;
-use ceph_common::{Image, ceph_dir, volagent_key, watchers};
-use driver_common::{assert_success, kubelet_options, run_driver};
 use kube::api::Api;
-use nbd_common::{clients_under, servers_under, wait_until};
 use serde_json::Value;
 use std::io::Write;
 use std::process::Command;
 use volagent::kube::crds::Attachment;
+use volagent_test_support::api_cluster::Cluster;
+use volagent_test_support::ceph::{Image, ceph_dir, volagent_key, watchers};
+use volagent_test_support::driver::{assert_success, kubelet_options, run_driver};
+use volagent_test_support::nbd::{NBD_WAIT, clients_under, servers_under};
+use volagent_test_support::wait_until;
+use volagent_test_support::{ceph, kube_objects, shipped};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 const RBD: (&str, &str) = (volagent_test_artifacts::RBD, "rbd");
 
-impl Cluster {
+/// What this tier's tests ask of the cluster beyond [`Cluster`]'s own.
+trait RbdCluster {
+    fn mount_with(
+        &self,
+        node: &str,
+        pod: &str,
+        volume: &str,
+        key: Option<&str>,
+    ) -> (String, (i32, Value));
+    fn create_storage_cluster(&self, name: &str, secret: &str);
+    fn create_fencing_secret(&self, name: &str);
+    fn csi_stage_and_publish(&self, node: &str, pv: &str, attrs: &[(&str, &str)]) -> String;
+    fn create_secret(&self, namespace: &str, name: &str, key: &str);
+}
+
+impl RbdCluster for Cluster {
     /// kubelet's mount of PV `volume` for a new pod `pod` on `node`, with
     /// the Secret's key as kubelet passes it, or none.
     fn mount_with(
@@ -101,7 +107,7 @@ impl Cluster {
         self.create_secret(
             shipped::CONTROLLER_NAMESPACE,
             &format!("{name}-fencing"),
-            &ceph_common::controller_key(&ceph_dir()),
+            &ceph::controller_key(&ceph_dir()),
         );
     }
 
@@ -192,11 +198,11 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     let dir = ceph_dir();
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
-    let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
+    let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[RBD]);
     c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
     // The controller's key is not there yet: it cannot fence.
     c.create_storage_cluster("ceph", "ceph-volagent");
-    c.rt.block_on(kube_common::create_pv(
+    c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-rbd",
         "rbd",
@@ -244,7 +250,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
 
     // node-b is deleted: node-a asks the controller to fence its client
     // before it takes over. While the controller cannot, it does not.
-    c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
+    c.rt.block_on(kube_objects::delete_node(&c.client(), "node-b"));
     // (Nor can the controller move node-b's records: it cannot fence its client.)
     let (failed_dir, r) = c.mount_with("node-a", "new-2", "pv-rbd", None);
     let said = r.1["message"].as_str().unwrap_or_default().to_string();
@@ -272,7 +278,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     assert_success(&r);
     assert!(blocklist(&dir).contains(&clients[0].address), "{}", blocklist(&dir));
     assert!(
-        !ceph_common::lockers(&image).contains(&clients[0].address),
+        !ceph::lockers(&image).contains(&clients[0].address),
         "the controller broke the fenced client's lock (node-a's user could not have)"
     );
     let rec = c.record("pv-rbd").expect("the volume\'s record").spec;
@@ -307,7 +313,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
         Command::new(c.scratch.path("node-a/vpd/volagent~rbd/rbd")).args(["unmount", &new]),
     ));
     let st = c.scratch.path("node-a/state");
-    wait_until("node-a's NBD client and helper to end", || {
+    wait_until(NBD_WAIT, "node-a's NBD client and helper to end", || {
         clients_under(&st).is_empty() && servers_under(&st).is_empty()
     });
 
@@ -345,7 +351,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     let dir = ceph_dir();
     let key = volagent_key(&dir);
     let (one, two) = (Image::create(&dir, 64), Image::create(&dir, 64));
-    let c = Cluster::start(&["node-a", "node-b"], &[RBD]);
+    let c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[RBD]);
     c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
     c.create_storage_cluster("ceph", "ceph-volagent");
     c.create_storage_cluster("ceph-unkeyed", "absent");
@@ -360,7 +366,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     for (pv, image, sc) in
         [("pv-sc-1", &one, "ceph"), ("pv-sc-2", &two, "ceph"), ("pv-unkeyed", &one, "ceph-unkeyed")]
     {
-        c.rt.block_on(kube_common::create_pv(
+        c.rt.block_on(kube_objects::create_pv(
             &c.client(),
             pv,
             "rbd",
@@ -413,7 +419,7 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     assert!(c.scratch.loops_left().is_empty(), "and their devices");
     for node in ["node-a", "node-b"] {
         let st = c.scratch.path(&format!("{node}/state"));
-        wait_until("the NBD clients and helpers to end", || {
+        wait_until(NBD_WAIT, "the NBD clients and helpers to end", || {
             clients_under(&st).is_empty() && servers_under(&st).is_empty()
         });
     }
@@ -440,11 +446,11 @@ fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records(
     let dir = ceph_dir();
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
-    let mut c = Cluster::start(&["node-a", "node-b"], &[RBD]);
+    let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[RBD]);
     c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
     c.create_storage_cluster("ceph", "ceph-volagent");
     c.create_fencing_secret("ceph");
-    c.rt.block_on(kube_common::create_pv(
+    c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-gone",
         "rbd",
@@ -458,7 +464,7 @@ fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records(
     assert_eq!(client.node, "node-b");
 
     c.kill_agent("node-b");
-    c.rt.block_on(kube_common::delete_node(&c.client(), "node-b"));
+    c.rt.block_on(kube_objects::delete_node(&c.client(), "node-b"));
     let cleanups: Api<volagent::kube::crds::NodeCleanup> = Api::all(c.client());
     c.wait("node-b's records to move", || {
         c.rt.block_on(cleanups.get_opt("node-b"))

@@ -3,17 +3,20 @@
 //! backend down; a backend with attached volumes is not removed under them;
 //! bursts of file events are coalesced. Needs root (mounts).
 
-mod common;
-mod driver_common;
-
-use common::RootScratch;
-use driver_common::{assert_success, kubelet_options, run_driver};
 use serde_json::Value;
 use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
+use volagent_test_support::agent::{AgentBuilder, kill};
+use volagent_test_support::driver::{assert_success, kubelet_options, run_driver};
+use volagent_test_support::scratch::RootScratch;
+use volagent_test_support::wait_until;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
+/// How long the agent and each reload may take.
+const WAIT: Duration = Duration::from_secs(30);
 
 struct Node {
     agent: Child,
@@ -23,8 +26,7 @@ struct Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = self.agent.kill();
-        let _ = self.agent.wait();
+        kill(&mut self.agent);
     }
 }
 
@@ -41,48 +43,25 @@ impl Node {
         std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm"))
             .expect("plugin");
         let metrics = free_port();
-        let agent = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["agent", "--node-name", "node-a"])
-            .arg("--runtime-dir")
-            .arg(scratch.path("run"))
-            .arg("--state-dir")
-            .arg(scratch.path("state"))
-            .arg("--plugin-dir")
-            .arg(scratch.path("plugins"))
-            .arg("--kubelet-root")
-            .arg(scratch.path("kubelet"))
-            .arg("--discovery-dir")
-            .arg(scratch.path("disks"))
-            .arg("--volume-plugin-dir")
-            .arg(scratch.path("vpd"))
-            .arg("--flex-driver")
-            .arg(volagent_test_artifacts::FLEX_DRIVER)
-            .arg("--metrics-addr")
-            .arg(metrics.to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the agent");
-        let node = Node { agent, metrics, scratch };
-        node.wait("the socket", || UnixStream::connect(node.socket()).is_ok());
-        node
+        let agent = AgentBuilder::new(VOLAGENT, "node-a")
+            .under(&scratch.path(""))
+            .args(["--metrics-addr", &metrics.to_string()])
+            .within(WAIT)
+            .spawn();
+        Node { agent, metrics, scratch }
     }
 
     fn socket(&self) -> PathBuf {
         self.scratch.path("run/agent.sock")
     }
 
-    fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
-        let start = Instant::now();
-        while !done() {
-            assert!(start.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    fn wait(&self, what: &str, done: impl FnMut() -> bool) {
+        wait_until(WAIT, what, done);
     }
 
     /// `volagent plugin status --json`: (exit code, answer).
     fn status(&self) -> (i32, Value) {
-        let out = Command::new(env!("CARGO_BIN_EXE_volagent"))
+        let out = Command::new(VOLAGENT)
             .args(["plugin", "status", "--json", "--socket"])
             .arg(self.socket())
             .output()

@@ -2,20 +2,18 @@
 //! agent holding volumes mounted through the installed driver, and the
 //! agent's one JSON log line per mount and unmount. Needs root.
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-
-use agent_common::Node;
-use driver_common::{assert_failure, assert_success, kubelet_options};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// A node whose agent logs JSON (at info, whatever the caller's RUST_LOG).
 fn json_logging_node() -> Node {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.stop_agent();
     std::fs::write(node.log_path("node-a"), b"").expect("empty the first agent's log");
     node.spawn_agent_env("node-a", &[("RUST_LOG", "info".to_string())], &["--log-format", "json"]);
@@ -24,7 +22,7 @@ fn json_logging_node() -> Node {
 
 /// `volagent status [more] --socket <socket>`: (exit code, stdout, stderr).
 fn status(socket: &Path, more: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_volagent"))
+    let out = Command::new(VOLAGENT)
         .arg("status")
         .args(more)
         .arg("--socket")
@@ -264,7 +262,7 @@ fn status_lists_the_held_volumes_and_their_pods_and_every_operation_is_one_log_l
 fn status_without_an_agent_fails_naming_the_socket() {
     // A stopped agent (its socket removed), and a socket file nobody
     // listens on.
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.stop_agent();
     let stale = node.scratch.path("stale.sock");
     drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));

@@ -5,18 +5,16 @@
 //! file descriptor exhaustion, RAID members, damaged state and foreign loop
 //! devices. Every refusal must be clear and change nothing. Needs root.
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-
-use agent_common::Node;
-use driver_common::{assert_failure, assert_success, kubelet_options, run_driver};
 use serde_json::Value;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
+use volagent_test_support::agent::Node;
+use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options, run_driver};
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// The options of pod `pod` (uid `uid-<pod>`) mounting `volume` from `path`.
 fn options(volume: &str, pod: &str, path: &str) -> Value {
@@ -70,7 +68,7 @@ fn nothing_mounted(node: &Node) {
 /// attached.
 #[test]
 fn symlinks_in_a_discovery_dir_are_never_followed() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let outside = node.scratch.path("outside");
     std::fs::create_dir_all(&outside).expect("dir");
     std::fs::write(outside.join("secret"), b"the host's").expect("write");
@@ -131,7 +129,7 @@ fn symlinks_in_a_discovery_dir_are_never_followed() {
 #[test]
 fn a_symlink_swapped_during_mounts_never_leads_outside() {
     use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let disks = node.scratch.path("disks");
     let outside = node.scratch.path("outside");
     std::fs::create_dir_all(outside.join("dir")).expect("dir");
@@ -244,7 +242,7 @@ fn a_symlink_swapped_during_mounts_never_leads_outside() {
 /// volume name over the same file does not get its mounted filesystem.
 #[test]
 fn a_second_pod_cannot_take_a_volume_by_naming_it() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("a.img", 64);
     let a = node.mount_dir("uid-a", "pv1");
     assert_success(&node.mount(&a, &options("pv1", "a", &image)));
@@ -284,7 +282,7 @@ fn a_second_pod_cannot_take_a_volume_by_naming_it() {
 /// A discovery dir is never a volume, however it is spelled.
 #[test]
 fn a_discovery_dir_is_never_a_volume() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let disks = node.scratch.path("disks");
     std::fs::create_dir_all(disks.join("vol")).expect("dir");
     let dir = node.mount_dir("uid-a", "pv1");
@@ -327,7 +325,7 @@ fn hung_fuse(at: &Path) -> std::fs::File {
 /// on serving, and the stuck lookup ends when the mount is aborted.
 #[test]
 fn host_queries_on_a_fifo_or_a_hung_fuse_mount_fail_in_time() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let disks = node.scratch.path("disks");
     nix::unistd::mkfifo(&disks.join("fifo.img"), nix::sys::stat::Mode::from_bits_truncate(0o600))
         .expect("mkfifo");
@@ -378,7 +376,7 @@ fn host_queries_on_a_fifo_or_a_hung_fuse_mount_fail_in_time() {
 /// (kubelet gets one JSON object), and the agent serves on.
 #[test]
 fn a_two_mib_error_from_a_guest_still_gets_a_reply() {
-    let node = Node::start_with(&[(volagent_test_artifacts::MISBEHAVE, "misbehave")]);
+    let node = Node::start_with(VOLAGENT, &[(volagent_test_artifacts::MISBEHAVE, "misbehave")]);
     let dir = node.mount_dir_of("node-a", "misbehave", "uid-a", "huge-error");
     let opts = kubelet_options("huge-error", "a", "uid-a", "ext4", "/x");
     let r = run_driver(Command::new(node.driver_of("node-a", "misbehave")).args([
@@ -408,7 +406,7 @@ fn a_two_mib_error_from_a_guest_still_gets_a_reply() {
 #[test]
 fn both_listeners_survive_running_out_of_file_descriptors() {
     use std::io::{Read, Write};
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     node.stop_agent();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .expect("a free port")
@@ -469,7 +467,7 @@ fn both_listeners_survive_running_out_of_file_descriptors() {
 /// A read-only pod keeps `ro,nosuid,nodev`; a read-write one `nosuid,nodev`.
 #[test]
 fn binds_keep_their_safety_flags() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("a.img", 64);
     let (rw, ro) = (node.mount_dir("uid-rw", "pv1"), node.mount_dir("uid-ro", "pv1"));
     assert_success(&node.mount(&rw, &options("pv1", "rw", &image)));
@@ -527,7 +525,7 @@ fn write_md_1_0_superblock(image: &Path) {
 /// at the end says what it is.
 #[test]
 fn an_md_1_0_member_is_not_formatted_or_mounted() {
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let blank = node.image("blank-member.img", 64);
     write_md_1_0_superblock(Path::new(&blank));
     let ext4 = node.image("ext4-member.img", 64);
@@ -554,7 +552,7 @@ fn an_md_1_0_member_is_not_formatted_or_mounted() {
 /// A stash lost altogether strands no pod either.
 #[test]
 fn damaged_or_lost_stash_entries_strand_no_pod() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     let (one, two) = (node.image("one.img", 64), node.image("two.img", 64));
     let (a, b) = (node.mount_dir("uid-a", "pv1"), node.mount_dir("uid-b", "pv2"));
     assert_success(&node.mount(&a, &options("pv1", "a", &one)));
@@ -585,7 +583,7 @@ fn damaged_or_lost_stash_entries_strand_no_pod() {
 /// dir, mounted nowhere — is left alone by the start-up sweep.
 #[test]
 fn a_foreign_loop_device_is_kept() {
-    let mut node = Node::start();
+    let mut node = Node::start(VOLAGENT);
     let image = node.image("admin.img", 16);
     let dev = String::from_utf8(
         Command::new("losetup").args(["-f", "--show", &image]).output().expect("losetup").stdout,
@@ -604,7 +602,7 @@ fn a_foreign_loop_device_is_kept() {
 #[test]
 fn a_volume_whose_file_has_a_loop_device_is_mounted_from_that_device() {
     use std::os::unix::fs::MetadataExt;
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let image = node.image("shared.img", 64);
     let out = Command::new("losetup").args(["-f", "--show"]).arg(&image).output().expect("losetup");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -635,7 +633,7 @@ fn a_volume_whose_file_has_a_loop_device_is_mounted_from_that_device() {
 #[test]
 fn loop_devices_by_status_are_the_full_listing_without_paths() {
     use volagent::sys::{Devices, LoopStatus};
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let images = [node.image("s1.img", 4), node.image("s2.img", 4)];
     let devices: Vec<PathBuf> = images
         .iter()
@@ -677,7 +675,7 @@ fn loop_devices_by_status_are_the_full_listing_without_paths() {
 #[test]
 fn a_root_mounted_over_after_start_up_is_acted_on_as_it_is_now() {
     use nix::mount::{MsFlags, mount};
-    let node = Node::start();
+    let node = Node::start(VOLAGENT);
     let root = node.scratch.path("node-a/kubelet");
     mount(Some(&root), &root, None::<&str>, MsFlags::MS_BIND, None::<&str>)
         .expect("bind the kubelet root onto itself");

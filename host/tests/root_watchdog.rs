@@ -5,13 +5,12 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::RootScratch;
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use volagent_test_support::scratch::RootScratch;
+use volagent_test_support::wait_until;
 
 #[test]
 fn a_read_hung_on_a_stopped_nbd_server_is_failed_by_the_watchdog() {
@@ -26,10 +25,7 @@ fn a_read_hung_on_a_stopped_nbd_server_is_failed_by_the_watchdog() {
         .spawn()
         .unwrap();
     let start = Instant::now();
-    while !socket.exists() {
-        assert!(start.elapsed() < Duration::from_secs(10), "qemu-nbd did not listen");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(Duration::from_secs(10), "qemu-nbd to listen", || socket.exists());
     let dir = scratch.path("fuse");
     std::fs::create_dir_all(&dir).unwrap();
     let pid_file = scratch.path("nbdfuse.pid");
@@ -40,10 +36,10 @@ fn a_read_hung_on_a_stopped_nbd_server_is_failed_by_the_watchdog() {
         .arg(format!("nbd+unix:///?socket={}", socket.display()))
         .spawn()
         .unwrap();
-    while !pid_file.exists() {
-        assert!(start.elapsed() < Duration::from_secs(10), "nbdfuse did not serve");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // Both within the same 10 s.
+    wait_until(Duration::from_secs(10).saturating_sub(start.elapsed()), "nbdfuse to serve", || {
+        pid_file.exists()
+    });
     // The server stops answering: a read through the client hangs.
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(server.id() as i32),

@@ -1,6 +1,6 @@
 //! rbd volumes through the kernel's rbd driver (krbd), which this machine's
 //! kernel lacks. The tests in `in_the_vm` run inside the VM tier's VM
-//! (support/vm.rs), whose Debian kernel has rbd: the prelude starts a
+//! (volagent_test_support::vm), whose Debian kernel has rbd: the prelude starts a
 //! single-node Ceph inside the VM (scripts/ceph-env, copied beside the VM's
 //! run script — the kernel client must reach the monitor and OSD at the
 //! addresses the cluster's maps give, 127.0.0.1, which outside the VM
@@ -15,14 +15,10 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/agent.rs"]
-mod agent_common;
-#[path = "support/ceph.rs"]
-mod ceph_common;
-mod common;
-mod driver_common;
-#[path = "support/vm.rs"]
-mod vm;
+use volagent_test_support::vm;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// The inner tests, by name (each runs in its own process in the VM).
 const IN_THE_VM: &[&str] = &[
@@ -62,12 +58,12 @@ fn the_kernel_rbd_path_works_in_a_vm_whose_kernel_has_rbd() {
 }
 
 mod in_the_vm {
-    use super::agent_common::Node;
-    use super::ceph_common::{Image, ceph_dir, rbd, volagent_key, watchers};
-    use super::driver_common::{assert_success, rbd_options, run_driver};
     use serde_json::Value;
     use std::path::Path;
     use std::process::Command;
+    use volagent_test_support::agent::Node;
+    use volagent_test_support::ceph::{Image, ceph_dir, rbd, volagent_key, watchers};
+    use volagent_test_support::driver::{assert_success, rbd_options, run_driver};
 
     const WHY: &str = "needs the kernel's rbd driver: runs inside the VM (the_kernel_rbd_path_works_in_a_vm_whose_kernel_has_rbd)";
     const BUS: &str = "/sys/bus/rbd";
@@ -88,8 +84,10 @@ mod in_the_vm {
 
     fn node() -> VmNode {
         assert!(Path::new(BUS).join("add_single_major").exists(), "{WHY}");
-        let mut node =
-            VmNode::new(Node::start_with(&[(volagent_test_artifacts::RBD, "rbd")]), release);
+        let mut node = VmNode::new(
+            Node::start_with(super::VOLAGENT, &[(volagent_test_artifacts::RBD, "rbd")]),
+            release,
+        );
         spawn(&mut node, None);
         node
     }

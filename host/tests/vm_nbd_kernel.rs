@@ -11,14 +11,10 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "support/agent.rs"]
-mod agent_common;
-mod common;
-mod driver_common;
-#[path = "support/nbd.rs"]
-mod nbd_common;
-#[path = "support/vm.rs"]
-mod vm;
+use volagent_test_support::vm;
+
+/// The agent's binary, as cargo built it for this tier.
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
 /// The inner tests, by name (each runs in its own process in the VM).
 const IN_THE_VM: &[&str] = &[
@@ -44,12 +40,13 @@ fn the_kernel_attach_path_works_in_a_vm_whose_kernel_has_nbd() {
 }
 
 mod in_the_vm {
-    use super::agent_common::Node;
-    use super::driver_common::{assert_failure, assert_success};
-    use super::nbd_common::*;
     use serde_json::Value;
     use std::path::{Path, PathBuf};
     use std::time::{Duration, Instant};
+    use volagent_test_support::agent::Node;
+    use volagent_test_support::driver::{assert_failure, assert_success};
+    use volagent_test_support::nbd::*;
+    use volagent_test_support::wait_until;
 
     const WHY: &str = "needs the kernel's nbd driver: runs inside the VM (the_kernel_attach_path_works_in_a_vm_whose_kernel_has_nbd)";
 
@@ -70,7 +67,7 @@ mod in_the_vm {
     /// The node for a test: the kernel must have nbd, or the test fails.
     fn node() -> VmNode {
         assert!(Path::new("/sys/module/nbd").exists() && Path::new("/dev/nbd0").exists(), "{WHY}");
-        VmNode::new(nbd_node(), release)
+        VmNode::new(nbd_node(super::VOLAGENT), release)
     }
 
     /// The driver's options for an export, the attach path left to the
@@ -179,7 +176,7 @@ mod in_the_vm {
         assert_eq!(std::fs::read(format!("{dir}/during")).unwrap(), b"agent down");
         assert_success(&driver(&node, &["unmount", &dir]));
         assert!(!connected(&device));
-        wait_until("the helper server to end", || servers_under(&state).is_empty());
+        wait_until(NBD_WAIT, "the helper server to end", || servers_under(&state).is_empty());
         assert!(node.scratch.mounts().is_empty());
         assert!(
             left_in(&state.join("nbd")).is_empty(),

@@ -17,16 +17,16 @@
 //! they left running (shims, containers), then every mount below the
 //! scratch dir and the node paths, and the loop devices over the test's
 //! image files.
-#![allow(dead_code)]
 
-use crate::common::RootScratch;
 use crate::kubelet_cluster::{events_about, tail, tail_matching};
+use crate::scratch::RootScratch;
+use crate::wait::{Deadline, wait_until_or};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent_kube_env::node::{
     self, Containerd, ControllerManager, Kubelet, Layout, NodeAssets, Scheduler,
 };
@@ -146,8 +146,7 @@ impl DsCluster {
     /// `kubectl apply -k` of an overlay whose base is `deploy/` and which
     /// only renames the image, as a user with their own registry would.
     fn apply_deploy(&self) {
-        let deploy =
-            std::fs::canonicalize(crate::common::workspace().join("deploy")).expect("deploy/");
+        let deploy = std::fs::canonicalize(crate::workspace().join("deploy")).expect("deploy/");
         let base = std::fs::read_to_string(deploy.join("kustomization.yaml"))
             .expect("deploy/kustomization.yaml");
         // The base already renames `volagent`; the overlay renames its result.
@@ -250,17 +249,9 @@ impl DsCluster {
 
     /// Polls `check` until it gives a value; on timeout fails with what the
     /// pods, their Events and the node's logs say.
-    pub fn wait<T>(&self, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-        let start = Instant::now();
-        loop {
-            if let Some(v) = check() {
-                return v;
-            }
-            if start.elapsed() > WAIT {
-                panic!("not {what} after {WAIT:?}\n{}", self.diagnose());
-            }
-            std::thread::sleep(Duration::from_millis(250));
-        }
+    pub fn wait<T>(&self, what: &str, check: impl FnMut() -> Option<T>) -> T {
+        let deadline = Deadline::within(WAIT).polling(Duration::from_millis(250));
+        wait_until_or(deadline, what, check, || self.diagnose())
     }
 
     /// The state of every pod, their Events and the logs' tails.

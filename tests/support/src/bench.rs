@@ -1,6 +1,5 @@
 //! What the benchmarks share: settings from the environment, commands that
 //! must succeed, medians.
-#![allow(dead_code)]
 
 use std::process::Command;
 

@@ -4,19 +4,23 @@
 //! ([`crate::shipped`]): `deploy/`'s RBAC and admission webhook, the
 //! controller as its ServiceAccount, each agent on a token of the agents'
 //! ServiceAccount bound to a pod on its node. The API-server tier's tests
-//! add what their backend needs in `impl Cluster` blocks of their own.
-#![allow(dead_code)]
+//! add what their backend needs as extension traits of their own (the type
+//! is foreign to them).
 
-use crate::common::RootScratch;
+use crate::agent::{AgentBuilder, kill};
+use crate::scratch::RootScratch;
 use crate::shipped;
+use crate::wait::{Deadline, wait_until};
 use kube::api::Api;
-use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent::kube::crds::Attachment;
 use volagent_kube_env::KubeEnv;
 
 pub struct Cluster {
+    /// The agent's (and controller's) binary.
+    pub bin: PathBuf,
     // Dropped in this order: agents, then the API server, then the scratch
     // dir (unmounting and detaching what is left).
     pub agents: Vec<(String, Child)>,
@@ -37,21 +41,22 @@ pub struct Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         for (_, mut c) in self.agents.drain(..) {
-            let _ = c.kill();
-            let _ = c.wait();
+            kill(&mut c);
         }
     }
 }
 
 impl Cluster {
     /// The API server with the CRDs, `nodes` Ready, and an agent on each
-    /// serving the guests `plugins` (file, backend name).
-    pub fn start(nodes: &[&str], plugins: &[(&str, &str)]) -> Cluster {
-        Cluster::start_with(nodes, plugins, &[])
+    /// serving the guests `plugins` (file, backend name); agents and the
+    /// controller run from `bin`.
+    pub fn start(bin: &str, nodes: &[&str], plugins: &[(&str, &str)]) -> Cluster {
+        Cluster::start_with(bin, nodes, plugins, &[])
     }
 
     /// [`Self::start`], the controller started with `controller_args` too.
     pub fn start_with(
+        bin: &str,
         nodes: &[&str],
         plugins: &[(&str, &str)],
         controller_args: &[&str],
@@ -71,7 +76,7 @@ impl Cluster {
         rt.block_on(shipped::install(&client, &shipped::webhook_url(webhook_port)))
             .expect("deploy/'s RBAC and webhook");
         for n in nodes {
-            rt.block_on(crate::kube_common::create_node(&client, n, true));
+            rt.block_on(crate::kube_objects::create_node(&client, n, true));
         }
         std::fs::create_dir_all(scratch.path("plugins")).expect("dir");
         std::fs::create_dir_all(scratch.path("disks")).expect("dir");
@@ -79,6 +84,7 @@ impl Cluster {
             std::fs::copy(file, scratch.path(&format!("plugins/{name}.wasm"))).expect("plugin");
         }
         let mut c = Cluster {
+            bin: bin.into(),
             agents: Vec::new(),
             env,
             rt,
@@ -132,13 +138,6 @@ impl Cluster {
 
     /// [`spawn_agent_with`](Self::spawn_agent_with) with `env` set (test hooks).
     pub fn spawn_agent_env(&mut self, node: &str, extra: &[&str], env: &[(&str, &str)]) {
-        let at = |p: &str| self.scratch.path(&format!("{node}/{p}"));
-        let socket = at("run/agent.sock");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.scratch.path(&format!("{node}.log")))
-            .expect("agent log");
         let kubeconfig = self.scratch.path(&format!("{node}.kubeconfig"));
         {
             let _in_runtime = self.rt.enter();
@@ -152,46 +151,21 @@ impl Cluster {
             std::fs::write(&kubeconfig, text.replace(self.env.url(), server))
                 .expect("the agent's kubeconfig");
         }
-        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["agent", "--node-name", node])
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .arg("--runtime-dir")
-            .arg(at("run"))
-            .arg("--state-dir")
-            .arg(at("state"))
-            .arg("--plugin-dir")
-            .arg(self.scratch.path("plugins"))
-            .arg("--kubelet-root")
-            .arg(at("kubelet"))
-            .arg("--discovery-dir")
-            .arg(self.scratch.path("disks"))
-            .arg("--volume-plugin-dir")
-            .arg(at("vpd"))
-            .arg("--flex-driver")
-            .arg(volagent_test_artifacts::FLEX_DRIVER)
+        let agent = env
+            .iter()
+            .fold(AgentBuilder::new(&self.bin, node), |a, (k, v)| a.env(k, v))
+            .under(&self.scratch.path(node))
+            .kubeconfig(kubeconfig)
+            .plugin_dir(self.scratch.path("plugins"))
+            .discovery_dir(self.scratch.path("disks"))
             .args(extra)
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start the agent");
-        self.agents.push((node.to_string(), child));
-        let start = Instant::now();
-        while UnixStream::connect(&socket).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "the agent of {node} did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            .log(self.scratch.path(&format!("{node}.log")));
+        self.agents.push((node.to_string(), agent.spawn()));
     }
 
     pub fn kill_agent(&mut self, node: &str) {
         if let Some(i) = self.agents.iter().position(|(n, _)| n == node) {
-            let (_, mut c) = self.agents.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
+            kill(&mut self.agents.remove(i).1);
         }
     }
 
@@ -210,7 +184,7 @@ impl Cluster {
             .append(true)
             .open(self.scratch.path("controller.log"))
             .expect("controller log");
-        let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+        let child = Command::new(&self.bin)
             .args(shipped::controller_args(&kubeconfig, self.webhook_port))
             .args(["--scan-interval", "1h", "--cluster-interval", "1s", "--local-interval", "2s"])
             .args(&self.controller_args)
@@ -236,12 +210,11 @@ impl Cluster {
             .expect("the admission webhook");
     }
 
-    pub fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
-        let start = Instant::now();
-        while !done() {
-            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+    /// Waits up to a minute, asking every 100 ms (the API server, mostly).
+    pub fn wait(&self, what: &str, done: impl FnMut() -> bool) {
+        let deadline =
+            Deadline::within(Duration::from_secs(60)).polling(Duration::from_millis(100));
+        wait_until(deadline, what, done);
     }
 
     /// The UID of pod `pod` that uses the claim of PV `volume`, made on
@@ -251,7 +224,7 @@ impl Cluster {
             return uid.clone();
         }
         let uid =
-            self.rt.block_on(crate::kube_common::create_pod(&self.client(), pod, &[volume], &[]));
+            self.rt.block_on(crate::kube_objects::create_pod(&self.client(), pod, &[volume], &[]));
         self.pods.lock().expect("pods").insert(pod.to_string(), uid.clone());
         uid
     }

@@ -10,17 +10,18 @@
 //! Teardown, also after a failed assertion: agents, kubelets, containerds
 //! and the control plane are killed, then everything they left running
 //! (shims, containers), then the scratch dir's mounts and loop devices go.
-#![allow(dead_code)]
 
-use crate::common::RootScratch;
+use crate::agent::{AgentBuilder, kill};
+use crate::scratch::RootScratch;
 use crate::shipped;
+use crate::wait::{Deadline, wait_until, wait_until_or};
 use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use volagent::kube::crds::Attachment;
 use volagent_kube_env::node::{self, Containerd, ControllerManager, Kubelet, NodeAssets};
 use volagent_kube_env::{KubeEnv, Namespaces};
@@ -58,6 +59,8 @@ impl NodeBox {
 }
 
 pub struct Cluster {
+    /// The agent's (and controller's) binary.
+    pub bin: PathBuf,
     pub nodes: Vec<NodeBox>,
     pub kcm: Option<ControllerManager>,
     pub env: Option<KubeEnv>,
@@ -78,13 +81,15 @@ pub type NodeSpec<'a> = (&'a str, &'a [&'a str]);
 impl Cluster {
     /// Starts the control plane and `nodes`, each agent serving the
     /// backends in `backends` (file, name), and waits until every node is
-    /// Ready and every agent answers.
-    pub fn start(nodes: &[NodeSpec], backends: &[(&str, &str)]) -> Cluster {
-        Cluster::start_with(nodes, backends, &[])
+    /// Ready and every agent answers; agents and the controller run from
+    /// `bin`.
+    pub fn start(bin: &str, nodes: &[NodeSpec], backends: &[(&str, &str)]) -> Cluster {
+        Cluster::start_with(bin, nodes, backends, &[])
     }
 
     /// [`Self::start`], the controller started with `controller_args` too.
     pub fn start_with(
+        bin: &str,
         nodes: &[NodeSpec],
         backends: &[(&str, &str)],
         controller_args: &[&str],
@@ -104,6 +109,7 @@ impl Cluster {
         std::fs::create_dir_all(scratch.path("disks")).expect("dir");
         let webhook_port = volagent_kube_env::free_ports(1).expect("a free port")[0];
         let mut c = Cluster {
+            bin: bin.into(),
             nodes: Vec::new(),
             kcm: Some(kcm),
             env: Some(env),
@@ -185,7 +191,7 @@ impl Cluster {
                 .block_on(shipped::controller_kubeconfig(self.env(), &kubeconfig))
                 .expect("the controller's kubeconfig");
         }
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
+        let mut cmd = Command::new(&self.bin);
         cmd.args(shipped::controller_args(&kubeconfig, self.webhook_port))
             .args(["--local-interval", "2s"])
             .args(&self.controller_args);
@@ -216,8 +222,6 @@ impl Cluster {
     /// Starts `node`'s agent (its extra arguments, then `env`) and waits
     /// until its socket answers.
     pub fn start_agent(&mut self, name: &str, env: &[(&str, &str)]) {
-        let env_vars: Vec<(String, String)> =
-            env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let kubeconfig = self.scratch.path(&format!("{name}.kubeconfig"));
         {
             let _in_runtime = self.rt.enter();
@@ -225,41 +229,22 @@ impl Cluster {
                 .block_on(shipped::agent_kubeconfig(self.env(), name, node::IMAGE, &kubeconfig))
                 .expect("the agent's kubeconfig");
         }
-        let (disks, ns) = (self.scratch.path("disks"), self.ns.clone());
+        let (disks, ns, bin) = (self.scratch.path("disks"), self.ns.clone(), self.bin.clone());
         let n = self.node_mut(name);
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
-        cmd.args(["--log-format", "json", "agent", "--node-name", name])
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .arg("--runtime-dir")
-            .arg(n.dir.join("run"))
-            .arg("--state-dir")
-            .arg(n.dir.join("state"))
-            .arg("--plugin-dir")
-            .arg(n.plugin_dir())
-            .arg("--kubelet-root")
-            .arg(n.kubelet_root())
-            .arg("--discovery-dir")
-            .arg(&disks)
-            .arg("--volume-plugin-dir")
-            .arg(n.dir.join("volume-plugins"))
-            .arg("--flex-driver")
-            .arg(volagent_test_artifacts::FLEX_DRIVER)
+        let agent = env
+            .iter()
+            .fold(AgentBuilder::new(bin, name), |a, (k, v)| a.env(k, v))
+            .json_log()
+            .under(&n.dir)
+            .kubeconfig(kubeconfig)
+            .discovery_dir(disks)
+            .volume_plugin_dir(n.dir.join("volume-plugins"))
             .args(&n.agent_args)
-            .envs(env_vars);
-        let child = volagent_kube_env::spawn_in(cmd, &n.agent_log(), true, Some(&ns))
+            .log(n.agent_log());
+        let child = volagent_kube_env::spawn_in(agent.command(), &n.agent_log(), true, Some(&ns))
             .expect("start the agent");
         n.agent = Some(child);
-        let socket = n.socket();
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "the agent of {name} did not come up\n{}",
-                tail(&self.node(name).agent_log())
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        agent.wait_ready();
     }
 
     /// The agent arguments `name`'s agent starts with from now on.
@@ -270,24 +255,22 @@ impl Cluster {
     /// Kills `node`'s agent with SIGKILL.
     pub fn kill_agent(&mut self, name: &str) {
         if let Some(mut child) = self.node_mut(name).agent.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+            kill(&mut child);
         }
     }
 
     /// Waits until the agent of `name` has exited by itself.
     pub fn wait_agent_exit(&mut self, name: &str, within: Duration) {
-        let start = Instant::now();
-        loop {
+        let deadline = Deadline::within(within).polling(Duration::from_millis(50));
+        wait_until(deadline, &format!("the agent of {name} to exit"), || {
             let n = self.node_mut(name);
             let child = n.agent.as_mut().expect("the agent was started");
-            if child.try_wait().expect("agent status").is_some() {
+            let exited = child.try_wait().expect("agent status").is_some();
+            if exited {
                 n.agent = None;
-                return;
             }
-            assert!(start.elapsed() < within, "the agent of {name} did not exit");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            exited
+        });
     }
 
     /// The node's machine stops: kubelet, agent, containerd and every
@@ -334,20 +317,15 @@ impl Cluster {
         what: &str,
         mut done: impl FnMut(Option<&Pod>) -> bool,
     ) -> Option<Pod> {
-        let start = Instant::now();
-        loop {
-            let pod = self.pod(name);
-            if done(pod.as_ref()) {
-                return pod;
-            }
-            if start.elapsed() > POD_WAIT {
-                panic!(
-                    "pod {name} not {what} after {POD_WAIT:?}\n{}",
-                    self.diagnose(name, pod.as_ref())
-                );
-            }
-            std::thread::sleep(Duration::from_millis(250));
-        }
+        wait_until_or(
+            Deadline::within(POD_WAIT).polling(Duration::from_millis(250)),
+            &format!("pod {name} to be {what}"),
+            || {
+                let pod = self.pod(name);
+                done(pod.as_ref()).then_some(pod)
+            },
+            || self.diagnose(name, self.pod(name).as_ref()),
+        )
     }
 
     /// What the pod, its Events and the nodes' logs say, for a failure.
@@ -378,23 +356,17 @@ impl Cluster {
     /// Waits for an Event about pod `name` with `reason` whose message has
     /// every one of `words`; its message.
     pub fn wait_event(&self, name: &str, reason: &str, words: &[&str]) -> String {
-        let start = Instant::now();
-        loop {
-            if let Some((_, m)) = self
-                .events_of(name)
-                .into_iter()
-                .find(|(r, m)| r == reason && words.iter().all(|w| m.contains(w)))
-            {
-                return m;
-            }
-            if start.elapsed() > POD_WAIT {
-                panic!(
-                    "no {reason} Event about {name} saying {words:?}\n{}",
-                    self.diagnose(name, self.pod(name).as_ref())
-                );
-            }
-            std::thread::sleep(Duration::from_millis(250));
-        }
+        wait_until_or(
+            Deadline::within(POD_WAIT).polling(Duration::from_millis(250)),
+            &format!("a {reason} Event about {name} saying {words:?}"),
+            || {
+                self.events_of(name)
+                    .into_iter()
+                    .find(|(r, m)| r == reason && words.iter().all(|w| m.contains(w)))
+                    .map(|(_, m)| m)
+            },
+            || self.diagnose(name, self.pod(name).as_ref()),
+        )
     }
 
     /// The Attachment record of `volume`, if any.
@@ -496,7 +468,7 @@ impl Cluster {
 
     /// Runs `volagent status` against `node`'s agent; its stdout.
     pub fn status(&self, node: &str, json: bool) -> String {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_volagent"));
+        let mut cmd = Command::new(&self.bin);
         cmd.arg("status").arg("--socket").arg(self.node(node).socket());
         if json {
             cmd.arg("--json");
@@ -552,13 +524,11 @@ impl Drop for Cluster {
             self.keep_logs();
         }
         if let Some(mut c) = self.controller.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            kill(&mut c);
         }
         for n in &mut self.nodes {
             if let Some(mut a) = n.agent.take() {
-                let _ = a.kill();
-                let _ = a.wait();
+                kill(&mut a);
             }
             if let Some(k) = n.kubelet.take() {
                 k.stop();
@@ -814,17 +784,13 @@ fn create_pv_and_claim(
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
     rt.block_on(claims.create(&PostParams::default(), &claim)).expect("create PVC");
     // The PV controller binds them.
-    let start = Instant::now();
-    loop {
-        let c = rt.block_on(claims.get(&format!("{pv}-claim"))).expect("read PVC");
-        if c.status.and_then(|s| s.phase).as_deref() == Some("Bound") {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "claim of {pv} not Bound\n{}",
-            tail(kcm_log)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until_or(
+        Deadline::within(Duration::from_secs(60)).polling(Duration::from_millis(200)),
+        &format!("the claim of {pv} to be Bound"),
+        || {
+            let c = rt.block_on(claims.get(&format!("{pv}-claim"))).expect("read PVC");
+            c.status.and_then(|s| s.phase).as_deref() == Some("Bound")
+        },
+        || tail(kcm_log),
+    );
 }

@@ -1,6 +1,5 @@
 //! Calling the installed Flexvolume driver as kubelet does, and checking
 //! its one-JSON-object answers.
-#![allow(dead_code)]
 
 use serde_json::Value;
 use std::process::Command;

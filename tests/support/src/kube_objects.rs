@@ -1,33 +1,28 @@
 //! Shared by the tests against a real kube-apiserver: CRDs Established,
 //! Nodes and PVs as a cluster would have them.
-#![allow(dead_code)]
 
+use crate::wait::{Deadline, wait_until_async};
 use k8s_openapi::api::core::v1::{
     FlexPersistentVolumeSource, Node, NodeCondition, NodeSpec, NodeStatus, PersistentVolume,
     PersistentVolumeSpec, Taint,
 };
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// Wait until CRD `name` is Established.
+/// Wait until CRD `name` is Established (30 s at most).
 pub async fn wait_established(client: &kube::Client, name: &str) {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let start = Instant::now();
-    loop {
+    let deadline = Deadline::within(Duration::from_secs(30)).polling(Duration::from_millis(50));
+    wait_until_async(deadline, &format!("CRD {name} to be Established"), || async {
         let c = api.get(name).await.expect("get CRD");
-        let established = c
-            .status
+        c.status
             .and_then(|s| s.conditions)
             .unwrap_or_default()
             .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True");
-        if established {
-            return;
-        }
-        assert!(start.elapsed() < Duration::from_secs(30), "CRD {name} not Established");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+            .any(|c| c.type_ == "Established" && c.status == "True")
+    })
+    .await;
 }
 
 /// A Node object with the Ready condition set as given.

@@ -19,7 +19,7 @@ pub struct Kernel {
 }
 
 impl Kernel {
-    pub fn new(scratch: &crate::common::RootScratch, image: &Path) -> Kernel {
+    pub fn new(scratch: &crate::scratch::RootScratch, image: &Path) -> Kernel {
         let (staging, pod) = (scratch.path("kernel/staging"), scratch.path("kernel/pod"));
         std::fs::create_dir_all(&staging).expect("dir");
         std::fs::create_dir_all(&pod).expect("dir");
@@ -28,7 +28,7 @@ impl Kernel {
 
     /// The cycle of a CSI driver: the pod's dir is made and removed in it.
     #[allow(dead_code)] // not in mount_cycle: kubelet makes a Flexvolume's dir
-    pub fn csi(scratch: &crate::common::RootScratch, image: &Path) -> Kernel {
+    pub fn csi(scratch: &crate::scratch::RootScratch, image: &Path) -> Kernel {
         let kernel = Kernel { makes_pod_dir: true, ..Kernel::new(scratch, image) };
         std::fs::remove_dir(&kernel.pod).expect("the pod's dir is the cycle's");
         kernel

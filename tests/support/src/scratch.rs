@@ -1,69 +1,9 @@
-//! Shared helpers of the host's integration tests.
-#![allow(dead_code)]
+//! A root test's scratch world (a private mount namespace and a dir whose
+//! mounts, loop devices and helper processes go with it), and the seed of a
+//! chaos test's random choices.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
-use volagent::policy::*;
-
-pub fn runtime(deadline_ms: u64) -> Arc<Runtime> {
-    Runtime::new(Limits {
-        deadline: Duration::from_millis(deadline_ms),
-        memory_bytes: 32 << 20,
-        ..Default::default()
-    })
-    .expect("runtime")
-}
-
-pub fn load(runtime: &Arc<Runtime>, path: &str) -> Plugin {
-    Plugin::load_file(runtime, Path::new(path)).unwrap_or_else(|e| panic!("{e}"))
-}
-
-pub fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-pub fn volume(name: &str, backend: &str) -> Volume {
-    Volume {
-        name: name.into(),
-        backend: backend.into(),
-        access_mode: AccessMode::ReadWriteOnce,
-        fs_type: String::new(),
-        mode: volagent::policy::VolumeMode::Filesystem,
-        mount_flags: Vec::new(),
-        options: vec![],
-        secret_keys: vec![],
-    }
-}
-
-pub fn consumer(node: &str, pod: &str, backend: &str, volume: &str) -> Consumer {
-    Consumer {
-        node: node.into(),
-        pod_namespace: "default".into(),
-        pod: pod.into(),
-        pod_uid: format!("uid-{pod}"),
-        mount_dir: format!("/var/lib/kubelet/pods/uid-{pod}/volumes/volagent~{backend}/{volume}"),
-        read_only: false,
-        mount_group: None,
-    }
-}
-
-pub fn holder(c: &Consumer) -> Holder {
-    Holder { consumer: c.clone(), since: "2026-11-01T10:00:00Z".into() }
-}
-
-pub fn paths(backend: &str, volume: &str) -> NodePaths {
-    NodePaths {
-        kubelet_root: "/var/lib/kubelet".into(),
-        staging_dir: format!("/var/lib/kubelet/plugins/volagent/{backend}/mounts/{volume}"),
-        state_dir: format!("/var/lib/volagent/volumes/{volume}"),
-        discovery_dirs: vec!["/mnt/disks".into()],
-    }
-}
-
-pub fn facts() -> Arc<RecordedQueries> {
-    Arc::new(RecordedQueries::default())
-}
 
 /// A root test's world: a private mount namespace (mounts vanish with the
 /// test process and never reach the host) and a scratch dir. Loop devices

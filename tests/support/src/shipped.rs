@@ -5,12 +5,11 @@
 //! agent on a token of the agents' ServiceAccount bound to a pod on that
 //! node — as the DaemonSet's projected token is. The admin kubeconfig is
 //! for the test's own set-up only: a missing or excess grant fails a test.
-#![allow(dead_code)]
 
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Toleration};
 use kube::api::{Api, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::discovery::{Discovery, Scope};
+use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
 use serde::Deserialize as _;
 use serde_json::Value;
 use std::ffi::OsString;
@@ -38,7 +37,7 @@ pub const FILES: [&str; 9] = [
 const TOKEN_SECONDS: i64 = 6 * 3600;
 
 fn deploy_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+    crate::workspace().join("deploy")
 }
 
 /// Every object of `deploy/<file>`.
@@ -84,15 +83,9 @@ async fn install_files(
             let gvk = kube::core::GroupVersionKind::try_from(&serde_json::from_value::<
                 kube::core::TypeMeta,
             >(object.clone())?)?;
-            let (resource, caps) = match discovery.resolve_gvk(&gvk) {
-                Some(found) => found,
-                None => {
-                    discovery = Discovery::new(client.clone()).run().await?;
-                    discovery
-                        .resolve_gvk(&gvk)
-                        .with_context(|| format!("deploy/{file}: no {gvk:?}"))?
-                }
-            };
+            let (resource, caps) = resolve(&mut discovery, client, &gvk)
+                .await?
+                .with_context(|| format!("deploy/{file}: no {gvk:?}"))?;
             let name = object["metadata"]["name"].as_str().context("a named object")?.to_string();
             let api: Api<DynamicObject> =
                 match (caps.scope, object["metadata"]["namespace"].as_str()) {
@@ -105,11 +98,26 @@ async fn install_files(
                 .await
                 .with_context(|| format!("applying deploy/{file}: {name}"))?;
             if object["kind"] == "CustomResourceDefinition" {
-                crate::kube_common::wait_established(client, &name).await;
+                crate::kube_objects::wait_established(client, &name).await;
             }
         }
     }
     Ok(())
+}
+
+/// What serves `gvk`, discovering again once when it is unknown: perhaps a
+/// kind a CRD applied just now serves. (Plain discovery: kube-apiserver
+/// 1.20 has no aggregated discovery.)
+pub async fn resolve(
+    discovery: &mut Discovery,
+    client: &kube::Client,
+    gvk: &kube::core::GroupVersionKind,
+) -> anyhow::Result<Option<(ApiResource, ApiCapabilities)>> {
+    if let Some(found) = discovery.resolve_gvk(gvk) {
+        return Ok(Some(found));
+    }
+    *discovery = Discovery::new(client.clone()).run().await?;
+    Ok(discovery.resolve_gvk(gvk))
 }
 
 /// The pod node `node`'s agent runs as (its token is bound to it): in the

@@ -1,14 +1,15 @@
 //! What the NBD root tests share: real servers (qemu-nbd, nbdkit,
 //! volagent's own) for an export, the nbd driver's options, and how to
 //! find the client and helper processes and read a volume's data back.
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(clippy::unwrap_used)]
 
-use crate::agent_common::Node;
-use crate::driver_common::{self, kubelet_options};
+use crate::agent::Node;
+use crate::driver::{self, kubelet_options};
+use crate::wait_until;
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A server process, stopped on drop.
 pub struct Server(pub Child);
@@ -20,18 +21,8 @@ impl Drop for Server {
     }
 }
 
-pub fn wait_until(what: &str, ready: impl FnMut() -> bool) {
-    wait_or_say(what, ready, String::new);
-}
-
-/// Waits for `ready`; on timeout, fails with what `say` tells.
-pub fn wait_or_say(what: &str, mut ready: impl FnMut() -> bool, say: impl Fn() -> String) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ready() {
-        assert!(Instant::now() < deadline, "{what} never became ready\n{}", say());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+/// How long a server or client may take to come or go.
+pub const NBD_WAIT: Duration = Duration::from_secs(20);
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -55,7 +46,9 @@ pub fn serve(node: &Node, peer: Peer, image: &Path) -> (Server, String) {
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("qemu-nbd (scripts/setup installs it)");
-            wait_until("qemu-nbd", || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+            wait_until(NBD_WAIT, "qemu-nbd", || {
+                std::os::unix::net::UnixStream::connect(&socket).is_ok()
+            });
             (Server(child), format!("unix:{}", socket.display()))
         }
         Peer::Nbdkit => {
@@ -66,12 +59,14 @@ pub fn serve(node: &Node, peer: Peer, image: &Path) -> (Server, String) {
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("nbdkit (scripts/setup installs it)");
-            wait_until("nbdkit", || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+            wait_until(NBD_WAIT, "nbdkit", || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            });
             (Server(child), format!("127.0.0.1:{port}"))
         }
         Peer::Volagent => {
             let socket = node.scratch.path("volagent-nbd.sock");
-            let child = Command::new(env!("CARGO_BIN_EXE_volagent"))
+            let child = Command::new(&node.bin)
                 .args(["nbd", "serve", "--unix"])
                 .arg(&socket)
                 .arg(format!("--export=disk0={}", image.display()))
@@ -79,7 +74,7 @@ pub fn serve(node: &Node, peer: Peer, image: &Path) -> (Server, String) {
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("volagent nbd serve");
-            wait_until("volagent nbd serve", || {
+            wait_until(NBD_WAIT, "volagent nbd serve", || {
                 std::os::unix::net::UnixStream::connect(&socket).is_ok()
             });
             (Server(child), format!("unix:{}", socket.display()))
@@ -97,17 +92,18 @@ pub fn nbd_options(volume: &str, pod: &str, uid: &str, fs: &str, server: &str) -
     o
 }
 
-pub fn nbd_node() -> Node {
-    Node::start_with(&[(volagent_test_artifacts::NBD, "nbd")])
+/// A node whose agent (run from `bin`) serves the nbd backend too.
+pub fn nbd_node(bin: &str) -> Node {
+    Node::start_with(bin, &[(volagent_test_artifacts::NBD, "nbd")])
 }
 
 pub fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
-    driver_common::run_driver(Command::new(node.driver_of("node-a", "nbd")).args(args))
+    driver::run_driver(Command::new(node.driver_of("node-a", "nbd")).args(args))
 }
 
 /// nbdfuse processes whose mount lies under `dir`.
 pub fn clients_under(dir: &Path) -> Vec<i32> {
-    crate::common::processes_under(dir, |a| {
+    crate::scratch::processes_under(dir, |a| {
         a.first().is_some_and(|p| p.ends_with("nbdfuse") || p.ends_with("rbd-fuse"))
     })
 }
@@ -145,5 +141,5 @@ pub fn read_back(image: &Path, fs: &str) -> Vec<u8> {
 
 /// Helper `volagent nbd serve` processes whose socket lies under `dir`.
 pub fn servers_under(dir: &Path) -> Vec<i32> {
-    crate::common::processes_under(dir, |a| a.get(1..3).is_some_and(|c| c == ["nbd", "serve"]))
+    crate::scratch::processes_under(dir, |a| a.get(1..3).is_some_and(|c| c == ["nbd", "serve"]))
 }

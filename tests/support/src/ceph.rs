@@ -1,7 +1,6 @@
 //! The single-node Ceph of a test run (scripts/ceph-env starts it and
 //! scripts/test exports VOLAGENT_CEPH_DIR): its dir, the `rbd` tool on it,
 //! images removed on drop, and the test user's key.
-#![allow(dead_code)]
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
