@@ -53,7 +53,12 @@ impl KubeLedger {
         loop {
             match call().await {
                 Ok(v) => return Ok(v),
-                Err(e) if is_transient(&e) && attempt < self.retry.attempts => {
+                // A 403 too: an API server that has just started answers
+                // so until its RBAC caches hold the agent's bindings. A real
+                // refusal costs the few seconds of retries, then is reported.
+                Err(e)
+                    if (is_transient(&e) || is_forbidden(&e)) && attempt < self.retry.attempts =>
+                {
                     tracing::debug!(
                         volume,
                         "{what}: transient API error, retrying in {wait:?}: {e}"
@@ -68,23 +73,17 @@ impl KubeLedger {
     }
 }
 
-/// Worth retrying: the server could not answer, asked us to come back, or
-/// has not loaded the roles it authorizes by yet.
+fn is_forbidden(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 403)
+}
+
+/// Worth retrying: the server could not answer, or asked us to come back.
 pub fn is_transient(e: &kube::Error) -> bool {
     match e {
-        kube::Error::Api(s) if s.code == 403 => roles_not_loaded(&s.message),
         kube::Error::Api(s) => s.code >= 500 || s.code == 429,
         kube::Error::HyperError(_) | kube::Error::Service(_) => true,
         _ => false,
     }
-}
-
-/// A 403 whose RBAC authorizer could not find the (Cluster)Role a binding
-/// names: an API server just (re)started answers so until its caches are
-/// loaded, though the binding grants the call. A Role really deleted reads
-/// the same, and fails once the retries are spent.
-fn roles_not_loaded(message: &str) -> bool {
-    message.split_once("RBAC: ").is_some_and(|(_, why)| why.contains(" not found"))
 }
 
 /// The ledger's error for a failed `what` on `volume`; `expected`: the

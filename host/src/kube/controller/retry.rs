@@ -152,23 +152,6 @@ mod tests {
         for code in [400, 401, 403, 404, 422] {
             assert_eq!(class_of(&api(code)), ErrorClass::Permanent, "{code}");
         }
-        // An API server that has not loaded its roles yet, after a restart.
-        let cold = kube::Error::Api(Box::new(
-            Status::failure(
-                "attachments.volagent.io \"pv-1\" is forbidden: User \"system:serviceaccount:volagent-system:volagent-agent\" cannot get resource \"attachments\" in API group \"volagent.io\" at the cluster scope: RBAC: clusterrole.rbac.authorization.k8s.io \"volagent-agent\" not found",
-                "Forbidden",
-            )
-            .with_code(403),
-        ));
-        assert_eq!(class_of(&cold), ErrorClass::Transient, "roles not loaded yet");
-        let denied = kube::Error::Api(Box::new(
-            Status::failure(
-                "nodes \"n1\" is forbidden: User \"x\" cannot delete resource \"nodes\"",
-                "Forbidden",
-            )
-            .with_code(403),
-        ));
-        assert_eq!(class_of(&denied), ErrorClass::Permanent, "a call no role grants");
         let decode = serde_json::from_str::<u8>("x").expect_err("not a number");
         assert_eq!(class_of(&kube::Error::SerdeError(decode)), ErrorClass::Permanent);
         let io = std::io::Error::other("connection reset");
