@@ -7,7 +7,7 @@
 use super::cluster::Cluster;
 use super::crds::{SecretReference, StorageCluster};
 use super::volumes::VolumeError;
-pub use crate::ops::cluster::ENDPOINTS_OPTION;
+use crate::ops::cluster::ENDPOINTS_OPTION;
 use crate::secret::{Secret, Secrets};
 use k8s_openapi::api::core::v1::Secret as KubeSecret;
 use kube::api::Api;

@@ -4,7 +4,7 @@
 //! request carries: a pod could name any PV, path or node there.
 
 use super::cluster::{Cluster, fencing_mode};
-pub use crate::ops::cluster::{ClusterVolume, VolumeRequest, inline_key};
+use crate::ops::cluster::{ClusterVolume, VolumeRequest, inline_key};
 use crate::policy::{AccessMode, KeyValue};
 use k8s_openapi::api::core::v1::{
     Node, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, PersistentVolumeClaim, Pod,

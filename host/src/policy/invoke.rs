@@ -152,7 +152,7 @@ pub(super) fn up<A: serde::Serialize, E: serde::Serialize, B: serde::de::Deseria
     })
 }
 
-pub(super) fn fault(
+fn fault(
     store: &Store<CallState>,
     backend: &str,
     function: &'static str,
@@ -172,7 +172,7 @@ pub(super) fn fault(
 }
 
 /// Trap messages carry a wasm backtrace; keep them readable in one event.
-pub(super) fn short(message: &str) -> String {
+fn short(message: &str) -> String {
     const MAX: usize = 2000;
     if message.len() <= MAX {
         return message.to_string();
