@@ -199,7 +199,7 @@ impl Drivers {
         if running.contains_key(backend) {
             return Ok(());
         }
-        let config = &self.agent.config;
+        let config = &self.agent.node.config;
         let driver = super::driver_name(backend);
         let socket = socket_path(&config.kubelet_root, backend);
         let registration = registration_path(&config.kubelet_root, backend);

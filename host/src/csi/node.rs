@@ -73,7 +73,7 @@ fn result_label<T>(r: &Result<T, CsiError>) -> &'static str {
 
 impl NodeService {
     fn roots(&self) -> [&Path; 2] {
-        self.agent.config.kubelet_roots()
+        self.agent.node.config.kubelet_roots()
     }
 
     /// Count, time and log a call; its error as a gRPC status.
@@ -109,7 +109,7 @@ impl Node for NodeService {
         let id = r.volume_id.clone();
         let (agent, backend) = (self.agent.clone(), self.backend.clone());
         let result = detached(&self.agent, async move {
-            let staged = request::stage(&agent.config.kubelet_roots(), r)?;
+            let staged = request::stage(&agent.node.config.kubelet_roots(), r)?;
             agent.csi_stage(&backend, staged).await
         })
         .await;
@@ -126,7 +126,7 @@ impl Node for NodeService {
         let result = detached(&self.agent, async move {
             let id = request::volume_id(&asked.volume_id)?;
             let staging = request::kubelet_path(
-                &agent.config.kubelet_roots(),
+                &agent.node.config.kubelet_roots(),
                 "staging_target_path",
                 &asked.staging_target_path,
             )?;
@@ -149,7 +149,7 @@ impl Node for NodeService {
         let r = req.into_inner();
         let (agent, backend, asked) = (self.agent.clone(), self.backend.clone(), r.clone());
         let result = detached(&self.agent, async move {
-            let p = request::publish(&agent.config.kubelet_roots(), &asked)?;
+            let p = request::publish(&agent.node.config.kubelet_roots(), &asked)?;
             agent.csi_publish(&backend, p).await
         })
         .await;
@@ -171,7 +171,7 @@ impl Node for NodeService {
         let result = detached(&self.agent, async move {
             let id = request::volume_id(&asked.volume_id)?;
             let target = request::kubelet_path(
-                &agent.config.kubelet_roots(),
+                &agent.node.config.kubelet_roots(),
                 "target_path",
                 &asked.target_path,
             )?;
@@ -255,7 +255,7 @@ impl Node for NodeService {
             {
                 return Err(CsiError::Invalid("block volumes are not served by this driver yet".into()));
             }
-            let path = request::kubelet_path(&agent.config.kubelet_roots(), "volume_path", &asked.volume_path)
+            let path = request::kubelet_path(&agent.node.config.kubelet_roots(), "volume_path", &asked.volume_path)
                 .map_err(|_| CsiError::NotFound(format!("volume {id} is not at {}", asked.volume_path)))?;
             let size = agent.csi_expand(&id, &path).await?;
             let required = asked.capacity_range.as_ref().map(|c| c.required_bytes).unwrap_or(0);
@@ -299,7 +299,7 @@ impl Node for NodeService {
         &self,
         _req: Request<NodeGetInfoRequest>,
     ) -> Result<Response<NodeGetInfoResponse>, Status> {
-        let node = self.agent.config.node.clone();
+        let node = self.agent.node.config.node.clone();
         Ok(Response::new(NodeGetInfoResponse {
             node_id: node.clone(),
             max_volumes_per_node: 0,

@@ -8,7 +8,7 @@
 //! waits for the answer, then deletes the request.
 
 use super::cluster::Cluster;
-use super::controller::{ReconcileError, api_error};
+use super::controller::retry::{ReconcileError, api_error};
 use super::crds::{Attachment, FencePhase, FenceRequest, FenceRequestSpec, FenceRequestStatus};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};

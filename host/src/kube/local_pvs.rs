@@ -15,7 +15,7 @@
 //!   the operation (after fixing the cause: it is then requested again).
 //! - Retain PVs are never wiped; deleted, they are let go.
 
-use super::controller::{ReconcileError, api_error};
+use super::controller::retry::{ReconcileError, api_error};
 use super::crds::LOCAL_BACKEND;
 use super::crds::{
     LOCAL_WIPE_FINALIZER, LocalOperation, LocalOperationKind, LocalOperationPhase, NodeLocalVolumes,

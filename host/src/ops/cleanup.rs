@@ -28,7 +28,7 @@ impl Agent {
         reason: CleanupReason,
         pick: impl Fn(&Entry) -> bool,
     ) -> Result<Cleaned, Failure> {
-        let entries = self.stash_read(|s| s.all())?;
+        let entries = super::execute::stash_read(&self.node, |s| s.all())?;
         let mut by_volume: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
         for e in entries.into_iter().filter(|e| pick(e)) {
             by_volume.entry(e.volume.name.clone()).or_default().push(e);
@@ -36,7 +36,7 @@ impl Agent {
         let mut tasks = tokio::task::JoinSet::new();
         // Beyond the plan deadline, a task is waiting on something else
         // (the API server, a lock): give up on it for this round.
-        let bound = self.plan_deadline + Duration::from_secs(60);
+        let bound = self.node.plan_deadline + Duration::from_secs(60);
         for (volume, entries) in by_volume {
             let agent = self.clone();
             tasks.spawn(async move {
@@ -77,7 +77,7 @@ impl Agent {
         let Some(first) = entries.first() else { return Ok(()) };
         let volume = first.volume.clone();
         let plugin = self.plugin(&volume.backend)?;
-        let mut lock = Some(self.lock(&volume.name)?);
+        let mut lock = Some(super::node::lock(&self.node, &volume.name)?);
         let item = CleanupItem {
             volume: volume.clone(),
             paths: first.paths.clone(),
@@ -87,7 +87,11 @@ impl Agent {
                 .collect(),
         };
         let plan = plugin
-            .cleanup(self.queries(&plugin, &[]), reason, std::slice::from_ref(&item))
+            .cleanup(
+                super::plan::queries(&self.node, &plugin, &[]),
+                reason,
+                std::slice::from_ref(&item),
+            )
             .map_err(internal)?;
         // The volume's CSI publications (the host's binds into pods) go
         // first: a device stays busy while any mount of it remains.
@@ -100,14 +104,14 @@ impl Agent {
             .collect();
         steps.extend(plan);
         // Off the request path: a blocking thread, whatever the plan.
-        self.run_plan(steps, false, &mut lock).await?;
+        super::execute::run_plan(&self.node, steps, false, &mut lock).await?;
         for p in publications {
-            self.stash_op(move |s| s.remove_publication(&p.target)).await?;
+            super::execute::stash_write(&self.node, move |s| s.remove_publication(&p.target))?;
         }
         for e in entries {
-            self.remove_holder(&volume.name, &e.consumer.mount_dir).await?;
+            super::record::remove_holder(&self.node, &volume.name, &e.consumer.mount_dir).await?;
             let dir = e.consumer.mount_dir.clone();
-            self.stash_op(move |s| s.remove(&dir)).await?;
+            super::execute::stash_write(&self.node, move |s| s.remove(&dir))?;
         }
         Ok(())
     }

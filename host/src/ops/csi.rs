@@ -4,8 +4,9 @@
 //! path into the pod's target, stashed as a publication. Unpublish and
 //! unstage undo them; every call may be repeated.
 
+use super::execute::blocking;
 use super::stash::{Entry, Publication};
-use super::{Agent, Failure, blocking, internal};
+use super::{Agent, Failure, internal};
 use crate::policy::{AccessMode, Consumer, KeyValue, Volume, VolumeMode};
 use crate::sys::Usage;
 use std::collections::BTreeMap;
@@ -144,7 +145,9 @@ impl Agent {
         let staging = text(&req.staging);
         let shape = &req.shape;
         let point = stage_point(&staging, &req.volume_id, shape.mode);
-        if let Some(entry) = self.stash_read(|s| staged_entry(s, &staging, &req.volume_id))? {
+        if let Some(entry) =
+            super::execute::stash_read(&self.node, |s| staged_entry(s, &staging, &req.volume_id))?
+        {
             let v = &entry.volume;
             if v.name != req.volume_id {
                 return Err(CsiError::Exists(format!(
@@ -193,10 +196,10 @@ impl Agent {
         // record names it as a pseudo-pod `csi/staged`: records are read by
         // people, and every consumer names a pod.
         let me = Consumer {
-            node: self.config.node.clone(),
+            node: self.node.config.node.clone(),
             pod_namespace: STAGE_NAMESPACE.into(),
             pod: STAGE_POD.into(),
-            pod_uid: format!("{STAGE_POD}-{}", self.config.node),
+            pod_uid: format!("{STAGE_POD}-{}", self.node.config.node),
             mount_dir: point,
             read_only: shape.access.read_only,
             mount_group: None,
@@ -208,7 +211,7 @@ impl Agent {
             volume,
             me,
             secrets,
-            csi_paths(&self.config, backend, &req.volume_id, &staging),
+            csi_paths(&self.node.config, backend, &req.volume_id, &staging),
         )
         .await?;
         Ok(())
@@ -232,7 +235,9 @@ impl Agent {
                 )));
             }
         }
-        let entry = match self.stash_read(|s| staged_entry(s, &dir, volume_id))? {
+        let entry = match super::execute::stash_read(&self.node, |s| {
+            staged_entry(s, &dir, volume_id)
+        })? {
             Some(e) if e.volume.name != volume_id => {
                 return Err(CsiError::NotFound(format!(
                     "volume {volume_id} is not staged at {dir} (volume {} is)",
@@ -249,9 +254,11 @@ impl Agent {
                     if !self.mounted(&point).await? {
                         continue;
                     }
-                    match self.entry_of_record(backend, &point, volume_id).await? {
+                    match super::record::entry_of_record(&self.node, backend, &point, volume_id)
+                        .await?
+                    {
                         Some(mut e) => {
-                            e.paths = csi_paths(&self.config, backend, volume_id, &dir);
+                            e.paths = csi_paths(&self.node.config, backend, volume_id, &dir);
                             found = Some(e);
                             break;
                         }
@@ -278,16 +285,17 @@ impl Agent {
     /// ([`crate::exec::runs_locally`]). Not staged (an error to come, or a
     /// staging gone): no.
     fn staged_locally(&self, staging: &str, volume_id: &str) -> bool {
-        matches!(staged_entry(&self.stash, staging, volume_id), Ok(Some(e)) if crate::exec::runs_locally(crate::exec::holding(&e.volume), &[]))
+        matches!(staged_entry(&self.node.stash, staging, volume_id), Ok(Some(e)) if crate::exec::runs_locally(crate::exec::holding(&e.volume), &[]))
     }
 
     pub async fn csi_publish(&self, backend: &str, req: PublishRequest) -> Result<(), CsiError> {
-        let mut lock = Some(self.lock(&req.volume_id)?);
+        let mut lock = Some(super::node::lock(&self.node, &req.volume_id)?);
         // The checks, the publication's record and the bind in one job:
         // each is a few syscalls, and each trip to another thread costs more.
         let local = self.staged_locally(&text(&req.staging), &req.volume_id);
-        let (stash, sys, backend) = (self.stash.clone(), self.sys.clone(), backend.to_string());
-        self.on_plan_thread(&mut lock, local, Arc::default(), move |exec| {
+        let (stash, sys, backend) =
+            (self.node.stash.clone(), self.node.sys.clone(), backend.to_string());
+        super::execute::on_plan_thread(&self.node, &mut lock, local, Arc::default(), move |exec| {
             let Some(entry) = publish_checked(&stash, &sys, &backend, &req)? else { return Ok(()) };
             let (staging, target) = (text(&req.staging), text(&req.target));
             let read_only = req.read_only || entry.consumer.read_only;
@@ -322,7 +330,7 @@ impl Agent {
                 p.volume
             )));
         }
-        let mut lock = Some(self.lock(volume_id)?);
+        let mut lock = Some(super::node::lock(&self.node, volume_id)?);
         if found.is_none() {
             if self.mounted(&target).await? {
                 return Err(CsiError::Precondition(format!(
@@ -330,7 +338,7 @@ impl Agent {
                 )));
             }
             // Done before (or never done): an empty dir we made may remain.
-            let (sys, dir) = (self.sys.clone(), PathBuf::from(&target));
+            let (sys, dir) = (self.node.sys.clone(), PathBuf::from(&target));
             if let Err(e) = blocking(move || sys.mounts.remove_dir(&dir)).await? {
                 tracing::debug!(target, "left in place: {e}");
             }
@@ -341,9 +349,9 @@ impl Agent {
             force: false,
         });
         let local = found.as_ref().is_some_and(|p| self.staged_locally(&p.staging, volume_id));
-        self.run_plan(vec![unmount], local, &mut lock).await?;
+        super::execute::run_plan(&self.node, vec![unmount], local, &mut lock).await?;
         let key = target.clone();
-        self.stash_op(move |s| s.remove_publication(&key)).await?;
+        super::execute::stash_write(&self.node, move |s| s.remove_publication(&key))?;
         Ok(())
     }
 
@@ -363,7 +371,7 @@ impl Agent {
             // A device node: no filesystem of its own to count in.
             return Ok(VolumeStats { usage: None, abnormal: self.backend_condition(&entry, &at)? });
         }
-        let (sys, p) = (self.sys.clone(), path.to_path_buf());
+        let (sys, p) = (self.node.sys.clone(), path.to_path_buf());
         let usage = blocking(move || sys.mounts.usage(&p)).await?.map_err(internal)?;
         let abnormal = match (usage.read_only && !read_only)
             .then(|| format!("{at} is read-only though published read-write (the filesystem may have been remounted read-only after an error)"))
@@ -380,7 +388,7 @@ impl Agent {
     pub async fn csi_expand(&self, volume_id: &str, path: &Path) -> Result<u64, CsiError> {
         let at = text(path);
         let (_, entry) = self.volume_at(volume_id, &at).await?;
-        let mut lock = Some(self.lock(volume_id)?);
+        let mut lock = Some(super::node::lock(&self.node, volume_id)?);
         if !self.mounted(&at).await? {
             return Err(CsiError::Precondition(format!(
                 "{at} is not mounted; stage and publish the volume again"
@@ -388,7 +396,7 @@ impl Agent {
         }
         let plugin = self.plugin(&entry.volume.backend)?;
         let consumer = Consumer { mount_dir: at.clone(), ..entry.consumer.clone() };
-        let queries = self.queries(&plugin, &[]);
+        let queries = super::plan::queries(&self.node, &plugin, &[]);
         let plan =
             plugin.expand(queries, &entry.volume, &consumer, &entry.paths).map_err(|e| match e
                 .is_policy_refusal()
@@ -397,7 +405,7 @@ impl Agent {
                 false => CsiError::Op(internal(e)),
             })?;
         let local = crate::exec::runs_locally(crate::exec::holding(&entry.volume), &plan);
-        let outcome = self.run_plan(plan, local, &mut lock).await?;
+        let outcome = super::execute::run_plan(&self.node, plan, local, &mut lock).await?;
         Ok(outcome.grown.values().copied().max().unwrap_or(0))
     }
 
@@ -406,7 +414,7 @@ impl Agent {
     fn backend_condition(&self, entry: &Entry, at: &str) -> Result<Option<String>, CsiError> {
         let plugin = self.plugin(&entry.volume.backend)?;
         let consumer = Consumer { mount_dir: at.to_string(), ..entry.consumer.clone() };
-        let queries = self.queries(&plugin, &[]);
+        let queries = super::plan::queries(&self.node, &plugin, &[]);
         Ok(match plugin.condition(queries, &entry.volume, &consumer, &entry.paths) {
             Ok(said) => said,
             Err(e) => Some(format!("the backend could not judge the volume: {e}")),
@@ -416,7 +424,7 @@ impl Agent {
     /// Whether `volume_id` is staged or published at `at`: read-only there,
     /// and its stage.
     async fn volume_at(&self, volume_id: &str, at: &str) -> Result<(bool, Entry), CsiError> {
-        let found = self.stash_read(|s| {
+        let found = super::execute::stash_read(&self.node, |s| {
             if let Some(p) =
                 s.publications()?.into_iter().find(|p| p.target == at && p.volume == volume_id)
             {
@@ -432,7 +440,7 @@ impl Agent {
     }
 
     pub(crate) async fn publications(&self) -> Result<Vec<Publication>, Failure> {
-        self.stash_read(|s| s.publications())
+        super::execute::stash_read(&self.node, |s| s.publications())
     }
 
     /// Forget publications whose target is no longer mounted (an agent
@@ -442,7 +450,7 @@ impl Agent {
         for p in self.publications().await? {
             if !self.mounted(&p.target).await? {
                 let target = p.target.clone();
-                self.stash_op(move |s| s.remove_publication(&target)).await?;
+                super::execute::stash_write(&self.node, move |s| s.remove_publication(&target))?;
                 gone.push(p.target);
             }
         }

@@ -3,7 +3,9 @@
 //! fence against) and the mount table, to tell the device at each staging
 //! dir.
 
-use super::{Agent, Failure, blocking, ledger_failure};
+use super::execute::blocking;
+use super::record::ledger_failure;
+use super::{Agent, Failure};
 use crate::ledger::Record;
 use crate::sys::MountInfo;
 
@@ -11,8 +13,9 @@ impl Agent {
     /// The records holding this node's pods, and the node's mount table
     /// (empty when it cannot be read: the volumes are still listed).
     pub async fn held_records(&self) -> Result<(Vec<Record>, Vec<MountInfo>), Failure> {
-        let records = self.ledger.list_by_node(&self.config.node).await.map_err(ledger_failure)?;
-        let sys = self.sys.clone();
+        let records =
+            self.node.ledger.list_by_node(&self.node.config.node).await.map_err(ledger_failure)?;
+        let sys = self.node.sys.clone();
         let table = blocking(move || sys.mounts.mount_table()).await?.unwrap_or_else(|e| {
             tracing::warn!("status: devices left out, the mount table cannot be read: {e}");
             Vec::new()
@@ -23,12 +26,12 @@ impl Agent {
     /// Where `record`'s volume is staged on this node: a CSI stage's
     /// staging dir is kubelet's, the stage's own mount dir.
     pub fn staging_dir_of(&self, r: &Record) -> String {
-        r.on_node(&self.config.node)
+        r.on_node(&self.node.config.node)
             .find(|h| {
                 h.consumer.pod_namespace == super::csi::STAGE_NAMESPACE
                     && h.consumer.pod == super::csi::STAGE_POD
             })
             .map(|h| h.consumer.mount_dir.clone())
-            .unwrap_or_else(|| self.config.paths(&r.backend, &r.volume).staging_dir)
+            .unwrap_or_else(|| self.node.config.paths(&r.backend, &r.volume).staging_dir)
     }
 }

@@ -4,7 +4,8 @@
 //! retry starts from a clean node; what no record explains is reported and
 //! removed.
 
-use super::{Agent, Failure, blocking, internal};
+use super::execute::blocking;
+use super::{Agent, Failure, internal};
 use crate::policy::validate::clean_absolute;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -33,8 +34,8 @@ pub struct Report {
 impl Agent {
     pub async fn reconcile(&self) -> Result<Report, Failure> {
         let mut report = Report::default();
-        let stash = self.stash_read(|s| s.all())?;
-        report.quarantined = self.stash_read(|s| s.quarantined())?;
+        let stash = super::execute::stash_read(&self.node, |s| s.all())?;
+        report.quarantined = super::execute::stash_read(&self.node, |s| s.quarantined())?;
         let mut stashed_dirs = BTreeSet::new();
         for entry in stash {
             let dir = entry.consumer.mount_dir.clone();
@@ -44,7 +45,7 @@ impl Agent {
                 // A node-private ledger stores records behind the
                 // operations: a crash can leave a complete mount whose
                 // holder never reached the disk.
-                if self.ledger.node_private() {
+                if self.node.ledger.node_private() {
                     match self.record_holder_again(&entry).await {
                         Ok(true) => report.recorded_again.push(dir.clone()),
                         Ok(false) => {}
@@ -64,16 +65,20 @@ impl Agent {
         }
         // Holders on this node that the stash does not know never got as far
         // as a device or a mount.
-        let records =
-            self.ledger.list_by_node(&self.config.node).await.map_err(super::ledger_failure)?;
+        let records = self
+            .node
+            .ledger
+            .list_by_node(&self.node.config.node)
+            .await
+            .map_err(super::record::ledger_failure)?;
         // A staging dir a record names is not an orphan: its stash entry
         // may be lost or damaged, and its pods' unmounts will come.
         let recorded: BTreeSet<String> = records
             .iter()
-            .map(|(r, _)| self.config.paths(&r.backend, &r.volume).staging_dir)
+            .map(|(r, _)| self.node.config.paths(&r.backend, &r.volume).staging_dir)
             .collect();
         for (record, _) in records {
-            for h in record.on_node(&self.config.node) {
+            for h in record.on_node(&self.node.config.node) {
                 let dir = &h.consumer.mount_dir;
                 if stashed_dirs.contains(dir) || report.rolled_back.contains(dir) {
                     continue;
@@ -84,7 +89,7 @@ impl Agent {
                     ));
                     continue;
                 }
-                match self.remove_holder(&record.volume, dir).await {
+                match super::record::remove_holder(&self.node, &record.volume, dir).await {
                     Ok(()) => report.stale_holders.push(format!("{} {dir}", record.volume)),
                     Err(f) => report.errors.push(format!("{dir}: {}", f.message)),
                 }
@@ -116,7 +121,8 @@ impl Agent {
     /// there; true when it was added.
     async fn record_holder_again(&self, entry: &super::stash::Entry) -> Result<bool, Failure> {
         let volume = &entry.volume;
-        let current = self.ledger.get(&volume.name).await.map_err(super::ledger_failure)?;
+        let current =
+            self.node.ledger.get(&volume.name).await.map_err(super::record::ledger_failure)?;
         let holder = crate::policy::Holder {
             consumer: entry.consumer.clone(),
             since: crate::clock::now_rfc3339(),
@@ -127,27 +133,27 @@ impl Agent {
                     return Ok(false);
                 }
                 record.holders.push(holder);
-                self.ledger.update(&record, &version).await.map(drop)
+                self.node.ledger.update(&record, &version).await.map(drop)
             }
             None => {
                 let record = crate::ledger::Record {
                     volume: volume.name.clone(),
                     backend: volume.backend.clone(),
                     access_mode: volume.access_mode,
-                    storage_cluster: super::storage_cluster(volume),
+                    storage_cluster: super::record::storage_cluster(volume),
                     source: Some(crate::ledger::VolumeSource::of(volume)),
                     holders: vec![holder],
                     storage_clients: Vec::new(),
                 };
-                self.ledger.create(&record).await.map(drop)
+                self.node.ledger.create(&record).await.map(drop)
             }
         };
-        written.map_err(super::ledger_failure)?;
+        written.map_err(super::record::ledger_failure)?;
         Ok(true)
     }
 
     pub(super) async fn mounted(&self, dir: &str) -> Result<bool, Failure> {
-        let sys = self.sys.clone();
+        let sys = self.node.sys.clone();
         let dir = PathBuf::from(dir);
         blocking(move || sys.is_mounted(&dir)).await?.map_err(internal)
     }
@@ -157,14 +163,14 @@ impl Agent {
     /// Nothing records the volume's options, so a backend that needs them
     /// refuses, and the caller unmounts it plainly.
     async fn clean_orphan_by_backend(&self, mount_point: &Path) -> Result<String, String> {
-        let staging_root = self.config.kubelet_root.join("plugins/volagent");
+        let staging_root = self.node.config.kubelet_root.join("plugins/volagent");
         let rel = mount_point.strip_prefix(&staging_root).map_err(|e| e.to_string())?;
         let parts: Vec<&str> = rel.iter().filter_map(|c| c.to_str()).collect();
         let [backend, "mounts", volume] = parts.as_slice() else {
             return Err("not a staging dir".into());
         };
         let plugin = self.plugin(backend).map_err(|f| f.message)?;
-        let mut lock = Some(self.lock(volume).map_err(|f| f.message)?);
+        let mut lock = Some(super::node::lock(&self.node, volume).map_err(|f| f.message)?);
         let item = crate::policy::CleanupItem {
             volume: crate::policy::Volume {
                 name: volume.to_string(),
@@ -176,13 +182,19 @@ impl Agent {
                 options: Vec::new(),
                 secret_keys: Vec::new(),
             },
-            paths: self.config.paths(backend, volume),
+            paths: self.node.config.paths(backend, volume),
             holders: Vec::new(),
         };
         let plan = plugin
-            .cleanup(self.queries(&plugin, &[]), crate::policy::CleanupReason::StaleNode, &[item])
+            .cleanup(
+                super::plan::queries(&self.node, &plugin, &[]),
+                crate::policy::CleanupReason::StaleNode,
+                &[item],
+            )
             .map_err(|e| e.to_string())?;
-        self.run_plan(plan, false, &mut lock).await.map_err(|f| f.message)?;
+        super::execute::run_plan(&self.node, plan, false, &mut lock)
+            .await
+            .map_err(|f| f.message)?;
         if self.mounted(&mount_point.display().to_string()).await.map_err(|f| f.message)? {
             return Err("still mounted after the backend's cleanup plan".into());
         }
@@ -196,14 +208,14 @@ impl Agent {
         recorded: &BTreeSet<String>,
         report: &mut Report,
     ) -> Result<(), Failure> {
-        let stash = self.stash_read(|s| s.all())?;
-        let staging_root = self.config.kubelet_root.join("plugins/volagent");
+        let stash = super::execute::stash_read(&self.node, |s| s.all())?;
+        let staging_root = self.node.config.kubelet_root.join("plugins/volagent");
         // First the backends' own cleanup plans, for the staging mounts
         // whose backend is loaded.
         let mut used: BTreeSet<String> =
             stash.iter().map(|e| e.paths.staging_dir.clone()).collect();
         used.extend(recorded.iter().cloned());
-        let sys = self.sys.clone();
+        let sys = self.node.sys.clone();
         let table = blocking(move || sys.mounts.mount_table()).await?.map_err(internal)?;
         for m in table.iter().rev() {
             let p = m.mount_point.display().to_string();
@@ -222,7 +234,7 @@ impl Agent {
                 }
             }
         }
-        let sys = self.sys.clone();
+        let sys = self.node.sys.clone();
         let found = blocking(move || -> Result<(Vec<String>, Vec<String>), crate::sys::SysError> {
             let mut removed = Vec::new();
             let mut problems = Vec::new();

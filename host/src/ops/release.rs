@@ -2,7 +2,8 @@
 //! `local-volume-released` (the policy chooses the wipe), run on a thread
 //! of its own at idle I/O priority, for as long as the wipe takes.
 
-use super::{Agent, Failure, internal, verified_devices};
+use super::plan::verified_devices;
+use super::{Agent, Failure, internal};
 use crate::exec::{Executor, Progress};
 use crate::ops::FailureKind;
 use crate::policy::{CleanupItem, CleanupReason, Step, Volume, WipeMethod};
@@ -39,7 +40,7 @@ impl Agent {
     ) -> Result<String, Failure> {
         let plugin = self.plugin(&volume.backend)?;
         let name = volume.name.clone();
-        let held = self.stash_read(|s| s.all())?;
+        let held = super::execute::stash_read(&self.node, |s| s.all())?;
         if let Some(e) = held.iter().find(|e| e.volume.name == name) {
             return Err(Failure::new(
                 FailureKind::Busy,
@@ -50,19 +51,20 @@ impl Agent {
             ));
         }
         let devices = verified_devices(&volume).await?;
-        let lock = self.lock(&name)?;
+        let lock = super::node::lock(&self.node, &name)?;
         let item = CleanupItem {
             volume: volume.clone(),
-            paths: self.config.paths(&volume.backend, &name),
+            paths: self.node.config.paths(&volume.backend, &name),
             holders: vec![],
         };
-        let queries = Arc::new(self.node_queries(&plugin, &[]).with_devices(devices));
+        let queries =
+            Arc::new(super::plan::node_queries(&self.node, &plugin, &[]).with_devices(devices));
         let plan = plugin
             .cleanup(queries, CleanupReason::LocalVolumeReleased, std::slice::from_ref(&item))
             .map_err(internal)?;
         let chosen = wipe_method(&plan);
         method(&chosen);
-        let exec = Executor::new(self.sys.clone()).with_progress(progress);
+        let exec = Executor::new(self.node.sys.clone()).with_progress(progress);
         let (tx, rx) = tokio::sync::oneshot::channel();
         // A thread of its own: the priority set on it must not stay with a
         // pooled thread that later serves a mount. The device tools' own

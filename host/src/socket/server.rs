@@ -2,10 +2,10 @@
 //! credentials checked, one request per connection with a deadline to
 //! arrive, and a bounded number of operations at once.
 
+use super::oplog::{Asked, log_unserved};
 use super::protocol::{self, PROTOCOL_VERSION, Request, RequestFrame, Response, ResponseFrame};
 use super::status::Board;
 use crate::listener::AcceptPause;
-use crate::ops::oplog::Asked;
 use crate::ops::{Agent, Failure, FailureKind};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -155,7 +155,7 @@ async fn dispatch(
         Err(f) => {
             // A mount or unmount refused here still gets its log line.
             if let Some(asked) = asked(&request) {
-                agent.log_unserved(asked, &f, start.elapsed());
+                log_unserved(agent, asked, &f, start.elapsed());
             }
             return f.into();
         }
@@ -168,13 +168,17 @@ async fn dispatch(
         Request::Status => Ok(super::status::status(agent, board).await),
         Request::Mount { backend, mount_dir, options } => {
             let (a, b, d, o) = (agent.clone(), backend.clone(), mount_dir.clone(), options.clone());
-            served(agent, &request, start, async move { a.mount(&b, &d, &o).await.map(Into::into) })
-                .await
+            served(agent, &request, start, async move {
+                super::flex::mount(&a, &b, &d, &o).await.map(Into::into)
+            })
+            .await
         }
         Request::Unmount { backend, mount_dir } => {
             let (a, b, d) = (agent.clone(), backend.clone(), mount_dir.clone());
-            served(agent, &request, start, async move { a.unmount(&b, &d).await.map(Into::into) })
-                .await
+            served(agent, &request, start, async move {
+                super::flex::unmount(&a, &b, &d).await.map(Into::into)
+            })
+            .await
         }
     };
     result.unwrap_or_else(Failure::into)
@@ -203,11 +207,13 @@ async fn served(
         // The operation logs itself (and tells the pod) when it ends; the
         // answer given before that is logged here.
         if let Some(asked) = asked(request) {
-            agent.log_unserved(asked, &f, start.elapsed());
+            log_unserved(agent, asked, &f, start.elapsed());
         }
         match request {
-            Request::Mount { options, .. } => agent.tell_pod_mount_failed(options, &f),
-            Request::Unmount { mount_dir, .. } => agent.tell_pod_unmount_failed(mount_dir, &f),
+            Request::Mount { options, .. } => super::flex::tell_mount_failed(agent, options, &f),
+            Request::Unmount { mount_dir, .. } => {
+                super::flex::tell_unmount_failed(agent, mount_dir, &f);
+            }
             Request::Handshake { .. } | Request::Status => {}
         }
         Err(f)

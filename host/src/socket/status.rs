@@ -77,7 +77,7 @@ pub async fn status(agent: &Agent, board: &Board) -> Response {
             ),
         };
     let mut status = Response::Status {
-        node: agent.config.node.clone(),
+        node: agent.node.config.node.clone(),
         backends: backend_status(agent),
         problems: board.plugin_problems(),
         volumes: Vec::new(),
@@ -148,7 +148,7 @@ async fn csi_report(agent: &Agent, board: &Board) -> Option<CsiReport> {
 
 async fn held_volumes(agent: &Agent) -> Result<Vec<HeldVolume>, crate::ops::Failure> {
     let (records, table) = agent.held_records().await?;
-    Ok(held_of(&records, &agent.config.node, |r| agent.staging_dir_of(r), &table))
+    Ok(held_of(&records, &agent.node.config.node, |r| agent.staging_dir_of(r), &table))
 }
 
 /// `records` as `node` holds them, by backend and volume, each volume's

@@ -13,7 +13,7 @@ mod cleanup_lists;
 mod fence_requests;
 mod gone_nodes;
 mod local_pvs;
-mod retry;
+pub mod retry;
 mod storage_clusters;
 
 pub use cleanup_lists::delete_if_empty;

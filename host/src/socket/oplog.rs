@@ -3,8 +3,8 @@
 //! JSON log format carries them as keys). Only the well-known pod keys of
 //! kubelet's options are read: other option values may be secrets.
 
-use super::request::MountDir;
-use super::{Agent, Done, Failure};
+use crate::ops::request::{MAX_PATH, MountDir};
+use crate::ops::{Agent, Done, Failure, FailureKind};
 use crate::text::bounded;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -84,11 +84,11 @@ pub struct Finished<'a> {
 /// already bounded message) when it did not.
 pub fn log(done: &Finished, result: &Result<Done, Failure>) {
     let op = done.op.name();
-    let outcome = super::result_label(result);
+    let outcome = result_label(result);
     // Request strings are passed as &str: the text format quotes and
     // escapes them, so no request can forge a line.
     let backend = bounded(done.backend.to_string(), MAX_FIELD);
-    let mount_dir = bounded(done.mount_dir.to_string(), super::request::MAX_PATH + 64);
+    let mount_dir = bounded(done.mount_dir.to_string(), MAX_PATH + 64);
     let volume = done.subject.volume.as_deref();
     let pod = done.subject.pod.as_deref();
     let duration_ms = (done.elapsed.as_secs_f64() * 1e6).round() / 1e3;
@@ -128,39 +128,60 @@ pub enum Asked<'a> {
     Unmount { backend: &'a str, mount_dir: &'a str },
 }
 
-impl Agent {
-    /// The line of a mount or unmount refused before it reached the
-    /// pipeline (no operation slot came free).
-    pub fn log_unserved(&self, asked: Asked, failure: &Failure, elapsed: Duration) {
-        let (op, backend, mount_dir, mut subject) = match asked {
-            Asked::Mount { backend, mount_dir, options } => {
-                (Op::Mount, backend, mount_dir, Subject::of_options(options))
-            }
-            Asked::Unmount { backend, mount_dir } => {
-                (Op::Unmount, backend, mount_dir, Subject::default())
-            }
-        };
-        if let Ok(dir) =
-            super::request::parse_mount_dir(&self.config.kubelet_roots(), backend, mount_dir)
-        {
-            subject.learn_dir(&dir);
+/// The line of a mount or unmount refused before it reached the
+/// pipeline (no operation slot came free).
+pub fn log_unserved(agent: &Agent, asked: Asked, failure: &Failure, elapsed: Duration) {
+    let (op, backend, mount_dir, mut subject) = match asked {
+        Asked::Mount { backend, mount_dir, options } => {
+            (Op::Mount, backend, mount_dir, Subject::of_options(options))
         }
-        let done = Finished {
-            op,
-            node: &self.config.node,
-            backend,
-            mount_dir,
-            subject: &subject,
-            elapsed,
-        };
-        log(&done, &Err(failure.clone()));
+        Asked::Unmount { backend, mount_dir } => {
+            (Op::Unmount, backend, mount_dir, Subject::default())
+        }
+    };
+    if let Ok(dir) =
+        super::flex_request::parse_mount_dir(&agent.node.config.kubelet_roots(), backend, mount_dir)
+    {
+        subject.learn_dir(&dir);
+    }
+    let done = Finished {
+        op,
+        node: &agent.node.config.node,
+        backend,
+        mount_dir,
+        subject: &subject,
+        elapsed,
+    };
+    log(&done, &Err(failure.clone()));
+}
+
+/// The backend label of a request: a name no loaded backend has is not
+/// kept (a caller could make up any number of them).
+pub fn metric_backend<'b, T>(backend: &'b str, r: &Result<T, Failure>) -> &'b str {
+    match r {
+        Err(f) if f.kind == FailureKind::UnknownBackend => "unknown",
+        _ => backend,
+    }
+}
+
+pub fn result_label<T>(r: &Result<T, Failure>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(f) => match f.kind {
+            FailureKind::Denied => "denied",
+            FailureKind::Busy => "busy",
+            FailureKind::TimedOut => "timed_out",
+            FailureKind::BadRequest => "bad_request",
+            FailureKind::Unavailable => "unavailable",
+            FailureKind::UnknownBackend => "unknown_backend",
+            _ => "failed",
+        },
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::FailureKind;
     use std::sync::{Arc, Mutex};
 
     #[derive(Clone, Default)]
@@ -300,7 +321,7 @@ mod tests {
         );
         assert_eq!(Subject::of_options(&options(&[("path", "/mnt/disks/a")])), Subject::default());
         let mut subject = Subject::of_options(&full);
-        let dir = super::super::request::parse_mount_dir(
+        let dir = super::super::flex_request::parse_mount_dir(
             &[std::path::Path::new("/var/lib/kubelet")],
             "local-pv",
             DIR,
@@ -362,19 +383,21 @@ mod tests {
         let dir = "/k/pods/u-1/volumes/volagent~nope/pv1";
         let capture = Capture::start();
 
-        let r = agent.mount("nope", dir, &pod_options()).await;
+        let r = super::super::flex::mount(&agent, "nope", dir, &pod_options()).await;
         assert_eq!(r.unwrap_err().kind, FailureKind::UnknownBackend);
         // Nothing mounted there: a retried unmount succeeds.
-        agent.unmount("nope", dir).await.unwrap();
+        super::super::flex::unmount(&agent, "nope", dir).await.unwrap();
         let busy =
             Failure::new(FailureKind::Busy, "all 16 operation slots stayed busy for 120s; retry");
         let options = pod_options();
-        agent.log_unserved(
+        log_unserved(
+            &agent,
             Asked::Mount { backend: "nope", mount_dir: dir, options: &options },
             &busy,
             Duration::from_secs(120),
         );
-        agent.log_unserved(
+        log_unserved(
+            &agent,
             Asked::Unmount { backend: "nope", mount_dir: "/elsewhere" },
             &busy,
             Duration::ZERO,

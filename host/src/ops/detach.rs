@@ -1,0 +1,37 @@
+//! The detach pipeline: policy → lock → plan from the stash entry
+//! and the holders left here → execute → the record's holder and the
+//! stash entry go. Flexvolume unmounts, CSI unstages and reconciliation
+//! all run it.
+
+use super::context::Operation;
+use super::execute::{run_plan, stash_write};
+use super::plan::queries;
+use super::record;
+use super::stash::Entry;
+use super::{Agent, Done, Failure, internal};
+
+impl Agent {
+    /// Undo what the stash entry `entry` says was done at `mount_dir`.
+    pub(crate) async fn detach(
+        &self,
+        backend: &str,
+        entry: Entry,
+        mount_dir: &str,
+    ) -> Result<Done, Failure> {
+        let node = &self.node;
+        let Entry { volume, consumer, paths, .. } = entry;
+        let mut op = Operation::new(self, backend, volume, consumer, Default::default(), paths)?;
+        op.lock(node)?;
+        let name = op.volume.name.clone();
+        let remaining = record::others_here(node, &name, mount_dir).await?;
+        let plan = op
+            .plugin
+            .detach(queries(node, &op.plugin, &[]), &op.volume, &op.consumer, &remaining, &op.paths)
+            .map_err(internal)?;
+        let local = crate::exec::runs_locally(crate::exec::holding(&op.volume), &plan);
+        run_plan(node, plan, local, &mut op.lock).await?;
+        record::remove_holder(node, &name, mount_dir).await?;
+        stash_write(node, |s| s.remove(mount_dir))?;
+        Ok(Done { message: format!("volume {name} unmounted from {mount_dir}"), device: None })
+    }
+}
