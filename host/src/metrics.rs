@@ -140,7 +140,7 @@ impl Metrics {
         );
         registry.register(
             "stash_quarantined",
-            "Stash entries that could not be decoded and were set aside",
+            "MountRecords entries that could not be decoded and were set aside",
             m.stash_quarantined.clone(),
         );
         registry.register("plugin_reloads", "Passes over the plugin dir", m.plugin_reloads.clone());

@@ -17,10 +17,10 @@ const BELOW_THE_EDGES: &[&str] = &[
     "local",
     "sys",
     "nbd",
-    "runtime.rs",
+    "workers.rs",
     "metrics.rs",
     "secret.rs",
-    "store.rs",
+    "reopening_db.rs",
     "text.rs",
     "clock.rs",
     "listener.rs",
@@ -142,4 +142,29 @@ fn the_scan_sees_a_reach_in_each_form() {
     let found = reaches(tmp.path());
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0].starts_with("ops/held.rs:1: reaches socket"), "{found:?}");
+}
+
+/// Flexvolume's option keys (`kubernetes.io/pod.uid`, …) are the socket
+/// edge's to read: below it, a mount is a typed `ops::request::MountRequest`.
+#[test]
+fn only_the_socket_edge_reads_flexvolume_options() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = Vec::new();
+    for below in ["ops", "exec", "ledger", "local", "sys"] {
+        let mut files = Vec::new();
+        rust_files(&src.join(below), &mut files);
+        for file in files {
+            let text = std::fs::read_to_string(&file).expect("source file");
+            for (n, line) in text.lines().enumerate() {
+                let code = code(line);
+                if code.contains("\"kubernetes.io/") || code.contains("pvOrVolumeName") {
+                    found.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    let flex =
+        std::fs::read_to_string(src.join("socket/flex_request.rs")).expect("flex_request.rs");
+    assert!(flex.contains("pvOrVolumeName"), "the scan's marker is where the options are parsed");
+    assert!(found.is_empty(), "Flexvolume options read below the edge:\n{}", found.join("\n"));
 }

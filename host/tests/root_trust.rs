@@ -560,7 +560,7 @@ fn damaged_or_lost_stash_entries_strand_no_pod() {
     node.stop_agent();
     let stash_path = node.scratch.path("node-a/run/stash");
     {
-        let stash = volagent::ops::stash::Stash::open(&stash_path).expect("stash");
+        let stash = volagent::ops::mount_records::MountRecords::open(&stash_path).expect("stash");
         stash.put_raw(&a, b"{\"volume\": garbage").expect("damage a's entry");
     }
     node.spawn_agent("node-a");

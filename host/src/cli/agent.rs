@@ -1,7 +1,7 @@
 //! `volagent agent`: the node agent, standalone (embedded ledger) for now.
 
 use crate::ledger::embedded::EmbeddedLedger;
-use crate::ops::stash::Stash;
+use crate::ops::mount_records::MountRecords;
 use crate::ops::{Agent, NodeConfig};
 use crate::plugin::install;
 use crate::plugin::install::PodIdentity;
@@ -229,7 +229,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             Arc::new(EmbeddedLedger::open(&ledger_path, args.ledger_shared)?)
         }
     };
-    let stash = Stash::open(&args.runtime_dir.join("stash"))?;
+    let stash = MountRecords::open(&args.runtime_dir.join("stash"))?;
     stash.import_legacy(&args.runtime_dir.join("stash.redb"))?;
     let socket = args.socket();
     // The dirs the agent acts in, resolved once: every path it acts on is

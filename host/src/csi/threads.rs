@@ -9,7 +9,7 @@
 //! A thread runs a volume's local steps itself, so a step the kernel holds
 //! (a local disk that stops answering) or a tool it runs (mkfs of a new
 //! volume) keeps that thread until it returns. One thread always stays
-//! free of steps ([`crate::runtime::run_here`]): kubelet connects anew for
+//! free of steps ([`crate::workers::run_here`]): kubelet connects anew for
 //! every call, and that thread takes it; while the others are busy, its
 //! own calls' steps go to a blocking thread under the plan deadline, as do
 //! steps that wait on a network.
@@ -47,7 +47,7 @@ impl CsiThreads {
                         return;
                     }
                 };
-                let counted = crate::runtime::csi_thread();
+                let counted = crate::workers::csi_thread();
                 let _ = ready_tx.send(Ok(rt.handle().clone()));
                 // The sender dropped stops the thread too, at once.
                 let grace = rt.block_on(async move {
@@ -136,22 +136,22 @@ mod tests {
 
         // Local steps run here while the other thread is free; steps that
         // wait on a network never do.
-        assert!(on(a, async { crate::runtime::run_here(true).is_some() }));
-        assert!(on(a, async { crate::runtime::run_here(false).is_none() }));
+        assert!(on(a, async { crate::workers::run_here(true).is_some() }));
+        assert!(on(a, async { crate::workers::run_here(false).is_none() }));
         // While thread a runs steps, b's go to a blocking thread: one
         // thread stays free for kubelet's next call.
         let (inside, release) = (mpsc::channel(), mpsc::channel::<()>());
         a.spawn(async move {
-            let here = crate::runtime::run_here(true);
+            let here = crate::workers::run_here(true);
             inside.0.send(here.is_some()).unwrap();
             release.1.recv().unwrap();
             drop(here);
         });
         assert!(inside.1.recv_timeout(Duration::from_secs(10)).unwrap(), "a runs its steps itself");
-        assert!(on(b, async { crate::runtime::run_here(true).is_none() }), "b must stay free");
+        assert!(on(b, async { crate::workers::run_here(true).is_none() }), "b must stay free");
         release.0.send(()).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !on(b, async { crate::runtime::run_here(true).is_some() }) {
+        while !on(b, async { crate::workers::run_here(true).is_some() }) {
             assert!(Instant::now() < deadline, "b runs steps again once a is done");
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -161,14 +161,14 @@ mod tests {
         assert_eq!(
             current.block_on(async {
                 (
-                    crate::runtime::run_here(true).is_some(),
-                    crate::runtime::run_here(false).is_some(),
+                    crate::workers::run_here(true).is_some(),
+                    crate::workers::run_here(false).is_some(),
                 )
             }),
             (true, false)
         );
         let multi = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
-        assert!(multi.block_on(async { crate::runtime::run_here(false).is_some() }));
+        assert!(multi.block_on(async { crate::workers::run_here(false).is_some() }));
 
         let start = Instant::now();
         threads.stop(Duration::from_secs(10));

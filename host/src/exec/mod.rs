@@ -150,7 +150,7 @@ pub fn holding(volume: &crate::policy::Volume) -> Option<&str> {
 /// network peer (an NBD or RBD device, a network filesystem, a forced
 /// unmount of a dead one). A filesystem volume that names no filesystem
 /// (a gluster PV often does not) is not taken for a local one. Such plans
-/// may keep their worker ([`crate::runtime::on_worker`]); the tools a
+/// may keep their worker ([`crate::workers::on_worker`]); the tools a
 /// format or a probe runs hand it over themselves.
 pub fn runs_locally(holds: Option<&str>, plan: &[Step]) -> bool {
     let fs_local = |fs: &str| LOCAL_FILESYSTEMS.contains(&fs);

@@ -4,7 +4,7 @@
 //! see, and periodically in case a round failed.
 
 use super::crds::{CleanupEntry, NodeCleanup, StorageCluster};
-use crate::ops::stash::Entry;
+use crate::ops::mount_records::MountRecord;
 use crate::ops::{Agent, STORAGE_CLUSTER_OPTION};
 use crate::policy::CleanupReason;
 use futures_util::StreamExt;
@@ -70,7 +70,7 @@ pub async fn work_off_cleanup_list(
         .clean_volumes(CleanupReason::StaleNode, |e| entries.iter().any(|c| names_mount(c, e)))
         .await
         .map_err(|f| anyhow::anyhow!(f.message))?;
-    let stashed = agent.stashed_entries().await.map_err(|f| anyhow::anyhow!(f.message))?;
+    let stashed = agent.mount_records().await.map_err(|f| anyhow::anyhow!(f.message))?;
     let pending = |c: &CleanupEntry| stashed.iter().any(|e| names_mount(c, e));
     let done = entries.iter().filter(|c| !pending(c)).count();
     // Drop the finished entries; the controller may have appended meanwhile,
@@ -100,7 +100,7 @@ pub async fn work_off_cleanup_list(
 /// Whether cleanup entry `c` is about stashed mount `e`: the same dir and
 /// pod, recorded at the same time. (A stash entry an older agent wrote has
 /// no time: it is matched by its dir and pod alone.)
-pub fn names_mount(c: &CleanupEntry, e: &Entry) -> bool {
+pub fn names_mount(c: &CleanupEntry, e: &MountRecord) -> bool {
     c.consumer.mount_dir == e.consumer.mount_dir
         && c.consumer.pod_uid == e.consumer.pod_uid
         && e.since.as_ref().is_none_or(|since| *since == c.consumer.since)
@@ -163,7 +163,7 @@ mod tests {
         }
     }
 
-    fn stashed(dir: &str, uid: &str, since: Option<&str>) -> Entry {
+    fn stashed(dir: &str, uid: &str, since: Option<&str>) -> MountRecord {
         use crate::policy::{Consumer, NodePaths, Volume, VolumeMode};
         let volume = Volume {
             name: "pv1".into(),
@@ -190,7 +190,7 @@ mod tests {
             state_dir: "/s".into(),
             discovery_dirs: vec![],
         };
-        Entry { volume, consumer, paths, since: since.map(String::from) }
+        MountRecord { volume, consumer, paths, since: since.map(String::from) }
     }
 
     #[test]

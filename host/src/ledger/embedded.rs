@@ -24,7 +24,7 @@ struct Stored {
 }
 
 pub struct EmbeddedLedger {
-    db: Arc<crate::store::Reopening>,
+    db: Arc<crate::reopening_db::Reopening>,
     path: PathBuf,
     /// Alone on the file: the writes not yet committed. Dropping it
     /// commits them (its flusher holds a handle on the database of its own).
@@ -69,7 +69,7 @@ impl EmbeddedLedger {
             std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
         }
         let db = Arc::new(
-            crate::store::Reopening::open(path, move |p| open_db(p, shared))
+            crate::reopening_db::Reopening::open(path, move |p| open_db(p, shared))
                 .map_err(|e| err(&e))?,
         );
         let behind = if shared {
@@ -96,14 +96,14 @@ impl EmbeddedLedger {
         Ok(EmbeddedLedger { db, path: path.to_path_buf(), behind })
     }
 
-    /// Run `f` on the database, in place ([`crate::runtime::in_place`]): a
+    /// Run `f` on the database, in place ([`crate::workers::in_place`]): a
     /// commit is one `fdatasync` on the state dir's disk.
     fn run<R>(
         &self,
         f: impl FnOnce(&Database, ErrFn<'_>) -> Result<R, LedgerError>,
     ) -> Result<R, LedgerError> {
         let err = store_error(&self.path);
-        crate::runtime::in_place(|| self.db.with(|db| f(db, &err), |why| err(&why)))
+        crate::workers::in_place(|| self.db.with(|db| f(db, &err), |why| err(&why)))
     }
 
     /// Run `f` on the database right here: reads neither wait for writers
@@ -328,7 +328,7 @@ impl Ledger for EmbeddedLedger {
 
     fn flush(&self) -> Result<(), LedgerError> {
         match &self.behind {
-            Some(behind) => crate::runtime::in_place(|| behind.flush())
+            Some(behind) => crate::workers::in_place(|| behind.flush())
                 .map_err(|why| store_error(&self.path)(&why)),
             None => Ok(()),
         }

@@ -4,10 +4,10 @@
 //! Flexvolume mounts and CSI stages both run it.
 
 use super::context::Operation;
-use super::execute::{on_plan_thread, stash_write};
+use super::execute::{on_plan_thread, write_mounts};
+use super::mount_records::MountRecord;
 use super::node::Node;
 use super::record::{self, LEDGER_RETRIES, ledger_failure};
-use super::stash::Entry;
 use super::{Agent, Done, Failure, FailureKind, fence, internal};
 use crate::exec::Outcome;
 use crate::ledger::{LedgerError, VolumeSource};
@@ -88,14 +88,14 @@ async fn execute(
     since: String,
 ) -> Result<Outcome, Failure> {
     let plan = plan?;
-    let entry = Entry {
+    let entry = MountRecord {
         volume: op.volume.clone(),
         consumer: op.consumer.clone(),
         paths: op.paths.clone(),
         since: Some(since),
     };
     let local = crate::exec::runs_locally(crate::exec::holding(&op.volume), &plan);
-    let stash = node.stash.clone();
+    let stash = node.mount_records.clone();
     on_plan_thread(node, &mut op.lock, local, op.secrets.clone(), move |exec| {
         stash.put(&entry).map_err(internal)?;
         exec.run(&plan).map_err(internal)
@@ -109,7 +109,7 @@ async fn roll_back(node: &Node, op: &Operation) {
     if let Err(e) = record::remove_holder(node, volume, dir).await {
         tracing::error!(volume = %volume, "rolling back the ledger entry failed: {}", e.message);
     }
-    if let Err(e) = stash_write(node, |s| s.remove(dir)) {
+    if let Err(e) = write_mounts(node, |s| s.remove(dir)) {
         tracing::error!(volume = %volume, "rolling back the stash entry failed: {}", e.message);
     }
 }

@@ -4,7 +4,7 @@
 //! volume is torn down by its backend's cleanup plan in its own task, so one
 //! that hangs does not hold up the others.
 
-use super::stash::Entry;
+use super::mount_records::MountRecord;
 use super::{Agent, Failure, internal};
 use crate::clock::now_rfc3339;
 use crate::policy::{CleanupItem, CleanupReason, Holder, Step, Unmount};
@@ -26,10 +26,10 @@ impl Agent {
     pub async fn clean_volumes(
         self: &Arc<Self>,
         reason: CleanupReason,
-        pick: impl Fn(&Entry) -> bool,
+        pick: impl Fn(&MountRecord) -> bool,
     ) -> Result<Cleaned, Failure> {
-        let entries = super::execute::stash_read(&self.node, |s| s.all())?;
-        let mut by_volume: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
+        let entries = super::execute::read_mounts(&self.node, |s| s.all())?;
+        let mut by_volume: BTreeMap<String, Vec<MountRecord>> = BTreeMap::new();
         for e in entries.into_iter().filter(|e| pick(e)) {
             by_volume.entry(e.volume.name.clone()).or_default().push(e);
         }
@@ -72,7 +72,7 @@ impl Agent {
     async fn clean_volume(
         &self,
         reason: CleanupReason,
-        entries: Vec<Entry>,
+        entries: Vec<MountRecord>,
     ) -> Result<(), Failure> {
         let Some(first) = entries.first() else { return Ok(()) };
         let volume = first.volume.clone();
@@ -106,12 +106,12 @@ impl Agent {
         // Off the request path: a blocking thread, whatever the plan.
         super::execute::run_plan(&self.node, steps, false, &mut lock).await?;
         for p in publications {
-            super::execute::stash_write(&self.node, move |s| s.remove_publication(&p.target))?;
+            super::execute::write_mounts(&self.node, move |s| s.remove_publication(&p.target))?;
         }
         for e in entries {
             super::record::remove_holder(&self.node, &volume.name, &e.consumer.mount_dir).await?;
             let dir = e.consumer.mount_dir.clone();
-            super::execute::stash_write(&self.node, move |s| s.remove(&dir))?;
+            super::execute::write_mounts(&self.node, move |s| s.remove(&dir))?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! unstage undo them; every call may be repeated.
 
 use super::execute::blocking;
-use super::stash::{Entry, Publication};
+use super::mount_records::{MountRecord, Publication};
 use super::{Agent, Failure, internal};
 use crate::policy::{AccessMode, Consumer, KeyValue, Volume, VolumeMode};
 use crate::sys::Usage;
@@ -116,10 +116,10 @@ fn stage_point(staging: &str, volume_id: &str, mode: VolumeMode) -> String {
 
 /// The stash entry of `volume_id`'s stage at `staging`, of either mode.
 fn staged_entry(
-    stash: &super::stash::Stash,
+    stash: &super::mount_records::MountRecords,
     staging: &str,
     volume_id: &str,
-) -> Result<Option<Entry>, super::stash::StashError> {
+) -> Result<Option<MountRecord>, super::mount_records::MountRecordsError> {
     for mode in [VolumeMode::Filesystem, VolumeMode::Block] {
         let point = stage_point(staging, volume_id, mode);
         if let Some(e) = stash.get(&point)?
@@ -146,7 +146,7 @@ impl Agent {
         let shape = &req.shape;
         let point = stage_point(&staging, &req.volume_id, shape.mode);
         if let Some(entry) =
-            super::execute::stash_read(&self.node, |s| staged_entry(s, &staging, &req.volume_id))?
+            super::execute::read_mounts(&self.node, |s| staged_entry(s, &staging, &req.volume_id))?
         {
             let v = &entry.volume;
             if v.name != req.volume_id {
@@ -235,7 +235,7 @@ impl Agent {
                 )));
             }
         }
-        let entry = match super::execute::stash_read(&self.node, |s| {
+        let entry = match super::execute::read_mounts(&self.node, |s| {
             staged_entry(s, &dir, volume_id)
         })? {
             Some(e) if e.volume.name != volume_id => {
@@ -285,7 +285,7 @@ impl Agent {
     /// ([`crate::exec::runs_locally`]). Not staged (an error to come, or a
     /// staging gone): no.
     fn staged_locally(&self, staging: &str, volume_id: &str) -> bool {
-        matches!(staged_entry(&self.node.stash, staging, volume_id), Ok(Some(e)) if crate::exec::runs_locally(crate::exec::holding(&e.volume), &[]))
+        matches!(staged_entry(&self.node.mount_records, staging, volume_id), Ok(Some(e)) if crate::exec::runs_locally(crate::exec::holding(&e.volume), &[]))
     }
 
     pub async fn csi_publish(&self, backend: &str, req: PublishRequest) -> Result<(), CsiError> {
@@ -294,7 +294,7 @@ impl Agent {
         // each is a few syscalls, and each trip to another thread costs more.
         let local = self.staged_locally(&text(&req.staging), &req.volume_id);
         let (stash, sys, backend) =
-            (self.node.stash.clone(), self.node.sys.clone(), backend.to_string());
+            (self.node.mount_records.clone(), self.node.sys.clone(), backend.to_string());
         super::execute::on_plan_thread(&self.node, &mut lock, local, Arc::default(), move |exec| {
             let Some(entry) = publish_checked(&stash, &sys, &backend, &req)? else { return Ok(()) };
             let (staging, target) = (text(&req.staging), text(&req.target));
@@ -351,7 +351,7 @@ impl Agent {
         let local = found.as_ref().is_some_and(|p| self.staged_locally(&p.staging, volume_id));
         super::execute::run_plan(&self.node, vec![unmount], local, &mut lock).await?;
         let key = target.clone();
-        super::execute::stash_write(&self.node, move |s| s.remove_publication(&key))?;
+        super::execute::write_mounts(&self.node, move |s| s.remove_publication(&key))?;
         Ok(())
     }
 
@@ -411,7 +411,7 @@ impl Agent {
 
     /// What the backend says of the volume's health at `at`. Its own
     /// failure is reported as the condition (the volume cannot be judged).
-    fn backend_condition(&self, entry: &Entry, at: &str) -> Result<Option<String>, CsiError> {
+    fn backend_condition(&self, entry: &MountRecord, at: &str) -> Result<Option<String>, CsiError> {
         let plugin = self.plugin(&entry.volume.backend)?;
         let consumer = Consumer { mount_dir: at.to_string(), ..entry.consumer.clone() };
         let queries = super::plan::queries(&self.node, &plugin, &[]);
@@ -423,8 +423,8 @@ impl Agent {
 
     /// Whether `volume_id` is staged or published at `at`: read-only there,
     /// and its stage.
-    async fn volume_at(&self, volume_id: &str, at: &str) -> Result<(bool, Entry), CsiError> {
-        let found = super::execute::stash_read(&self.node, |s| {
+    async fn volume_at(&self, volume_id: &str, at: &str) -> Result<(bool, MountRecord), CsiError> {
+        let found = super::execute::read_mounts(&self.node, |s| {
             if let Some(p) =
                 s.publications()?.into_iter().find(|p| p.target == at && p.volume == volume_id)
             {
@@ -440,7 +440,7 @@ impl Agent {
     }
 
     pub(crate) async fn publications(&self) -> Result<Vec<Publication>, Failure> {
-        super::execute::stash_read(&self.node, |s| s.publications())
+        super::execute::read_mounts(&self.node, |s| s.publications())
     }
 
     /// Forget publications whose target is no longer mounted (an agent
@@ -450,7 +450,7 @@ impl Agent {
         for p in self.publications().await? {
             if !self.mounted(&p.target).await? {
                 let target = p.target.clone();
-                super::execute::stash_write(&self.node, move |s| s.remove_publication(&target))?;
+                super::execute::write_mounts(&self.node, move |s| s.remove_publication(&target))?;
                 gone.push(p.target);
             }
         }
@@ -458,7 +458,7 @@ impl Agent {
     }
 }
 
-fn stash_failure(e: super::stash::StashError) -> CsiError {
+fn stash_failure(e: super::mount_records::MountRecordsError) -> CsiError {
     CsiError::Op(internal(e))
 }
 
@@ -470,11 +470,11 @@ fn mounted_now(sys: &crate::sys::Sys, path: &str) -> Result<bool, CsiError> {
 /// volume in place, the target free or already this very publication, and a
 /// ReadWriteOncePod volume published nowhere else. None: published already.
 fn publish_checked(
-    stash: &super::stash::Stash,
+    stash: &super::mount_records::MountRecords,
     sys: &crate::sys::Sys,
     backend: &str,
     req: &PublishRequest,
-) -> Result<Option<Entry>, CsiError> {
+) -> Result<Option<MountRecord>, CsiError> {
     let (staging, target) = (text(&req.staging), text(&req.target));
     let volume_id = &req.volume_id;
     let entry = match staged_entry(stash, &staging, volume_id).map_err(stash_failure)? {

@@ -2,10 +2,10 @@
 //! volume where an admin allows those) and the StorageCluster it names —
 //! never the options a pod's author could write. Then the attach pipeline.
 
-use super::execute::{blocking, stash_read};
+use super::execute::{blocking, read_mounts};
+use super::mount_records::MountRecord;
 use super::record::{self, storage_cluster};
 use super::request::{MountDir, MountRequest};
-use super::stash::Entry;
 use super::{Agent, Done, Failure, FailureKind, cluster, cluster_failure, internal};
 use crate::policy::{KeyValue, Volume};
 use crate::secret::Secrets;
@@ -89,9 +89,9 @@ impl Agent {
         &self,
         backend: &str,
         dir: &MountDir,
-    ) -> Result<Option<Entry>, Failure> {
+    ) -> Result<Option<MountRecord>, Failure> {
         let mount_dir = dir.dir.display().to_string();
-        if let Some(entry) = stash_read(&self.node, |s| s.get(&mount_dir))? {
+        if let Some(entry) = read_mounts(&self.node, |s| s.get(&mount_dir))? {
             return Ok(Some(entry));
         }
         let sys = self.node.sys.clone();

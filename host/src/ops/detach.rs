@@ -4,10 +4,10 @@
 //! all run it.
 
 use super::context::Operation;
-use super::execute::{run_plan, stash_write};
+use super::execute::{run_plan, write_mounts};
+use super::mount_records::MountRecord;
 use super::plan::queries;
 use super::record;
-use super::stash::Entry;
 use super::{Agent, Done, Failure, internal};
 
 impl Agent {
@@ -15,11 +15,11 @@ impl Agent {
     pub(crate) async fn detach(
         &self,
         backend: &str,
-        entry: Entry,
+        entry: MountRecord,
         mount_dir: &str,
     ) -> Result<Done, Failure> {
         let node = &self.node;
-        let Entry { volume, consumer, paths, .. } = entry;
+        let MountRecord { volume, consumer, paths, .. } = entry;
         let mut op = Operation::new(self, backend, volume, consumer, Default::default(), paths)?;
         op.lock(node)?;
         let name = op.volume.name.clone();
@@ -31,7 +31,7 @@ impl Agent {
         let local = crate::exec::runs_locally(crate::exec::holding(&op.volume), &plan);
         run_plan(node, plan, local, &mut op.lock).await?;
         record::remove_holder(node, &name, mount_dir).await?;
-        stash_write(node, |s| s.remove(mount_dir))?;
+        write_mounts(node, |s| s.remove(mount_dir))?;
         Ok(Done { message: format!("volume {name} unmounted from {mount_dir}"), device: None })
     }
 }

@@ -2,7 +2,7 @@
 //! request's path (an Event is for people; the request's answer does not
 //! wait for it).
 
-use super::execute::stash_read;
+use super::execute::read_mounts;
 use super::{Agent, Failure, FailureKind};
 use crate::policy::Consumer;
 
@@ -35,7 +35,7 @@ impl Agent {
 
     /// The consumer the stash records at `mount_dir`, if any.
     pub fn consumer_at(&self, mount_dir: &str) -> Option<Consumer> {
-        stash_read(&self.node, |s| s.get(mount_dir)).ok().flatten().map(|e| e.consumer)
+        read_mounts(&self.node, |s| s.get(mount_dir)).ok().flatten().map(|e| e.consumer)
     }
 }
 

@@ -2,8 +2,8 @@
 //! under the plan deadline, stash writes on this worker, a kubelet
 //! request's whole operation on a task of its own ([`served`]).
 
+use super::mount_records::{MountRecords, MountRecordsError};
 use super::node::{LockGuard, Node};
-use super::stash::{Stash, StashError};
 use super::{Failure, FailureKind, internal};
 use crate::exec::{Executor, Outcome};
 use crate::policy::Step;
@@ -44,8 +44,8 @@ pub(crate) async fn run_plan_with(
 /// volume's `lock` goes with the job, which holds it until it ends.
 /// In a request [`served`] with its answer bounded, the job runs right
 /// here instead (see there), on this very worker when it is `local`
-/// ([`crate::runtime::on_worker`]); on a CSI thread, a `local` one
-/// while another CSI thread is free ([`crate::runtime::run_here`]).
+/// ([`crate::workers::on_worker`]); on a CSI thread, a `local` one
+/// while another CSI thread is free ([`crate::workers::run_here`]).
 pub(crate) async fn on_plan_thread<R: Send + 'static, E: From<Failure> + Send + 'static>(
     node: &Node,
     lock: &mut Option<LockGuard>,
@@ -55,9 +55,9 @@ pub(crate) async fn on_plan_thread<R: Send + 'static, E: From<Failure> + Send + 
 ) -> Result<R, E> {
     let exec = Executor::new(node.sys.clone()).with_secrets(secrets);
     if STEPS_IN_PLACE.try_with(|_| ()).is_ok()
-        && let Some(_here) = crate::runtime::run_here(local)
+        && let Some(_here) = crate::workers::run_here(local)
     {
-        return crate::runtime::on_worker(local, || job(&exec));
+        return crate::workers::on_worker(local, || job(&exec));
     }
     let mut task = tokio::task::spawn_blocking(move || job(&exec));
     match tokio::time::timeout(node.plan_deadline, &mut task).await {
@@ -82,19 +82,19 @@ pub(crate) async fn on_plan_thread<R: Send + 'static, E: From<Failure> + Send + 
 
 /// A stash write, on this worker: a file written and renamed in the
 /// runtime dir (a tmpfs on a node), local work of a few syscalls.
-pub(crate) fn stash_write<R>(
+pub(crate) fn write_mounts<R>(
     node: &Node,
-    f: impl FnOnce(&Stash) -> Result<R, StashError>,
+    f: impl FnOnce(&MountRecords) -> Result<R, MountRecordsError>,
 ) -> Result<R, Failure> {
-    crate::runtime::on_worker(true, || f(&node.stash)).map_err(internal)
+    crate::workers::on_worker(true, || f(&node.mount_records)).map_err(internal)
 }
 
 /// A stash read, inline: the stash answers from memory.
-pub(crate) fn stash_read<R>(
+pub(crate) fn read_mounts<R>(
     node: &Node,
-    f: impl FnOnce(&Stash) -> Result<R, StashError>,
+    f: impl FnOnce(&MountRecords) -> Result<R, MountRecordsError>,
 ) -> Result<R, Failure> {
-    f(&node.stash).map_err(internal)
+    f(&node.mount_records).map_err(internal)
 }
 
 tokio::task_local! {
@@ -106,7 +106,7 @@ tokio::task_local! {
 /// `deadline`. Its steps run on that task's own thread, not on a blocking
 /// thread: the hand-off there and back is two thread wake-ups, ~100 µs on
 /// a small VM, on every stage, publish and mount; a plan on local disks
-/// only keeps the worker too ([`crate::runtime::on_worker`]). A step can
+/// only keeps the worker too ([`crate::workers::on_worker`]). A step can
 /// still hang in the kernel: at the deadline the request is answered
 /// `timed_out` (by another worker), and the operation goes on, holding the
 /// volume's lock until it ends; it then finishes or rolls back as it would

@@ -17,7 +17,8 @@ pub mod events;
 mod execute;
 mod failure;
 mod fence;
-pub mod held;
+pub mod holdings;
+pub mod mount_records;
 pub mod node;
 mod plan;
 pub mod queries;
@@ -25,16 +26,15 @@ pub mod reconcile;
 mod record;
 pub mod release;
 pub mod request;
-pub mod stash;
 mod takeover;
 
 use crate::policy::Plugin;
 use cluster::{ClusterError, ClusterView};
 pub use execute::served;
 pub use failure::{Done, Failure, FailureKind, MAX_MESSAGE};
+use mount_records::MountRecords;
 pub use node::{Node, NodeConfig, loop_tag};
 pub use record::STORAGE_CLUSTER_OPTION;
-use stash::Stash;
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -65,7 +65,7 @@ impl Agent {
         config: NodeConfig,
         plugins: Vec<Plugin>,
         ledger: Arc<dyn crate::ledger::Ledger>,
-        stash: Stash,
+        mount_records: MountRecords,
         sys: crate::sys::Sys,
         plan_deadline: Duration,
     ) -> Agent {
@@ -74,7 +74,7 @@ impl Agent {
             node: Node {
                 config,
                 ledger,
-                stash: Arc::new(stash),
+                mount_records: Arc::new(mount_records),
                 sys,
                 locks: node::Locks::default(),
                 plan_deadline,
@@ -133,7 +133,7 @@ impl Agent {
     /// Volumes of `backend` this node has mounted (from the stash).
     pub async fn volumes_of(&self, backend: &str) -> Result<Vec<String>, Failure> {
         let backend = backend.to_string();
-        let entries = execute::stash_read(&self.node, |s| s.all())?;
+        let entries = execute::read_mounts(&self.node, |s| s.all())?;
         let mut v: Vec<String> = entries
             .into_iter()
             .filter(|e| e.volume.backend == backend)
@@ -159,8 +159,8 @@ impl Agent {
     }
 
     /// Every mount the stash records on this node.
-    pub async fn stashed_entries(&self) -> Result<Vec<stash::Entry>, Failure> {
-        execute::stash_read(&self.node, |s| s.all())
+    pub async fn mount_records(&self) -> Result<Vec<mount_records::MountRecord>, Failure> {
+        execute::read_mounts(&self.node, |s| s.all())
     }
 }
 
@@ -185,7 +185,7 @@ pub(crate) mod tests {
         let ledger = Arc::new(
             crate::ledger::embedded::EmbeddedLedger::open(&dir.join("ledger.redb"), false).unwrap(),
         );
-        let stash = Stash::open(&dir.join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.join("stash")).unwrap();
         let fake = crate::sys::fake::Fake::new();
         (
             Agent::new(

@@ -2,7 +2,7 @@
 //! of the pipeline may use (records, effects, locks, the cluster).
 
 use super::cluster::ClusterView;
-use super::stash::Stash;
+use super::mount_records::MountRecords;
 use crate::ledger::Ledger;
 use crate::policy::NodePaths;
 use crate::sys::Sys;
@@ -77,7 +77,7 @@ impl NodeConfig {
 pub struct Node {
     pub config: NodeConfig,
     pub(crate) ledger: Arc<dyn Ledger>,
-    pub(crate) stash: Arc<Stash>,
+    pub(crate) mount_records: Arc<MountRecords>,
     pub(crate) sys: Sys,
     pub(super) locks: Locks,
     /// How long a request waits for a plan's steps.

@@ -24,7 +24,7 @@ pub struct Report {
     pub stale_holders: Vec<String>,
     /// Mounts and devices under volagent's dirs that nothing explains: removed.
     pub orphans: Vec<String>,
-    /// Stash entries that could not be decoded, set aside (their mounts are
+    /// MountRecords entries that could not be decoded, set aside (their mounts are
     /// unmounted from the ledger's record when kubelet asks).
     pub quarantined: Vec<String>,
     /// What could not be repaired.
@@ -34,8 +34,8 @@ pub struct Report {
 impl Agent {
     pub async fn reconcile(&self) -> Result<Report, Failure> {
         let mut report = Report::default();
-        let stash = super::execute::stash_read(&self.node, |s| s.all())?;
-        report.quarantined = super::execute::stash_read(&self.node, |s| s.quarantined())?;
+        let stash = super::execute::read_mounts(&self.node, |s| s.all())?;
+        report.quarantined = super::execute::read_mounts(&self.node, |s| s.quarantined())?;
         let mut stashed_dirs = BTreeSet::new();
         for entry in stash {
             let dir = entry.consumer.mount_dir.clone();
@@ -119,7 +119,10 @@ impl Agent {
 
     /// Add the stash entry's consumer to its volume's record if it is not
     /// there; true when it was added.
-    async fn record_holder_again(&self, entry: &super::stash::Entry) -> Result<bool, Failure> {
+    async fn record_holder_again(
+        &self,
+        entry: &super::mount_records::MountRecord,
+    ) -> Result<bool, Failure> {
         let volume = &entry.volume;
         let current =
             self.node.ledger.get(&volume.name).await.map_err(super::record::ledger_failure)?;
@@ -208,7 +211,7 @@ impl Agent {
         recorded: &BTreeSet<String>,
         report: &mut Report,
     ) -> Result<(), Failure> {
-        let stash = super::execute::stash_read(&self.node, |s| s.all())?;
+        let stash = super::execute::read_mounts(&self.node, |s| s.all())?;
         let staging_root = self.node.config.kubelet_root.join("plugins/volagent");
         // First the backends' own cleanup plans, for the staging mounts
         // whose backend is loaded.

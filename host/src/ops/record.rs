@@ -4,9 +4,9 @@
 
 use super::context::Operation;
 use super::fence::Fenced;
+use super::mount_records::MountRecord;
 use super::node::Node;
 use super::request::MountDir;
-use super::stash::Entry;
 use super::{Failure, FailureKind, cluster, internal};
 use crate::clock::now_rfc3339;
 use crate::ledger::{LedgerError, Record, StorageClient, Version, VolumeSource};
@@ -232,7 +232,7 @@ pub(crate) async fn entry_from_ledger(
     node: &Node,
     backend: &str,
     dir: &MountDir,
-) -> Result<Option<Entry>, Failure> {
+) -> Result<Option<MountRecord>, Failure> {
     for key in [dir.name.clone(), cluster::inline_key(&dir.pod_uid, &dir.name)] {
         if let Some(entry) =
             entry_of_record(node, backend, &dir.dir.display().to_string(), &key).await?
@@ -249,7 +249,7 @@ pub(crate) async fn entry_of_record(
     backend: &str,
     path: &str,
     key: &str,
-) -> Result<Option<Entry>, Failure> {
+) -> Result<Option<MountRecord>, Failure> {
     let Some((record, _)) = node.ledger.get(key).await.map_err(ledger_failure)? else {
         return Ok(None);
     };
@@ -271,7 +271,7 @@ pub(crate) async fn entry_of_record(
         options: source.options(),
         secret_keys: Vec::new(),
     };
-    Ok(Some(Entry {
+    Ok(Some(MountRecord {
         paths: node.config.paths(backend, &volume.name),
         volume,
         consumer: holder.consumer.clone(),

@@ -40,7 +40,7 @@ impl Agent {
     ) -> Result<String, Failure> {
         let plugin = self.plugin(&volume.backend)?;
         let name = volume.name.clone();
-        let held = super::execute::stash_read(&self.node, |s| s.all())?;
+        let held = super::execute::read_mounts(&self.node, |s| s.all())?;
         if let Some(e) = held.iter().find(|e| e.volume.name == name) {
             return Err(Failure::new(
                 FailureKind::Busy,

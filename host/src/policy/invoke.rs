@@ -6,9 +6,9 @@ use super::bindings::{BackendInfo, PolicyError};
 use super::compat::convert;
 use super::imports::CallState;
 use super::pre::Pre;
+use super::prewarm::{self, Prewarmed, Unused};
 use super::queries::Queries;
 use super::runtime::Runtime;
-use super::spare::{self, Ready, Spares};
 use super::validate::PlanError;
 use std::sync::Arc;
 use wasmtime::{Store, Trap};
@@ -48,7 +48,7 @@ impl CallError {
 /// deadline and a memory cap. Nothing survives the call, so nothing leaks
 /// between calls, volumes or operations, and a trapped instance is gone.
 /// The instance is `ready` when it was made ahead of the call
-/// ([`super::spare`]); the store then goes back to the janitor, which
+/// ([`super::spare`]); the store then goes back to the prewarmer, which
 /// drops it and makes up `spares`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn invoke<I, R>(
@@ -56,25 +56,25 @@ pub(crate) fn invoke<I, R>(
     backend: &Arc<str>,
     queries: Arc<dyn Queries>,
     function: &'static str,
-    ready: Option<Ready<I>>,
-    spares: Option<&Arc<Spares>>,
+    ready: Option<Unused<I>>,
+    spares: Option<&Arc<Prewarmed>>,
     instantiate: impl Fn(&mut Store<CallState>) -> wasmtime::Result<I>,
     f: impl FnOnce(&I, &mut Store<CallState>) -> wasmtime::Result<R>,
 ) -> Result<R, CallError> {
     let limits = runtime.limits;
     let _calling = runtime.calling();
     let (mut store, instance) = match ready {
-        Some(Ready { store, instance }) => (store, instance),
+        Some(Unused { store, instance }) => (store, instance),
         None => {
             let mut store =
-                spare::new_store(&runtime.engine, backend.clone(), queries.clone(), &limits);
+                prewarm::new_store(&runtime.engine, backend.clone(), queries.clone(), &limits);
             let mut made = instantiate(&mut store);
             // Every slot in use: those of instances made ahead, and of used
             // ones not dropped yet, go to calls.
-            if matches!(&made, Err(e) if !spare::guest_fault(&store, e)) {
-                let (freed, _held) = runtime.janitor.give_way(|| runtime.release_spares());
+            if matches!(&made, Err(e) if !prewarm::guest_fault(&store, e)) {
+                let (freed, _held) = runtime.prewarmer.give_way(|| runtime.release_spares());
                 if freed {
-                    store = spare::new_store(&runtime.engine, backend.clone(), queries, &limits);
+                    store = prewarm::new_store(&runtime.engine, backend.clone(), queries, &limits);
                     made = instantiate(&mut store);
                 }
             }
@@ -82,7 +82,7 @@ pub(crate) fn invoke<I, R>(
                 Ok(instance) => (store, instance),
                 // A start function that traps or loops is the guest's fault;
                 // anything else (e.g. every pool slot in use) is the host's.
-                Err(e) if !spare::guest_fault(&store, &e) => {
+                Err(e) if !prewarm::guest_fault(&store, &e) => {
                     return Err(CallError::Instantiate {
                         backend: backend.to_string(),
                         function,
@@ -106,7 +106,7 @@ pub(crate) fn invoke<I, R>(
     let result = result.map_err(|e| fault(&store, backend, function, e));
     drop(instance);
     if let Some(spares) = spares {
-        runtime.janitor.retire(Some(store), spares);
+        runtime.prewarmer.retire(Some(store), spares);
     }
     result
 }

@@ -54,7 +54,7 @@ pub struct Plugin {
     pub(crate) runtime: Arc<Runtime>,
     pub(crate) name: Arc<str>,
     /// Instances made ahead of calls.
-    pub(crate) spares: Arc<super::spare::Spares>,
+    pub(crate) spares: Arc<super::prewarm::Prewarmed>,
     info: BackendInfo,
     path: PathBuf,
     sha256: String,
@@ -144,9 +144,9 @@ impl Plugin {
         .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
         let name: Arc<str> = Arc::from(info.name.as_str());
-        let spares = super::spare::Spares::new(pre.clone(), name.clone());
+        let spares = super::prewarm::Prewarmed::new(pre.clone(), name.clone());
         runtime.register_spares(&spares);
-        runtime.janitor.retire(None, &spares);
+        runtime.prewarmer.retire(None, &spares);
         Ok(Plugin {
             pre,
             runtime: runtime.clone(),

@@ -10,10 +10,10 @@ mod invoke;
 mod limits;
 mod load;
 mod pre;
+mod prewarm;
 pub mod queries;
 mod runtime;
 pub mod scenario;
-mod spare;
 mod ticker;
 pub mod validate;
 

@@ -1,7 +1,7 @@
 //! One engine per process: Cranelift, component model, pooling allocator and
 //! epoch interruption ticked from a dedicated thread — only while a guest
 //! call runs, so that an idle agent does not wake 200 times a second — and
-//! the janitor ([`super::spare`]), which makes instances ahead of calls.
+//! the prewarmer ([`super::spare`]), which makes instances ahead of calls.
 
 use super::bindings::Backend;
 use super::imports::CallState;
@@ -27,7 +27,7 @@ pub enum RuntimeError {
     #[error("cannot start the epoch ticker thread: {0}")]
     Ticker(std::io::Error),
     #[error("cannot start the thread that makes instances ahead of calls: {0}")]
-    Janitor(std::io::Error),
+    Prewarmer(std::io::Error),
 }
 
 /// The engine, the linker with the `host` and WASI imports, and the ticker.
@@ -36,10 +36,10 @@ pub struct Runtime {
     pub(crate) linker: Linker<CallState>,
     pub(crate) limits: Limits,
     ticker: Ticker,
-    pub(crate) janitor: super::spare::Janitor,
+    pub(crate) prewarmer: super::prewarm::Prewarmer,
     /// Every backend's instances made ahead: given back when a call finds
     /// the pool full.
-    spares: Mutex<Vec<std::sync::Weak<super::spare::Spares>>>,
+    spares: Mutex<Vec<std::sync::Weak<super::prewarm::Prewarmed>>>,
 }
 
 impl Runtime {
@@ -83,16 +83,23 @@ impl Runtime {
         .map_err(RuntimeError::Link)?;
 
         let ticker = Ticker::start(engine.clone()).map_err(RuntimeError::Ticker)?;
-        let janitor = super::spare::Janitor::start(engine.clone(), limits, ticker.handle())
-            .map_err(RuntimeError::Janitor)?;
-        Ok(Arc::new(Runtime { engine, linker, limits, ticker, janitor, spares: Mutex::default() }))
+        let prewarmer = super::prewarm::Prewarmer::start(engine.clone(), limits, ticker.handle())
+            .map_err(RuntimeError::Prewarmer)?;
+        Ok(Arc::new(Runtime {
+            engine,
+            linker,
+            limits,
+            ticker,
+            prewarmer,
+            spares: Mutex::default(),
+        }))
     }
 }
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        // The janitor first: what it makes counts as calls for the ticker.
-        self.janitor.stop();
+        // The prewarmer first: what it makes counts as calls for the ticker.
+        self.prewarmer.stop();
         self.ticker.stop();
     }
 }
@@ -104,7 +111,7 @@ impl Runtime {
     }
 
     /// Count `spares` among the backends' instances made ahead.
-    pub(crate) fn register_spares(&self, spares: &Arc<super::spare::Spares>) {
+    pub(crate) fn register_spares(&self, spares: &Arc<super::prewarm::Prewarmed>) {
         let mut all = self.spares.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|s| s.strong_count() > 0);
         all.push(Arc::downgrade(spares));

@@ -30,7 +30,7 @@ pub fn run_with(
     deadline: Duration,
 ) -> Result<std::process::Output, SysError> {
     // A tool can run for seconds (mkfs of a big device): not on a worker.
-    crate::runtime::may_take_long(|| run_until(cmd, program, device, deadline))
+    crate::workers::may_take_long(|| run_until(cmd, program, device, deadline))
 }
 
 fn run_until(

@@ -1,4 +1,5 @@
-//! The node-local stash: for every pod mount dir this agent mounted, what
+//! The node's mount records (its "stash", as its files and messages say):
+//! for every pod mount dir this agent mounted, what
 //! it needs to unmount it (volume, consumer, paths) — kubelet's `unmount`
 //! gives only the dir, and teardown must work with no API at all.
 
@@ -24,7 +25,7 @@ pub struct Publication {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Entry {
+pub struct MountRecord {
     pub volume: Volume,
     pub consumer: Consumer,
     pub paths: NodePaths,
@@ -37,7 +38,7 @@ pub struct Entry {
 
 /// An entry as stored, also by an agent of contract 0.4 (whose volumes
 /// had no mode or mount flags: filesystem volumes, none).
-fn decode_entry(bytes: &[u8]) -> Result<Entry, serde_json::Error> {
+fn decode_entry(bytes: &[u8]) -> Result<MountRecord, serde_json::Error> {
     let mut value: serde_json::Value = serde_json::from_slice(bytes)?;
     if let Some(volume) = value.get_mut("volume") {
         crate::policy::volume_defaults(volume);
@@ -47,7 +48,7 @@ fn decode_entry(bytes: &[u8]) -> Result<Entry, serde_json::Error> {
 
 #[derive(Debug, thiserror::Error)]
 #[error("stash {}: {message}", path.display())]
-pub struct StashError {
+pub struct MountRecordsError {
     path: PathBuf,
     message: String,
 }
@@ -71,7 +72,7 @@ const MAX_FILE: u64 = 1 << 20;
 /// one, never part of one. A write costs a few syscalls, each named from a
 /// handle on its table's dir (no walk of the runtime dir's path each time);
 /// a database transaction cost 30–60 µs, on every mount's path.
-pub struct Stash {
+pub struct MountRecords {
     dir: PathBuf,
     /// Handles on the tables' dirs, by table.
     dirs: BTreeMap<&'static str, std::os::fd::OwnedFd>,
@@ -117,7 +118,7 @@ struct Row {
 }
 
 enum Decoded {
-    Entry(Box<Entry>),
+    MountRecord(Box<MountRecord>),
     Publication(Publication),
 }
 
@@ -133,12 +134,12 @@ impl Row {
 
     /// The entry the row holds, decoded at the first read. A value that
     /// does not decode is not kept: its error comes at every read.
-    fn entry(&self) -> Result<Entry, serde_json::Error> {
-        if let Some(Decoded::Entry(e)) = self.decoded.get() {
-            return Ok(Entry::clone(e));
+    fn entry(&self) -> Result<MountRecord, serde_json::Error> {
+        if let Some(Decoded::MountRecord(e)) = self.decoded.get() {
+            return Ok(MountRecord::clone(e));
         }
         let entry = decode_entry(&self.bytes)?;
-        let _ = self.decoded.set(Decoded::Entry(Box::new(entry.clone())));
+        let _ = self.decoded.set(Decoded::MountRecord(Box::new(entry.clone())));
         Ok(entry)
     }
 
@@ -152,12 +153,12 @@ impl Row {
     }
 }
 
-impl Stash {
+impl MountRecords {
     /// Open (or create) the stash in `dir` and read it. Temporary files
     /// an agent killed mid-write left behind are removed; a file that is
     /// no record (damaged, or too large) is quarantined under its name.
-    pub fn open(dir: &Path) -> Result<Stash, StashError> {
-        let err = |path: &Path, e: &dyn std::fmt::Display| StashError {
+    pub fn open(dir: &Path) -> Result<MountRecords, MountRecordsError> {
+        let err = |path: &Path, e: &dyn std::fmt::Display| MountRecordsError {
             path: path.to_path_buf(),
             message: e.to_string(),
         };
@@ -212,7 +213,7 @@ impl Stash {
             .map_err(|e| err(&path, &e))?;
             dirs.insert(table, fd);
         }
-        let stash = Stash {
+        let stash = MountRecords {
             dir: dir.to_path_buf(),
             dirs,
             pid: std::process::id(),
@@ -233,11 +234,11 @@ impl Stash {
         self.tables.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn err_at(&self, path: &Path, e: &dyn std::fmt::Display) -> StashError {
-        StashError { path: path.to_path_buf(), message: e.to_string() }
+    fn err_at(&self, path: &Path, e: &dyn std::fmt::Display) -> MountRecordsError {
+        MountRecordsError { path: path.to_path_buf(), message: e.to_string() }
     }
 
-    fn err(&self, e: &dyn std::fmt::Display) -> StashError {
+    fn err(&self, e: &dyn std::fmt::Display) -> MountRecordsError {
         self.err_at(&self.dir, e)
     }
 
@@ -255,7 +256,7 @@ impl Stash {
         key: &str,
         value: &[u8],
         decoded: Option<Decoded>,
-    ) -> Result<(), StashError> {
+    ) -> Result<(), MountRecordsError> {
         use nix::fcntl::OFlag;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let mut tables = self.tables();
@@ -297,7 +298,7 @@ impl Stash {
         self.tables().get(table).is_some_and(|rows| rows.contains_key(key))
     }
 
-    fn remove_key(&self, table: &'static str, key: &str) -> Result<(), StashError> {
+    fn remove_key(&self, table: &'static str, key: &str) -> Result<(), MountRecordsError> {
         let mut tables = self.tables();
         let name = file_name(key);
         match nix::unistd::unlinkat(
@@ -332,7 +333,7 @@ impl Stash {
         key: &str,
         name: &str,
         why: &dyn std::fmt::Display,
-    ) -> Result<(), StashError> {
+    ) -> Result<(), MountRecordsError> {
         tracing::error!(stash = %self.dir.display(), mount_dir = key, "undecodable stash entry quarantined ({why}); that dir's unmount falls back to the ledger");
         crate::metrics::get().stash_quarantined.inc();
         let mut tables = self.tables();
@@ -350,23 +351,23 @@ impl Stash {
 
     /// The keys (mount dirs) of quarantined entries; a file that was no
     /// record is named by its file name.
-    pub fn quarantined(&self) -> Result<Vec<String>, StashError> {
+    pub fn quarantined(&self) -> Result<Vec<String>, MountRecordsError> {
         Ok(self.rows(QUARANTINE, |key, _| key.clone()))
     }
 
-    pub fn put(&self, entry: &Entry) -> Result<(), StashError> {
+    pub fn put(&self, entry: &MountRecord) -> Result<(), MountRecordsError> {
         let bytes = serde_json::to_vec(entry).map_err(|e| self.err(&e))?;
         self.write(
             MOUNTS,
             &entry.consumer.mount_dir,
             &bytes,
-            Some(Decoded::Entry(Box::new(entry.clone()))),
+            Some(Decoded::MountRecord(Box::new(entry.clone()))),
         )
     }
 
     /// The entry of `mount_dir`; none when there is none or it could not
     /// be decoded (it is then quarantined).
-    pub fn get(&self, mount_dir: &str) -> Result<Option<Entry>, StashError> {
+    pub fn get(&self, mount_dir: &str) -> Result<Option<MountRecord>, MountRecordsError> {
         let decoded =
             self.tables().get(MOUNTS).and_then(|rows| rows.get(mount_dir)).map(Row::entry);
         match decoded {
@@ -379,22 +380,22 @@ impl Stash {
         }
     }
 
-    pub fn remove(&self, mount_dir: &str) -> Result<(), StashError> {
+    pub fn remove(&self, mount_dir: &str) -> Result<(), MountRecordsError> {
         self.remove_key(MOUNTS, mount_dir)
     }
 
-    pub fn put_publication(&self, p: &Publication) -> Result<(), StashError> {
+    pub fn put_publication(&self, p: &Publication) -> Result<(), MountRecordsError> {
         let bytes = serde_json::to_vec(p).map_err(|e| self.err(&e))?;
         self.write(PUBLISHED, &p.target, &bytes, Some(Decoded::Publication(p.clone())))
     }
 
-    pub fn remove_publication(&self, target: &str) -> Result<(), StashError> {
+    pub fn remove_publication(&self, target: &str) -> Result<(), MountRecordsError> {
         self.remove_key(PUBLISHED, target)
     }
 
     /// Every publication; one that cannot be decoded is dropped (its target
     /// is then unpublished from the mount table alone).
-    pub fn publications(&self) -> Result<Vec<Publication>, StashError> {
+    pub fn publications(&self) -> Result<Vec<Publication>, MountRecordsError> {
         let mut out = Vec::new();
         for (target, decoded) in
             self.rows(PUBLISHED, |target, row| (target.clone(), row.publication()))
@@ -410,7 +411,7 @@ impl Stash {
     }
 
     /// Every entry that can be decoded; the others are quarantined.
-    pub fn all(&self) -> Result<Vec<Entry>, StashError> {
+    pub fn all(&self) -> Result<Vec<MountRecord>, MountRecordsError> {
         let mut out = Vec::new();
         for (key, decoded) in self.rows(MOUNTS, |key, row| (key.clone(), row.entry())) {
             match decoded {
@@ -423,7 +424,7 @@ impl Stash {
 
     /// Store raw bytes as the entry of `key`: for tests of damaged state.
     #[cfg(any(test, feature = "testing"))]
-    pub fn put_raw(&self, key: &str, bytes: &[u8]) -> Result<(), StashError> {
+    pub fn put_raw(&self, key: &str, bytes: &[u8]) -> Result<(), MountRecordsError> {
         self.write(MOUNTS, key, bytes, None)
     }
 
@@ -433,7 +434,7 @@ impl Stash {
     /// cannot read is set aside too: what it held is also in the ledger
     /// and the mount table, which unmounts fall back to. A failed write
     /// leaves the file in place, for the next start to take in.
-    pub fn import_legacy(&self, file: &Path) -> Result<usize, StashError> {
+    pub fn import_legacy(&self, file: &Path) -> Result<usize, MountRecordsError> {
         if !file.exists() {
             return Ok(0);
         }
@@ -512,14 +513,14 @@ mod legacy {
         pub quarantine: Vec<(String, Vec<u8>)>,
     }
 
-    pub fn read(file: &Path) -> Result<Tables, super::StashError> {
-        let err = |e: &dyn std::fmt::Display| super::StashError {
+    pub fn read(file: &Path) -> Result<Tables, super::MountRecordsError> {
+        let err = |e: &dyn std::fmt::Display| super::MountRecordsError {
             path: file.to_path_buf(),
             message: e.to_string(),
         };
         let db = Database::open(file).map_err(|e| err(&e))?;
         let txn = db.begin_read().map_err(|e| err(&e))?;
-        let rows = |def: TableDefinition<&str, &[u8]>| -> Result<Vec<(String, Vec<u8>)>, super::StashError> {
+        let rows = |def: TableDefinition<&str, &[u8]>| -> Result<Vec<(String, Vec<u8>)>, super::MountRecordsError> {
             let table = match txn.open_table(def) {
                 Ok(t) => t,
                 Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
@@ -563,7 +564,7 @@ mod legacy {
 mod tests {
     use super::*;
 
-    fn entry(dir: &str) -> Entry {
+    fn entry(dir: &str) -> MountRecord {
         let volume = crate::policy::Volume {
             name: "pv1".into(),
             backend: "local-pv".into(),
@@ -589,13 +590,13 @@ mod tests {
             state_dir: "/s".into(),
             discovery_dirs: vec![],
         };
-        Entry { volume, consumer, paths, since: None }
+        MountRecord { volume, consumer, paths, since: None }
     }
 
     #[test]
     fn an_undecodable_entry_is_quarantined_not_fatal() {
         let dir = tempfile::tempdir().unwrap();
-        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.path().join("stash")).unwrap();
         stash.put(&entry("/k/pods/a")).unwrap();
         stash.put_raw("/k/pods/b", b"{not json").unwrap();
         let all = stash.all().expect("the good entries");
@@ -618,7 +619,7 @@ mod tests {
             nix::sys::stat::Mode::from_bits_truncate(0o600),
         )
         .unwrap();
-        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.path().join("stash")).unwrap();
         assert_eq!(stash.all().unwrap(), vec![entry("/k/pods/a")]);
         assert_eq!(stash.quarantined().unwrap(), ["/k/pods/b", "/k/pods/c", "big", "fifo", "junk"]);
         assert!(
@@ -630,7 +631,7 @@ mod tests {
     #[test]
     fn entries_and_publications_round_trip_and_go() {
         let dir = tempfile::tempdir().unwrap();
-        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.path().join("stash")).unwrap();
         // Keys longer than a file name may be.
         let long = format!("/k/pods/{}", "d/".repeat(200));
         for key in ["/k/pods/a", long.as_str()] {
@@ -661,7 +662,7 @@ mod tests {
         // What an agent killed mid-write left is cleared when the stash opens;
         // the entries stay.
         std::fs::write(dir.path().join("stash/mounts/.half-written"), b"x").unwrap();
-        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.path().join("stash")).unwrap();
         assert!(!dir.path().join("stash/mounts/.half-written").exists());
         assert_eq!(stash.all().unwrap(), vec![entry(&long)]);
         assert!(stash.quarantined().unwrap().is_empty());
@@ -672,7 +673,7 @@ mod tests {
         // Entries are decoded once and kept: every change of the file must
         // reach the reads after it.
         let dir = tempfile::tempdir().unwrap();
-        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.path().join("stash")).unwrap();
         stash.put(&entry("/k/pods/a")).unwrap();
         assert_eq!(stash.get("/k/pods/a").unwrap(), Some(entry("/k/pods/a")));
         let mut changed = entry("/k/pods/a");
@@ -732,14 +733,14 @@ mod tests {
             &[("/k/pods/a", &a), ("/k/pods/b", &b)],
             &[("/t", &serde_json::to_vec(&p).unwrap())],
         );
-        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.path().join("stash")).unwrap();
         // A write that fails keeps the database for the next start.
         std::fs::remove_dir(dir.path().join("stash/published")).unwrap();
         std::fs::write(dir.path().join("stash/published"), b"in the way").unwrap();
         assert!(stash.import_legacy(&file).is_err());
         assert!(file.exists(), "kept");
         std::fs::remove_file(dir.path().join("stash/published")).unwrap();
-        let stash = Stash::open(&dir.path().join("stash")).unwrap();
+        let stash = MountRecords::open(&dir.path().join("stash")).unwrap();
         // (What that try took in stays; a is taken out again to be taken in below.)
         stash.remove("/k/pods/a").unwrap();
         let mut newer = entry("/k/pods/b");

@@ -2,7 +2,7 @@
 //! instance of its own, used once and then dropped; but making one (a pool
 //! slot, the start functions, a fresh WASI context) and dropping it (the
 //! slot's memory rewritten) cost more than most calls themselves, on the
-//! path of every mount. So a thread of the runtime, the janitor, makes a
+//! path of every mount. So a thread of the runtime, the prewarmer, makes a
 //! backend's next instances while nothing waits on them and drops the used
 //! ones; a call takes one that is ready, or makes its own when none is.
 //!
@@ -58,22 +58,22 @@ impl Drop for Counted {
 }
 
 /// An instance and its store, not called yet.
-pub(crate) struct Ready<I> {
+pub(crate) struct Unused<I> {
     pub store: Store<CallState>,
     pub instance: I,
 }
 
 /// An instance of either contract, with its store once made.
-pub(crate) enum Made<C = Ready<super::bindings::Backend>, O = Ready<v0_4::Backend>> {
+pub(crate) enum Instance<C = Unused<super::bindings::Backend>, O = Unused<v0_4::Backend>> {
     Current(C),
     V0_4(O),
 }
 
-impl Made<super::bindings::Backend, v0_4::Backend> {
-    fn with(self, store: Store<CallState>) -> Made {
+impl Instance<super::bindings::Backend, v0_4::Backend> {
+    fn with(self, store: Store<CallState>) -> Instance {
         match self {
-            Made::Current(instance) => Made::Current(Ready { store, instance }),
-            Made::V0_4(instance) => Made::V0_4(Ready { store, instance }),
+            Instance::Current(instance) => Instance::Current(Unused { store, instance }),
+            Instance::V0_4(instance) => Instance::V0_4(Unused { store, instance }),
         }
     }
 }
@@ -81,23 +81,23 @@ impl Made<super::bindings::Backend, v0_4::Backend> {
 /// The instance of one contract's guest.
 pub(crate) trait Contract: Sized {
     /// `made` when it is of this contract.
-    fn out_of(made: Made) -> Option<Ready<Self>>;
+    fn out_of(made: Instance) -> Option<Unused<Self>>;
 }
 
 impl Contract for super::bindings::Backend {
-    fn out_of(made: Made) -> Option<Ready<Self>> {
+    fn out_of(made: Instance) -> Option<Unused<Self>> {
         match made {
-            Made::Current(r) => Some(r),
-            Made::V0_4(_) => None,
+            Instance::Current(r) => Some(r),
+            Instance::V0_4(_) => None,
         }
     }
 }
 
 impl Contract for v0_4::Backend {
-    fn out_of(made: Made) -> Option<Ready<Self>> {
+    fn out_of(made: Instance) -> Option<Unused<Self>> {
         match made {
-            Made::V0_4(r) => Some(r),
-            Made::Current(_) => None,
+            Instance::V0_4(r) => Some(r),
+            Instance::Current(_) => None,
         }
     }
 }
@@ -118,29 +118,29 @@ pub(crate) fn guest_fault(store: &Store<CallState>, e: &wasmtime::Error) -> bool
 }
 
 /// A backend's instances made ahead.
-pub(crate) struct Spares {
+pub(crate) struct Prewarmed {
     pre: Pre,
     name: Arc<str>,
-    state: Mutex<SparesState>,
-    /// A refill is asked of the janitor and not begun yet.
+    state: Mutex<PrewarmedState>,
+    /// A refill is asked of the prewarmer and not begun yet.
     refill_asked: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
-struct SparesState {
-    ready: Vec<(Made, Counted)>,
+struct PrewarmedState {
+    ready: Vec<(Instance, Counted)>,
     /// An instance could not be made ahead: calls make their own.
     given_up: bool,
     /// Instances calls took.
     taken: u64,
 }
 
-impl Spares {
-    pub(crate) fn new(pre: Pre, name: Arc<str>) -> Arc<Spares> {
-        Arc::new(Spares { pre, name, state: Mutex::default(), refill_asked: Default::default() })
+impl Prewarmed {
+    pub(crate) fn new(pre: Pre, name: Arc<str>) -> Arc<Prewarmed> {
+        Arc::new(Prewarmed { pre, name, state: Mutex::default(), refill_asked: Default::default() })
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, SparesState> {
+    fn state(&self) -> std::sync::MutexGuard<'_, PrewarmedState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -150,7 +150,7 @@ impl Spares {
         &self,
         queries: &Arc<dyn Queries>,
         limits: &Limits,
-    ) -> Option<Ready<I>> {
+    ) -> Option<Unused<I>> {
         let made = {
             let mut state = self.state();
             let (made, _counted) = state.ready.pop()?;
@@ -161,7 +161,7 @@ impl Spares {
     }
 
     /// Make instances until [`READY`] wait, within the [`Budget`] (on the
-    /// janitor's thread).
+    /// prewarmer's thread).
     fn refill(
         &self,
         engine: &Engine,
@@ -177,7 +177,7 @@ impl Spares {
                     return;
                 }
             }
-            // Made and kept under the lock, so that a call that found the
+            // Instance and kept under the lock, so that a call that found the
             // pool full releases this one too, or none is made.
             let _making = yields.making();
             if yields.starved.load(std::sync::atomic::Ordering::Acquire) > 0 {
@@ -211,13 +211,13 @@ impl Spares {
         !released.is_empty()
     }
 
-    fn make(&self, engine: &Engine, limits: &Limits) -> Result<Made, Refused> {
+    fn make(&self, engine: &Engine, limits: &Limits) -> Result<Instance, Refused> {
         // No queries while it starts: a start function has nothing to ask.
         let mut store =
             new_store(engine, self.name.clone(), Arc::new(RecordedQueries::default()), limits);
         let made = match &self.pre {
-            Pre::Current(pre) => pre.instantiate(&mut store).map(Made::Current),
-            Pre::V0_4(pre) => pre.instantiate(&mut store).map(Made::V0_4),
+            Pre::Current(pre) => pre.instantiate(&mut store).map(Instance::Current),
+            Pre::V0_4(pre) => pre.instantiate(&mut store).map(Instance::V0_4),
         };
         match made {
             Ok(made) => Ok(made.with(store)),
@@ -234,8 +234,8 @@ impl Spares {
     }
 }
 
-impl<I> Ready<I> {
-    fn for_call(mut self, queries: &Arc<dyn Queries>, limits: &Limits) -> Ready<I> {
+impl<I> Unused<I> {
+    fn for_call(mut self, queries: &Arc<dyn Queries>, limits: &Limits) -> Unused<I> {
         self.store.data_mut().begin_call(queries.clone());
         self.store.set_epoch_deadline(limits.deadline_ticks());
         self
@@ -257,28 +257,28 @@ pub(crate) fn new_store(
     store
 }
 
-/// A used store, if any, to be dropped on the janitor's thread; then the
+/// A used store, if any, to be dropped on the prewarmer's thread; then the
 /// instances of a backend made up again, if asked.
 struct Job {
     used: Option<Store<CallState>>,
-    spares: Option<Weak<Spares>>,
+    spares: Option<Weak<Prewarmed>>,
 }
 
-/// Used stores handed to the janitor and not dropped yet, at most: each
+/// Used stores handed to the prewarmer and not dropped yet, at most: each
 /// holds a pool slot. Past it, a call drops its store itself.
 const MAX_PENDING: usize = 2;
 
-/// How long a call that found the pool full waits for the janitor to drop
+/// How long a call that found the pool full waits for the prewarmer to drop
 /// the stores it was handed.
 const SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// How the janitor gives way to calls: the pool's slots are theirs first.
+/// How the prewarmer gives way to calls: the pool's slots are theirs first.
 #[derive(Default)]
 struct Yields {
     /// Calls that found the pool full and have not made their instance yet:
-    /// meanwhile the janitor makes none.
+    /// meanwhile the prewarmer makes none.
     starved: std::sync::atomic::AtomicUsize,
-    /// Held while the janitor makes an instance and keeps it.
+    /// Held while the prewarmer makes an instance and keeps it.
     making: Mutex<()>,
 }
 
@@ -288,7 +288,7 @@ impl Yields {
     }
 }
 
-/// The janitor held off for a call that found the pool full, until dropped.
+/// The prewarmer held off for a call that found the pool full, until dropped.
 pub(crate) struct HeldOff(Arc<Yields>);
 
 impl Drop for HeldOff {
@@ -298,7 +298,7 @@ impl Drop for HeldOff {
 }
 
 /// The thread that drops used stores and makes backends' next instances.
-pub(crate) struct Janitor {
+pub(crate) struct Prewarmer {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     /// Used stores handed over and not dropped yet.
     pending: Arc<(Mutex<usize>, std::sync::Condvar)>,
@@ -306,12 +306,12 @@ pub(crate) struct Janitor {
     thread: Option<JoinHandle<()>>,
 }
 
-impl Janitor {
+impl Prewarmer {
     pub(crate) fn start(
         engine: Engine,
         limits: Limits,
         ticker: TickerHandle,
-    ) -> std::io::Result<Janitor> {
+    ) -> std::io::Result<Prewarmer> {
         let (tx, rx) = mpsc::channel::<Job>();
         let pending: Arc<(Mutex<usize>, std::sync::Condvar)> = Arc::default();
         let dropped = pending.clone();
@@ -334,13 +334,13 @@ impl Janitor {
                     }
                 }
             })?;
-        Ok(Janitor { jobs: Mutex::new(Some(tx)), pending, yields, thread: Some(thread) })
+        Ok(Prewarmer { jobs: Mutex::new(Some(tx)), pending, yields, thread: Some(thread) })
     }
 
     /// Hand over a used store (none: a backend just loaded) and have
     /// `spares` made up again. Past [`MAX_PENDING`] stores waiting, or with
-    /// the janitor gone (the runtime stopping), the store is dropped here.
-    pub(crate) fn retire(&self, mut used: Option<Store<CallState>>, spares: &Arc<Spares>) {
+    /// the prewarmer gone (the runtime stopping), the store is dropped here.
+    pub(crate) fn retire(&self, mut used: Option<Store<CallState>>, spares: &Arc<Prewarmed>) {
         if used.is_some() {
             let mut n = self.pending.0.lock().unwrap_or_else(|p| p.into_inner());
             if *n >= MAX_PENDING {
@@ -360,7 +360,7 @@ impl Janitor {
         let sent =
             self.jobs.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|tx| tx.send(job));
         if !matches!(sent, Some(Ok(()))) {
-            // No janitor: the store came back and was dropped here.
+            // No prewarmer: the store came back and was dropped here.
             spares.refill_asked.store(false, std::sync::atomic::Ordering::Release);
             if had_store {
                 let mut n = self.pending.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -369,7 +369,7 @@ impl Janitor {
         }
     }
 
-    /// For a call that found the pool full: hold the janitor off, have
+    /// For a call that found the pool full: hold the prewarmer off, have
     /// `release` drop instances made ahead (none is being made meanwhile),
     /// and wait for the used stores handed over to be dropped. Whether any
     /// slot was freed, and the hold, to keep until the call has its own.
@@ -516,7 +516,7 @@ mod tests {
         let decided =
             second.fence(Arc::new(RecordedQueries::default()), &rbd, &consumer(), &[], &[]);
         assert!(decided.is_ok(), "{decided:?}");
-        // Calls one after another, each while the janitor makes the other
+        // Calls one after another, each while the prewarmer makes the other
         // backend's instances ahead: every call gets a slot.
         for round in 0..40 {
             let decided = first.fence(with_file(), &volume(), &consumer(), &[], &[]);
