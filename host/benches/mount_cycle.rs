@@ -6,7 +6,9 @@
 //! commits, the filesystem probe. Needs root.
 //! Run: `cargo bench -p volagent --bench mount_cycle`. `MOUNT_CYCLE_CYCLES`
 //! sets the number of cycles; `MOUNT_CYCLE_FLEX_DRIVER` runs another build
-//! of the driver than the statically linked one that ships.
+//! of the driver than the statically linked one that ships, and
+//! `MOUNT_CYCLE_AGENT` another build of the agent than this tree's (to
+//! compare a change with the build before it on the same machine).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -105,7 +107,8 @@ struct AgentUnderTest {
 
 impl AgentUnderTest {
     fn start(scratch: &scratch::RootScratch, image: &Path) -> AgentUnderTest {
-        let agent = AgentBuilder::new(VOLAGENT, "node-a")
+        let binary = std::env::var("MOUNT_CYCLE_AGENT").unwrap_or(VOLAGENT.to_string());
+        let agent = AgentBuilder::new(&binary, "node-a")
             .under(&scratch.path(""))
             .socket(scratch.path("run/agent.sock"))
             .flex_driver(
