@@ -3,7 +3,8 @@
 //! the logic above `sys` that need no root.
 
 use super::{
-    Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, NbdClients, Sys, SysError, Wipe,
+    Devices, ExportHelpers, FileId, Filesystems, FuseClients, KernelNbd, LoopDevice, MountInfo,
+    Mounts, RbdFuse, Sys, SysError, Wipe,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -70,7 +71,10 @@ impl Fake {
             mounts: self.clone(),
             devices: self.clone(),
             filesystems: self.clone(),
-            nbd: self.clone(),
+            kernel_nbd: self.clone(),
+            fuse_clients: self.clone(),
+            export_helpers: self.clone(),
+            rbd_fuse: self.clone(),
             storage: self.clone(),
             krbd: self.clone(),
             #[cfg(feature = "testing")]
@@ -336,14 +340,13 @@ impl Filesystems for Fake {
     }
 }
 
-/// Clients expose their export as `/fake-nbd/<key>/<key>`.
-impl NbdClients for Fake {
-    fn kernel_driver(&self) -> bool {
+impl KernelNbd for Fake {
+    fn available(&self) -> bool {
         self.state().nbd_kernel_driver
     }
 
     /// Devices are /dev/nbd0, /dev/nbd1, … in order of connection.
-    fn kernel_connect(
+    fn connect(
         &self,
         key: &str,
         server: &str,
@@ -367,22 +370,29 @@ impl NbdClients for Fake {
         Ok((device, true))
     }
 
-    fn kernel_device(&self, key: &str) -> Option<PathBuf> {
+    fn device(&self, key: &str) -> Option<PathBuf> {
         self.state().nbd_kernel.get(key).map(|(d, ..)| d.clone())
     }
 
-    fn kernel_disconnect(&self, key: &str) -> Result<(), SysError> {
+    fn disconnect(&self, key: &str) -> Result<(), SysError> {
         let mut s = self.op("nbd-kernel-disconnect", Path::new(key))?;
         s.nbd_kernel.remove(key);
         Ok(())
     }
 
-    fn kernel_connections(&self) -> Vec<(String, Option<PathBuf>)> {
+    fn connections(&self) -> Vec<(String, Option<PathBuf>)> {
         self.state().nbd_kernel.iter().map(|(k, (d, ..))| (k.clone(), Some(d.clone()))).collect()
     }
+}
 
+/// Clients expose their export as `/fake-nbd/<key>/<key>`.
+impl FuseClients for Fake {
     fn file(&self, key: &str) -> PathBuf {
         Path::new("/fake-nbd").join(key).join(key)
+    }
+
+    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf {
+        self.file(key).with_file_name(image)
     }
 
     fn connect(
@@ -415,38 +425,6 @@ impl NbdClients for Fake {
         Ok(())
     }
 
-    fn rbd_helper_available(&self) -> bool {
-        !self.state().no_rbd_helper
-    }
-
-    fn rbd_fuse_available(&self) -> bool {
-        self.state().rbd_fuse
-    }
-
-    fn connect_rbd_fuse(
-        &self,
-        key: &str,
-        target: &super::rbd_export::RbdTarget,
-        read_only: bool,
-    ) -> Result<bool, SysError> {
-        let file = self.rbd_fuse_file(key, &target.image);
-        let mut s = self.op("rbd-fuse-connect", &file)?;
-        if s.rbd_fuse_clients.contains_key(key) {
-            return Ok(false);
-        }
-        let image = format!("{}/{}", target.pool, target.image);
-        s.rbd_fuse_clients.insert(key.to_string(), (image.clone(), read_only));
-        s.files.insert(file);
-        // Its Ceph client watches the image.
-        s.rbd_watchers.entry(image).or_default().push((4100, "10.0.0.9:0/41".into()));
-        Ok(true)
-    }
-
-    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
-        self.state().client_ids.insert(key.to_string(), (id, address.to_string()));
-        Ok(())
-    }
-
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
         let s = self.state();
         let keys: BTreeSet<&String> = s
@@ -463,6 +441,12 @@ impl NbdClients for Fake {
             .collect())
     }
 
+    fn abort_hung(&self, _after: std::time::Duration) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+impl ExportHelpers for Fake {
     fn serve(&self, key: &str, _file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
         let mut s = self.op("nbd-serve", Path::new(key))?;
         Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
@@ -486,6 +470,26 @@ impl NbdClients for Fake {
         Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
     }
 
+    fn rbd_available(&self) -> bool {
+        !self.state().no_rbd_helper
+    }
+
+    fn server_address(&self, key: &str) -> String {
+        format!("unix:/fake-nbd/{key}.sock")
+    }
+
+    fn stop_serving(&self, key: &str) -> Result<(), SysError> {
+        let mut s = self.op("nbd-stop-serving", Path::new(key))?;
+        s.nbd_servers.remove(key);
+        s.rbd_servers.remove(key);
+        Ok(())
+    }
+
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
+        self.state().client_ids.insert(key.to_string(), (id, address.to_string()));
+        Ok(())
+    }
+
     fn storage_clients(&self) -> Vec<(String, u64, String)> {
         let s = self.state();
         let helpers = s
@@ -498,16 +502,30 @@ impl NbdClients for Fake {
             )
             .collect()
     }
+}
 
-    fn server_address(&self, key: &str) -> String {
-        format!("unix:/fake-nbd/{key}.sock")
+impl RbdFuse for Fake {
+    fn available(&self) -> bool {
+        self.state().rbd_fuse
     }
 
-    fn stop_serving(&self, key: &str) -> Result<(), SysError> {
-        let mut s = self.op("nbd-stop-serving", Path::new(key))?;
-        s.nbd_servers.remove(key);
-        s.rbd_servers.remove(key);
-        Ok(())
+    fn connect(
+        &self,
+        key: &str,
+        target: &super::rbd_export::RbdTarget,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
+        let file = self.rbd_fuse_file(key, &target.image);
+        let mut s = self.op("rbd-fuse-connect", &file)?;
+        if s.rbd_fuse_clients.contains_key(key) {
+            return Ok(false);
+        }
+        let image = format!("{}/{}", target.pool, target.image);
+        s.rbd_fuse_clients.insert(key.to_string(), (image.clone(), read_only));
+        s.files.insert(file);
+        // Its Ceph client watches the image.
+        s.rbd_watchers.entry(image).or_default().push((4100, "10.0.0.9:0/41".into()));
+        Ok(true)
     }
 }
 

@@ -19,11 +19,12 @@ pub mod keyring;
 pub mod krbd;
 pub mod linux;
 pub mod loopdev;
+pub mod missing;
 pub mod mountinfo;
-pub mod nbd_client;
-pub mod nbd_kernel;
+pub mod nbd;
 mod probe;
 pub mod rbd_export;
+pub mod rbd_fuse;
 pub mod tool;
 
 pub use beneath::Roots;
@@ -350,15 +351,14 @@ pub trait Filesystems: Send + Sync {
     fn clear_dir(&self, dir: &Path) -> Result<u64, SysError>;
 }
 
-/// NBD clients, by a key the caller derives from the export: userspace
-/// ones, each exposing its export as a file, and the kernel's nbd devices.
-pub trait NbdClients: Send + Sync {
+/// The kernel's nbd devices, by a key the caller derives from the export.
+pub trait KernelNbd: Send + Sync {
     /// Whether this node's kernel has the nbd driver.
-    fn kernel_driver(&self) -> bool;
+    fn available(&self) -> bool;
     /// Connect the export `export` at `server` ("unix:/path" or
     /// "host:port") to a free kernel nbd device for `key`; the device, and
     /// whether it was connected now (false: it was already).
-    fn kernel_connect(
+    fn connect(
         &self,
         key: &str,
         server: &str,
@@ -367,17 +367,26 @@ pub trait NbdClients: Send + Sync {
         read_only: bool,
     ) -> Result<(PathBuf, bool), SysError>;
     /// The kernel nbd device connected for `key`, if any.
-    fn kernel_device(&self, key: &str) -> Option<PathBuf>;
+    fn device(&self, key: &str) -> Option<PathBuf>;
     /// Disconnect `key`'s kernel nbd device; none is fine.
-    fn kernel_disconnect(&self, key: &str) -> Result<(), SysError>;
+    fn disconnect(&self, key: &str) -> Result<(), SysError>;
     /// Every export this node has a kernel connection record of, and its
     /// device while connected.
-    fn kernel_connections(&self) -> Vec<(String, Option<PathBuf>)>;
-    /// The file client `key` exposes its export as (running or not).
+    fn connections(&self) -> Vec<(String, Option<PathBuf>)>;
+}
+
+/// Userspace clients, by a key the caller derives from the export, each a
+/// FUSE mount exposing its export as a file: nbdfuse's, started here, and
+/// rbd-fuse's, started by [`RbdFuse`] — both listed, watched and stopped
+/// here.
+pub trait FuseClients: Send + Sync {
+    /// The file nbdfuse client `key` exposes its export as (running or not).
     fn file(&self, key: &str) -> PathBuf;
-    /// Start client `key` for the export at `uri`, and return once it
-    /// serves [`file`](Self::file); true when it was started, false when it
-    /// was running already.
+    /// The file rbd-fuse client `key` exposes `image` as (running or not).
+    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf;
+    /// Start nbdfuse client `key` for the export at `uri`, and return once
+    /// it serves [`file`](Self::file); true when it was started, false
+    /// when it was running already.
     fn connect(
         &self,
         key: &str,
@@ -387,9 +396,23 @@ pub trait NbdClients: Send + Sync {
     ) -> Result<bool, SysError>;
     /// Stop client `key` and remove what it left; none running is fine.
     fn disconnect(&self, key: &str) -> Result<(), SysError>;
+    /// Every client (or helper server, or kernel connection) this node has
+    /// a trace of, and whether its client runs.
+    fn clients(&self) -> Result<Vec<(String, bool)>, SysError>;
+    /// Check that each running client's server still answers (a flush
+    /// through it); abort the clients whose check has not come back within
+    /// `after`, so that I/O through them fails instead of hanging. Call it
+    /// periodically; returns the keys aborted.
+    fn abort_hung(&self, after: std::time::Duration) -> Vec<String>;
+}
+
+/// The agent's helper NBD servers, by key: processes that outlive the
+/// agent, serving a local file or an RBD image for an NBD client (kernel
+/// or userspace) to reach; and who each Ceph client of this node is.
+pub trait ExportHelpers: Send + Sync {
     /// Serve `file` (opened by the caller beneath its roots) as the default
-    /// export of a helper server `key`, a process that outlives the agent,
-    /// at [`server_address`](Self::server_address); true when it was
+    /// export of a helper server `key`, at
+    /// [`server_address`](Self::server_address); true when it was
     /// started, false when it was running already (`file` is then unused).
     fn serve(&self, key: &str, file: std::fs::File, read_only: bool) -> Result<bool, SysError>;
     /// Serve the RBD image `target` through librbd as the default export
@@ -402,48 +425,36 @@ pub trait NbdClients: Send + Sync {
         target: &rbd_export::RbdTarget,
         read_only: bool,
     ) -> Result<bool, SysError>;
-    /// The Ceph client of each running rbd helper or rbd-fuse client: key,
-    /// global id, address.
-    fn storage_clients(&self) -> Vec<(String, u64, String)> {
-        Vec::new()
-    }
     /// Whether an rbd helper can serve on this node: librbd loads, and the
     /// node has a way to reach an export (the nbd driver or nbdfuse).
-    fn rbd_helper_available(&self) -> bool;
+    fn rbd_available(&self) -> bool;
+    /// Where helper server `key` listens: "unix:/path".
+    fn server_address(&self, key: &str) -> String;
+    /// Stop helper server `key`; none running is fine.
+    fn stop_serving(&self, key: &str) -> Result<(), SysError>;
+    /// Record who client `key` (a helper, or an rbd-fuse client) is to its
+    /// storage cluster (for [`storage_clients`](Self::storage_clients)).
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError>;
+    /// The Ceph client of each running rbd helper or rbd-fuse client: key,
+    /// global id, address.
+    fn storage_clients(&self) -> Vec<(String, u64, String)>;
+}
+
+/// rbd-fuse: an RBD image exposed as a file through FUSE.
+pub trait RbdFuse: Send + Sync {
     /// Whether rbd-fuse is installed.
-    fn rbd_fuse_available(&self) -> bool;
+    fn available(&self) -> bool;
     /// Start rbd-fuse as client `key` for the RBD image `target`, and
-    /// return once it serves [`rbd_fuse_file`](Self::rbd_fuse_file); true
-    /// when started, false when running already. A key in `target` reaches
-    /// it as with [`serve_rbd`](Self::serve_rbd). Stopped by
-    /// [`disconnect`](Self::disconnect).
-    fn connect_rbd_fuse(
+    /// return once it serves [`FuseClients::rbd_fuse_file`]; true when
+    /// started, false when running already. A key in `target` reaches it
+    /// as with [`ExportHelpers::serve_rbd`]. Stopped by
+    /// [`FuseClients::disconnect`].
+    fn connect(
         &self,
         key: &str,
         target: &rbd_export::RbdTarget,
         read_only: bool,
     ) -> Result<bool, SysError>;
-    /// The file rbd-fuse client `key` exposes `image` as.
-    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf {
-        self.file(key).with_file_name(image)
-    }
-    /// Record who client `key` is to its storage cluster (for
-    /// [`storage_clients`](Self::storage_clients)).
-    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError>;
-    /// Where helper server `key` listens: "unix:/path".
-    fn server_address(&self, key: &str) -> String;
-    /// Stop helper server `key`; none running is fine.
-    fn stop_serving(&self, key: &str) -> Result<(), SysError>;
-    /// Every client (or helper server) this node has a trace of, and
-    /// whether its client runs.
-    fn clients(&self) -> Result<Vec<(String, bool)>, SysError>;
-    /// Check that each running client's server still answers (a flush
-    /// through it); abort the clients whose check has not come back within
-    /// `after`, so that I/O through them fails instead of hanging. Call it
-    /// periodically; returns the keys aborted.
-    fn abort_hung(&self, _after: std::time::Duration) -> Vec<String> {
-        Vec::new()
-    }
 }
 
 /// What the agent asks of a Ceph cluster, and does to it, itself.
@@ -541,7 +552,10 @@ pub struct Sys {
     pub mounts: Arc<dyn Mounts>,
     pub devices: Arc<dyn Devices>,
     pub filesystems: Arc<dyn Filesystems>,
-    pub nbd: Arc<dyn NbdClients>,
+    pub kernel_nbd: Arc<dyn KernelNbd>,
+    pub fuse_clients: Arc<dyn FuseClients>,
+    pub export_helpers: Arc<dyn ExportHelpers>,
+    pub rbd_fuse: Arc<dyn RbdFuse>,
     pub storage: Arc<dyn Storage>,
     pub krbd: Arc<dyn KernelRbd>,
     /// Told as each step of a plan ends; none but in the chaos tier.
@@ -551,21 +565,59 @@ pub struct Sys {
 
 impl Sys {
     /// The real node, acting beneath `roots`; loop devices it attaches
-    /// carry `tag`; userspace NBD clients live in `nbd_dir` (beneath the
-    /// agent's state dir).
+    /// carry `tag`; userspace NBD clients and helper servers live in
+    /// `nbd_dir` (beneath the agent's state dir).
     pub fn linux(roots: Roots, tag: &str, nbd_dir: PathBuf) -> Sys {
-        Sys::linux_with(roots, tag, nbd_client::NbdFuse::new(nbd_dir))
+        Sys::linux_with(roots, tag, nbd_dir, nbd::kernel::DEFAULT_REQUEST_TIMEOUT)
     }
 
-    /// [`linux`](Self::linux) with NBD clients configured by the caller.
-    pub fn linux_with(roots: Roots, tag: &str, nbd: nbd_client::NbdFuse) -> Sys {
+    /// [`linux`](Self::linux), the kernel failing an NBD request (and its
+    /// connection) that takes longer than `nbd_request_timeout`. What the
+    /// node lacks (the nbd or rbd module, rbd-fuse) is found here, once,
+    /// and passed in as [`missing::Missing`].
+    pub fn linux_with(
+        roots: Roots,
+        tag: &str,
+        nbd_dir: PathBuf,
+        nbd_request_timeout: std::time::Duration,
+    ) -> Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
-        let krbd = Arc::new(krbd::Krbd::new(nbd.base().to_path_buf()));
+        let mut devices = nbd::kernel::NbdDevices::new(nbd_dir.clone());
+        devices.request_timeout = nbd_request_timeout;
+        let kernel_nbd: Arc<dyn KernelNbd> = if devices.available() {
+            Arc::new(devices)
+        } else {
+            Arc::new(missing::Missing::new(
+                "kernel NBD",
+                "the nbd module is not loaded on this node (no /sys/module/nbd, or no /dev/nbd* devices)",
+            ))
+        };
+        let fuse_clients = Arc::new(nbd::fuse::Clients::new(nbd_dir.clone()));
+        let rbd_fuse: Arc<dyn RbdFuse> = if rbd_fuse::RbdFuseClients::installed() {
+            Arc::new(rbd_fuse::RbdFuseClients::new(fuse_clients.clone()))
+        } else {
+            Arc::new(missing::Missing::new(
+                "rbd-fuse",
+                "rbd-fuse is not installed on this node (not on PATH)",
+            ))
+        };
+        let krbd = krbd::Krbd::new(nbd_dir.clone());
+        let krbd: Arc<dyn KernelRbd> = if krbd.available() {
+            Arc::new(krbd)
+        } else {
+            Arc::new(missing::Missing::new(
+                "kernel RBD",
+                "the rbd module is not loaded on this node and modprobe cannot load it",
+            ))
+        };
         Sys {
             mounts: node.clone(),
             devices: node.clone(),
             filesystems: node,
-            nbd: Arc::new(nbd),
+            export_helpers: Arc::new(nbd::helpers::Helpers::new(nbd_dir, kernel_nbd.clone())),
+            kernel_nbd,
+            fuse_clients,
+            rbd_fuse,
             storage: Arc::new(rbd_export::LibCeph),
             krbd,
             #[cfg(feature = "testing")]
