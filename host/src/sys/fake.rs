@@ -213,6 +213,52 @@ impl Mounts for Fake {
         s.dirs.remove(dir);
         Ok(())
     }
+
+    fn bind_device(&self, device: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
+        let mut s = self.op("bind-device", target)?;
+        if !s.files.contains(target) {
+            return Err(SysError::Errno {
+                op: "bind-mount onto",
+                path: target.to_path_buf(),
+                errno: nix::errno::Errno::ENOENT,
+            });
+        }
+        let id = s.mounts.len() as u32 + 100;
+        s.mounts.push(mount_info(id, &device.display().to_string(), target, "devtmpfs", read_only));
+        Ok(())
+    }
+
+    /// Only loop devices have numbers here.
+    fn published_device(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        let s = self.state();
+        let Some(m) = s.mounts.iter().rev().find(|m| m.mount_point == target) else {
+            return Ok(None);
+        };
+        Ok(s.loops.iter().find(|l| l.device == Path::new(&m.source)).map(|l| l.number))
+    }
+
+    fn device_number(&self, device: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        Ok(self.state().loops.iter().find(|l| l.device == device).map(|l| l.number))
+    }
+
+    fn ensure_file(&self, file: &Path) -> Result<bool, SysError> {
+        let mut s = self.op("touch", file)?;
+        Ok(s.files.insert(file.to_path_buf()))
+    }
+
+    fn remove_file(&self, file: &Path) -> Result<(), SysError> {
+        let mut s = self.op("rm", file)?;
+        s.files.remove(file);
+        Ok(())
+    }
+
+    /// The fake's filesystems hold nothing and have no size.
+    fn usage(&self, path: &Path) -> Result<super::Usage, SysError> {
+        let s = self.op("usage", path)?;
+        let read_only =
+            s.mounts.iter().rev().find(|m| m.mount_point == path).is_some_and(|m| m.read_only());
+        Ok(super::Usage { read_only, ..Default::default() })
+    }
 }
 
 /// The fake's file identity: one per path.
@@ -288,6 +334,11 @@ impl Devices for Fake {
         Ok(s.files.contains(path).then_some(super::Kind::File))
     }
 
+    /// The fake has no caches: `kind_of` answers.
+    fn kind_of_cached(&self, _path: &Path) -> Option<Result<Option<super::Kind>, SysError>> {
+        None
+    }
+
     fn block_device(&self, path: &Path) -> Result<PathBuf, SysError> {
         Ok(path.to_path_buf())
     }
@@ -336,6 +387,16 @@ impl Filesystems for Fake {
 
     fn clear_dir(&self, dir: &Path) -> Result<u64, SysError> {
         drop(self.op("clear-dir", dir)?);
+        Ok(0)
+    }
+    /// The fake's devices have no size: grown to 0 bytes.
+    fn grow_filesystem(
+        &self,
+        device: &Path,
+        _mount_point: &Path,
+        _fs_type: &str,
+    ) -> Result<u64, SysError> {
+        drop(self.op("grow", device)?);
         Ok(0)
     }
 }

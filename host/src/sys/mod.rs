@@ -169,14 +169,10 @@ pub trait Mounts: Send + Sync {
     /// Whether `target` is a mount point (what `mount_table` would list at
     /// exactly that path), when that can be told without reading the
     /// table; none when only the table can tell.
-    fn is_mount_point(&self, _target: &Path) -> Result<Option<bool>, SysError> {
-        Ok(None)
-    }
+    fn is_mount_point(&self, target: &Path) -> Result<Option<bool>, SysError>;
     /// The device numbers of the filesystem mounted at `target`, when
     /// `target` is a mount point (for a block filesystem: its device).
-    fn device_of_mount(&self, _target: &Path) -> Result<Option<(u32, u32)>, SysError> {
-        Ok(None)
-    }
+    fn device_of_mount(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError>;
     /// Mount `source` (a device under /dev or a network source) at `target`,
     /// `nosuid,nodev`; `options` is the comma-joined filesystem option string.
     fn mount(
@@ -193,32 +189,16 @@ pub trait Mounts: Send + Sync {
     /// Bind the block device `device` (a node under /dev) onto the file
     /// `target`, `nosuid` (not `nodev`: the device is the point), read-only
     /// when asked.
-    fn bind_device(&self, device: &Path, target: &Path, _read_only: bool) -> Result<(), SysError> {
-        Err(SysError::Refused {
-            path: target.to_path_buf(),
-            what: format!("publishing block device {} is not available here", device.display()),
-        })
-    }
+    fn bind_device(&self, device: &Path, target: &Path, read_only: bool) -> Result<(), SysError>;
     /// The device number of the block device node bound at `target`, when
     /// a block device node is mounted there.
-    fn published_device(&self, _target: &Path) -> Result<Option<(u32, u32)>, SysError> {
-        Ok(None)
-    }
+    fn published_device(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError>;
     /// The device number of the block device node `device`.
-    fn device_number(&self, _device: &Path) -> Result<Option<(u32, u32)>, SysError> {
-        Ok(None)
-    }
+    fn device_number(&self, device: &Path) -> Result<Option<(u32, u32)>, SysError>;
     /// Create the empty file `file`; true when it did not exist.
-    fn ensure_file(&self, file: &Path) -> Result<bool, SysError> {
-        Err(SysError::Refused { path: file.to_path_buf(), what: "files are not made here".into() })
-    }
+    fn ensure_file(&self, file: &Path) -> Result<bool, SysError>;
     /// Remove `file` if it is an empty regular file; a missing one is fine.
-    fn remove_file(&self, file: &Path) -> Result<(), SysError> {
-        Err(SysError::Refused {
-            path: file.to_path_buf(),
-            what: "files are not removed here".into(),
-        })
-    }
+    fn remove_file(&self, file: &Path) -> Result<(), SysError>;
     /// Unmount `target` (never following it if it is a symlink); with
     /// `force`, also when busy or unreachable (lazy).
     fn unmount(&self, target: &Path, force: bool) -> Result<(), SysError>;
@@ -227,12 +207,7 @@ pub trait Mounts: Send + Sync {
     /// Remove an empty `dir`; a missing one is fine.
     fn remove_dir(&self, dir: &Path) -> Result<(), SysError>;
     /// Space and inodes of the filesystem `path` is on.
-    fn usage(&self, path: &Path) -> Result<Usage, SysError> {
-        Err(SysError::Refused {
-            path: path.to_path_buf(),
-            what: "usage is not available here".into(),
-        })
-    }
+    fn usage(&self, path: &Path) -> Result<Usage, SysError>;
 }
 
 /// What a filesystem holds and has free (statvfs).
@@ -296,9 +271,7 @@ pub trait Devices: Send + Sync {
     /// [`kind_of`](Self::kind_of) from the kernel's caches alone, so that
     /// it cannot wait on a hung filesystem: none when answering would need
     /// the filesystem (the caller then asks `kind_of` where it may block).
-    fn kind_of_cached(&self, _path: &Path) -> Option<Result<Option<Kind>, SysError>> {
-        None
-    }
+    fn kind_of_cached(&self, path: &Path) -> Option<Result<Option<Kind>, SysError>>;
     /// The block device at `path` (beneath a root, not a symlink; or a
     /// device node under /dev a PV names with its identity), as its node
     /// under /dev: the path the tools and the mount table use.
@@ -337,13 +310,7 @@ pub trait Filesystems: Send + Sync {
         device: &Path,
         mount_point: &Path,
         fs_type: &str,
-    ) -> Result<u64, SysError> {
-        let _ = (mount_point, fs_type);
-        Err(SysError::Refused {
-            path: device.to_path_buf(),
-            what: "growing a filesystem is not available here".into(),
-        })
-    }
+    ) -> Result<u64, SysError>;
     /// Destroy the device's data; refused like [`mkfs`](Self::mkfs).
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
     /// Remove everything inside the dir `dir` (beneath a root, not a
