@@ -92,7 +92,7 @@ impl NodeConfig {
 
 /// The device a discovered disk's PV names, checked to be that disk (by
 /// its identity) before any policy sees the volume; none for other volumes.
-async fn verified_devices(volume: &Volume) -> Result<Vec<String>, Failure> {
+async fn verified_devices(sys: &Sys, volume: &Volume) -> Result<Vec<String>, Failure> {
     let Some(device) = crate::policy::validate::verified_device(volume) else {
         return Ok(Vec::new());
     };
@@ -102,9 +102,13 @@ async fn verified_devices(volume: &Volume) -> Result<Vec<String>, Failure> {
         .find(|kv| kv.key == crate::local::discovery::IDENTITY_OPTION)
         .map(|kv| kv.value.clone())
         .unwrap_or_default();
-    let path = device.clone();
+    let (path, inspect) = (device.clone(), sys.inspect.clone());
     blocking(move || {
-        crate::local::discovery::verify_device(std::path::Path::new(&path), &identity)
+        crate::local::discovery::verify_device(
+            inspect.as_ref(),
+            std::path::Path::new(&path),
+            &identity,
+        )
     })
     .await?
     .map_err(|m| Failure::new(FailureKind::Denied, format!("volume {}: {m}", volume.name)))?;
@@ -318,7 +322,7 @@ impl Agent {
         blocking(move || {
             let table =
                 sys.mounts.mount_table().map_err(|e| internal(format!("discovery: {e}")))?;
-            Ok(crate::local::discovery::scan(&classes, &table))
+            Ok(crate::local::discovery::scan(sys.inspect.as_ref(), &classes, &table))
         })
         .await?
     }
@@ -571,7 +575,7 @@ impl Agent {
     ) -> Result<Done, Failure> {
         let plugin = self.plugin(backend)?;
         let secrets = Arc::new(secrets);
-        let devices = verified_devices(&volume).await?;
+        let devices = verified_devices(&self.sys, &volume).await?;
         let mut lock = Some(self.lock(&volume.name)?);
 
         // Fence and record, retrying lost races with a fresh read.

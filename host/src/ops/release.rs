@@ -49,7 +49,7 @@ impl Agent {
                 ),
             ));
         }
-        let devices = verified_devices(&volume).await?;
+        let devices = verified_devices(&self.sys, &volume).await?;
         let lock = self.lock(&name)?;
         let item = CleanupItem {
             volume: volume.clone(),

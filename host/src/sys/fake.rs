@@ -77,6 +77,7 @@ impl Fake {
             rbd_fuse: self.clone(),
             storage: self.clone(),
             krbd: self.clone(),
+            inspect: self.clone(),
             #[cfg(feature = "testing")]
             step_hook: None,
         }
@@ -676,5 +677,81 @@ impl super::KernelRbd for Fake {
         let mut s = self.op(op, Path::new(&format!("/dev/rbd{id}")))?;
         s.krbd_mappings.retain(|m| m.id != id);
         Ok(())
+    }
+}
+
+/// Discovery's looks at the fake's dirs, files and links; its links lead
+/// nowhere and its devices have no size or identity beyond their numbers.
+impl super::Inspect for Fake {
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, SysError> {
+        let s = self.op("list", dir)?;
+        if !s.dirs.contains(dir) {
+            return Err(SysError::Errno {
+                op: "list",
+                path: dir.to_path_buf(),
+                errno: nix::errno::Errno::ENOENT,
+            });
+        }
+        let inside: BTreeSet<PathBuf> = s
+            .dirs
+            .iter()
+            .chain(&s.files)
+            .chain(&s.links)
+            .filter(|p| p.parent() == Some(dir))
+            .cloned()
+            .collect();
+        Ok(inside.into_iter().collect())
+    }
+
+    fn entry(&self, path: &Path) -> Result<super::InspectedEntry, SysError> {
+        use super::InspectedEntry;
+        let s = self.state();
+        if s.links.contains(path) {
+            return Ok(InspectedEntry::Link);
+        }
+        if s.dirs.contains(path) {
+            return Ok(InspectedEntry::Dir);
+        }
+        if s.files.contains(path) {
+            return Ok(InspectedEntry::File { bytes: 0 });
+        }
+        if let Some(l) = s.loops.iter().find(|l| l.device == path) {
+            let rdev = nix::sys::stat::makedev(u64::from(l.number.0), u64::from(l.number.1));
+            return Ok(InspectedEntry::Block { rdev });
+        }
+        Err(SysError::Errno {
+            op: "stat",
+            path: path.to_path_buf(),
+            errno: nix::errno::Errno::ENOENT,
+        })
+    }
+
+    fn resolve(&self, link: &Path) -> Result<PathBuf, SysError> {
+        Err(SysError::Errno {
+            op: "resolve",
+            path: link.to_path_buf(),
+            errno: nix::errno::Errno::ENOENT,
+        })
+    }
+
+    fn filesystem_size(&self, path: &Path) -> Result<u64, SysError> {
+        drop(self.op("statvfs", path)?);
+        Ok(0)
+    }
+
+    fn block_node(&self, rdev: u64, what: &Path) -> Result<(PathBuf, u64), SysError> {
+        let s = self.state();
+        let number = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
+        match s.loops.iter().find(|l| l.number == number) {
+            Some(l) => Ok((l.device.clone(), 0)),
+            None => Err(SysError::Refused {
+                path: what.to_path_buf(),
+                what: format!("no block device {}:{}", number.0, number.1),
+            }),
+        }
+    }
+
+    fn identity(&self, rdev: u64) -> String {
+        format!("dev:{}:{}", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev))
     }
 }

@@ -15,6 +15,7 @@ pub mod fake;
 pub mod faults;
 pub mod fusectl;
 pub mod gluster_mount;
+pub mod inspect;
 pub mod keyring;
 pub mod krbd;
 pub mod linux;
@@ -318,6 +319,45 @@ pub trait Filesystems: Send + Sync {
     fn clear_dir(&self, dir: &Path) -> Result<u64, SysError>;
 }
 
+/// What an entry found by [`Inspect::entry`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InspectedEntry {
+    /// A block device node, and its numbers.
+    Block {
+        rdev: u64,
+    },
+    /// A symlink (not followed).
+    Link,
+    File {
+        bytes: u64,
+    },
+    Dir,
+    /// A FIFO, socket or character device.
+    Other,
+}
+
+/// Read-only looks for local volume discovery, at any path (discovery
+/// dirs, and the devices an admin's links lead to): nothing is opened for
+/// writing, nothing resolved beneath the roots.
+pub trait Inspect: Send + Sync {
+    /// The entries of `dir`, sorted.
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, SysError>;
+    /// What is at `path`, not following it.
+    fn entry(&self, path: &Path) -> Result<InspectedEntry, SysError>;
+    /// Where the symlink `link` leads, every link on the way followed.
+    fn resolve(&self, link: &Path) -> Result<PathBuf, SysError>;
+    /// The size in bytes of the filesystem `path` is on (statvfs).
+    fn filesystem_size(&self, path: &Path) -> Result<u64, SysError>;
+    /// The node under /dev of block device `rdev` (checked: not a link, the
+    /// same numbers) and its size in bytes; `what` names the path that led
+    /// to it in errors.
+    fn block_node(&self, rdev: u64, what: &Path) -> Result<(PathBuf, u64), SysError>;
+    /// What names block device `rdev` whatever its number: the disk's WWID
+    /// or serial, a loop device's backing file, else its numbers ("wwid:…",
+    /// "serial:…", "loop:…", "dev:<major>:<minor>").
+    fn identity(&self, rdev: u64) -> String;
+}
+
 /// The kernel's nbd devices, by a key the caller derives from the export.
 pub trait KernelNbd: Send + Sync {
     /// Whether this node's kernel has the nbd driver.
@@ -502,12 +542,6 @@ pub fn lower_thread_priority() {
     }
 }
 
-/// The node under /dev of block device `rdev` (checked: not a link, the
-/// same numbers); `what` names the path that led to it in errors.
-pub fn block_devnode(rdev: u64, what: &Path) -> Result<PathBuf, SysError> {
-    block::devnode(rdev, what)
-}
-
 /// The size in bytes of block device `device` (read-only).
 pub fn block_size(device: &Path) -> Result<u64, SysError> {
     block::size_of(device)
@@ -525,6 +559,7 @@ pub struct Sys {
     pub rbd_fuse: Arc<dyn RbdFuse>,
     pub storage: Arc<dyn Storage>,
     pub krbd: Arc<dyn KernelRbd>,
+    pub inspect: Arc<dyn Inspect>,
     /// Told as each step of a plan ends; none but in the chaos tier.
     #[cfg(feature = "testing")]
     pub step_hook: Option<Arc<dyn faults::StepHook>>,
@@ -587,6 +622,7 @@ impl Sys {
             rbd_fuse,
             storage: Arc::new(rbd_export::LibCeph),
             krbd,
+            inspect: Arc::new(inspect::Node),
             #[cfg(feature = "testing")]
             step_hook: None,
         }
@@ -601,7 +637,8 @@ impl Sys {
             mounts: Arc::new(faults::Faulty::new(self.mounts, rules.clone())),
             devices: Arc::new(faults::Faulty::new(self.devices, rules.clone())),
             filesystems: Arc::new(faults::Faulty::new(self.filesystems, rules.clone())),
-            storage: Arc::new(faults::Faulty::new(self.storage, rules)),
+            storage: Arc::new(faults::Faulty::new(self.storage, rules.clone())),
+            inspect: Arc::new(faults::Faulty::new(self.inspect, rules)),
             ..self
         }
     }
