@@ -1,5 +1,8 @@
-//! The only place with side effects on the node: mounts, loop devices and
-//! filesystems. Narrow traits; [`linux`] implements them with syscalls
+//! The only place with side effects on the node: mounts, loop devices,
+//! filesystems, NBD and RBD clients, discovery's looks. One narrow trait
+//! per mechanism, gathered in [`Sys`]; what a node lacks is a
+//! [`missing::Missing`] chosen at start-up, never a default body. [`linux`]
+//! implements the first three with syscalls
 //! (nix, rustix) on paths resolved beneath the agent's roots ([`beneath`])
 //! and, where no syscall exists, the system's mkfs/wipefs/shred/blkid with a
 //! deadline; [`fake`] is a stateful stand-in with error injection for tests
