@@ -47,7 +47,7 @@ fn main() {
         let t = Instant::now();
         let text = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
         let table = volagent::sys::mountinfo::parse(&text).expect("parse");
-        let scan = discovery::scan(&classes, &table);
+        let scan = discovery::scan(&volagent::sys::inspect::Node, &classes, &table);
         ours.push(t.elapsed());
         assert_eq!(scan.volumes.len(), volumes, "{:?}", scan.skipped.first());
 

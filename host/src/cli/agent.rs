@@ -257,13 +257,12 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
             })
         })
         .collect::<anyhow::Result<_>>()?;
-    let mut nbd = crate::sys::nbd_client::NbdFuse::new(config.state_dir.join("nbd"));
-    nbd.kernel.request_timeout = args.nbd_hung_after;
-    let sys = Sys::linux_with(roots, &crate::ops::loop_tag(&node, &config.state_dir), nbd);
+    let tag = crate::ops::loop_tag(&node, &config.state_dir);
+    let sys = Sys::linux_with(roots, &tag, config.state_dir.join("nbd"), args.nbd_hung_after);
     // The chaos tier's hooks exist only in a build for tests.
     #[cfg(feature = "testing")]
     let sys = with_test_hooks(sys);
-    spawn_nbd_watchdog(sys.nbd.clone(), args.nbd_hung_after);
+    spawn_nbd_watchdog(sys.fuse_clients.clone(), args.nbd_hung_after);
     let mut agent = Agent::new(
         config,
         Vec::new(),
@@ -420,7 +419,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
 const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// Check the userspace NBD clients' servers a few times per `hung_after`.
-fn spawn_nbd_watchdog(clients: Arc<dyn crate::sys::NbdClients>, hung_after: Duration) {
+fn spawn_nbd_watchdog(clients: Arc<dyn crate::sys::FuseClients>, hung_after: Duration) {
     let every = (hung_after / 4).clamp(Duration::from_millis(250), Duration::from_secs(15));
     let spawned = std::thread::Builder::new().name("nbd-watchdog".into()).spawn(move || {
         loop {

@@ -23,7 +23,7 @@ pub fn run(command: LocalCommand) -> anyhow::Result<ExitCode> {
     let LocalCommand::Discover { classes, node_name } = command;
     let table = crate::sys::mountinfo::parse(&std::fs::read_to_string("/proc/self/mountinfo")?)?;
     let started = std::time::Instant::now();
-    let scan = discovery::scan(&classes, &table);
+    let scan = discovery::scan(&crate::sys::inspect::Node, &classes, &table);
     let took = started.elapsed();
     let volumes: Vec<serde_json::Value> = scan
         .volumes

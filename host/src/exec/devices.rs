@@ -58,9 +58,9 @@ impl Run<'_> {
             return Ok(device);
         }
         let kernel = match spec.attach {
-            NbdAttach::Auto => self.sys.nbd.kernel_driver(),
+            NbdAttach::Auto => self.sys.kernel_nbd.available(),
             NbdAttach::Userspace => false,
-            NbdAttach::Kernel if self.sys.nbd.kernel_driver() => true,
+            NbdAttach::Kernel if self.sys.kernel_nbd.available() => true,
             NbdAttach::Kernel => {
                 return Err(refused(format!(
                     "nbd export {:?} at {}: the volume asks for the kernel's nbd driver, which this node does not have \
@@ -72,10 +72,10 @@ impl Run<'_> {
         let (server, export) = match &spec.local_file {
             Some(local) => {
                 let file = self.sys.devices.open_file(Path::new(local), !read_only)?;
-                if self.sys.nbd.serve(&key, file, read_only)? {
+                if self.sys.export_helpers.serve(&key, file, read_only)? {
                     self.undo.push(Undo::NbdStopServing(key.clone()));
                 }
-                (self.sys.nbd.server_address(&key), String::new())
+                (self.sys.export_helpers.server_address(&key), String::new())
             }
             None => (spec.server.clone(), spec.export_name.clone()),
         };
@@ -141,10 +141,10 @@ impl Run<'_> {
 
     /// The device already there for export `key`, whichever path made it.
     pub(super) fn export_device(&self, key: &str) -> Result<Option<PathBuf>, StepError> {
-        if let Some(device) = self.sys.nbd.kernel_device(key) {
+        if let Some(device) = self.sys.kernel_nbd.device(key) {
             return Ok(Some(device));
         }
-        Ok(self.loops_over(&self.sys.nbd.file(key))?.into_iter().next())
+        Ok(self.loops_over(&self.sys.fuse_clients.file(key))?.into_iter().next())
     }
 
     /// Connect `server`'s `export` as export `key`'s device: a kernel nbd
@@ -160,17 +160,17 @@ impl Run<'_> {
     ) -> Result<PathBuf, StepError> {
         if kernel {
             let (device, connected) =
-                self.sys.nbd.kernel_connect(&key, server, export, connections, read_only)?;
+                self.sys.kernel_nbd.connect(&key, server, export, connections, read_only)?;
             if connected {
                 self.undo.push(Undo::NbdKernelDisconnect(key));
             }
             return Ok(device);
         }
-        let uri = crate::sys::nbd_client::uri(server, export);
-        if self.sys.nbd.connect(&key, &uri, connections, read_only)? {
+        let uri = crate::sys::nbd::uri(server, export);
+        if self.sys.fuse_clients.connect(&key, &uri, connections, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key.clone()));
         }
-        let device = self.sys.devices.loop_attach(&self.sys.nbd.file(&key), read_only)?;
+        let device = self.sys.devices.loop_attach(&self.sys.fuse_clients.file(&key), read_only)?;
         self.undo.push(Undo::Detach(device.clone()));
         Ok(device)
     }
@@ -178,12 +178,12 @@ impl Run<'_> {
     /// Undo what attaching export `key` did, whichever path it took; the
     /// helper server (a local file's or an RBD image's) goes last.
     pub(super) fn detach_export(&mut self, key: &str) -> Result<(), StepError> {
-        for device in self.loops_over(&self.sys.nbd.file(key))? {
+        for device in self.loops_over(&self.sys.fuse_clients.file(key))? {
             self.sys.devices.loop_detach(&device)?;
         }
-        self.sys.nbd.disconnect(key)?;
-        self.sys.nbd.kernel_disconnect(key)?;
-        Ok(self.sys.nbd.stop_serving(key)?)
+        self.sys.fuse_clients.disconnect(key)?;
+        self.sys.kernel_nbd.disconnect(key)?;
+        Ok(self.sys.export_helpers.stop_serving(key)?)
     }
 }
 

@@ -217,9 +217,9 @@ impl Run<'_> {
         while let Some(undo) = self.undo.pop() {
             let result = match &undo {
                 Undo::Detach(device) => self.sys.devices.loop_detach(device),
-                Undo::NbdDisconnect(key) => self.sys.nbd.disconnect(key),
-                Undo::NbdKernelDisconnect(key) => self.sys.nbd.kernel_disconnect(key),
-                Undo::NbdStopServing(key) => self.sys.nbd.stop_serving(key),
+                Undo::NbdDisconnect(key) => self.sys.fuse_clients.disconnect(key),
+                Undo::NbdKernelDisconnect(key) => self.sys.kernel_nbd.disconnect(key),
+                Undo::NbdStopServing(key) => self.sys.export_helpers.stop_serving(key),
                 Undo::KrbdUnmap(id) => self.sys.krbd.unmap(*id, false),
                 Undo::Unmount(target) => self.sys.mounts.unmount(target, false),
                 Undo::RemoveDir(dir) => self.sys.mounts.remove_dir(dir),

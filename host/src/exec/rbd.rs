@@ -40,7 +40,7 @@ impl Run<'_> {
             self.krbd_mappings(spec)?.into_iter().map(|m| (m.client_id, m.client_addr)).collect();
         clients.extend(
             self.sys
-                .nbd
+                .export_helpers
                 .storage_clients()
                 .into_iter()
                 .filter(|(k, _, _)| *k == key)
@@ -55,8 +55,8 @@ impl Run<'_> {
         let image = format!("rbd image {}/{}", spec.pool, spec.image);
         let (kernel, helper, fuse) = (
             || self.sys.krbd.available(),
-            || self.sys.nbd.rbd_helper_available(),
-            || self.sys.nbd.rbd_fuse_available(),
+            || self.sys.export_helpers.rbd_available(),
+            || self.sys.rbd_fuse.available(),
         );
         let missing = |what: &str, option: &str| {
             refused(format!(
@@ -96,7 +96,10 @@ impl Run<'_> {
         if let Some(device) = self.export_device(key)? {
             return Ok(Some(device));
         }
-        Ok(self.loops_over(&self.sys.nbd.rbd_fuse_file(key, &spec.image))?.into_iter().next())
+        Ok(self
+            .loops_over(&self.sys.fuse_clients.rbd_fuse_file(key, &spec.image))?
+            .into_iter()
+            .next())
     }
 
     /// The agent's kernel mappings of `spec`'s image (none where the kernel
@@ -171,13 +174,13 @@ impl Run<'_> {
             }
         };
         let before = watchers(self);
-        if self.sys.nbd.connect_rbd_fuse(key, &target, read_only)? {
+        if self.sys.rbd_fuse.connect(key, &target, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key.to_string()));
         }
         let device = self
             .sys
             .devices
-            .loop_attach(&self.sys.nbd.rbd_fuse_file(key, &spec.image), read_only)?;
+            .loop_attach(&self.sys.fuse_clients.rbd_fuse_file(key, &spec.image), read_only)?;
         self.undo.push(Undo::Detach(device.clone()));
         let new: Vec<_> = match (before, watchers(self)) {
             (Some(before), Some(after)) => {
@@ -186,7 +189,7 @@ impl Run<'_> {
             _ => Vec::new(),
         };
         match new.as_slice() {
-            [w] => self.sys.nbd.set_storage_client(
+            [w] => self.sys.export_helpers.set_storage_client(
                 key,
                 u64::try_from(w.id).unwrap_or_default(),
                 &w.address,
@@ -212,10 +215,11 @@ impl Run<'_> {
             pool: spec.pool.clone(),
             image: spec.image.clone(),
         };
-        if self.sys.nbd.serve_rbd(&key, &target, read_only)? {
+        if self.sys.export_helpers.serve_rbd(&key, &target, read_only)? {
             self.undo.push(Undo::NbdStopServing(key.clone()));
         }
-        let (server, kernel) = (self.sys.nbd.server_address(&key), self.sys.nbd.kernel_driver());
+        let (server, kernel) =
+            (self.sys.export_helpers.server_address(&key), self.sys.kernel_nbd.available());
         // A second connection keeps requests in flight while librbd
         // completes others.
         self.connect_export(key, &server, "", RBD_CONNECTIONS, kernel, read_only)
@@ -255,7 +259,7 @@ impl Run<'_> {
             self.sys.krbd.unmap(m.id, force)?;
         }
         let key = rbd_key(spec);
-        for device in self.loops_over(&self.sys.nbd.rbd_fuse_file(&key, &spec.image))? {
+        for device in self.loops_over(&self.sys.fuse_clients.rbd_fuse_file(&key, &spec.image))? {
             self.sys.devices.loop_detach(&device)?;
         }
         self.detach_export(&key)

@@ -13,8 +13,8 @@
 
 use super::{LocalClass, round_capacity};
 use crate::sys::mountinfo::MountInfo;
+use crate::sys::{Inspect, InspectedEntry};
 use std::collections::BTreeMap;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 /// What kind of local volume an entry is.
@@ -64,26 +64,24 @@ pub struct Scan {
     pub skipped: Vec<Skipped>,
 }
 
-/// Scan every class's dirs, with the node's mount table read once.
-pub fn scan(classes: &[LocalClass], table: &[MountInfo]) -> Scan {
+/// Scan every class's dirs through `node`, with the node's mount table read once.
+pub fn scan(node: &dyn Inspect, classes: &[LocalClass], table: &[MountInfo]) -> Scan {
     // The last mount at a point is the one seen there.
     let mounts: BTreeMap<&Path, &MountInfo> =
         table.iter().map(|m| (m.mount_point.as_path(), m)).collect();
     let mut out = Scan::default();
     for class in classes {
         for dir in &class.dirs {
-            let entries = match std::fs::read_dir(dir) {
-                Ok(e) => e,
+            let paths = match node.list_dir(dir) {
+                Ok(paths) => paths,
                 Err(e) => {
                     out.skipped
                         .push(Skipped { path: dir.clone(), why: format!("cannot list it: {e}") });
                     continue;
                 }
             };
-            let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
-            paths.sort();
             for path in paths {
-                match examine(&path, &mounts) {
+                match examine(node, &path, &mounts) {
                     Ok((kind, bytes)) => out.volumes.push(Volume {
                         class: class.name.clone(),
                         path,
@@ -98,68 +96,39 @@ pub fn scan(classes: &[LocalClass], table: &[MountInfo]) -> Scan {
     out
 }
 
-fn examine(path: &Path, mounts: &BTreeMap<&Path, &MountInfo>) -> Result<(Kind, u64), String> {
+fn examine(
+    node: &dyn Inspect,
+    path: &Path,
+    mounts: &BTreeMap<&Path, &MountInfo>,
+) -> Result<(Kind, u64), String> {
     if let Some(m) = mounts.get(path) {
-        let stat = nix::sys::statvfs::statvfs(path).map_err(|e| format!("statvfs: {e}"))?;
-        let bytes = stat.blocks().saturating_mul(stat.fragment_size());
+        let bytes = node.filesystem_size(path).map_err(|e| e.to_string())?;
         return Ok((Kind::Filesystem { fs_type: m.fs_type.clone() }, bytes));
     }
-    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("stat: {e}"))?;
-    let ft = meta.file_type();
-    if ft.is_block_device() {
-        return block(path, meta.rdev());
-    }
-    if ft.is_symlink() {
-        // Resolved once, here, and only to a block device under /dev.
-        let target = std::fs::canonicalize(path)
-            .map_err(|e| format!("a link that does not resolve: {e}"))?;
-        if !target.starts_with("/dev") {
-            return Err(format!("a link to {}, which is not under /dev", target.display()));
+    match node.entry(path).map_err(|e| e.to_string())? {
+        InspectedEntry::Block { rdev } => block(node, path, rdev),
+        InspectedEntry::Link => {
+            // Resolved once, here, and only to a block device under /dev.
+            let target =
+                node.resolve(path).map_err(|e| format!("a link that does not resolve: {e}"))?;
+            if !target.starts_with("/dev") {
+                return Err(format!("a link to {}, which is not under /dev", target.display()));
+            }
+            match node.entry(&target).map_err(|e| e.to_string())? {
+                InspectedEntry::Block { rdev } => block(node, &target, rdev),
+                _ => Err(format!("a link to {}, which is not a block device", target.display())),
+            }
         }
-        let meta = std::fs::symlink_metadata(&target)
-            .map_err(|e| format!("stat {}: {e}", target.display()))?;
-        if !meta.file_type().is_block_device() {
-            return Err(format!("a link to {}, which is not a block device", target.display()));
-        }
-        return block(&target, meta.rdev());
+        InspectedEntry::File { bytes } => Ok((Kind::File, bytes)),
+        InspectedEntry::Dir => Err("a dir that is not a mount point".into()),
+        InspectedEntry::Other => Err("neither a mount point, a block device nor a file".into()),
     }
-    if ft.is_file() {
-        return Ok((Kind::File, meta.len()));
-    }
-    if ft.is_dir() {
-        return Err("a dir that is not a mount point".into());
-    }
-    Err("neither a mount point, a block device nor a file".into())
 }
 
-fn block(device: &Path, rdev: u64) -> Result<(Kind, u64), String> {
-    let node = crate::sys::block_devnode(rdev, device).map_err(|e| e.to_string())?;
-    let bytes = crate::sys::block_size(&node).map_err(|e| e.to_string())?;
-    let identity = identity(rdev);
-    Ok((Kind::Block { device: node, identity }, bytes))
-}
-
-/// What names the device whatever its number: the disk's WWID or serial,
-/// a loop device's backing file, else its numbers.
-pub fn identity(rdev: u64) -> String {
-    let (major, minor) = (nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
-    let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
-    let read = |p: &str| {
-        std::fs::read_to_string(sys.join(p))
-            .ok()
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-    };
-    if let Some(w) = read("device/wwid").or_else(|| read("wwid")) {
-        return format!("wwid:{w}");
-    }
-    if let Some(s) = read("device/serial").or_else(|| read("serial")) {
-        return format!("serial:{s}");
-    }
-    if let Some(b) = read("loop/backing_file") {
-        return format!("loop:{b}");
-    }
-    format!("dev:{major}:{minor}")
+fn block(node: &dyn Inspect, device: &Path, rdev: u64) -> Result<(Kind, u64), String> {
+    let (device, bytes) = node.block_node(rdev, device).map_err(|e| e.to_string())?;
+    let identity = node.identity(rdev);
+    Ok((Kind::Block { device, identity }, bytes))
 }
 
 /// The option a PV of a discovered block device carries its identity in.
@@ -169,18 +138,16 @@ pub const IDENTITY_OPTION: &str = "identity";
 /// device a PV was made of: a block device node under /dev (not a link)
 /// whose identity is `identity`. Device numbers and by-id links move
 /// between boots and hot-plugs; a wrong disk must never be mounted or wiped.
-pub fn verify_device(device: &Path, identity: &str) -> Result<(), String> {
+pub fn verify_device(node: &dyn Inspect, device: &Path, identity: &str) -> Result<(), String> {
     if !device.starts_with("/dev/")
         || device.components().any(|c| matches!(c, std::path::Component::ParentDir))
     {
         return Err(format!("{} is not a device node under /dev", device.display()));
     }
-    let meta =
-        std::fs::symlink_metadata(device).map_err(|e| format!("{}: {e}", device.display()))?;
-    if !meta.file_type().is_block_device() {
+    let InspectedEntry::Block { rdev } = node.entry(device).map_err(|e| e.to_string())? else {
         return Err(format!("{} is not a block device node", device.display()));
-    }
-    let found = self::identity(meta.rdev());
+    };
+    let found = node.identity(rdev);
     if found != identity {
         return Err(format!(
             "{} is now {found}, not the volume's {identity}: the disk moved or was replaced; the agent's next discovery will publish it anew",
@@ -193,20 +160,21 @@ pub fn verify_device(device: &Path, identity: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sys::inspect::Node;
 
     #[test]
     fn devices_are_checked_by_identity_and_links_refused() {
         assert!(
-            verify_device(Path::new("/etc/hostname"), "dev:1:1")
+            verify_device(&Node, Path::new("/etc/hostname"), "dev:1:1")
                 .unwrap_err()
                 .contains("not a device node under /dev")
         );
         assert!(
-            verify_device(Path::new("/dev/null"), "dev:1:3")
+            verify_device(&Node, Path::new("/dev/null"), "dev:1:3")
                 .unwrap_err()
                 .contains("not a block device")
         );
-        assert!(verify_device(Path::new("/dev/../etc/hostname"), "x").is_err());
+        assert!(verify_device(&Node, Path::new("/dev/../etc/hostname"), "x").is_err());
     }
 
     fn class(dir: &Path) -> Vec<LocalClass> {
@@ -222,7 +190,7 @@ mod tests {
         std::os::unix::fs::symlink("/etc/hostname", d.join("to-etc")).unwrap();
         std::os::unix::fs::symlink("/dev/null", d.join("to-null")).unwrap();
         std::os::unix::fs::symlink(d.join("nowhere"), d.join("dangling")).unwrap();
-        let scan = scan(&class(d), &[]);
+        let scan = scan(&Node, &class(d), &[]);
         assert_eq!(
             scan.volumes,
             vec![Volume {
@@ -264,7 +232,7 @@ mod tests {
             source: "/dev/loop9".into(),
             super_options: "rw".into(),
         }];
-        let scan = scan(&class(dir.path()), &table);
+        let scan = scan(&Node, &class(dir.path()), &table);
         assert_eq!(scan.volumes.len(), 1, "{scan:?}");
         assert_eq!(scan.volumes[0].kind, Kind::Filesystem { fs_type: "ext4".into() });
         assert!(scan.volumes[0].capacity_bytes > 0);
@@ -272,7 +240,7 @@ mod tests {
 
     #[test]
     fn a_missing_dir_is_reported_not_fatal() {
-        let scan = scan(&class(Path::new("/nonexistent/volagent")), &[]);
+        let scan = scan(&Node, &class(Path::new("/nonexistent/volagent")), &[]);
         assert!(scan.volumes.is_empty());
         assert!(scan.skipped[0].why.contains("cannot list"), "{scan:?}");
     }

@@ -25,7 +25,7 @@ impl Agent {
         paths: NodePaths,
     ) -> Result<Done, Failure> {
         let mut op = Operation::new(self, backend, volume, consumer, secrets, paths)?;
-        op.verify_devices().await?;
+        op.verify_devices(&self.node).await?;
         op.lock(&self.node)?;
         attach(&self.node, op).await
     }

@@ -48,8 +48,8 @@ impl Operation {
     }
 
     /// The device step: the devices the volume's PV names, verified.
-    pub(crate) async fn verify_devices(&mut self) -> Result<(), Failure> {
-        self.devices = verified_devices(&self.volume).await?;
+    pub(crate) async fn verify_devices(&mut self, node: &Node) -> Result<(), Failure> {
+        self.devices = verified_devices(&node.sys, &self.volume).await?;
         Ok(())
     }
 

@@ -153,7 +153,7 @@ impl Agent {
         execute::blocking(move || {
             let table =
                 sys.mounts.mount_table().map_err(|e| internal(format!("discovery: {e}")))?;
-            Ok(crate::local::discovery::scan(&classes, &table))
+            Ok(crate::local::discovery::scan(sys.inspect.as_ref(), &classes, &table))
         })
         .await?
     }

@@ -8,13 +8,14 @@ use super::queries::NodeQueries;
 use super::{Failure, FailureKind, cluster};
 use crate::policy::{Holder, NodeFacts, PathRoot, Plugin, Volume};
 use crate::secret::Secrets;
+use crate::sys::Sys;
 use crate::sys::rbd_export::CephClient;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// The device a discovered disk's PV names, checked to be that disk (by
 /// its identity) before any policy sees the volume; none for other volumes.
-pub(crate) async fn verified_devices(volume: &Volume) -> Result<Vec<String>, Failure> {
+pub(crate) async fn verified_devices(sys: &Sys, volume: &Volume) -> Result<Vec<String>, Failure> {
     let Some(device) = crate::policy::validate::verified_device(volume) else {
         return Ok(Vec::new());
     };
@@ -24,9 +25,13 @@ pub(crate) async fn verified_devices(volume: &Volume) -> Result<Vec<String>, Fai
         .find(|kv| kv.key == crate::local::discovery::IDENTITY_OPTION)
         .map(|kv| kv.value.clone())
         .unwrap_or_default();
-    let path = device.clone();
+    let (path, inspect) = (device.clone(), sys.inspect.clone());
     blocking(move || {
-        crate::local::discovery::verify_device(std::path::Path::new(&path), &identity)
+        crate::local::discovery::verify_device(
+            inspect.as_ref(),
+            std::path::Path::new(&path),
+            &identity,
+        )
     })
     .await?
     .map_err(|m| Failure::new(FailureKind::Denied, format!("volume {}: {m}", volume.name)))?;

@@ -270,7 +270,7 @@ impl Queries for NodeQueries {
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
         let mut ours: Vec<u64> =
-            self.sys.nbd.storage_clients().into_iter().map(|(_, id, _)| id).collect();
+            self.sys.export_helpers.storage_clients().into_iter().map(|(_, id, _)| id).collect();
         if self.sys.krbd.available() {
             let mappings = self.sys.krbd.mappings().map_err(|e| e.to_string())?;
             ours.extend(mappings.into_iter().filter(|m| m.ours).map(|m| m.client_id));
@@ -332,7 +332,7 @@ mod tests {
             pool: "rbd".into(),
             image: "img".into(),
         };
-        fake.sys().nbd.serve_rbd("export-1", &target, false).unwrap();
+        fake.sys().export_helpers.serve_rbd("export-1", &target, false).unwrap();
         fake.state().rbd_watchers.insert(
             "rbd/img".into(),
             vec![(5000, "10.0.0.9:0/5000".into()), (4100, "10.0.0.7:0/99".into())],

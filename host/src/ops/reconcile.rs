@@ -276,13 +276,13 @@ impl Agent {
             // agent restarts; one a mount uses is kept, one nothing uses
             // (or whose connection is gone) is disconnected.
             let mut kernel_keys = BTreeSet::new();
-            for (key, device) in sys.nbd.kernel_connections() {
+            for (key, device) in sys.kernel_nbd.connections() {
                 kernel_keys.insert(key.clone());
                 if device.as_ref().is_some_and(|d| mounted.contains(&d.display().to_string())) {
                     continue;
                 }
-                sys.nbd.kernel_disconnect(&key)?;
-                sys.nbd.stop_serving(&key)?;
+                sys.kernel_nbd.disconnect(&key)?;
+                sys.export_helpers.stop_serving(&key)?;
                 let what = device.map_or("gone".to_string(), |d| d.display().to_string());
                 removed.push(format!("orphan kernel NBD connection {key} ({what})"));
             }
@@ -301,8 +301,8 @@ impl Agent {
             // nothing uses is stopped.
             let loops = sys.devices.loop_devices()?;
             let tag = sys.devices.loop_tag();
-            for (key, running) in sys.nbd.clients()? {
-                let file = sys.nbd.file(&key);
+            for (key, running) in sys.fuse_clients.clients()? {
+                let file = sys.fuse_clients.file(&key);
                 match (loops.iter().any(|l| l.is_over_client_file(&file, tag)), running) {
                     // A kernel connection's (helper server), seen to above.
                     (false, _) if kernel_keys.contains(&key) => {}
@@ -312,8 +312,8 @@ impl Agent {
                          its loop device fails I/O until the pods using it are restarted"
                     )),
                     (false, _) => {
-                        sys.nbd.disconnect(&key)?;
-                        sys.nbd.stop_serving(&key)?;
+                        sys.fuse_clients.disconnect(&key)?;
+                        sys.export_helpers.stop_serving(&key)?;
                         removed.push(format!("orphan NBD client {key}"));
                     }
                 }

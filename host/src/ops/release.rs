@@ -50,7 +50,7 @@ impl Agent {
                 ),
             ));
         }
-        let devices = verified_devices(&volume).await?;
+        let devices = verified_devices(&self.node.sys, &volume).await?;
         let lock = super::node::lock(&self.node, &name)?;
         let item = CleanupItem {
             volume: volume.clone(),

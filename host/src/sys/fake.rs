@@ -3,7 +3,8 @@
 //! the logic above `sys` that need no root.
 
 use super::{
-    Devices, FileId, Filesystems, LoopDevice, MountInfo, Mounts, NbdClients, Sys, SysError, Wipe,
+    Devices, ExportHelpers, FileId, Filesystems, FuseClients, KernelNbd, LoopDevice, MountInfo,
+    Mounts, RbdFuse, Sys, SysError, Wipe,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -70,9 +71,13 @@ impl Fake {
             mounts: self.clone(),
             devices: self.clone(),
             filesystems: self.clone(),
-            nbd: self.clone(),
+            kernel_nbd: self.clone(),
+            fuse_clients: self.clone(),
+            export_helpers: self.clone(),
+            rbd_fuse: self.clone(),
             storage: self.clone(),
             krbd: self.clone(),
+            inspect: self.clone(),
             #[cfg(feature = "testing")]
             step_hook: None,
         }
@@ -209,6 +214,52 @@ impl Mounts for Fake {
         s.dirs.remove(dir);
         Ok(())
     }
+
+    fn bind_device(&self, device: &Path, target: &Path, read_only: bool) -> Result<(), SysError> {
+        let mut s = self.op("bind-device", target)?;
+        if !s.files.contains(target) {
+            return Err(SysError::Errno {
+                op: "bind-mount onto",
+                path: target.to_path_buf(),
+                errno: nix::errno::Errno::ENOENT,
+            });
+        }
+        let id = s.mounts.len() as u32 + 100;
+        s.mounts.push(mount_info(id, &device.display().to_string(), target, "devtmpfs", read_only));
+        Ok(())
+    }
+
+    /// Only loop devices have numbers here.
+    fn published_device(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        let s = self.state();
+        let Some(m) = s.mounts.iter().rev().find(|m| m.mount_point == target) else {
+            return Ok(None);
+        };
+        Ok(s.loops.iter().find(|l| l.device == Path::new(&m.source)).map(|l| l.number))
+    }
+
+    fn device_number(&self, device: &Path) -> Result<Option<(u32, u32)>, SysError> {
+        Ok(self.state().loops.iter().find(|l| l.device == device).map(|l| l.number))
+    }
+
+    fn ensure_file(&self, file: &Path) -> Result<bool, SysError> {
+        let mut s = self.op("touch", file)?;
+        Ok(s.files.insert(file.to_path_buf()))
+    }
+
+    fn remove_file(&self, file: &Path) -> Result<(), SysError> {
+        let mut s = self.op("rm", file)?;
+        s.files.remove(file);
+        Ok(())
+    }
+
+    /// The fake's filesystems hold nothing and have no size.
+    fn usage(&self, path: &Path) -> Result<super::Usage, SysError> {
+        let s = self.op("usage", path)?;
+        let read_only =
+            s.mounts.iter().rev().find(|m| m.mount_point == path).is_some_and(|m| m.read_only());
+        Ok(super::Usage { read_only, ..Default::default() })
+    }
 }
 
 /// The fake's file identity: one per path.
@@ -284,6 +335,11 @@ impl Devices for Fake {
         Ok(s.files.contains(path).then_some(super::Kind::File))
     }
 
+    /// The fake has no caches: `kind_of` answers.
+    fn kind_of_cached(&self, _path: &Path) -> Option<Result<Option<super::Kind>, SysError>> {
+        None
+    }
+
     fn block_device(&self, path: &Path) -> Result<PathBuf, SysError> {
         Ok(path.to_path_buf())
     }
@@ -334,16 +390,25 @@ impl Filesystems for Fake {
         drop(self.op("clear-dir", dir)?);
         Ok(0)
     }
+    /// The fake's devices have no size: grown to 0 bytes.
+    fn grow_filesystem(
+        &self,
+        device: &Path,
+        _mount_point: &Path,
+        _fs_type: &str,
+    ) -> Result<u64, SysError> {
+        drop(self.op("grow", device)?);
+        Ok(0)
+    }
 }
 
-/// Clients expose their export as `/fake-nbd/<key>/<key>`.
-impl NbdClients for Fake {
-    fn kernel_driver(&self) -> bool {
+impl KernelNbd for Fake {
+    fn available(&self) -> bool {
         self.state().nbd_kernel_driver
     }
 
     /// Devices are /dev/nbd0, /dev/nbd1, … in order of connection.
-    fn kernel_connect(
+    fn connect(
         &self,
         key: &str,
         server: &str,
@@ -367,22 +432,29 @@ impl NbdClients for Fake {
         Ok((device, true))
     }
 
-    fn kernel_device(&self, key: &str) -> Option<PathBuf> {
+    fn device(&self, key: &str) -> Option<PathBuf> {
         self.state().nbd_kernel.get(key).map(|(d, ..)| d.clone())
     }
 
-    fn kernel_disconnect(&self, key: &str) -> Result<(), SysError> {
+    fn disconnect(&self, key: &str) -> Result<(), SysError> {
         let mut s = self.op("nbd-kernel-disconnect", Path::new(key))?;
         s.nbd_kernel.remove(key);
         Ok(())
     }
 
-    fn kernel_connections(&self) -> Vec<(String, Option<PathBuf>)> {
+    fn connections(&self) -> Vec<(String, Option<PathBuf>)> {
         self.state().nbd_kernel.iter().map(|(k, (d, ..))| (k.clone(), Some(d.clone()))).collect()
     }
+}
 
+/// Clients expose their export as `/fake-nbd/<key>/<key>`.
+impl FuseClients for Fake {
     fn file(&self, key: &str) -> PathBuf {
         Path::new("/fake-nbd").join(key).join(key)
+    }
+
+    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf {
+        self.file(key).with_file_name(image)
     }
 
     fn connect(
@@ -415,38 +487,6 @@ impl NbdClients for Fake {
         Ok(())
     }
 
-    fn rbd_helper_available(&self) -> bool {
-        !self.state().no_rbd_helper
-    }
-
-    fn rbd_fuse_available(&self) -> bool {
-        self.state().rbd_fuse
-    }
-
-    fn connect_rbd_fuse(
-        &self,
-        key: &str,
-        target: &super::rbd_export::RbdTarget,
-        read_only: bool,
-    ) -> Result<bool, SysError> {
-        let file = self.rbd_fuse_file(key, &target.image);
-        let mut s = self.op("rbd-fuse-connect", &file)?;
-        if s.rbd_fuse_clients.contains_key(key) {
-            return Ok(false);
-        }
-        let image = format!("{}/{}", target.pool, target.image);
-        s.rbd_fuse_clients.insert(key.to_string(), (image.clone(), read_only));
-        s.files.insert(file);
-        // Its Ceph client watches the image.
-        s.rbd_watchers.entry(image).or_default().push((4100, "10.0.0.9:0/41".into()));
-        Ok(true)
-    }
-
-    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
-        self.state().client_ids.insert(key.to_string(), (id, address.to_string()));
-        Ok(())
-    }
-
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
         let s = self.state();
         let keys: BTreeSet<&String> = s
@@ -463,6 +503,12 @@ impl NbdClients for Fake {
             .collect())
     }
 
+    fn abort_hung(&self, _after: std::time::Duration) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+impl ExportHelpers for Fake {
     fn serve(&self, key: &str, _file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
         let mut s = self.op("nbd-serve", Path::new(key))?;
         Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
@@ -486,6 +532,26 @@ impl NbdClients for Fake {
         Ok(s.nbd_servers.insert(key.to_string(), read_only).is_none())
     }
 
+    fn rbd_available(&self) -> bool {
+        !self.state().no_rbd_helper
+    }
+
+    fn server_address(&self, key: &str) -> String {
+        format!("unix:/fake-nbd/{key}.sock")
+    }
+
+    fn stop_serving(&self, key: &str) -> Result<(), SysError> {
+        let mut s = self.op("nbd-stop-serving", Path::new(key))?;
+        s.nbd_servers.remove(key);
+        s.rbd_servers.remove(key);
+        Ok(())
+    }
+
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
+        self.state().client_ids.insert(key.to_string(), (id, address.to_string()));
+        Ok(())
+    }
+
     fn storage_clients(&self) -> Vec<(String, u64, String)> {
         let s = self.state();
         let helpers = s
@@ -498,16 +564,30 @@ impl NbdClients for Fake {
             )
             .collect()
     }
+}
 
-    fn server_address(&self, key: &str) -> String {
-        format!("unix:/fake-nbd/{key}.sock")
+impl RbdFuse for Fake {
+    fn available(&self) -> bool {
+        self.state().rbd_fuse
     }
 
-    fn stop_serving(&self, key: &str) -> Result<(), SysError> {
-        let mut s = self.op("nbd-stop-serving", Path::new(key))?;
-        s.nbd_servers.remove(key);
-        s.rbd_servers.remove(key);
-        Ok(())
+    fn connect(
+        &self,
+        key: &str,
+        target: &super::rbd_export::RbdTarget,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
+        let file = self.rbd_fuse_file(key, &target.image);
+        let mut s = self.op("rbd-fuse-connect", &file)?;
+        if s.rbd_fuse_clients.contains_key(key) {
+            return Ok(false);
+        }
+        let image = format!("{}/{}", target.pool, target.image);
+        s.rbd_fuse_clients.insert(key.to_string(), (image.clone(), read_only));
+        s.files.insert(file);
+        // Its Ceph client watches the image.
+        s.rbd_watchers.entry(image).or_default().push((4100, "10.0.0.9:0/41".into()));
+        Ok(true)
     }
 }
 
@@ -597,5 +677,81 @@ impl super::KernelRbd for Fake {
         let mut s = self.op(op, Path::new(&format!("/dev/rbd{id}")))?;
         s.krbd_mappings.retain(|m| m.id != id);
         Ok(())
+    }
+}
+
+/// Discovery's looks at the fake's dirs, files and links; its links lead
+/// nowhere and its devices have no size or identity beyond their numbers.
+impl super::Inspect for Fake {
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, SysError> {
+        let s = self.op("list", dir)?;
+        if !s.dirs.contains(dir) {
+            return Err(SysError::Errno {
+                op: "list",
+                path: dir.to_path_buf(),
+                errno: nix::errno::Errno::ENOENT,
+            });
+        }
+        let inside: BTreeSet<PathBuf> = s
+            .dirs
+            .iter()
+            .chain(&s.files)
+            .chain(&s.links)
+            .filter(|p| p.parent() == Some(dir))
+            .cloned()
+            .collect();
+        Ok(inside.into_iter().collect())
+    }
+
+    fn entry(&self, path: &Path) -> Result<super::InspectedEntry, SysError> {
+        use super::InspectedEntry;
+        let s = self.state();
+        if s.links.contains(path) {
+            return Ok(InspectedEntry::Link);
+        }
+        if s.dirs.contains(path) {
+            return Ok(InspectedEntry::Dir);
+        }
+        if s.files.contains(path) {
+            return Ok(InspectedEntry::File { bytes: 0 });
+        }
+        if let Some(l) = s.loops.iter().find(|l| l.device == path) {
+            let rdev = nix::sys::stat::makedev(u64::from(l.number.0), u64::from(l.number.1));
+            return Ok(InspectedEntry::Block { rdev });
+        }
+        Err(SysError::Errno {
+            op: "stat",
+            path: path.to_path_buf(),
+            errno: nix::errno::Errno::ENOENT,
+        })
+    }
+
+    fn resolve(&self, link: &Path) -> Result<PathBuf, SysError> {
+        Err(SysError::Errno {
+            op: "resolve",
+            path: link.to_path_buf(),
+            errno: nix::errno::Errno::ENOENT,
+        })
+    }
+
+    fn filesystem_size(&self, path: &Path) -> Result<u64, SysError> {
+        drop(self.op("statvfs", path)?);
+        Ok(0)
+    }
+
+    fn block_node(&self, rdev: u64, what: &Path) -> Result<(PathBuf, u64), SysError> {
+        let s = self.state();
+        let number = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
+        match s.loops.iter().find(|l| l.number == number) {
+            Some(l) => Ok((l.device.clone(), 0)),
+            None => Err(SysError::Refused {
+                path: what.to_path_buf(),
+                what: format!("no block device {}:{}", number.0, number.1),
+            }),
+        }
+    }
+
+    fn identity(&self, rdev: u64) -> String {
+        format!("dev:{}:{}", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev))
     }
 }

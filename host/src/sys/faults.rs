@@ -291,6 +291,27 @@ impl<T: Storage + ?Sized> Storage for Faulty<T> {
     }
 }
 
+impl<T: super::Inspect + ?Sized> super::Inspect for Faulty<T> {
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, SysError> {
+        self.inner.list_dir(dir)
+    }
+    fn entry(&self, path: &Path) -> Result<super::InspectedEntry, SysError> {
+        self.inner.entry(path)
+    }
+    fn resolve(&self, link: &Path) -> Result<PathBuf, SysError> {
+        self.inner.resolve(link)
+    }
+    fn filesystem_size(&self, path: &Path) -> Result<u64, SysError> {
+        self.inner.filesystem_size(path)
+    }
+    fn block_node(&self, rdev: u64, what: &Path) -> Result<(PathBuf, u64), SysError> {
+        self.inner.block_node(rdev, what)
+    }
+    fn identity(&self, rdev: u64) -> String {
+        self.inner.identity(rdev)
+    }
+}
+
 /// Told as each step of a plan ends: how the chaos tier stops or stalls an
 /// agent at a chosen point of an operation, as a node failure or a mount of
 /// an unreachable filesystem would.

@@ -53,7 +53,9 @@ impl Linux {
     }
 
     /// No roots: only what needs none (the mount table, loop devices by
-    /// their /dev path). For tools and tests that look and clean up.
+    /// their /dev path). For tests that look and clean up; the agent's
+    /// node is always built with its roots.
+    #[cfg(any(test, feature = "testing"))]
     pub fn unrooted() -> Linux {
         Linux::new(Roots::default(), "")
     }

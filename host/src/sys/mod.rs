@@ -1,5 +1,8 @@
-//! The only place with side effects on the node: mounts, loop devices and
-//! filesystems. Narrow traits; [`linux`] implements them with syscalls
+//! The only place with side effects on the node: mounts, loop devices,
+//! filesystems, NBD and RBD clients, discovery's looks. One narrow trait
+//! per mechanism, gathered in [`Sys`]; what a node lacks is a
+//! [`missing::Missing`] chosen at start-up, never a default body. [`linux`]
+//! implements the first three with syscalls
 //! (nix, rustix) on paths resolved beneath the agent's roots ([`beneath`])
 //! and, where no syscall exists, the system's mkfs/wipefs/shred/blkid with a
 //! deadline; [`fake`] is a stateful stand-in with error injection for tests
@@ -15,15 +18,17 @@ pub mod fake;
 pub mod faults;
 pub mod fusectl;
 pub mod gluster_mount;
+pub mod inspect;
 pub mod keyring;
 pub mod krbd;
 pub mod linux;
 pub mod loopdev;
+pub mod missing;
 pub mod mountinfo;
-pub mod nbd_client;
-pub mod nbd_kernel;
+pub mod nbd;
 mod probe;
 pub mod rbd_export;
+pub mod rbd_fuse;
 pub mod tool;
 
 pub use beneath::Roots;
@@ -168,14 +173,10 @@ pub trait Mounts: Send + Sync {
     /// Whether `target` is a mount point (what `mount_table` would list at
     /// exactly that path), when that can be told without reading the
     /// table; none when only the table can tell.
-    fn is_mount_point(&self, _target: &Path) -> Result<Option<bool>, SysError> {
-        Ok(None)
-    }
+    fn is_mount_point(&self, target: &Path) -> Result<Option<bool>, SysError>;
     /// The device numbers of the filesystem mounted at `target`, when
     /// `target` is a mount point (for a block filesystem: its device).
-    fn device_of_mount(&self, _target: &Path) -> Result<Option<(u32, u32)>, SysError> {
-        Ok(None)
-    }
+    fn device_of_mount(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError>;
     /// Mount `source` (a device under /dev or a network source) at `target`,
     /// `nosuid,nodev`; `options` is the comma-joined filesystem option string.
     fn mount(
@@ -192,32 +193,16 @@ pub trait Mounts: Send + Sync {
     /// Bind the block device `device` (a node under /dev) onto the file
     /// `target`, `nosuid` (not `nodev`: the device is the point), read-only
     /// when asked.
-    fn bind_device(&self, device: &Path, target: &Path, _read_only: bool) -> Result<(), SysError> {
-        Err(SysError::Refused {
-            path: target.to_path_buf(),
-            what: format!("publishing block device {} is not available here", device.display()),
-        })
-    }
+    fn bind_device(&self, device: &Path, target: &Path, read_only: bool) -> Result<(), SysError>;
     /// The device number of the block device node bound at `target`, when
     /// a block device node is mounted there.
-    fn published_device(&self, _target: &Path) -> Result<Option<(u32, u32)>, SysError> {
-        Ok(None)
-    }
+    fn published_device(&self, target: &Path) -> Result<Option<(u32, u32)>, SysError>;
     /// The device number of the block device node `device`.
-    fn device_number(&self, _device: &Path) -> Result<Option<(u32, u32)>, SysError> {
-        Ok(None)
-    }
+    fn device_number(&self, device: &Path) -> Result<Option<(u32, u32)>, SysError>;
     /// Create the empty file `file`; true when it did not exist.
-    fn ensure_file(&self, file: &Path) -> Result<bool, SysError> {
-        Err(SysError::Refused { path: file.to_path_buf(), what: "files are not made here".into() })
-    }
+    fn ensure_file(&self, file: &Path) -> Result<bool, SysError>;
     /// Remove `file` if it is an empty regular file; a missing one is fine.
-    fn remove_file(&self, file: &Path) -> Result<(), SysError> {
-        Err(SysError::Refused {
-            path: file.to_path_buf(),
-            what: "files are not removed here".into(),
-        })
-    }
+    fn remove_file(&self, file: &Path) -> Result<(), SysError>;
     /// Unmount `target` (never following it if it is a symlink); with
     /// `force`, also when busy or unreachable (lazy).
     fn unmount(&self, target: &Path, force: bool) -> Result<(), SysError>;
@@ -226,12 +211,7 @@ pub trait Mounts: Send + Sync {
     /// Remove an empty `dir`; a missing one is fine.
     fn remove_dir(&self, dir: &Path) -> Result<(), SysError>;
     /// Space and inodes of the filesystem `path` is on.
-    fn usage(&self, path: &Path) -> Result<Usage, SysError> {
-        Err(SysError::Refused {
-            path: path.to_path_buf(),
-            what: "usage is not available here".into(),
-        })
-    }
+    fn usage(&self, path: &Path) -> Result<Usage, SysError>;
 }
 
 /// What a filesystem holds and has free (statvfs).
@@ -295,9 +275,7 @@ pub trait Devices: Send + Sync {
     /// [`kind_of`](Self::kind_of) from the kernel's caches alone, so that
     /// it cannot wait on a hung filesystem: none when answering would need
     /// the filesystem (the caller then asks `kind_of` where it may block).
-    fn kind_of_cached(&self, _path: &Path) -> Option<Result<Option<Kind>, SysError>> {
-        None
-    }
+    fn kind_of_cached(&self, path: &Path) -> Option<Result<Option<Kind>, SysError>>;
     /// The block device at `path` (beneath a root, not a symlink; or a
     /// device node under /dev a PV names with its identity), as its node
     /// under /dev: the path the tools and the mount table use.
@@ -336,13 +314,7 @@ pub trait Filesystems: Send + Sync {
         device: &Path,
         mount_point: &Path,
         fs_type: &str,
-    ) -> Result<u64, SysError> {
-        let _ = (mount_point, fs_type);
-        Err(SysError::Refused {
-            path: device.to_path_buf(),
-            what: "growing a filesystem is not available here".into(),
-        })
-    }
+    ) -> Result<u64, SysError>;
     /// Destroy the device's data; refused like [`mkfs`](Self::mkfs).
     fn wipe(&self, device: &Path, method: Wipe) -> Result<(), SysError>;
     /// Remove everything inside the dir `dir` (beneath a root, not a
@@ -350,15 +322,53 @@ pub trait Filesystems: Send + Sync {
     fn clear_dir(&self, dir: &Path) -> Result<u64, SysError>;
 }
 
-/// NBD clients, by a key the caller derives from the export: userspace
-/// ones, each exposing its export as a file, and the kernel's nbd devices.
-pub trait NbdClients: Send + Sync {
+/// What an entry found by [`Inspect::entry`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InspectedEntry {
+    /// A block device node, and its numbers.
+    Block {
+        rdev: u64,
+    },
+    /// A symlink (not followed).
+    Link,
+    File {
+        bytes: u64,
+    },
+    Dir,
+    /// A FIFO, socket or character device.
+    Other,
+}
+
+/// Read-only looks for local volume discovery, at any path (discovery
+/// dirs, and the devices an admin's links lead to): nothing is opened for
+/// writing, nothing resolved beneath the roots.
+pub trait Inspect: Send + Sync {
+    /// The entries of `dir`, sorted.
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, SysError>;
+    /// What is at `path`, not following it.
+    fn entry(&self, path: &Path) -> Result<InspectedEntry, SysError>;
+    /// Where the symlink `link` leads, every link on the way followed.
+    fn resolve(&self, link: &Path) -> Result<PathBuf, SysError>;
+    /// The size in bytes of the filesystem `path` is on (statvfs).
+    fn filesystem_size(&self, path: &Path) -> Result<u64, SysError>;
+    /// The node under /dev of block device `rdev` (checked: not a link, the
+    /// same numbers) and its size in bytes; `what` names the path that led
+    /// to it in errors.
+    fn block_node(&self, rdev: u64, what: &Path) -> Result<(PathBuf, u64), SysError>;
+    /// What names block device `rdev` whatever its number: the disk's WWID
+    /// or serial, a loop device's backing file, else its numbers ("wwid:…",
+    /// "serial:…", "loop:…", "dev:<major>:<minor>").
+    fn identity(&self, rdev: u64) -> String;
+}
+
+/// The kernel's nbd devices, by a key the caller derives from the export.
+pub trait KernelNbd: Send + Sync {
     /// Whether this node's kernel has the nbd driver.
-    fn kernel_driver(&self) -> bool;
+    fn available(&self) -> bool;
     /// Connect the export `export` at `server` ("unix:/path" or
     /// "host:port") to a free kernel nbd device for `key`; the device, and
     /// whether it was connected now (false: it was already).
-    fn kernel_connect(
+    fn connect(
         &self,
         key: &str,
         server: &str,
@@ -367,17 +377,26 @@ pub trait NbdClients: Send + Sync {
         read_only: bool,
     ) -> Result<(PathBuf, bool), SysError>;
     /// The kernel nbd device connected for `key`, if any.
-    fn kernel_device(&self, key: &str) -> Option<PathBuf>;
+    fn device(&self, key: &str) -> Option<PathBuf>;
     /// Disconnect `key`'s kernel nbd device; none is fine.
-    fn kernel_disconnect(&self, key: &str) -> Result<(), SysError>;
+    fn disconnect(&self, key: &str) -> Result<(), SysError>;
     /// Every export this node has a kernel connection record of, and its
     /// device while connected.
-    fn kernel_connections(&self) -> Vec<(String, Option<PathBuf>)>;
-    /// The file client `key` exposes its export as (running or not).
+    fn connections(&self) -> Vec<(String, Option<PathBuf>)>;
+}
+
+/// Userspace clients, by a key the caller derives from the export, each a
+/// FUSE mount exposing its export as a file: nbdfuse's, started here, and
+/// rbd-fuse's, started by [`RbdFuse`] — both listed, watched and stopped
+/// here.
+pub trait FuseClients: Send + Sync {
+    /// The file nbdfuse client `key` exposes its export as (running or not).
     fn file(&self, key: &str) -> PathBuf;
-    /// Start client `key` for the export at `uri`, and return once it
-    /// serves [`file`](Self::file); true when it was started, false when it
-    /// was running already.
+    /// The file rbd-fuse client `key` exposes `image` as (running or not).
+    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf;
+    /// Start nbdfuse client `key` for the export at `uri`, and return once
+    /// it serves [`file`](Self::file); true when it was started, false
+    /// when it was running already.
     fn connect(
         &self,
         key: &str,
@@ -387,9 +406,23 @@ pub trait NbdClients: Send + Sync {
     ) -> Result<bool, SysError>;
     /// Stop client `key` and remove what it left; none running is fine.
     fn disconnect(&self, key: &str) -> Result<(), SysError>;
+    /// Every client (or helper server, or kernel connection) this node has
+    /// a trace of, and whether its client runs.
+    fn clients(&self) -> Result<Vec<(String, bool)>, SysError>;
+    /// Check that each running client's server still answers (a flush
+    /// through it); abort the clients whose check has not come back within
+    /// `after`, so that I/O through them fails instead of hanging. Call it
+    /// periodically; returns the keys aborted.
+    fn abort_hung(&self, after: std::time::Duration) -> Vec<String>;
+}
+
+/// The agent's helper NBD servers, by key: processes that outlive the
+/// agent, serving a local file or an RBD image for an NBD client (kernel
+/// or userspace) to reach; and who each Ceph client of this node is.
+pub trait ExportHelpers: Send + Sync {
     /// Serve `file` (opened by the caller beneath its roots) as the default
-    /// export of a helper server `key`, a process that outlives the agent,
-    /// at [`server_address`](Self::server_address); true when it was
+    /// export of a helper server `key`, at
+    /// [`server_address`](Self::server_address); true when it was
     /// started, false when it was running already (`file` is then unused).
     fn serve(&self, key: &str, file: std::fs::File, read_only: bool) -> Result<bool, SysError>;
     /// Serve the RBD image `target` through librbd as the default export
@@ -402,48 +435,36 @@ pub trait NbdClients: Send + Sync {
         target: &rbd_export::RbdTarget,
         read_only: bool,
     ) -> Result<bool, SysError>;
-    /// The Ceph client of each running rbd helper or rbd-fuse client: key,
-    /// global id, address.
-    fn storage_clients(&self) -> Vec<(String, u64, String)> {
-        Vec::new()
-    }
     /// Whether an rbd helper can serve on this node: librbd loads, and the
     /// node has a way to reach an export (the nbd driver or nbdfuse).
-    fn rbd_helper_available(&self) -> bool;
+    fn rbd_available(&self) -> bool;
+    /// Where helper server `key` listens: "unix:/path".
+    fn server_address(&self, key: &str) -> String;
+    /// Stop helper server `key`; none running is fine.
+    fn stop_serving(&self, key: &str) -> Result<(), SysError>;
+    /// Record who client `key` (a helper, or an rbd-fuse client) is to its
+    /// storage cluster (for [`storage_clients`](Self::storage_clients)).
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError>;
+    /// The Ceph client of each running rbd helper or rbd-fuse client: key,
+    /// global id, address.
+    fn storage_clients(&self) -> Vec<(String, u64, String)>;
+}
+
+/// rbd-fuse: an RBD image exposed as a file through FUSE.
+pub trait RbdFuse: Send + Sync {
     /// Whether rbd-fuse is installed.
-    fn rbd_fuse_available(&self) -> bool;
+    fn available(&self) -> bool;
     /// Start rbd-fuse as client `key` for the RBD image `target`, and
-    /// return once it serves [`rbd_fuse_file`](Self::rbd_fuse_file); true
-    /// when started, false when running already. A key in `target` reaches
-    /// it as with [`serve_rbd`](Self::serve_rbd). Stopped by
-    /// [`disconnect`](Self::disconnect).
-    fn connect_rbd_fuse(
+    /// return once it serves [`FuseClients::rbd_fuse_file`]; true when
+    /// started, false when running already. A key in `target` reaches it
+    /// as with [`ExportHelpers::serve_rbd`]. Stopped by
+    /// [`FuseClients::disconnect`].
+    fn connect(
         &self,
         key: &str,
         target: &rbd_export::RbdTarget,
         read_only: bool,
     ) -> Result<bool, SysError>;
-    /// The file rbd-fuse client `key` exposes `image` as.
-    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf {
-        self.file(key).with_file_name(image)
-    }
-    /// Record who client `key` is to its storage cluster (for
-    /// [`storage_clients`](Self::storage_clients)).
-    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError>;
-    /// Where helper server `key` listens: "unix:/path".
-    fn server_address(&self, key: &str) -> String;
-    /// Stop helper server `key`; none running is fine.
-    fn stop_serving(&self, key: &str) -> Result<(), SysError>;
-    /// Every client (or helper server) this node has a trace of, and
-    /// whether its client runs.
-    fn clients(&self) -> Result<Vec<(String, bool)>, SysError>;
-    /// Check that each running client's server still answers (a flush
-    /// through it); abort the clients whose check has not come back within
-    /// `after`, so that I/O through them fails instead of hanging. Call it
-    /// periodically; returns the keys aborted.
-    fn abort_hung(&self, _after: std::time::Duration) -> Vec<String> {
-        Vec::new()
-    }
 }
 
 /// What the agent asks of a Ceph cluster, and does to it, itself.
@@ -524,12 +545,6 @@ pub fn lower_thread_priority() {
     }
 }
 
-/// The node under /dev of block device `rdev` (checked: not a link, the
-/// same numbers); `what` names the path that led to it in errors.
-pub fn block_devnode(rdev: u64, what: &Path) -> Result<PathBuf, SysError> {
-    block::devnode(rdev, what)
-}
-
 /// The size in bytes of block device `device` (read-only).
 pub fn block_size(device: &Path) -> Result<u64, SysError> {
     block::size_of(device)
@@ -541,9 +556,13 @@ pub struct Sys {
     pub mounts: Arc<dyn Mounts>,
     pub devices: Arc<dyn Devices>,
     pub filesystems: Arc<dyn Filesystems>,
-    pub nbd: Arc<dyn NbdClients>,
+    pub kernel_nbd: Arc<dyn KernelNbd>,
+    pub fuse_clients: Arc<dyn FuseClients>,
+    pub export_helpers: Arc<dyn ExportHelpers>,
+    pub rbd_fuse: Arc<dyn RbdFuse>,
     pub storage: Arc<dyn Storage>,
     pub krbd: Arc<dyn KernelRbd>,
+    pub inspect: Arc<dyn Inspect>,
     /// Told as each step of a plan ends; none but in the chaos tier.
     #[cfg(feature = "testing")]
     pub step_hook: Option<Arc<dyn faults::StepHook>>,
@@ -551,23 +570,65 @@ pub struct Sys {
 
 impl Sys {
     /// The real node, acting beneath `roots`; loop devices it attaches
-    /// carry `tag`; userspace NBD clients live in `nbd_dir` (beneath the
-    /// agent's state dir).
+    /// carry `tag`; userspace NBD clients and helper servers live in
+    /// `nbd_dir` (beneath the agent's state dir).
     pub fn linux(roots: Roots, tag: &str, nbd_dir: PathBuf) -> Sys {
-        Sys::linux_with(roots, tag, nbd_client::NbdFuse::new(nbd_dir))
+        Sys::linux_with(roots, tag, nbd_dir, nbd::kernel::DEFAULT_REQUEST_TIMEOUT)
     }
 
-    /// [`linux`](Self::linux) with NBD clients configured by the caller.
-    pub fn linux_with(roots: Roots, tag: &str, nbd: nbd_client::NbdFuse) -> Sys {
+    /// [`linux`](Self::linux), the kernel failing an NBD request (and its
+    /// connection) that takes longer than `nbd_request_timeout`. What the
+    /// node lacks (the nbd or rbd module, rbd-fuse) is found here, once,
+    /// and passed in as [`missing::Missing`].
+    pub fn linux_with(
+        roots: Roots,
+        tag: &str,
+        nbd_dir: PathBuf,
+        nbd_request_timeout: std::time::Duration,
+    ) -> Sys {
         let node = Arc::new(linux::Linux::new(roots, tag));
-        let krbd = Arc::new(krbd::Krbd::new(nbd.base().to_path_buf()));
+        let mut devices = nbd::kernel::NbdDevices::new(nbd_dir.clone());
+        devices.request_timeout = nbd_request_timeout;
+        let kernel_nbd: Arc<dyn KernelNbd> = if devices.available() {
+            Arc::new(devices)
+        } else {
+            Arc::new(nbd::kernel::Unloaded {
+                records: devices,
+                missing: missing::Missing::new(
+                    "kernel NBD",
+                    "the nbd module is not loaded on this node (no /sys/module/nbd, or no /dev/nbd* devices)",
+                ),
+            })
+        };
+        let fuse_clients = Arc::new(nbd::fuse::Clients::new(nbd_dir.clone()));
+        let rbd_fuse: Arc<dyn RbdFuse> = if rbd_fuse::RbdFuseClients::installed() {
+            Arc::new(rbd_fuse::RbdFuseClients::new(fuse_clients.clone()))
+        } else {
+            Arc::new(missing::Missing::new(
+                "rbd-fuse",
+                "rbd-fuse is not installed on this node (not on PATH)",
+            ))
+        };
+        let krbd = krbd::Krbd::new(nbd_dir.clone());
+        let krbd: Arc<dyn KernelRbd> = if krbd.available() {
+            Arc::new(krbd)
+        } else {
+            Arc::new(missing::Missing::new(
+                "kernel RBD",
+                "the rbd module is not loaded on this node and modprobe cannot load it",
+            ))
+        };
         Sys {
             mounts: node.clone(),
             devices: node.clone(),
             filesystems: node,
-            nbd: Arc::new(nbd),
+            export_helpers: Arc::new(nbd::helpers::Helpers::new(nbd_dir, kernel_nbd.clone())),
+            kernel_nbd,
+            fuse_clients,
+            rbd_fuse,
             storage: Arc::new(rbd_export::LibCeph),
             krbd,
+            inspect: Arc::new(inspect::Node),
             #[cfg(feature = "testing")]
             step_hook: None,
         }
@@ -582,7 +643,8 @@ impl Sys {
             mounts: Arc::new(faults::Faulty::new(self.mounts, rules.clone())),
             devices: Arc::new(faults::Faulty::new(self.devices, rules.clone())),
             filesystems: Arc::new(faults::Faulty::new(self.filesystems, rules.clone())),
-            storage: Arc::new(faults::Faulty::new(self.storage, rules)),
+            storage: Arc::new(faults::Faulty::new(self.storage, rules.clone())),
+            inspect: Arc::new(faults::Faulty::new(self.inspect, rules)),
             ..self
         }
     }

@@ -9,13 +9,16 @@
 //! device that was disconnected and taken by someone else, or a record from
 //! before a reboot, names nothing.
 
-use super::{SysError, io};
+use crate::sys::{KernelNbd, SysError, io};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+/// How long the kernel waits for a request unless told otherwise.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
 #[derive(Debug)]
-pub struct KernelNbd {
+pub struct NbdDevices {
     base: PathBuf,
     program: PathBuf,
     /// How long one request may take before the kernel fails it (and the
@@ -87,12 +90,12 @@ fn server_args(server: &str) -> Vec<String> {
     }
 }
 
-impl KernelNbd {
-    pub fn new(base: PathBuf) -> KernelNbd {
-        KernelNbd {
+impl NbdDevices {
+    pub fn new(base: PathBuf) -> NbdDevices {
+        NbdDevices {
             base,
             program: PathBuf::from("nbd-client"),
-            request_timeout: Duration::from_secs(60),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             command_timeout: Duration::from_secs(20),
         }
     }
@@ -101,13 +104,22 @@ impl KernelNbd {
         self.base.join(format!("{key}.kernel"))
     }
 
+    fn disconnect_device(&self, device: &Path) -> Result<(), SysError> {
+        let mut cmd = Command::new(&self.program);
+        cmd.arg("-d").arg(device).stdout(Stdio::null());
+        let out = crate::sys::tool::run_with(&mut cmd, "nbd-client", device, self.command_timeout)?;
+        crate::sys::tool::check("nbd-client", device, out).map(drop)
+    }
+}
+
+impl KernelNbd for NbdDevices {
     /// Whether this node's kernel has the nbd driver (loaded, with devices).
-    pub fn available(&self) -> bool {
+    fn available(&self) -> bool {
         Path::new("/sys/module/nbd").exists() && !devices().is_empty()
     }
 
     /// The device connected for `key`, when its record still matches it.
-    pub fn device(&self, key: &str) -> Option<PathBuf> {
+    fn device(&self, key: &str) -> Option<PathBuf> {
         let record = Record::parse(&std::fs::read_to_string(self.record_file(key)).ok()?)?;
         let live = connection_pid(&record.device)? == record.pid && record.boot == boot_id();
         live.then(|| Path::new("/dev").join(&record.device))
@@ -115,7 +127,7 @@ impl KernelNbd {
 
     /// Connect the export to a free device; the device, and whether it was
     /// connected now (false: it was already).
-    pub fn connect(
+    fn connect(
         &self,
         key: &str,
         server: &str,
@@ -143,8 +155,9 @@ impl KernelNbd {
                 cmd.arg("-R");
             }
             cmd.stdout(Stdio::null());
-            let out = super::tool::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
-            match super::tool::check("nbd-client", &device, out) {
+            let out =
+                crate::sys::tool::run_with(&mut cmd, "nbd-client", &device, self.command_timeout)?;
+            match crate::sys::tool::check("nbd-client", &device, out) {
                 Ok(_) => {}
                 // Taken meanwhile (the kernel says so only in its log), or
                 // still being released by a disconnect that has not ended
@@ -177,16 +190,9 @@ impl KernelNbd {
         }))
     }
 
-    fn disconnect_device(&self, device: &Path) -> Result<(), SysError> {
-        let mut cmd = Command::new(&self.program);
-        cmd.arg("-d").arg(device).stdout(Stdio::null());
-        let out = super::tool::run_with(&mut cmd, "nbd-client", device, self.command_timeout)?;
-        super::tool::check("nbd-client", device, out).map(drop)
-    }
-
     /// Disconnect `key`'s device (only while it is still the one recorded)
     /// and forget it; nothing connected is fine.
-    pub fn disconnect(&self, key: &str) -> Result<(), SysError> {
+    fn disconnect(&self, key: &str) -> Result<(), SysError> {
         if let Some(device) = self.device(key) {
             self.disconnect_device(&device)?;
         }
@@ -198,7 +204,7 @@ impl KernelNbd {
     }
 
     /// Every export with a record, and its device while it is connected.
-    pub fn connected(&self) -> Vec<(String, Option<PathBuf>)> {
+    fn connections(&self) -> Vec<(String, Option<PathBuf>)> {
         let Ok(entries) = std::fs::read_dir(&self.base) else { return Vec::new() };
         let mut keys: Vec<String> = entries
             .flatten()
@@ -212,6 +218,49 @@ impl KernelNbd {
                 (k, device)
             })
             .collect()
+    }
+}
+
+/// Kernel NBD on a node without the nbd driver: every connect refused by
+/// `missing`, while the records earlier boots left (a node that rebooted
+/// without the module) are still listed and forgotten, so reconciliation
+/// clears them once rather than meeting them at every start.
+pub struct Unloaded {
+    pub records: NbdDevices,
+    pub missing: crate::sys::missing::Missing,
+}
+
+impl KernelNbd for Unloaded {
+    fn available(&self) -> bool {
+        false
+    }
+
+    fn connect(
+        &self,
+        key: &str,
+        _server: &str,
+        _export: &str,
+        _connections: u8,
+        _read_only: bool,
+    ) -> Result<(PathBuf, bool), SysError> {
+        Err(self.missing.refuse(key))
+    }
+
+    /// Without the driver no device is connected; a record only names one.
+    fn device(&self, _key: &str) -> Option<PathBuf> {
+        None
+    }
+
+    fn disconnect(&self, key: &str) -> Result<(), SysError> {
+        let file = self.records.record_file(key);
+        match std::fs::remove_file(&file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &file)(e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn connections(&self) -> Vec<(String, Option<PathBuf>)> {
+        self.records.connections().into_iter().map(|(k, _)| (k, None)).collect()
     }
 }
 

@@ -1,0 +1,371 @@
+//! Userspace NBD clients for nodes without the kernel's nbd driver:
+//! `nbdfuse` exposes an export as the file `<base>/<key>/<key>` (a FUSE mount
+//! at `<base>/<key>`), which the executor attaches to a loop device. rbd-fuse
+//! clients ([`crate::sys::rbd_fuse`]) are FUSE clients too, kept the same
+//! way: listed, watched and stopped here.
+//!
+//! A client runs in its own process group, so it outlives an agent restart (the
+//! next agent adopts it by its pid file). Stopping one unmounts it, waits
+//! for the process, and if it does not end — a client hung on a server
+//! that does not answer — aborts its FUSE connection (fusectl) and kills it.
+
+use super::files::Layout;
+use crate::sys::fusectl::AbortSwitch;
+use crate::sys::{FuseClients, SysError, errno, io};
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct Clients {
+    files: Layout,
+    program: PathBuf,
+    /// How long a client may take to connect, and to end once unmounted.
+    pub ready_timeout: Duration,
+    pub stop_timeout: Duration,
+    /// Liveness checks under way, by client: when each started, and
+    /// whether it came back.
+    checks: std::sync::Mutex<
+        std::collections::BTreeMap<
+            String,
+            (Instant, std::sync::Arc<std::sync::atomic::AtomicBool>),
+        >,
+    >,
+}
+
+impl Clients {
+    pub fn new(base: PathBuf) -> Clients {
+        Clients {
+            files: Layout::new(base),
+            program: PathBuf::from("nbdfuse"),
+            ready_timeout: Duration::from_secs(20),
+            stop_timeout: Duration::from_secs(5),
+            checks: Default::default(),
+        }
+    }
+
+    /// Where the clients keep their files.
+    pub fn files(&self) -> &Layout {
+        &self.files
+    }
+
+    /// The FUSE mount at the client's dir: its connection number (the
+    /// mount's minor device number, as fusectl names it).
+    pub(crate) fn mounted(&self, key: &str) -> Result<Option<u32>, SysError> {
+        let dir = self.files.dir(key);
+        let table = crate::sys::mountinfo::own()?;
+        Ok(table
+            .iter()
+            .rev()
+            .find(|m| m.mount_point == dir && m.fs_type.starts_with("fuse"))
+            .map(|m| m.device.1))
+    }
+
+    pub(crate) fn log_tail(&self, key: &str) -> String {
+        let mut text = String::new();
+        if let Ok(mut f) = std::fs::File::open(self.files.log_file(key)) {
+            let _ = f.by_ref().take(64 * 1024).read_to_string(&mut text);
+        }
+        let lines: Vec<&str> = text.lines().rev().take(5).collect();
+        lines.into_iter().rev().collect::<Vec<_>>().join("; ")
+    }
+
+    /// The abort switch of the FUSE connection mounted at client `key`'s
+    /// dir, if one is: confirmed to be that mount's after it was opened
+    /// (between reading the mount table and opening it, the connection may
+    /// have ended and its number gone to another client).
+    fn switch(&self, key: &str) -> Result<Option<AbortSwitch>, SysError> {
+        let Some(conn) = self.mounted(key)? else { return Ok(None) };
+        match AbortSwitch::open(conn) {
+            Ok(switch) if self.mounted(key)? == Some(conn) => Ok(Some(switch)),
+            Ok(_) => Ok(None),
+            Err(e) => {
+                tracing::warn!(
+                    conn,
+                    client = key,
+                    "cannot open the FUSE connection's abort switch: {e}"
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    /// A FUSE mount left at client `key`'s dir by a client that is gone
+    /// only fails (ENOTCONN): abort and detach it.
+    pub(crate) fn clear_stale_mount(&self, key: &str) -> Result<(), SysError> {
+        if self.mounted(key)?.is_some() {
+            let dir = self.files.dir(key);
+            if let Some(switch) = self.switch(key)? {
+                switch.pull();
+            }
+            nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH)
+                .map_err(errno("unmount a stale FUSE client", &dir))?;
+        }
+        Ok(())
+    }
+
+    /// Wait for `child`, client `key`, to mount its dir; on failure or
+    /// timeout, stop it and say why (its log's last lines).
+    pub(crate) fn await_mount(
+        &self,
+        key: &str,
+        mut child: std::process::Child,
+        program: &'static str,
+    ) -> Result<(), SysError> {
+        let (dir, pid_file) = (self.files.dir(key), self.files.pid_file(key));
+        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
+        let deadline = Instant::now() + self.ready_timeout;
+        while self.mounted(key)?.is_none() {
+            let failed = match child.try_wait() {
+                Ok(Some(status)) => Some(SysError::Command {
+                    program,
+                    path: dir.clone(),
+                    message: format!("{status}: {}", self.log_tail(key)),
+                }),
+                _ if Instant::now() >= deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let _ = self.clear_stale_mount(key);
+                    Some(SysError::Timeout {
+                        program,
+                        path: dir.clone(),
+                        secs: self.ready_timeout.as_secs(),
+                    })
+                }
+                _ => None,
+            };
+            if let Some(e) = failed {
+                // The error carries the log's last lines.
+                for f in [pid_file, self.files.log_file(key)] {
+                    let _ = std::fs::remove_file(f);
+                }
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::spawn(move || drop(child.wait()));
+        Ok(())
+    }
+
+    fn wait_gone(&self, pid: nix::unistd::Pid, key: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.running(key) == Some(pid) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// Whether client `key`'s process runs (nbdfuse or rbd-fuse).
+    pub(crate) fn running(&self, key: &str) -> Option<nix::unistd::Pid> {
+        self.files.client_pid(key)
+    }
+}
+
+/// Clients expose their export as `<base>/<key>/<key>`.
+impl FuseClients for Clients {
+    fn file(&self, key: &str) -> PathBuf {
+        self.files.file(key)
+    }
+
+    fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf {
+        self.files.file(key).with_file_name(image)
+    }
+
+    fn connect(
+        &self,
+        key: &str,
+        uri: &str,
+        connections: u8,
+        read_only: bool,
+    ) -> Result<bool, SysError> {
+        let dir = self.files.dir(key);
+        if self.mounted(key)?.is_some() && self.running(key).is_some() {
+            return Ok(false);
+        }
+        self.clear_stale_mount(key)?;
+        std::fs::create_dir_all(&dir).map_err(io("mkdir", &dir))?;
+        let pid_file = self.files.pid_file(key);
+        match std::fs::remove_file(&pid_file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io("remove", &pid_file)(e));
+            }
+            _ => {}
+        }
+        let log = std::fs::File::create(self.files.log_file(key))
+            .map_err(io("create", &self.files.log_file(key)))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.arg("-P").arg(&pid_file).arg("-C").arg(connections.to_string());
+        if read_only {
+            cmd.arg("-r");
+        }
+        cmd.arg(self.file(key)).arg(uri);
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(io("dup", &self.files.log_file(key)))?)
+            .stderr(log);
+        // Its own process group: signals to the agent's (Ctrl-C, a
+        // supervisor stopping it) do not reach it.
+        cmd.process_group(0);
+        let mut child = cmd.spawn().map_err(io("run nbdfuse for", &dir))?;
+        let deadline = Instant::now() + self.ready_timeout;
+        loop {
+            if pid_file.exists() {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(SysError::Command {
+                    program: "nbdfuse",
+                    path: dir,
+                    message: format!("{status}: {}", self.log_tail(key)),
+                });
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = self.clear_stale_mount(key);
+                let _ = std::fs::remove_dir(&dir);
+                return Err(SysError::Timeout {
+                    program: "nbdfuse",
+                    path: dir,
+                    secs: self.ready_timeout.as_secs(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Reap it when it ends, while this agent runs.
+        std::thread::spawn(move || drop(child.wait()));
+        Ok(true)
+    }
+
+    fn disconnect(&self, key: &str) -> Result<(), SysError> {
+        let dir = self.files.dir(key);
+        let pid = self.running(key);
+        if self.mounted(key)?.is_some() {
+            // Opened while the mount is here: once it is detached, the
+            // connection may end and its number go to another client
+            // before the switch is pulled.
+            let switch = self.switch(key)?;
+            if let Err(e) = nix::mount::umount2(&dir, nix::mount::MntFlags::empty()) {
+                // Still held (a loop device not yet released): unmount
+                // lazily; the client ends when the last user lets go.
+                tracing::debug!(dir = %dir.display(), "nbdfuse unmount: {e}; detaching lazily");
+                nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH)
+                    .map_err(errno("unmount nbdfuse", &dir))?;
+            }
+            if let Some(pid) = pid
+                && !self.wait_gone(pid, key, self.stop_timeout)
+            {
+                if let Some(switch) = switch {
+                    switch.pull();
+                }
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                self.wait_gone(pid, key, self.stop_timeout);
+            }
+        } else if let Some(pid) = pid {
+            // Running but not mounted: not serving anything.
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            self.wait_gone(pid, key, self.stop_timeout);
+        }
+        for f in [self.files.pid_file(key), self.files.log_file(key), self.files.client_file(key)] {
+            match std::fs::remove_file(&f) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!(file = %f.display(), "left in place: {e}");
+                }
+                _ => {}
+            }
+        }
+        match std::fs::remove_dir(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &dir)(e)),
+            _ => Ok(()),
+        }
+    }
+    fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
+        Ok(self
+            .files
+            .keys()?
+            .into_iter()
+            .map(|k| {
+                let running = self.running(&k).is_some();
+                (k, running)
+            })
+            .collect())
+    }
+
+    fn abort_hung(&self, after: Duration) -> Vec<String> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let mut aborted = Vec::new();
+        let Ok(clients) = self.clients() else { return aborted };
+        let mut checks = self.checks.lock().unwrap_or_else(|e| e.into_inner());
+        checks.retain(|k, _| clients.iter().any(|(c, running)| c == k && *running));
+        for (key, running) in clients {
+            if !running {
+                continue;
+            }
+            // A check under way: wait for it, or give up on the client.
+            if let Some((started, done)) = checks.get(&key)
+                && !done.load(Ordering::SeqCst)
+            {
+                if started.elapsed() < after {
+                    continue;
+                }
+                tracing::error!(client = %key, secs = after.as_secs(), "the NBD server behind this client has not answered a flush; aborting the client so that its I/O fails instead of hanging");
+                if let Ok(Some(switch)) = self.switch(&key) {
+                    switch.pull();
+                }
+                if let Some(pid) = self.running(&key) {
+                    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                }
+                checks.remove(&key);
+                aborted.push(key);
+                continue;
+            }
+            // A new check: a flush through the client reaches its server. The
+            // thread may block until an abort fails it.
+            let done = std::sync::Arc::new(AtomicBool::new(false));
+            let (file, flag) = (self.file(&key), done.clone());
+            let spawned = std::thread::Builder::new().name("nbd-check".into()).spawn(move || {
+                if let Ok(f) = std::fs::OpenOptions::new().read(true).open(&file) {
+                    let _ = f.sync_all();
+                }
+                flag.store(true, Ordering::SeqCst);
+            });
+            if spawned.is_ok() {
+                checks.insert(key, (Instant::now(), done));
+            }
+        }
+        aborted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn a_device_is_over_a_client_file_by_its_whole_path_or_its_detached_name() {
+        let file = Path::new("/state/nbd/export-ab/export-ab");
+        let device = |backing: &str, tag: &str| crate::sys::LoopDevice {
+            device: "/dev/loop3".into(),
+            backing_file: backing.into(),
+            backing: None,
+            tag: tag.into(),
+            number: (7, 3),
+        };
+        assert!(
+            device("/state/nbd/export-ab/export-ab", "someone").is_over_client_file(file, "us")
+        );
+        assert!(device("/export-ab", "us").is_over_client_file(file, "us"));
+        assert!(
+            device("/export-ab", "").is_over_client_file(file, "us"),
+            "a dead mount hides the tag"
+        );
+        assert!(!device("/export-ab", "another agent").is_over_client_file(file, "us"));
+        assert!(!device("/export-cd", "us").is_over_client_file(file, "us"));
+    }
+}

@@ -1,0 +1,201 @@
+//! The agent's helper NBD servers: `volagent nbd serve` (this binary) on
+//! `<base>/<key>.sock`, serving a local file the agent opened beneath its
+//! roots (handed over on standard input) or an RBD image through librbd.
+//! A helper outlives the agent, since a client ends when its server does;
+//! the next agent finds it by its pid file.
+
+use super::files::{Layout, last_lines, remove_keyring};
+use crate::sys::rbd_export::RbdTarget;
+use crate::sys::{ExportHelpers, KernelNbd, SysError, io};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct Helpers {
+    files: Layout,
+    /// The helper server: this agent's own binary.
+    program: PathBuf,
+    /// How long a helper may take to listen, and to end once stopped.
+    pub ready_timeout: Duration,
+    pub stop_timeout: Duration,
+    /// The node's kernel NBD: one way an rbd helper's export is reached.
+    kernel: Arc<dyn KernelNbd>,
+}
+
+impl Helpers {
+    /// Helpers keeping their files in `base`; `kernel` is the node's kernel
+    /// NBD (or its absence), for [`ExportHelpers::rbd_available`].
+    pub fn new(base: PathBuf, kernel: Arc<dyn KernelNbd>) -> Helpers {
+        Helpers {
+            files: Layout::new(base),
+            program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("volagent")),
+            ready_timeout: Duration::from_secs(20),
+            stop_timeout: Duration::from_secs(5),
+            kernel,
+        }
+    }
+
+    /// `<this binary> nbd serve` on `key`'s socket, its log as stderr.
+    fn command(&self, key: &str, read_only: bool) -> Result<Command, SysError> {
+        let base = self.files.base();
+        std::fs::create_dir_all(base).map_err(io("mkdir", base))?;
+        let log_path = self.files.server_log_file(key);
+        let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(["nbd", "serve", "--unix"]).arg(self.files.socket(key));
+        if read_only {
+            cmd.arg("--read-only");
+        }
+        cmd.stdout(Stdio::null()).stderr(log).process_group(0);
+        Ok(cmd)
+    }
+
+    /// Start helper `key` and return once its socket accepts (it opens
+    /// its export before it listens).
+    fn start(&self, key: &str, mut cmd: Command) -> Result<bool, SysError> {
+        let socket = self.files.socket(key);
+        let log_path = self.files.server_log_file(key);
+        let mut child = cmd.spawn().map_err(io("run the nbd server helper for", &socket))?;
+        let pid_file = self.files.server_pid_file(key);
+        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
+        let deadline = Instant::now() + self.ready_timeout;
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                let _ = std::fs::remove_file(&pid_file);
+                let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
+                return Err(SysError::Command {
+                    program: "volagent nbd serve",
+                    path: socket,
+                    message: format!("{status}: {}", last_lines(&tail, 5)),
+                });
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = std::fs::remove_file(&pid_file);
+                return Err(SysError::Timeout {
+                    program: "volagent nbd serve",
+                    path: socket,
+                    secs: self.ready_timeout.as_secs(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::spawn(move || drop(child.wait()));
+        Ok(true)
+    }
+
+    /// The helper's pid, when it runs ("<this binary> nbd serve").
+    fn running(&self, key: &str) -> Option<nix::unistd::Pid> {
+        let pid: i32 =
+            std::fs::read_to_string(self.files.server_pid_file(key)).ok()?.trim().parse().ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let ours = self.program.file_name().map(|n| n.as_encoded_bytes());
+        let argv0 = Path::new(std::str::from_utf8(args.first()?).ok()?)
+            .file_name()
+            .map(|n| n.as_encoded_bytes());
+        (argv0 == ours && args.get(1) == Some(&&b"nbd"[..]) && args.get(2) == Some(&&b"serve"[..]))
+            .then(|| nix::unistd::Pid::from_raw(pid))
+    }
+}
+
+impl ExportHelpers for Helpers {
+    fn serve(&self, key: &str, file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
+        if self.running(key).is_some() {
+            return Ok(false);
+        }
+        let mut cmd = self.command(key, read_only)?;
+        cmd.args(["--export-stdin", ""]).stdin(file);
+        self.start(key, cmd)
+    }
+
+    fn serve_rbd(&self, key: &str, target: &RbdTarget, read_only: bool) -> Result<bool, SysError> {
+        if self.running(key).is_some() {
+            return Ok(false);
+        }
+        let mut cmd = self.command(key, read_only)?;
+        let client = &target.client;
+        cmd.arg("--export-rbd")
+            .arg(format!("={}/{}", target.pool, target.image))
+            .args(["--ceph-user", &client.user]);
+        if let Some(monitors) = &client.monitors {
+            cmd.args(["--ceph-monitors", monitors]);
+        }
+        if let Some(conf) = &client.conf {
+            cmd.arg("--ceph-conf").arg(conf);
+        }
+        let client_file = self.files.client_file(key);
+        let _ = std::fs::remove_file(&client_file);
+        cmd.arg("--ceph-client-file").arg(&client_file).stdin(Stdio::null());
+        let written = self.files.write_keyring(key, &target.client)?;
+        if let Some(keyring) = written.as_ref().or(client.keyring.as_ref()) {
+            cmd.arg("--ceph-keyring").arg(keyring);
+        }
+        let started = self.start(key, cmd);
+        // Read at connect; the helper serves only once it has connected.
+        remove_keyring(written);
+        started
+    }
+
+    /// librbd is loaded on the first ask, not at start-up: an agent that
+    /// never serves an image never maps Ceph's libraries.
+    fn rbd_available(&self) -> bool {
+        crate::sys::rbd_export::libraries_available()
+            && (self.kernel.available() || super::files::on_path("nbdfuse"))
+    }
+
+    fn server_address(&self, key: &str) -> String {
+        format!("unix:{}", self.files.socket(key).display())
+    }
+
+    fn stop_serving(&self, key: &str) -> Result<(), SysError> {
+        if let Some(pid) = self.running(key) {
+            // SIGTERM: it closes its connections and removes its socket, and
+            // closes an RBD image (flushing it, dropping its watch and lock):
+            // give it longer than a client before killing it.
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + self.stop_timeout * 3;
+            while self.running(key) == Some(pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if self.running(key) == Some(pid) {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
+        }
+        for f in [
+            self.files.server_pid_file(key),
+            self.files.server_log_file(key),
+            self.files.socket(key),
+            self.files.client_file(key),
+            self.files.keyring_file(key),
+        ] {
+            match std::fs::remove_file(&f) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io("remove", &f)(e));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
+        let file = self.files.client_file(key);
+        std::fs::write(&file, format!("{id} {address}\n")).map_err(io("write", &file))
+    }
+
+    fn storage_clients(&self) -> Vec<(String, u64, String)> {
+        let Ok(keys) = self.files.keys() else { return Vec::new() };
+        keys.into_iter()
+            .filter(|key| self.files.client_pid(key).is_some() || self.running(key).is_some())
+            .filter_map(|key| {
+                let text = std::fs::read_to_string(self.files.client_file(&key)).ok()?;
+                let (id, address) = text.trim().split_once(' ')?;
+                Some((key, id.parse().ok()?, address.to_string()))
+            })
+            .collect()
+    }
+}
