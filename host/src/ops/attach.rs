@@ -1,6 +1,6 @@
 //! The attach pipeline, once the volume and its consumer are known:
-//! policy → devices verified → lock → fence → record + plan → stash → execute,
-//! with the record and the stash entry rolled back when the steps fail.
+//! policy → devices verified → lock → fence → record + plan → mount record → execute,
+//! with the record and the mount record rolled back when the steps fail.
 //! Flexvolume mounts and CSI stages both run it.
 
 use super::context::Operation;

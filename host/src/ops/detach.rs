@@ -1,6 +1,6 @@
-//! The detach pipeline: policy → lock → plan from the stash entry
+//! The detach pipeline: policy → lock → plan from the mount record
 //! and the holders left here → execute → the record's holder and the
-//! stash entry go. Flexvolume unmounts, CSI unstages and reconciliation
+//! mount record go. Flexvolume unmounts, CSI unstages and reconciliation
 //! all run it.
 
 use super::context::Operation;

@@ -1,7 +1,7 @@
 //! The operation pipeline: small steps over an operation's context
 //! ([`context::Operation`]) and the node's services ([`node::Node`]):
-//! policy → devices → lock → fence → record + plan → stash → execute,
-//! with the record and the stash entry rolled back when execution fails
+//! policy → devices → lock → fence → record + plan → mount record → execute,
+//! with the record and the mount record rolled back when execution fails
 //! ([`attach`]), and its inverse ([`detach`]). The edges (Flexvolume
 //! socket, CSI, the cluster) parse their wire formats into the typed
 //! requests of [`request`] and [`csi`] and map [`Failure`] back.

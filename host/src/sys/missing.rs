@@ -5,7 +5,7 @@
 
 use super::krbd::KernelMapping;
 use super::rbd_export::{CephClient, RbdTarget};
-use super::{KernelNbd, KernelRbd, RbdFuse, SysError};
+use super::{KernelRbd, RbdFuse, SysError};
 use std::path::PathBuf;
 
 #[derive(Debug, Clone)]
@@ -26,36 +26,6 @@ impl Missing {
     /// The refusal of an action on `what` (an export, an image).
     pub(crate) fn refuse(&self, what: impl Into<PathBuf>) -> SysError {
         SysError::Refused { path: what.into(), what: format!("{}: {}", self.capability, self.why) }
-    }
-}
-
-impl KernelNbd for Missing {
-    fn available(&self) -> bool {
-        false
-    }
-
-    fn connect(
-        &self,
-        key: &str,
-        _server: &str,
-        _export: &str,
-        _connections: u8,
-        _read_only: bool,
-    ) -> Result<(PathBuf, bool), SysError> {
-        Err(self.refuse(key))
-    }
-
-    fn device(&self, _key: &str) -> Option<PathBuf> {
-        None
-    }
-
-    /// Nothing is connected without the driver: nothing to disconnect.
-    fn disconnect(&self, _key: &str) -> Result<(), SysError> {
-        Ok(())
-    }
-
-    fn connections(&self) -> Vec<(String, Option<PathBuf>)> {
-        Vec::new()
     }
 }
 
@@ -99,15 +69,20 @@ mod tests {
 
     #[test]
     fn actions_name_the_capability_and_why_and_looks_find_nothing() {
-        let missing = Missing::new("kernel NBD", "the nbd module is not loaded on this node");
-        let e = KernelNbd::connect(&missing, "export-1", "unix:/s", "", 1, false).unwrap_err();
+        let missing = Missing::new("kernel RBD", "the rbd module is not loaded on this node");
+        let client = CephClient {
+            conf: None,
+            monitors: Some("10.0.0.1:6789".into()),
+            user: "admin".into(),
+            keyring: None,
+            key: None,
+        };
+        let e = missing.map(&client, "rbd", "img1", false).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "export-1: kernel NBD: the nbd module is not loaded on this node"
+            "rbd image rbd/img1: kernel RBD: the rbd module is not loaded on this node"
         );
-        assert!(!KernelNbd::available(&missing));
-        assert!(missing.connections().is_empty() && missing.device("export-1").is_none());
-        assert!(KernelNbd::disconnect(&missing, "export-1").is_ok());
+        assert!(!KernelRbd::available(&missing));
         assert!(missing.mappings().unwrap().is_empty());
     }
 }

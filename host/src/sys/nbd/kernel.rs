@@ -285,4 +285,27 @@ mod tests {
         assert_eq!(server_args("10.0.0.5:10809"), ["10.0.0.5", "10809"]);
         assert_eq!(server_args("[fd00::1]:10809"), ["fd00::1", "10809"]);
     }
+
+    #[test]
+    fn without_the_driver_connects_are_refused_and_old_records_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let unloaded = Unloaded {
+            records: NbdDevices::new(dir.path().to_path_buf()),
+            missing: crate::sys::missing::Missing::new(
+                "kernel NBD",
+                "the nbd module is not loaded",
+            ),
+        };
+        // A record an earlier boot left, when the node still had the module.
+        std::fs::write(dir.path().join("export-1.kernel"), "nbd3 4242 an-earlier-boot\n").unwrap();
+        let e = unloaded.connect("export-2", "unix:/s", "", 1, false).unwrap_err();
+        assert_eq!(e.to_string(), "export-2: kernel NBD: the nbd module is not loaded");
+        assert!(!unloaded.available());
+        assert_eq!(unloaded.connections(), vec![("export-1".to_string(), None)]);
+        assert!(unloaded.device("export-1").is_none());
+        unloaded.disconnect("export-1").unwrap();
+        assert!(unloaded.connections().is_empty(), "the record is gone");
+        assert!(!dir.path().join("export-1.kernel").exists());
+        unloaded.disconnect("export-1").expect("forgetting twice is fine");
+    }
 }
