@@ -5,7 +5,8 @@
 use libfuzzer_sys::fuzz_target;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use volagent::ops::request::{MountDir, parse_mount};
+use volagent::ops::request::MountDir;
+use volagent::socket::flex_request::parse_mount;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(options) = serde_json::from_slice::<BTreeMap<String, String>>(data) else { return };

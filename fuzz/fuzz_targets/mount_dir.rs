@@ -3,7 +3,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use std::path::Path;
-use volagent::ops::request::parse_mount_dir;
+use volagent::socket::flex_request::parse_mount_dir;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(s) = std::str::from_utf8(data) else { return };
