@@ -56,6 +56,11 @@ pub enum ErrorClass {
 }
 
 impl ReconcileError {
+    /// The API server answered 403.
+    fn is_forbidden(&self) -> bool {
+        matches!(self, ReconcileError::Api { error: kube::Error::Api(s), .. } if s.code == 403)
+    }
+
     pub fn class(&self) -> ErrorClass {
         match self {
             ReconcileError::Api { error, .. } => class_of(error),
@@ -90,6 +95,11 @@ pub fn retry_after(class: ErrorClass, failures: u32) -> Duration {
     first.saturating_mul(1 << doublings).min(most)
 }
 
+/// How many 403s in a row are retried as transient before one is taken
+/// for a real refusal: 2 + 4 + 8 s covers an API server's RBAC caches
+/// filling after a restart.
+const FORBIDDEN_RETRIED_SOON: u32 = 3;
+
 /// The failures in a row of each object ("Kind/name") still failing.
 #[derive(Default)]
 pub struct Retries {
@@ -105,8 +115,18 @@ impl Retries {
             *n = n.saturating_add(1);
             *n
         };
-        let class = error.class();
-        let after = retry_after(class, failures);
+        let (class, after) = match error.class() {
+            // An API server just restarted answers 403 until its RBAC caches
+            // hold the bindings: the first few are retried soon.
+            ErrorClass::Permanent if error.is_forbidden() && failures <= FORBIDDEN_RETRIED_SOON => {
+                (ErrorClass::Transient, retry_after(ErrorClass::Transient, failures))
+            }
+            ErrorClass::Permanent if error.is_forbidden() => (
+                ErrorClass::Permanent,
+                retry_after(ErrorClass::Permanent, failures - FORBIDDEN_RETRIED_SOON),
+            ),
+            class => (class, retry_after(class, failures)),
+        };
         match class {
             ErrorClass::Conflict => {
                 tracing::info!(object = key, failures, "{error} (retried in {after:?})");
@@ -194,7 +214,7 @@ mod tests {
     fn each_object_backs_off_on_its_own_until_it_succeeds() {
         let retries = Retries::default();
         let conflict = ReconcileError::KeepsChanging { object: "NodeCleanup a".into() };
-        let forbidden = api_error("StorageCluster b")(api(403));
+        let forbidden = api_error("StorageCluster b")(api(422));
         let requeue = Action::requeue;
         assert_eq!(retries.failed("NodeCleanup/a", &conflict), requeue(Duration::from_millis(250)));
         assert_eq!(retries.failed("NodeCleanup/a", &conflict), requeue(Duration::from_millis(500)));
@@ -207,5 +227,24 @@ mod tests {
         assert_eq!(retries.count("NodeCleanup/a"), 0);
         assert_eq!(retries.failed("NodeCleanup/a", &conflict), requeue(Duration::from_millis(250)));
         assert_eq!(retries.count("StorageCluster/b"), 1, "another object's count is its own");
+    }
+
+    #[test]
+    fn a_403_is_retried_soon_a_few_times_then_as_a_refusal() {
+        let retries = Retries::default();
+        let forbidden = api_error("StorageCluster b")(api(403));
+        assert_eq!(forbidden.class(), ErrorClass::Permanent);
+        let after: Vec<Action> =
+            (0..6).map(|_| retries.failed("StorageCluster/b", &forbidden)).collect();
+        let s = Duration::from_secs;
+        let want: Vec<Action> =
+            [s(2), s(4), s(8), s(300), s(600), s(1200)].into_iter().map(Action::requeue).collect();
+        assert_eq!(after, want);
+        retries.succeeded("StorageCluster/b");
+        assert_eq!(
+            retries.failed("StorageCluster/b", &forbidden),
+            Action::requeue(s(2)),
+            "a success starts it afresh"
+        );
     }
 }
