@@ -45,7 +45,7 @@ impl Agent {
     /// kubelet's Flexvolume `mount`, its volume defined: connected to its
     /// StorageCluster, then attached.
     pub async fn mount(&self, backend: &str, req: MountRequest) -> Result<Done, Failure> {
-        let MountRequest { mut volume, consumer, mut secrets, .. } = req;
+        let MountRequest { mut volume, consumer, mut secrets } = req;
         self.connect_storage_cluster(backend, &mut volume, &mut secrets).await?;
         let paths = self.node.config.paths(backend, &volume.name);
         self.attach(backend, volume, consumer, secrets, paths).await

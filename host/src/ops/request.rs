@@ -19,7 +19,6 @@ pub const MAX_PATH: usize = 4096;
 /// A parsed `mount` call.
 #[derive(Debug, Clone)]
 pub struct MountRequest {
-    pub dir: MountDir,
     pub volume: Volume,
     pub consumer: Consumer,
     /// The volume's secret values: host-side only (the guest sees the keys).

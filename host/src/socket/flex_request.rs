@@ -97,7 +97,6 @@ pub fn parse_mount(
         None => AccessMode::ReadWriteOnce,
     };
     Ok(MountRequest {
-        dir: dir.clone(),
         volume: Volume {
             name: volume_name.to_string(),
             backend: backend.to_string(),
