@@ -17,6 +17,7 @@ pub mod ledger;
 pub mod listener;
 pub mod local;
 pub mod metrics;
+pub mod model;
 pub mod nbd;
 pub mod ops;
 pub mod plugin;

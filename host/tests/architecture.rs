@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 /// What lies below the edges, relative to `src/`.
 const BELOW_THE_EDGES: &[&str] = &[
+    "model",
     "ops",
     "exec",
     "ledger",
@@ -167,4 +168,36 @@ fn only_the_socket_edge_reads_flexvolume_options() {
         std::fs::read_to_string(src.join("socket/flex_request.rs")).expect("flex_request.rs");
     assert!(flex.contains("pvOrVolumeName"), "the scan's marker is where the options are parsed");
     assert!(found.is_empty(), "Flexvolume options read below the edge:\n{}", found.join("\n"));
+}
+
+/// The contract's bindings are the contract adapters' alone: everything
+/// else — the node's records, the ledger, the executor — speaks the host's
+/// model, so a new contract version is never a storage migration. And the
+/// model knows nothing of guests.
+#[test]
+fn only_the_contract_adapters_see_the_bindings() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let adapters = src.join("policy/contract");
+    let mut found = Vec::new();
+    let mut bindgens = 0;
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("source file");
+        let in_adapters = file.starts_with(&adapters);
+        let in_model = file.starts_with(src.join("model"));
+        for (n, line) in text.lines().enumerate() {
+            let code = code(line);
+            if code.contains("bindgen!") {
+                bindgens += 1;
+            }
+            let bad = (!in_adapters && (code.contains("bindgen!") || code.contains("bindings::")))
+                || (in_model && (code.contains("crate::policy") || code.contains("wasmtime")));
+            if bad {
+                found.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(bindgens >= 2, "the scan's marker: every version adapter has its bindgen!");
+    assert!(found.is_empty(), "bindings outside policy/contract:\n{}", found.join("\n"));
 }

@@ -38,11 +38,15 @@ fn every_backend_passes_its_shipped_scenarios() {
     }
 }
 
-/// The release builds of the four policies for the previous contract,
-/// kept as they were built (tests/fixtures/contract-0.4).
-fn previous_contract_builds() -> Vec<(&'static str, PathBuf)> {
-    let dir = workspace().join("tests/fixtures/contract-0.4");
+/// The release builds of the four policies for an earlier contract,
+/// kept as they were built (tests/fixtures/contract-<version>).
+fn builds_for(version: &str) -> Vec<(&'static str, PathBuf)> {
+    let dir = workspace().join(format!("tests/fixtures/contract-{version}"));
     BACKENDS.iter().map(|(name, _)| (*name, dir.join(format!("{name}.wasm")))).collect()
+}
+
+fn previous_contract_builds() -> Vec<(&'static str, PathBuf)> {
+    builds_for("0.4")
 }
 
 /// Run the shipped scenarios of `name` that `wanted` picks (by name)
@@ -93,6 +97,19 @@ fn guests_of_the_previous_contract_load_and_pass_the_same_scenarios() {
         // Scenarios of what 0.4 could not be asked are 0.5's own.
         let ran = run_shipped_scenarios(&plugin, name, |scenario| !scenario.contains("(0.5)"));
         assert!(ran >= 6, "{name} built for 0.4: only {ran} scenarios ran");
+    }
+}
+
+#[test]
+fn guests_of_contract_0_5_load_and_pass_every_scenario() {
+    let rt = runtime(500);
+    for (name, path) in builds_for("0.5") {
+        let plugin = load(&rt, path.to_str().expect("utf-8 path"));
+        assert_eq!(plugin.name(), name);
+        assert_eq!(plugin.export(), "volagent:policy/policy@0.5.0", "{name}");
+        assert_eq!(plugin.contract(), "0.5.0", "{name}");
+        let ran = run_shipped_scenarios(&plugin, name, |_| true);
+        assert!(ran >= 6, "{name} built for 0.5: only {ran} scenarios ran");
     }
 }
 

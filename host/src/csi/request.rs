@@ -4,9 +4,9 @@
 //! before a lock, record or mount is touched.
 
 use super::proto::csi::{VolumeCapability, volume_capability};
+use crate::model::{AccessMode, VolumeMode};
 use crate::ops::csi::{Access, CsiError, PublishRequest, Shape, StageRequest};
 use crate::policy::validate::clean_absolute;
-use crate::policy::{AccessMode, VolumeMode};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -5,13 +5,19 @@
 use super::*;
 
 impl Run<'_> {
-    pub(super) fn attach_device(&mut self, a: &policy::AttachDevice) -> Result<(), StepError> {
+    pub(super) fn attach_device(
+        &mut self,
+        a: &crate::model::AttachDevice,
+    ) -> Result<(), StepError> {
         let device = self.attach(&a.spec, a.read_only)?;
         self.outcome.devices.insert(a.id.clone(), device);
         Ok(())
     }
 
-    pub(super) fn detach_device(&mut self, d: &policy::DetachDevice) -> Result<(), StepError> {
+    pub(super) fn detach_device(
+        &mut self,
+        d: &crate::model::DetachDevice,
+    ) -> Result<(), StepError> {
         match &d.spec {
             DeviceSpec::Nbd(nbd) => return self.detach_export(&nbd_key(nbd)),
             DeviceSpec::Rbd(rbd) => return self.detach_rbd(rbd, d.force),

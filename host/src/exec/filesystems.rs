@@ -4,7 +4,7 @@
 use super::*;
 
 impl Run<'_> {
-    pub(super) fn format(&mut self, f: &policy::Format) -> Result<(), StepError> {
+    pub(super) fn format(&mut self, f: &crate::model::Format) -> Result<(), StepError> {
         let device = self.device(&f.device)?;
         let found = match self.fresh.get(&device) {
             Some((file, backing)) => {
@@ -26,7 +26,10 @@ impl Run<'_> {
         }
     }
 
-    pub(super) fn grow_filesystem(&mut self, g: &policy::GrowFilesystem) -> Result<(), StepError> {
+    pub(super) fn grow_filesystem(
+        &mut self,
+        g: &crate::model::GrowFilesystem,
+    ) -> Result<(), StepError> {
         let target = Path::new(&g.target);
         let Some(mounted) = self.sys.mount_at(target)? else {
             return Err(refused(format!("{} is not mounted: nothing to grow", target.display())));
@@ -48,7 +51,7 @@ impl Run<'_> {
         Ok(())
     }
 
-    pub(super) fn wipe(&mut self, w: &policy::Wipe) -> Result<(), StepError> {
+    pub(super) fn wipe(&mut self, w: &crate::model::Wipe) -> Result<(), StepError> {
         let device = self.device(&w.device)?;
         self.fresh.remove(&device);
         let method = match w.method {
@@ -60,7 +63,10 @@ impl Run<'_> {
         Ok(self.sys.filesystems.wipe(&device, method)?)
     }
 
-    pub(super) fn clear_directory(&mut self, c: &policy::ClearDirectory) -> Result<(), StepError> {
+    pub(super) fn clear_directory(
+        &mut self,
+        c: &crate::model::ClearDirectory,
+    ) -> Result<(), StepError> {
         let removed = self.sys.filesystems.clear_dir(Path::new(&c.path))?;
         tracing::info!(dir = %c.path, removed, "cleared a released volume's dir");
         Ok(())

@@ -7,9 +7,9 @@ mod filesystems;
 mod mounts;
 mod rbd;
 
-use crate::policy::{
-    self, BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdAttach, RbdSpec,
-    Step, WipeMethod,
+use crate::model::{
+    BlockSource, DeviceSpec, FormatMode, MountSource, NbdAttach, NbdSpec, RbdAttach, RbdSpec, Step,
+    WipeMethod,
 };
 use crate::secret::Secrets;
 use crate::sys::rbd_export::{CephClient, RbdTarget};
@@ -140,7 +140,7 @@ const LOCAL_FILESYSTEMS: [&str; 5] = ["ext4", "xfs", "btrfs", "ext3", "ext2"];
 
 /// What `volume` holds, as [`runs_locally`] asks: its filesystem, or
 /// None for a raw block volume.
-pub fn holding(volume: &crate::policy::Volume) -> Option<&str> {
+pub fn holding(volume: &crate::model::Volume) -> Option<&str> {
     (volume.mode == crate::policy::VolumeMode::Filesystem).then_some(volume.fs_type.as_str())
 }
 

@@ -4,7 +4,7 @@
 use super::*;
 
 impl Run<'_> {
-    pub(super) fn mount(&mut self, m: &policy::Mount) -> Result<(), StepError> {
+    pub(super) fn mount(&mut self, m: &crate::model::Mount) -> Result<(), StepError> {
         let target = Path::new(&m.target);
         let source = match &m.source {
             MountSource::Block(b) => {
@@ -34,7 +34,7 @@ impl Run<'_> {
         Ok(())
     }
 
-    pub(super) fn bind_mount(&mut self, b: &policy::BindMount) -> Result<(), StepError> {
+    pub(super) fn bind_mount(&mut self, b: &crate::model::BindMount) -> Result<(), StepError> {
         let (source, target) = (Path::new(&b.source), Path::new(&b.target));
         // A dir bound onto itself that this run has just mounted
         // (a CSI stage: the staging dir is the "pod" dir).
@@ -53,7 +53,7 @@ impl Run<'_> {
         Ok(())
     }
 
-    pub(super) fn unmount(&mut self, u: &policy::Unmount) -> Result<(), StepError> {
+    pub(super) fn unmount(&mut self, u: &crate::model::Unmount) -> Result<(), StepError> {
         let target = Path::new(&u.target);
         if self.sys.is_mounted(target)? {
             if let Some(device) = self.sys.mounts.device_of_mount(target)? {
@@ -76,7 +76,10 @@ impl Run<'_> {
         Ok(())
     }
 
-    pub(super) fn publish_block(&mut self, p: &policy::PublishBlock) -> Result<(), StepError> {
+    pub(super) fn publish_block(
+        &mut self,
+        p: &crate::model::PublishBlock,
+    ) -> Result<(), StepError> {
         let (device, target) = (self.device(&p.device)?, Path::new(&p.target));
         if self.sys.is_mounted(target)? {
             let existing = self.sys.mounts.published_device(target)?;

@@ -7,7 +7,7 @@ use super::*;
 impl Run<'_> {
     pub(super) fn blocklist_client(
         &mut self,
-        b: &policy::BlocklistClient,
+        b: &crate::model::BlocklistClient,
     ) -> Result<(), StepError> {
         let client = self.ceph_client(&b.monitors, &b.user, b.secret_key.as_deref())?;
         tracing::warn!(address = %b.address, monitors = %b.monitors.join(","), "blocklisting a storage client");

@@ -1,5 +1,5 @@
 use super::*;
-use crate::policy::{AttachDevice, BindMount, DetachDevice, Format, Mount, Unmount, Wipe};
+use crate::model::{AttachDevice, BindMount, DetachDevice, Format, Mount, Unmount, Wipe};
 use crate::sys::fake::Fake;
 
 const FILE: &str = "/mnt/disks/a.img";
@@ -143,8 +143,8 @@ fn a_failed_rollback_is_reported() {
     assert!(fake.state().loops.is_empty());
 }
 
-fn rbd_spec(secret_key: Option<&str>) -> crate::policy::RbdSpec {
-    crate::policy::RbdSpec {
+fn rbd_spec(secret_key: Option<&str>) -> crate::model::RbdSpec {
+    crate::model::RbdSpec {
         monitors: vec!["10.0.0.1:6789".into(), "10.0.0.2:6789".into()],
         pool: "p".into(),
         image: "i".into(),
@@ -395,7 +395,7 @@ fn blocklisting_uses_the_secrets_key_and_names_the_client() {
     let fake = Fake::new();
     let exec = Executor::new(fake.sys()).with_secrets(secrets(&[("admin", "AQBadmin==")]));
     let step = |key: &str| {
-        [Step::BlocklistClient(crate::policy::BlocklistClient {
+        [Step::BlocklistClient(crate::model::BlocklistClient {
             monitors: vec!["10.0.0.1:6789".into()],
             user: "admin".into(),
             secret_key: Some(key.into()),

@@ -1,7 +1,7 @@
 //! What the agent reads from and tells the cluster: node facts for fencing,
 //! the access mode of a PV, and Events about pods.
 
-use crate::policy::{AccessMode, NodeFacts, parse_access_mode};
+use crate::model::{AccessMode, NodeFacts};
 use k8s_openapi::api::core::v1::{Event, Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -73,7 +73,7 @@ pub fn facts_of(name: &str, node: Option<&Node>) -> NodeFacts {
 /// several, ReadWriteOnce when listed (the claim may be any of them, and
 /// it is the safe choice for writers), else the first known.
 pub fn fencing_mode(modes: &[String]) -> Option<AccessMode> {
-    let known: Vec<AccessMode> = modes.iter().filter_map(|m| parse_access_mode(m)).collect();
+    let known: Vec<AccessMode> = modes.iter().filter_map(|m| AccessMode::parse(m)).collect();
     if known.contains(&AccessMode::ReadWriteOncePod) {
         return Some(AccessMode::ReadWriteOncePod);
     }

@@ -7,7 +7,7 @@
 
 use super::crds::{self, Attachment, AttachmentSpec, ConsumerEntry};
 use crate::ledger::{Ledger, LedgerError, Record, Version};
-use crate::policy::{AccessMode, Consumer, Holder};
+use crate::model::{AccessMode, Consumer, Holder};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
 use std::future::Future;
 use std::time::Duration;

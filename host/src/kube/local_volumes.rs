@@ -13,8 +13,8 @@ use super::crds::{
 use crate::clock::now_rfc3339;
 use crate::local::LocalClass;
 use crate::local::discovery::{self, Scan};
+use crate::model::{AccessMode, KeyValue, Volume};
 use crate::ops::Agent;
-use crate::policy::{AccessMode, KeyValue, Volume};
 use crate::socket::local_report::{LocalState, RunningWipe};
 use crate::socket::protocol::LocalVolumeLine;
 use futures_util::StreamExt;

@@ -4,9 +4,9 @@
 //! see, and periodically in case a round failed.
 
 use super::crds::{CleanupEntry, NodeCleanup, StorageCluster};
+use crate::model::CleanupReason;
 use crate::ops::mount_records::MountRecord;
 use crate::ops::{Agent, STORAGE_CLUSTER_OPTION};
-use crate::policy::CleanupReason;
 use futures_util::StreamExt;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -164,7 +164,7 @@ mod tests {
     }
 
     fn stashed(dir: &str, uid: &str, since: Option<&str>) -> MountRecord {
-        use crate::policy::{Consumer, NodePaths, Volume, VolumeMode};
+        use crate::model::{Consumer, NodePaths, Volume, VolumeMode};
         let volume = Volume {
             name: "pv1".into(),
             backend: "local-pv".into(),

@@ -4,8 +4,8 @@
 
 use super::cluster::Cluster;
 use super::volumes::VolumeError;
+use crate::model::NodeFacts;
 use crate::ops::cluster::{ClusterError, ClusterView, ClusterVolume, Connection, VolumeRequest};
-use crate::policy::NodeFacts;
 use std::time::Duration;
 
 fn cluster_error(e: VolumeError) -> ClusterError {

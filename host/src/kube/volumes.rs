@@ -4,8 +4,8 @@
 //! request carries: a pod could name any PV, path or node there.
 
 use super::cluster::{Cluster, fencing_mode};
+use crate::model::{AccessMode, KeyValue};
 use crate::ops::cluster::{ClusterVolume, VolumeRequest, inline_key};
-use crate::policy::{AccessMode, KeyValue};
 use k8s_openapi::api::core::v1::{
     Node, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, PersistentVolumeClaim, Pod,
 };

@@ -2,7 +2,7 @@
 //! its tests (`run_all`). Panics on any deviation.
 
 use super::{Ledger, LedgerError, Record, Version};
-use crate::policy::{AccessMode, Consumer, Holder};
+use crate::model::{AccessMode, Consumer, Holder};
 use std::sync::Arc;
 
 /// A record of `volume` with (node, pod) holders.

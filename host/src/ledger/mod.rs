@@ -6,7 +6,7 @@ pub mod conformance;
 pub mod embedded;
 pub mod write_behind;
 
-use crate::policy::{AccessMode, Holder, KeyValue, Volume};
+use crate::model::{AccessMode, Holder, KeyValue, Volume};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

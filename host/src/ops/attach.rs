@@ -11,7 +11,7 @@ use super::record::{self, LEDGER_RETRIES, ledger_failure};
 use super::{Agent, Done, Failure, FailureKind, fence, internal};
 use crate::exec::Outcome;
 use crate::ledger::{LedgerError, VolumeSource};
-use crate::policy::{Consumer, NodePaths, Volume};
+use crate::model::{Consumer, NodePaths, Volume};
 use crate::secret::Secrets;
 
 impl Agent {
@@ -84,7 +84,7 @@ async fn attach(node: &Node, mut op: Operation) -> Result<Done, Failure> {
 async fn execute(
     node: &Node,
     op: &mut Operation,
-    plan: Result<Vec<crate::policy::Step>, Failure>,
+    plan: Result<Vec<crate::model::Step>, Failure>,
     since: String,
 ) -> Result<Outcome, Failure> {
     let plan = plan?;

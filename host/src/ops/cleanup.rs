@@ -7,7 +7,7 @@
 use super::mount_records::MountRecord;
 use super::{Agent, Failure, internal};
 use crate::clock::now_rfc3339;
-use crate::policy::{CleanupItem, CleanupReason, Holder, Step, Unmount};
+use crate::model::{CleanupItem, CleanupReason, Holder, Step, Unmount};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;

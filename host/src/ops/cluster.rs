@@ -3,7 +3,7 @@
 //! storage system, the facts of nodes, Events on pods, and fencing another
 //! node's client (the controller's to do). The kube edge implements it.
 
-use crate::policy::{AccessMode, KeyValue, NodeFacts};
+use crate::model::{AccessMode, KeyValue, NodeFacts};
 use crate::secret::Secrets;
 use std::time::Duration;
 

@@ -6,7 +6,8 @@
 use super::node::{LockGuard, Node, lock};
 use super::plan::verified_devices;
 use super::{Agent, Failure};
-use crate::policy::{Consumer, NodePaths, Plugin, Volume};
+use crate::model::{Consumer, NodePaths, Volume};
+use crate::policy::Plugin;
 use crate::secret::Secrets;
 use std::sync::Arc;
 

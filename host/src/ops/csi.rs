@@ -7,7 +7,7 @@
 use super::execute::blocking;
 use super::mount_records::{MountRecord, Publication};
 use super::{Agent, Failure, internal};
-use crate::policy::{AccessMode, Consumer, KeyValue, Volume, VolumeMode};
+use crate::model::{AccessMode, Consumer, KeyValue, Volume, VolumeMode};
 use crate::sys::Usage;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -100,8 +100,8 @@ fn csi_paths(
     backend: &str,
     volume: &str,
     staging: &str,
-) -> crate::policy::NodePaths {
-    crate::policy::NodePaths { staging_dir: staging.to_string(), ..config.paths(backend, volume) }
+) -> crate::model::NodePaths {
+    crate::model::NodePaths { staging_dir: staging.to_string(), ..config.paths(backend, volume) }
 }
 
 /// Where a stage puts its volume: a filesystem is mounted at the staging
@@ -168,7 +168,7 @@ impl Agent {
                     v.backend,
                     if v.mode == VolumeMode::Block { "block" } else { "mount" },
                     v.fs_type,
-                    crate::policy::access_mode_name(v.access_mode),
+                    v.access_mode.name(),
                     if entry.consumer.read_only { ", read-only" } else { "" }
                 )));
             }
@@ -300,9 +300,9 @@ impl Agent {
             let (staging, target) = (text(&req.staging), text(&req.target));
             let read_only = req.read_only || entry.consumer.read_only;
             let bind = match entry.volume.mode {
-                VolumeMode::Filesystem => crate::policy::Step::BindMount(crate::policy::BindMount { source: staging, target: target.clone(), read_only }),
+                VolumeMode::Filesystem => crate::policy::Step::BindMount(crate::model::BindMount { source: staging, target: target.clone(), read_only }),
                 // The staged device node, bound again at kubelet's target file.
-                VolumeMode::Block => crate::policy::Step::PublishBlock(crate::policy::PublishBlock {
+                VolumeMode::Block => crate::policy::Step::PublishBlock(crate::model::PublishBlock {
                     device: crate::policy::BlockSource::Device(entry.consumer.mount_dir.clone()),
                     target: target.clone(),
                     read_only,
@@ -344,7 +344,7 @@ impl Agent {
             }
             return Ok(());
         }
-        let unmount = crate::policy::Step::Unmount(crate::policy::Unmount {
+        let unmount = crate::policy::Step::Unmount(crate::model::Unmount {
             target: target.clone(),
             force: false,
         });

@@ -7,7 +7,7 @@ use super::mount_records::MountRecord;
 use super::record::{self, storage_cluster};
 use super::request::{MountDir, MountRequest};
 use super::{Agent, Done, Failure, FailureKind, cluster, cluster_failure, internal};
-use crate::policy::{KeyValue, Volume};
+use crate::model::{KeyValue, Volume};
 use crate::secret::Secrets;
 
 impl Agent {

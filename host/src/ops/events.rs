@@ -4,7 +4,7 @@
 
 use super::execute::read_mounts;
 use super::{Agent, Failure, FailureKind};
-use crate::policy::Consumer;
+use crate::model::Consumer;
 
 /// The pod an Event is about.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -6,7 +6,7 @@ use super::mount_records::{MountRecords, MountRecordsError};
 use super::node::{LockGuard, Node};
 use super::{Failure, FailureKind, internal};
 use crate::exec::{Executor, Outcome};
-use crate::policy::Step;
+use crate::model::Step;
 use crate::secret::Secrets;
 use std::sync::Arc;
 use std::time::Duration;

@@ -9,7 +9,7 @@ use super::plan::{ceph_client, node_facts, node_queries};
 use super::queries::NodeQueries;
 use super::{Failure, internal, takeover};
 use crate::ledger::{Record, StorageClient};
-use crate::policy::{Decision, Holder};
+use crate::model::{Decision, Holder};
 use std::sync::Arc;
 
 /// What the fence step leaves for the record step.

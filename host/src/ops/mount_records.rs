@@ -3,7 +3,7 @@
 //! it needs to unmount it (volume, consumer, paths) — kubelet's `unmount`
 //! gives only the dir, and teardown must work with no API at all.
 
-use crate::policy::{Consumer, NodePaths, Volume};
+use crate::model::{Consumer, NodePaths, Volume};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 use std::collections::BTreeMap;
@@ -36,14 +36,10 @@ pub struct MountRecord {
     pub since: Option<String>,
 }
 
-/// An entry as stored, also by an agent of contract 0.4 (whose volumes
-/// had no mode or mount flags: filesystem volumes, none).
+/// An entry as stored, also by an earlier agent: the model's serde form
+/// is the records', and what older ones lack has its default.
 fn decode_entry(bytes: &[u8]) -> Result<MountRecord, serde_json::Error> {
-    let mut value: serde_json::Value = serde_json::from_slice(bytes)?;
-    if let Some(volume) = value.get_mut("volume") {
-        crate::policy::volume_defaults(volume);
-    }
-    serde_json::from_value(value)
+    serde_json::from_slice(bytes)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -565,7 +561,7 @@ mod tests {
     use super::*;
 
     fn entry(dir: &str) -> MountRecord {
-        let volume = crate::policy::Volume {
+        let volume = crate::model::Volume {
             name: "pv1".into(),
             backend: "local-pv".into(),
             access_mode: crate::policy::AccessMode::ReadWriteOnce,

@@ -4,7 +4,7 @@
 use super::cluster::ClusterView;
 use super::mount_records::MountRecords;
 use crate::ledger::Ledger;
-use crate::policy::NodePaths;
+use crate::model::NodePaths;
 use crate::sys::Sys;
 use std::collections::HashSet;
 use std::path::PathBuf;

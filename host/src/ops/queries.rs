@@ -4,8 +4,9 @@
 //! can block a thread in the kernel for good: such a query runs on a thread
 //! of its own, and the guest's call fails when it does not answer in time.
 
+use crate::model::{MountEntry, NodeFacts, PathKind, Watcher};
 use crate::policy::validate::clean_absolute;
-use crate::policy::{MountEntry, NodeFacts, PathKind, Queries, QueryError, Watcher};
+use crate::policy::{Queries, QueryError};
 use crate::sys::rbd_export::CephClient;
 use crate::sys::{Kind, MountInfo, Sys};
 use std::path::{Path, PathBuf};

@@ -126,7 +126,7 @@ impl Agent {
         let volume = &entry.volume;
         let current =
             self.node.ledger.get(&volume.name).await.map_err(super::record::ledger_failure)?;
-        let holder = crate::policy::Holder {
+        let holder = crate::model::Holder {
             consumer: entry.consumer.clone(),
             since: crate::clock::now_rfc3339(),
         };
@@ -174,8 +174,8 @@ impl Agent {
         };
         let plugin = self.plugin(backend).map_err(|f| f.message)?;
         let mut lock = Some(super::node::lock(&self.node, volume).map_err(|f| f.message)?);
-        let item = crate::policy::CleanupItem {
-            volume: crate::policy::Volume {
+        let item = crate::model::CleanupItem {
+            volume: crate::model::Volume {
                 name: volume.to_string(),
                 backend: backend.to_string(),
                 access_mode: crate::policy::AccessMode::ReadWriteOnce,

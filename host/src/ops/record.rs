@@ -10,7 +10,7 @@ use super::request::MountDir;
 use super::{Failure, FailureKind, cluster, internal};
 use crate::clock::now_rfc3339;
 use crate::ledger::{LedgerError, Record, StorageClient, Version, VolumeSource};
-use crate::policy::{Holder, Step, Volume};
+use crate::model::{Holder, Step, Volume};
 
 /// How many times a lost ledger race is retried before giving up.
 pub(crate) const LEDGER_RETRIES: usize = 5;

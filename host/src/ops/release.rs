@@ -5,8 +5,8 @@
 use super::plan::verified_devices;
 use super::{Agent, Failure, internal};
 use crate::exec::{Executor, Progress};
+use crate::model::{CleanupItem, CleanupReason, Step, Volume, WipeMethod};
 use crate::ops::FailureKind;
-use crate::policy::{CleanupItem, CleanupReason, Step, Volume, WipeMethod};
 use std::sync::Arc;
 
 /// How a plan destroys the data, as metrics and the status name it.

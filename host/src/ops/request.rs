@@ -1,7 +1,7 @@
 //! The typed requests of the Flexvolume edge (the socket parses kubelet's
 //! strings into them): a pod's mount dir, a mount.
 
-use crate::policy::{Consumer, Volume};
+use crate::model::{Consumer, Volume};
 use std::path::PathBuf;
 
 /// A pod's mount dir: `<kubelet-root>/pods/<pod-uid>/volumes/volagent~<backend>/<name>`.

@@ -8,8 +8,8 @@
 use super::Failure;
 use super::node::Node;
 use crate::ledger::StorageClient;
+use crate::model::{Holder, Step};
 use crate::ops::FailureKind;
-use crate::policy::{Holder, Step};
 use std::time::Duration;
 
 /// How long a take-over waits for the controller to fence.

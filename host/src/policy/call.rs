@@ -1,43 +1,36 @@
 //! Calling a backend: each of its functions by the guest's contract, and
 //! every returned plan or take-over checked before anyone acts on it.
 
-use super::bindings::{
-    Backend, BackendInfo, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts,
-    NodePaths, Plan, PolicyError, Volume,
-};
-use super::compat::v0_4::volagent::policy::types as old;
-use super::compat::{self, convert, v0_4};
+use super::contract::{Answer, Guest};
 use super::imports::CallState;
-use super::invoke::{CallError, call_info, invoke, up};
+use super::invoke::{CallError, call_info, invoke};
 use super::load::Plugin;
-use super::pre::Pre;
 use super::queries::Queries;
 use super::validate::{self, Operation};
+use crate::model::{
+    BackendInfo, CleanupItem, CleanupReason, Consumer, Decision, GrowFilesystem, Holder, NodeFacts,
+    NodePaths, Plan, PolicyError, Step, Volume,
+};
 use std::sync::Arc;
 use wasmtime::Store;
 
 /// The calls of a loaded backend. Each runs on a fresh instance, and every
 /// answer is checked before it is returned.
 impl Plugin {
-    /// One call, by the guest's contract: `current` for a 0.5 guest,
-    /// `v0_4` for a 0.4 one (which cannot be asked `unaskable`).
+    /// One call, in the host's model whatever contract the guest speaks;
+    /// a request the guest's contract cannot ask (`unaskable`) is refused
+    /// without calling it.
     fn call<R>(
         &self,
         queries: Arc<dyn Queries>,
         function: &'static str,
         unaskable: Option<PolicyError>,
-        current: impl FnOnce(
-            &Backend,
-            &mut Store<CallState>,
-        ) -> wasmtime::Result<Result<R, PolicyError>>,
-        v0_4: impl FnOnce(
-            &v0_4::Backend,
-            &mut Store<CallState>,
-        ) -> wasmtime::Result<Result<R, PolicyError>>,
+        f: impl FnOnce(&dyn Guest, &mut Store<CallState>) -> Answer<R>,
     ) -> Result<R, CallError> {
         let start = std::time::Instant::now();
-        let result = match (&self.pre, unaskable) {
-            (Pre::Current(pre), _) => {
+        let result = match unaskable {
+            Some(refusal) => Ok(Err(refusal)),
+            None => {
                 let ready = self.spares.take(&queries, &self.runtime.limits);
                 invoke(
                     &self.runtime,
@@ -46,22 +39,8 @@ impl Plugin {
                     function,
                     ready,
                     Some(&self.spares),
-                    |s| pre.instantiate(s),
-                    current,
-                )
-            }
-            (Pre::V0_4(_), Some(refusal)) => Ok(Err(refusal)),
-            (Pre::V0_4(pre), None) => {
-                let ready = self.spares.take(&queries, &self.runtime.limits);
-                invoke(
-                    &self.runtime,
-                    &self.name,
-                    queries,
-                    function,
-                    ready,
-                    Some(&self.spares),
-                    |s| pre.instantiate(s),
-                    v0_4,
+                    |s| self.pre.instantiate(s),
+                    |g, s| f(&**g, s),
                 )
             }
         }
@@ -110,23 +89,10 @@ impl Plugin {
         holders: &[Holder],
         nodes: &[NodeFacts],
     ) -> Result<Decision, CallError> {
-        let decision = self.call(
-            q,
-            "fence",
-            compat::unaskable(volume, Some(requester)),
-            |b, s| b.volagent_policy_policy().call_fence(s, volume, requester, holders, nodes),
-            |b, s| {
-                let (h, n): (Vec<old::Holder>, Vec<old::NodeFacts>) =
-                    (convert(holders)?, convert(nodes)?);
-                up(b.volagent_policy_policy().call_fence(
-                    s,
-                    &convert(volume)?,
-                    &convert(requester)?,
-                    &h,
-                    &n,
-                )?)
-            },
-        )?;
+        let decision =
+            self.call(q, "fence", self.pre.unaskable(volume, Some(requester)), |g, s| {
+                g.fence(s, volume, requester, holders, nodes)
+            })?;
         if let Decision::TakeOver(take) = &decision {
             validate::take_over(take, holders, nodes, &self.info().capabilities, volume)
                 .map_err(|reason| CallError::TakeOver { backend: self.name.to_string(), reason })?;
@@ -143,24 +109,10 @@ impl Plugin {
         local_holders: &[Holder],
         paths: &NodePaths,
     ) -> Result<Plan, CallError> {
-        let plan = self.call(
-            q,
-            "attach",
-            compat::unaskable(volume, Some(requester)),
-            |b, s| {
-                b.volagent_policy_policy().call_attach(s, volume, requester, local_holders, paths)
-            },
-            |b, s| {
-                let h: Vec<old::Holder> = convert(local_holders)?;
-                up(b.volagent_policy_policy().call_attach(
-                    s,
-                    &convert(volume)?,
-                    &convert(requester)?,
-                    &h,
-                    &convert(paths)?,
-                )?)
-            },
-        )?;
+        let plan =
+            self.call(q, "attach", self.pre.unaskable(volume, Some(requester)), |g, s| {
+                g.attach(s, volume, requester, local_holders, paths)
+            })?;
         self.checked("attach", plan, &Operation::Attach { volume, consumer: requester, paths })
     }
 
@@ -173,30 +125,15 @@ impl Plugin {
         local_holders: &[Holder],
         paths: &NodePaths,
     ) -> Result<Plan, CallError> {
-        let plan = self.call(
-            q,
-            "detach",
-            compat::unaskable(volume, Some(consumer)),
-            |b, s| {
-                b.volagent_policy_policy().call_detach(s, volume, consumer, local_holders, paths)
-            },
-            |b, s| {
-                let h: Vec<old::Holder> = convert(local_holders)?;
-                up(b.volagent_policy_policy().call_detach(
-                    s,
-                    &convert(volume)?,
-                    &convert(consumer)?,
-                    &h,
-                    &convert(paths)?,
-                )?)
-            },
-        )?;
+        let plan = self.call(q, "detach", self.pre.unaskable(volume, Some(consumer)), |g, s| {
+            g.detach(s, volume, consumer, local_holders, paths)
+        })?;
         self.checked("detach", plan, &Operation::Detach { volume, consumer, paths })
     }
 
-    /// The plan growing `volume` where `consumer` has it, checked. A 0.4
-    /// guest was never asked: the host grows the filesystem at the
-    /// consumer's dir itself, as it did for 0.4.
+    /// The plan growing `volume` where `consumer` has it, checked. A guest
+    /// with no expand of its own (0.4) is not asked: the host grows the
+    /// filesystem at the consumer's dir itself.
     pub fn expand(
         &self,
         q: Arc<dyn Queries>,
@@ -204,33 +141,23 @@ impl Plugin {
         consumer: &Consumer,
         paths: &NodePaths,
     ) -> Result<Plan, CallError> {
-        let grow = || {
-            vec![crate::policy::Step::GrowFilesystem(crate::policy::GrowFilesystem {
-                target: consumer.mount_dir.clone(),
-            })]
-        };
-        if let Pre::V0_4(_) = self.pre {
-            if let Some(error) = compat::unaskable(volume, Some(consumer)) {
-                return Err(CallError::Policy {
-                    backend: self.name.to_string(),
-                    function: "expand",
-                    error,
-                });
+        let plan = self.call(q, "expand", self.pre.unaskable(volume, Some(consumer)), |g, s| {
+            g.expand(s, volume, consumer, paths)
+        })?;
+        match plan {
+            Some(plan) => {
+                self.checked("expand", plan, &Operation::Expand { volume, consumer, paths })
             }
-            return Ok(grow());
+            // No expand of the guest's own: the host's, unchecked against
+            // capabilities the guest never declared for it.
+            None => Ok(vec![Step::GrowFilesystem(GrowFilesystem {
+                target: consumer.mount_dir.clone(),
+            })]),
         }
-        let plan = self.call(
-            q,
-            "expand",
-            None,
-            |b, s| b.volagent_policy_policy().call_expand(s, volume, consumer, paths),
-            |_, _| Ok(Ok(grow())),
-        )?;
-        self.checked("expand", plan, &Operation::Expand { volume, consumer, paths })
     }
 
     /// Why `volume` is not healthy where `consumer` has it, by the backend;
-    /// a 0.4 guest was never asked (none). Bounded: it is shown to people.
+    /// none from a guest with no say (0.4). Bounded: it is shown to people.
     pub fn condition(
         &self,
         q: Arc<dyn Queries>,
@@ -238,13 +165,8 @@ impl Plugin {
         consumer: &Consumer,
         paths: &NodePaths,
     ) -> Result<Option<String>, CallError> {
-        let said = self.call(
-            q,
-            "condition",
-            None,
-            |b, s| b.volagent_policy_policy().call_condition(s, volume, consumer, paths).map(Ok),
-            |_, _| Ok(Ok(None)),
-        )?;
+        let said = self
+            .call(q, "condition", None, |g, s| g.condition(s, volume, consumer, paths).map(Ok))?;
         Ok(said.map(|m| crate::text::bounded(m, 1024)))
     }
 
@@ -255,17 +177,8 @@ impl Plugin {
         reason: CleanupReason,
         items: &[CleanupItem],
     ) -> Result<Plan, CallError> {
-        let unaskable = items.iter().find_map(|i| compat::unaskable(&i.volume, None));
-        let plan = self.call(
-            q,
-            "cleanup",
-            unaskable,
-            |b, s| b.volagent_policy_policy().call_cleanup(s, reason, items),
-            |b, s| {
-                let i: Vec<old::CleanupItem> = convert(items)?;
-                up(b.volagent_policy_policy().call_cleanup(s, convert(&reason)?, &i)?)
-            },
-        )?;
+        let unaskable = items.iter().find_map(|i| self.pre.unaskable(&i.volume, None));
+        let plan = self.call(q, "cleanup", unaskable, |g, s| g.cleanup(s, reason, items))?;
         self.checked("cleanup", plan, &Operation::Cleanup { reason, items })
     }
 }

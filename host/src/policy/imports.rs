@@ -1,8 +1,8 @@
-//! The per-call store state and the `host` imports a guest may call.
+//! The per-call store state, and what the `host` imports of every contract
+//! version do with it.
 
-use super::bindings::volagent::policy::{host, types};
-use super::bindings::{LogLevel, MountEntry, NodeFacts, PathKind, Watcher};
 use super::queries::Queries;
+use crate::model::LogLevel;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
@@ -88,13 +88,18 @@ impl WasiView for CallState {
     }
 }
 
-impl types::Host for CallState {}
+impl CallState {
+    /// The call's queries, as the `host` imports answer them.
+    pub(crate) fn queries(&self) -> &dyn Queries {
+        &*self.queries
+    }
 
-impl host::Host for CallState {
-    fn log(&mut self, level: LogLevel, message: String) -> wasmtime::Result<()> {
+    /// A guest's log line, attributed to its backend; bounded per call in
+    /// count and length so a guest cannot flood the agent's log.
+    pub(crate) fn guest_log(&mut self, level: LogLevel, message: String) {
         self.logged += 1;
         if self.logged > MAX_LOG_LINES {
-            return Ok(());
+            return;
         }
         let mut message = message;
         if message.len() > MAX_LOG_BYTES {
@@ -112,32 +117,5 @@ impl host::Host for CallState {
             LogLevel::Warn => tracing::warn!(backend, "{message}"),
             LogLevel::Error => tracing::error!(backend, "{message}"),
         }
-        Ok(())
-    }
-
-    fn node_state(&mut self, name: String) -> wasmtime::Result<NodeFacts> {
-        Ok(self.queries.node_state(&name))
-    }
-
-    // A query the host will not answer fails the guest's call (a trap
-    // carrying the QueryError): no answer the contract has would be true.
-    fn lookup_path(&mut self, path: String) -> wasmtime::Result<PathKind> {
-        Ok(self.queries.lookup_path(&path)?)
-    }
-
-    fn filesystem_type(&mut self, device: String) -> wasmtime::Result<Option<String>> {
-        Ok(self.queries.filesystem_type(&device)?)
-    }
-
-    fn mount_at(&mut self, target: String) -> wasmtime::Result<Option<MountEntry>> {
-        Ok(self.queries.mount_at(&target)?)
-    }
-
-    fn image_watchers(
-        &mut self,
-        pool: String,
-        image: String,
-    ) -> wasmtime::Result<Result<Vec<Watcher>, String>> {
-        Ok(self.queries.image_watchers(&pool, &image))
     }
 }

@@ -2,14 +2,13 @@
 //! deadline and a memory cap, guest refusals kept apart from traps and host
 //! faults. Below the backend's calls ([`super::call`]) and the load's `info`.
 
-use super::bindings::{BackendInfo, PolicyError};
-use super::compat::convert;
+use super::contract::Linked;
 use super::imports::CallState;
-use super::pre::Pre;
 use super::prewarm::{self, Prewarmed, Unused};
 use super::queries::Queries;
 use super::runtime::Runtime;
 use super::validate::PlanError;
+use crate::model::{BackendInfo, PolicyError};
 use std::sync::Arc;
 use wasmtime::{Store, Trap};
 
@@ -111,45 +110,14 @@ pub(crate) fn invoke<I, R>(
     result
 }
 
-/// `info`, of a guest of either contract.
+/// `info`, of a guest of any contract.
 pub(crate) fn call_info(
     runtime: &Runtime,
-    pre: &Pre,
+    pre: &Arc<dyn Linked>,
     backend: &Arc<str>,
     queries: Arc<dyn Queries>,
 ) -> Result<BackendInfo, CallError> {
-    match pre {
-        Pre::Current(pre) => invoke(
-            runtime,
-            backend,
-            queries,
-            "info",
-            None,
-            None,
-            |s| pre.instantiate(s),
-            |b, s| b.volagent_policy_policy().call_info(s),
-        ),
-        Pre::V0_4(pre) => invoke(
-            runtime,
-            backend,
-            queries,
-            "info",
-            None,
-            None,
-            |s| pre.instantiate(s),
-            |b, s| convert(&b.volagent_policy_policy().call_info(s)?),
-        ),
-    }
-}
-
-/// A 0.4 guest's answer as the 0.5 answer it is.
-pub(super) fn up<A: serde::Serialize, E: serde::Serialize, B: serde::de::DeserializeOwned>(
-    r: Result<A, E>,
-) -> wasmtime::Result<Result<B, PolicyError>> {
-    Ok(match r {
-        Ok(a) => Ok(convert(&a)?),
-        Err(e) => Err(convert(&e)?),
-    })
+    invoke(runtime, backend, queries, "info", None, None, |s| pre.instantiate(s), |g, s| g.info(s))
 }
 
 fn fault(

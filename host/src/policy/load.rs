@@ -1,13 +1,12 @@
 //! Loading a backend component: size and format checks, compile, import
 //! allow-list, contract export and version, link, and `info`.
 
-use super::bindings::{BackendInfo, BackendPre};
-use super::compat;
+use super::contract::{self, Linked};
 use super::invoke::CallError;
-use super::pre::Pre;
 use super::queries::RecordedQueries;
 use super::runtime::Runtime;
 use super::{COMPAT_VERSIONS, CONTRACT_PACKAGE, CONTRACT_VERSION, POLICY_INTERFACE};
+use crate::model::BackendInfo;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -50,7 +49,7 @@ pub enum LoadError {
 
 /// A loaded, checked backend, ready to be called. Cheap to share.
 pub struct Plugin {
-    pub(crate) pre: Pre,
+    pub(crate) pre: Arc<dyn Linked>,
     pub(crate) runtime: Arc<Runtime>,
     pub(crate) name: Arc<str>,
     /// Instances made ahead of calls.
@@ -127,11 +126,7 @@ impl Plugin {
             message: format!("{e:#}"),
         };
         let instance_pre = runtime.linker.instantiate_pre(&component).map_err(contract_err)?;
-        let pre = if contract == CONTRACT_VERSION {
-            Pre::Current(BackendPre::new(instance_pre).map_err(contract_err)?)
-        } else {
-            Pre::V0_4(compat::v0_4::BackendPre::new(instance_pre).map_err(contract_err)?)
-        };
+        let pre = contract::link(contract, instance_pre).map_err(contract_err)?;
 
         let provisional: Arc<str> =
             Arc::from(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"));
@@ -187,13 +182,9 @@ impl Plugin {
     pub fn export(&self) -> &str {
         &self.export
     }
-    /// The contract version the guest speaks, e.g. `0.5.0` (or `0.4.0`,
-    /// served through the adapter).
+    /// The contract version the guest is served under, e.g. `0.5.0`.
     pub fn contract(&self) -> &'static str {
-        match self.pre {
-            Pre::Current(_) => CONTRACT_VERSION,
-            Pre::V0_4(_) => compat::VERSION,
-        }
+        self.pre.version()
     }
 }
 

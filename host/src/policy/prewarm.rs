@@ -12,10 +12,9 @@
 //! function that traps, loops or grows past the memory cap) gets none
 //! again: its calls make their own, and fail as they would have.
 
-use super::compat::v0_4;
+use super::contract::{Guest, Linked};
 use super::imports::CallState;
 use super::limits::Limits;
-use super::pre::Pre;
 use super::queries::{Queries, RecordedQueries};
 use super::ticker::TickerHandle;
 use std::sync::mpsc;
@@ -58,48 +57,9 @@ impl Drop for Counted {
 }
 
 /// An instance and its store, not called yet.
-pub(crate) struct Unused<I> {
+pub(crate) struct Unused<I = Box<dyn Guest>> {
     pub store: Store<CallState>,
     pub instance: I,
-}
-
-/// An instance of either contract, with its store once made.
-pub(crate) enum Instance<C = Unused<super::bindings::Backend>, O = Unused<v0_4::Backend>> {
-    Current(C),
-    V0_4(O),
-}
-
-impl Instance<super::bindings::Backend, v0_4::Backend> {
-    fn with(self, store: Store<CallState>) -> Instance {
-        match self {
-            Instance::Current(instance) => Instance::Current(Unused { store, instance }),
-            Instance::V0_4(instance) => Instance::V0_4(Unused { store, instance }),
-        }
-    }
-}
-
-/// The instance of one contract's guest.
-pub(crate) trait Contract: Sized {
-    /// `made` when it is of this contract.
-    fn out_of(made: Instance) -> Option<Unused<Self>>;
-}
-
-impl Contract for super::bindings::Backend {
-    fn out_of(made: Instance) -> Option<Unused<Self>> {
-        match made {
-            Instance::Current(r) => Some(r),
-            Instance::V0_4(_) => None,
-        }
-    }
-}
-
-impl Contract for v0_4::Backend {
-    fn out_of(made: Instance) -> Option<Unused<Self>> {
-        match made {
-            Instance::V0_4(r) => Some(r),
-            Instance::Current(_) => None,
-        }
-    }
 }
 
 /// Why an instance could not be made.
@@ -119,7 +79,7 @@ pub(crate) fn guest_fault(store: &Store<CallState>, e: &wasmtime::Error) -> bool
 
 /// A backend's instances made ahead.
 pub(crate) struct Prewarmed {
-    pre: Pre,
+    pre: Arc<dyn Linked>,
     name: Arc<str>,
     state: Mutex<PrewarmedState>,
     /// A refill is asked of the prewarmer and not begun yet.
@@ -128,7 +88,7 @@ pub(crate) struct Prewarmed {
 
 #[derive(Default)]
 struct PrewarmedState {
-    ready: Vec<(Instance, Counted)>,
+    ready: Vec<(Unused, Counted)>,
     /// An instance could not be made ahead: calls make their own.
     given_up: bool,
     /// Instances calls took.
@@ -136,7 +96,7 @@ struct PrewarmedState {
 }
 
 impl Prewarmed {
-    pub(crate) fn new(pre: Pre, name: Arc<str>) -> Arc<Prewarmed> {
+    pub(crate) fn new(pre: Arc<dyn Linked>, name: Arc<str>) -> Arc<Prewarmed> {
         Arc::new(Prewarmed { pre, name, state: Mutex::default(), refill_asked: Default::default() })
     }
 
@@ -144,20 +104,15 @@ impl Prewarmed {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A ready instance, given `queries` for its call (all of a backend's
-    /// instances speak its contract).
-    pub(crate) fn take<I: Contract>(
-        &self,
-        queries: &Arc<dyn Queries>,
-        limits: &Limits,
-    ) -> Option<Unused<I>> {
+    /// A ready instance, given `queries` for its call.
+    pub(crate) fn take(&self, queries: &Arc<dyn Queries>, limits: &Limits) -> Option<Unused> {
         let made = {
             let mut state = self.state();
             let (made, _counted) = state.ready.pop()?;
             state.taken += 1;
             made
         };
-        I::out_of(made).map(|r| r.for_call(queries, limits))
+        Some(made.for_call(queries, limits))
     }
 
     /// Make instances until [`READY`] wait, within the [`Budget`] (on the
@@ -211,16 +166,12 @@ impl Prewarmed {
         !released.is_empty()
     }
 
-    fn make(&self, engine: &Engine, limits: &Limits) -> Result<Instance, Refused> {
+    fn make(&self, engine: &Engine, limits: &Limits) -> Result<Unused, Refused> {
         // No queries while it starts: a start function has nothing to ask.
         let mut store =
             new_store(engine, self.name.clone(), Arc::new(RecordedQueries::default()), limits);
-        let made = match &self.pre {
-            Pre::Current(pre) => pre.instantiate(&mut store).map(Instance::Current),
-            Pre::V0_4(pre) => pre.instantiate(&mut store).map(Instance::V0_4),
-        };
-        match made {
-            Ok(made) => Ok(made.with(store)),
+        match self.pre.instantiate(&mut store) {
+            Ok(instance) => Ok(Unused { store, instance }),
             Err(e) if guest_fault(&store, &e) => Err(Refused::Guest(e)),
             Err(_) => Err(Refused::Host),
         }

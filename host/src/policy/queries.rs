@@ -2,7 +2,7 @@
 //! answers from its own cached view of the node and cluster; scenario files
 //! and benchmarks answer from recorded facts. Answers never block.
 
-use super::bindings::{MountEntry, NodeFacts, PathKind, Watcher};
+use crate::model::{MountEntry, NodeFacts, PathKind, Watcher};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -3,7 +3,6 @@
 //! call runs, so that an idle agent does not wake 200 times a second — and
 //! the prewarmer ([`super::spare`]), which makes instances ahead of calls.
 
-use super::bindings::Backend;
 use super::imports::CallState;
 use super::limits::Limits;
 #[cfg(test)]
@@ -12,7 +11,7 @@ use super::ticker::{Calling, Ticker};
 use std::sync::{Arc, Mutex};
 #[cfg(test)]
 use std::time::Duration;
-use wasmtime::component::{HasSelf, Linker};
+use wasmtime::component::Linker;
 use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 /// Memory of a freed instance slot kept mapped for the next call.
@@ -73,14 +72,8 @@ impl Runtime {
         // WASI with an empty context: a std guest needs the interfaces to
         // link, but gets no preopens, environment, arguments or sockets.
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(RuntimeError::Link)?;
-        Backend::add_to_linker::<CallState, HasSelf<CallState>>(&mut linker, |s| s)
-            .map_err(RuntimeError::Link)?;
-        // The previous contract's `host`, for guests built against it.
-        super::compat::v0_4::Backend::add_to_linker::<CallState, HasSelf<CallState>>(
-            &mut linker,
-            |s| s,
-        )
-        .map_err(RuntimeError::Link)?;
+        // Every contract version's `host`: each guest links to its own.
+        super::contract::add_to_linker(&mut linker).map_err(RuntimeError::Link)?;
 
         let ticker = Ticker::start(engine.clone()).map_err(RuntimeError::Ticker)?;
         let prewarmer = super::prewarm::Prewarmer::start(engine.clone(), limits, ticker.handle())

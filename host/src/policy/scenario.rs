@@ -2,10 +2,10 @@
 //! the expected outcome, run against a built component. The format is
 //! documented in docs/scenarios.md.
 
-use super::bindings::{CleanupItem, CleanupReason, Consumer, Holder, NodeFacts, NodePaths, Volume};
 use super::invoke::CallError;
 use super::load::Plugin;
 use super::queries::RecordedQueries;
+use crate::model::{CleanupItem, CleanupReason, Consumer, Holder, NodeFacts, NodePaths, Volume};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
@@ -401,9 +401,6 @@ fn options_as_list(value: &mut Value) {
     match value {
         Value::Object(map) => {
             for (key, v) in map.iter_mut() {
-                if key == "volume" {
-                    super::volume_defaults(v);
-                }
                 if key == "volume"
                     && let Some(Value::Object(opts)) = v.get_mut("options")
                 {

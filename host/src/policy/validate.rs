@@ -1,7 +1,7 @@
 //! Checking a guest's plan against what its backend declared and the paths
 //! this call allows, before anything runs. No step escapes its roots.
 
-use super::bindings::{
+use crate::model::{
     AccessMode, BlockSource, Capabilities, CleanupItem, CleanupReason, Consumer, DeviceSpec,
     Format, FormatMode, Holder, MountSource, NodeFacts, NodePaths, PathRoot, Step, StepKind,
     TakeOver, Volume, WipeMethod,
@@ -658,7 +658,7 @@ pub fn take_over(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::bindings::*;
+    use crate::model::*;
 
     const POD: &str = "/k/pods/u/volumes/volagent~local-pv/pv";
     const STAGING: &str = "/k/plugins/volagent/local-pv/mounts/pv";

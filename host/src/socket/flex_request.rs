@@ -2,9 +2,9 @@
 //! options into `ops`' typed requests; anything malformed is refused here,
 //! before any lock, record or device is touched.
 
+use crate::model::{AccessMode, Consumer, KeyValue, Volume};
 use crate::ops::request::{MAX_PATH, MountDir, MountRequest};
 use crate::policy::validate::clean_absolute;
-use crate::policy::{AccessMode, Consumer, KeyValue, Volume};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -47,7 +47,7 @@ pub fn parse_mount_dir(
 const K8S: &str = "kubernetes.io/";
 
 fn access_mode(value: &str) -> Result<AccessMode, String> {
-    crate::policy::parse_access_mode(value)
+    crate::model::AccessMode::parse(value)
         .ok_or_else(|| format!("accessMode {value:?} is not a Kubernetes access mode"))
 }
 

@@ -10,7 +10,6 @@ use crate::csi::drivers::Drivers;
 use crate::csi::registration::Registered;
 use crate::ledger::Record;
 use crate::ops::Agent;
-use crate::policy::access_mode_name;
 use crate::socket::local_report::LocalState;
 use crate::sys::MountInfo;
 use std::path::Path;
@@ -181,7 +180,7 @@ pub fn held_of(
             HeldVolume {
                 backend: r.backend.clone(),
                 volume: r.volume.clone(),
-                access_mode: access_mode_name(r.access_mode).to_string(),
+                access_mode: r.access_mode.name().to_string(),
                 device: device_at(table, &staging_dir),
                 staging_dir,
                 storage_cluster: r.storage_cluster.clone(),
@@ -222,7 +221,7 @@ pub fn fit<T: serde::Serialize>(items: Vec<T>, budget: usize) -> (Vec<T>, usize)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{AccessMode, Consumer, Holder};
+    use crate::model::{AccessMode, Consumer, Holder};
     use std::path::PathBuf;
 
     fn holder(node: &str, ns: &str, pod: &str, volume: &str, since: &str) -> Holder {
