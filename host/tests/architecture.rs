@@ -201,3 +201,20 @@ fn only_the_contract_adapters_see_the_bindings() {
     assert!(bindgens >= 2, "the scan's marker: every version adapter has its bindgen!");
     assert!(found.is_empty(), "bindings outside policy/contract:\n{}", found.join("\n"));
 }
+
+/// The SDK carries its own copy of the contract (so that it builds outside
+/// this repository); it is the one the host speaks.
+#[test]
+fn the_sdk_carries_the_contract_the_host_speaks() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let host = std::fs::read_to_string(root.join("wit/policy.wit")).expect("wit/policy.wit");
+    let sdk = std::fs::read_to_string(root.join("guest-plugins/sdk/wit/policy.wit"))
+        .expect("the SDK's copy");
+    assert!(
+        host.contains(&format!("package volagent:policy@{};", volagent::policy::CONTRACT_VERSION))
+    );
+    assert!(
+        host == sdk,
+        "guest-plugins/sdk/wit/policy.wit differs from wit/policy.wit: copy it over"
+    );
+}

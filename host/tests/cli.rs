@@ -92,12 +92,12 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
     let (code, out, err) = volagent(&["plugin", "inspect", RBD]);
     assert_eq!(code, 0, "{err}");
     for expected in [
-        "world:       exports volagent:policy/policy@0.5.0\n",
+        "world:       exports volagent:policy/policy@1.0.0\n",
         "backend:     rbd 0.1.0",
         "devices:     rbd",
         "blocklist-client",
         "publish-block",
-        "volagent:policy/host@0.5.0",
+        "volagent:policy/ceph@1.0.0",
     ] {
         assert!(out.contains(expected), "missing {expected:?} in\n{out}");
     }
@@ -105,8 +105,8 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).expect("inspect --json prints JSON");
     assert_eq!(v["info"]["name"], "rbd");
-    assert_eq!(v["export"], "volagent:policy/policy@0.5.0");
-    assert_eq!(v["contract"], "0.5.0");
+    assert_eq!(v["export"], "volagent:policy/policy@1.0.0");
+    assert_eq!(v["contract"], "1.0.0");
     // A build for the previous contract says which it speaks, and that the
     // host serves it through its adapter.
     let old = volagent_test_support::workspace().join("tests/fixtures/contract-0.4/rbd.wasm");

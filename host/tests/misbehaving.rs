@@ -251,21 +251,16 @@ fn oversized_plans_are_refused_and_the_next_call_served() {
     })
     .expect("runtime");
     let plugin = load(&rt, MISBEHAVE);
-    // A million steps: wasmtime bounds what a call may copy out of a guest.
+    // A million steps: the host keeps no more of a plan than its limit
+    // while the guest builds it, and refuses it.
     let err = attach_named(&plugin, "huge-plan").unwrap_err();
-    assert!(matches!(err, CallError::Trap { .. }), "{err}");
-    assert!(
-        err.to_string().contains("too much data is being copied between the host and the guest"),
-        "{err}"
-    );
+    assert!(matches!(err, CallError::Plan { .. }), "{err}");
+    assert!(err.to_string().contains("more steps than the 512 allowed"), "{err}");
     still_serves(&plugin);
     // Thousands: the plan's own limit.
     let err = attach_named(&plugin, "big-plan").unwrap_err();
     assert!(matches!(err, CallError::Plan { .. }), "{err}");
-    assert!(
-        err.to_string().contains("the plan has 5000 steps, more than the 512 allowed"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("the plan has more steps than the 512 allowed"), "{err}");
     still_serves(&plugin);
     // Under the usual memory cap the guest cannot even build the million.
     let rt = runtime(2000);

@@ -17,6 +17,7 @@ const GUESTS: &[(&str, &str, &str)] = &[
     ("NET_IMPORT", "test-guest-net-import", "test_guest_net_import"),
     ("WRONG_WORLD", "test-guest-wrong-world", "test-guest-wrong-world"),
     ("SHARED_FILE", "test-guest-shared-file", "test_guest_shared_file"),
+    ("CORE_ONLY", "test-guest-core-only", "test_guest_core_only"),
 ];
 
 fn main() {
@@ -35,29 +36,32 @@ fn main() {
             out.ancestors().nth(4).expect("OUT_DIR is inside the target dir").join("guests")
         });
 
+    // One build per guest: cargo unifies the features of the packages one
+    // build selects, and a guest imports the SDK's device interfaces only
+    // of the features it asks for.
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(&root)
-        .args(["build", "--profile", "guest", "--target", "wasm32-wasip2", "--target-dir"])
-        .arg(&target_dir);
     for (_, package, _) in GUESTS {
-        cmd.args(["-p", package]);
+        let mut cmd = Command::new(&cargo);
+        cmd.current_dir(&root)
+            .args(["build", "--profile", "guest", "--target", "wasm32-wasip2", "--target-dir"])
+            .arg(&target_dir)
+            .args(["-p", package]);
+        // Flags meant for the host build must not leak into the guest build.
+        for var in [
+            "CARGO_ENCODED_RUSTFLAGS",
+            "RUSTFLAGS",
+            "CARGO_BUILD_TARGET",
+            "CARGO_TARGET_DIR",
+            "RUSTC_WORKSPACE_WRAPPER",
+        ] {
+            cmd.env_remove(var);
+        }
+        let status = cmd.status().expect("run cargo for the guests");
+        assert!(
+            status.success(),
+            "building guest {package} failed (is the wasm32-wasip2 target installed? run scripts/setup)"
+        );
     }
-    // Flags meant for the host build must not leak into the guest build.
-    for var in [
-        "CARGO_ENCODED_RUSTFLAGS",
-        "RUSTFLAGS",
-        "CARGO_BUILD_TARGET",
-        "CARGO_TARGET_DIR",
-        "RUSTC_WORKSPACE_WRAPPER",
-    ] {
-        cmd.env_remove(var);
-    }
-    let status = cmd.status().expect("run cargo for the guests");
-    assert!(
-        status.success(),
-        "building the guest components failed (is the wasm32-wasip2 target installed? run scripts/setup)"
-    );
 
     let mut consts = String::new();
     consts.push_str(&format!(

@@ -7,22 +7,27 @@
 
 pub mod fake;
 pub mod fence;
+mod glue;
+mod model;
 pub mod options;
 pub mod plans;
 
-/// Generated from `wit/` (the one contract with the host).
+/// Generated from the contract this SDK carries (`wit/`): the guest side of
+/// `volagent:policy@1.0.0`. Policies use the plain values of [`model`]; only
+/// [`export_policy!`] and the SDK's glue touch these.
 pub mod bindings {
     wit_bindgen::generate!({
-        world: "backend",
-        path: "../../wit",
+        world: "full-backend",
+        path: "wit",
         pub_export_macro: true,
         default_bindings_module: "volagent_guest_sdk::bindings",
-        additional_derives: [PartialEq],
     });
 }
 
-pub use bindings::exports::volagent::policy::policy::Guest;
-pub use bindings::volagent::policy::types::*;
+pub use glue::WasmHost;
+#[doc(hidden)]
+pub use glue::export as __export;
+pub use model::*;
 
 /// The read-only queries a policy may make of its host.
 pub trait Host {
@@ -32,30 +37,6 @@ pub trait Host {
     fn filesystem_type(&self, device: &str) -> Option<String>;
     fn mount_at(&self, target: &str) -> Option<MountEntry>;
     fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String>;
-}
-
-/// The real host: the component's imports. Only callable inside a component.
-pub struct WasmHost;
-
-impl Host for WasmHost {
-    fn log(&self, level: LogLevel, message: &str) {
-        bindings::volagent::policy::host::log(level, message);
-    }
-    fn node_state(&self, name: &str) -> NodeFacts {
-        bindings::volagent::policy::host::node_state(name)
-    }
-    fn path_kind(&self, path: &str) -> PathKind {
-        bindings::volagent::policy::host::lookup_path(path)
-    }
-    fn filesystem_type(&self, device: &str) -> Option<String> {
-        bindings::volagent::policy::host::filesystem_type(device)
-    }
-    fn mount_at(&self, target: &str) -> Option<MountEntry> {
-        bindings::volagent::policy::host::mount_at(target)
-    }
-    fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String> {
-        bindings::volagent::policy::host::image_watchers(pool, image)
-    }
 }
 
 /// A backend policy in plain Rust. Every call gets the host to query.
@@ -110,54 +91,79 @@ pub trait Policy {
     ) -> Result<Plan, PolicyError>;
 }
 
-/// Exports a [`Policy`] as the component's `policy` interface. Expands to
-/// nothing outside wasm, so policy crates also build and test natively.
+/// Exports a [`Policy`] as the component's `policy` interface and the
+/// optional `block-volumes`, `expand` and `health` ones. Expands to nothing
+/// outside wasm, so policy crates also build and test natively.
 #[macro_export]
 macro_rules! export_policy {
     ($policy:ty) => {
         #[cfg(target_arch = "wasm32")]
         mod __volagent_export {
-            use $crate::{Policy as _, *};
+            use $crate::bindings::exports::volagent::policy as ex;
+            use $crate::bindings::volagent::policy::types as t;
+            use $crate::__export as glue;
             struct Exported;
-            impl $crate::Guest for Exported {
-                fn info() -> BackendInfo {
-                    <$policy>::info()
+            impl ex::policy::Guest for Exported {
+                fn info() -> t::BackendInfo {
+                    glue::info::<$policy>()
                 }
                 fn fence(
-                    volume: Volume,
-                    requester: Consumer,
-                    holders: Vec<Holder>,
-                    nodes: Vec<NodeFacts>,
-                ) -> Result<Decision, PolicyError> {
-                    <$policy>::fence(&WasmHost, volume, requester, holders, nodes)
+                    volume: &t::Volume,
+                    requester: &t::Consumer,
+                    holders: Vec<t::Consumer>,
+                    nodes: Vec<t::Node>,
+                ) -> Result<t::Decision, t::PolicyError> {
+                    glue::fence::<$policy>(volume, requester, holders, nodes)
                 }
                 fn attach(
-                    volume: Volume,
-                    requester: Consumer,
-                    local_holders: Vec<Holder>,
-                    paths: NodePaths,
-                ) -> Result<Plan, PolicyError> {
-                    <$policy>::attach(&WasmHost, volume, requester, local_holders, paths)
+                    volume: &t::Volume,
+                    requester: &t::Consumer,
+                    local_holders: Vec<t::Consumer>,
+                    paths: &t::NodePaths,
+                ) -> Result<t::Plan, t::PolicyError> {
+                    glue::attach::<$policy>(volume, requester, local_holders, paths)
                 }
                 fn detach(
-                    volume: Volume,
-                    consumer: Consumer,
-                    local_holders: Vec<Holder>,
-                    paths: NodePaths,
-                ) -> Result<Plan, PolicyError> {
-                    <$policy>::detach(&WasmHost, volume, consumer, local_holders, paths)
-                }
-                fn expand(volume: Volume, consumer: Consumer, paths: NodePaths) -> Result<Plan, PolicyError> {
-                    <$policy>::expand(&WasmHost, volume, consumer, paths)
-                }
-                fn condition(volume: Volume, consumer: Consumer, paths: NodePaths) -> Option<String> {
-                    <$policy>::condition(&WasmHost, volume, consumer, paths)
+                    volume: &t::Volume,
+                    consumer: &t::Consumer,
+                    local_holders: Vec<t::Consumer>,
+                    paths: &t::NodePaths,
+                ) -> Result<t::Plan, t::PolicyError> {
+                    glue::detach::<$policy>(volume, consumer, local_holders, paths)
                 }
                 fn cleanup(
-                    reason: CleanupReason,
-                    items: Vec<CleanupItem>,
-                ) -> Result<Plan, PolicyError> {
-                    <$policy>::cleanup(&WasmHost, reason, items)
+                    reason: t::CleanupReason,
+                    items: Vec<t::CleanupItem>,
+                ) -> Result<t::Plan, t::PolicyError> {
+                    glue::cleanup::<$policy>(reason, items)
+                }
+            }
+            impl ex::block_volumes::Guest for Exported {
+                fn attach(
+                    volume: &t::Volume,
+                    requester: &t::Consumer,
+                    local_holders: Vec<t::Consumer>,
+                    paths: &t::NodePaths,
+                ) -> Result<t::Plan, t::PolicyError> {
+                    glue::attach::<$policy>(volume, requester, local_holders, paths)
+                }
+            }
+            impl ex::expand::Guest for Exported {
+                fn expand(
+                    volume: &t::Volume,
+                    consumer: &t::Consumer,
+                    paths: &t::NodePaths,
+                ) -> Result<t::Plan, t::PolicyError> {
+                    glue::expand::<$policy>(volume, consumer, paths)
+                }
+            }
+            impl ex::health::Guest for Exported {
+                fn condition(
+                    volume: &t::Volume,
+                    consumer: &t::Consumer,
+                    paths: &t::NodePaths,
+                ) -> Option<String> {
+                    glue::condition::<$policy>(volume, consumer, paths)
                 }
             }
             $crate::bindings::export!(Exported with_types_in $crate::bindings);

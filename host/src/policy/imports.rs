@@ -19,6 +19,8 @@ pub struct CallState {
     queries: Arc<dyn Queries>,
     backend: Arc<str>,
     logged: u32,
+    /// Plans the guest made in this call (contract 1.x).
+    plans_made: u32,
     pub(crate) memory: MemoryCap,
     pub(crate) limits: super::limits::Limits,
 }
@@ -35,6 +37,7 @@ impl CallState {
             queries,
             backend,
             logged: 0,
+            plans_made: 0,
             memory: MemoryCap { cap: limits.memory_bytes, refused: false },
             limits,
         }
@@ -45,6 +48,7 @@ impl CallState {
     pub(crate) fn begin_call(&mut self, queries: Arc<dyn Queries>) {
         self.queries = queries;
         self.logged = 0;
+        self.plans_made = 0;
     }
 
     pub(crate) fn dropped_log_lines(&self) -> u32 {
@@ -89,6 +93,18 @@ impl WasiView for CallState {
 }
 
 impl CallState {
+    /// The call's resources: what the host lends a guest, and the plans it
+    /// builds.
+    pub(crate) fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
+
+    /// Count one plan more made in this call; false past `max`.
+    pub(crate) fn count_plan(&mut self, max: u32) -> bool {
+        self.plans_made += 1;
+        self.plans_made <= max
+    }
+
     /// The call's queries, as the `host` imports answer them.
     pub(crate) fn queries(&self) -> &dyn Queries {
         &*self.queries

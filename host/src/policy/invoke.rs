@@ -70,12 +70,14 @@ pub(crate) fn invoke<I, R>(
             let mut made = instantiate(&mut store);
             // Every slot in use: those of instances made ahead, and of used
             // ones not dropped yet, go to calls.
+            // Tried again whether or not this call saw a slot freed: one
+            // may have been freed between the first try and the hold.
             if matches!(&made, Err(e) if !prewarm::guest_fault(&store, e)) {
-                let (freed, _held) = runtime.prewarmer.give_way(|| runtime.release_spares());
-                if freed {
-                    store = prewarm::new_store(&runtime.engine, backend.clone(), queries, &limits);
-                    made = instantiate(&mut store);
-                }
+                let _held = runtime.prewarmer.give_way(|| {
+                    runtime.release_spares();
+                });
+                store = prewarm::new_store(&runtime.engine, backend.clone(), queries, &limits);
+                made = instantiate(&mut store);
             }
             match made {
                 Ok(instance) => (store, instance),

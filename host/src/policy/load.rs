@@ -17,7 +17,7 @@ use wasmtime::component::Component;
 const ALLOWED_WASI_PACKAGES: &[&str] =
     &["wasi:cli/", "wasi:clocks/", "wasi:io/", "wasi:random/", "wasi:filesystem/"];
 /// Our own interfaces a guest may import.
-const ALLOWED_OWN_INTERFACES: &[&str] = &["host", "types"];
+const ALLOWED_OWN_INTERFACES: &[&str] = &["host", "types", "loop-devices", "nbd", "ceph"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -37,8 +37,8 @@ pub enum LoadError {
     DisallowedImport { path: PathBuf, import: String },
     #[error("{}: does not export {CONTRACT_PACKAGE}/{POLICY_INTERFACE}, so it is not a volagent backend (its exports: {exports})", path.display())]
     WrongWorld { path: PathBuf, exports: String },
-    #[error("{}: speaks {found}, but this host speaks {CONTRACT_PACKAGE}@{CONTRACT_VERSION} (and serves {}); rebuild the policy against a compatible wit/", path.display(), COMPAT_VERSIONS.join(", "))]
-    IncompatibleVersion { path: PathBuf, found: String },
+    #[error("{}: built for {found}, which this host ({CONTRACT_PACKAGE}@{CONTRACT_VERSION}, also serving {}) cannot serve: {why}", path.display(), COMPAT_VERSIONS.join(", "))]
+    IncompatibleVersion { path: PathBuf, found: String, why: String },
     #[error("{}: does not match the {CONTRACT_PACKAGE}@{CONTRACT_VERSION} contract: {message}", path.display())]
     Contract { path: PathBuf, message: String },
     #[error("{}: its info call failed: {source}", path.display())]
@@ -207,15 +207,33 @@ fn split_version(name: &str) -> (&str, Option<&str>) {
     }
 }
 
-/// Whether `found` is compatible with `contract`: same major version; while
-/// the major is 0, same minor too (semver's rule for 0.x, which is also how
-/// wasmtime matches import versions).
+/// Whether a guest built for `found` is served under `contract`: from 1.0
+/// on, the same major version and a minor version no later than the
+/// host's (a minor version only adds); before 1.0, the same minor version.
 fn same_line(found: &str, contract: &str) -> bool {
     let (Ok(found), Ok(ours)) = (semver::Version::parse(found), semver::Version::parse(contract))
     else {
         return false;
     };
-    found.major == ours.major && (ours.major != 0 || found.minor == ours.minor)
+    found.major == ours.major
+        && if ours.major == 0 { found.minor == ours.minor } else { found.minor <= ours.minor }
+}
+
+/// Why a guest built for `found` is not served, for the one who built it.
+fn why_not_served(found: &str) -> String {
+    let ours = semver::Version::parse(CONTRACT_VERSION).ok();
+    match (semver::Version::parse(found), ours) {
+        (Ok(f), Some(o)) if f.major == o.major && f.minor > o.minor => format!(
+            "it is newer than this host; upgrade the agent, or build the policy against {CONTRACT_VERSION}"
+        ),
+        (Ok(f), Some(o)) if f.major > o.major => format!(
+            "a later major version than this host's; upgrade the agent, or build the policy against {CONTRACT_VERSION}"
+        ),
+        (Ok(_), _) => {
+            format!("no adapter is kept for it; rebuild the policy against {CONTRACT_VERSION}")
+        }
+        (Err(_), _) => "not a semantic version".to_string(),
+    }
 }
 
 /// The contract this host serves a guest speaking `found` under: its own,
@@ -249,9 +267,11 @@ fn find_policy_export(
     };
     match split_version(export).1.and_then(contract_of) {
         Some(contract) => Ok((export.clone(), contract)),
-        None => {
-            Err(LoadError::IncompatibleVersion { path: path.to_path_buf(), found: export.clone() })
-        }
+        None => Err(LoadError::IncompatibleVersion {
+            path: path.to_path_buf(),
+            found: export.clone(),
+            why: why_not_served(split_version(export).1.unwrap_or("")),
+        }),
     }
 }
 
@@ -311,12 +331,30 @@ mod tests {
             "0.4 added the clear-directory step: a 0.3 guest is refused"
         );
         assert_eq!(contract_of("0.6.0"), None);
-        assert_eq!(contract_of("1.1.0"), None);
+        assert_eq!(contract_of("1.0.0"), Some("1.0.0"));
+        assert_eq!(contract_of("1.0.4"), Some("1.0.0"));
+        assert_eq!(contract_of("1.1.0"), None, "a later minor version than the host's");
+        assert_eq!(contract_of("2.0.0"), None);
         assert_eq!(contract_of("garbage"), None);
+        assert!(why_not_served("1.1.0").contains("newer than this host"));
+        assert!(why_not_served("0.3.0").contains("rebuild the policy against 1.0.0"));
+    }
+
+    #[test]
+    fn a_later_minor_guest_is_refused_naming_both_versions() {
+        let p = Path::new("x.wasm");
+        let e = find_policy_export(p, &["volagent:policy/policy@1.1.0".into()]).unwrap_err();
+        let message = e.to_string();
+        assert!(message.contains("built for volagent:policy/policy@1.1.0"), "{message}");
+        assert!(message.contains("volagent:policy@1.0.0"), "{message}");
+        assert!(message.contains("upgrade the agent"), "{message}");
     }
 
     #[test]
     fn import_allow_list() {
+        assert!(import_allowed("volagent:policy/host@1.0.0", "1.0.0"));
+        assert!(import_allowed("volagent:policy/ceph@1.0.0", "1.0.0"));
+        assert!(!import_allowed("volagent:policy/host@1.1.0", "1.0.0"));
         assert!(import_allowed("volagent:policy/host@0.5.0", "0.5.0"));
         assert!(import_allowed("volagent:policy/types@0.5.2", "0.5.0"));
         assert!(import_allowed("volagent:policy/host@0.4.0", "0.4.0"));

@@ -322,16 +322,17 @@ impl Prewarmer {
 
     /// For a call that found the pool full: hold the prewarmer off, have
     /// `release` drop instances made ahead (none is being made meanwhile),
-    /// and wait for the used stores handed over to be dropped. Whether any
-    /// slot was freed, and the hold, to keep until the call has its own.
-    pub(crate) fn give_way(&self, release: impl FnOnce() -> bool) -> (bool, HeldOff) {
+    /// and wait for the used stores handed over to be dropped. The hold, to
+    /// keep until the call has its own instance.
+    pub(crate) fn give_way(&self, release: impl FnOnce()) -> HeldOff {
         self.yields.starved.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let held = HeldOff(self.yields.clone());
-        let released = {
+        {
             let _making = self.yields.making();
-            release()
-        };
-        (self.settle() | released, held)
+            release();
+        }
+        self.settle();
+        held
     }
 
     /// Wait (at most [`SETTLE`]) until the stores handed over are dropped

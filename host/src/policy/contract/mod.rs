@@ -6,6 +6,7 @@
 pub(crate) mod convert;
 mod v0_4;
 mod v0_5;
+mod v1;
 
 use super::imports::CallState;
 use crate::model::{
@@ -16,9 +17,9 @@ use wasmtime::Store;
 use wasmtime::component::{InstancePre, Linker};
 
 /// The contract version this host speaks.
-pub const CURRENT: &str = v0_5::VERSION;
+pub const CURRENT: &str = v1::VERSION;
 /// Earlier versions whose guests this host still serves.
-pub const OLDER: &[&str] = &[v0_4::VERSION];
+pub const OLDER: &[&str] = &[v0_5::VERSION, v0_4::VERSION];
 
 /// A guest's answer: a trap or host fault, or the policy's own refusal.
 pub(crate) type Answer<T> = wasmtime::Result<Result<T, PolicyError>>;
@@ -88,6 +89,7 @@ pub(crate) trait Linked: Send + Sync {
 
 /// Every version's `host` imports.
 pub(crate) fn add_to_linker(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
+    v1::add_to_linker(linker)?;
     v0_5::add_to_linker(linker)?;
     v0_4::add_to_linker(linker)
 }
@@ -98,6 +100,7 @@ pub(crate) fn link(
     pre: InstancePre<CallState>,
 ) -> wasmtime::Result<std::sync::Arc<dyn Linked>> {
     Ok(match version {
+        v1::VERSION => std::sync::Arc::new(v1::link(pre)?),
         v0_5::VERSION => std::sync::Arc::new(v0_5::link(pre)?),
         v0_4::VERSION => std::sync::Arc::new(v0_4::link(pre)?),
         other => wasmtime::bail!("no adapter for contract {other}"),
