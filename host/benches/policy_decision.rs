@@ -50,6 +50,8 @@ fn main() {
     println!("ratio exec / wasm:    p50 {:.1}x  p99 {:.1}x   (target ≥ 20x)", e50 / w50, e99 / w99);
     println!("wasm p99 {w99:.1} µs (target ≤ 50 µs)");
 
+    contract_versions(&runtime);
+
     println!("compile + check per backend (Cranelift, median of {COMPILES}):");
     for (name, path) in volagent_test_artifacts::BACKENDS {
         let mut times: Vec<Duration> = (0..COMPILES)
@@ -70,6 +72,10 @@ fn main() {
 }
 
 fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
+    wasm_decision_n(plugin, CALLS)
+}
+
+fn wasm_decision_n(plugin: &host::Plugin, calls: usize) -> Vec<Duration> {
     let mut facts = host::RecordedQueries::default();
     facts.paths.insert(IMAGE.into(), host::PathKind::RegularFile);
     facts.nodes.push(host::NodeFacts {
@@ -113,7 +119,7 @@ fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
     let nodes = facts.nodes.clone();
     // As the agent's mount makes it: fence, then the (full, first-consumer)
     // attach plan, each call on a fresh instance, each answer checked.
-    time(CALLS, || {
+    time(calls, || {
         let d = plugin.fence(facts.clone(), &volume, &requester, &holders, &nodes).expect("fence");
         assert_eq!(d, host::Decision::Grant);
         assert_eq!(
@@ -121,6 +127,43 @@ fn wasm_decision(plugin: &host::Plugin) -> Vec<Duration> {
             4
         );
     })
+}
+
+/// The same decision by the local-pv policy as built for each contract the
+/// host serves: today's (1.0) and the 0.5 and 0.4 builds kept as fixtures,
+/// served through their adapters. Interleaved in rounds, so that the
+/// machine's drift falls on all three alike.
+fn contract_versions(runtime: &Arc<host::Runtime>) {
+    let fixtures = volagent_test_support::workspace().join("tests/fixtures");
+    let builds = [
+        ("contract 1.0 (today's build)", Path::new(volagent_test_artifacts::LOCAL_PV).to_path_buf()),
+        ("contract 0.5 (adapter)", fixtures.join("contract-0.5/local-pv.wasm")),
+        ("contract 0.4 (adapter)", fixtures.join("contract-0.4/local-pv.wasm")),
+    ];
+    let plugins: Vec<_> = builds
+        .iter()
+        .map(|(name, path)| {
+            let plugin = host::Plugin::load_file(runtime, path).expect("load a local-pv build");
+            (name, plugin, Vec::new())
+        })
+        .collect();
+    let mut plugins = plugins;
+    const ROUNDS: usize = 10;
+    for _ in 0..ROUNDS {
+        for (_, plugin, samples) in &mut plugins {
+            samples.extend(wasm_decision_n(plugin, CALLS / ROUNDS));
+        }
+    }
+    println!("the same decision by each contract's build of local-pv (interleaved):");
+    let mut first = None;
+    for (name, _, samples) in &mut plugins {
+        let volagent::stats::Summary { p50, p99, .. } = summarize(samples);
+        let base = *first.get_or_insert(p50);
+        println!(
+            "  {name:<30} p50 {p50:>7.1} µs  p99 {p99:>7.1} µs  p50 / 1.0's {:.2}x",
+            p50 / base
+        );
+    }
 }
 
 fn native_inputs()
