@@ -6,130 +6,47 @@
 //! whose endpoints the host passes as `endpoints`), `volume` (required: the
 //! gluster volume).
 
-use volagent_guest_sdk::{
-    BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision, Holder, Host, Mount,
-    MountSource, NodeFacts, NodePaths, PathRoot, Plan, Policy, PolicyError, Step, StepKind, Volume,
-    VolumeMode, fence, options, plans,
-};
+use volagent_guest_sdk::staged::{Medium, Staged, StagedBackend};
+use volagent_guest_sdk::{NodePaths, PathRoot, PolicyError, Volume, options};
 
 pub struct Gluster;
 
 volagent_guest_sdk::export_policy!(crate::Gluster);
 
-/// The mount of the volume at the staging dir.
-pub fn staging_mount(volume: &Volume, paths: &NodePaths) -> Result<Mount, PolicyError> {
-    let mut servers = options::list(volume, "servers");
-    if servers.is_empty() {
-        // The StorageCluster the volume names: the host passes its endpoints.
-        servers = options::list(volume, "endpoints");
-    }
-    let Some((first, backups)) = servers.split_first() else {
-        return Err(PolicyError::InvalidOptions(format!(
-            "volume {}: option \"servers\" is required (comma-separated gluster servers), unless the volume names a StorageCluster with endpoints",
-            volume.name
-        )));
-    };
-    if volume.mode == VolumeMode::Block {
-        return Err(PolicyError::Unsupported(format!(
-            "volume {}: a gluster volume is a filesystem; it has no block mode",
-            volume.name
-        )));
-    }
-    let gluster_volume = options::required(volume, "volume")?;
-    // The volume's own mount flags first; the policy's own after, so they
-    // are the ones that count.
-    let mut mount_options = volume.mount_flags.clone();
-    if !backups.is_empty() {
-        mount_options.push(format!("backup-volfile-servers={}", backups.join(":")));
-    }
-    // auto_unmount: the FUSE mount goes away if the client dies, instead of
-    // leaving a dead mount that hangs every stat.
-    mount_options.push("auto_unmount".to_string());
-    mount_options.push(format!("log-file={}/glusterfs.log", paths.state_dir));
-    Ok(Mount {
-        source: MountSource::Network(format!("{first}:/{gluster_volume}")),
-        target: paths.staging_dir.clone(),
-        fs_type: "glusterfs".to_string(),
-        options: mount_options,
-        read_only: plans::volume_read_only(volume),
-    })
-}
+impl StagedBackend for Gluster {
+    const NAME: &'static str = "gluster";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+    const DESCRIPTION: &'static str = "GlusterFS volumes through the FUSE client";
+    const MEDIUM: Medium = Medium::Network { fs_type: "glusterfs" };
+    /// The FUSE client's log is written in the state dir.
+    const PATH_ROOTS: &'static [PathRoot] = &[PathRoot::StateDir];
 
-impl Policy for Gluster {
-    fn info() -> BackendInfo {
-        BackendInfo {
-            name: "gluster".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            description: "GlusterFS volumes through the FUSE client".into(),
-            capabilities: Capabilities {
-                steps: vec![StepKind::Mount, StepKind::BindMount, StepKind::Unmount],
-                device_kinds: vec![],
-                filesystems: vec![],
-                network_filesystems: vec!["glusterfs".into()],
-                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir, PathRoot::StateDir],
-            },
+    /// The first server is asked for the volfile, the rest are backups.
+    fn stage(volume: &Volume) -> Result<Staged, PolicyError> {
+        let mut servers = options::list(volume, "servers");
+        if servers.is_empty() {
+            // The StorageCluster the volume names: the host passes its endpoints.
+            servers = options::list(volume, "endpoints");
         }
-    }
-
-    fn fence(
-        _host: &dyn Host,
-        volume: Volume,
-        requester: Consumer,
-        holders: Vec<Holder>,
-        nodes: Vec<NodeFacts>,
-    ) -> Result<Decision, PolicyError> {
-        Ok(fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes))
-    }
-
-    fn attach(
-        _host: &dyn Host,
-        volume: Volume,
-        requester: Consumer,
-        local_holders: Vec<Holder>,
-        paths: NodePaths,
-    ) -> Result<Plan, PolicyError> {
-        let mount = staging_mount(&volume, &paths)?;
-        if !local_holders.is_empty() {
-            return Ok(vec![plans::bind_into_pod(&paths, &requester)]);
-        }
-        Ok(vec![Step::Mount(mount), plans::bind_into_pod(&paths, &requester)])
-    }
-
-    /// A gluster volume grows on its servers; the node has nothing to do.
-    fn expand(
-        _host: &dyn Host,
-        _volume: Volume,
-        _consumer: Consumer,
-        _paths: NodePaths,
-    ) -> Result<Plan, PolicyError> {
-        Ok(Vec::new())
-    }
-
-    fn detach(
-        _host: &dyn Host,
-        _volume: Volume,
-        consumer: Consumer,
-        local_holders: Vec<Holder>,
-        paths: NodePaths,
-    ) -> Result<Plan, PolicyError> {
-        Ok(plans::unstage(&consumer, &local_holders, &paths, None, false))
-    }
-
-    fn cleanup(
-        _host: &dyn Host,
-        reason: CleanupReason,
-        items: Vec<CleanupItem>,
-    ) -> Result<Plan, PolicyError> {
-        let force = match reason {
-            CleanupReason::StaleNode => false,
-            CleanupReason::StorageClusterDeleted => true,
-            CleanupReason::LocalVolumeReleased => {
-                return Err(PolicyError::Unsupported(
-                    "gluster volumes are not local volumes".into(),
-                ));
-            }
+        let Some((first, backups)) = servers.split_first() else {
+            return Err(PolicyError::InvalidOptions(format!(
+                "volume {}: option \"servers\" is required (comma-separated gluster servers), unless the volume names a StorageCluster with endpoints",
+                volume.name
+            )));
         };
-        Ok(items.iter().flat_map(|i| plans::teardown(&i.holders, &i.paths, None, force)).collect())
+        let gluster_volume = options::required(volume, "volume")?;
+        let mut mount_options = Vec::new();
+        if !backups.is_empty() {
+            mount_options.push(format!("backup-volfile-servers={}", backups.join(":")));
+        }
+        // auto_unmount: the FUSE mount goes away if the client dies, instead
+        // of leaving a dead mount that hangs every stat.
+        mount_options.push("auto_unmount".to_string());
+        Ok(Staged::Network { source: format!("{first}:/{gluster_volume}"), options: mount_options })
+    }
+
+    fn node_options(paths: &NodePaths) -> Vec<String> {
+        vec![format!("log-file={}/glusterfs.log", paths.state_dir)]
     }
 }
 
@@ -137,7 +54,22 @@ impl Policy for Gluster {
 mod tests {
     use super::*;
     use volagent_guest_sdk::fake::{FakeHost, consumer, holder};
-    use volagent_guest_sdk::{AccessMode, KeyValue};
+    use volagent_guest_sdk::{AccessMode, Decision, KeyValue, Mount, MountSource, Policy, Step};
+
+    /// The mount at the staging dir that the first pod's attach plans.
+    fn staging_mount(volume: &Volume, paths: &NodePaths) -> Result<Mount, PolicyError> {
+        let plan = Gluster::attach(
+            &FakeHost::default(),
+            volume.clone(),
+            consumer("n1", "a"),
+            vec![],
+            paths.clone(),
+        )?;
+        match plan.first() {
+            Some(Step::Mount(m)) => Ok(m.clone()),
+            other => panic!("the plan starts with {other:?}, not a mount"),
+        }
+    }
 
     fn volume(servers: &str) -> Volume {
         Volume {
@@ -194,9 +126,14 @@ mod tests {
     #[test]
     fn many_writers_on_many_nodes() {
         let held = vec![holder(&consumer("n1", "a")), holder(&consumer("n2", "b"))];
-        let d =
-            Gluster::fence(&FakeHost::default(), volume("g1"), consumer("n3", "c"), held, vec![])
-                .unwrap();
+        let d = <Gluster as Policy>::fence(
+            &FakeHost::default(),
+            volume("g1"),
+            consumer("n3", "c"),
+            held,
+            vec![],
+        )
+        .unwrap();
         assert_eq!(d, Decision::Grant);
     }
 

@@ -108,18 +108,8 @@ impl Policy for LocalPv {
             description: "Node-local volumes: files on loop devices, block devices or directories"
                 .into(),
             capabilities: Capabilities {
-                steps: vec![
-                    StepKind::AttachDevice,
-                    StepKind::Format,
-                    StepKind::Mount,
-                    StepKind::BindMount,
-                    StepKind::Unmount,
-                    StepKind::DetachDevice,
-                    StepKind::PublishBlock,
-                    StepKind::GrowFilesystem,
-                    StepKind::Wipe,
-                    StepKind::ClearDirectory,
-                ],
+                // The block shapes, and what a release adds to them.
+                steps: [plans::BLOCK_STEPS, &[StepKind::Wipe, StepKind::ClearDirectory]].concat(),
                 device_kinds: vec![DeviceKind::Loop],
                 filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
                 network_filesystems: vec![],
@@ -502,11 +492,13 @@ mod tests {
         let host = host_with("/mnt/disks/a.img", PathKind::RegularFile);
         let mut v = volume("/mnt/disks/a.img", AccessMode::ReadWriteOnce);
         v.options.push(KeyValue { key: "wipe".into(), value: method.into() });
-        LocalPv::cleanup(
+        let plan = LocalPv::cleanup(
             &host,
             CleanupReason::LocalVolumeReleased,
             vec![CleanupItem { volume: v, paths: paths(), holders: vec![] }],
-        )
+        )?;
+        volagent_guest_sdk::fake::assert_declared::<LocalPv>(&plan);
+        Ok(plan)
     }
 
     fn wipes(plan: &Plan) -> Vec<WipeMethod> {

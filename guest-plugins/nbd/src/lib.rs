@@ -16,134 +16,90 @@
 //! - `clustered`: "true" lets ReadWriteMany through, for users that
 //!   coordinate writers themselves.
 
+use volagent_guest_sdk::staged::{Medium, Staged, StagedBackend};
 use volagent_guest_sdk::{
-    AccessMode, BackendInfo, Capabilities, CleanupItem, CleanupReason, Consumer, Decision,
-    DeviceKind, DeviceSpec, Holder, Host, NbdAttach, NbdSpec, NodeFacts, NodePaths, PathRoot, Plan,
-    Policy, PolicyError, StepKind, Volume, fence, options, plans,
+    AccessMode, Consumer, Decision, DeviceKind, DeviceSpec, Holder, Host, NbdAttach, NbdSpec,
+    NodeFacts, PathRoot, PolicyError, Volume, fence, options,
 };
 
 pub struct Nbd;
 
 volagent_guest_sdk::export_policy!(crate::Nbd);
 
-const FILESYSTEMS: &[&str] = &["ext4", "xfs"];
-const MAX_CONNECTIONS: u8 = 16;
-const DEFAULT_CONNECTIONS: u8 = 4;
-
 pub fn export_spec(volume: &Volume) -> Result<NbdSpec, PolicyError> {
+    let invalid =
+        |why: String| Err(PolicyError::InvalidOptions(format!("volume {}: {why}", volume.name)));
     let local_file = options::get(volume, "file").map(str::to_string);
     let server = match (options::get(volume, "server"), &local_file) {
-        (Some(_), Some(_)) => {
-            return Err(PolicyError::InvalidOptions(format!(
-                "volume {}: give either server or file, not both",
-                volume.name
-            )));
-        }
+        (Some(_), Some(_)) => return invalid("give either server or file, not both".into()),
         (None, Some(_)) => "",
         (_, None) => options::required(volume, "server")?,
     };
-    if let Some(file) = &local_file {
-        if !file.starts_with('/') {
-            return Err(PolicyError::InvalidOptions(format!(
-                "volume {}: file \"{file}\" is not an absolute path",
-                volume.name
-            )));
+    match (&local_file, server.strip_prefix("unix:")) {
+        (Some(file), _) if !file.starts_with('/') => {
+            return invalid(format!("file \"{file}\" is not an absolute path"));
         }
-    } else {
-        let valid = match server.strip_prefix("unix:") {
-            Some(path) => path.starts_with('/'),
-            None => server
+        (Some(_), _) => {}
+        (None, Some(path)) if path.starts_with('/') => {}
+        (None, None)
+            if server
                 .rsplit_once(':')
-                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()),
-        };
-        if !valid {
-            return Err(PolicyError::InvalidOptions(format!(
-                "volume {}: server \"{server}\" is neither unix:/absolute/path nor host:port",
-                volume.name
-            )));
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()) => {}
+        (None, _) => {
+            return invalid(format!(
+                "server \"{server}\" is neither unix:/absolute/path nor host:port"
+            ));
         }
     }
-    let attach = match options::get(volume, "attach").unwrap_or("auto") {
-        "auto" => NbdAttach::Auto,
-        "kernel" => NbdAttach::Kernel,
-        "userspace" => NbdAttach::Userspace,
-        other => {
-            return Err(PolicyError::InvalidOptions(format!(
-                "volume {}: attach \"{other}\" is not auto, kernel or userspace",
-                volume.name
-            )));
-        }
-    };
-    let connections = match options::get(volume, "connections") {
-        None => DEFAULT_CONNECTIONS,
-        Some(n) => {
-            n.parse::<u8>().ok().filter(|n| (1..=MAX_CONNECTIONS).contains(n)).ok_or_else(|| {
-                PolicyError::InvalidOptions(format!(
-                    "volume {}: connections \"{n}\" is not a number from 1 to {MAX_CONNECTIONS}",
-                    volume.name
-                ))
-            })?
-        }
-    };
+    let attach = options::choice(
+        volume,
+        "attach",
+        NbdAttach::Auto,
+        &[
+            ("auto", NbdAttach::Auto),
+            ("kernel", NbdAttach::Kernel),
+            ("userspace", NbdAttach::Userspace),
+        ],
+    )?;
     Ok(NbdSpec {
         server: server.to_string(),
         export_name: options::get(volume, "export").unwrap_or("").to_string(),
         local_file,
         attach,
-        connections,
+        connections: options::number(volume, "connections", 4, 1..=16)?,
     })
 }
 
-/// The volume as this backend serves it: a read-only export is
-/// ReadOnlyMany, whatever the PV says.
-fn effective(volume: &Volume) -> Result<Volume, PolicyError> {
-    let mut v = volume.clone();
-    if options::boolean(volume, "read-only", false)? {
-        v.access_mode = AccessMode::ReadOnlyMany;
-    }
-    Ok(v)
-}
+impl StagedBackend for Nbd {
+    const NAME: &'static str = "nbd";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+    const DESCRIPTION: &'static str =
+        "NBD exports: attach, format if needed, mount; one writer node";
+    const MEDIUM: Medium = Medium::Block { device: DeviceKind::Nbd, filesystems: &["ext4", "xfs"] };
+    /// A local file the agent serves itself lies beneath the discovery dirs.
+    const PATH_ROOTS: &'static [PathRoot] = &[PathRoot::DiscoveryDirs];
 
-impl Policy for Nbd {
-    fn info() -> BackendInfo {
-        BackendInfo {
-            name: "nbd".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            description: "NBD exports: attach, format if needed, mount; one writer node".into(),
-            capabilities: Capabilities {
-                steps: vec![
-                    StepKind::AttachDevice,
-                    StepKind::Format,
-                    StepKind::Mount,
-                    StepKind::BindMount,
-                    StepKind::Unmount,
-                    StepKind::DetachDevice,
-                    StepKind::PublishBlock,
-                    StepKind::GrowFilesystem,
-                ],
-                device_kinds: vec![DeviceKind::Nbd],
-                filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
-                network_filesystems: vec![],
-                path_roots: vec![
-                    PathRoot::PodMountDir,
-                    PathRoot::StagingDir,
-                    PathRoot::DiscoveryDirs,
-                ],
-            },
+    fn stage(volume: &Volume) -> Result<Staged, PolicyError> {
+        Ok(Staged::Block(DeviceSpec::Nbd(export_spec(volume)?)))
+    }
+
+    /// A read-only export is ReadOnlyMany, whatever the PV says.
+    fn effective(mut volume: Volume) -> Result<Volume, PolicyError> {
+        if options::boolean(&volume, "read-only", false)? {
+            volume.access_mode = AccessMode::ReadOnlyMany;
         }
+        Ok(volume)
     }
 
     fn fence(
         _host: &dyn Host,
-        volume: Volume,
-        requester: Consumer,
-        holders: Vec<Holder>,
-        nodes: Vec<NodeFacts>,
+        volume: &Volume,
+        requester: &Consumer,
+        holders: &[Holder],
+        nodes: &[NodeFacts],
     ) -> Result<Decision, PolicyError> {
-        export_spec(&volume)?;
-        let volume = effective(&volume)?;
         if volume.access_mode == AccessMode::ReadWriteMany
-            && !options::boolean(&volume, "clustered", false)?
+            && !options::boolean(volume, "clustered", false)?
         {
             return Ok(Decision::Deny(format!(
                 "volume {} is ReadWriteMany, but a filesystem on an NBD block device has one writer node; \
@@ -151,64 +107,7 @@ impl Policy for Nbd {
                 volume.name
             )));
         }
-        Ok(fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes))
-    }
-
-    fn attach(
-        _host: &dyn Host,
-        volume: Volume,
-        requester: Consumer,
-        local_holders: Vec<Holder>,
-        paths: NodePaths,
-    ) -> Result<Plan, PolicyError> {
-        let spec = export_spec(&volume)?;
-        let volume = effective(&volume)?;
-        let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(
-            &volume,
-            plans::BlockOrigin::Attach(DeviceSpec::Nbd(spec)),
-            &fs,
-            volume.mount_flags.clone(),
-            &requester,
-            &local_holders,
-            &paths,
-        ))
-    }
-
-    fn detach(
-        _host: &dyn Host,
-        volume: Volume,
-        consumer: Consumer,
-        local_holders: Vec<Holder>,
-        paths: NodePaths,
-    ) -> Result<Plan, PolicyError> {
-        let spec = export_spec(&volume)?;
-        Ok(plans::unstage(&consumer, &local_holders, &paths, Some(DeviceSpec::Nbd(spec)), false))
-    }
-
-    fn cleanup(
-        _host: &dyn Host,
-        reason: CleanupReason,
-        items: Vec<CleanupItem>,
-    ) -> Result<Plan, PolicyError> {
-        let force = match reason {
-            CleanupReason::StaleNode => false,
-            CleanupReason::StorageClusterDeleted => true,
-            CleanupReason::LocalVolumeReleased => {
-                return Err(PolicyError::Unsupported("nbd volumes are not local volumes".into()));
-            }
-        };
-        let mut plan = Vec::new();
-        for item in items {
-            let spec = export_spec(&item.volume)?;
-            plan.extend(plans::teardown(
-                &item.holders,
-                &item.paths,
-                Some(DeviceSpec::Nbd(spec)),
-                force,
-            ));
-        }
-        Ok(plan)
+        Ok(fence::standard(&volume.name, volume.access_mode, requester, holders, nodes))
     }
 }
 
@@ -216,7 +115,7 @@ impl Policy for Nbd {
 mod tests {
     use super::*;
     use volagent_guest_sdk::fake::{FakeHost, consumer, holder, live_node};
-    use volagent_guest_sdk::{KeyValue, Step};
+    use volagent_guest_sdk::{KeyValue, NodePaths, Policy, Step};
 
     fn volume(mode: AccessMode, server: &str) -> Volume {
         Volume {
@@ -259,7 +158,7 @@ mod tests {
     fn rwx_is_refused_unless_clustered() {
         let nodes = vec![live_node("n1"), live_node("n2")];
         let rwx = volume(AccessMode::ReadWriteMany, "unix:/s");
-        let d = Nbd::fence(
+        let d = <Nbd as Policy>::fence(
             &FakeHost::default(),
             rwx.clone(),
             consumer("n1", "a"),
@@ -273,8 +172,14 @@ mod tests {
         );
         let clustered = with(rwx, "clustered", "true");
         let held = vec![holder(&consumer("n1", "a"))];
-        let d =
-            Nbd::fence(&FakeHost::default(), clustered, consumer("n2", "b"), held, nodes).unwrap();
+        let d = <Nbd as Policy>::fence(
+            &FakeHost::default(),
+            clustered,
+            consumer("n2", "b"),
+            held,
+            nodes,
+        )
+        .unwrap();
         assert_eq!(d, Decision::Grant);
     }
 
@@ -282,7 +187,7 @@ mod tests {
     fn rwo_has_one_writer_node() {
         let held = vec![holder(&consumer("n1", "a"))];
         let nodes = vec![live_node("n1"), live_node("n2")];
-        let d = Nbd::fence(
+        let d = <Nbd as Policy>::fence(
             &FakeHost::default(),
             volume(AccessMode::ReadWriteOnce, "unix:/s"),
             consumer("n2", "b"),
@@ -291,7 +196,7 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(&d, Decision::Deny(r) if r.contains("node n1")), "{d:?}");
-        let d = Nbd::fence(
+        let d = <Nbd as Policy>::fence(
             &FakeHost::default(),
             volume(AccessMode::ReadWriteOnce, "unix:/s"),
             consumer("n1", "c"),
@@ -309,11 +214,23 @@ mod tests {
         let ro = with(volume(AccessMode::ReadWriteOnce, "unix:/s"), "read-only", "true");
         let mut reader = consumer("n2", "b");
         reader.read_only = true;
-        let d = Nbd::fence(&FakeHost::default(), ro.clone(), reader, held.clone(), nodes.clone())
-            .unwrap();
+        let d = <Nbd as Policy>::fence(
+            &FakeHost::default(),
+            ro.clone(),
+            reader,
+            held.clone(),
+            nodes.clone(),
+        )
+        .unwrap();
         assert_eq!(d, Decision::Grant, "readers on two nodes");
-        let d =
-            Nbd::fence(&FakeHost::default(), ro.clone(), consumer("n2", "c"), held, nodes).unwrap();
+        let d = <Nbd as Policy>::fence(
+            &FakeHost::default(),
+            ro.clone(),
+            consumer("n2", "c"),
+            held,
+            nodes,
+        )
+        .unwrap();
         assert!(
             matches!(&d, Decision::Deny(r) if r.contains("read-only")),
             "a writer is turned away: {d:?}"
@@ -333,7 +250,7 @@ mod tests {
         );
         let bad = with(volume(AccessMode::ReadWriteOnce, "unix:/s"), "read-only", "yes");
         assert!(
-            matches!(effective(&bad), Err(PolicyError::InvalidOptions(m)) if m.contains("read-only"))
+            matches!(Nbd::effective(bad), Err(PolicyError::InvalidOptions(m)) if m.contains("read-only"))
         );
     }
 
@@ -363,7 +280,7 @@ mod tests {
     fn attach_path_and_connections_are_chosen_and_checked() {
         let v = volume(AccessMode::ReadWriteOnce, "unix:/s");
         let spec = export_spec(&v).unwrap();
-        assert_eq!((spec.attach, spec.connections), (NbdAttach::Auto, DEFAULT_CONNECTIONS));
+        assert_eq!((spec.attach, spec.connections), (NbdAttach::Auto, 4));
         let spec =
             export_spec(&with(with(v.clone(), "attach", "userspace"), "connections", "1")).unwrap();
         assert_eq!((spec.attach, spec.connections), (NbdAttach::Userspace, 1));

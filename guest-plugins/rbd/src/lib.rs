@@ -14,17 +14,15 @@
 //! while the image has watchers on another node, and a take-over blocklists
 //! the old clients first.
 
+use volagent_guest_sdk::staged::{Medium, Staged, StagedBackend};
 use volagent_guest_sdk::{
-    AccessMode, BackendInfo, BlocklistClient, Capabilities, CleanupItem, CleanupReason, Consumer,
-    Decision, DeviceKind, DeviceSpec, Holder, Host, NodeFacts, NodePaths, PathRoot, Plan, Policy,
-    PolicyError, RbdAttach, RbdSpec, Step, StepKind, Volume, Watcher, fence, options, plans,
+    AccessMode, BlocklistClient, Consumer, Decision, DeviceKind, DeviceSpec, Holder, Host,
+    NodeFacts, PolicyError, RbdAttach, RbdSpec, Step, StepKind, Volume, Watcher, fence, options,
 };
 
 pub struct Rbd;
 
 volagent_guest_sdk::export_policy!(crate::Rbd);
-
-const FILESYSTEMS: &[&str] = &["ext4", "xfs"];
 
 /// The image a volume names, from its options.
 pub fn image_spec(volume: &Volume) -> Result<RbdSpec, PolicyError> {
@@ -50,18 +48,17 @@ pub fn image_spec(volume: &Volume) -> Result<RbdSpec, PolicyError> {
         }
         None => volume.secret_keys.iter().find(|k| *k == "key").cloned(),
     };
-    let attach = match options::get(volume, "attach").unwrap_or("auto") {
-        "auto" => RbdAttach::Auto,
-        "kernel" => RbdAttach::Kernel,
-        "nbd" => RbdAttach::Nbd,
-        "fuse" => RbdAttach::Fuse,
-        other => {
-            return Err(PolicyError::InvalidOptions(format!(
-                "volume {}: attach \"{other}\" is not auto, kernel, nbd or fuse",
-                volume.name
-            )));
-        }
-    };
+    let attach = options::choice(
+        volume,
+        "attach",
+        RbdAttach::Auto,
+        &[
+            ("auto", RbdAttach::Auto),
+            ("kernel", RbdAttach::Kernel),
+            ("nbd", RbdAttach::Nbd),
+            ("fuse", RbdAttach::Fuse),
+        ],
+    )?;
     Ok(RbdSpec {
         monitors,
         pool: options::get(volume, "pool").unwrap_or("rbd").to_string(),
@@ -83,43 +80,27 @@ fn describe_watcher(w: &Watcher) -> String {
     }
 }
 
-impl Policy for Rbd {
-    fn info() -> BackendInfo {
-        BackendInfo {
-            name: "rbd".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            description: "Ceph RBD images: map, format if needed, mount; blocklists stale clients"
-                .into(),
-            capabilities: Capabilities {
-                steps: vec![
-                    StepKind::AttachDevice,
-                    StepKind::Format,
-                    StepKind::Mount,
-                    StepKind::BindMount,
-                    StepKind::Unmount,
-                    StepKind::DetachDevice,
-                    StepKind::PublishBlock,
-                    StepKind::GrowFilesystem,
-                    StepKind::BlocklistClient,
-                ],
-                device_kinds: vec![DeviceKind::Rbd],
-                filesystems: FILESYSTEMS.iter().map(|s| s.to_string()).collect(),
-                network_filesystems: vec![],
-                path_roots: vec![PathRoot::PodMountDir, PathRoot::StagingDir],
-            },
-        }
+impl StagedBackend for Rbd {
+    const NAME: &'static str = "rbd";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+    const DESCRIPTION: &'static str =
+        "Ceph RBD images: map, format if needed, mount; blocklists stale clients";
+    const MEDIUM: Medium = Medium::Block { device: DeviceKind::Rbd, filesystems: &["ext4", "xfs"] };
+    const FENCE_STEPS: &'static [StepKind] = &[StepKind::BlocklistClient];
+
+    fn stage(volume: &Volume) -> Result<Staged, PolicyError> {
+        Ok(Staged::Block(DeviceSpec::Rbd(image_spec(volume)?)))
     }
 
     fn fence(
         host: &dyn Host,
-        volume: Volume,
-        requester: Consumer,
-        holders: Vec<Holder>,
-        nodes: Vec<NodeFacts>,
+        volume: &Volume,
+        requester: &Consumer,
+        holders: &[Holder],
+        nodes: &[NodeFacts],
     ) -> Result<Decision, PolicyError> {
-        let spec = image_spec(&volume)?;
-        let decision =
-            fence::standard(&volume.name, volume.access_mode, &requester, &holders, &nodes);
+        let spec = image_spec(volume)?;
+        let decision = fence::standard(&volume.name, volume.access_mode, requester, holders, nodes);
         if !exclusive(volume.access_mode) || matches!(decision, Decision::Deny(_)) {
             return Ok(decision);
         }
@@ -185,70 +166,13 @@ impl Policy for Rbd {
             },
         }
     }
-
-    fn attach(
-        _host: &dyn Host,
-        volume: Volume,
-        requester: Consumer,
-        local_holders: Vec<Holder>,
-        paths: NodePaths,
-    ) -> Result<Plan, PolicyError> {
-        let spec = image_spec(&volume)?;
-        let fs = options::fs_type(&volume, "ext4", FILESYSTEMS)?;
-        Ok(plans::stage_block(
-            &volume,
-            plans::BlockOrigin::Attach(DeviceSpec::Rbd(spec)),
-            &fs,
-            volume.mount_flags.clone(),
-            &requester,
-            &local_holders,
-            &paths,
-        ))
-    }
-
-    fn detach(
-        _host: &dyn Host,
-        volume: Volume,
-        consumer: Consumer,
-        local_holders: Vec<Holder>,
-        paths: NodePaths,
-    ) -> Result<Plan, PolicyError> {
-        let spec = image_spec(&volume)?;
-        Ok(plans::unstage(&consumer, &local_holders, &paths, Some(DeviceSpec::Rbd(spec)), false))
-    }
-
-    fn cleanup(
-        _host: &dyn Host,
-        reason: CleanupReason,
-        items: Vec<CleanupItem>,
-    ) -> Result<Plan, PolicyError> {
-        let force = match reason {
-            CleanupReason::StaleNode => false,
-            // The cluster is gone: I/O would hang forever, so force.
-            CleanupReason::StorageClusterDeleted => true,
-            CleanupReason::LocalVolumeReleased => {
-                return Err(PolicyError::Unsupported("rbd volumes are not local volumes".into()));
-            }
-        };
-        let mut plan = Vec::new();
-        for item in items {
-            let spec = image_spec(&item.volume)?;
-            plan.extend(plans::teardown(
-                &item.holders,
-                &item.paths,
-                Some(DeviceSpec::Rbd(spec)),
-                force,
-            ));
-        }
-        Ok(plan)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volagent_guest_sdk::KeyValue;
     use volagent_guest_sdk::fake::{FakeHost, consumer, holder, live_node};
+    use volagent_guest_sdk::{CleanupItem, CleanupReason, KeyValue, NodePaths, Policy};
 
     fn volume(mode: AccessMode) -> Volume {
         Volume {
@@ -322,7 +246,7 @@ mod tests {
     #[test]
     fn foreign_watcher_denies_an_exclusive_volume() {
         let h = host(Ok(vec![watcher(Some("n9"), "10.0.0.9:0/1")]));
-        let d = Rbd::fence(
+        let d = <Rbd as Policy>::fence(
             &h,
             volume(AccessMode::ReadWriteOnce),
             consumer("n1", "a"),
@@ -336,21 +260,31 @@ mod tests {
         );
         // Our own node's watcher is fine.
         let h = host(Ok(vec![watcher(Some("n1"), "10.0.0.1:0/1")]));
-        let d =
-            Rbd::fence(&h, volume(AccessMode::ReadWriteOnce), consumer("n1", "a"), vec![], vec![])
-                .unwrap();
+        let d = <Rbd as Policy>::fence(
+            &h,
+            volume(AccessMode::ReadWriteOnce),
+            consumer("n1", "a"),
+            vec![],
+            vec![],
+        )
+        .unwrap();
         assert_eq!(d, Decision::Grant);
         // RWX does not care.
         let h = host(Ok(vec![watcher(Some("n9"), "10.0.0.9:0/1")]));
-        let d =
-            Rbd::fence(&h, volume(AccessMode::ReadWriteMany), consumer("n1", "a"), vec![], vec![])
-                .unwrap();
+        let d = <Rbd as Policy>::fence(
+            &h,
+            volume(AccessMode::ReadWriteMany),
+            consumer("n1", "a"),
+            vec![],
+            vec![],
+        )
+        .unwrap();
         assert_eq!(d, Decision::Grant);
     }
 
     #[test]
     fn unknown_watchers_fail_closed() {
-        let d = Rbd::fence(
+        let d = <Rbd as Policy>::fence(
             &host(Err("timed out".into())),
             volume(AccessMode::ReadWriteOnce),
             consumer("n1", "a"),
@@ -370,7 +304,7 @@ mod tests {
         ]));
         let gone =
             NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
-        let d = Rbd::fence(
+        let d = <Rbd as Policy>::fence(
             &h,
             volume(AccessMode::ReadWriteOnce),
             consumer("n1", "new"),
@@ -390,7 +324,7 @@ mod tests {
         ]));
         let gone =
             NodeFacts { name: "n2".into(), exists: false, ready: false, out_of_service: false };
-        let d = Rbd::fence(
+        let d = <Rbd as Policy>::fence(
             &h3,
             volume(AccessMode::ReadWriteOnce),
             consumer("n1", "new"),
@@ -404,7 +338,7 @@ mod tests {
         );
         // A watcher we cannot place: deny too.
         let h4 = host(Ok(vec![watcher(None, "10.0.0.8:0/1")]));
-        let d = Rbd::fence(
+        let d = <Rbd as Policy>::fence(
             &h4,
             volume(AccessMode::ReadWriteOnce),
             consumer("n1", "new"),
@@ -414,7 +348,7 @@ mod tests {
         .unwrap();
         assert!(matches!(d, Decision::Deny(_)), "{d:?}");
         // A live old node: never taken over.
-        let d = Rbd::fence(
+        let d = <Rbd as Policy>::fence(
             &h,
             volume(AccessMode::ReadWriteOnce),
             consumer("n1", "new"),

@@ -1,6 +1,8 @@
 //! A host with canned answers, for native tests of policies.
 
-use crate::{Consumer, Holder, Host, LogLevel, MountEntry, NodeFacts, PathKind, Watcher};
+use crate::{
+    Consumer, Holder, Host, LogLevel, MountEntry, NodeFacts, PathKind, Plan, Policy, Watcher,
+};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
@@ -61,4 +63,23 @@ pub fn holder(consumer: &Consumer) -> Holder {
 
 pub fn live_node(name: &str) -> NodeFacts {
     NodeFacts { name: name.to_string(), exists: true, ready: true, out_of_service: false }
+}
+
+/// Fails when `plan` has a step of a kind, or a device of a kind, that
+/// `P`'s `info` does not declare: a policy's own tests find the mismatch
+/// the host would refuse at run time.
+pub fn assert_declared<P: Policy>(plan: &Plan) {
+    let caps = P::info().capabilities;
+    for step in plan {
+        assert!(
+            caps.steps.contains(&step.kind()),
+            "{step:?}: its kind is not declared in {:?}",
+            caps.steps
+        );
+        if let crate::Step::AttachDevice(crate::AttachDevice { spec, .. })
+        | crate::Step::DetachDevice(crate::DetachDevice { spec, .. }) = step
+        {
+            assert!(caps.device_kinds.contains(&spec.kind()), "{step:?}: device kind not declared");
+        }
+    }
 }

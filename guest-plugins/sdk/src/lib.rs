@@ -11,6 +11,7 @@ mod glue;
 mod model;
 pub mod options;
 pub mod plans;
+pub mod staged;
 
 /// Generated from the contract this SDK carries (`wit/`): the guest side of
 /// `volagent:policy@1.0.0`. Policies use the plain values of [`model`]; only
@@ -28,6 +29,7 @@ pub use glue::WasmHost;
 #[doc(hidden)]
 pub use glue::export as __export;
 pub use model::*;
+pub use staged::{Medium, Staged, StagedBackend};
 
 /// The read-only queries a policy may make of its host.
 pub trait Host {

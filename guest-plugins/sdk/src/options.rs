@@ -55,3 +55,43 @@ pub fn boolean(volume: &Volume, key: &str, default: bool) -> Result<bool, Policy
         ))),
     }
 }
+
+/// One of a fixed set of values, by name (`default` when unset); an error
+/// lists the names.
+pub fn choice<T: Copy>(
+    volume: &Volume,
+    key: &str,
+    default: T,
+    choices: &[(&str, T)],
+) -> Result<T, PolicyError> {
+    let Some(given) = get(volume, key) else { return Ok(default) };
+    choices.iter().find(|(name, _)| *name == given).map(|(_, v)| *v).ok_or_else(|| {
+        let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+        let listed = match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.join(""),
+        };
+        PolicyError::InvalidOptions(format!(
+            "volume {}: {key} \"{given}\" is not {listed}",
+            volume.name
+        ))
+    })
+}
+
+/// A whole number in `range` (`default` when unset).
+pub fn number<T: std::str::FromStr + PartialOrd + Copy + std::fmt::Display>(
+    volume: &Volume,
+    key: &str,
+    default: T,
+    range: std::ops::RangeInclusive<T>,
+) -> Result<T, PolicyError> {
+    let Some(given) = get(volume, key) else { return Ok(default) };
+    given.parse::<T>().ok().filter(|n| range.contains(n)).ok_or_else(|| {
+        PolicyError::InvalidOptions(format!(
+            "volume {}: {key} \"{given}\" is not a number from {} to {}",
+            volume.name,
+            range.start(),
+            range.end()
+        ))
+    })
+}

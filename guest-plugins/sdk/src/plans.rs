@@ -4,7 +4,7 @@
 use crate::{
     AccessMode, AttachDevice, BindMount, BlockSource, Consumer, DetachDevice, DeviceSpec, Format,
     FormatMode, GrowFilesystem, Holder, Mount, MountSource, NodePaths, Plan, PublishBlock, Step,
-    Unmount, Volume, VolumeMode,
+    StepKind, Unmount, Volume, VolumeMode,
 };
 
 /// The id this crate gives the one device a plan attaches.
@@ -152,4 +152,116 @@ pub fn teardown(
         plan.push(Step::DetachDevice(DetachDevice { spec, force }));
     }
     plan
+}
+
+/// The steps the block shapes above emit ([`stage_block`], [`publish_block`],
+/// [`grow`], [`unstage`] and [`teardown`] with a device): what a backend
+/// using them declares. The SDK's tests check each shape against it.
+pub const BLOCK_STEPS: &[StepKind] = &[
+    StepKind::AttachDevice,
+    StepKind::Format,
+    StepKind::Mount,
+    StepKind::BindMount,
+    StepKind::Unmount,
+    StepKind::DetachDevice,
+    StepKind::PublishBlock,
+    StepKind::GrowFilesystem,
+];
+
+/// The steps of a network filesystem mounted at the staging dir and bound
+/// into pods ([`stage_network`], [`unstage`] and [`teardown`] without a
+/// device).
+pub const NETWORK_STEPS: &[StepKind] = &[StepKind::Mount, StepKind::BindMount, StepKind::Unmount];
+
+/// Mount the network filesystem at the staging dir and bind it into the
+/// pod; when the volume is already staged on this node (`local_holders`
+/// not empty), only the bind.
+pub fn stage_network(
+    mount: Mount,
+    requester: &Consumer,
+    local_holders: &[Holder],
+    paths: &NodePaths,
+) -> Plan {
+    if !local_holders.is_empty() {
+        return vec![bind_into_pod(paths, requester)];
+    }
+    vec![Step::Mount(mount), bind_into_pod(paths, requester)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::{consumer, holder};
+    use crate::{AccessMode, KeyValue};
+
+    fn volume(mode: VolumeMode, access: AccessMode) -> Volume {
+        Volume {
+            name: "pv1".into(),
+            backend: "test".into(),
+            access_mode: access,
+            fs_type: String::new(),
+            mode,
+            mount_flags: vec![],
+            options: vec![KeyValue { key: "k".into(), value: "v".into() }],
+            secret_keys: vec![],
+        }
+    }
+
+    fn paths() -> NodePaths {
+        NodePaths {
+            kubelet_root: "/var/lib/kubelet".into(),
+            staging_dir: "/var/lib/kubelet/plugins/volagent/test/mounts/pv1".into(),
+            state_dir: "/var/lib/volagent/state/test/pv1".into(),
+            discovery_dirs: vec![],
+        }
+    }
+
+    fn within(plans: &[Plan], declared: &[StepKind]) {
+        for step in plans.iter().flatten() {
+            assert!(declared.contains(&step.kind()), "{step:?} is not in {declared:?}");
+        }
+    }
+
+    /// Every branch of each shape emits only the steps its constant names,
+    /// so a backend declaring the constant never plans a step it did not
+    /// declare.
+    #[test]
+    fn the_shapes_emit_only_the_steps_they_declare() {
+        let (a, b) = (consumer("n1", "a"), consumer("n1", "b"));
+        let spec = || DeviceSpec::Loop("/mnt/disks/a.img".into());
+        let mut block = Vec::new();
+        for mode in [VolumeMode::Filesystem, VolumeMode::Block] {
+            for access in [AccessMode::ReadWriteOnce, AccessMode::ReadOnlyMany] {
+                let v = volume(mode, access);
+                for holders in [vec![], vec![holder(&b)]] {
+                    for origin in
+                        [BlockOrigin::Attach(spec()), BlockOrigin::Existing("/dev/sdb".into())]
+                    {
+                        block.push(stage_block(&v, origin, "ext4", vec![], &a, &holders, &paths()));
+                    }
+                    block.push(unstage(&a, &holders, &paths(), Some(spec()), false));
+                }
+                block.push(grow(&v, &a));
+                block.push(publish_block(&v, BlockOrigin::Attach(spec()), &a));
+            }
+        }
+        block.push(teardown(&[holder(&a)], &paths(), Some(spec()), true));
+        within(&block, BLOCK_STEPS);
+        assert!(block.iter().flatten().any(|s| s.kind() == StepKind::PublishBlock));
+
+        let mount = Mount {
+            source: MountSource::Network("server:/gv0".into()),
+            target: paths().staging_dir,
+            fs_type: "glusterfs".into(),
+            options: vec![],
+            read_only: false,
+        };
+        let network = vec![
+            stage_network(mount.clone(), &a, &[], &paths()),
+            stage_network(mount, &a, &[holder(&b)], &paths()),
+            unstage(&a, &[], &paths(), None, false),
+            teardown(&[holder(&a)], &paths(), None, false),
+        ];
+        within(&network, NETWORK_STEPS);
+    }
 }
