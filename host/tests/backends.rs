@@ -32,6 +32,8 @@ fn every_backend_loads_and_declares_itself() {
             _ => &[],
         };
         assert_eq!(own, expected, "{name}: {:?}", plugin.imports());
+        // The SDK exports every optional interface.
+        assert_eq!(plugin.optional_exports(), ["block-volumes", "expand", "health"], "{name}");
         assert!(
             !plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")),
             "{name}: {:?}",

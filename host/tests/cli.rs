@@ -93,6 +93,7 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
     assert_eq!(code, 0, "{err}");
     for expected in [
         "world:       exports volagent:policy/policy@1.0.0\n",
+        "optional:    block-volumes, expand, health\n",
         "backend:     rbd 0.1.0",
         "devices:     rbd",
         "blocklist-client",
@@ -124,4 +125,58 @@ fn plugin_bench_reports_percentiles() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("p50 µs") && out.contains("p99 µs"), "{out}");
     assert!(out.contains("a deleted holder node is taken over"), "{out}");
+}
+
+/// cargo, for a crate outside this workspace: the host build's own flags
+/// and target dir left out, a target dir of its own kept between runs.
+fn cargo_in(dir: &std::path::Path, args: &[&str]) -> (bool, String) {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| volagent_test_support::workspace().join("target"))
+        .join("plugin-new");
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(dir).args(args).env("CARGO_TARGET_DIR", &target);
+    for var in
+        ["CARGO_ENCODED_RUSTFLAGS", "RUSTFLAGS", "CARGO_BUILD_TARGET", "RUSTC_WORKSPACE_WRAPPER"]
+    {
+        cmd.env_remove(var);
+    }
+    let out = cmd.output().expect("run cargo");
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// A new backend, as `plugin new` writes it and with no edit: its native
+/// tests pass, it builds to a component outside this repository, and the
+/// component passes its own scenarios and declares itself.
+#[test]
+fn a_new_backend_builds_and_passes_its_scenarios_as_written() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("demo-store");
+    let (code, out, err) =
+        volagent(&["plugin", "new", "demo-store", "--dir", dir.to_str().expect("utf-8")]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (ok, log) = cargo_in(&dir, &["test", "--release", "--quiet"]);
+    assert!(ok, "the native tests of the new crate:\n{log}");
+    let (ok, log) = cargo_in(&dir, &["build", "--release", "--quiet", "--target", "wasm32-wasip2"]);
+    assert!(ok, "building the new crate's component:\n{log}");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| volagent_test_support::workspace().join("target"))
+        .join("plugin-new/wasm32-wasip2/release/policy_demo_store.wasm");
+    let wasm = target.to_str().expect("utf-8");
+    let scenarios = dir.join("scenarios");
+    let (code, out, err) = volagent(&["plugin", "test", wasm, scenarios.to_str().expect("utf-8")]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.ends_with("demo-store 0.1.0: 5 passed, 0 failed\n"), "{out}");
+    let (code, out, err) = volagent(&["plugin", "inspect", wasm]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("world:       exports volagent:policy/policy@1.0.0"), "{out}");
+    assert!(out.contains("network fs:  nfs"), "{out}");
+    // Written once: never over a crate that is there.
+    let (code, _, err) =
+        volagent(&["plugin", "new", "demo-store", "--dir", dir.to_str().expect("utf-8")]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("already exists and is not empty"), "{err}");
 }

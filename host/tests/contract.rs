@@ -12,6 +12,7 @@ fn a_guest_exporting_only_the_core_policy_loads_and_is_served() {
     let plugin = load(&rt, CORE_ONLY);
     assert_eq!(plugin.name(), "core-only");
     assert_eq!(plugin.contract(), CONTRACT_VERSION);
+    assert!(plugin.optional_exports().is_empty(), "{:?}", plugin.optional_exports());
     let v = volume("pv1", "core-only");
     let c = consumer("n1", "a", "core-only", "pv1");
     let p = paths("core-only", "pv1");

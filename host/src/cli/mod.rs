@@ -5,6 +5,7 @@ mod controller;
 mod local;
 mod nbd;
 mod plugin;
+mod plugin_new;
 mod status;
 
 use clap::{Parser, Subcommand};

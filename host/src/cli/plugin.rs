@@ -1,4 +1,4 @@
-//! `volagent plugin test|inspect|bench`: offline tools for policy authors.
+//! `volagent plugin new|test|inspect|bench`: offline tools for policy authors.
 
 use crate::policy::{Limits, Plugin, Runtime, scenario};
 use std::path::{Path, PathBuf};
@@ -8,6 +8,17 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum PluginCommand {
+    /// Write a new backend's crate: the SDK, a policy skeleton with native
+    /// unit tests, a scenario file and a README. It builds to a component
+    /// that passes `volagent plugin test` as written.
+    New {
+        /// The backend's name (a DNS label): its drivers become
+        /// volagent/<name> and <name>.csi.volagent.io.
+        name: String,
+        /// Where to write it (made; must not exist or be empty); default ./<name>.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Run recorded scenarios against a component; exit 1 if any fails.
     Test {
         /// The backend component (.wasm).
@@ -45,6 +56,13 @@ pub enum PluginCommand {
 }
 
 pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
+    if let PluginCommand::New { name, dir } = &command {
+        let dir = dir.clone().unwrap_or_else(|| PathBuf::from(name));
+        let written = super::plugin_new::write(name, &dir)?;
+        println!("wrote {} files in {}", written.len(), dir.display());
+        println!("next: cd {} && cargo build --release --target wasm32-wasip2", dir.display());
+        return Ok(ExitCode::SUCCESS);
+    }
     if let PluginCommand::Status { socket, json } = &command {
         return status(socket, *json);
     }
@@ -53,7 +71,9 @@ pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
         PluginCommand::Test { wasm, scenarios } => test(&runtime, &wasm, &scenarios),
         PluginCommand::Inspect { wasm, json } => inspect(&runtime, &wasm, json),
         PluginCommand::Bench { wasm, scenarios, calls } => bench(&runtime, &wasm, scenarios, calls),
-        PluginCommand::Status { .. } => unreachable!("handled above"),
+        PluginCommand::Status { .. } | PluginCommand::New { .. } => {
+            unreachable!("handled above")
+        }
     }
 }
 
@@ -144,6 +164,7 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
             "size": plugin.size(),
             "export": plugin.export(),
             "contract": plugin.contract(),
+            "optional": plugin.optional_exports(),
             "imports": plugin.imports(),
             "info": info,
             "load_ms": compile.as_secs_f64() * 1e3,
@@ -166,6 +187,7 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
         format!(" (contract {}, served through the host's adapter)", plugin.contract())
     };
     println!("world:       exports {}{adapted}", plugin.export());
+    println!("optional:    {}", names(plugin.optional_exports()));
     println!("backend:     {} {}", info.name, info.version);
     println!("about:       {}", info.description);
     println!("steps:       {}", names(caps.steps.iter().map(|s| s.name()).collect()));

@@ -182,6 +182,12 @@ impl Plugin {
     pub fn export(&self) -> &str {
         &self.export
     }
+    /// The optional interfaces of its contract the guest exports (of 1.x:
+    /// `block-volumes`, `expand`, `health`); the host does without the rest.
+    pub fn optional_exports(&self) -> Vec<&'static str> {
+        self.pre.optional()
+    }
+
     /// The contract version the guest is served under, e.g. `0.5.0`.
     pub fn contract(&self) -> &'static str {
         self.pre.version()

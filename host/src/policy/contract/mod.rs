@@ -4,6 +4,7 @@
 //! bindings. Nothing outside this module sees a binding.
 
 pub(crate) mod convert;
+mod records;
 mod v0_4;
 mod v0_5;
 mod v1;
@@ -85,6 +86,11 @@ pub(crate) trait Linked: Send + Sync {
         None
     }
     fn instantiate(&self, store: &mut Store<CallState>) -> wasmtime::Result<Box<dyn Guest>>;
+    /// The optional interfaces the guest exports (none before 1.0, where
+    /// nothing was optional).
+    fn optional(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
 }
 
 /// Every version's `host` imports.

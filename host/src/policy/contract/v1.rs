@@ -118,6 +118,17 @@ impl Linked for Pre {
         })
     }
 
+    fn optional(&self) -> Vec<&'static str> {
+        [
+            ("block-volumes", self.block.is_some()),
+            ("expand", self.expand.is_some()),
+            ("health", self.health.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(name, exported)| exported.then_some(name))
+        .collect()
+    }
+
     fn instantiate(&self, store: &mut Store<CallState>) -> wasmtime::Result<Box<dyn Guest>> {
         let instance = self.pre.instantiate(&mut *store)?;
         let policy = self.policy.load(&mut *store, &instance)?;
