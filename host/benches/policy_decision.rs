@@ -136,7 +136,10 @@ fn wasm_decision_n(plugin: &host::Plugin, calls: usize) -> Vec<Duration> {
 fn contract_versions(runtime: &Arc<host::Runtime>) {
     let fixtures = volagent_test_support::workspace().join("tests/fixtures");
     let builds = [
-        ("contract 1.0 (today's build)", Path::new(volagent_test_artifacts::LOCAL_PV).to_path_buf()),
+        (
+            "contract 1.0 (today's build)",
+            Path::new(volagent_test_artifacts::LOCAL_PV).to_path_buf(),
+        ),
         ("contract 0.5 (adapter)", fixtures.join("contract-0.5/local-pv.wasm")),
         ("contract 0.4 (adapter)", fixtures.join("contract-0.4/local-pv.wasm")),
     ];
