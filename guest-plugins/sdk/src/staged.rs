@@ -84,11 +84,16 @@ pub trait StagedBackend {
     }
 }
 
-/// The device a block backend's volume attaches (none for a network one).
-fn device(staged: &Staged) -> Option<DeviceSpec> {
-    match staged {
-        Staged::Block(spec) => Some(spec.clone()),
-        Staged::Network { .. } => None,
+/// The device `volume` attached, for its detach: a block backend's, from
+/// the volume's options; none for a network filesystem, whose unmount
+/// needs nothing of them (a record being cleaned up may have lost them).
+fn device<B: StagedBackend>(volume: &Volume) -> Result<Option<DeviceSpec>, PolicyError> {
+    match B::MEDIUM {
+        Medium::Network { .. } => Ok(None),
+        Medium::Block { .. } => match B::stage(volume)? {
+            Staged::Block(spec) => Ok(Some(spec)),
+            Staged::Network { .. } => Ok(None),
+        },
     }
 }
 
@@ -212,7 +217,7 @@ impl<B: StagedBackend> Policy for B {
         local_holders: Vec<Holder>,
         paths: NodePaths,
     ) -> Result<Plan, PolicyError> {
-        let device = device(&B::stage(&volume)?);
+        let device = device::<B>(&volume)?;
         Ok(plans::unstage(&consumer, &local_holders, &paths, device, false))
     }
 
@@ -247,7 +252,7 @@ impl<B: StagedBackend> Policy for B {
         let force = cleanup_force(reason, B::NAME)?;
         let mut plan = Vec::new();
         for item in items {
-            let device = device(&B::stage(&item.volume)?);
+            let device = device::<B>(&item.volume)?;
             plan.extend(plans::teardown(&item.holders, &item.paths, device, force));
         }
         Ok(plan)
