@@ -270,6 +270,20 @@ fn oversized_plans_are_refused_and_the_next_call_served() {
 }
 
 #[test]
+fn a_guest_hoarding_what_the_host_makes_for_it_is_stopped() {
+    let rt = runtime(2000);
+    let plugin = load(&rt, MISBEHAVE);
+    let err = attach_named(&plugin, "hoard-plans").unwrap_err();
+    assert!(matches!(err, CallError::Trap { .. }), "{err}");
+    assert!(err.to_string().contains("more than 64 plans made in one call"), "{err}");
+    still_serves(&plugin);
+    let err = attach_named(&plugin, "hoard-nodes").unwrap_err();
+    assert!(matches!(err, CallError::Trap { .. }), "{err}");
+    assert!(err.to_string().contains("more than 1024 node-state answers in one call"), "{err}");
+    still_serves(&plugin);
+}
+
+#[test]
 fn a_two_mib_refusal_is_cut_to_a_bounded_message() {
     let rt = runtime(2000);
     let plugin = load(&rt, MISBEHAVE);

@@ -19,8 +19,10 @@ pub struct CallState {
     queries: Arc<dyn Queries>,
     backend: Arc<str>,
     logged: u32,
-    /// Plans the guest made in this call (contract 1.x).
-    plans_made: u32,
+    /// Resources the host made for the guest in this call, plans and
+    /// answers (contract 1.x), by kind: bounded, so that a guest keeping
+    /// them cannot grow the host's memory without end.
+    made: [u32; 2],
     pub(crate) memory: MemoryCap,
     pub(crate) limits: super::limits::Limits,
 }
@@ -37,7 +39,7 @@ impl CallState {
             queries,
             backend,
             logged: 0,
-            plans_made: 0,
+            made: [0; 2],
             memory: MemoryCap { cap: limits.memory_bytes, refused: false },
             limits,
         }
@@ -48,12 +50,21 @@ impl CallState {
     pub(crate) fn begin_call(&mut self, queries: Arc<dyn Queries>) {
         self.queries = queries;
         self.logged = 0;
-        self.plans_made = 0;
+        self.made = [0; 2];
     }
 
     pub(crate) fn dropped_log_lines(&self) -> u32 {
         self.logged.saturating_sub(MAX_LOG_LINES)
     }
+}
+
+/// Kinds of resource the host makes for a guest during a call.
+#[derive(Clone, Copy)]
+pub(crate) enum Made {
+    /// A plan (`plan::new`).
+    Plan,
+    /// A node's facts (`host.node-state`).
+    Node,
 }
 
 /// Refuses memory growth past the cap and remembers it did, so that the
@@ -99,10 +110,12 @@ impl CallState {
         &mut self.table
     }
 
-    /// Count one plan more made in this call; false past `max`.
-    pub(crate) fn count_plan(&mut self, max: u32) -> bool {
-        self.plans_made += 1;
-        self.plans_made <= max
+    /// Count one resource more of `kind` made in this call; false past
+    /// `max`.
+    pub(crate) fn count_made(&mut self, kind: Made, max: u32) -> bool {
+        let n = &mut self.made[kind as usize];
+        *n += 1;
+        *n <= max
     }
 
     /// The call's queries, as the `host` imports answer them.

@@ -7,7 +7,7 @@
 use super::convert::{Down, Up, cases};
 use super::{Answer, Guest, Linked};
 use crate::model as m;
-use crate::policy::imports::CallState;
+use crate::policy::imports::{CallState, Made};
 use crate::policy::validate::MAX_PLAN_STEPS;
 use wasmtime::Store;
 use wasmtime::component::{HasSelf, InstancePre, Linker, Resource};
@@ -47,9 +47,10 @@ pub struct Steps {
     steps: m::Plan,
 }
 
-/// Plans one call may make: a guest making them without end is stopped
-/// rather than let grow the host's memory.
+/// Plans one call may make, and node facts it may ask for: a guest making
+/// them without end is stopped rather than let grow the host's memory.
 const MAX_PLANS_PER_CALL: u32 = 64;
+const MAX_NODES_PER_CALL: u32 = 1024;
 
 cases!(AccessMode [ReadWriteOnce, ReadOnlyMany, ReadWriteMany, ReadWriteOncePod]);
 cases!(VolumeMode [Filesystem, Block]);
@@ -489,7 +490,7 @@ impl a::HostNodePaths for CallState {
 
 impl a::HostPlan for CallState {
     fn new(&mut self) -> wasmtime::Result<Resource<Steps>> {
-        if !self.count_plan(MAX_PLANS_PER_CALL) {
+        if !self.count_made(Made::Plan, MAX_PLANS_PER_CALL) {
             wasmtime::bail!("more than {MAX_PLANS_PER_CALL} plans made in one call");
         }
         Ok(self.table().push(Steps::default())?)
@@ -565,6 +566,9 @@ impl host::Host for CallState {
     }
 
     fn node_state(&mut self, name: String) -> wasmtime::Result<Resource<m::NodeFacts>> {
+        if !self.count_made(Made::Node, MAX_NODES_PER_CALL) {
+            wasmtime::bail!("more than {MAX_NODES_PER_CALL} node-state answers in one call");
+        }
         let facts = self.queries().node_state(&name);
         Ok(self.table().push(facts)?)
     }

@@ -14,6 +14,9 @@
 //! - `big-plan`: attach returns a plan of 5000 steps
 //! - `huge-error`: attach refuses with a 2 MiB message
 //! - `ask-etc`: attach asks the host about /etc/shadow
+//! - `hoard-plans`: attach makes plans through the contract and keeps them all
+//! - `hoard-nodes`: attach asks for a node's facts over and over, keeping
+//!   every answer
 //! - anything else: fence grants, attach binds staging into the pod
 
 use std::hint::black_box;
@@ -122,6 +125,22 @@ impl Policy for Misbehave {
                 .map(|_| Step::Unmount(Unmount { target: String::new(), force: false }))
                 .collect()),
             "huge-error" => Err(PolicyError::InvalidOptions("x".repeat(2 << 20))),
+            "hoard-plans" => {
+                for _ in 0..1000 {
+                    std::mem::forget(
+                        volagent_guest_sdk::bindings::volagent::policy::types::Plan::new(),
+                    );
+                }
+                Ok(Vec::new())
+            }
+            "hoard-nodes" => {
+                for _ in 0..100_000 {
+                    std::mem::forget(
+                        volagent_guest_sdk::bindings::volagent::policy::host::node_state("n1"),
+                    );
+                }
+                Ok(Vec::new())
+            }
             "ask-etc" => {
                 let kind = host.path_kind("/etc/shadow");
                 Err(PolicyError::Unsupported(format!(
