@@ -11,28 +11,11 @@ const POD: &str = "/var/lib/kubelet/pods/uid-a/volumes/volagent~local-pv/pv-loca
 // Everything declared, so that no check is cut short by a missing kind.
 fn caps() -> Capabilities {
     Capabilities {
-        steps: vec![
-            StepKind::AttachDevice,
-            StepKind::Format,
-            StepKind::Mount,
-            StepKind::BindMount,
-            StepKind::Unmount,
-            StepKind::DetachDevice,
-            StepKind::Wipe,
-            StepKind::BlocklistClient,
-            StepKind::ClearDirectory,
-            StepKind::PublishBlock,
-            StepKind::GrowFilesystem,
-        ],
-        device_kinds: vec![DeviceKind::Loop, DeviceKind::Nbd, DeviceKind::Rbd],
+        steps: StepKind::ALL.to_vec(),
+        device_kinds: DeviceKind::ALL.to_vec(),
         filesystems: vec!["ext4".into(), "xfs".into()],
         network_filesystems: vec!["glusterfs".into()],
-        path_roots: vec![
-            PathRoot::PodMountDir,
-            PathRoot::StagingDir,
-            PathRoot::DiscoveryDirs,
-            PathRoot::StateDir,
-        ],
+        path_roots: PathRoot::ALL.to_vec(),
     }
 }
 

@@ -99,7 +99,7 @@ pub(crate) async fn node_facts(node: &Node, holders: &[Holder]) -> Result<Vec<No
 /// `secretKey` (default "key") — the rbd backend's option names. None when
 /// the volume names no monitors.
 pub(crate) fn ceph_client(volume: &Volume, secrets: &Secrets) -> Option<CephClient> {
-    let get = |k: &str| volume.options.iter().find(|kv| kv.key == k).map(|kv| kv.value.as_str());
+    let get = |k: &str| volume.option(k);
     let listed = get("monitors").or(get(cluster::ENDPOINTS_OPTION))?;
     let monitors: Vec<&str> = listed.split(',').map(str::trim).filter(|m| !m.is_empty()).collect();
     if monitors.is_empty() {

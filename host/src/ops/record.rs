@@ -19,7 +19,7 @@ pub(crate) const LEDGER_RETRIES: usize = 5;
 pub const STORAGE_CLUSTER_OPTION: &str = "storageCluster";
 
 pub(crate) fn storage_cluster(volume: &Volume) -> Option<String> {
-    volume.options.iter().find(|kv| kv.key == STORAGE_CLUSTER_OPTION).map(|kv| kv.value.clone())
+    volume.option(STORAGE_CLUSTER_OPTION).map(str::to_string)
 }
 
 pub(crate) fn ledger_failure(e: LedgerError) -> Failure {

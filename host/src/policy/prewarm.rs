@@ -160,10 +160,9 @@ impl Prewarmed {
         }
     }
 
-    /// Drop the instances ready; whether there were any.
-    pub(crate) fn release(&self) -> bool {
-        let released = std::mem::take(&mut self.state().ready);
-        !released.is_empty()
+    /// Drop the instances ready.
+    pub(crate) fn release(&self) {
+        drop(std::mem::take(&mut self.state().ready));
     }
 
     fn make(&self, engine: &Engine, limits: &Limits) -> Result<Unused, Refused> {
@@ -336,15 +335,11 @@ impl Prewarmer {
     }
 
     /// Wait (at most [`SETTLE`]) until the stores handed over are dropped
-    /// and their pool slots free; whether any were waiting.
-    fn settle(&self) -> bool {
+    /// and their pool slots free.
+    fn settle(&self) {
         let (count, settled) = &*self.pending;
         let n = count.lock().unwrap_or_else(|p| p.into_inner());
-        if *n == 0 {
-            return false;
-        }
         drop(settled.wait_timeout_while(n, SETTLE, |n| *n > 0).unwrap_or_else(|p| p.into_inner()));
-        true
     }
 
     pub(crate) fn stop(&mut self) {

@@ -111,8 +111,8 @@ impl Runtime {
     }
 
     /// Drop every instance made ahead, of every backend, so that their pool
-    /// slots serve calls; whether there were any.
-    pub(crate) fn release_spares(&self) -> bool {
+    /// slots serve calls.
+    pub(crate) fn release_spares(&self) {
         let all: Vec<_> = self
             .spares
             .lock()
@@ -121,7 +121,9 @@ impl Runtime {
             .filter_map(|s| s.upgrade())
             .collect();
         // Every backend's, not only up to the first that had some.
-        all.iter().filter(|s| s.release()).count() > 0
+        for spares in &all {
+            spares.release();
+        }
     }
 }
 

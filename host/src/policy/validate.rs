@@ -149,9 +149,11 @@ impl Scope {
 /// clean path under /dev. (The host verifies the identity before any policy
 /// call of such a volume: `crate::local::discovery::verify_device`.)
 pub fn verified_device(volume: &Volume) -> Option<String> {
-    let get = |key: &str| volume.options.iter().find(|kv| kv.key == key).map(|kv| kv.value.clone());
-    get(crate::local::discovery::IDENTITY_OPTION).filter(|i| !i.is_empty())?;
-    get("path").filter(|p| p.starts_with("/dev/") && clean_absolute(p).is_ok())
+    volume.option(crate::local::discovery::IDENTITY_OPTION).filter(|i| !i.is_empty())?;
+    volume
+        .option("path")
+        .filter(|p| p.starts_with("/dev/") && clean_absolute(p).is_ok())
+        .map(str::to_string)
 }
 
 /// Which roots a path in a given role may lie in.
