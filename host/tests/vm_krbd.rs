@@ -94,14 +94,15 @@ mod in_the_vm {
 
     /// (Re)start the node's agent, killing itself after `kill_after` steps
     /// of a plan. The emulated CPU is slow: the fence's call to the cluster
-    /// (a librados connect) needs more than the default 500 ms guest deadline.
+    /// (a librados connect) needs more than the default 500 ms guest deadline,
+    /// which the VM's runner raises for every agent (VOLAGENT_DEADLINE_MS).
     fn spawn(node: &mut Node, kill_after: Option<usize>) {
         node.stop_agent();
         let env: Vec<(&str, String)> = kill_after
             .map(|n| (volagent::sys::faults::KILL_AFTER_STEP_ENV, n.to_string()))
             .into_iter()
             .collect();
-        node.spawn_agent_env("node-a", &env, &["--deadline-ms", "20000"]);
+        node.spawn_agent_env("node-a", &env, &[]);
     }
 
     /// The kernel's rbd mappings, by id.

@@ -78,7 +78,7 @@ enum Command {
 #[derive(Debug, clap::Args)]
 pub struct LimitArgs {
     /// Deadline of one guest call, in milliseconds (1 to 600000).
-    #[arg(long, global = true, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    #[arg(long, global = true, env = "VOLAGENT_DEADLINE_MS", default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     deadline_ms: u64,
     /// Memory cap of one guest call, in MiB (2 to 4096).
     #[arg(long, global = true, default_value_t = 64, value_parser = clap::value_parser!(u64).range(2..=4096))]
