@@ -1,4 +1,4 @@
-//! Builds every guest component (the four backends and the test-only
+//! Builds every guest component (the five backends and the test-only
 //! guests) for wasm32-wasip2, and the Flexvolume driver as it ships
 //! (statically linked), and writes their paths as constants, so a missing
 //! or broken one fails the host's test build instead of skipping.
@@ -13,6 +13,7 @@ const GUESTS: &[(&str, &str, &str)] = &[
     ("NBD", "policy-nbd", "policy_nbd"),
     ("LOCAL_PV", "policy-local-pv", "policy_local_pv"),
     ("GLUSTER", "policy-gluster", "policy_gluster"),
+    ("NFS", "policy-nfs", "policy_nfs"),
     ("MISBEHAVE", "test-guest-misbehave", "test_guest_misbehave"),
     ("NET_IMPORT", "test-guest-net-import", "test_guest_net_import"),
     ("WRONG_WORLD", "test-guest-wrong-world", "test-guest-wrong-world"),

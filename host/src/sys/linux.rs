@@ -24,7 +24,7 @@ pub struct Deadlines {
     pub mkfs: Duration,
     /// Whole-device wipes (shred) take as long as the device is big.
     pub wipe: Duration,
-    /// A network filesystem's mount helper (gluster): the server may not answer.
+    /// A network filesystem's mount helper (gluster, nfs): the server may not answer.
     pub network_mount: Duration,
 }
 
@@ -219,6 +219,18 @@ impl Mounts for Linux {
             return super::gluster_mount::mount(
                 source,
                 target,
+                options,
+                read_only,
+                self.deadlines.network_mount,
+            );
+        }
+        if super::nfs_mount::FS_TYPES.contains(&fs_type) {
+            // As for gluster: the helper takes the path just resolved.
+            drop(dir);
+            return super::nfs_mount::mount(
+                source,
+                target,
+                fs_type,
                 options,
                 read_only,
                 self.deadlines.network_mount,

@@ -26,6 +26,7 @@ pub mod loopdev;
 pub mod missing;
 pub mod mountinfo;
 pub mod nbd;
+pub mod nfs_mount;
 mod probe;
 pub mod rbd_export;
 pub mod rbd_fuse;

@@ -3,6 +3,6 @@
 
 include!(concat!(env!("OUT_DIR"), "/guests.rs"));
 
-/// The four real backends, as (name, path).
+/// The five real backends, as (name, path).
 pub const BACKENDS: &[(&str, &str)] =
-    &[("rbd", RBD), ("nbd", NBD), ("local-pv", LOCAL_PV), ("gluster", GLUSTER)];
+    &[("rbd", RBD), ("nbd", NBD), ("local-pv", LOCAL_PV), ("gluster", GLUSTER), ("nfs", NFS)];

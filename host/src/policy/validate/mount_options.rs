@@ -138,12 +138,61 @@ const GLUSTERFS: &[(&str, Value)] = &[
     ("volfile-id", Value::Name),
 ];
 
+/// The kernel NFS client's. Not among them: what names another address
+/// (`addr`, `clientaddr`, `mountaddr`, `mounthost`: the source is the one
+/// server), what outlives the call (`bg`, a mount that retries on its own),
+/// `retry` and `sloppy` (the host sets one attempt and strict parsing),
+/// `fsc` (a local cache daemon), SELinux contexts, and security flavours
+/// other than `sys`, which need a credential daemon the agent does not run.
+const NFS: &[(&str, Value)] = &[
+    ("vers", Value::OneOf(&["3", "4", "4.0", "4.1", "4.2"])),
+    ("nfsvers", Value::OneOf(&["3", "4", "4.0", "4.1", "4.2"])),
+    ("minorversion", Value::OneOf(&["0", "1", "2"])),
+    ("proto", Value::OneOf(&["tcp", "tcp6"])),
+    ("mountproto", Value::OneOf(&["tcp", "tcp6"])),
+    ("port", Value::Number),
+    ("mountport", Value::Number),
+    ("sec", Value::OneOf(&["sys"])),
+    ("hard", Value::None),
+    ("soft", Value::None),
+    ("softerr", Value::None),
+    ("fg", Value::None),
+    ("timeo", Value::Number),
+    ("retrans", Value::Number),
+    ("rsize", Value::Number),
+    ("wsize", Value::Number),
+    ("nconnect", Value::Number),
+    ("max_connect", Value::Number),
+    ("ac", Value::None),
+    ("noac", Value::None),
+    ("acregmin", Value::Number),
+    ("acregmax", Value::Number),
+    ("acdirmin", Value::Number),
+    ("acdirmax", Value::Number),
+    ("actimeo", Value::Number),
+    ("cto", Value::None),
+    ("nocto", Value::None),
+    ("lock", Value::None),
+    ("nolock", Value::None),
+    ("local_lock", Value::OneOf(&["none", "all", "flock", "posix"])),
+    ("lookupcache", Value::OneOf(&["all", "none", "pos", "positive"])),
+    ("rdirplus", Value::None),
+    ("nordirplus", Value::None),
+    ("sharecache", Value::None),
+    ("nosharecache", Value::None),
+    ("resvport", Value::None),
+    ("noresvport", Value::None),
+    ("acl", Value::None),
+    ("noacl", Value::None),
+];
+
 /// What `key` takes on filesystem `fs`, or none when it is not allowed.
 pub fn allowed(fs: &str, key: &str) -> Option<Value> {
     let own: &[(&str, Value)] = match fs {
         "ext4" => EXT4,
         "xfs" => XFS,
         "glusterfs" => GLUSTERFS,
+        "nfs" | "nfs4" => NFS,
         _ => &[],
     };
     COMMON.iter().chain(own).find(|(k, _)| *k == key).map(|(_, v)| *v)
@@ -179,5 +228,28 @@ mod tests {
         );
         assert_eq!(allowed("btrfs", "noatime"), Some(Value::None), "mount flags are good anywhere");
         assert_eq!(allowed("glusterfs", "log-file"), Some(Value::Path));
+    }
+
+    #[test]
+    fn nfs_takes_no_other_address_no_retries_and_no_daemon() {
+        for key in [
+            "addr",
+            "clientaddr",
+            "mountaddr",
+            "mounthost",
+            "bg",
+            "retry",
+            "sloppy",
+            "fsc",
+            "context",
+            "suid",
+            "dev",
+        ] {
+            assert_eq!(allowed("nfs", key), None, "{key}");
+            assert_eq!(allowed("nfs4", key), None, "{key}");
+        }
+        assert_eq!(allowed("nfs", "sec"), Some(Value::OneOf(&["sys"])), "no krb5: no gssd");
+        assert_eq!(allowed("nfs4", "nconnect"), Some(Value::Number));
+        assert_eq!(allowed("nfs", "noatime"), Some(Value::None));
     }
 }
