@@ -43,9 +43,7 @@ const IN_THE_VM: &[&str] = &[
 
 #[test]
 fn every_test_for_the_vm_is_run_by_it() {
-    let mut run: Vec<String> = IN_THE_VM.iter().map(|s| s.to_string()).collect();
-    run.sort();
-    assert_eq!(vm::listed("in_the_vm"), run, "IN_THE_VM must name every test in in_the_vm");
+    vm::assert_every_test_is_run("in_the_vm", IN_THE_VM);
 }
 
 #[test]

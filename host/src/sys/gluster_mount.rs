@@ -7,7 +7,7 @@
 
 use super::{SysError, io};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 /// The helper (glusterfs-client).
@@ -90,10 +90,7 @@ fn clients_of(target: &Path) -> Vec<i32> {
 
 /// Stop what a failed mount left: its mount (lazily) and its client.
 fn clean_up(target: &Path) {
-    let mounted = super::mountinfo::own().is_ok_and(|t| t.iter().any(|m| m.mount_point == target));
-    if mounted {
-        let _ = nix::mount::umount2(target, nix::mount::MntFlags::MNT_DETACH);
-    }
+    super::mount_helper::detach_left(target);
     for pid in clients_of(target) {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid),
@@ -146,26 +143,8 @@ fn attempt(
     if !options.is_empty() {
         cmd.arg("-o").arg(options);
     }
-    cmd.stdout(Stdio::piped());
-    let result = super::tool::run_with(&mut cmd, HELPER, target, deadline).and_then(|out| {
-        let mounted = super::mountinfo::own()?
-            .iter()
-            .any(|m| m.mount_point == target && m.fs_type.starts_with("fuse"));
-        if out.status.success() && mounted {
-            return Ok(());
-        }
-        let said = format!(
-            "{} {}",
-            String::from_utf8_lossy(&out.stdout).trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        Err(SysError::Command {
-            program: HELPER,
-            path: target.to_path_buf(),
-            message: format!("{}: {}", out.status, said.trim()),
-        })
-    });
-    match result {
+    let fuse = |fs: &str| fs.starts_with("fuse");
+    match super::mount_helper::run(&mut cmd, HELPER, target, deadline, fuse, "") {
         Ok(()) => Ok(()),
         Err(e) => {
             clean_up(target);

@@ -24,6 +24,7 @@ pub mod krbd;
 pub mod linux;
 pub mod loopdev;
 pub mod missing;
+pub mod mount_helper;
 pub mod mountinfo;
 pub mod nbd;
 pub mod nfs_mount;

@@ -8,7 +8,7 @@
 
 use super::SysError;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 /// The helper (nfs-common), by the filesystem type it mounts: it takes
@@ -73,14 +73,6 @@ fn helper(fs_type: &str) -> (&'static str, std::path::PathBuf) {
     (name, path)
 }
 
-/// Detach what a failed attempt may have mounted at `target`.
-fn clean_up(target: &Path) {
-    let mounted = super::mountinfo::own().is_ok_and(|t| t.iter().any(|m| m.mount_point == target));
-    if mounted {
-        let _ = nix::mount::umount2(target, nix::mount::MntFlags::MNT_DETACH);
-    }
-}
-
 /// Mount NFS export `source` ("host:/path") at `target` (an existing dir
 /// the caller resolved beneath its roots) with `options` (checked against
 /// the plan allow-list), through the helper, within `deadline`.
@@ -94,34 +86,16 @@ pub fn mount(
 ) -> Result<(), SysError> {
     check_source(source, target)?;
     let (program, path) = helper(fs_type);
+    let options = helper_options(options, read_only);
     let mut cmd = Command::new("setpriv");
     // -n: the mount table is the kernel's; nothing is written to /etc.
-    cmd.args(["--pdeathsig", "KILL", "--"])
-        .arg(path)
-        .arg(source)
-        .arg(target)
-        .args(["-n", "-o", &helper_options(options, read_only)])
-        .stdout(Stdio::piped());
-    let result = super::tool::run_with(&mut cmd, program, target, deadline).and_then(|out| {
-        let mounted = super::mountinfo::own()?
-            .iter()
-            .any(|m| m.mount_point == target && FS_TYPES.contains(&m.fs_type.as_str()));
-        if out.status.success() && mounted {
-            return Ok(());
-        }
-        let said = format!(
-            "{} {}",
-            String::from_utf8_lossy(&out.stdout).trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        Err(SysError::Command {
-            program,
-            path: target.to_path_buf(),
-            message: format!("{} (server {source}): {}", out.status, said.trim()),
-        })
-    });
+    cmd.args(["--pdeathsig", "KILL", "--"]).arg(path).arg(source).arg(target);
+    cmd.args(["-n", "-o", &options]);
+    let nfs = |fs: &str| FS_TYPES.contains(&fs);
+    let context = format!(" (server {source})");
+    let result = super::mount_helper::run(&mut cmd, program, target, deadline, nfs, &context);
     if result.is_err() {
-        clean_up(target);
+        super::mount_helper::detach_left(target);
     }
     result.map_err(|e| match e {
         SysError::Timeout { secs, .. } => SysError::Command {

@@ -36,6 +36,14 @@ pub fn listed(module: &str) -> Vec<String> {
 /// The guest call deadline of agents in the VM (VOLAGENT_DEADLINE_MS).
 pub const VM_GUEST_DEADLINE_MS: u32 = 20_000;
 
+/// Assert that `tests` names every inner test of `module` in this binary,
+/// so that none is left out of the VM's run (and so never runs).
+pub fn assert_every_test_is_run(module: &str, tests: &[&str]) {
+    let mut run: Vec<String> = tests.iter().map(|s| s.to_string()).collect();
+    run.sort();
+    assert_eq!(listed(module), run, "the VM's list must name every test in {module}");
+}
+
 /// How long one inner test may run before it is killed (and fails), so
 /// that a hung one cannot hold the VM until its deadline.
 const TEST_DEADLINE_SECS: u32 = 240;
