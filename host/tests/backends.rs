@@ -13,8 +13,8 @@ fn every_backend_loads_and_declares_itself() {
     for (name, path) in BACKENDS {
         let plugin = load(&rt, path);
         assert_eq!(plugin.name(), *name);
-        assert_eq!(plugin.export(), "volagent:policy/policy@1.0.0");
-        assert_eq!(plugin.contract(), "1.0.0");
+        assert_eq!(plugin.export(), "volagent:policy/policy@1.1.0");
+        assert_eq!(plugin.contract(), "1.1.0");
         assert_eq!(plugin.sha256().len(), 64);
         // A policy imports the device interfaces of the devices it attaches
         // and no other.
@@ -22,18 +22,24 @@ fn every_backend_loads_and_declares_itself() {
             .imports()
             .iter()
             .filter_map(|i| i.strip_prefix("volagent:policy/"))
-            .filter_map(|i| i.strip_suffix("@1.0.0"))
-            .filter(|i| ["loop-devices", "nbd", "ceph"].contains(i))
+            .filter_map(|i| i.strip_suffix("@1.1.0"))
+            .filter(|i| ["loop-devices", "nbd", "ceph", "ceph-provisioning"].contains(i))
             .collect();
         let expected: &[&str] = match *name {
-            "rbd" => &["ceph"],
+            "rbd" => &["ceph-provisioning", "ceph"],
             "nbd" => &["nbd"],
             "local-pv" => &["loop-devices"],
             _ => &[],
         };
         assert_eq!(own, expected, "{name}: {:?}", plugin.imports());
-        // The SDK exports every optional interface.
-        assert_eq!(plugin.optional_exports(), ["block-volumes", "expand", "health"], "{name}");
+        // The SDK exports every optional interface; the provisioner only
+        // where the policy has one.
+        let mut optional = vec!["block-volumes", "expand", "health"];
+        if *name == "rbd" {
+            optional.push("provisioner");
+        }
+        assert_eq!(plugin.optional_exports(), optional, "{name}");
+        assert_eq!(plugin.provisions(), *name == "rbd", "{name}");
         assert!(
             !plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")),
             "{name}: {:?}",
@@ -247,4 +253,48 @@ fn a_scenario_file_for_another_backend_is_an_error() {
     let file = workspace().join("guest-plugins/rbd/scenarios/fence.yaml");
     let err = scenario::run_file(&plugin, Path::new(&file)).unwrap_err();
     assert!(err.to_string().contains("written for backend \"rbd\""), "{err}");
+}
+
+#[test]
+fn rbd_provisions_through_the_host_with_checked_plans_and_nbd_is_refused_with_the_reason() {
+    let rt = runtime(500);
+    let rbd = load(&rt, volagent_test_artifacts::RBD);
+    let request = CreateRequest {
+        name: "pvc-7".into(),
+        required_bytes: 3 << 20,
+        parameters: vec![
+            KeyValue { key: "storageCluster".into(), value: "ceph".into() },
+            KeyValue { key: "imageFeatures".into(), value: "layering,exclusive-lock".into() },
+        ],
+        access_modes: vec![AccessMode::ReadWriteOnce],
+        ..Default::default()
+    };
+    let made = rbd.create_volume(&request).unwrap().unwrap();
+    assert_eq!(made.id, "ceph/rbd/pvc-7");
+    assert_eq!(made.capacity_bytes, 3 << 20);
+    assert!(matches!(&made.steps[..], [ControllerStep::CreateImage(c)]
+        if c.size_bytes == 3 << 20 && c.features == ["layering", "exclusive-lock"]));
+    // A feature the host does not allow is refused by the host's check,
+    // whatever the policy passed on.
+    let mut bad = request.clone();
+    bad.parameters.push(KeyValue { key: "imageFeatures".into(), value: "journaling".into() });
+    let err = rbd.create_volume(&bad).unwrap_err();
+    assert!(
+        matches!(err, CallError::Plan { .. }) && err.to_string().contains("journaling"),
+        "{err}"
+    );
+    // The policy's own refusals keep their kind.
+    let mut from = request.clone();
+    from.source = Some(ContentSource::Snapshot("ceph/rbd/pvc-1".into()));
+    assert!(matches!(rbd.create_volume(&from).unwrap(), Err(ProvisionError::NotFound(_))));
+    let gone = Target { id: "not-ours".into(), ..Default::default() };
+    assert!(matches!(rbd.delete_volume(&gone).unwrap(), Err(ProvisionError::NotFound(_))));
+    let nbd = load(&rt, volagent_test_artifacts::NBD);
+    assert!(!nbd.provisions());
+    match nbd.create_volume(&request).unwrap() {
+        Err(ProvisionError::Unsupported(why)) => {
+            assert!(why.contains("does not export volagent:policy/provisioner"), "{why}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

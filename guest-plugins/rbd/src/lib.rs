@@ -20,9 +20,11 @@ use volagent_guest_sdk::{
     NodeFacts, PolicyError, RbdAttach, RbdSpec, Step, StepKind, Volume, Watcher, fence, options,
 };
 
+mod provisioner;
+
 pub struct Rbd;
 
-volagent_guest_sdk::export_policy!(crate::Rbd);
+volagent_guest_sdk::export_policy!(crate::Rbd, provisioner);
 
 /// The image a volume names, from its options.
 pub fn image_spec(volume: &Volume) -> Result<RbdSpec, PolicyError> {

@@ -11,14 +11,26 @@ mod glue;
 mod model;
 pub mod options;
 pub mod plans;
+pub mod provision;
+#[cfg(feature = "provisioner")]
+mod provision_glue;
 pub mod staged;
 
 /// Generated from the contract this SDK carries (`wit/`): the guest side of
-/// `volagent:policy@1.0.0`. Policies use the plain values of [`model`]; only
-/// [`export_policy!`] and the SDK's glue touch these.
+/// `volagent:policy@1.1.0`. Policies use the plain values of [`model`]; only
+/// [`export_policy!`] and the SDK's glue touch these. With the
+/// `provisioner` feature the world also exports the provisioner.
 pub mod bindings {
+    #[cfg(not(feature = "provisioner"))]
     wit_bindgen::generate!({
         world: "full-backend",
+        path: "wit",
+        pub_export_macro: true,
+        default_bindings_module: "volagent_guest_sdk::bindings",
+    });
+    #[cfg(feature = "provisioner")]
+    wit_bindgen::generate!({
+        world: "provisioning-backend",
         path: "wit",
         pub_export_macro: true,
         default_bindings_module: "volagent_guest_sdk::bindings",
@@ -29,6 +41,10 @@ pub use glue::WasmHost;
 #[doc(hidden)]
 pub use glue::export as __export;
 pub use model::*;
+pub use provision::Provisioner;
+#[cfg(feature = "provisioner")]
+#[doc(hidden)]
+pub use provision_glue::export as __export_provisioner;
 pub use staged::{Medium, Staged, StagedBackend};
 
 /// The read-only queries a policy may make of its host.
@@ -94,11 +110,52 @@ pub trait Policy {
 }
 
 /// Exports a [`Policy`] as the component's `policy` interface and the
-/// optional `block-volumes`, `expand` and `health` ones. Expands to nothing
-/// outside wasm, so policy crates also build and test natively.
+/// optional `block-volumes`, `expand` and `health` ones; with
+/// `, provisioner` (and the SDK's `provisioner` feature) also its
+/// [`Provisioner`] as `provisioner`. Expands to nothing outside wasm, so
+/// policy crates also build and test natively.
 #[macro_export]
 macro_rules! export_policy {
     ($policy:ty) => {
+        $crate::__export_policy!($policy, { glue::info::<$policy>() }, {});
+    };
+    ($policy:ty, provisioner) => {
+        $crate::__export_policy!($policy, { $crate::__export_provisioner::info::<$policy>() }, {
+            use $crate::bindings::volagent::policy::provisioning as pv;
+            impl ex::provisioner::Guest for Exported {
+                fn create(
+                    request: &$crate::bindings::volagent::policy::provisioning::CreateRequest,
+                ) -> Result<pv::Provision, pv::ProvisionError> {
+                    $crate::__export_provisioner::create::<$policy>(request)
+                }
+                fn delete(volume: &pv::Target) -> Result<pv::Provision, pv::ProvisionError> {
+                    $crate::__export_provisioner::delete::<$policy>(volume)
+                }
+                fn expand(volume: &pv::Target) -> Result<pv::Provision, pv::ProvisionError> {
+                    $crate::__export_provisioner::expand::<$policy>(volume)
+                }
+                fn snapshot(volume: &pv::Target) -> Result<pv::Provision, pv::ProvisionError> {
+                    $crate::__export_provisioner::snapshot::<$policy>(volume)
+                }
+                fn delete_snapshot(
+                    snapshot: &pv::Target,
+                ) -> Result<pv::Provision, pv::ProvisionError> {
+                    $crate::__export_provisioner::delete_snapshot::<$policy>(snapshot)
+                }
+                fn capacity(
+                    request: &pv::CapacityRequest,
+                ) -> Result<Option<u64>, pv::ProvisionError> {
+                    $crate::__export_provisioner::capacity::<$policy>(request)
+                }
+            }
+        });
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __export_policy {
+    ($policy:ty, $info:block, { $($extra:item)* }) => {
         #[cfg(target_arch = "wasm32")]
         mod __volagent_export {
             use $crate::bindings::exports::volagent::policy as ex;
@@ -107,7 +164,7 @@ macro_rules! export_policy {
             struct Exported;
             impl ex::policy::Guest for Exported {
                 fn info() -> t::BackendInfo {
-                    glue::info::<$policy>()
+                    $info
                 }
                 fn fence(
                     volume: &t::Volume,
@@ -168,6 +225,7 @@ macro_rules! export_policy {
                     glue::condition::<$policy>(volume, consumer, paths)
                 }
             }
+            $($extra)*
             $crate::bindings::export!(Exported with_types_in $crate::bindings);
         }
     };

@@ -17,6 +17,8 @@ const SDK: &[(&str, &str)] = &[
     ("src/fence.rs", include_str!("../../../guest-plugins/sdk/src/fence.rs")),
     ("src/options.rs", include_str!("../../../guest-plugins/sdk/src/options.rs")),
     ("src/fake.rs", include_str!("../../../guest-plugins/sdk/src/fake.rs")),
+    ("src/provision.rs", include_str!("../../../guest-plugins/sdk/src/provision.rs")),
+    ("src/provision_glue.rs", include_str!("../../../guest-plugins/sdk/src/provision_glue.rs")),
 ];
 
 /// The new crate's own files: (path, template).

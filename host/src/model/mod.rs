@@ -10,8 +10,10 @@
 
 mod decision;
 mod plan;
+mod provision;
 mod volume;
 
 pub use decision::*;
 pub use plan::*;
+pub use provision::*;
 pub use volume::*;

@@ -310,4 +310,7 @@ pub struct Capabilities {
     /// Network filesystems mounted from a network source.
     pub network_filesystems: Vec<String>,
     pub path_roots: Vec<PathRoot>,
+    /// Controller steps its provisioner's plans use (contract 1.1).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub controller_steps: Vec<super::ControllerStepKind>,
 }

@@ -1,15 +1,16 @@
 //! Calling a backend: each of its functions by the guest's contract, and
 //! every returned plan or take-over checked before anyone acts on it.
 
-use super::contract::{Answer, Guest};
+use super::contract::{Answer, Guest, ProvisionCall};
 use super::imports::CallState;
 use super::invoke::{CallError, call_info, invoke};
 use super::load::Plugin;
 use super::queries::Queries;
 use super::validate::{self, Operation};
 use crate::model::{
-    BackendInfo, CleanupItem, CleanupReason, Consumer, Decision, GrowFilesystem, Holder, NodeFacts,
-    NodePaths, Plan, PolicyError, Step, Volume,
+    BackendInfo, CapacityRequest, CleanupItem, CleanupReason, Consumer, CreateRequest, Decision,
+    GrowFilesystem, Holder, NodeFacts, NodePaths, Plan, PolicyError, Provision, ProvisionError,
+    Step, Target, Volume,
 };
 use std::sync::Arc;
 use wasmtime::Store;
@@ -180,5 +181,88 @@ impl Plugin {
         let unaskable = items.iter().find_map(|i| self.pre.unaskable(&i.volume, None));
         let plan = self.call(q, "cleanup", unaskable, |g, s| g.cleanup(s, reason, items))?;
         self.checked("cleanup", plan, &Operation::Cleanup { reason, items })
+    }
+
+    /// Whether the backend provisions volumes (exports the provisioner).
+    pub fn provisions(&self) -> bool {
+        self.pre.provisions()
+    }
+
+    /// A provisioner call: its refusal as `Ok(Err(..))`, a fault (trap,
+    /// deadline, a plan the host refuses) as `Err`. The plan is checked.
+    fn provisioner<R>(
+        &self,
+        function: &'static str,
+        f: impl FnOnce(&dyn Guest, &mut Store<CallState>) -> wasmtime::Result<Result<R, ProvisionError>>,
+    ) -> Result<Result<R, ProvisionError>, CallError> {
+        if !self.provisions() {
+            return Ok(Err(ProvisionError::Unsupported(format!(
+                "backend {} does not provision volumes: its policy does not export {}/provisioner",
+                self.name,
+                super::CONTRACT_PACKAGE
+            ))));
+        }
+        // No queries: a provisioner decides from its request alone.
+        let queries: Arc<dyn Queries> = Arc::new(super::queries::RecordedQueries::default());
+        self.call(queries, function, None, |g, s| f(g, s).map(Ok))
+    }
+
+    /// The controller plan for `call`, checked.
+    fn provision(
+        &self,
+        call: ProvisionCall<'_>,
+    ) -> Result<Result<Provision, ProvisionError>, CallError> {
+        let function = call.function();
+        let answer = self.provisioner(function, |g, s| g.provision(s, call))?;
+        if let Ok(p) = &answer {
+            let needs_id = matches!(call, ProvisionCall::Create(_) | ProvisionCall::Snapshot(_));
+            validate::provision(p, &self.info().capabilities, needs_id).map_err(|error| {
+                CallError::Plan { backend: self.name.to_string(), function, error }
+            })?;
+        }
+        Ok(answer)
+    }
+
+    pub fn create_volume(
+        &self,
+        request: &CreateRequest,
+    ) -> Result<Result<Provision, ProvisionError>, CallError> {
+        self.provision(ProvisionCall::Create(request))
+    }
+
+    pub fn delete_volume(
+        &self,
+        target: &Target,
+    ) -> Result<Result<Provision, ProvisionError>, CallError> {
+        self.provision(ProvisionCall::Delete(target))
+    }
+
+    pub fn expand_volume(
+        &self,
+        target: &Target,
+    ) -> Result<Result<Provision, ProvisionError>, CallError> {
+        self.provision(ProvisionCall::Expand(target))
+    }
+
+    pub fn snapshot(
+        &self,
+        target: &Target,
+    ) -> Result<Result<Provision, ProvisionError>, CallError> {
+        self.provision(ProvisionCall::Snapshot(target))
+    }
+
+    pub fn delete_snapshot(
+        &self,
+        target: &Target,
+    ) -> Result<Result<Provision, ProvisionError>, CallError> {
+        self.provision(ProvisionCall::DeleteSnapshot(target))
+    }
+
+    /// Bytes a new volume could get where `request` asks; none: unknown.
+    pub fn capacity(
+        &self,
+        request: &CapacityRequest,
+    ) -> Result<Result<Option<u64>, ProvisionError>, CallError> {
+        self.provisioner("capacity", |g, s| g.capacity(s, request))
     }
 }

@@ -17,7 +17,8 @@ use wasmtime::component::Component;
 const ALLOWED_WASI_PACKAGES: &[&str] =
     &["wasi:cli/", "wasi:clocks/", "wasi:io/", "wasi:random/", "wasi:filesystem/"];
 /// Our own interfaces a guest may import.
-const ALLOWED_OWN_INTERFACES: &[&str] = &["host", "types", "loop-devices", "nbd", "ceph"];
+const ALLOWED_OWN_INTERFACES: &[&str] =
+    &["host", "types", "loop-devices", "nbd", "ceph", "provisioning", "ceph-provisioning"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -337,22 +338,23 @@ mod tests {
             "0.4 added the clear-directory step: a 0.3 guest is refused"
         );
         assert_eq!(contract_of("0.6.0"), None);
-        assert_eq!(contract_of("1.0.0"), Some("1.0.0"));
-        assert_eq!(contract_of("1.0.4"), Some("1.0.0"));
-        assert_eq!(contract_of("1.1.0"), None, "a later minor version than the host's");
+        assert_eq!(contract_of("1.0.0"), Some("1.1.0"), "1.0 guests are served as they are");
+        assert_eq!(contract_of("1.0.4"), Some("1.1.0"));
+        assert_eq!(contract_of("1.1.0"), Some("1.1.0"));
+        assert_eq!(contract_of("1.2.0"), None, "a later minor version than the host's");
         assert_eq!(contract_of("2.0.0"), None);
         assert_eq!(contract_of("garbage"), None);
-        assert!(why_not_served("1.1.0").contains("newer than this host"));
-        assert!(why_not_served("0.3.0").contains("rebuild the policy against 1.0.0"));
+        assert!(why_not_served("1.2.0").contains("newer than this host"));
+        assert!(why_not_served("0.3.0").contains("rebuild the policy against 1.1.0"));
     }
 
     #[test]
     fn a_later_minor_guest_is_refused_naming_both_versions() {
         let p = Path::new("x.wasm");
-        let e = find_policy_export(p, &["volagent:policy/policy@1.1.0".into()]).unwrap_err();
+        let e = find_policy_export(p, &["volagent:policy/policy@1.2.0".into()]).unwrap_err();
         let message = e.to_string();
-        assert!(message.contains("built for volagent:policy/policy@1.1.0"), "{message}");
-        assert!(message.contains("volagent:policy@1.0.0"), "{message}");
+        assert!(message.contains("built for volagent:policy/policy@1.2.0"), "{message}");
+        assert!(message.contains("volagent:policy@1.1.0"), "{message}");
         assert!(message.contains("upgrade the agent"), "{message}");
     }
 
@@ -361,6 +363,7 @@ mod tests {
         assert!(import_allowed("volagent:policy/host@1.0.0", "1.0.0"));
         assert!(import_allowed("volagent:policy/ceph@1.0.0", "1.0.0"));
         assert!(!import_allowed("volagent:policy/host@1.1.0", "1.0.0"));
+        assert!(import_allowed("volagent:policy/ceph-provisioning@1.1.0", "1.1.0"));
         assert!(import_allowed("volagent:policy/host@0.5.0", "0.5.0"));
         assert!(import_allowed("volagent:policy/types@0.5.2", "0.5.0"));
         assert!(import_allowed("volagent:policy/host@0.4.0", "0.4.0"));

@@ -9,6 +9,9 @@ use crate::model::{
 use std::collections::BTreeSet;
 
 mod mount_options;
+mod provision;
+
+pub use provision::{MAX_ATTRIBUTES, MAX_ID, MAX_SEGMENTS, provision};
 
 /// Most passes a shred step may ask for.
 pub const MAX_SHRED_PASSES: u32 = 35;
@@ -198,7 +201,7 @@ struct Checker<'a> {
 }
 
 /// `text`, used as `what`, is at most `max` bytes.
-fn bounded(what: &str, text: &str, max: usize) -> Result<(), String> {
+pub(crate) fn bounded(what: &str, text: &str, max: usize) -> Result<(), String> {
     if text.len() > max {
         return Err(format!("{what} is {} bytes long, more than the {max} allowed", text.len()));
     }
@@ -556,7 +559,7 @@ fn texts_bounded(step: &Step) -> Result<(), String> {
 /// "host:port": a DNS name or IPv4 address, or an IPv6 address in
 /// brackets, and a port. Nothing else gets into the client's NBD URI (a
 /// '?', '/' or '@' there would add query parameters, paths or users).
-fn host_port(server: &str) -> Result<(), String> {
+pub(crate) fn host_port(server: &str) -> Result<(), String> {
     let (host, port) = server.rsplit_once(':').ok_or("not host:port")?;
     if !port.parse::<u16>().is_ok_and(|p| p != 0) {
         return Err(format!("port {port:?} is not from 1 to 65535"));
@@ -576,7 +579,7 @@ fn host_port(server: &str) -> Result<(), String> {
     }
 }
 
-fn name_ok(what: &str, name: &str) -> Result<(), String> {
+pub(crate) fn name_ok(what: &str, name: &str) -> Result<(), String> {
     if !name.is_empty()
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
         && !name.starts_with('.')
@@ -685,6 +688,7 @@ mod tests {
                 PathRoot::DiscoveryDirs,
                 PathRoot::StateDir,
             ],
+            controller_steps: vec![],
         }
     }
 

@@ -31,6 +31,7 @@ pub mod nfs_mount;
 mod probe;
 pub mod rbd_export;
 pub mod rbd_fuse;
+pub mod rbd_images;
 pub mod tool;
 
 pub use beneath::Roots;

@@ -199,7 +199,7 @@ fn check(ret: i64) -> io::Result<u64> {
     }
 }
 
-fn cstring(object: &str, what: &str, value: &str) -> Result<CString, RbdError> {
+pub(super) fn cstring(object: &str, what: &str, value: &str) -> Result<CString, RbdError> {
     CString::new(value).map_err(|_| RbdError::Invalid {
         object: object.to_string(),
         what: format!("{what} contains a NUL byte"),
@@ -207,15 +207,15 @@ fn cstring(object: &str, what: &str, value: &str) -> Result<CString, RbdError> {
 }
 
 /// A connected cluster handle, shut down on drop.
-struct Rados {
+pub(super) struct Rados {
     api: &'static Api,
-    cluster: Handle,
+    pub(super) cluster: Handle,
     /// What errors name.
-    object: String,
+    pub(super) object: String,
 }
 
 impl Rados {
-    fn fail(&self, op: &'static str, ret: c_int) -> RbdError {
+    pub(super) fn fail(&self, op: &'static str, ret: c_int) -> RbdError {
         RbdError::Ceph {
             object: self.object.clone(),
             op,
@@ -224,7 +224,7 @@ impl Rados {
     }
 
     /// Connect to the cluster `client` names; errors name `object`.
-    fn connect(client: &CephClient, object: String) -> Result<Rados, RbdError> {
+    pub(super) fn connect(client: &CephClient, object: String) -> Result<Rados, RbdError> {
         let api = Api::get()?;
         let user = cstring(&object, "the user", &client.user)?;
         let mut cluster: Handle = std::ptr::null_mut();
@@ -350,7 +350,7 @@ impl Rados {
     }
 
     /// An I/O context on `pool`, owning this connection.
-    fn into_pool(self, pool: &str) -> Result<Pool, RbdError> {
+    pub(super) fn into_pool(self, pool: &str) -> Result<Pool, RbdError> {
         let name = cstring(&self.object, "the pool", pool)?;
         let mut ioctx: Handle = std::ptr::null_mut();
         // SAFETY: connected handle; `ioctx` receives a handle.
@@ -370,9 +370,9 @@ impl Drop for Rados {
 }
 
 /// An I/O context and the connection it is on (released after it).
-struct Pool {
-    ioctx: Handle,
-    rados: Rados,
+pub(super) struct Pool {
+    pub(super) ioctx: Handle,
+    pub(super) rados: Rados,
 }
 
 impl Drop for Pool {
@@ -385,7 +385,7 @@ impl Drop for Pool {
 
 impl Pool {
     /// Open `image`; read-only opens take no lock and register no watch.
-    fn open(&self, image: &str, read_only: bool) -> Result<Handle, RbdError> {
+    pub(super) fn open(&self, image: &str, read_only: bool) -> Result<Handle, RbdError> {
         let api = self.rados.api;
         let name = cstring(&self.rados.object, "the image", image)?;
         let open = if read_only { api.rbd_open_read_only } else { api.rbd_open };
@@ -403,7 +403,12 @@ impl Pool {
 /// for writing has one), read without becoming one.
 pub fn watchers(target: &RbdTarget) -> Result<Vec<ImageWatcher>, RbdError> {
     let pool = Rados::connect(&target.client, target.describe())?.into_pool(&target.pool)?;
-    let image = pool.open(&target.image, true)?;
+    pool_watchers(&pool, &target.image)
+}
+
+/// The clients watching `image` in `pool`.
+pub(super) fn pool_watchers(pool: &Pool, image: &str) -> Result<Vec<ImageWatcher>, RbdError> {
+    let image = pool.open(image, true)?;
     let (rados, api) = (&pool.rados, pool.rados.api);
     let mut capacity = 16usize;
     let listed = loop {

@@ -84,10 +84,13 @@ macro_rules! record {
 
 /// A record only a guest answers, coming up.
 macro_rules! record_up {
-    ($t:ident { $($f:ident),* $(,)? }) => {
+    ($t:ident { $($f:ident),* $(,)? } $(default { $($d:ident),* })?) => {
         impl $crate::policy::contract::convert::Up<m::$t> for a::$t {
             fn up(self) -> m::$t {
-                m::$t { $($f: $crate::policy::contract::convert::Up::up(self.$f),)* }
+                m::$t {
+                    $($f: $crate::policy::contract::convert::Up::up(self.$f),)*
+                    $($($d: Default::default(),)*)?
+                }
             }
         }
     };

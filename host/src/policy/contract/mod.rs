@@ -11,8 +11,8 @@ mod v1;
 
 use super::imports::CallState;
 use crate::model::{
-    BackendInfo, CleanupItem, CleanupReason, Consumer, Decision, Holder, NodeFacts, NodePaths,
-    Plan, PolicyError, Volume,
+    BackendInfo, CapacityRequest, CleanupItem, CleanupReason, Consumer, CreateRequest, Decision,
+    Holder, NodeFacts, NodePaths, Plan, PolicyError, Provision, ProvisionError, Target, Volume,
 };
 use wasmtime::Store;
 use wasmtime::component::{InstancePre, Linker};
@@ -24,6 +24,31 @@ pub const OLDER: &[&str] = &[v0_5::VERSION, v0_4::VERSION];
 
 /// A guest's answer: a trap or host fault, or the policy's own refusal.
 pub(crate) type Answer<T> = wasmtime::Result<Result<T, PolicyError>>;
+
+/// A provisioner's answer: a trap or host fault, or its own refusal.
+pub(crate) type Provisioned<T> = wasmtime::Result<Result<T, ProvisionError>>;
+
+/// The provisioner calls that answer with a controller plan.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ProvisionCall<'a> {
+    Create(&'a CreateRequest),
+    Delete(&'a Target),
+    Expand(&'a Target),
+    Snapshot(&'a Target),
+    DeleteSnapshot(&'a Target),
+}
+
+impl ProvisionCall<'_> {
+    pub(crate) fn function(&self) -> &'static str {
+        match self {
+            ProvisionCall::Create(_) => "create",
+            ProvisionCall::Delete(_) => "delete",
+            ProvisionCall::Expand(_) => "expand-volume",
+            ProvisionCall::Snapshot(_) => "snapshot",
+            ProvisionCall::DeleteSnapshot(_) => "delete-snapshot",
+        }
+    }
+}
 
 /// One instance of a guest, called in the host's model.
 pub(crate) trait Guest: Send {
@@ -75,6 +100,21 @@ pub(crate) trait Guest: Send {
         reason: CleanupReason,
         items: &[CleanupItem],
     ) -> Answer<Plan>;
+    /// Asked only of guests that export the provisioner ([`Linked::provisions`]).
+    fn provision(
+        &self,
+        _s: &mut Store<CallState>,
+        call: ProvisionCall<'_>,
+    ) -> Provisioned<Provision> {
+        wasmtime::bail!("{} put to a guest of a contract without the provisioner", call.function())
+    }
+    fn capacity(
+        &self,
+        _s: &mut Store<CallState>,
+        _request: &CapacityRequest,
+    ) -> Provisioned<Option<u64>> {
+        wasmtime::bail!("capacity put to a guest of a contract without the provisioner")
+    }
 }
 
 /// A component linked for the contract it speaks, ready to instantiate.
@@ -90,6 +130,10 @@ pub(crate) trait Linked: Send + Sync {
     /// nothing was optional).
     fn optional(&self) -> Vec<&'static str> {
         Vec::new()
+    }
+    /// The guest exports the provisioner (1.1 on).
+    fn provisions(&self) -> bool {
+        false
     }
 }
 

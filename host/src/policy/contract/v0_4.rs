@@ -45,7 +45,7 @@ record!(DetachDevice { spec, force });
 record!(Wipe { device, method });
 record!(ClearDirectory { path });
 record!(BlocklistClient { monitors, user, secret_key, address });
-record_up!(Capabilities { steps, device_kinds, filesystems, network_filesystems, path_roots });
+record_up!(Capabilities { steps, device_kinds, filesystems, network_filesystems, path_roots } default { controller_steps });
 record_up!(BackendInfo { name, version, description, capabilities });
 record_up!(TakeOver { stale, fence_steps });
 record!(CleanupItem { volume, paths, holders });

@@ -43,7 +43,7 @@ record!(ClearDirectory { path });
 record!(BlocklistClient { monitors, user, secret_key, address });
 record!(PublishBlock { device, target, read_only });
 record!(GrowFilesystem { target });
-record!(Capabilities { steps, device_kinds, filesystems, network_filesystems, path_roots });
+record!(Capabilities { steps, device_kinds, filesystems, network_filesystems, path_roots } default { controller_steps });
 record!(BackendInfo { name, version, description, capabilities });
 record!(TakeOver { stale, fence_steps });
 record!(CleanupItem { volume, paths, holders });

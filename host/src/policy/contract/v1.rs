@@ -5,7 +5,7 @@
 //! this module unchanged: a minor version only adds to it.
 
 use super::convert::{Down, Up, cases};
-use super::{Answer, Guest, Linked};
+use super::{Answer, Guest, Linked, ProvisionCall, Provisioned};
 use crate::model as m;
 use crate::policy::imports::{CallState, Made};
 use crate::policy::validate::MAX_PLAN_STEPS;
@@ -14,7 +14,7 @@ use wasmtime::component::{HasSelf, InstancePre, Linker, Resource};
 
 mod bindings {
     wasmtime::component::bindgen!({
-        world: "full-backend",
+        world: "provisioning-backend",
         path: "../wit",
         // A host query may refuse to answer (outside the backend's roots,
         // no answer in time): the guest's call then fails.
@@ -25,14 +25,20 @@ mod bindings {
             "volagent:policy/types.node": crate::model::NodeFacts,
             "volagent:policy/types.node-paths": crate::model::NodePaths,
             "volagent:policy/types.plan": crate::policy::contract::v1::Steps,
+            "volagent:policy/provisioning.create-request": crate::model::CreateRequest,
+            "volagent:policy/provisioning.target": crate::model::Target,
+            "volagent:policy/provisioning.capacity-request": crate::model::CapacityRequest,
+            "volagent:policy/provisioning.provision": crate::model::Provision,
         },
     });
 }
 
 use bindings::exports::volagent::policy as ex;
-use bindings::volagent::policy::{ceph, host, loop_devices, nbd, types as a};
+use bindings::volagent::policy::{
+    ceph, ceph_provisioning, host, loop_devices, nbd, provisioning as pv, types as a,
+};
 
-pub(crate) const VERSION: &str = "1.0.0";
+pub(crate) const VERSION: &str = "1.1.0";
 
 /// A consumer as a guest sees it: the requester, or a holder with the
 /// time the ledger recorded it.
@@ -76,7 +82,7 @@ impl Down<a::MountEntry> for m::MountEntry {
 
 /// The `host` and backend imports of this contract.
 pub(crate) fn add_to_linker(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
-    bindings::FullBackend::add_to_linker::<CallState, HasSelf<CallState>>(linker, |s| s)
+    bindings::ProvisioningBackend::add_to_linker::<CallState, HasSelf<CallState>>(linker, |s| s)
 }
 
 pub(crate) struct Pre {
@@ -85,6 +91,7 @@ pub(crate) struct Pre {
     block: Option<ex::block_volumes::GuestIndices>,
     expand: Option<ex::expand::GuestIndices>,
     health: Option<ex::health::GuestIndices>,
+    provisioner: Option<ex::provisioner::GuestIndices>,
 }
 
 /// Whether the component exports interface `name` of this contract (at
@@ -103,7 +110,10 @@ pub(crate) fn link(pre: InstancePre<CallState>) -> wasmtime::Result<Pre> {
         exports(&pre, "expand").then(|| ex::expand::GuestIndices::new(&pre)).transpose()?;
     let health =
         exports(&pre, "health").then(|| ex::health::GuestIndices::new(&pre)).transpose()?;
-    Ok(Pre { pre, policy, block, expand, health })
+    let provisioner = exports(&pre, "provisioner")
+        .then(|| ex::provisioner::GuestIndices::new(&pre))
+        .transpose()?;
+    Ok(Pre { pre, policy, block, expand, health, provisioner })
 }
 
 impl Linked for Pre {
@@ -124,6 +134,7 @@ impl Linked for Pre {
             ("block-volumes", self.block.is_some()),
             ("expand", self.expand.is_some()),
             ("health", self.health.is_some()),
+            ("provisioner", self.provisioner.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, exported)| exported.then_some(name))
@@ -136,7 +147,13 @@ impl Linked for Pre {
         let block = self.block.as_ref().map(|i| i.load(&mut *store, &instance)).transpose()?;
         let expand = self.expand.as_ref().map(|i| i.load(&mut *store, &instance)).transpose()?;
         let health = self.health.as_ref().map(|i| i.load(&mut *store, &instance)).transpose()?;
-        Ok(Box::new(Instance { policy, block, expand, health }))
+        let provisioner =
+            self.provisioner.as_ref().map(|i| i.load(&mut *store, &instance)).transpose()?;
+        Ok(Box::new(Instance { policy, block, expand, health, provisioner }))
+    }
+
+    fn provisions(&self) -> bool {
+        self.provisioner.is_some()
     }
 }
 
@@ -145,6 +162,7 @@ struct Instance {
     block: Option<ex::block_volumes::Guest>,
     expand: Option<ex::expand::Guest>,
     health: Option<ex::health::Guest>,
+    provisioner: Option<ex::provisioner::Guest>,
 }
 
 /// A host value put in the call's table, for the guest to borrow.
@@ -329,6 +347,64 @@ impl Guest for Instance {
         let r = self.policy.call_cleanup(&mut *s, reason.down(), &given)?;
         plan_answer(s, r)
     }
+
+    fn provision(
+        &self,
+        s: &mut Store<CallState>,
+        call: ProvisionCall<'_>,
+    ) -> Provisioned<m::Provision> {
+        let Some(p) = &self.provisioner else {
+            wasmtime::bail!("a provisioner call put to a guest without the provisioner")
+        };
+        let r = match call {
+            ProvisionCall::Create(request) => {
+                let r = give(s, request.clone())?;
+                p.call_create(&mut *s, r)?
+            }
+            ProvisionCall::Delete(t) => {
+                let t = give(s, t.clone())?;
+                p.call_delete(&mut *s, t)?
+            }
+            ProvisionCall::Expand(t) => {
+                let t = give(s, t.clone())?;
+                p.call_expand(&mut *s, t)?
+            }
+            ProvisionCall::Snapshot(t) => {
+                let t = give(s, t.clone())?;
+                p.call_snapshot(&mut *s, t)?
+            }
+            ProvisionCall::DeleteSnapshot(t) => {
+                let t = give(s, t.clone())?;
+                p.call_delete_snapshot(&mut *s, t)?
+            }
+        };
+        Ok(match r {
+            Ok(plan) => Ok(s.data_mut().table().delete(plan)?),
+            Err(e) => Err(provision_error(e)),
+        })
+    }
+
+    fn capacity(
+        &self,
+        s: &mut Store<CallState>,
+        request: &m::CapacityRequest,
+    ) -> Provisioned<Option<u64>> {
+        let Some(p) = &self.provisioner else {
+            wasmtime::bail!("a capacity call put to a guest without the provisioner")
+        };
+        let r = give(s, request.clone())?;
+        Ok(p.call_capacity(&mut *s, r)?.map_err(provision_error))
+    }
+}
+
+fn provision_error(e: pv::ProvisionError) -> m::ProvisionError {
+    match e {
+        pv::ProvisionError::Invalid(why) => m::ProvisionError::Invalid(why),
+        pv::ProvisionError::Unsupported(why) => m::ProvisionError::Unsupported(why),
+        pv::ProvisionError::NotFound(why) => m::ProvisionError::NotFound(why),
+        pv::ProvisionError::Exhausted(why) => m::ProvisionError::Exhausted(why),
+        pv::ProvisionError::OutOfRange(why) => m::ProvisionError::OutOfRange(why),
+    }
 }
 
 /// Capabilities by name, as this contract declares them; a name this host
@@ -351,9 +427,20 @@ fn capabilities(info: a::BackendInfo) -> wasmtime::Result<m::BackendInfo> {
             })
             .collect()
     }
+    // Node steps and controller steps share the one list of names.
+    let (controller, node): (Vec<String>, Vec<String>) = info
+        .steps
+        .into_iter()
+        .partition(|n| m::ControllerStepKind::ALL.iter().any(|k| k.name() == n));
     Ok(m::BackendInfo {
         capabilities: m::Capabilities {
-            steps: known("step kind", &info.steps, &m::StepKind::ALL, m::StepKind::name)?,
+            steps: known("step kind", &node, &m::StepKind::ALL, m::StepKind::name)?,
+            controller_steps: known(
+                "step kind",
+                &controller,
+                &m::ControllerStepKind::ALL,
+                m::ControllerStepKind::name,
+            )?,
             device_kinds: known(
                 "device kind",
                 &info.device_kinds,
@@ -698,5 +785,250 @@ impl ceph::Host for CallState {
                 .map(|w| ceph::Watcher { address: w.address, client: w.client, node: w.node })
                 .collect()
         }))
+    }
+}
+
+/// A provision plan's steps are kept up to this many; past it the plan is
+/// refused when checked.
+const MAX_CONTROLLER_STEPS: usize = 32;
+
+fn segment_down(segment: &m::Segment) -> pv::Segment {
+    segment.clone()
+}
+
+fn pairs(kvs: &[m::KeyValue]) -> Vec<(String, String)> {
+    kvs.iter().map(|kv| (kv.key.clone(), kv.value.clone())).collect()
+}
+
+impl pv::Host for CallState {}
+
+impl pv::HostCreateRequest for CallState {
+    fn name(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<String> {
+        Ok(self.get(&r)?.name.clone())
+    }
+    fn required_bytes(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<u64> {
+        Ok(self.get(&r)?.required_bytes)
+    }
+    fn limit_bytes(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<u64> {
+        Ok(self.get(&r)?.limit_bytes)
+    }
+    fn parameters(
+        &mut self,
+        r: Resource<m::CreateRequest>,
+    ) -> wasmtime::Result<Vec<(String, String)>> {
+        Ok(pairs(&self.get(&r)?.parameters))
+    }
+    fn access_modes(
+        &mut self,
+        r: Resource<m::CreateRequest>,
+    ) -> wasmtime::Result<Vec<a::AccessMode>> {
+        Ok(self.get(&r)?.access_modes.down())
+    }
+    fn mode(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<a::VolumeMode> {
+        Ok(self.get(&r)?.mode.down())
+    }
+    fn fs_type(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<String> {
+        Ok(self.get(&r)?.fs_type.clone())
+    }
+    fn requisite(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<Vec<pv::Segment>> {
+        Ok(self.get(&r)?.requisite.iter().map(segment_down).collect())
+    }
+    fn preferred(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<Vec<pv::Segment>> {
+        Ok(self.get(&r)?.preferred.iter().map(segment_down).collect())
+    }
+    fn source(
+        &mut self,
+        r: Resource<m::CreateRequest>,
+    ) -> wasmtime::Result<Option<pv::ContentSource>> {
+        Ok(self.get(&r)?.source.as_ref().map(|s| match s {
+            m::ContentSource::Snapshot(id) => pv::ContentSource::Snapshot(id.clone()),
+            m::ContentSource::Volume(id) => pv::ContentSource::Volume(id.clone()),
+        }))
+    }
+    fn drop(&mut self, r: Resource<m::CreateRequest>) -> wasmtime::Result<()> {
+        self.table().delete(r)?;
+        Ok(())
+    }
+}
+
+impl pv::HostTarget for CallState {
+    fn id(&mut self, t: Resource<m::Target>) -> wasmtime::Result<String> {
+        Ok(self.get(&t)?.id.clone())
+    }
+    fn name(&mut self, t: Resource<m::Target>) -> wasmtime::Result<String> {
+        Ok(self.get(&t)?.name.clone())
+    }
+    fn required_bytes(&mut self, t: Resource<m::Target>) -> wasmtime::Result<u64> {
+        Ok(self.get(&t)?.required_bytes)
+    }
+    fn limit_bytes(&mut self, t: Resource<m::Target>) -> wasmtime::Result<u64> {
+        Ok(self.get(&t)?.limit_bytes)
+    }
+    fn parameters(&mut self, t: Resource<m::Target>) -> wasmtime::Result<Vec<(String, String)>> {
+        Ok(pairs(&self.get(&t)?.parameters))
+    }
+    fn drop(&mut self, t: Resource<m::Target>) -> wasmtime::Result<()> {
+        self.table().delete(t)?;
+        Ok(())
+    }
+}
+
+impl pv::HostCapacityRequest for CallState {
+    fn parameters(
+        &mut self,
+        r: Resource<m::CapacityRequest>,
+    ) -> wasmtime::Result<Vec<(String, String)>> {
+        Ok(pairs(&self.get(&r)?.parameters))
+    }
+    fn segment(
+        &mut self,
+        r: Resource<m::CapacityRequest>,
+    ) -> wasmtime::Result<Option<pv::Segment>> {
+        Ok(self.get(&r)?.segment.as_ref().map(segment_down))
+    }
+    fn drop(&mut self, r: Resource<m::CapacityRequest>) -> wasmtime::Result<()> {
+        self.table().delete(r)?;
+        Ok(())
+    }
+}
+
+impl CallState {
+    /// One controller step more in `plan`, kept up to the most a plan may
+    /// have (a longer plan is refused when checked).
+    fn push_controller_step(
+        &mut self,
+        plan: &Resource<m::Provision>,
+        step: m::ControllerStep,
+    ) -> wasmtime::Result<()> {
+        let steps = &mut self.table().get_mut(plan)?.steps;
+        if steps.len() <= MAX_CONTROLLER_STEPS {
+            steps.push(step);
+        }
+        Ok(())
+    }
+}
+
+impl pv::HostProvision for CallState {
+    fn new(&mut self) -> wasmtime::Result<Resource<m::Provision>> {
+        if !self.count_made(Made::Plan, MAX_PLANS_PER_CALL) {
+            wasmtime::bail!("more than {MAX_PLANS_PER_CALL} plans made in one call");
+        }
+        Ok(self.table().push(m::Provision::default())?)
+    }
+    // Setters keep a bounded amount: the plan's check refuses what is over.
+    fn set_id(&mut self, p: Resource<m::Provision>, id: String) -> wasmtime::Result<()> {
+        self.table().get_mut(&p)?.id = crate::text::bounded(id, 1024);
+        Ok(())
+    }
+    fn set_capacity(&mut self, p: Resource<m::Provision>, bytes: u64) -> wasmtime::Result<()> {
+        self.table().get_mut(&p)?.capacity_bytes = bytes;
+        Ok(())
+    }
+    fn set_attribute(
+        &mut self,
+        p: Resource<m::Provision>,
+        key: String,
+        value: String,
+    ) -> wasmtime::Result<()> {
+        let attributes = &mut self.table().get_mut(&p)?.attributes;
+        attributes.retain(|kv| kv.key != key);
+        if attributes.len() <= crate::policy::validate::MAX_ATTRIBUTES {
+            attributes.push(m::KeyValue { key, value });
+        }
+        Ok(())
+    }
+    fn add_topology(
+        &mut self,
+        p: Resource<m::Provision>,
+        segment: pv::Segment,
+    ) -> wasmtime::Result<()> {
+        let topology = &mut self.table().get_mut(&p)?.topology;
+        if topology.len() <= crate::policy::validate::MAX_SEGMENTS {
+            topology.push(segment);
+        }
+        Ok(())
+    }
+    fn drop(&mut self, p: Resource<m::Provision>) -> wasmtime::Result<()> {
+        self.table().delete(p)?;
+        Ok(())
+    }
+}
+
+fn image_ref(cluster: String, pool: String, image: String) -> m::ImageRef {
+    m::ImageRef { cluster, pool, image }
+}
+
+impl ceph_provisioning::Host for CallState {
+    fn create_image(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        pool: String,
+        image: String,
+        size_bytes: u64,
+        data_pool: Option<String>,
+        features: Vec<String>,
+    ) -> wasmtime::Result<()> {
+        let image = image_ref(cluster, pool, image);
+        let step = m::CreateImage { image, size_bytes, data_pool, features };
+        self.push_controller_step(&p, m::ControllerStep::CreateImage(step))
+    }
+    fn delete_image(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        pool: String,
+        image: String,
+    ) -> wasmtime::Result<()> {
+        let step = m::ControllerStep::DeleteImage(image_ref(cluster, pool, image));
+        self.push_controller_step(&p, step)
+    }
+    fn resize_image(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        pool: String,
+        image: String,
+        size_bytes: u64,
+    ) -> wasmtime::Result<()> {
+        let step = m::ResizeImage { image: image_ref(cluster, pool, image), size_bytes };
+        self.push_controller_step(&p, m::ControllerStep::ResizeImage(step))
+    }
+    fn create_snapshot(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        pool: String,
+        image: String,
+        snapshot: String,
+    ) -> wasmtime::Result<()> {
+        let step = m::SnapshotRef { image: image_ref(cluster, pool, image), snapshot };
+        self.push_controller_step(&p, m::ControllerStep::CreateSnapshot(step))
+    }
+    fn delete_snapshot(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        pool: String,
+        image: String,
+        snapshot: String,
+    ) -> wasmtime::Result<()> {
+        let step = m::SnapshotRef { image: image_ref(cluster, pool, image), snapshot };
+        self.push_controller_step(&p, m::ControllerStep::DeleteSnapshot(step))
+    }
+    fn clone_image(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        pool: String,
+        parent: String,
+        snapshot: String,
+        image: String,
+        features: Vec<String>,
+        max_depth: u32,
+    ) -> wasmtime::Result<()> {
+        let parent = m::SnapshotRef { image: image_ref(cluster, pool, parent), snapshot };
+        let step = m::CloneImage { parent, image, features, max_depth };
+        self.push_controller_step(&p, m::ControllerStep::CloneImage(step))
     }
 }

@@ -1,0 +1,175 @@
+//! Provisioning: what a provisioner is asked (make, remove, grow, snapshot
+//! a volume) and the controller plans it answers with.
+
+use super::{AccessMode, KeyValue, VolumeMode};
+use serde::{Deserialize, Serialize};
+
+/// A topology segment: label keys and the values a node must carry.
+pub type Segment = Vec<(String, String)>;
+
+/// What a new volume's content is made from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ContentSource {
+    /// A snapshot, by its id.
+    Snapshot(String),
+    /// Another volume, by its id.
+    Volume(String),
+}
+
+/// A volume to make.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CreateRequest {
+    /// The same name is the same volume.
+    pub name: String,
+    /// 0: unspecified.
+    pub required_bytes: u64,
+    /// 0: unlimited.
+    pub limit_bytes: u64,
+    pub parameters: Vec<KeyValue>,
+    pub access_modes: Vec<AccessMode>,
+    pub mode: VolumeMode,
+    pub fs_type: String,
+    pub requisite: Vec<Segment>,
+    pub preferred: Vec<Segment>,
+    pub source: Option<ContentSource>,
+}
+
+/// An existing volume or snapshot, and what a call asks of it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Target {
+    pub id: String,
+    /// The snapshot's name (snapshot calls).
+    pub name: String,
+    pub required_bytes: u64,
+    pub limit_bytes: u64,
+    pub parameters: Vec<KeyValue>,
+}
+
+/// Where capacity is asked about.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CapacityRequest {
+    pub parameters: Vec<KeyValue>,
+    pub segment: Option<Segment>,
+}
+
+/// A controller step: what the controller does to the storage, as its own
+/// user of the StorageCluster the step names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControllerStep {
+    CreateImage(CreateImage),
+    DeleteImage(ImageRef),
+    ResizeImage(ResizeImage),
+    CreateSnapshot(SnapshotRef),
+    DeleteSnapshot(SnapshotRef),
+    CloneImage(CloneImage),
+}
+
+impl ControllerStep {
+    pub fn kind(&self) -> ControllerStepKind {
+        match self {
+            ControllerStep::CreateImage(_) => ControllerStepKind::CreateImage,
+            ControllerStep::DeleteImage(_) => ControllerStepKind::DeleteImage,
+            ControllerStep::ResizeImage(_) => ControllerStepKind::ResizeImage,
+            ControllerStep::CreateSnapshot(_) => ControllerStepKind::CreateSnapshot,
+            ControllerStep::DeleteSnapshot(_) => ControllerStepKind::DeleteSnapshot,
+            ControllerStep::CloneImage(_) => ControllerStepKind::CloneImage,
+        }
+    }
+}
+
+/// An RBD image on a StorageCluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRef {
+    pub cluster: String,
+    pub pool: String,
+    pub image: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateImage {
+    pub image: ImageRef,
+    pub size_bytes: u64,
+    pub data_pool: Option<String>,
+    pub features: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResizeImage {
+    pub image: ImageRef,
+    pub size_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRef {
+    pub image: ImageRef,
+    pub snapshot: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CloneImage {
+    /// The parent's snapshot (same cluster and pool as the clone).
+    pub parent: SnapshotRef,
+    pub image: String,
+    pub features: Vec<String>,
+    /// Flattened when its chain of parents is deeper than this.
+    pub max_depth: u32,
+}
+
+/// Kinds of controller step, as capabilities declare them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ControllerStepKind {
+    CreateImage,
+    DeleteImage,
+    ResizeImage,
+    CreateSnapshot,
+    DeleteSnapshot,
+    CloneImage,
+}
+
+impl ControllerStepKind {
+    pub const ALL: [ControllerStepKind; 6] = [
+        ControllerStepKind::CreateImage,
+        ControllerStepKind::DeleteImage,
+        ControllerStepKind::ResizeImage,
+        ControllerStepKind::CreateSnapshot,
+        ControllerStepKind::DeleteSnapshot,
+        ControllerStepKind::CloneImage,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ControllerStepKind::CreateImage => "create-image",
+            ControllerStepKind::DeleteImage => "delete-image",
+            ControllerStepKind::ResizeImage => "resize-image",
+            ControllerStepKind::CreateSnapshot => "create-snapshot",
+            ControllerStepKind::DeleteSnapshot => "delete-snapshot",
+            ControllerStepKind::CloneImage => "clone-image",
+        }
+    }
+}
+
+/// A controller plan and what the volume or snapshot is once it ran.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Provision {
+    pub steps: Vec<ControllerStep>,
+    pub id: String,
+    /// 0: what the steps made.
+    pub capacity_bytes: u64,
+    pub attributes: Vec<KeyValue>,
+    pub topology: Vec<Segment>,
+}
+
+/// A provisioner's refusal.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProvisionError {
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("no capacity: {0}")]
+    Exhausted(String),
+    #[error("out of range: {0}")]
+    OutOfRange(String),
+}
