@@ -22,6 +22,7 @@ pub mod nbd;
 pub mod ops;
 pub mod plugin;
 pub mod policy;
+pub mod provision;
 pub mod reopening_db;
 pub mod secret;
 pub mod socket;

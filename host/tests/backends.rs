@@ -270,7 +270,7 @@ fn rbd_provisions_through_the_host_with_checked_plans_and_nbd_is_refused_with_th
         ..Default::default()
     };
     let made = rbd.create_volume(&request).unwrap().unwrap();
-    assert_eq!(made.id, "ceph/rbd/pvc-7");
+    assert_eq!(made.id, "ceph.rbd.pvc-7");
     assert_eq!(made.capacity_bytes, 3 << 20);
     assert!(matches!(&made.steps[..], [ControllerStep::CreateImage(c)]
         if c.size_bytes == 3 << 20 && c.features == ["layering", "exclusive-lock"]));
@@ -285,7 +285,7 @@ fn rbd_provisions_through_the_host_with_checked_plans_and_nbd_is_refused_with_th
     );
     // The policy's own refusals keep their kind.
     let mut from = request.clone();
-    from.source = Some(ContentSource::Snapshot("ceph/rbd/pvc-1".into()));
+    from.source = Some(ContentSource::Snapshot("ceph.rbd.pvc-1".into()));
     assert!(matches!(rbd.create_volume(&from).unwrap(), Err(ProvisionError::NotFound(_))));
     let gone = Target { id: "not-ours".into(), ..Default::default() };
     assert!(matches!(rbd.delete_volume(&gone).unwrap(), Err(ProvisionError::NotFound(_))));

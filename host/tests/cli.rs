@@ -92,13 +92,15 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
     let (code, out, err) = volagent(&["plugin", "inspect", RBD]);
     assert_eq!(code, 0, "{err}");
     for expected in [
-        "world:       exports volagent:policy/policy@1.0.0\n",
-        "optional:    block-volumes, expand, health\n",
+        "world:       exports volagent:policy/policy@1.1.0\n",
+        "optional:    block-volumes, expand, health, provisioner\n",
+        "controller:  create-image, delete-image, resize-image, create-snapshot, delete-snapshot, clone-image\n",
         "backend:     rbd 0.1.0",
         "devices:     rbd",
         "blocklist-client",
         "publish-block",
-        "volagent:policy/ceph@1.0.0",
+        "volagent:policy/ceph@1.1.0",
+        "volagent:policy/ceph-provisioning@1.1.0",
     ] {
         assert!(out.contains(expected), "missing {expected:?} in\n{out}");
     }
@@ -106,8 +108,8 @@ fn plugin_inspect_shows_world_version_info_and_imports() {
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).expect("inspect --json prints JSON");
     assert_eq!(v["info"]["name"], "rbd");
-    assert_eq!(v["export"], "volagent:policy/policy@1.0.0");
-    assert_eq!(v["contract"], "1.0.0");
+    assert_eq!(v["export"], "volagent:policy/policy@1.1.0");
+    assert_eq!(v["contract"], "1.1.0");
     // A build for the previous contract says which it speaks, and that the
     // host serves it through its adapter.
     let old = volagent_test_support::workspace().join("tests/fixtures/contract-0.4/rbd.wasm");
@@ -172,7 +174,8 @@ fn a_new_backend_builds_and_passes_its_scenarios_as_written() {
     assert!(out.ends_with("demo-store 0.1.0: 5 passed, 0 failed\n"), "{out}");
     let (code, out, err) = volagent(&["plugin", "inspect", wasm]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("world:       exports volagent:policy/policy@1.0.0"), "{out}");
+    assert!(out.contains("world:       exports volagent:policy/policy@1.1.0"), "{out}");
+    assert!(out.contains("controller:  -\n"), "a new backend provisions nothing: {out}");
     assert!(out.contains("network fs:  nfs"), "{out}");
     // Written once: never over a crate that is there.
     let (code, _, err) =

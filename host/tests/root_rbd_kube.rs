@@ -7,7 +7,10 @@
 //! the new node, blocklisted its Ceph client by the address its agent
 //! recorded at attach (not while the controller cannot: its credentials
 //! missing leave the volume with the old node); from then on its writes
-//! fail with EIO while the new node's succeed. Needs root.
+//! fail with EIO while the new node's succeed. And provisioning: the
+//! controller's CSI Controller service makes, grows, snapshots, clones and
+//! removes images as the rbd policy plans them, with the controller's
+//! user, and answers with the CSI spec's codes. Needs root.
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
@@ -496,4 +499,360 @@ fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records(
         .arg(dir.join("ceph.conf"))
         .args(["osd", "blocklist", "rm", &client.address])
         .output();
+}
+
+/// Images a test provisions, with their snapshots, removed on drop however
+/// it ends.
+struct Provisioned {
+    dir: std::path::PathBuf,
+    images: Vec<String>,
+}
+
+impl Drop for Provisioned {
+    fn drop(&mut self) {
+        for image in self.images.iter().rev() {
+            let spec = format!("rbd/{image}");
+            let conf = self.dir.join("ceph.conf");
+            for args in
+                [&["snap", "purge", "--no-progress", &spec][..], &["rm", "--no-progress", &spec]]
+            {
+                let _ = Command::new("rbd").arg("-c").arg(&conf).args(args).output();
+            }
+        }
+    }
+}
+
+/// The code and message of a call that must fail.
+fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> (tonic::Code, String) {
+    match r {
+        Ok(ok) => panic!("succeeded: {ok:?}"),
+        Err(s) => (s.code(), s.message().to_string()),
+    }
+}
+
+fn image_size(dir: &std::path::Path, image: &str) -> Option<u64> {
+    let out = Command::new("rbd")
+        .arg("-c")
+        .arg(dir.join("ceph.conf"))
+        .args(["info", "--format", "json", &format!("rbd/{image}")])
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return None;
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["size"].as_u64()
+}
+
+#[test]
+fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_codes() {
+    use tonic::Code;
+    use volagent::csi::proto::csi::controller_client::ControllerClient;
+    use volagent::csi::proto::csi::identity_client::IdentityClient;
+    use volagent::csi::proto::csi::volume_capability::{
+        AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode,
+    };
+    use volagent::csi::proto::csi::*;
+    const MIB: i64 = 1 << 20;
+    let dir = ceph_dir();
+    let key = volagent_key(&dir);
+    let mut c =
+        Cluster::start(VOLAGENT, &["node-a"], &[RBD, (volagent_test_artifacts::NBD, "nbd")]);
+    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    c.create_storage_cluster("ceph", "ceph-volagent");
+    c.create_fencing_secret("ceph");
+    // The controller again, now serving the policies' CSI controllers.
+    let csi = c.scratch.path("csi");
+    c.kill_agent("controller");
+    c.controller_args = vec![
+        "--plugin-dir".into(),
+        c.scratch.path("plugins").display().to_string(),
+        "--csi-dir".into(),
+        csi.display().to_string(),
+    ];
+    c.spawn_controller();
+    let socket = volagent::csi::controller::socket_path(&csi, "rbd");
+    c.wait("the rbd controller socket", || socket.exists());
+    let suffix = ceph::rand_suffix() % 1_000_000_000;
+    let (name, restored, cloned) =
+        (format!("pvc-{suffix}"), format!("pvc-{suffix}-r"), format!("pvc-{suffix}-c"));
+    let _cleanup = Provisioned {
+        dir: dir.clone(),
+        images: vec![name.clone(), restored.clone(), cloned.clone()],
+    };
+    let mount = |mode: Mode| VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        })),
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+    };
+    let block = |mode: Mode| VolumeCapability {
+        access_type: Some(AccessType::Block(BlockVolume {})),
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+    };
+    let params: std::collections::HashMap<String, String> = [
+        ("storageCluster", "ceph"),
+        ("csi.storage.k8s.io/fstype", "ext4"),
+        ("imageFeatures", "layering,exclusive-lock"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let create =
+        |name: &str, mib: i64, source: Option<volume_content_source::Type>| CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(CapacityRange { required_bytes: mib * MIB, limit_bytes: 0 }),
+            volume_capabilities: vec![mount(Mode::SingleNodeWriter)],
+            parameters: params.clone(),
+            volume_content_source: source.map(|t| VolumeContentSource { r#type: Some(t) }),
+            ..Default::default()
+        };
+    c.rt.block_on(async {
+        let channel = volagent::csi::client::connect(socket.clone()).await.unwrap();
+        let mut ctl = ControllerClient::new(channel.clone());
+        let mut identity = IdentityClient::new(channel);
+        let caps = identity.get_plugin_capabilities(GetPluginCapabilitiesRequest {}).await.unwrap();
+        let services: Vec<i32> = caps
+            .into_inner()
+            .capabilities
+            .iter()
+            .filter_map(|c| match &c.r#type {
+                Some(plugin_capability::Type::Service(s)) => Some(s.r#type),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            services,
+            [
+                plugin_capability::service::Type::ControllerService as i32,
+                plugin_capability::service::Type::VolumeAccessibilityConstraints as i32
+            ]
+        );
+        let rpcs =
+            ctl.controller_get_capabilities(ControllerGetCapabilitiesRequest {}).await.unwrap();
+        assert_eq!(rpcs.into_inner().capabilities.len(), 6);
+
+        // Made as asked, rounded to a MiB, on the pool; a retry is the same volume.
+        let mut first = create(&name, 8, None);
+        first.capacity_range.as_mut().unwrap().required_bytes = 8 * MIB - 5;
+        let made = ctl.create_volume(first.clone()).await.unwrap().into_inner().volume.unwrap();
+        assert_eq!(made.volume_id, format!("ceph.rbd.{name}"));
+        assert_eq!(made.capacity_bytes, 8 * MIB);
+        assert_eq!(made.volume_context.get("storageCluster").map(String::as_str), Some("ceph"));
+        assert_eq!(made.volume_context.get("image"), Some(&name));
+        assert_eq!(image_size(&dir, &name), Some(8 << 20));
+        let again = ctl.create_volume(first.clone()).await.unwrap().into_inner().volume.unwrap();
+        assert_eq!(again, made, "a retried create returns the same volume");
+        // The controller recorded it before making it.
+        let records: Api<volagent::kube::crds::ProvisionRecord> = Api::all(c.client());
+        let listed = records.list(&Default::default()).await.unwrap();
+        assert!(listed.items.iter().any(|r| r.spec.id == made.volume_id), "{listed:?}");
+
+        // The spec's codes.
+        let (got, why) = code(ctl.create_volume(create(&name, 16, None)).await);
+        assert_eq!(got, Code::AlreadyExists, "{why}");
+        let mut other = first.clone();
+        other.parameters.insert("pool".into(), "elsewhere".into());
+        assert_eq!(code(ctl.create_volume(other).await).0, Code::AlreadyExists);
+        assert_eq!(code(ctl.create_volume(create("", 8, None)).await).0, Code::InvalidArgument);
+        let mut no_caps = create("pvc-x", 8, None);
+        no_caps.volume_capabilities.clear();
+        assert_eq!(code(ctl.create_volume(no_caps).await).0, Code::InvalidArgument);
+        let mut rwx = create("pvc-x", 8, None);
+        rwx.volume_capabilities = vec![mount(Mode::MultiNodeMultiWriter)];
+        let (got, why) = code(ctl.create_volume(rwx).await);
+        assert_eq!(got, Code::InvalidArgument, "{why}");
+        assert!(why.contains("ReadWriteMany"), "{why}");
+        let mut rwx_block = create("pvc-x", 8, None);
+        rwx_block.volume_capabilities =
+            vec![block(Mode::MultiNodeMultiWriter), mount(Mode::SingleNodeWriter)];
+        assert_eq!(
+            code(ctl.create_volume(rwx_block).await).0,
+            Code::InvalidArgument,
+            "block and mount at once"
+        );
+        let mut bad_range = create("pvc-x", 8, None);
+        bad_range.capacity_range =
+            Some(CapacityRange { required_bytes: 8 * MIB, limit_bytes: 4 * MIB });
+        assert_eq!(code(ctl.create_volume(bad_range).await).0, Code::OutOfRange);
+        let mut unfit = create("pvc-x", 8, None);
+        unfit.capacity_range =
+            Some(CapacityRange { required_bytes: 8 * MIB + 1, limit_bytes: 8 * MIB + 2 });
+        assert_eq!(code(ctl.create_volume(unfit).await).0, Code::OutOfRange);
+        let mut unnamed_cluster = create("pvc-x", 8, None);
+        unnamed_cluster.parameters.remove("storageCluster");
+        assert_eq!(code(ctl.create_volume(unnamed_cluster).await).0, Code::InvalidArgument);
+        let missing =
+            Some(volume_content_source::Type::Snapshot(volume_content_source::SnapshotSource {
+                snapshot_id: format!("ceph.rbd.{name}.nothing"),
+            }));
+        let (got, why) = code(ctl.create_volume(create(&format!("{name}-m"), 8, missing)).await);
+        assert_eq!(got, Code::NotFound, "{why}");
+        assert_eq!(
+            image_size(&dir, &format!("{name}-m")),
+            None,
+            "nothing made for a missing source"
+        );
+
+        // Capabilities of a made volume, and of one that is not there.
+        let valid = ctl
+            .validate_volume_capabilities(ValidateVolumeCapabilitiesRequest {
+                volume_id: made.volume_id.clone(),
+                volume_capabilities: vec![mount(Mode::SingleNodeWriter)],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(valid.confirmed.is_some());
+        let unknown = ValidateVolumeCapabilitiesRequest {
+            volume_id: "ceph.rbd.nothing-here".into(),
+            volume_capabilities: vec![mount(Mode::SingleNodeWriter)],
+            ..Default::default()
+        };
+        assert_eq!(code(ctl.validate_volume_capabilities(unknown).await).0, Code::NotFound);
+
+        // Grown on the storage; the node grows the filesystem after.
+        let grown = ctl
+            .controller_expand_volume(ControllerExpandVolumeRequest {
+                volume_id: made.volume_id.clone(),
+                capacity_range: Some(CapacityRange { required_bytes: 12 * MIB, limit_bytes: 0 }),
+                volume_capability: Some(mount(Mode::SingleNodeWriter)),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((grown.capacity_bytes, grown.node_expansion_required), (12 * MIB, true));
+        assert_eq!(image_size(&dir, &name), Some(12 << 20));
+        let no_range = ControllerExpandVolumeRequest {
+            volume_id: made.volume_id.clone(),
+            ..Default::default()
+        };
+        assert_eq!(code(ctl.controller_expand_volume(no_range).await).0, Code::InvalidArgument);
+
+        // A snapshot, idempotent by name, listed, and restored as a clone.
+        let snap_req = CreateSnapshotRequest {
+            source_volume_id: made.volume_id.clone(),
+            name: "snap-1".into(),
+            ..Default::default()
+        };
+        let snap =
+            ctl.create_snapshot(snap_req.clone()).await.unwrap().into_inner().snapshot.unwrap();
+        assert_eq!(snap.snapshot_id, format!("ceph.rbd.{name}.snap-1"));
+        assert_eq!((snap.size_bytes, snap.ready_to_use), (12 * MIB, true));
+        assert!(snap.creation_time.is_some());
+        assert_eq!(
+            ctl.create_snapshot(snap_req).await.unwrap().into_inner().snapshot.unwrap(),
+            snap
+        );
+        let elsewhere = CreateSnapshotRequest {
+            source_volume_id: "ceph.rbd.another".into(),
+            name: "snap-1".into(),
+            ..Default::default()
+        };
+        assert_eq!(code(ctl.create_snapshot(elsewhere).await).0, Code::AlreadyExists);
+        let listed = ctl
+            .list_snapshots(ListSnapshotsRequest {
+                source_volume_id: made.volume_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(listed.entries.len(), 1);
+        assert_eq!(listed.entries[0].snapshot.as_ref(), Some(&snap));
+        let by_id = ctl
+            .list_snapshots(ListSnapshotsRequest {
+                snapshot_id: "ceph.rbd.none.snap".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(by_id.entries.is_empty());
+        let bad_token = ListSnapshotsRequest { starting_token: "x".into(), ..Default::default() };
+        assert_eq!(code(ctl.list_snapshots(bad_token).await).0, Code::Aborted);
+        let from_snapshot =
+            Some(volume_content_source::Type::Snapshot(volume_content_source::SnapshotSource {
+                snapshot_id: snap.snapshot_id.clone(),
+            }));
+        let r = ctl
+            .create_volume(create(&restored, 16, from_snapshot))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        assert_eq!((r.capacity_bytes, image_size(&dir, &restored)), (16 * MIB, Some(16 << 20)));
+        let from_volume =
+            Some(volume_content_source::Type::Volume(volume_content_source::VolumeSource {
+                volume_id: made.volume_id.clone(),
+            }));
+        let cl = ctl
+            .create_volume(create(&cloned, 12, from_volume))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        assert_eq!(cl.capacity_bytes, 12 * MIB);
+        assert!(image_size(&dir, &cloned).is_some());
+
+        // Removal: refused while snapshots need the image; a snapshot and
+        // volumes go; unknown ids are success.
+        let (got, why) = code(
+            ctl.delete_volume(DeleteVolumeRequest {
+                volume_id: made.volume_id.clone(),
+                ..Default::default()
+            })
+            .await,
+        );
+        assert_eq!(got, Code::FailedPrecondition, "{why}");
+        assert!(why.contains("snapshot"), "{why}");
+        ctl.delete_snapshot(DeleteSnapshotRequest {
+            snapshot_id: snap.snapshot_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        ctl.delete_snapshot(DeleteSnapshotRequest {
+            snapshot_id: snap.snapshot_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        for id in [&cl.volume_id, &r.volume_id, &made.volume_id] {
+            ctl.delete_volume(DeleteVolumeRequest { volume_id: id.clone(), ..Default::default() })
+                .await
+                .unwrap();
+        }
+        assert_eq!(image_size(&dir, &name), None);
+        ctl.delete_volume(DeleteVolumeRequest {
+            volume_id: made.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        ctl.delete_volume(DeleteVolumeRequest {
+            volume_id: "not-an-rbd-id".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            code(ctl.delete_volume(DeleteVolumeRequest::default()).await).0,
+            Code::InvalidArgument
+        );
+        let left = records.list(&Default::default()).await.unwrap();
+        assert!(!left.items.iter().any(|r| r.spec.name.starts_with(&name)), "{left:?}");
+
+        // nbd's policy has no provisioner: its driver says so.
+        let nbd = volagent::csi::controller::socket_path(&csi, "nbd");
+        let mut nbd = ControllerClient::new(volagent::csi::client::connect(nbd).await.unwrap());
+        let (got, why) = code(nbd.create_volume(create("pvc-n", 8, None)).await);
+        assert_eq!(got, Code::Unimplemented, "{why}");
+        assert!(why.contains("does not export volagent:policy/provisioner"), "{why}");
+    });
 }

@@ -7,8 +7,9 @@
 //! "rbd"), `dataPool`, `imageFeatures` (comma-separated; default
 //! "layering"), `maxCloneDepth` (a clone whose chain of parents is deeper
 //! is flattened; default 4, as ceph-csi's soft limit), `attach` (passed to
-//! the nodes). A volume's id is `<cluster>/<pool>/<image>`; a snapshot's
-//! `<cluster>/<pool>/<image>@<snapshot>`.
+//! the nodes). A volume's id is `<cluster>.<pool>.<image>`; a snapshot's
+//! `<cluster>.<pool>.<image>.<snapshot>`: each part a DNS label, so an id
+//! is a Kubernetes object name, as nodes name their records after it.
 
 use volagent_guest_sdk::provision::{
     ContentSource, ControllerStep, ControllerStepKind, CreateRequest, ImageRef, Provision,
@@ -28,40 +29,34 @@ struct Place {
     snapshot: Option<String>,
 }
 
+/// A DNS label: lowercase letters, digits and '-', 1 to 63, starting and
+/// ending with a letter or digit.
 fn name_ok(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 100
-        && !name.starts_with('.')
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    let alnum = |b: Option<&u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    name.len() <= 63
+        && alnum(name.as_bytes().first())
+        && alnum(name.as_bytes().last())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
+const NAME_RULE: &str =
+    "lowercase letters, digits and '-', 1 to 63, starting and ending with a letter or digit";
+
 fn parse(id: &str) -> Result<Place, ProvisionError> {
-    let not_ours = || {
-        ProvisionError::NotFound(format!("{id:?} is not an rbd volume or snapshot id of volagent"))
-    };
-    let (path, snapshot) = match id.split_once('@') {
-        Some((path, snap)) => (path, Some(snap.to_string())),
-        None => (id, None),
-    };
-    let mut parts = path.split('/');
-    let (Some(cluster), Some(pool), Some(image), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(not_ours());
-    };
-    if ![cluster, pool, image].iter().all(|p| name_ok(p))
-        || snapshot.as_deref().is_some_and(|s| !name_ok(s))
-    {
-        return Err(not_ours());
+    let parts: Vec<&str> = id.split('.').collect();
+    if !(3..=4).contains(&parts.len()) || !parts.iter().all(|p| name_ok(p)) {
+        return Err(ProvisionError::NotFound(format!(
+            "{id:?} is not an rbd volume or snapshot id of volagent"
+        )));
     }
     Ok(Place {
-        image: ImageRef { cluster: cluster.into(), pool: pool.into(), image: image.into() },
-        snapshot,
+        image: ImageRef { cluster: parts[0].into(), pool: parts[1].into(), image: parts[2].into() },
+        snapshot: parts.get(3).map(|s| s.to_string()),
     })
 }
 
 fn id_of(i: &ImageRef) -> String {
-    format!("{}/{}/{}", i.cluster, i.pool, i.image)
+    format!("{}.{}.{}", i.cluster, i.pool, i.image)
 }
 
 fn features(parameters: &[KeyValue]) -> Vec<String> {
@@ -113,7 +108,7 @@ impl Provisioner for crate::Rbd {
         let pool = parameter(p, "pool").unwrap_or("rbd");
         if !name_ok(&r.name) || !name_ok(cluster) || !name_ok(pool) {
             return Err(ProvisionError::Invalid(format!(
-                "name {:?}, storageCluster {cluster:?} and pool {pool:?} must each be 1 to 100 letters, digits, '-', '_' or '.'",
+                "name {:?}, storageCluster {cluster:?} and pool {pool:?} must each be {NAME_RULE}",
                 r.name
             )));
         }
@@ -243,11 +238,11 @@ impl Provisioner for crate::Rbd {
         }
         if !name_ok(&v.name) {
             return Err(ProvisionError::Invalid(format!(
-                "snapshot name {:?} is not 1 to 100 letters, digits, '-', '_' or '.'",
+                "snapshot name {:?}: it must be {NAME_RULE}",
                 v.name
             )));
         }
-        let id = format!("{}@{}", id_of(&place.image), v.name);
+        let id = format!("{}.{}", id_of(&place.image), v.name);
         if id.len() > 128 {
             return Err(ProvisionError::Invalid(format!(
                 "the snapshot id {id} would be longer than 128 bytes"
@@ -307,7 +302,7 @@ mod tests {
                 features: vec!["layering".into()],
             }]
         );
-        assert_eq!(p.id, "ceph/kube/pvc-1");
+        assert_eq!(p.id, "ceph.kube.pvc-1");
         assert_eq!(p.capacity_bytes, 11 * MIB);
         assert!(p.attributes.contains(&kv("storageCluster", "ceph")));
         assert!(p.attributes.contains(&kv("image", "pvc-1")));
@@ -330,7 +325,7 @@ mod tests {
         assert!(matches!(crate::Rbd::create(r), Err(ProvisionError::OutOfRange(_))));
         let mut r = request();
         r.parameters.push(kv("maxCloneDepth", "x"));
-        r.source = Some(ContentSource::Snapshot("ceph/kube/a@s".into()));
+        r.source = Some(ContentSource::Snapshot("ceph.kube.a.s".into()));
         assert!(
             matches!(crate::Rbd::create(r), Err(ProvisionError::Invalid(m)) if m.contains("maxCloneDepth"))
         );
@@ -339,7 +334,7 @@ mod tests {
     #[test]
     fn a_restore_clones_the_snapshot_and_a_volume_clone_snapshots_its_source_first() {
         let mut r = request();
-        r.source = Some(ContentSource::Snapshot("ceph/kube/pvc-0@snap-1".into()));
+        r.source = Some(ContentSource::Snapshot("ceph.kube.pvc-0.snap-1".into()));
         let p = crate::Rbd::create(r.clone()).unwrap();
         assert!(
             matches!(&p.steps[0], ControllerStep::CloneImage { snapshot, max_depth: 4, .. } if snapshot == "snap-1")
@@ -351,7 +346,7 @@ mod tests {
         let p = crate::Rbd::create(r.clone()).unwrap();
         assert_eq!(p.steps.len(), 1, "no size asked: the snapshot's");
         assert_eq!(p.capacity_bytes, 0);
-        r.source = Some(ContentSource::Volume("ceph/kube/pvc-0".into()));
+        r.source = Some(ContentSource::Volume("ceph.kube.pvc-0".into()));
         let kinds: Vec<_> =
             crate::Rbd::create(r.clone()).unwrap().steps.iter().map(|s| s.kind()).collect();
         assert_eq!(
@@ -362,9 +357,9 @@ mod tests {
                 ControllerStepKind::DeleteSnapshot
             ]
         );
-        r.source = Some(ContentSource::Volume("other/kube/pvc-0".into()));
+        r.source = Some(ContentSource::Volume("other.kube.pvc-0".into()));
         assert!(matches!(crate::Rbd::create(r.clone()), Err(ProvisionError::Unsupported(_))));
-        r.source = Some(ContentSource::Snapshot("ceph/kube/pvc-0".into()));
+        r.source = Some(ContentSource::Snapshot("ceph.kube.pvc-0".into()));
         assert!(matches!(crate::Rbd::create(r), Err(ProvisionError::NotFound(_))));
     }
 
@@ -376,24 +371,24 @@ mod tests {
             required_bytes: 2 * MIB,
             ..Default::default()
         };
-        assert_eq!(crate::Rbd::delete(t("ceph/kube/pvc-1")).unwrap().steps.len(), 1);
-        for bad in ["", "pvc-1", "a/b", "a/b/c/d", "a/../c", "a/b/c@"] {
+        assert_eq!(crate::Rbd::delete(t("ceph.kube.pvc-1")).unwrap().steps.len(), 1);
+        for bad in ["", "pvc-1", "a.b", "a.b.c.d.e", "a..c", "a.b.c.", "A.b.c", "a/b/c"] {
             assert!(
                 matches!(crate::Rbd::delete(t(bad)), Err(ProvisionError::NotFound(_))),
                 "{bad:?}"
             );
         }
-        let s = crate::Rbd::snapshot(t("ceph/kube/pvc-1")).unwrap();
-        assert_eq!(s.id, "ceph/kube/pvc-1@snap-1");
+        let s = crate::Rbd::snapshot(t("ceph.kube.pvc-1")).unwrap();
+        assert_eq!(s.id, "ceph.kube.pvc-1.snap-1");
         let d = crate::Rbd::delete_snapshot(t(&s.id)).unwrap();
         assert!(
             matches!(&d.steps[0], ControllerStep::DeleteSnapshot { snapshot, .. } if snapshot == "snap-1")
         );
         assert!(matches!(
-            crate::Rbd::delete_snapshot(t("ceph/kube/pvc-1")),
+            crate::Rbd::delete_snapshot(t("ceph.kube.pvc-1")),
             Err(ProvisionError::NotFound(_))
         ));
-        let e = crate::Rbd::expand(t("ceph/kube/pvc-1")).unwrap();
+        let e = crate::Rbd::expand(t("ceph.kube.pvc-1")).unwrap();
         assert!(
             matches!(&e.steps[0], ControllerStep::ResizeImage { size_bytes, .. } if *size_bytes == 2 * MIB)
         );

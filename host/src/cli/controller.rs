@@ -75,9 +75,54 @@ pub struct ControllerArgs {
     /// to the node of the pod its token is bound to.
     #[arg(long, default_value = "volagent-system/volagent-agent")]
     agent_service_account: crate::kube::admission::caller::AgentAccount,
+    /// Backend policy components (*.wasm) whose provisioners make volumes;
+    /// none: the controller provisions nothing. Read at start.
+    #[arg(long)]
+    plugin_dir: Option<PathBuf>,
+    /// Serve each provisioning backend's CSI Controller service here, as
+    /// <dir>/<backend>.csi.volagent.io.sock, for the upstream sidecars.
+    #[arg(long, requires = "plugin_dir")]
+    csi_dir: Option<PathBuf>,
+    /// A uid allowed to connect to the CSI sockets (repeatable; default:
+    /// root and the controller's own uid).
+    #[arg(long = "csi-allowed-uid")]
+    csi_allowed_uids: Vec<u32>,
+    /// How long one controller step (an image made, grown, removed) may
+    /// take before the request fails and is retried.
+    #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+    step_deadline: Duration,
 }
 
-pub fn run(args: ControllerArgs) -> anyhow::Result<ExitCode> {
+/// Every `*.wasm` in `dir`, loaded; a file that does not load is logged
+/// and left out (the others are served).
+fn load_policies(
+    dir: &std::path::Path,
+    limits: crate::policy::Limits,
+) -> anyhow::Result<std::collections::BTreeMap<String, Arc<crate::policy::Plugin>>> {
+    let runtime = crate::policy::Runtime::new(limits)?;
+    let mut plugins = std::collections::BTreeMap::new();
+    let entries = std::fs::read_dir(dir)
+        .with_context(|| format!("reading the plugin dir {}", dir.display()))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "wasm"))
+        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+        .collect();
+    files.sort();
+    for path in files {
+        match crate::policy::Plugin::load_file(&runtime, &path) {
+            Ok(plugin) => {
+                tracing::info!(backend = plugin.name(), path = %path.display(), provisions = plugin.provisions(), "policy loaded");
+                plugins.insert(plugin.name().to_string(), Arc::new(plugin));
+            }
+            Err(e) => tracing::error!("policy not loaded: {e}"),
+        }
+    }
+    Ok(plugins)
+}
+
+pub fn run(args: ControllerArgs, limits: crate::policy::Limits) -> anyhow::Result<ExitCode> {
     if args.lease_duration < Duration::from_secs(3) {
         anyhow::bail!("--lease-duration must be at least 3s (it is renewed every third of it)");
     }
@@ -141,6 +186,27 @@ pub fn run(args: ControllerArgs) -> anyhow::Result<ExitCode> {
             cluster_interval: args.cluster_interval,
             local_interval: args.local_interval,
         };
+        let provisioner = match &args.plugin_dir {
+            Some(dir) => Some(Arc::new(crate::provision::Provisioner::new(
+                load_policies(dir, limits)?,
+                client.clone(),
+                Arc::new(crate::sys::rbd_images::LibRbdImages),
+                args.step_deadline,
+            ))),
+            None => None,
+        };
+        let csi_ended = async {
+            match (&provisioner, &args.csi_dir) {
+                (Some(p), Some(dir)) => {
+                    let mut uids = args.csi_allowed_uids.clone();
+                    if uids.is_empty() {
+                        uids = vec![0, nix::unistd::getuid().as_raw()];
+                    }
+                    crate::csi::controller::serve(p.clone(), dir, uids).await
+                }
+                _ => std::future::pending().await,
+            }
+        };
         tracing::info!(identity = %config.identity, scan_interval = ?config.scan_interval, "volagent controller starting");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
         let webhook_ended = async {
@@ -156,6 +222,7 @@ pub fn run(args: ControllerArgs) -> anyhow::Result<ExitCode> {
         tokio::select! {
             () = controller::run(client, config, state) => {}
             ended = webhook_ended => ended?,
+            ended = csi_ended => ended?,
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
             _ = term.recv() => tracing::info!("terminated"),
         }

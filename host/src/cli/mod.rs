@@ -50,10 +50,13 @@ enum Command {
         limits: LimitArgs,
     },
     /// Run the cluster-wide controller: moves vanished nodes' attachments
-    /// to their cleanup lists, releases deleted StorageClusters.
+    /// to their cleanup lists, releases deleted StorageClusters, and
+    /// provisions volumes as the backends' policies plan them.
     Controller {
         #[command(flatten)]
         args: controller::ControllerArgs,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Local persistent volumes: discovery, as the agent does it.
     Local {
@@ -120,7 +123,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Agent { args, limits } => agent::run(*args, limits.limits()),
         Command::Status { args } => status::run(args),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
-        Command::Controller { args } => controller::run(args),
+        Command::Controller { args, limits } => controller::run(args, limits.limits()),
         Command::Nbd { command } => nbd::run(command),
         Command::Local { command } => local::run(command),
         Command::Crds { dir: None } => {

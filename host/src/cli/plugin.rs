@@ -191,6 +191,7 @@ fn inspect(runtime: &Arc<Runtime>, wasm: &Path, json: bool) -> anyhow::Result<Ex
     println!("backend:     {} {}", info.name, info.version);
     println!("about:       {}", info.description);
     println!("steps:       {}", names(caps.steps.iter().map(|s| s.name()).collect()));
+    println!("controller:  {}", names(caps.controller_steps.iter().map(|s| s.name()).collect()));
     println!("devices:     {}", names(caps.device_kinds.iter().map(|d| d.name()).collect()));
     println!("filesystems: {}", names(caps.filesystems.iter().map(String::as_str).collect()));
     println!(

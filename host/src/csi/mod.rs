@@ -6,6 +6,7 @@
 
 mod authority;
 pub mod client;
+pub mod controller;
 pub mod drivers;
 mod identity;
 mod node;

@@ -250,6 +250,81 @@ impl FenceRequest {
     }
 }
 
+/// The controller's record of a volume or snapshot it provisions: written
+/// (phase Creating) before the storage is touched, Ready once made, and
+/// deleted after the storage is removed. It settles a retried request by
+/// name, lists snapshots, and lets a restarted controller find what a
+/// create it did not finish left behind. Only the controller reads or
+/// writes these.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "volagent.io",
+    version = "v1alpha1",
+    kind = "ProvisionRecord",
+    plural = "provisionrecords",
+    shortname = "vpr",
+    printcolumn = r#"{"name":"Backend","type":"string","jsonPath":".spec.backend"}"#,
+    printcolumn = r#"{"name":"Kind","type":"string","jsonPath":".spec.kind"}"#,
+    printcolumn = r#"{"name":"Name","type":"string","jsonPath":".spec.name"}"#,
+    printcolumn = r#"{"name":"Id","type":"string","jsonPath":".spec.id"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".spec.phase"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ProvisionRecordSpec {
+    pub backend: String,
+    pub kind: ProvisionKind,
+    /// The name it was asked for (CSI name: pvc-<uid>, snapshot-<uid>).
+    pub name: String,
+    /// The id the policy gave it.
+    pub id: String,
+    /// A volume's content source, a snapshot's volume; by id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// Bytes asked for (a volume: required; 0 unspecified) and made.
+    #[serde(default)]
+    pub required_bytes: i64,
+    #[serde(default)]
+    pub limit_bytes: i64,
+    #[serde(default)]
+    pub capacity_bytes: i64,
+    /// A fingerprint of the rest of a volume's request (parameters,
+    /// access, source): the same name with another request is refused.
+    /// (Absent rather than empty: kube-apiserver 1.20 reads `""` as null.)
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_digest: String,
+    pub phase: ProvisionPhase,
+    /// RFC 3339 time the record was written.
+    pub created: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum ProvisionKind {
+    Volume,
+    Snapshot,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum ProvisionPhase {
+    Creating,
+    Ready,
+    Deleting,
+}
+
+impl ProvisionRecord {
+    /// The record's object name: one per backend, kind and requested
+    /// name, a valid object name whatever the name is.
+    pub fn name_for(backend: &str, kind: ProvisionKind, name: &str) -> String {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(format!("{backend}\n{kind:?}\n{name}").as_bytes());
+        let prefix = match kind {
+            ProvisionKind::Volume => "vol",
+            ProvisionKind::Snapshot => "snap",
+        };
+        format!("{prefix}-{}", &hex::encode(digest)[..32])
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct StorageClusterStatus {
@@ -419,6 +494,7 @@ pub fn all() -> Vec<(String, String)> {
         StorageCluster::crd(),
         NodeLocalVolumes::crd(),
         FenceRequest::crd(),
+        ProvisionRecord::crd(),
     ]
     .into_iter()
     .map(|crd| {

@@ -148,6 +148,17 @@ async fn read_secret(
     Ok(out)
 }
 
+/// What a volume provisioned on StorageCluster `name` of `backend` gets
+/// from it as parameters: its parameters and its endpoints (`endpoints`).
+/// Refused while the cluster is being deleted: nothing new is made on it.
+pub async fn provisioning_parameters(
+    client: &kube::Client,
+    name: &str,
+    backend: &str,
+) -> Result<Vec<(String, String)>, VolumeError> {
+    Ok(StorageConnection::of(&storage_cluster(client, name, backend, false).await?).options())
+}
+
 /// The controller's connection to StorageCluster `name` of `backend`
 /// (also while it is being deleted): its endpoints and parameters, as the
 /// user of its `controllerCredentials`, which may fence other nodes'

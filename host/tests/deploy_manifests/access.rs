@@ -8,8 +8,9 @@ pub(crate) const VERBS: [&str; 8] =
     ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"];
 
 /// (group, resource, subresource, namespaced) checked for both accounts.
-pub(crate) const RESOURCES: [(&str, &str, &str, bool); 22] = [
+pub(crate) const RESOURCES: [(&str, &str, &str, bool); 23] = [
     ("volagent.io", "attachments", "", false),
+    ("volagent.io", "provisionrecords", "", false),
     ("volagent.io", "fencerequests", "", false),
     ("volagent.io", "fencerequests", "status", false),
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "", false),
@@ -84,6 +85,12 @@ pub(crate) const CONTROLLER_GRANTS: &[Grant] = &[
     grant("volagent.io", "fencerequests/status", &["get", "update", "patch"]),
     grant("volagent.io", "storageclusters", &["get", "list", "watch", "update", "patch"]),
     grant("volagent.io", "storageclusters/status", &["get", "update", "patch"]),
+    // Its own records of what it provisions.
+    grant(
+        "volagent.io",
+        "provisionrecords",
+        &["get", "list", "watch", "create", "patch", "delete"],
+    ),
     grant("", "nodes", READ),
     // Local volumes: the operations it requests, the PVs it makes and
     // deletes, the classes' reclaim policies and parameters.

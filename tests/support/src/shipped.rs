@@ -22,13 +22,14 @@ pub const AGENT_ACCOUNT: &str = "volagent-agent";
 pub const CONTROLLER_NAMESPACE: &str = "volagent-controller";
 pub const CONTROLLER_ACCOUNT: &str = "volagent-controller";
 /// The files of `deploy/` a cluster without its workloads gets, in order.
-pub const FILES: [&str; 9] = [
+pub const FILES: [&str; 10] = [
     "namespace.yaml",
     "crds/attachments.volagent.io.yaml",
     "crds/nodecleanups.volagent.io.yaml",
     "crds/storageclusters.volagent.io.yaml",
     "crds/nodelocalvolumes.volagent.io.yaml",
     "crds/fencerequests.volagent.io.yaml",
+    "crds/provisionrecords.volagent.io.yaml",
     "rbac-agent.yaml",
     "rbac-controller.yaml",
     "admission-webhook.yaml",
