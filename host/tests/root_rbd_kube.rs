@@ -44,6 +44,13 @@ trait RbdCluster {
     fn create_storage_cluster(&self, name: &str, secret: &str);
     fn create_fencing_secret(&self, name: &str);
     fn csi_stage_and_publish(&self, node: &str, pv: &str, attrs: &[(&str, &str)]) -> String;
+    fn csi_stage_and_publish_fs(
+        &self,
+        node: &str,
+        pv: &str,
+        attrs: &[(&str, &str)],
+        fs: &str,
+    ) -> String;
     fn create_secret(&self, namespace: &str, name: &str, key: &str);
 }
 
@@ -117,6 +124,17 @@ impl RbdCluster for Cluster {
     /// NodeStage and NodePublish of CSI volume `pv` (attributes `attrs`, no
     /// secrets) on `node`, as kubelet makes them; the target.
     fn csi_stage_and_publish(&self, node: &str, pv: &str, attrs: &[(&str, &str)]) -> String {
+        self.csi_stage_and_publish_fs(node, pv, attrs, "ext4")
+    }
+
+    /// [`Self::csi_stage_and_publish`] with filesystem `fs`.
+    fn csi_stage_and_publish_fs(
+        &self,
+        node: &str,
+        pv: &str,
+        attrs: &[(&str, &str)],
+        fs: &str,
+    ) -> String {
         use volagent::csi::proto::csi::volume_capability::{
             AccessMode, AccessType, MountVolume, access_mode::Mode,
         };
@@ -128,7 +146,7 @@ impl RbdCluster for Cluster {
         std::fs::create_dir_all(target.parent().unwrap()).unwrap();
         let capability = Some(VolumeCapability {
             access_type: Some(AccessType::Mount(MountVolume {
-                fs_type: "ext4".into(),
+                fs_type: fs.into(),
                 ..Default::default()
             })),
             access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
@@ -522,6 +540,39 @@ impl Drop for Provisioned {
     }
 }
 
+/// NodeUnpublish and NodeUnstage of what `csi_stage_and_publish` did.
+fn csi_unpublish_and_unstage(c: &Cluster, node: &str, pv: &str) {
+    use volagent::csi::proto::csi::*;
+    let kubelet = c.scratch.path(&format!("{node}/kubelet"));
+    let staging = kubelet.join(format!("plugins/kubernetes.io/csi/pv/{pv}/globalmount"));
+    let target = kubelet.join(format!("pods/uid-csi/volumes/kubernetes.io~csi/{pv}/mount"));
+    let socket = volagent::csi::drivers::socket_path(&kubelet, "rbd");
+    c.rt.block_on(async {
+        let mut client =
+            node_client::NodeClient::new(volagent::csi::client::connect(socket).await.unwrap());
+        client
+            .node_unpublish_volume(NodeUnpublishVolumeRequest {
+                volume_id: pv.into(),
+                target_path: target.display().to_string(),
+            })
+            .await
+            .unwrap();
+        client
+            .node_unstage_volume(NodeUnstageVolumeRequest {
+                volume_id: pv.into(),
+                staging_target_path: staging.display().to_string(),
+            })
+            .await
+            .unwrap();
+    });
+}
+
+/// The size of the filesystem at `path`, in bytes.
+fn statvfs_bytes(path: &str) -> u64 {
+    let s = nix::sys::statvfs::statvfs(path).unwrap();
+    s.blocks() * s.fragment_size()
+}
+
 /// The code and message of a call that must fail.
 fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> (tonic::Code, String) {
     match r {
@@ -556,6 +607,14 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
     const MIB: i64 = 1 << 20;
     let dir = ceph_dir();
     let key = volagent_key(&dir);
+    let suffix = ceph::rand_suffix() % 1_000_000_000;
+    let (name, restored, cloned) =
+        (format!("pvc-{suffix}"), format!("pvc-{suffix}-r"), format!("pvc-{suffix}-c"));
+    // Declared before the cluster: dropped after it, once nothing maps them.
+    let _cleanup = Provisioned {
+        dir: dir.clone(),
+        images: vec![name.clone(), restored.clone(), cloned.clone()],
+    };
     let mut c =
         Cluster::start(VOLAGENT, &["node-a"], &[RBD, (volagent_test_artifacts::NBD, "nbd")]);
     c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
@@ -573,16 +632,9 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
     c.spawn_controller();
     let socket = volagent::csi::controller::socket_path(&csi, "rbd");
     c.wait("the rbd controller socket", || socket.exists());
-    let suffix = ceph::rand_suffix() % 1_000_000_000;
-    let (name, restored, cloned) =
-        (format!("pvc-{suffix}"), format!("pvc-{suffix}-r"), format!("pvc-{suffix}-c"));
-    let _cleanup = Provisioned {
-        dir: dir.clone(),
-        images: vec![name.clone(), restored.clone(), cloned.clone()],
-    };
     let mount = |mode: Mode| VolumeCapability {
         access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: "ext4".into(),
+            fs_type: "xfs".into(),
             ..Default::default()
         })),
         access_mode: Some(AccessMode { mode: mode as i32 }),
@@ -593,7 +645,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
     };
     let params: std::collections::HashMap<String, String> = [
         ("storageCluster", "ceph"),
-        ("csi.storage.k8s.io/fstype", "ext4"),
+        ("csi.storage.k8s.io/fstype", "xfs"),
         ("imageFeatures", "layering,exclusive-lock"),
     ]
     .into_iter()
@@ -608,7 +660,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
             volume_content_source: source.map(|t| VolumeContentSource { r#type: Some(t) }),
             ..Default::default()
         };
-    c.rt.block_on(async {
+    let (mut ctl, made) = c.rt.block_on(async {
         let channel = volagent::csi::client::connect(socket.clone()).await.unwrap();
         let mut ctl = ControllerClient::new(channel.clone());
         let mut identity = IdentityClient::new(channel);
@@ -634,14 +686,14 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         assert_eq!(rpcs.into_inner().capabilities.len(), 6);
 
         // Made as asked, rounded to a MiB, on the pool; a retry is the same volume.
-        let mut first = create(&name, 8, None);
-        first.capacity_range.as_mut().unwrap().required_bytes = 8 * MIB - 5;
+        let mut first = create(&name, 320, None);
+        first.capacity_range.as_mut().unwrap().required_bytes = 320 * MIB - 5;
         let made = ctl.create_volume(first.clone()).await.unwrap().into_inner().volume.unwrap();
         assert_eq!(made.volume_id, format!("ceph.rbd.{name}"));
-        assert_eq!(made.capacity_bytes, 8 * MIB);
+        assert_eq!(made.capacity_bytes, 320 * MIB);
         assert_eq!(made.volume_context.get("storageCluster").map(String::as_str), Some("ceph"));
         assert_eq!(made.volume_context.get("image"), Some(&name));
-        assert_eq!(image_size(&dir, &name), Some(8 << 20));
+        assert_eq!(image_size(&dir, &name), Some(320 << 20));
         let again = ctl.create_volume(first.clone()).await.unwrap().into_inner().volume.unwrap();
         assert_eq!(again, made, "a retried create returns the same volume");
         // The controller recorded it before making it.
@@ -650,7 +702,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         assert!(listed.items.iter().any(|r| r.spec.id == made.volume_id), "{listed:?}");
 
         // The spec's codes.
-        let (got, why) = code(ctl.create_volume(create(&name, 16, None)).await);
+        let (got, why) = code(ctl.create_volume(create(&name, 512, None)).await);
         assert_eq!(got, Code::AlreadyExists, "{why}");
         let mut other = first.clone();
         other.parameters.insert("pool".into(), "elsewhere".into());
@@ -712,25 +764,60 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
             ..Default::default()
         };
         assert_eq!(code(ctl.validate_volume_capabilities(unknown).await).0, Code::NotFound);
+        (ctl, made)
+    });
+
+    // Used by a pod on node-a, through the nodes' own user of the
+    // StorageCluster the volume's attributes name.
+    let attrs: Vec<(&str, &str)> =
+        made.volume_context.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let target = c.csi_stage_and_publish_fs("node-a", &made.volume_id, &attrs, "xfs");
+    write_through(&format!("{target}/data"), b"provisioned").unwrap();
+    let node_socket = volagent::csi::drivers::socket_path(&c.scratch.path("node-a/kubelet"), "rbd");
+    let (snap, r) = c.rt.block_on(async {
+        // In use: never removed under its user.
+        let in_use =
+            DeleteVolumeRequest { volume_id: made.volume_id.clone(), ..Default::default() };
+        let (got, why) = code(ctl.delete_volume(in_use).await);
+        assert_eq!(got, Code::FailedPrecondition, "{why}");
+        assert!(why.contains("in use"), "{why}");
+        assert_eq!(image_size(&dir, &name), Some(320 << 20));
 
         // Grown on the storage; the node grows the filesystem after.
         let grown = ctl
             .controller_expand_volume(ControllerExpandVolumeRequest {
                 volume_id: made.volume_id.clone(),
-                capacity_range: Some(CapacityRange { required_bytes: 12 * MIB, limit_bytes: 0 }),
+                capacity_range: Some(CapacityRange { required_bytes: 400 * MIB, limit_bytes: 0 }),
                 volume_capability: Some(mount(Mode::SingleNodeWriter)),
                 ..Default::default()
             })
             .await
             .unwrap()
             .into_inner();
-        assert_eq!((grown.capacity_bytes, grown.node_expansion_required), (12 * MIB, true));
-        assert_eq!(image_size(&dir, &name), Some(12 << 20));
+        assert_eq!((grown.capacity_bytes, grown.node_expansion_required), (400 * MIB, true));
+        assert_eq!(image_size(&dir, &name), Some(400 << 20));
         let no_range = ControllerExpandVolumeRequest {
             volume_id: made.volume_id.clone(),
             ..Default::default()
         };
         assert_eq!(code(ctl.controller_expand_volume(no_range).await).0, Code::InvalidArgument);
+        // On this machine the image is mapped through the agent's NBD
+        // helper, which serves the size it opened: the filesystem cannot
+        // grow until the volume is staged again (krbd sees it at once: the
+        // VM tier). The node says so rather than pretending.
+        let expand = NodeExpandVolumeRequest {
+            volume_id: made.volume_id.clone(),
+            volume_path: target.clone(),
+            capacity_range: Some(CapacityRange { required_bytes: 400 * MIB, limit_bytes: 0 }),
+            volume_capability: Some(mount(Mode::SingleNodeWriter)),
+            ..Default::default()
+        };
+        let mut node = volagent::csi::proto::csi::node_client::NodeClient::new(
+            volagent::csi::client::connect(node_socket.clone()).await.unwrap(),
+        );
+        let (got, why) = code(node.node_expand_volume(expand).await);
+        assert_eq!(got, Code::OutOfRange, "{why}");
+        assert!(why.contains("has not grown enough"), "{why}");
 
         // A snapshot, idempotent by name, listed, and restored as a clone.
         let snap_req = CreateSnapshotRequest {
@@ -741,7 +828,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         let snap =
             ctl.create_snapshot(snap_req.clone()).await.unwrap().into_inner().snapshot.unwrap();
         assert_eq!(snap.snapshot_id, format!("ceph.rbd.{name}.snap-1"));
-        assert_eq!((snap.size_bytes, snap.ready_to_use), (12 * MIB, true));
+        assert_eq!((snap.size_bytes, snap.ready_to_use), (400 * MIB, true));
         assert!(snap.creation_time.is_some());
         assert_eq!(
             ctl.create_snapshot(snap_req).await.unwrap().into_inner().snapshot.unwrap(),
@@ -779,25 +866,59 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
                 snapshot_id: snap.snapshot_id.clone(),
             }));
         let r = ctl
-            .create_volume(create(&restored, 16, from_snapshot))
+            .create_volume(create(&restored, 512, from_snapshot))
             .await
             .unwrap()
             .into_inner()
             .volume
             .unwrap();
-        assert_eq!((r.capacity_bytes, image_size(&dir, &restored)), (16 * MIB, Some(16 << 20)));
+        assert_eq!((r.capacity_bytes, image_size(&dir, &restored)), (512 * MIB, Some(512 << 20)));
+        (snap, r)
+    });
+
+    // Staged again, the device has the new size, and the node grows the
+    // filesystem to it.
+    csi_unpublish_and_unstage(&c, "node-a", &made.volume_id);
+    let target = c.csi_stage_and_publish_fs("node-a", &made.volume_id, &attrs, "xfs");
+    let before = statvfs_bytes(&target);
+    c.rt.block_on(async {
+        let mut node = volagent::csi::proto::csi::node_client::NodeClient::new(
+            volagent::csi::client::connect(node_socket.clone()).await.unwrap(),
+        );
+        node.node_expand_volume(NodeExpandVolumeRequest {
+            volume_id: made.volume_id.clone(),
+            volume_path: target.clone(),
+            capacity_range: Some(CapacityRange { required_bytes: 400 * MIB, limit_bytes: 0 }),
+            volume_capability: Some(mount(Mode::SingleNodeWriter)),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    });
+    let after = statvfs_bytes(&target);
+    assert!(after > before + (60 << 20), "the filesystem grew: {before} -> {after}");
+    assert_eq!(std::fs::read(format!("{target}/data")).unwrap(), b"provisioned");
+    csi_unpublish_and_unstage(&c, "node-a", &made.volume_id);
+
+    // The restore holds what was written before the snapshot.
+    let attrs: Vec<(&str, &str)> =
+        r.volume_context.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let restored_target = c.csi_stage_and_publish_fs("node-a", &r.volume_id, &attrs, "xfs");
+    assert_eq!(std::fs::read(format!("{restored_target}/data")).unwrap(), b"provisioned");
+    csi_unpublish_and_unstage(&c, "node-a", &r.volume_id);
+    c.rt.block_on(async {
         let from_volume =
             Some(volume_content_source::Type::Volume(volume_content_source::VolumeSource {
                 volume_id: made.volume_id.clone(),
             }));
         let cl = ctl
-            .create_volume(create(&cloned, 12, from_volume))
+            .create_volume(create(&cloned, 400, from_volume))
             .await
             .unwrap()
             .into_inner()
             .volume
             .unwrap();
-        assert_eq!(cl.capacity_bytes, 12 * MIB);
+        assert_eq!(cl.capacity_bytes, 400 * MIB);
         assert!(image_size(&dir, &cloned).is_some());
 
         // Removal: refused while snapshots need the image; a snapshot and
@@ -845,6 +966,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
             code(ctl.delete_volume(DeleteVolumeRequest::default()).await).0,
             Code::InvalidArgument
         );
+        let records: Api<volagent::kube::crds::ProvisionRecord> = Api::all(c.client());
         let left = records.list(&Default::default()).await.unwrap();
         assert!(!left.items.iter().any(|r| r.spec.name.starts_with(&name)), "{left:?}");
 
