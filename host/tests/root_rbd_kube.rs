@@ -621,15 +621,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
     c.create_storage_cluster("ceph", "ceph-volagent");
     c.create_fencing_secret("ceph");
     // The controller again, now serving the policies' CSI controllers.
-    let csi = c.scratch.path("csi");
-    c.kill_agent("controller");
-    c.controller_args = vec![
-        "--plugin-dir".into(),
-        c.scratch.path("plugins").display().to_string(),
-        "--csi-dir".into(),
-        csi.display().to_string(),
-    ];
-    c.spawn_controller();
+    let csi = provisioning_controller(&mut c);
     let socket = volagent::csi::controller::socket_path(&csi, "rbd");
     c.wait("the rbd controller socket", || socket.exists());
     let mount = |mode: Mode| VolumeCapability {
@@ -977,4 +969,137 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         assert_eq!(got, Code::Unimplemented, "{why}");
         assert!(why.contains("does not export volagent:policy/provisioner"), "{why}");
     });
+}
+
+/// The controller as its ServiceAccount again, now with the shipped
+/// policies and their CSI controller drivers.
+fn provisioning_controller(c: &mut Cluster) -> std::path::PathBuf {
+    let csi = c.scratch.path("csi");
+    c.kill_agent("controller");
+    c.controller_args = vec![
+        "--plugin-dir".into(),
+        c.scratch.path("plugins").display().to_string(),
+        "--csi-dir".into(),
+        csi.display().to_string(),
+    ];
+    c.spawn_controller();
+    csi
+}
+
+#[test]
+fn a_claim_on_a_volagent_class_gets_an_image_and_a_bound_pv_without_sidecars_and_leaves_nothing() {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::storage::v1::StorageClass;
+    use volagent::kube::crds::{
+        ProvisionKind, ProvisionPhase, ProvisionRecord, ProvisionRecordSpec,
+    };
+    let dir = ceph_dir();
+    let suffix = ceph::rand_suffix() % 1_000_000_000;
+    let orphan = format!("pvc-orphan-{suffix}");
+    let mut cleanup = Provisioned { dir: dir.clone(), images: vec![orphan.clone()] };
+    let mut c = Cluster::start(VOLAGENT, &["node-a"], &[RBD]);
+    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &volagent_key(&dir));
+    c.create_storage_cluster("ceph", "ceph-volagent");
+    c.create_fencing_secret("ceph");
+    // A controller killed between making an image and its PV: its record
+    // says Creating, and the claim it was for is gone.
+    ceph::rbd(&dir, &["create", "--size", "16M", &format!("rbd/{orphan}")]);
+    let records: Api<ProvisionRecord> = Api::all(c.client());
+    let spec = ProvisionRecordSpec {
+        backend: "rbd".into(),
+        kind: ProvisionKind::Volume,
+        name: orphan.clone(),
+        id: format!("ceph.rbd.{orphan}"),
+        source: None,
+        required_bytes: 16 << 20,
+        limit_bytes: 0,
+        capacity_bytes: 16 << 20,
+        request_digest: "0".into(),
+        phase: ProvisionPhase::Creating,
+        created: volagent::clock::now_rfc3339(),
+    };
+    let object = ProvisionRecord::name_for("rbd", ProvisionKind::Volume, &orphan);
+    let mut record = ProvisionRecord::new(&object, spec);
+    // As the controller labels its records.
+    record.metadata.labels = Some([("volagent.io/backend".to_string(), "rbd".to_string())].into());
+    c.rt.block_on(records.create(&Default::default(), &record)).unwrap();
+    provisioning_controller(&mut c);
+    c.wait("the orphaned image to be removed", || image_size(&dir, &orphan).is_none());
+    c.wait("its record to go", || c.rt.block_on(records.get_opt(&object)).unwrap().is_none());
+
+    let class: StorageClass = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "rbd-dynamic" },
+        "provisioner": "rbd.csi.volagent.io",
+        "parameters": { "storageCluster": "ceph", "csi.storage.k8s.io/fstype": "xfs" },
+        "reclaimPolicy": "Delete",
+        "volumeBindingMode": "Immediate",
+    }))
+    .unwrap();
+    c.rt.block_on(Api::<StorageClass>::all(c.client()).create(&Default::default(), &class))
+        .unwrap();
+    let claim: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "data", "namespace": "default" },
+        "spec": {
+            "storageClassName": "rbd-dynamic",
+            "accessModes": ["ReadWriteOnce"],
+            "resources": { "requests": { "storage": "300Mi" } },
+        },
+    }))
+    .unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    let claim = c.rt.block_on(claims.create(&Default::default(), &claim)).unwrap();
+    let pv_name = format!("pvc-{}", claim.metadata.uid.clone().unwrap());
+    cleanup.images.push(pv_name.clone());
+    let pvs: Api<PersistentVolume> = Api::all(c.client());
+    let mut pv = None;
+    c.wait("the claim's PV", || {
+        pv = c.rt.block_on(pvs.get_opt(&pv_name)).unwrap();
+        pv.is_some()
+    });
+    let pv = pv.unwrap();
+    let spec = pv.spec.clone().unwrap();
+    let csi = spec.csi.clone().unwrap();
+    assert_eq!(csi.driver, "rbd.csi.volagent.io");
+    assert_eq!(csi.volume_handle, format!("ceph.rbd.{pv_name}"));
+    assert_eq!(csi.fs_type.as_deref(), Some("xfs"));
+    let attributes = csi.volume_attributes.clone().unwrap();
+    assert_eq!(attributes.get("storageCluster").map(String::as_str), Some("ceph"));
+    let claim_ref = spec.claim_ref.clone().unwrap();
+    assert_eq!(
+        (claim_ref.name.as_deref(), claim_ref.uid),
+        (Some("data"), claim.metadata.uid.clone())
+    );
+    assert_eq!(spec.capacity.unwrap()["storage"].0, (300u64 << 20).to_string());
+    assert_eq!(spec.persistent_volume_reclaim_policy.as_deref(), Some("Delete"));
+    assert!(
+        pv.metadata.finalizers.unwrap().contains(&"volagent.io/provisioned-volume".to_string())
+    );
+    assert_eq!(image_size(&dir, &pv_name), Some(300 << 20));
+
+    // The claim goes; the PV controller marks its PV Released (this tier
+    // runs no controller-manager: the test does what it would).
+    c.rt.block_on(claims.delete("data", &Default::default())).unwrap();
+    let mut released = c.rt.block_on(pvs.get(&pv_name)).unwrap();
+    released.status = Some(k8s_openapi::api::core::v1::PersistentVolumeStatus {
+        phase: Some("Released".into()),
+        ..Default::default()
+    });
+    c.rt.block_on(pvs.replace_status(&pv_name, &Default::default(), &released)).unwrap();
+    c.wait("the image to be removed", || image_size(&dir, &pv_name).is_none());
+    // Deleted, and its finalizer off (kubernetes.io/pv-protection stays:
+    // the controller-manager this tier lacks would take it off).
+    c.wait("the PV to be deleted", || match c.rt.block_on(pvs.get_opt(&pv_name)).unwrap() {
+        None => true,
+        Some(pv) => {
+            pv.metadata.deletion_timestamp.is_some()
+                && !pv
+                    .metadata
+                    .finalizers
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|f| f.starts_with("volagent.io/"))
+        }
+    });
+    let left = c.rt.block_on(records.list(&Default::default())).unwrap();
+    assert!(left.items.is_empty(), "{left:?}");
 }

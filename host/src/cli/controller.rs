@@ -220,7 +220,7 @@ pub fn run(args: ControllerArgs, limits: crate::policy::Limits) -> anyhow::Resul
             }
         };
         tokio::select! {
-            () = controller::run(client, config, state) => {}
+            () = controller::run(client, config, state, provisioner.clone()) => {}
             ended = webhook_ended => ended?,
             ended = csi_ended => ended?,
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),

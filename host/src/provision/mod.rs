@@ -325,30 +325,60 @@ impl Provisioner {
         if !matches!(why.code, Code::NotFound | Code::InvalidArgument | Code::OutOfRange) {
             return;
         }
-        let target = Target { id: id.to_string(), ..Default::default() };
-        let removal = match kind {
-            ProvisionKind::Volume => self.ask(backend, move |p| p.delete_volume(&target)).await,
-            ProvisionKind::Snapshot => self.ask(backend, move |p| p.delete_snapshot(&target)).await,
-        };
-        let undone = match removal {
-            Ok(plan) => self.executor.run(backend, &plan.steps).await.map(drop),
-            Err(f) => Err(f),
-        };
-        match undone {
-            Ok(()) => {
-                if let Err(e) = self.records.delete(backend, kind, name).await {
-                    tracing::warn!(backend, name, "a failed create's record stays: {e}");
-                }
-            }
-            Err(e) => tracing::warn!(
+        if let Err(e) = self.remove_made(backend, kind, name, id).await {
+            tracing::warn!(
                 backend,
                 name,
                 id,
                 "what a failed create made stays, to be removed on its retry or reconciliation: {e}"
-            ),
+            );
         }
     }
 
+    /// Remove what a create of `name` (its plan naming `id`) made, by the
+    /// policy's removal plan, then its record.
+    async fn remove_made(
+        &self,
+        backend: &str,
+        kind: ProvisionKind,
+        name: &str,
+        id: &str,
+    ) -> Result<(), Failure> {
+        let target = Target { id: id.to_string(), ..Default::default() };
+        let plan = match kind {
+            ProvisionKind::Volume => self.ask(backend, move |p| p.delete_volume(&target)).await,
+            ProvisionKind::Snapshot => self.ask(backend, move |p| p.delete_snapshot(&target)).await,
+        };
+        match plan {
+            Ok(plan) => self.executor.run(backend, &plan.steps).await.map(drop)?,
+            Err(f) if f.code == Code::NotFound => {}
+            Err(f) => return Err(f),
+        }
+        self.records.delete(backend, kind, name).await
+    }
+
+    /// The volumes whose create never finished (their record still says
+    /// Creating): (backend, name, id) each.
+    pub async fn unfinished(&self) -> Result<Vec<(String, String, String)>, Failure> {
+        let mut out = Vec::new();
+        for backend in self.backends().into_iter().filter(|b| self.provisions(b)) {
+            for r in self.records.list(&backend, ProvisionKind::Volume).await? {
+                if r.spec.phase == ProvisionPhase::Creating {
+                    out.push((backend.clone(), r.spec.name, r.spec.id));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Remove what the unfinished create of volume `name` made, and its
+    /// record: nobody will ask for it again.
+    pub async fn abandon(&self, backend: &str, name: &str, id: &str) -> Result<(), Failure> {
+        let _held = self.hold(format!("{backend} volume {name}"))?;
+        self.remove_made(backend, ProvisionKind::Volume, name, id).await
+    }
+
+    /// Remove volume `id`; one that is not there (or not this backend's)
     /// is success. Refused while it is in use: it is never forced.
     pub async fn delete_volume(&self, backend: &str, id: &str) -> Result<(), Failure> {
         if id.is_empty() {

@@ -97,6 +97,8 @@ pub(crate) const CONTROLLER_GRANTS: &[Grant] = &[
     grant("volagent.io", "nodelocalvolumes", &["get", "list", "watch", "patch", "update"]),
     grant("", "persistentvolumes", &["get", "list", "watch", "create", "patch", "delete"]),
     grant("storage.k8s.io", "storageclasses", READ),
+    // Claims it provisions (sidecar-less).
+    grant("", "persistentvolumeclaims", &["get", "list", "watch", "patch"]),
     grant("", "events", &["create", "patch"]),
     // Its webhook's CA, into its own configuration.
     Grant {

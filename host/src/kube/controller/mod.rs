@@ -9,6 +9,7 @@
 //! wipe released ones (`local_pvs`); and answers FenceRequests
 //! (`fence_requests`). A failed reconcile is retried as `retry` says.
 
+mod claims;
 mod cleanup_lists;
 mod fence_requests;
 mod gone_nodes;
@@ -63,7 +64,12 @@ pub struct State {
 }
 
 /// Lead when the lease allows, work while leading; runs until cancelled.
-pub async fn run(client: kube::Client, config: ControllerConfig, state: Arc<State>) {
+pub async fn run(
+    client: kube::Client,
+    config: ControllerConfig,
+    state: Arc<State>,
+    provisioner: Option<Arc<crate::provision::Provisioner>>,
+) {
     let elector = LeaderElector::new(
         client.clone(),
         &config.namespace,
@@ -89,7 +95,11 @@ pub async fn run(client: kube::Client, config: ControllerConfig, state: Arc<Stat
         match (lead, work.is_some()) {
             (true, false) => {
                 tracing::info!(identity = %config.identity, "leading: controllers started");
-                work = Some(tokio::spawn(lead_work(client.clone(), config.clone())));
+                work = Some(tokio::spawn(lead_work(
+                    client.clone(),
+                    config.clone(),
+                    provisioner.clone(),
+                )));
             }
             (false, true) => {
                 tracing::warn!(identity = %config.identity, "lost the lease: stopped");
@@ -113,19 +123,38 @@ pub struct Context {
     /// The Nodes as watched (a node missing here is asked of the API).
     nodes: Store<Node>,
     gone: gone_nodes::GoneNodes,
+    /// Provisioning, when policies were given (`--plugin-dir`).
+    provisioner: Option<Arc<crate::provision::Provisioner>>,
 }
 
 /// The controllers, until cancelled (the lease lost): aborting this drops
 /// them, and kube-runtime aborts their reconciles with them.
-async fn lead_work(client: kube::Client, config: ControllerConfig) {
+async fn lead_work(
+    client: kube::Client,
+    config: ControllerConfig,
+    provisioner: Option<Arc<crate::provision::Provisioner>>,
+) {
     let (nodes, writer) = reflector::store();
+    let provisioning = provisioner.is_some();
     let ctx = Arc::new(Context {
         client,
         config,
         retries: retry::Retries::default(),
         nodes,
         gone: gone_nodes::GoneNodes::default(),
+        provisioner,
     });
+    if provisioning {
+        claims::clear_orphans(&ctx).await;
+    }
+    let provisioning_work = async {
+        if provisioning {
+            tokio::join!(
+                drive(claims::claims(&ctx), claims::reconcile_claim, ctx.clone()),
+                drive(claims::volumes(&ctx), claims::reconcile_volume, ctx.clone()),
+            );
+        }
+    };
     let (deleted, deletions) = tokio::sync::mpsc::channel(1);
     tokio::join!(
         gone_nodes::follow_nodes(ctx.clone(), writer, deleted),
@@ -134,6 +163,7 @@ async fn lead_work(client: kube::Client, config: ControllerConfig) {
         drive(storage_clusters::controller(&ctx), storage_clusters::reconcile, ctx.clone()),
         drive(local_pvs::controller(&ctx), local_pvs::reconcile, ctx.clone()),
         drive(fence_requests::controller(&ctx), fence_requests::reconcile, ctx.clone()),
+        provisioning_work,
     );
 }
 

@@ -23,6 +23,9 @@ pub enum ReconcileError {
         "Attachment {volume}: node {node}'s storage clients are not all fenced, so its consumers stay"
     )]
     NotFenced { volume: String, node: String },
+    /// Provisioning `object` failed; `transient` when a retry may pass.
+    #[error("{object}: {message}")]
+    Provisioning { object: String, message: String, transient: bool },
 }
 
 /// `map_err` for a failed call about `object` ("Kind name").
@@ -66,6 +69,8 @@ impl ReconcileError {
             ReconcileError::Api { error, .. } => class_of(error),
             ReconcileError::KeepsChanging { .. } => ErrorClass::Conflict,
             ReconcileError::NotFenced { .. } => ErrorClass::Transient,
+            ReconcileError::Provisioning { transient: true, .. } => ErrorClass::Transient,
+            ReconcileError::Provisioning { .. } => ErrorClass::Permanent,
         }
     }
 }

@@ -1,0 +1,423 @@
+//! Claims of the volagent StorageClasses, provisioned without sidecars:
+//! a PersistentVolumeClaim on a class whose provisioner is
+//! `<backend>.csi.volagent.io` gets a volume from the backend's policy
+//! ([`crate::provision`]) and a PV bound to it (named `pvc-<claim uid>`, as
+//! the upstream external-provisioner names them); a released PV of such a
+//! class with reclaim policy Delete has its volume removed, then goes.
+//! WaitForFirstConsumer classes wait for the scheduler's choice of node.
+
+use super::Context;
+use super::retry::{ReconcileError, api_error};
+use crate::model::{AccessMode, ContentSource, CreateRequest, VolumeMode};
+use crate::provision::{Code, Failure, MadeVolume, Provisioner};
+use k8s_openapi::api::core::v1::{
+    CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+    ObjectReference, PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec,
+    VolumeNodeAffinity,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The suffix of the provisioner names of volagent's classes.
+const DRIVER_SUFFIX: &str = ".csi.volagent.io";
+/// Set by the scheduler on a claim of a WaitForFirstConsumer class.
+const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+/// On every PV this controller makes, as the external-provisioner marks its own.
+const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
+/// Held on a provisioned PV until its volume is removed.
+pub const PV_FINALIZER: &str = "volagent.io/provisioned-volume";
+/// The topology key of a node, as a volume's segments name it.
+const NODE_KEY: &str = "kubernetes.io/hostname";
+/// How soon a claim whose volume could not be made yet is tried again.
+const RETRY: Duration = Duration::from_secs(10);
+
+pub fn claims(ctx: &Context) -> Controller<PersistentVolumeClaim> {
+    Controller::new(Api::all(ctx.client.clone()), watcher::Config::default())
+}
+
+pub fn volumes(ctx: &Context) -> Controller<PersistentVolume> {
+    Controller::new(Api::all(ctx.client.clone()), watcher::Config::default())
+}
+
+fn provisioner(ctx: &Context) -> Option<&Arc<Provisioner>> {
+    ctx.provisioner.as_ref()
+}
+
+/// The backend of a class's provisioner name, if it is one of ours.
+fn backend_of(provisioner: &str) -> Option<&str> {
+    provisioner.strip_suffix(DRIVER_SUFFIX).filter(|b| !b.is_empty())
+}
+
+/// Bytes in a Kubernetes quantity ("1Gi", "500M", "1.5Gi", "1e9").
+pub fn quantity_bytes(q: &str) -> Option<u64> {
+    let q = q.trim();
+    let split = q.find(|c: char| c.is_ascii_alphabetic() && c != 'e').unwrap_or(q.len());
+    let (number, suffix) = q.split_at(split);
+    let factor: f64 = match suffix {
+        "" => 1.0,
+        "Ki" => 1024.0,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "Ei" => 1024f64.powi(6),
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        _ => return None,
+    };
+    let n: f64 = number.parse().ok()?;
+    let bytes = (n * factor).ceil();
+    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+}
+
+fn access_modes(claim: &PersistentVolumeClaim) -> Vec<AccessMode> {
+    let spec = claim.spec.as_ref();
+    spec.and_then(|s| s.access_modes.clone())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|m| match m.as_str() {
+            "ReadWriteOnce" => Some(AccessMode::ReadWriteOnce),
+            "ReadOnlyMany" => Some(AccessMode::ReadOnlyMany),
+            "ReadWriteMany" => Some(AccessMode::ReadWriteMany),
+            "ReadWriteOncePod" => Some(AccessMode::ReadWriteOncePod),
+            _ => None,
+        })
+        .collect()
+}
+
+fn failed(object: String, f: Failure) -> ReconcileError {
+    let transient = matches!(
+        f.code,
+        Code::Unavailable | Code::Aborted | Code::FailedPrecondition | Code::Internal
+    );
+    ReconcileError::Provisioning { object, message: f.message, transient }
+}
+
+pub async fn reconcile_claim(
+    claim: Arc<PersistentVolumeClaim>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    let Some(provisioner) = provisioner(&ctx) else { return Ok(Action::await_change()) };
+    let spec = claim.spec.clone().unwrap_or_default();
+    if claim.metadata.deletion_timestamp.is_some()
+        || spec.volume_name.as_deref().is_some_and(|v| !v.is_empty())
+    {
+        return Ok(Action::await_change());
+    }
+    let Some(class_name) = spec.storage_class_name.clone() else {
+        return Ok(Action::await_change());
+    };
+    let classes: Api<StorageClass> = Api::all(ctx.client.clone());
+    let Some(class) = classes
+        .get_opt(&class_name)
+        .await
+        .map_err(api_error(&format!("StorageClass {class_name}")))?
+    else {
+        return Ok(Action::await_change());
+    };
+    let Some(backend) = backend_of(&class.provisioner).map(str::to_string) else {
+        return Ok(Action::await_change());
+    };
+    let annotations = claim.annotations();
+    let selected = annotations.get(SELECTED_NODE).cloned();
+    if class.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer") && selected.is_none() {
+        // The scheduler picks the node first, then annotates the claim.
+        return Ok(Action::await_change());
+    }
+    let uid = claim.uid().unwrap_or_default();
+    let pv_name = format!("pvc-{uid}");
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    if pvs.get_opt(&pv_name).await.map_err(api_error(&format!("PV {pv_name}")))?.is_some() {
+        return Ok(Action::await_change());
+    }
+    let requests = spec.resources.as_ref().and_then(|r| r.requests.clone()).unwrap_or_default();
+    let limits = spec.resources.as_ref().and_then(|r| r.limits.clone()).unwrap_or_default();
+    let bytes = |m: &BTreeMap<String, Quantity>| {
+        m.get("storage").map(|q| quantity_bytes(&q.0).ok_or_else(|| q.0.clone())).transpose()
+    };
+    let (Ok(required), Ok(limit)) = (bytes(&requests), bytes(&limits)) else {
+        tracing::warn!(claim = %claim.name_any(), "a size that is not a quantity");
+        return Ok(Action::await_change());
+    };
+    let parameters: BTreeMap<String, String> = class.parameters.clone().unwrap_or_default();
+    let source = match &spec.data_source {
+        Some(s) if s.kind == "PersistentVolumeClaim" => {
+            let ns = claim.namespace().unwrap_or_default();
+            let other: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+            let found =
+                other.get_opt(&s.name).await.map_err(api_error(&format!("PVC {ns}/{}", s.name)))?;
+            let handle = match found.and_then(|c| c.spec?.volume_name) {
+                Some(pv) => pvs
+                    .get_opt(&pv)
+                    .await
+                    .map_err(api_error(&format!("PV {pv}")))?
+                    .and_then(|pv| pv.spec?.csi.map(|c| c.volume_handle)),
+                None => None,
+            };
+            match handle {
+                Some(h) => Some(ContentSource::Volume(h)),
+                None => return Ok(Action::requeue(RETRY)), // its source is not bound yet
+            }
+        }
+        Some(s) => {
+            tracing::warn!(claim = %claim.name_any(), kind = %s.kind, "a data source this controller does not restore from");
+            return Ok(Action::await_change());
+        }
+        None => None,
+    };
+    let request = CreateRequest {
+        name: pv_name.clone(),
+        required_bytes: required.unwrap_or(0),
+        limit_bytes: limit.unwrap_or(0),
+        parameters: Vec::new(),
+        access_modes: access_modes(&claim),
+        mode: if spec.volume_mode.as_deref() == Some("Block") {
+            VolumeMode::Block
+        } else {
+            VolumeMode::Filesystem
+        },
+        fs_type: parameters.get("csi.storage.k8s.io/fstype").cloned().unwrap_or_default(),
+        requisite: selected.iter().map(|n| vec![(NODE_KEY.to_string(), n.clone())]).collect(),
+        preferred: selected.iter().map(|n| vec![(NODE_KEY.to_string(), n.clone())]).collect(),
+        source,
+    };
+    let made = match provisioner.create_volume(&backend, request.clone(), &parameters).await {
+        Ok(made) => made,
+        // The scheduler chose a node that cannot serve the claim: it chooses again.
+        Err(f) if f.code == Code::ResourceExhausted && selected.is_some() => {
+            tracing::warn!(claim = %claim.name_any(), "{}", f.message);
+            let ns = claim.namespace().unwrap_or_default();
+            let api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+            let patch =
+                serde_json::json!({ "metadata": { "annotations": { SELECTED_NODE: null } } });
+            api.patch(&claim.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(api_error(&format!("PVC {ns}/{}", claim.name_any())))?;
+            return Ok(Action::await_change());
+        }
+        Err(f) => {
+            return Err(failed(
+                format!("PVC {}/{}", claim.namespace().unwrap_or_default(), claim.name_any()),
+                f,
+            ));
+        }
+    };
+    let pv = persistent_volume(&claim, &class, &backend, &pv_name, &request, &made);
+    match pvs.create(&PostParams::default(), &pv).await {
+        Ok(_) => {
+            tracing::info!(claim = %claim.name_any(), pv = %pv_name, id = %made.id, "provisioned");
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => return Err(api_error(&format!("PV {pv_name}"))(e)),
+    }
+    Ok(Action::await_change())
+}
+
+/// The PV of a provisioned claim, bound to it.
+fn persistent_volume(
+    claim: &PersistentVolumeClaim,
+    class: &StorageClass,
+    backend: &str,
+    name: &str,
+    request: &CreateRequest,
+    made: &MadeVolume,
+) -> PersistentVolume {
+    let driver = crate::csi::driver_name(backend);
+    let spec = claim.spec.clone().unwrap_or_default();
+    let affinity = (!made.topology.is_empty()).then(|| VolumeNodeAffinity {
+        required: Some(NodeSelector {
+            node_selector_terms: made
+                .topology
+                .iter()
+                .map(|segment| NodeSelectorTerm {
+                    match_expressions: Some(
+                        segment
+                            .iter()
+                            .map(|(k, v)| NodeSelectorRequirement {
+                                key: k.clone(),
+                                operator: "In".into(),
+                                values: Some(vec![v.clone()]),
+                            })
+                            .collect(),
+                    ),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+    });
+    PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            annotations: Some([(PROVISIONED_BY.to_string(), driver.clone())].into()),
+            finalizers: Some(vec![PV_FINALIZER.to_string()]),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some(
+                [("storage".to_string(), Quantity(made.capacity_bytes.to_string()))].into(),
+            ),
+            access_modes: spec.access_modes.clone(),
+            volume_mode: spec.volume_mode.clone(),
+            persistent_volume_reclaim_policy: Some(
+                class.reclaim_policy.clone().unwrap_or_else(|| "Delete".into()),
+            ),
+            storage_class_name: Some(class.name_any()),
+            mount_options: class.mount_options.clone(),
+            claim_ref: Some(ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("PersistentVolumeClaim".into()),
+                namespace: claim.namespace(),
+                name: Some(claim.name_any()),
+                uid: claim.uid(),
+                ..Default::default()
+            }),
+            csi: Some(CSIPersistentVolumeSource {
+                driver,
+                volume_handle: made.id.clone(),
+                fs_type: (!request.fs_type.is_empty()).then(|| request.fs_type.clone()),
+                volume_attributes: Some(made.attributes.clone()),
+                ..Default::default()
+            }),
+            node_affinity: affinity,
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// A provisioned PV: once released (its claim gone) with reclaim policy
+/// Delete, or deleted while unbound, its volume is removed, then its
+/// finalizer. A volume still in use is waited for, never forced.
+pub async fn reconcile_volume(
+    pv: Arc<PersistentVolume>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    let Some(provisioner) = provisioner(&ctx) else { return Ok(Action::await_change()) };
+    let Some(backend) = pv.annotations().get(PROVISIONED_BY).and_then(|d| backend_of(d)) else {
+        return Ok(Action::await_change());
+    };
+    let backend = backend.to_string();
+    let has_finalizer = pv.finalizers().iter().any(|f| f == PV_FINALIZER);
+    let spec = pv.spec.clone().unwrap_or_default();
+    let phase = pv.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default();
+    let delete_policy = spec.persistent_volume_reclaim_policy.as_deref() == Some("Delete");
+    let released = phase == "Released" && delete_policy;
+    let deleting = pv.metadata.deletion_timestamp.is_some() && phase != "Bound";
+    if !released && !deleting {
+        return Ok(Action::await_change());
+    }
+    let name = pv.name_any();
+    if delete_policy {
+        let Some(handle) = spec.csi.as_ref().map(|c| c.volume_handle.clone()) else {
+            return Ok(Action::await_change());
+        };
+        match provisioner.delete_volume(&backend, &handle).await {
+            Ok(()) => tracing::info!(pv = %name, id = %handle, "volume removed"),
+            Err(f) if matches!(f.code, Code::FailedPrecondition | Code::Aborted) => {
+                tracing::info!(pv = %name, "not removed yet: {}", f.message);
+                return Ok(Action::requeue(RETRY));
+            }
+            Err(f) => return Err(failed(format!("PV {name}"), f)),
+        }
+    }
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    if has_finalizer {
+        let kept: Vec<String> =
+            pv.finalizers().iter().filter(|f| *f != PV_FINALIZER).cloned().collect();
+        let patch = serde_json::json!({ "metadata": { "finalizers": kept } });
+        pvs.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(&format!("PV {name}")))?;
+    }
+    if released {
+        match pvs.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(api_error(&format!("PV {name}"))(e)),
+        }
+    }
+    Ok(Action::await_change())
+}
+
+/// On taking the lease: a create a controller did not finish (killed
+/// between making the volume and its PV) whose claim is gone has what it
+/// made removed; one whose claim is still there is finished by the claim's
+/// own reconcile (the same name, the same volume).
+pub async fn clear_orphans(ctx: &Context) {
+    let Some(provisioner) = provisioner(ctx) else { return };
+    let unfinished = match provisioner.unfinished().await {
+        Ok(u) => u,
+        Err(f) => {
+            tracing::warn!("unfinished provisioning not checked: {}", f.message);
+            return;
+        }
+    };
+    if unfinished.is_empty() {
+        return;
+    }
+    let claims: Api<PersistentVolumeClaim> = Api::all(ctx.client.clone());
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let live: std::collections::BTreeSet<String> = match claims.list(&Default::default()).await {
+        Ok(list) => list.items.iter().filter_map(|c| c.uid()).map(|u| format!("pvc-{u}")).collect(),
+        Err(e) => {
+            tracing::warn!("unfinished provisioning not checked: listing the claims: {e}");
+            return;
+        }
+    };
+    for (backend, name, id) in unfinished {
+        if live.contains(&name) {
+            continue;
+        }
+        match pvs.get_opt(&name).await {
+            Ok(None) => {}
+            Ok(Some(_)) => continue,
+            Err(e) => {
+                tracing::warn!(volume = %name, "not checked: {e}");
+                continue;
+            }
+        }
+        match provisioner.abandon(&backend, &name, &id).await {
+            Ok(()) => {
+                tracing::warn!(backend, volume = %name, id = %id, "removed what an unfinished create left, its claim gone");
+            }
+            Err(f) => {
+                tracing::warn!(backend, volume = %name, id = %id, "an unfinished create's volume stays: {}", f.message);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_in_bytes() {
+        assert_eq!(quantity_bytes("1Gi"), Some(1 << 30));
+        assert_eq!(quantity_bytes("500M"), Some(500_000_000));
+        assert_eq!(quantity_bytes("1.5Ki"), Some(1536));
+        assert_eq!(quantity_bytes("1e3"), Some(1000));
+        assert_eq!(quantity_bytes("10"), Some(10));
+        assert_eq!(quantity_bytes("1Zi"), None);
+        assert_eq!(quantity_bytes("-1Gi"), None);
+        assert_eq!(quantity_bytes("lots"), None);
+    }
+
+    #[test]
+    fn only_volagent_drivers_are_ours() {
+        assert_eq!(backend_of("rbd.csi.volagent.io"), Some("rbd"));
+        assert_eq!(backend_of(".csi.volagent.io"), None);
+        assert_eq!(backend_of("rbd.csi.ceph.com"), None);
+    }
+}
