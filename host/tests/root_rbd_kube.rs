@@ -622,7 +622,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
     c.create_fencing_secret("ceph");
     // The controller again, now serving the policies' CSI controllers.
     let csi = provisioning_controller(&mut c);
-    let socket = volagent::csi::controller::socket_path(&csi, "rbd");
+    let socket = volagent::provision::csi::socket_path(&csi, "rbd");
     c.wait("the rbd controller socket", || socket.exists());
     let mount = |mode: Mode| VolumeCapability {
         access_type: Some(AccessType::Mount(MountVolume {
@@ -963,7 +963,7 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         assert!(!left.items.iter().any(|r| r.spec.name.starts_with(&name)), "{left:?}");
 
         // nbd's policy has no provisioner: its driver says so.
-        let nbd = volagent::csi::controller::socket_path(&csi, "nbd");
+        let nbd = volagent::provision::csi::socket_path(&csi, "nbd");
         let mut nbd = ControllerClient::new(volagent::csi::client::connect(nbd).await.unwrap());
         let (got, why) = code(nbd.create_volume(create("pvc-n", 8, None)).await);
         assert_eq!(got, Code::Unimplemented, "{why}");

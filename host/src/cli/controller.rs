@@ -202,7 +202,7 @@ pub fn run(args: ControllerArgs, limits: crate::policy::Limits) -> anyhow::Resul
                     if uids.is_empty() {
                         uids = vec![0, nix::unistd::getuid().as_raw()];
                     }
-                    crate::csi::controller::serve(p.clone(), dir, uids).await
+                    crate::provision::csi::serve(p.clone(), dir, uids).await
                 }
                 _ => std::future::pending().await,
             }
@@ -220,7 +220,13 @@ pub fn run(args: ControllerArgs, limits: crate::policy::Limits) -> anyhow::Resul
             }
         };
         tokio::select! {
-            () = controller::run(client, config, state, provisioner.clone()) => {}
+            () = controller::run(client.clone(), config, state, provisioner.clone().map(|p| {
+                let client = client.clone();
+                let work: controller::LeaderWork = Arc::new(move || {
+                    Box::pin(crate::provision::claims::run(client.clone(), p.clone()))
+                });
+                work
+            })) => {}
             ended = webhook_ended => ended?,
             ended = csi_ended => ended?,
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),

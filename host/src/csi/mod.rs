@@ -6,7 +6,6 @@
 
 mod authority;
 pub mod client;
-pub mod controller;
 pub mod drivers;
 mod identity;
 mod node;

@@ -1,12 +1,14 @@
 //! Provisioning: volumes and snapshots made, grown and removed on request,
 //! as the backend's policy plans it, by the controller and with its own
 //! credentials. One implementation behind both ways in: the CSI Controller
-//! service ([`crate::csi::controller`]) and the controller's own claim
+//! service ([`csi`]) and the controller's own claim
 //! watcher. Every request is settled by name through a [`records`] entry
 //! written before the storage is touched, so a retry (the same name after
 //! a timeout) ends with the same volume, and another request under a name
 //! in use is refused.
 
+pub mod claims;
+pub mod csi;
 pub mod execute;
 pub mod records;
 

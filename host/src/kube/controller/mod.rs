@@ -9,7 +9,6 @@
 //! wipe released ones (`local_pvs`); and answers FenceRequests
 //! (`fence_requests`). A failed reconcile is retried as `retry` says.
 
-mod claims;
 mod cleanup_lists;
 mod fence_requests;
 mod gone_nodes;
@@ -64,11 +63,16 @@ pub struct State {
 }
 
 /// Lead when the lease allows, work while leading; runs until cancelled.
+/// More work that runs only while this replica leads (provisioning, which
+/// lives above this module): made afresh each time the lease is taken.
+pub type LeaderWork =
+    Arc<dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
 pub async fn run(
     client: kube::Client,
     config: ControllerConfig,
     state: Arc<State>,
-    provisioner: Option<Arc<crate::provision::Provisioner>>,
+    more: Option<LeaderWork>,
 ) {
     let elector = LeaderElector::new(
         client.clone(),
@@ -95,11 +99,8 @@ pub async fn run(
         match (lead, work.is_some()) {
             (true, false) => {
                 tracing::info!(identity = %config.identity, "leading: controllers started");
-                work = Some(tokio::spawn(lead_work(
-                    client.clone(),
-                    config.clone(),
-                    provisioner.clone(),
-                )));
+                let more = more.as_ref().map(|m| m());
+                work = Some(tokio::spawn(lead_work(client.clone(), config.clone(), more)));
             }
             (false, true) => {
                 tracing::warn!(identity = %config.identity, "lost the lease: stopped");
@@ -123,8 +124,6 @@ pub struct Context {
     /// The Nodes as watched (a node missing here is asked of the API).
     nodes: Store<Node>,
     gone: gone_nodes::GoneNodes,
-    /// Provisioning, when policies were given (`--plugin-dir`).
-    provisioner: Option<Arc<crate::provision::Provisioner>>,
 }
 
 /// The controllers, until cancelled (the lease lost): aborting this drops
@@ -132,27 +131,19 @@ pub struct Context {
 async fn lead_work(
     client: kube::Client,
     config: ControllerConfig,
-    provisioner: Option<Arc<crate::provision::Provisioner>>,
+    more: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>,
 ) {
     let (nodes, writer) = reflector::store();
-    let provisioning = provisioner.is_some();
     let ctx = Arc::new(Context {
         client,
         config,
         retries: retry::Retries::default(),
         nodes,
         gone: gone_nodes::GoneNodes::default(),
-        provisioner,
     });
-    if provisioning {
-        claims::clear_orphans(&ctx).await;
-    }
-    let provisioning_work = async {
-        if provisioning {
-            tokio::join!(
-                drive(claims::claims(&ctx), claims::reconcile_claim, ctx.clone()),
-                drive(claims::volumes(&ctx), claims::reconcile_volume, ctx.clone()),
-            );
+    let more = async {
+        if let Some(more) = more {
+            more.await;
         }
     };
     let (deleted, deletions) = tokio::sync::mpsc::channel(1);
@@ -163,7 +154,7 @@ async fn lead_work(
         drive(storage_clusters::controller(&ctx), storage_clusters::reconcile, ctx.clone()),
         drive(local_pvs::controller(&ctx), local_pvs::reconcile, ctx.clone()),
         drive(fence_requests::controller(&ctx), fence_requests::reconcile, ctx.clone()),
-        provisioning_work,
+        more,
     );
 }
 

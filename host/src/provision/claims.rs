@@ -6,10 +6,10 @@
 //! class with reclaim policy Delete has its volume removed, then goes.
 //! WaitForFirstConsumer classes wait for the scheduler's choice of node.
 
-use super::Context;
-use super::retry::{ReconcileError, api_error};
+use super::{Code, Failure, MadeVolume, Provisioner};
+use crate::kube::controller::retry::{ReconcileError, Retries, api_error};
 use crate::model::{AccessMode, ContentSource, CreateRequest, VolumeMode};
-use crate::provision::{Code, Failure, MadeVolume, Provisioner};
+use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
     ObjectReference, PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec,
@@ -21,7 +21,10 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
+use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,16 +41,62 @@ const NODE_KEY: &str = "kubernetes.io/hostname";
 /// How soon a claim whose volume could not be made yet is tried again.
 const RETRY: Duration = Duration::from_secs(10);
 
-pub fn claims(ctx: &Context) -> Controller<PersistentVolumeClaim> {
-    Controller::new(Api::all(ctx.client.clone()), watcher::Config::default())
+/// What every reconcile here reads.
+pub struct Context {
+    client: kube::Client,
+    provisioner: Arc<Provisioner>,
+    retries: Retries,
 }
 
-pub fn volumes(ctx: &Context) -> Controller<PersistentVolume> {
-    Controller::new(Api::all(ctx.client.clone()), watcher::Config::default())
+/// While this replica leads: clear what unfinished creates left, then
+/// provision claims and remove released volumes until cancelled.
+pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>) {
+    let ctx =
+        Arc::new(Context { client: client.clone(), provisioner, retries: Retries::default() });
+    clear_orphans(&ctx).await;
+    tokio::join!(
+        drive(
+            Controller::new(
+                Api::<PersistentVolumeClaim>::all(client.clone()),
+                watcher::Config::default()
+            ),
+            reconcile_claim,
+            ctx.clone(),
+        ),
+        drive(
+            Controller::new(Api::<PersistentVolume>::all(client), watcher::Config::default()),
+            reconcile_volume,
+            ctx.clone(),
+        ),
+    );
 }
 
-fn provisioner(ctx: &Context) -> Option<&Arc<Provisioner>> {
-    ctx.provisioner.as_ref()
+/// Run `controller` with `reconcile`, failures retried per [`Retries`].
+async fn drive<K, R, F>(controller: Controller<K>, reconcile: R, ctx: Arc<Context>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    R: Fn(Arc<K>, Arc<Context>) -> F + Send + 'static,
+    F: Future<Output = Result<Action, ReconcileError>> + Send + 'static,
+{
+    let key = |object: &K| format!("{}/{}", K::kind(&()), object.name_any());
+    controller
+        .run(
+            move |object, ctx: Arc<Context>| {
+                let key = key(&object);
+                let work = reconcile(object, ctx.clone());
+                async move {
+                    let result = work.await;
+                    if result.is_ok() {
+                        ctx.retries.succeeded(&key);
+                    }
+                    result
+                }
+            },
+            move |object, error, ctx| ctx.retries.failed(&key(&object), error),
+            ctx,
+        )
+        .for_each(|_| std::future::ready(()))
+        .await;
 }
 
 /// The backend of a class's provisioner name, if it is one of ours.
@@ -104,11 +153,11 @@ fn failed(object: String, f: Failure) -> ReconcileError {
     ReconcileError::Provisioning { object, message: f.message, transient }
 }
 
-pub async fn reconcile_claim(
+async fn reconcile_claim(
     claim: Arc<PersistentVolumeClaim>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    let Some(provisioner) = provisioner(&ctx) else { return Ok(Action::await_change()) };
+    let provisioner = &ctx.provisioner;
     let spec = claim.spec.clone().unwrap_or_default();
     if claim.metadata.deletion_timestamp.is_some()
         || spec.volume_name.as_deref().is_some_and(|v| !v.is_empty())
@@ -233,7 +282,7 @@ fn persistent_volume(
     request: &CreateRequest,
     made: &MadeVolume,
 ) -> PersistentVolume {
-    let driver = crate::csi::driver_name(backend);
+    let driver = format!("{backend}{DRIVER_SUFFIX}");
     let spec = claim.spec.clone().unwrap_or_default();
     let affinity = (!made.topology.is_empty()).then(|| VolumeNodeAffinity {
         required: Some(NodeSelector {
@@ -299,11 +348,11 @@ fn persistent_volume(
 /// A provisioned PV: once released (its claim gone) with reclaim policy
 /// Delete, or deleted while unbound, its volume is removed, then its
 /// finalizer. A volume still in use is waited for, never forced.
-pub async fn reconcile_volume(
+async fn reconcile_volume(
     pv: Arc<PersistentVolume>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    let Some(provisioner) = provisioner(&ctx) else { return Ok(Action::await_change()) };
+    let provisioner = &ctx.provisioner;
     let Some(backend) = pv.annotations().get(PROVISIONED_BY).and_then(|d| backend_of(d)) else {
         return Ok(Action::await_change());
     };
@@ -354,8 +403,8 @@ pub async fn reconcile_volume(
 /// between making the volume and its PV) whose claim is gone has what it
 /// made removed; one whose claim is still there is finished by the claim's
 /// own reconcile (the same name, the same volume).
-pub async fn clear_orphans(ctx: &Context) {
-    let Some(provisioner) = provisioner(ctx) else { return };
+async fn clear_orphans(ctx: &Context) {
+    let provisioner = &ctx.provisioner;
     let unfinished = match provisioner.unfinished().await {
         Ok(u) => u,
         Err(f) => {

@@ -4,11 +4,11 @@
 //! [`Provisioner`] the controller's own claim watcher uses, behind the
 //! CSI calls, with the spec's checks and error codes.
 
-use super::proto::csi::controller_server::{Controller, ControllerServer};
-use super::proto::csi::identity_server::{Identity, IdentityServer};
-use super::proto::csi::*;
+use super::{Code, Failure, MadeSnapshot, Provisioner};
+use crate::csi::proto::csi::controller_server::{Controller, ControllerServer};
+use crate::csi::proto::csi::identity_server::{Identity, IdentityServer};
+use crate::csi::proto::csi::*;
 use crate::model::{AccessMode, ContentSource, CreateRequest, Segment, VolumeMode};
-use crate::provision::{Code, Failure, MadeSnapshot, Provisioner};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -435,7 +435,7 @@ impl Identity for ControllerIdentity {
         _req: Request<GetPluginInfoRequest>,
     ) -> Result<Response<GetPluginInfoResponse>, Status> {
         Ok(Response::new(GetPluginInfoResponse {
-            name: super::driver_name(&self.backend),
+            name: crate::csi::driver_name(&self.backend),
             vendor_version: env!("CARGO_PKG_VERSION").to_string(),
             manifest: HashMap::from([("backend".to_string(), self.backend.clone())]),
         }))
@@ -473,7 +473,7 @@ impl Identity for ControllerIdentity {
 
 /// Where the controller driver of `backend` listens under `dir`.
 pub fn socket_path(dir: &Path, backend: &str) -> PathBuf {
-    dir.join(format!("{}.sock", super::driver_name(backend)))
+    dir.join(format!("{}.sock", crate::csi::driver_name(backend)))
 }
 
 /// Serve the controller driver of every provisioning backend on its socket
@@ -504,12 +504,12 @@ pub async fn serve(
             provisioner: provisioner.clone(),
             backend: backend.clone(),
         })
-        .max_decoding_message_size(super::MAX_MESSAGE);
+        .max_decoding_message_size(crate::csi::MAX_MESSAGE);
         let identity = IdentityServer::new(ControllerIdentity {
             provisioner: provisioner.clone(),
             backend: backend.clone(),
         })
-        .max_decoding_message_size(super::MAX_MESSAGE);
+        .max_decoding_message_size(crate::csi::MAX_MESSAGE);
         let uids = allowed.clone();
         let incoming =
             tokio_stream::wrappers::UnixListenerStream::new(listener).filter(move |c| match c {
