@@ -8,8 +8,8 @@
 
 use super::{Code, Failure, MadeVolume, Provisioner};
 use crate::kube::controller::retry::{ReconcileError, Retries, api_error};
+use crate::kube::controller::{Retrying, drive};
 use crate::model::{AccessMode, ContentSource, CreateRequest, VolumeMode};
-use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
     ObjectReference, PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec,
@@ -21,10 +21,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
-use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
-use std::fmt::Debug;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,32 +68,10 @@ pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>) {
     );
 }
 
-/// Run `controller` with `reconcile`, failures retried per [`Retries`].
-async fn drive<K, R, F>(controller: Controller<K>, reconcile: R, ctx: Arc<Context>)
-where
-    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    R: Fn(Arc<K>, Arc<Context>) -> F + Send + 'static,
-    F: Future<Output = Result<Action, ReconcileError>> + Send + 'static,
-{
-    let key = |object: &K| format!("{}/{}", K::kind(&()), object.name_any());
-    controller
-        .run(
-            move |object, ctx: Arc<Context>| {
-                let key = key(&object);
-                let work = reconcile(object, ctx.clone());
-                async move {
-                    let result = work.await;
-                    if result.is_ok() {
-                        ctx.retries.succeeded(&key);
-                    }
-                    result
-                }
-            },
-            move |object, error, ctx| ctx.retries.failed(&key(&object), error),
-            ctx,
-        )
-        .for_each(|_| std::future::ready(()))
-        .await;
+impl Retrying for Context {
+    fn retries(&self) -> &Retries {
+        &self.retries
+    }
 }
 
 /// The backend of a class's provisioner name, if it is one of ours.

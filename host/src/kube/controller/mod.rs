@@ -158,30 +158,42 @@ async fn lead_work(
     );
 }
 
+/// A reconcilers' context that counts their failures.
+pub trait Retrying: Send + Sync + 'static {
+    fn retries(&self) -> &retry::Retries;
+}
+
+impl Retrying for Context {
+    fn retries(&self) -> &retry::Retries {
+        &self.retries
+    }
+}
+
 /// Run `controller` with `reconcile`, each failure retried per
 /// [`retry::Retries`]; runs until cancelled.
-async fn drive<K, R, F>(controller: Controller<K>, reconcile: R, ctx: Arc<Context>)
+pub async fn drive<K, C, R, F>(controller: Controller<K>, reconcile: R, ctx: Arc<C>)
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    R: Fn(Arc<K>, Arc<Context>) -> F + Send + 'static,
+    C: Retrying,
+    R: Fn(Arc<K>, Arc<C>) -> F + Send + 'static,
     F: Future<Output = Result<Action, ReconcileError>> + Send + 'static,
 {
     let kind = K::kind(&()).to_string();
     let key = |object: &K| format!("{}/{}", K::kind(&()), object.name_any());
     controller
         .run(
-            move |object, ctx: Arc<Context>| {
+            move |object, ctx: Arc<C>| {
                 let key = key(&object);
                 let work = reconcile(object, ctx.clone());
                 async move {
                     let result = work.await;
                     if result.is_ok() {
-                        ctx.retries.succeeded(&key);
+                        ctx.retries().succeeded(&key);
                     }
                     result
                 }
             },
-            move |object, error, ctx| ctx.retries.failed(&key(&object), error),
+            move |object, error, ctx| ctx.retries().failed(&key(&object), error),
             ctx,
         )
         .for_each(|result| {
