@@ -30,7 +30,7 @@ const BELOW_THE_EDGES: &[&str] = &[
 ];
 
 /// The edges, as paths in the crate.
-const EDGE_MODULES: &[&str] = &["cli", "socket", "csi", "kube", "plugin", "http"];
+const EDGE_MODULES: &[&str] = &["cli", "socket", "csi", "kube", "plugin", "provision", "http"];
 
 /// The crates of the edges' wire formats.
 const EDGE_CRATES: &[&str] = &["volagent_protocol", "tonic", "prost", "k8s_openapi", "kube"];
