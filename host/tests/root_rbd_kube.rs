@@ -25,7 +25,7 @@ use volagent_test_support::ceph::{Image, ceph_dir, volagent_key, watchers};
 use volagent_test_support::driver::{assert_success, kubelet_options, run_driver};
 use volagent_test_support::nbd::{NBD_WAIT, clients_under, servers_under};
 use volagent_test_support::wait_until;
-use volagent_test_support::{ceph, kube_objects, shipped};
+use volagent_test_support::{ceph, ceph_cluster, kube_objects, shipped};
 
 /// The agent's binary, as cargo built it for this tier.
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
@@ -41,8 +41,6 @@ trait RbdCluster {
         volume: &str,
         key: Option<&str>,
     ) -> (String, (i32, Value));
-    fn create_storage_cluster(&self, name: &str, secret: &str);
-    fn create_fencing_secret(&self, name: &str);
     fn csi_stage_and_publish(&self, node: &str, pv: &str, attrs: &[(&str, &str)]) -> String;
     fn csi_stage_and_publish_fs(
         &self,
@@ -51,7 +49,6 @@ trait RbdCluster {
         attrs: &[(&str, &str)],
         fs: &str,
     ) -> String;
-    fn create_secret(&self, namespace: &str, name: &str, key: &str);
 }
 
 impl RbdCluster for Cluster {
@@ -77,48 +74,6 @@ impl RbdCluster for Cluster {
         }
         let driver = self.scratch.path(&format!("{node}/vpd/volagent~rbd/rbd"));
         (dir.clone(), run_driver(Command::new(driver).args(["mount", &dir, &opts.to_string()])))
-    }
-
-    /// A StorageCluster of rbd at the run's Ceph: the nodes' user (its key
-    /// in Secret `secret` of the agents' namespace) and the controller's
-    /// (its key in Secret `volagent-controller/<name>-fencing`).
-    fn create_storage_cluster(&self, name: &str, secret: &str) {
-        use volagent::kube::crds::{
-            ControllerCredentials, SecretReference, StorageCluster, StorageClusterSpec,
-        };
-        let spec = StorageClusterSpec {
-            backend: "rbd".into(),
-            endpoints: vec!["127.0.0.1:6789".into()],
-            secret_ref: Some(SecretReference {
-                namespace: shipped::AGENT_NAMESPACE.into(),
-                name: secret.into(),
-            }),
-            controller_credentials: Some(ControllerCredentials {
-                user: "volagent-controller".into(),
-                secret_ref: SecretReference {
-                    namespace: shipped::CONTROLLER_NAMESPACE.into(),
-                    name: format!("{name}-fencing"),
-                },
-            }),
-            parameters: [
-                ("user".to_string(), "volagent".to_string()),
-                ("pool".to_string(), "rbd".to_string()),
-            ]
-            .into(),
-        };
-        let api: Api<StorageCluster> = Api::all(self.client());
-        self.rt
-            .block_on(api.create(&Default::default(), &StorageCluster::new(name, spec)))
-            .unwrap();
-    }
-
-    /// The controller's key for StorageCluster `name`, where it looks for it.
-    fn create_fencing_secret(&self, name: &str) {
-        self.create_secret(
-            shipped::CONTROLLER_NAMESPACE,
-            &format!("{name}-fencing"),
-            &ceph::controller_key(&ceph_dir()),
-        );
     }
 
     /// NodeStage and NodePublish of CSI volume `pv` (attributes `attrs`, no
@@ -182,19 +137,6 @@ impl RbdCluster for Cluster {
         });
         target
     }
-
-    fn create_secret(&self, namespace: &str, name: &str, key: &str) {
-        use k8s_openapi::api::core::v1::Secret;
-        let secret = Secret {
-            metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
-            data: Some(
-                [("key".to_string(), k8s_openapi::ByteString(key.as_bytes().to_vec()))].into(),
-            ),
-            ..Default::default()
-        };
-        let api: Api<Secret> = Api::namespaced(self.client(), namespace);
-        self.rt.block_on(api.create(&Default::default(), &secret)).unwrap();
-    }
 }
 
 /// Write `bytes` to `path` and push them to the device.
@@ -220,9 +162,9 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
     let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[RBD]);
-    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    ceph_cluster::create_secret(&c, shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
     // The controller's key is not there yet: it cannot fence.
-    c.create_storage_cluster("ceph", "ceph-volagent");
+    ceph_cluster::create_storage_cluster(&c, "ceph", "ceph-volagent");
     c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-rbd",
@@ -293,7 +235,7 @@ fn a_deleted_nodes_client_is_blocklisted_before_take_over_and_its_writes_then_fa
         [format!("client.{}", clients[0].id)],
         "node-a did not open the image"
     );
-    c.create_fencing_secret("ceph");
+    ceph_cluster::create_fencing_secret(&c, "ceph");
     let (new, r) = c.mount_with("node-a", "new-2", "pv-rbd", None);
     assert_eq!(new, failed_dir);
     assert_success(&r);
@@ -373,9 +315,9 @@ fn a_storage_cluster_connects_its_volumes_and_deleting_it_cleans_every_node() {
     let key = volagent_key(&dir);
     let (one, two) = (Image::create(&dir, 64), Image::create(&dir, 64));
     let c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[RBD]);
-    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
-    c.create_storage_cluster("ceph", "ceph-volagent");
-    c.create_storage_cluster("ceph-unkeyed", "absent");
+    ceph_cluster::create_secret(&c, shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    ceph_cluster::create_storage_cluster(&c, "ceph", "ceph-volagent");
+    ceph_cluster::create_storage_cluster(&c, "ceph-unkeyed", "absent");
     let clusters: Api<volagent::kube::crds::StorageCluster> = Api::all(c.client());
     c.wait("the finalizer", || {
         c.rt.block_on(clusters.get("ceph"))
@@ -468,9 +410,9 @@ fn the_controller_blocklists_a_vanished_nodes_clients_before_moving_its_records(
     let key = volagent_key(&dir);
     let image = Image::create(&dir, 64);
     let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[RBD]);
-    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
-    c.create_storage_cluster("ceph", "ceph-volagent");
-    c.create_fencing_secret("ceph");
+    ceph_cluster::create_secret(&c, shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    ceph_cluster::create_storage_cluster(&c, "ceph", "ceph-volagent");
+    ceph_cluster::create_fencing_secret(&c, "ceph");
     c.rt.block_on(kube_objects::create_pv(
         &c.client(),
         "pv-gone",
@@ -617,11 +559,11 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
     };
     let mut c =
         Cluster::start(VOLAGENT, &["node-a"], &[RBD, (volagent_test_artifacts::NBD, "nbd")]);
-    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
-    c.create_storage_cluster("ceph", "ceph-volagent");
-    c.create_fencing_secret("ceph");
+    ceph_cluster::create_secret(&c, shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    ceph_cluster::create_storage_cluster(&c, "ceph", "ceph-volagent");
+    ceph_cluster::create_fencing_secret(&c, "ceph");
     // The controller again, now serving the policies' CSI controllers.
-    let csi = provisioning_controller(&mut c);
+    let csi = ceph_cluster::provisioning_controller(&mut c);
     let socket = volagent::provision::csi::socket_path(&csi, "rbd");
     c.wait("the rbd controller socket", || socket.exists());
     let mount = |mode: Mode| VolumeCapability {
@@ -971,21 +913,6 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
     });
 }
 
-/// The controller as its ServiceAccount again, now with the shipped
-/// policies and their CSI controller drivers.
-fn provisioning_controller(c: &mut Cluster) -> std::path::PathBuf {
-    let csi = c.scratch.path("csi");
-    c.kill_agent("controller");
-    c.controller_args = vec![
-        "--plugin-dir".into(),
-        c.scratch.path("plugins").display().to_string(),
-        "--csi-dir".into(),
-        csi.display().to_string(),
-    ];
-    c.spawn_controller();
-    csi
-}
-
 #[test]
 fn a_claim_on_a_volagent_class_gets_an_image_and_a_bound_pv_without_sidecars_and_leaves_nothing() {
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -998,9 +925,9 @@ fn a_claim_on_a_volagent_class_gets_an_image_and_a_bound_pv_without_sidecars_and
     let orphan = format!("pvc-orphan-{suffix}");
     let mut cleanup = Provisioned { dir: dir.clone(), images: vec![orphan.clone()] };
     let mut c = Cluster::start(VOLAGENT, &["node-a"], &[RBD]);
-    c.create_secret(shipped::AGENT_NAMESPACE, "ceph-volagent", &volagent_key(&dir));
-    c.create_storage_cluster("ceph", "ceph-volagent");
-    c.create_fencing_secret("ceph");
+    ceph_cluster::create_secret(&c, shipped::AGENT_NAMESPACE, "ceph-volagent", &volagent_key(&dir));
+    ceph_cluster::create_storage_cluster(&c, "ceph", "ceph-volagent");
+    ceph_cluster::create_fencing_secret(&c, "ceph");
     // A controller killed between making an image and its PV: its record
     // says Creating, and the claim it was for is gone.
     ceph::rbd(&dir, &["create", "--size", "16M", &format!("rbd/{orphan}")]);
@@ -1023,7 +950,7 @@ fn a_claim_on_a_volagent_class_gets_an_image_and_a_bound_pv_without_sidecars_and
     // As the controller labels its records.
     record.metadata.labels = Some([("volagent.io/backend".to_string(), "rbd".to_string())].into());
     c.rt.block_on(records.create(&Default::default(), &record)).unwrap();
-    provisioning_controller(&mut c);
+    ceph_cluster::provisioning_controller(&mut c);
     c.wait("the orphaned image to be removed", || image_size(&dir, &orphan).is_none());
     c.wait("its record to go", || c.rt.block_on(records.get_opt(&object)).unwrap().is_none());
 

@@ -11,6 +11,7 @@ pub mod agent;
 pub mod api_cluster;
 pub mod bench;
 pub mod ceph;
+pub mod ceph_cluster;
 pub mod daemonset_cluster;
 pub mod driver;
 pub mod kernel_cycle;
