@@ -153,6 +153,9 @@ pub(crate) fn controller_deployment_is_locked_down(all: &[Applied]) -> anyhow::R
             "0.0.0.0:9480",
             "--webhook-addr",
             "0.0.0.0:9443",
+            // The image's policies: the controller provisions with them.
+            "--plugin-dir",
+            "/opt/volagent/plugins",
         ])
     );
     let sc = controller.security_context.clone().context("container securityContext")?;
