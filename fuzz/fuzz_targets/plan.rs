@@ -16,6 +16,7 @@ fn caps() -> Capabilities {
         filesystems: vec!["ext4".into(), "xfs".into()],
         network_filesystems: vec!["glusterfs".into()],
         path_roots: PathRoot::ALL.to_vec(),
+        controller_steps: ControllerStepKind::ALL.to_vec(),
     }
 }
 
