@@ -642,6 +642,9 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         other.parameters.insert("pool".into(), "elsewhere".into());
         assert_eq!(code(ctl.create_volume(other).await).0, Code::AlreadyExists);
         assert_eq!(code(ctl.create_volume(create("", 8, None)).await).0, Code::InvalidArgument);
+        let (got, why) = code(ctl.create_volume(create(&"p".repeat(129), 8, None)).await);
+        assert_eq!(got, Code::InvalidArgument, "{why}");
+        assert!(why.contains("more than 128"), "{why}");
         let mut no_caps = create("pvc-x", 8, None);
         no_caps.volume_capabilities.clear();
         assert_eq!(code(ctl.create_volume(no_caps).await).0, Code::InvalidArgument);

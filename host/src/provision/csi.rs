@@ -40,6 +40,20 @@ fn invalid(m: impl Into<String>) -> Status {
     Status::invalid_argument(m.into())
 }
 
+/// Longest name or id a request may carry (what CSI asks plugins to support).
+const MAX_NAME: usize = 128;
+
+/// Field `field` is set, and at most [`MAX_NAME`] bytes.
+fn present(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(invalid(format!("{field} is missing")));
+    }
+    if value.len() > MAX_NAME {
+        return Err(invalid(format!("{field} is {} bytes, more than {MAX_NAME}", value.len())));
+    }
+    Ok(())
+}
+
 /// One backend's controller driver.
 #[derive(Clone)]
 pub struct ControllerService {
@@ -169,23 +183,17 @@ impl Controller for ControllerService {
         req: Request<CreateVolumeRequest>,
     ) -> Result<Response<CreateVolumeResponse>, Status> {
         let r = req.into_inner();
-        if r.name.is_empty() {
-            return Err(invalid("name is missing"));
-        }
+        present("name", &r.name)?;
         let (access_modes, mode, fs_type) = shape(&r.volume_capabilities)?;
         let (required, limit) = range(r.capacity_range.as_ref())?;
         let source = match r.volume_content_source.and_then(|s| s.r#type) {
             None => None,
-            Some(volume_content_source::Type::Snapshot(s)) if s.snapshot_id.is_empty() => {
-                return Err(invalid("volume_content_source.snapshot.snapshot_id is missing"));
-            }
-            Some(volume_content_source::Type::Volume(v)) if v.volume_id.is_empty() => {
-                return Err(invalid("volume_content_source.volume.volume_id is missing"));
-            }
             Some(volume_content_source::Type::Snapshot(s)) => {
+                present("volume_content_source.snapshot.snapshot_id", &s.snapshot_id)?;
                 Some(ContentSource::Snapshot(s.snapshot_id))
             }
             Some(volume_content_source::Type::Volume(v)) => {
+                present("volume_content_source.volume.volume_id", &v.volume_id)?;
                 Some(ContentSource::Volume(v.volume_id))
             }
         };
@@ -226,9 +234,7 @@ impl Controller for ControllerService {
         req: Request<DeleteVolumeRequest>,
     ) -> Result<Response<DeleteVolumeResponse>, Status> {
         let r = req.into_inner();
-        if r.volume_id.is_empty() {
-            return Err(invalid("volume_id is missing"));
-        }
+        present("volume_id", &r.volume_id)?;
         self.provisioner.delete_volume(&self.backend, &r.volume_id).await.map_err(status)?;
         Ok(Response::new(DeleteVolumeResponse {}))
     }
@@ -238,9 +244,7 @@ impl Controller for ControllerService {
         req: Request<ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
         let r = req.into_inner();
-        if r.volume_id.is_empty() {
-            return Err(invalid("volume_id is missing"));
-        }
+        present("volume_id", &r.volume_id)?;
         shape(&r.volume_capabilities)?;
         if !self.provisioner.volume_exists(&self.backend, &r.volume_id).await.map_err(status)? {
             return Err(Status::not_found(format!(
@@ -315,12 +319,8 @@ impl Controller for ControllerService {
         req: Request<CreateSnapshotRequest>,
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
         let r = req.into_inner();
-        if r.name.is_empty() {
-            return Err(invalid("name is missing"));
-        }
-        if r.source_volume_id.is_empty() {
-            return Err(invalid("source_volume_id is missing"));
-        }
+        present("name", &r.name)?;
+        present("source_volume_id", &r.source_volume_id)?;
         let made = self
             .provisioner
             .create_snapshot(
@@ -339,9 +339,7 @@ impl Controller for ControllerService {
         req: Request<DeleteSnapshotRequest>,
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
         let r = req.into_inner();
-        if r.snapshot_id.is_empty() {
-            return Err(invalid("snapshot_id is missing"));
-        }
+        present("snapshot_id", &r.snapshot_id)?;
         self.provisioner.delete_snapshot(&self.backend, &r.snapshot_id).await.map_err(status)?;
         Ok(Response::new(DeleteSnapshotResponse {}))
     }
@@ -366,6 +364,16 @@ impl Controller for ControllerService {
                 ))
             })?
         };
+        for (field, value) in
+            [("snapshot_id", &r.snapshot_id), ("source_volume_id", &r.source_volume_id)]
+        {
+            if value.len() > MAX_NAME {
+                return Err(invalid(format!(
+                    "{field} is {} bytes, more than {MAX_NAME}",
+                    value.len()
+                )));
+            }
+        }
         let non_empty = |s: &str| (!s.is_empty()).then(|| s.to_string());
         let all = self
             .provisioner
@@ -397,9 +405,7 @@ impl Controller for ControllerService {
         req: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
         let r = req.into_inner();
-        if r.volume_id.is_empty() {
-            return Err(invalid("volume_id is missing"));
-        }
+        present("volume_id", &r.volume_id)?;
         let Some(capacity) = r.capacity_range.as_ref() else {
             return Err(invalid("capacity_range is missing"));
         };
