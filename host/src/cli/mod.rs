@@ -74,6 +74,10 @@ enum Command {
         /// Write <crd-name>.yaml files here instead of printing.
         #[arg(long)]
         dir: Option<std::path::PathBuf>,
+        /// The CSI snapshot API's CRDs (snapshot.storage.k8s.io/v1) instead,
+        /// for a cluster that has none from the upstream snapshot controller.
+        #[arg(long)]
+        snapshots: bool,
     },
 }
 
@@ -126,14 +130,24 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Controller { args, limits } => controller::run(args, limits.limits()),
         Command::Nbd { command } => nbd::run(command),
         Command::Local { command } => local::run(command),
-        Command::Crds { dir: None } => {
-            print!("{}", crate::kube::crds::yaml_stream());
+        Command::Crds { dir: None, snapshots } => {
+            let files = if snapshots {
+                crate::kube::snapshot_crds::all()
+            } else {
+                crate::kube::crds::all()
+            };
+            print!("{}", crate::kube::crds::yaml_stream_of(files));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Crds { dir: Some(dir) } => {
+        Command::Crds { dir: Some(dir), snapshots } => {
             use anyhow::Context;
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            for (file, yaml) in crate::kube::crds::all() {
+            let files = if snapshots {
+                crate::kube::snapshot_crds::all()
+            } else {
+                crate::kube::crds::all()
+            };
+            for (file, yaml) in files {
                 let path = dir.join(file);
                 std::fs::write(&path, yaml)
                     .with_context(|| format!("writing {}", path.display()))?;

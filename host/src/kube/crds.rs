@@ -508,7 +508,12 @@ pub fn all() -> Vec<(String, String)> {
 
 /// All CRDs as one YAML stream.
 pub fn yaml_stream() -> String {
-    all().into_iter().map(|(_, y)| format!("---\n{y}")).collect()
+    yaml_stream_of(all())
+}
+
+/// CRD files as one YAML stream.
+pub fn yaml_stream_of(files: Vec<(String, String)>) -> String {
+    files.into_iter().map(|(_, y)| format!("---\n{y}")).collect()
 }
 
 #[cfg(test)]

@@ -13,5 +13,6 @@ pub mod local_pvs;
 pub mod local_volumes;
 pub mod node_tasks;
 mod node_view;
+pub mod snapshot_crds;
 pub mod storage;
 pub mod volumes;
