@@ -1033,3 +1033,217 @@ fn a_claim_on_a_volagent_class_gets_an_image_and_a_bound_pv_without_sidecars_and
     let left = c.rt.block_on(records.list(&Default::default())).unwrap();
     assert!(left.items.is_empty(), "{left:?}");
 }
+
+/// `rbd info` of an image as JSON, or None when it is not there.
+fn image_info(dir: &std::path::Path, image: &str) -> Option<Value> {
+    let out = ceph::rbd(dir, &["info", "--format", "json", &format!("rbd/{image}")]);
+    out.status.success().then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// The reasons of the Events about `kind` `name` in `namespace`.
+fn event_reasons(c: &Cluster, namespace: &str, kind: &str, name: &str) -> Vec<String> {
+    use k8s_openapi::api::core::v1::Event;
+    let events: Api<Event> = Api::namespaced(c.client(), namespace);
+    c.rt.block_on(events.list(&Default::default()))
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.involved_object.kind.as_deref() == Some(kind)
+                && e.involved_object.name.as_deref() == Some(name)
+        })
+        .filter_map(|e| e.reason)
+        .collect()
+}
+
+#[test]
+fn claims_grow_snapshot_and_restore_through_kubernetes_objects_without_sidecars() {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::storage::v1::StorageClass;
+    use kube::api::{Patch, PatchParams};
+    use volagent::kube::crds::ProvisionRecord;
+    use volagent::kube::snapshot_crds::{
+        VolumeSnapshot, VolumeSnapshotClass, VolumeSnapshotContent,
+    };
+    let dir = ceph_dir();
+    let mut cleanup = Provisioned { dir: dir.clone(), images: Vec::new() };
+    let mut c = Cluster::start(VOLAGENT, &["node-a"], &[RBD]);
+    // The admin installs the snapshot API; the PV binder and the
+    // protection controllers run as in any cluster.
+    ceph_cluster::install_snapshot_crds(&c);
+    let assets = volagent_kube_env::node::node_assets().expect("scripts/node-assets");
+    let _kcm = volagent_kube_env::node::ControllerManager::start_with(
+        &c.env,
+        &c.scratch.path(""),
+        &assets,
+        "persistentvolume-binder,pv-protection,pvc-protection",
+    )
+    .expect("kube-controller-manager");
+    ceph_cluster::provisioning(&mut c);
+    let class: StorageClass = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "rbd-grow" },
+        "provisioner": "rbd.csi.volagent.io",
+        "parameters": { "storageCluster": "ceph", "csi.storage.k8s.io/fstype": "xfs" },
+        "reclaimPolicy": "Delete",
+        "allowVolumeExpansion": true,
+        "volumeBindingMode": "Immediate",
+    }))
+    .unwrap();
+    c.rt.block_on(Api::<StorageClass>::all(c.client()).create(&Default::default(), &class))
+        .unwrap();
+    let snapshot_class: VolumeSnapshotClass = serde_json::from_value(serde_json::json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+        "metadata": { "name": "rbd-snap",
+                      "annotations": { "snapshot.storage.k8s.io/is-default-class": "true" } },
+        "driver": "rbd.csi.volagent.io",
+        "deletionPolicy": "Delete",
+    }))
+    .unwrap();
+    c.rt.block_on(
+        Api::<VolumeSnapshotClass>::all(c.client()).create(&Default::default(), &snapshot_class),
+    )
+    .unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    let pvs: Api<PersistentVolume> = Api::all(c.client());
+    let claim = |name: &str, size: &str, source: Option<Value>| -> PersistentVolumeClaim {
+        let mut spec = serde_json::json!({
+            "storageClassName": "rbd-grow",
+            "accessModes": ["ReadWriteOnce"],
+            "resources": { "requests": { "storage": size } },
+        });
+        if let Some(source) = source {
+            spec["dataSource"] = source;
+        }
+        let object: PersistentVolumeClaim = serde_json::from_value(
+            serde_json::json!({ "metadata": { "name": name, "namespace": "default" }, "spec": spec }),
+        )
+        .unwrap();
+        c.rt.block_on(claims.create(&Default::default(), &object)).unwrap()
+    };
+    let phase_of = |name: &str| {
+        c.rt.block_on(claims.get_opt(name))
+            .unwrap()
+            .and_then(|c| c.status?.phase)
+            .unwrap_or_default()
+    };
+
+    // A claim is provisioned and bound by the cluster's own binder.
+    let data = claim("data", "300Mi", None);
+    let data_pv = format!("pvc-{}", data.metadata.uid.clone().unwrap());
+    cleanup.images.push(data_pv.clone());
+    c.wait("claim data to be Bound", || phase_of("data") == "Bound");
+    assert_eq!(image_size(&dir, &data_pv), Some(300 << 20));
+    assert!(
+        event_reasons(&c, "default", "PersistentVolumeClaim", "data")
+            .contains(&"ProvisioningSucceeded".to_string())
+    );
+
+    // It grows: the image, the PV, and the claim waits for its node.
+    let grow =
+        serde_json::json!({ "spec": { "resources": { "requests": { "storage": "400Mi" } } } });
+    c.rt.block_on(claims.patch("data", &PatchParams::default(), &Patch::Merge(&grow))).unwrap();
+    c.wait("the image to grow", || image_size(&dir, &data_pv) == Some(400 << 20));
+    c.wait("the PV to take the size", || {
+        let pv = c.rt.block_on(pvs.get(&data_pv)).unwrap();
+        pv.spec.unwrap().capacity.unwrap()["storage"].0 == (400u64 << 20).to_string()
+    });
+    c.wait("the claim's filesystem to wait for its node", || {
+        let claim = c.rt.block_on(claims.get("data")).unwrap();
+        let conditions = claim.status.and_then(|s| s.conditions).unwrap_or_default();
+        conditions.iter().any(|c| c.type_ == "FileSystemResizePending" && c.status == "True")
+    });
+    assert!(
+        event_reasons(&c, "default", "PersistentVolumeClaim", "data")
+            .contains(&"FileSystemResizeRequired".to_string())
+    );
+
+    // A VolumeSnapshot of it, on the default class: an RBD snapshot, its
+    // content, ready.
+    let snapshots: Api<VolumeSnapshot> = Api::namespaced(c.client(), "default");
+    let snapshot = |name: &str, class: Option<&str>| {
+        let mut spec = serde_json::json!({ "source": { "persistentVolumeClaimName": "data" } });
+        if let Some(class) = class {
+            spec["volumeSnapshotClassName"] = class.into();
+        }
+        let object: VolumeSnapshot = serde_json::from_value(serde_json::json!({
+            "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+            "metadata": { "name": name, "namespace": "default" }, "spec": spec,
+        }))
+        .unwrap();
+        c.rt.block_on(snapshots.create(&Default::default(), &object)).unwrap()
+    };
+    let snap = snapshot("snap", None);
+    let snap_uid = snap.metadata.uid.clone().unwrap();
+    let mut ready = None;
+    c.wait("the snapshot to be ready", || {
+        ready = c.rt.block_on(snapshots.get("snap")).unwrap().status;
+        ready.as_ref().is_some_and(|s| s.ready_to_use == Some(true))
+    });
+    let ready = ready.unwrap();
+    let content_name = format!("snapcontent-{snap_uid}");
+    assert_eq!(ready.bound_volume_snapshot_content_name.as_deref(), Some(content_name.as_str()));
+    assert_eq!(ready.restore_size, Some(Value::from((400u64 << 20).to_string())));
+    let contents: Api<VolumeSnapshotContent> = Api::all(c.client());
+    let content = c.rt.block_on(contents.get(&content_name)).unwrap();
+    let handle = content.status.clone().unwrap().snapshot_handle.unwrap();
+    let rbd_snapshot = format!("snapshot-{snap_uid}");
+    assert_eq!(handle, format!("ceph.rbd.{data_pv}.{rbd_snapshot}"));
+    assert_eq!(content.spec.deletion_policy, "Delete");
+    let listed = ceph::rbd(&dir, &["snap", "ls", &format!("rbd/{data_pv}")]);
+    assert!(String::from_utf8_lossy(&listed.stdout).contains(&rbd_snapshot), "{listed:?}");
+
+    // A class that does not exist: the snapshot says so, nothing is made.
+    snapshot("unclassed", Some("no-such-class"));
+    c.wait("the snapshot's error", || {
+        let status = c.rt.block_on(snapshots.get("unclassed")).unwrap().status;
+        status.and_then(|s| s.error?.message).is_some_and(|m| m.contains("no-such-class"))
+    });
+    assert!(
+        event_reasons(&c, "default", "VolumeSnapshot", "unclassed")
+            .contains(&"SnapshotCreationFailed".to_string())
+    );
+
+    // A claim from the snapshot: a clone of exactly that snapshot.
+    let source = serde_json::json!({
+        "apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "snap",
+    });
+    let restored = claim("restored", "400Mi", Some(source));
+    let restored_pv = format!("pvc-{}", restored.metadata.uid.clone().unwrap());
+    cleanup.images.push(restored_pv.clone());
+    c.wait("claim restored to be Bound", || phase_of("restored") == "Bound");
+    let info = image_info(&dir, &restored_pv).unwrap();
+    assert_eq!(info["parent"]["image"], data_pv.as_str(), "{info}");
+    assert_eq!(info["parent"]["snapshot"], rbd_snapshot.as_str(), "{info}");
+
+    // Deleting the VolumeSnapshot deletes its content and the RBD snapshot
+    // (kept in the trash while its clone lives).
+    c.rt.block_on(snapshots.delete("snap", &Default::default())).unwrap();
+    c.wait("the snapshot and its content to go", || {
+        c.rt.block_on(snapshots.get_opt("snap")).unwrap().is_none()
+            && c.rt.block_on(contents.get_opt(&content_name)).unwrap().is_none()
+    });
+    let listed = ceph::rbd(&dir, &["snap", "ls", &format!("rbd/{data_pv}")]);
+    assert!(!String::from_utf8_lossy(&listed.stdout).contains(&rbd_snapshot), "{listed:?}");
+
+    // A claim deleted at once, while its create may be running: nothing
+    // of it is left.
+    let brief = claim("brief", "64Mi", None);
+    let brief_pv = format!("pvc-{}", brief.metadata.uid.clone().unwrap());
+    cleanup.images.push(brief_pv.clone());
+    c.rt.block_on(claims.delete("brief", &Default::default())).unwrap();
+
+    // Every claim goes: the binder releases their PVs, whose images the
+    // controller removes (the clone first: its parent waits for it).
+    c.rt.block_on(claims.delete("restored", &Default::default())).unwrap();
+    c.rt.block_on(claims.delete("data", &Default::default())).unwrap();
+    for image in [&restored_pv, &data_pv, &brief_pv] {
+        c.wait(&format!("image {image} to be removed"), || image_size(&dir, image).is_none());
+        c.wait(&format!("PV {image} to go"), || {
+            c.rt.block_on(pvs.get_opt(image)).unwrap().is_none()
+        });
+    }
+    let records: Api<ProvisionRecord> = Api::all(c.client());
+    c.wait("every provisioning record to go", || {
+        c.rt.block_on(records.list(&Default::default())).unwrap().items.is_empty()
+    });
+}

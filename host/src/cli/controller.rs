@@ -219,11 +219,13 @@ pub fn run(args: ControllerArgs, limits: crate::policy::Limits) -> anyhow::Resul
                 None => std::future::pending().await,
             }
         };
+        let identity = config.identity.clone();
         tokio::select! {
             () = controller::run(client.clone(), config, state, provisioner.clone().map(|p| {
                 let client = client.clone();
+                let identity = identity.clone();
                 let work: controller::LeaderWork = Arc::new(move || {
-                    Box::pin(crate::provision::claims::run(client.clone(), p.clone()))
+                    Box::pin(crate::provision::claims::run(client.clone(), p.clone(), identity.clone()))
                 });
                 work
             })) => {}

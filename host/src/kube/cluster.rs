@@ -136,7 +136,9 @@ impl Cluster {
         self.event("default", about, warning, reason, message).await;
     }
 
-    async fn event(
+    /// A core/v1 Event about `about`, written into `namespace`. Best
+    /// effort, as every Event here.
+    pub async fn event(
         &self,
         namespace: &str,
         about: ObjectReference,

@@ -5,10 +5,13 @@
 //! the upstream external-provisioner names them); a released PV of such a
 //! class with reclaim policy Delete has its volume removed, then goes.
 //! WaitForFirstConsumer classes wait for the scheduler's choice of node.
+//! Bound claims that grow are grown by [`super::resize`]; VolumeSnapshots are
+//! served by [`super::snapshots`].
 
-use super::{Code, Failure, MadeVolume, Provisioner};
+use super::objects::{Context, DRIVER_SUFFIX, backend_of, failed, quantity_bytes};
+use super::{Code, MadeVolume, Provisioner};
+use crate::kube::controller::drive;
 use crate::kube::controller::retry::{ReconcileError, Retries, api_error};
-use crate::kube::controller::{Retrying, drive};
 use crate::model::{AccessMode, ContentSource, CreateRequest, VolumeMode};
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
@@ -25,8 +28,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The suffix of the provisioner names of volagent's classes.
-const DRIVER_SUFFIX: &str = ".csi.volagent.io";
 /// Set by the scheduler on a claim of a WaitForFirstConsumer class.
 const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// On every PV this controller makes, as the external-provisioner marks its own.
@@ -38,20 +39,26 @@ const NODE_KEY: &str = "kubernetes.io/hostname";
 /// How soon a claim whose volume could not be made yet is tried again.
 const RETRY: Duration = Duration::from_secs(10);
 
-/// What every reconcile here reads.
-pub struct Context {
-    client: kube::Client,
-    provisioner: Arc<Provisioner>,
-    retries: Retries,
-}
-
 /// While this replica leads: clear what unfinished creates left, then
-/// provision claims and remove released volumes until cancelled.
-pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>) {
-    let ctx =
-        Arc::new(Context { client: client.clone(), provisioner, retries: Retries::default() });
+/// provision claims, grow them, remove released volumes and serve
+/// VolumeSnapshots until cancelled. `identity` names this replica in the
+/// Events it writes.
+pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>, identity: String) {
+    let events = crate::kube::cluster::Cluster {
+        client: client.clone(),
+        component: "volagent-controller".into(),
+        node: identity,
+        namespace: String::new(),
+    };
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        provisioner,
+        retries: Retries::default(),
+        events,
+    });
     clear_orphans(&ctx).await;
     tokio::join!(
+        super::snapshots::run(ctx.clone()),
         drive(
             Controller::new(
                 Api::<PersistentVolumeClaim>::all(client.clone()),
@@ -66,43 +73,6 @@ pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>) {
             ctx.clone(),
         ),
     );
-}
-
-impl Retrying for Context {
-    fn retries(&self) -> &Retries {
-        &self.retries
-    }
-}
-
-/// The backend of a class's provisioner name, if it is one of ours.
-fn backend_of(provisioner: &str) -> Option<&str> {
-    provisioner.strip_suffix(DRIVER_SUFFIX).filter(|b| !b.is_empty())
-}
-
-/// Bytes in a Kubernetes quantity ("1Gi", "500M", "1.5Gi", "1e9").
-pub fn quantity_bytes(q: &str) -> Option<u64> {
-    let q = q.trim();
-    let split = q.find(|c: char| c.is_ascii_alphabetic() && c != 'e').unwrap_or(q.len());
-    let (number, suffix) = q.split_at(split);
-    let factor: f64 = match suffix {
-        "" => 1.0,
-        "Ki" => 1024.0,
-        "Mi" => 1024f64.powi(2),
-        "Gi" => 1024f64.powi(3),
-        "Ti" => 1024f64.powi(4),
-        "Pi" => 1024f64.powi(5),
-        "Ei" => 1024f64.powi(6),
-        "k" => 1e3,
-        "M" => 1e6,
-        "G" => 1e9,
-        "T" => 1e12,
-        "P" => 1e15,
-        "E" => 1e18,
-        _ => return None,
-    };
-    let n: f64 = number.parse().ok()?;
-    let bytes = (n * factor).ceil();
-    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
 }
 
 fn access_modes(claim: &PersistentVolumeClaim) -> Vec<AccessMode> {
@@ -120,26 +90,19 @@ fn access_modes(claim: &PersistentVolumeClaim) -> Vec<AccessMode> {
         .collect()
 }
 
-fn failed(object: String, f: Failure) -> ReconcileError {
-    let transient = matches!(
-        f.code,
-        Code::Unavailable | Code::Aborted | Code::FailedPrecondition | Code::Internal
-    );
-    ReconcileError::Provisioning { object, message: f.message, transient }
-}
-
 async fn reconcile_claim(
     claim: Arc<PersistentVolumeClaim>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
     let provisioner = &ctx.provisioner;
     let spec = claim.spec.clone().unwrap_or_default();
-    if claim.metadata.deletion_timestamp.is_some()
-        || spec.volume_name.as_deref().is_some_and(|v| !v.is_empty())
-    {
+    if claim.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let Some(class_name) = spec.storage_class_name.clone() else {
+    if let Some(pv) = spec.volume_name.as_deref().filter(|v| !v.is_empty()) {
+        return super::resize::reconcile(&claim, pv, &ctx).await;
+    }
+    let Some(class_name) = spec.storage_class_name.clone().filter(|c| !c.is_empty()) else {
         return Ok(Action::await_change());
     };
     let classes: Api<StorageClass> = Api::all(ctx.client.clone());
@@ -194,8 +157,27 @@ async fn reconcile_claim(
                 None => return Ok(Action::requeue(RETRY)), // its source is not bound yet
             }
         }
+        Some(s)
+            if s.kind == "VolumeSnapshot"
+                && s.api_group.as_deref() == Some(crate::kube::snapshot_crds::GROUP) =>
+        {
+            let ns = claim.namespace().unwrap_or_default();
+            match super::snapshots::restorable(&ctx.client, &ns, &s.name, &class.provisioner)
+                .await?
+            {
+                Ok(handle) => Some(ContentSource::Snapshot(handle)),
+                Err(waiting) => {
+                    tracing::info!(claim = %claim.name_any(), "{waiting}");
+                    return Ok(Action::requeue(RETRY));
+                }
+            }
+        }
         Some(s) => {
-            tracing::warn!(claim = %claim.name_any(), kind = %s.kind, "a data source this controller does not restore from");
+            let message = format!(
+                "a data source this provisioner does not restore from: {} {}",
+                s.kind, s.name
+            );
+            ctx.claim_event(&claim, true, "ProvisioningFailed", &message).await;
             return Ok(Action::await_change());
         }
         None => None,
@@ -231,6 +213,7 @@ async fn reconcile_claim(
             return Ok(Action::await_change());
         }
         Err(f) => {
+            ctx.claim_event(&claim, true, "ProvisioningFailed", &f.message).await;
             return Err(failed(
                 format!("PVC {}/{}", claim.namespace().unwrap_or_default(), claim.name_any()),
                 f,
@@ -241,6 +224,8 @@ async fn reconcile_claim(
     match pvs.create(&PostParams::default(), &pv).await {
         Ok(_) => {
             tracing::info!(claim = %claim.name_any(), pv = %pv_name, id = %made.id, "provisioned");
+            let message = format!("volume {pv_name} ({}) made", made.id);
+            ctx.claim_event(&claim, false, "ProvisioningSucceeded", &message).await;
         }
         Err(kube::Error::Api(s)) if s.code == 409 => {}
         Err(e) => return Err(api_error(&format!("PV {pv_name}"))(e)),
@@ -419,29 +404,5 @@ async fn clear_orphans(ctx: &Context) {
                 tracing::warn!(backend, volume = %name, id = %id, "an unfinished create's volume stays: {}", f.message);
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quantities_in_bytes() {
-        assert_eq!(quantity_bytes("1Gi"), Some(1 << 30));
-        assert_eq!(quantity_bytes("500M"), Some(500_000_000));
-        assert_eq!(quantity_bytes("1.5Ki"), Some(1536));
-        assert_eq!(quantity_bytes("1e3"), Some(1000));
-        assert_eq!(quantity_bytes("10"), Some(10));
-        assert_eq!(quantity_bytes("1Zi"), None);
-        assert_eq!(quantity_bytes("-1Gi"), None);
-        assert_eq!(quantity_bytes("lots"), None);
-    }
-
-    #[test]
-    fn only_volagent_drivers_are_ours() {
-        assert_eq!(backend_of("rbd.csi.volagent.io"), Some("rbd"));
-        assert_eq!(backend_of(".csi.volagent.io"), None);
-        assert_eq!(backend_of("rbd.csi.ceph.com"), None);
     }
 }

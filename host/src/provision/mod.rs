@@ -10,7 +10,10 @@
 pub mod claims;
 pub mod csi;
 pub mod execute;
+pub mod objects;
 pub mod records;
+pub mod resize;
+pub mod snapshots;
 
 use crate::kube::crds::{ProvisionKind, ProvisionPhase, ProvisionRecordSpec};
 use crate::model::{

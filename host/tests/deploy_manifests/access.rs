@@ -8,7 +8,7 @@ pub(crate) const VERBS: [&str; 8] =
     ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"];
 
 /// (group, resource, subresource, namespaced) checked for both accounts.
-pub(crate) const RESOURCES: [(&str, &str, &str, bool); 23] = [
+pub(crate) const RESOURCES: [(&str, &str, &str, bool); 29] = [
     ("volagent.io", "attachments", "", false),
     ("volagent.io", "provisionrecords", "", false),
     ("volagent.io", "fencerequests", "", false),
@@ -28,6 +28,12 @@ pub(crate) const RESOURCES: [(&str, &str, &str, bool); 23] = [
     ("", "pods", "", true),
     ("", "configmaps", "", true),
     ("", "persistentvolumeclaims", "", true),
+    ("", "persistentvolumeclaims", "status", true),
+    ("snapshot.storage.k8s.io", "volumesnapshots", "", true),
+    ("snapshot.storage.k8s.io", "volumesnapshots", "status", true),
+    ("snapshot.storage.k8s.io", "volumesnapshotcontents", "", false),
+    ("snapshot.storage.k8s.io", "volumesnapshotcontents", "status", false),
+    ("snapshot.storage.k8s.io", "volumesnapshotclasses", "", false),
     ("coordination.k8s.io", "leases", "", true),
     ("apps", "daemonsets", "", true),
     ("rbac.authorization.k8s.io", "clusterroles", "", false),
@@ -99,6 +105,17 @@ pub(crate) const CONTROLLER_GRANTS: &[Grant] = &[
     grant("storage.k8s.io", "storageclasses", READ),
     // Claims it provisions (sidecar-less).
     grant("", "persistentvolumeclaims", &["get", "list", "watch", "patch"]),
+    grant("", "persistentvolumeclaims/status", &["patch"]),
+    // VolumeSnapshots of its volumes (sidecar-less).
+    grant("snapshot.storage.k8s.io", "volumesnapshots", &["get", "list", "watch", "patch"]),
+    grant("snapshot.storage.k8s.io", "volumesnapshots/status", &["patch"]),
+    grant(
+        "snapshot.storage.k8s.io",
+        "volumesnapshotcontents",
+        &["get", "list", "watch", "create", "patch", "delete"],
+    ),
+    grant("snapshot.storage.k8s.io", "volumesnapshotcontents/status", &["patch"]),
+    grant("snapshot.storage.k8s.io", "volumesnapshotclasses", READ),
     grant("", "events", &["create", "patch"]),
     // Its webhook's CA, into its own configuration.
     Grant {

@@ -85,3 +85,18 @@ pub fn provisioning(c: &mut Cluster) -> std::path::PathBuf {
     create_fencing_secret(c, "ceph");
     provisioning_controller(c)
 }
+
+/// The CSI snapshot API's CRDs (deploy/snapshot-crds/), Established, as
+/// an admin installs them where the cluster has none.
+pub fn install_snapshot_crds(c: &Cluster) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let api: Api<CustomResourceDefinition> = Api::all(c.client());
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/snapshot-crds");
+    for (file, _) in volagent::kube::snapshot_crds::all() {
+        let text = std::fs::read_to_string(dir.join(&file)).unwrap();
+        let crd: CustomResourceDefinition = serde_norway::from_str(&text).unwrap();
+        let name = crd.metadata.name.clone().unwrap();
+        c.rt.block_on(api.create(&Default::default(), &crd)).unwrap();
+        c.rt.block_on(crate::kube_objects::wait_established(&c.client(), &name));
+    }
+}

@@ -1,0 +1,146 @@
+//! Growing a bound claim's volume when its requested size grows, as the
+//! upstream external-resizer does, without it: the claim is marked
+//! Resizing, the backend's policy grows the volume on the storage, the PV
+//! takes the new capacity, and then either the claim takes it too (a block
+//! volume: nothing to grow on the node) or it waits for kubelet's node
+//! expansion (`FileSystemResizePending`; kubelet grows the filesystem
+//! where the volume is mounted, through the agent's NodeExpandVolume, and
+//! sets the claim's capacity). A failed growth is an Event and a status
+//! the claim shows; it is tried again.
+
+use super::Code;
+use super::objects::{Context, backend_of, failed, quantity_bytes};
+use crate::kube::controller::retry::{ReconcileError, api_error};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+
+/// The claim's condition while the storage grows.
+const RESIZING: &str = "Resizing";
+/// The claim's condition while its filesystem waits for kubelet.
+const FS_RESIZE_PENDING: &str = "FileSystemResizePending";
+
+/// Bytes of a `storage` quantity in a resource map.
+fn storage_bytes(
+    map: Option<
+        &std::collections::BTreeMap<
+            String,
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity,
+        >,
+    >,
+) -> Option<u64> {
+    map.and_then(|m| m.get("storage")).and_then(|q| quantity_bytes(&q.0))
+}
+
+/// A bound claim (to PV `pv_name`): grow its volume when it asks for more
+/// than the PV has.
+pub async fn reconcile(
+    claim: &PersistentVolumeClaim,
+    pv_name: &str,
+    ctx: &Context,
+) -> Result<Action, ReconcileError> {
+    let spec = claim.spec.clone().unwrap_or_default();
+    let Some(requested) = storage_bytes(spec.resources.as_ref().and_then(|r| r.requests.as_ref()))
+    else {
+        return Ok(Action::await_change());
+    };
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let Some(pv) = pvs.get_opt(pv_name).await.map_err(api_error(&format!("PV {pv_name}")))? else {
+        return Ok(Action::await_change());
+    };
+    let pv_spec = pv.spec.clone().unwrap_or_default();
+    let Some(csi) = pv_spec.csi.as_ref() else {
+        return Ok(Action::await_change());
+    };
+    let Some(backend) = backend_of(&csi.driver) else {
+        return Ok(Action::await_change());
+    };
+    // Only the claim the PV is bound to may grow it.
+    if pv_spec.claim_ref.as_ref().and_then(|r| r.uid.as_deref()) != claim.uid().as_deref() {
+        return Ok(Action::await_change());
+    }
+    let has = storage_bytes(pv_spec.capacity.as_ref()).unwrap_or(0);
+    if requested <= has {
+        return Ok(Action::await_change());
+    }
+    let ns = claim.namespace().unwrap_or_default();
+    let object = format!("PVC {ns}/{}", claim.name_any());
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+    let status = |conditions: serde_json::Value, phase: Option<&str>| {
+        serde_json::json!({ "status": {
+            "conditions": conditions,
+            "allocatedResources": { "storage": requested.to_string() },
+            "allocatedResourceStatuses": { "storage": phase },
+        }})
+    };
+    let now = crate::clock::now_rfc3339();
+    let condition = |kind: &str, message: &str| serde_json::json!([{ "type": kind, "status": "True", "lastTransitionTime": now, "message": message }]);
+    let patch_status = |patch: serde_json::Value| {
+        let (claims, name, object) = (claims.clone(), claim.name_any(), object.clone());
+        async move {
+            claims
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(drop)
+                .map_err(api_error(&object))
+        }
+    };
+    patch_status(status(
+        condition(RESIZING, &format!("growing volume {pv_name} to {requested} bytes")),
+        Some("ControllerResizeInProgress"),
+    ))
+    .await?;
+    let grown = ctx.provisioner.expand_volume(backend, &csi.volume_handle, requested, 0).await;
+    let size = match grown {
+        Ok(size) => size,
+        Err(f) => {
+            let infeasible = matches!(f.code, Code::InvalidArgument | Code::OutOfRange);
+            let phase =
+                if infeasible { "ControllerResizeInfeasible" } else { "ControllerResizeFailed" };
+            patch_status(status(serde_json::json!([]), Some(phase))).await?;
+            ctx.claim_event(claim, true, "VolumeResizeFailed", &f.message).await;
+            return Err(failed(object, f));
+        }
+    };
+    let patch = serde_json::json!({ "spec": { "capacity": { "storage": size.to_string() } } });
+    pvs.patch(pv_name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(api_error(&format!("PV {pv_name}")))?;
+    if spec.volume_mode.as_deref() == Some("Block") {
+        // Nothing on the node to grow: the claim has its size now.
+        let done = serde_json::json!({ "status": {
+            "capacity": { "storage": size.to_string() },
+            "conditions": [],
+            "allocatedResourceStatuses": null,
+        }});
+        patch_status(done).await?;
+        ctx.claim_event(
+            claim,
+            false,
+            "VolumeResizeSuccessful",
+            &format!("volume {pv_name} grew to {size} bytes"),
+        )
+        .await;
+    } else {
+        patch_status(status(
+            condition(
+                FS_RESIZE_PENDING,
+                "waiting for the node to grow the filesystem where the volume is mounted",
+            ),
+            Some("NodeResizePending"),
+        ))
+        .await?;
+        ctx.claim_event(
+            claim,
+            false,
+            "FileSystemResizeRequired",
+            &format!(
+                "volume {pv_name} grew to {size} bytes on the storage; its filesystem grows on the node"
+            ),
+        )
+        .await;
+    }
+    tracing::info!(claim = %object, pv = pv_name, size, "volume grown");
+    Ok(Action::await_change())
+}
