@@ -294,3 +294,184 @@ fn pods_on_two_nodes_share_a_gluster_volume() {
         assert!(left.is_empty(), "volume mounts left on {node}: {left:?}");
     }
 }
+
+/// Dynamic provisioning under a real kubelet, with no sidecar: a claim on
+/// a volagent rbd class gets an image and a bound PV from the controller
+/// (its policy deciding, its own Ceph user making it); a pod on node-a
+/// writes to it through the agent's CSI driver; a VolumeSnapshot of it is
+/// restored into a second claim, which a pod on node-b reads the note
+/// from; deleted, everything goes — snapshot, images, PVs. Prints how long
+/// a claim takes to be Bound.
+#[test]
+fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_another_node() {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass};
+    use volagent::kube::snapshot_crds::{VolumeSnapshot, VolumeSnapshotClass};
+    use volagent_test_support::{ceph_cluster, shipped};
+    let mut c = Cluster::start(
+        VOLAGENT,
+        &[("node-a", &[]), ("node-b", &[])],
+        &[(volagent_test_artifacts::RBD, "rbd")],
+    );
+    let ceph = Ceph::start(c.scratch.path("ceph"));
+    let client = c.client();
+    // The admin's part: the driver object, the cluster's users, the
+    // snapshot API; then the controller with the image's policies.
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/csidrivers.yaml"),
+    )
+    .unwrap();
+    let drivers: Vec<CSIDriver> = serde_norway::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let rbd_driver =
+        drivers.iter().find(|d| d.metadata.name.as_deref() == Some("rbd.csi.volagent.io")).unwrap();
+    c.rt.block_on(Api::<CSIDriver>::all(client.clone()).create(&PostParams::default(), rbd_driver))
+        .unwrap();
+    let key = ceph::volagent_key(&ceph.dir);
+    ceph_cluster::create_secret_in(&c.rt, &client, shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    let controller_key = ceph::controller_key(&ceph.dir);
+    let fencing = "ceph-fencing";
+    ceph_cluster::create_secret_in(
+        &c.rt,
+        &client,
+        shipped::CONTROLLER_NAMESPACE,
+        fencing,
+        &controller_key,
+    );
+    ceph_cluster::create_storage_cluster_in(&c.rt, &client, "ceph", "ceph-volagent");
+    ceph_cluster::install_snapshot_crds_in(&c.rt, &client);
+    if let Some(mut old) = c.controller.take() {
+        let _ = old.kill();
+        let _ = old.wait();
+    }
+    let plugins = c.node("node-a").plugin_dir().display().to_string();
+    c.controller_args = vec!["--plugin-dir".into(), plugins];
+    c.start_controller();
+    let class: StorageClass = serde_json::from_value(json!({
+        "metadata": { "name": "rbd-dynamic" },
+        "provisioner": "rbd.csi.volagent.io",
+        "parameters": { "storageCluster": "ceph", "csi.storage.k8s.io/fstype": "ext4" },
+        "reclaimPolicy": "Delete",
+        "volumeBindingMode": "Immediate",
+    }))
+    .unwrap();
+    c.rt.block_on(Api::<StorageClass>::all(client.clone()).create(&PostParams::default(), &class))
+        .unwrap();
+    let snapshot_class: VolumeSnapshotClass = serde_json::from_value(json!({
+        "metadata": { "name": "rbd",
+                      "annotations": { "snapshot.storage.k8s.io/is-default-class": "true" } },
+        "driver": "rbd.csi.volagent.io",
+        "deletionPolicy": "Delete",
+    }))
+    .unwrap();
+    c.rt.block_on(
+        Api::<VolumeSnapshotClass>::all(client.clone())
+            .create(&PostParams::default(), &snapshot_class),
+    )
+    .unwrap();
+
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let new_claim = |name: &str, source: Option<serde_json::Value>| {
+        let mut spec = json!({
+            "storageClassName": "rbd-dynamic",
+            "accessModes": ["ReadWriteOnce"],
+            "resources": { "requests": { "storage": "64Mi" } },
+        });
+        if let Some(source) = source {
+            spec["dataSource"] = source;
+        }
+        let object: PersistentVolumeClaim =
+            serde_json::from_value(json!({ "metadata": { "name": name }, "spec": spec })).unwrap();
+        c.rt.block_on(claims.create(&PostParams::default(), &object)).unwrap();
+        let asked = std::time::Instant::now();
+        while c.rt.block_on(claims.get(name)).ok().and_then(|c| c.status?.phase).as_deref()
+            != Some("Bound")
+        {
+            assert!(
+                asked.elapsed() < Duration::from_secs(60),
+                "claim {name} was not Bound\n{}",
+                tail(&c.scratch.path("controller.log"))
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        asked.elapsed()
+    };
+    let bound_in = new_claim("data", None);
+    println!("claim → Bound (image made, PV made, bound by the PV binder): {bound_in:?}");
+    let volume = |claim: &str| json!({ "persistentVolumeClaim": { "claimName": claim } });
+    c.create_pod(pod(
+        "writer",
+        "node-a",
+        "date +%s%N > /data/note && cat /data/note > /dev/termination-log",
+        &[("data", volume("data"))],
+    ));
+    let done = c.wait_pod("writer", "Succeeded", |p| phase(p) == "Succeeded");
+    let written = output(done.as_ref()).expect("the writer's output");
+    assert!(written.trim().len() > 10, "{written:?}");
+    c.delete_pod("writer");
+
+    // The snapshot, once the writer's node let go of the volume.
+    let snapshots: Api<VolumeSnapshot> = Api::namespaced(client.clone(), "default");
+    let snapshot: VolumeSnapshot = serde_json::from_value(json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+        "metadata": { "name": "snap" },
+        "spec": { "source": { "persistentVolumeClaimName": "data" } },
+    }))
+    .unwrap();
+    c.rt.block_on(snapshots.create(&PostParams::default(), &snapshot)).unwrap();
+    let asked = std::time::Instant::now();
+    while c.rt.block_on(snapshots.get("snap")).unwrap().status.and_then(|s| s.ready_to_use)
+        != Some(true)
+    {
+        assert!(
+            asked.elapsed() < Duration::from_secs(60),
+            "the snapshot was not ready\n{}",
+            tail(&c.scratch.path("controller.log"))
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let source =
+        json!({ "apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "snap" });
+    new_claim("restored", Some(source));
+    c.create_pod(pod(
+        "reader",
+        "node-b",
+        "cat /data/note > /dev/termination-log",
+        &[("data", volume("restored"))],
+    ));
+    let read = c.wait_pod("reader", "Succeeded", |p| phase(p) == "Succeeded");
+    assert_eq!(
+        output(read.as_ref()).unwrap().trim(),
+        written.trim(),
+        "the restored claim holds what the first pod wrote"
+    );
+    c.delete_pod("reader");
+
+    // Everything goes: the snapshot, then both claims, their PVs and images.
+    c.rt.block_on(snapshots.delete("snap", &Default::default())).unwrap();
+    c.rt.block_on(claims.delete("restored", &Default::default())).unwrap();
+    c.rt.block_on(claims.delete("data", &Default::default())).unwrap();
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let images = || {
+        let out = ceph::rbd(&ceph.dir, &["ls", "rbd"]);
+        String::from_utf8_lossy(&out.stdout).lines().map(String::from).collect::<Vec<_>>()
+    };
+    let asked = std::time::Instant::now();
+    loop {
+        let left_pvs = c.rt.block_on(pvs.list(&Default::default())).unwrap().items.len();
+        let left_images: Vec<String> =
+            images().into_iter().filter(|i| i.starts_with("pvc-")).collect();
+        let left_snapshot = c.rt.block_on(snapshots.get_opt("snap")).unwrap().is_some();
+        if left_pvs == 0 && left_images.is_empty() && !left_snapshot {
+            break;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(90),
+            "left: {left_pvs} PVs, images {left_images:?}, snapshot {left_snapshot}\n{}",
+            tail(&c.scratch.path("controller.log"))
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(c.scratch.loops_left().is_empty(), "loop devices left: {:?}", c.scratch.loops());
+}

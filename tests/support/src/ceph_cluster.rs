@@ -13,6 +13,16 @@ use kube::api::Api;
 /// in Secret `secret` of the agents' namespace) and the controller's
 /// (its key in Secret `volagent-controller/<name>-fencing`).
 pub fn create_storage_cluster(c: &Cluster, name: &str, secret: &str) {
+    create_storage_cluster_in(&c.rt, &c.client(), name, secret);
+}
+
+/// [`create_storage_cluster`] through any client (the kubelet tier's too).
+pub fn create_storage_cluster_in(
+    rt: &tokio::runtime::Runtime,
+    client: &kube::Client,
+    name: &str,
+    secret: &str,
+) {
     use volagent::kube::crds::{
         ControllerCredentials, SecretReference, StorageCluster, StorageClusterSpec,
     };
@@ -36,8 +46,8 @@ pub fn create_storage_cluster(c: &Cluster, name: &str, secret: &str) {
         ]
         .into(),
     };
-    let api: Api<StorageCluster> = Api::all(c.client());
-    c.rt.block_on(api.create(&Default::default(), &StorageCluster::new(name, spec))).unwrap();
+    let api: Api<StorageCluster> = Api::all(client.clone());
+    rt.block_on(api.create(&Default::default(), &StorageCluster::new(name, spec))).unwrap();
 }
 
 /// The controller's key for StorageCluster `name`, where it looks for it.
@@ -52,14 +62,25 @@ pub fn create_fencing_secret(c: &Cluster, name: &str) {
 
 /// Secret `namespace/name` holding `key` under "key".
 pub fn create_secret(c: &Cluster, namespace: &str, name: &str, key: &str) {
+    create_secret_in(&c.rt, &c.client(), namespace, name, key);
+}
+
+/// [`create_secret`] through any client.
+pub fn create_secret_in(
+    rt: &tokio::runtime::Runtime,
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    key: &str,
+) {
     use k8s_openapi::api::core::v1::Secret;
     let secret = Secret {
         metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
         data: Some([("key".to_string(), k8s_openapi::ByteString(key.as_bytes().to_vec()))].into()),
         ..Default::default()
     };
-    let api: Api<Secret> = Api::namespaced(c.client(), namespace);
-    c.rt.block_on(api.create(&Default::default(), &secret)).unwrap();
+    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    rt.block_on(api.create(&Default::default(), &secret)).unwrap();
 }
 
 /// The controller as its ServiceAccount again, now with the shipped
@@ -89,14 +110,19 @@ pub fn provisioning(c: &mut Cluster) -> std::path::PathBuf {
 /// The CSI snapshot API's CRDs (deploy/snapshot-crds/), Established, as
 /// an admin installs them where the cluster has none.
 pub fn install_snapshot_crds(c: &Cluster) {
+    install_snapshot_crds_in(&c.rt, &c.client());
+}
+
+/// [`install_snapshot_crds`] through any client.
+pub fn install_snapshot_crds_in(rt: &tokio::runtime::Runtime, client: &kube::Client) {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    let api: Api<CustomResourceDefinition> = Api::all(c.client());
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/snapshot-crds");
     for (file, _) in volagent::kube::snapshot_crds::all() {
         let text = std::fs::read_to_string(dir.join(&file)).unwrap();
         let crd: CustomResourceDefinition = serde_norway::from_str(&text).unwrap();
         let name = crd.metadata.name.clone().unwrap();
-        c.rt.block_on(api.create(&Default::default(), &crd)).unwrap();
-        c.rt.block_on(crate::kube_objects::wait_established(&c.client(), &name));
+        rt.block_on(api.create(&Default::default(), &crd)).unwrap();
+        rt.block_on(crate::kube_objects::wait_established(client, &name));
     }
 }
