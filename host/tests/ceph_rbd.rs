@@ -170,3 +170,52 @@ fn a_missing_image_or_a_wrong_key_fails_naming_it() {
         .expect("no server with a wrong key");
     assert!(err.contains(&image.spec()) && err.contains("connect to the cluster"), "{err}");
 }
+
+/// The controller's image steps (librbd) share one connection per Ceph
+/// cluster and user: after a create, a snapshot and a grow one connection
+/// is kept; a wrong key makes none; a Ceph error (a pool that is not
+/// there) drops the kept one, and the next step connects again. Prints
+/// what a step costs with and without a connection at hand.
+#[test]
+fn the_controllers_image_steps_share_one_connection_and_drop_it_after_a_ceph_error() {
+    use volagent::secret::Secret;
+    use volagent::sys::rbd_export::CephClient;
+    use volagent::sys::rbd_images::{ImageError, LibRbdImages, RbdImages};
+    let dir = ceph_dir();
+    let client = |key: String| CephClient {
+        conf: Some(dir.join("ceph.conf")),
+        monitors: None,
+        user: "volagent-controller".into(),
+        keyring: None,
+        key: Some(Secret::new(key.into_bytes())),
+    };
+    let controller = client(ceph::controller_key(&dir));
+    let images = LibRbdImages::default();
+    let name = format!("conn-{}", ceph::rand_suffix());
+    let cold = Instant::now();
+    assert!(images.create(&controller, "rbd", &name, 8 << 20, None, 1).unwrap());
+    let cold = cold.elapsed();
+    let warm = Instant::now();
+    assert_eq!(images.size(&controller, "rbd", &name).unwrap(), Some(8 << 20));
+    let warm = warm.elapsed();
+    images.snapshot(&controller, "rbd", &name, "s1").unwrap();
+    images.remove_snapshot(&controller, "rbd", &name, "s1").unwrap();
+    assert_eq!(images.grow(&controller, "rbd", &name, 16 << 20).unwrap(), 16 << 20);
+    assert_eq!(images.connections(), 1, "one connection for every step");
+    println!("an image step with a new connection: {cold:?}; with the kept one: {warm:?}");
+
+    // A wrong key connects to nothing, and keeps nothing.
+    let wrong = client("AQBsD0dnAAAAABAAAAAAAAAAAAAAAAAAAAAAAA==".into());
+    assert!(images.size(&wrong, "rbd", &name).is_err());
+    assert_eq!(images.connections(), 1);
+
+    // A Ceph error drops the connection; the next step makes a new one.
+    match images.size(&controller, "no-such-pool", &name) {
+        Err(ImageError::Ceph(e)) => assert!(e.to_string().contains("no-such-pool"), "{e}"),
+        other => panic!("a missing pool: {other:?}"),
+    }
+    assert_eq!(images.connections(), 0, "dropped after the error");
+    assert!(images.remove(&controller, "rbd", &name).unwrap());
+    assert_eq!(images.connections(), 1);
+    assert_eq!(images.size(&controller, "rbd", &name).unwrap(), None);
+}

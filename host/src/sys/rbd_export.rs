@@ -15,6 +15,7 @@ use libloading::Library;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 type Handle = *mut c_void;
 
@@ -351,16 +352,32 @@ impl Rados {
 
     /// An I/O context on `pool`, owning this connection.
     pub(super) fn into_pool(self, pool: &str) -> Result<Pool, RbdError> {
-        let name = cstring(&self.object, "the pool", pool)?;
+        Rados::pool(&Arc::new(self), pool)
+    }
+
+    /// An I/O context on `pool`, on a connection others may share.
+    pub(super) fn pool(rados: &Arc<Rados>, pool: &str) -> Result<Pool, RbdError> {
+        let name = cstring(&rados.object, "the pool", pool)?;
         let mut ioctx: Handle = std::ptr::null_mut();
         // SAFETY: connected handle; `ioctx` receives a handle.
-        let ret = unsafe { (self.api.rados_ioctx_create)(self.cluster, name.as_ptr(), &mut ioctx) };
+        let ret =
+            unsafe { (rados.api.rados_ioctx_create)(rados.cluster, name.as_ptr(), &mut ioctx) };
         if ret < 0 {
-            return Err(self.fail("open the pool", ret));
+            return Err(RbdError::Ceph {
+                object: format!("{} (pool {pool})", rados.object),
+                op: "open the pool",
+                source: io::Error::from_raw_os_error(-ret),
+            });
         }
-        Ok(Pool { ioctx, rados: self })
+        Ok(Pool { ioctx, rados: rados.clone() })
     }
 }
+
+// SAFETY: a librados cluster handle may be used from several threads at
+// once (librados is thread-safe); the controller shares one per cluster.
+unsafe impl Send for Rados {}
+// SAFETY: as above.
+unsafe impl Sync for Rados {}
 
 impl Drop for Rados {
     fn drop(&mut self) {
@@ -369,10 +386,11 @@ impl Drop for Rados {
     }
 }
 
-/// An I/O context and the connection it is on (released after it).
+/// An I/O context and the connection it is on (released after it, when
+/// nothing else holds it).
 pub(super) struct Pool {
     pub(super) ioctx: Handle,
-    pub(super) rados: Rados,
+    pub(super) rados: Arc<Rados>,
 }
 
 impl Drop for Pool {

@@ -1,15 +1,18 @@
 //! RBD images made, grown, snapshotted, cloned and removed through librbd:
-//! the controller's provisioning steps. Each call is one short connection
-//! as the controller's Ceph user; each is idempotent, so a retried plan
-//! ends where the first would have.
+//! the controller's provisioning steps, as the controller's Ceph user, over
+//! a connection kept per cluster; each step is idempotent, so a retried
+//! plan ends where the first would have.
 // FFI: every unsafe block calls librbd with the handles and buffers its
 // header describes.
 #![allow(unsafe_code)]
 
 use super::rbd_export::{CephClient, Pool, Rados, RbdError, cstring, pool_watchers};
 use libloading::Library;
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 type Handle = *mut c_void;
 
@@ -349,10 +352,10 @@ struct Session {
 }
 
 impl Session {
-    fn connect(client: &CephClient, pool: &str) -> Result<Session, ImageError> {
+    fn on(rados: Arc<Rados>, pool: &str) -> Result<Session, ImageError> {
         let admin = Admin::get()?;
         let pool_name = pool.to_string();
-        let pool = Rados::connect(client, format!("rbd pool {pool}"))?.into_pool(pool)?;
+        let pool = Rados::pool(&rados, pool)?;
         Ok(Session { admin, pool, pool_name })
     }
 
@@ -411,8 +414,85 @@ impl Session {
     }
 }
 
-/// The controller's [`RbdImages`]: librbd.
-pub struct LibRbdImages;
+/// The controller's [`RbdImages`]: librbd, over one connection per Ceph
+/// cluster and user, kept while it is used (a connection takes longer than
+/// most steps) and dropped once idle for [`IDLE`] or after a Ceph error (a
+/// connection whose user was blocklisted or whose monitors moved is not
+/// used again).
+pub struct LibRbdImages {
+    kept: Mutex<HashMap<String, Kept>>,
+}
+
+/// How long an unused connection is kept.
+pub const IDLE: Duration = Duration::from_secs(300);
+
+struct Kept {
+    rados: Arc<Rados>,
+    used: Instant,
+}
+
+impl Default for LibRbdImages {
+    fn default() -> Self {
+        LibRbdImages { kept: Mutex::new(HashMap::new()) }
+    }
+}
+
+/// What tells two clients' connections apart: the cluster, the user and
+/// the key (a digest: a rotated key is a new connection; the key itself
+/// is not kept here).
+fn connection_key(client: &CephClient) -> String {
+    use sha2::Digest;
+    let key = client
+        .key
+        .as_ref()
+        .map(|k| hex::encode(sha2::Sha256::digest(k.expose())))
+        .unwrap_or_default();
+    format!("{:?}|{:?}|{}|{:?}|{key}", client.conf, client.monitors, client.user, client.keyring)
+}
+
+impl LibRbdImages {
+    /// Run `step` on a session to `pool`, over the kept connection (made
+    /// when there is none); a Ceph error drops the connection.
+    fn on<T>(
+        &self,
+        client: &CephClient,
+        pool: &str,
+        step: impl FnOnce(&Session) -> Result<T, ImageError>,
+    ) -> Result<T, ImageError> {
+        let key = connection_key(client);
+        let found = {
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            kept.retain(|_, k| k.used.elapsed() < IDLE);
+            kept.get_mut(&key).map(|k| {
+                k.used = Instant::now();
+                k.rados.clone()
+            })
+        };
+        let rados = match found {
+            Some(rados) => rados,
+            None => {
+                // Connected outside the lock: another cluster's steps go on.
+                let rados = Arc::new(Rados::connect(
+                    client,
+                    format!("ceph cluster as client.{}", client.user),
+                )?);
+                let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+                kept.insert(key.clone(), Kept { rados: rados.clone(), used: Instant::now() });
+                rados
+            }
+        };
+        let result = Session::on(rados, pool).and_then(|s| step(&s));
+        if let Err(ImageError::Ceph(_)) = &result {
+            self.kept.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        }
+        result
+    }
+
+    /// How many connections are kept now.
+    pub fn connections(&self) -> usize {
+        self.kept.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
 
 impl RbdImages for LibRbdImages {
     fn create(
@@ -424,68 +504,70 @@ impl RbdImages for LibRbdImages {
         data_pool: Option<&str>,
         features: u64,
     ) -> Result<bool, ImageError> {
-        let s = Session::connect(client, pool)?;
-        let what = s.describe(image);
-        if let Some(found) = s.open(image)? {
-            let have = found.size()?;
-            return if have == size {
-                Ok(false)
-            } else {
-                Err(ImageError::Conflict(format!(
-                    "{what} exists with {have} bytes, not the {size} asked for"
-                )))
-            };
-        }
-        let opts = Options::new(s.admin);
-        opts.number(OPTION_FORMAT, 2)?;
-        opts.number(OPTION_FEATURES, features)?;
-        if let Some(data_pool) = data_pool {
-            opts.text(OPTION_DATA_POOL, data_pool)?;
-        }
-        let name = cstring(&what, "the image", image)?;
-        // SAFETY: valid ioctx, C string and options object.
-        let ret = unsafe { (s.admin.create4)(s.pool.ioctx, name.as_ptr(), size, opts.handle) };
-        if ret == -nix::libc::EEXIST {
-            // Made meanwhile (another replica's retry): check it as above.
-            return self.create(client, pool, image, size, data_pool, features);
-        }
-        if ret < 0 {
-            return Err(ceph(&what, "create the image", ret));
-        }
-        Ok(true)
+        self.on(client, pool, |s| {
+            let what = s.describe(image);
+            if let Some(found) = s.open(image)? {
+                let have = found.size()?;
+                return if have == size {
+                    Ok(false)
+                } else {
+                    Err(ImageError::Conflict(format!(
+                        "{what} exists with {have} bytes, not the {size} asked for"
+                    )))
+                };
+            }
+            let opts = Options::new(s.admin);
+            opts.number(OPTION_FORMAT, 2)?;
+            opts.number(OPTION_FEATURES, features)?;
+            if let Some(data_pool) = data_pool {
+                opts.text(OPTION_DATA_POOL, data_pool)?;
+            }
+            let name = cstring(&what, "the image", image)?;
+            // SAFETY: valid ioctx, C string and options object.
+            let ret = unsafe { (s.admin.create4)(s.pool.ioctx, name.as_ptr(), size, opts.handle) };
+            if ret == -nix::libc::EEXIST {
+                // Made meanwhile (another replica's retry): check it as above.
+                return self.create(client, pool, image, size, data_pool, features);
+            }
+            if ret < 0 {
+                return Err(ceph(&what, "create the image", ret));
+            }
+            Ok(true)
+        })
     }
 
     fn remove(&self, client: &CephClient, pool: &str, image: &str) -> Result<bool, ImageError> {
-        let s = Session::connect(client, pool)?;
-        let what = s.describe(image);
-        let Some(found) = s.open(image)? else { return Ok(false) };
-        let snapshots = found.snapshot_count()?;
-        drop(found);
-        if snapshots > 0 {
-            return Err(ImageError::Busy(format!(
-                "{what} has {snapshots} snapshot(s); delete them first"
-            )));
-        }
-        let watchers = pool_watchers(&s.pool, image)?;
-        if !watchers.is_empty() {
-            let who: Vec<String> =
-                watchers.iter().map(|w| format!("client.{} at {}", w.id, w.address)).collect();
-            return Err(ImageError::Busy(format!(
-                "{what} is in use (watched by {}): it is still mapped somewhere",
-                who.join(", ")
-            )));
-        }
-        let name = cstring(&what, "the image", image)?;
-        // SAFETY: valid ioctx and C string.
-        let ret = unsafe { (s.admin.remove)(s.pool.ioctx, name.as_ptr()) };
-        match ret {
-            0 => Ok(true),
-            r if r == -nix::libc::ENOENT => Ok(false),
-            r if r == -nix::libc::EBUSY || r == -nix::libc::ENOTEMPTY => Err(ImageError::Busy(
-                format!("{what} is in use or has clones: {}", io::Error::from_raw_os_error(-r)),
-            )),
-            r => Err(ceph(&what, "remove the image", r)),
-        }
+        self.on(client, pool, |s| {
+            let what = s.describe(image);
+            let Some(found) = s.open(image)? else { return Ok(false) };
+            let snapshots = found.snapshot_count()?;
+            drop(found);
+            if snapshots > 0 {
+                return Err(ImageError::Busy(format!(
+                    "{what} has {snapshots} snapshot(s); delete them first"
+                )));
+            }
+            let watchers = pool_watchers(&s.pool, image)?;
+            if !watchers.is_empty() {
+                let who: Vec<String> =
+                    watchers.iter().map(|w| format!("client.{} at {}", w.id, w.address)).collect();
+                return Err(ImageError::Busy(format!(
+                    "{what} is in use (watched by {}): it is still mapped somewhere",
+                    who.join(", ")
+                )));
+            }
+            let name = cstring(&what, "the image", image)?;
+            // SAFETY: valid ioctx and C string.
+            let ret = unsafe { (s.admin.remove)(s.pool.ioctx, name.as_ptr()) };
+            match ret {
+                0 => Ok(true),
+                r if r == -nix::libc::ENOENT => Ok(false),
+                r if r == -nix::libc::EBUSY || r == -nix::libc::ENOTEMPTY => Err(ImageError::Busy(
+                    format!("{what} is in use or has clones: {}", io::Error::from_raw_os_error(-r)),
+                )),
+                r => Err(ceph(&what, "remove the image", r)),
+            }
+        })
     }
 
     fn grow(
@@ -495,18 +577,19 @@ impl RbdImages for LibRbdImages {
         image: &str,
         size: u64,
     ) -> Result<u64, ImageError> {
-        let s = Session::connect(client, pool)?;
-        let found = s.existing(image)?;
-        let have = found.size()?;
-        if have >= size {
-            return Ok(have);
-        }
-        // SAFETY: open image.
-        let ret = unsafe { (s.admin.resize)(found.handle, size) };
-        if ret < 0 {
-            return Err(ceph(&found.name, "grow the image", ret));
-        }
-        Ok(size)
+        self.on(client, pool, |s| {
+            let found = s.existing(image)?;
+            let have = found.size()?;
+            if have >= size {
+                return Ok(have);
+            }
+            // SAFETY: open image.
+            let ret = unsafe { (s.admin.resize)(found.handle, size) };
+            if ret < 0 {
+                return Err(ceph(&found.name, "grow the image", ret));
+            }
+            Ok(size)
+        })
     }
 
     fn snapshot(
@@ -516,23 +599,24 @@ impl RbdImages for LibRbdImages {
         image: &str,
         snapshot: &str,
     ) -> Result<u64, ImageError> {
-        let s = Session::connect(client, pool)?;
-        let found = s.existing(image)?;
-        let snap = cstring(&found.name, "the snapshot", snapshot)?;
-        let mut exists = false;
-        // SAFETY: open image, C string, `exists` receives the answer.
-        let ret = unsafe { (s.admin.snap_exists)(found.handle, snap.as_ptr(), &mut exists) };
-        if ret < 0 {
-            return Err(ceph(&found.name, "look for the snapshot", ret));
-        }
-        if !exists {
-            // SAFETY: open image and C string.
-            let ret = unsafe { (s.admin.snap_create)(found.handle, snap.as_ptr()) };
-            if ret < 0 && ret != -nix::libc::EEXIST {
-                return Err(ceph(&found.name, "snapshot the image", ret));
+        self.on(client, pool, |s| {
+            let found = s.existing(image)?;
+            let snap = cstring(&found.name, "the snapshot", snapshot)?;
+            let mut exists = false;
+            // SAFETY: open image, C string, `exists` receives the answer.
+            let ret = unsafe { (s.admin.snap_exists)(found.handle, snap.as_ptr(), &mut exists) };
+            if ret < 0 {
+                return Err(ceph(&found.name, "look for the snapshot", ret));
             }
-        }
-        found.size()
+            if !exists {
+                // SAFETY: open image and C string.
+                let ret = unsafe { (s.admin.snap_create)(found.handle, snap.as_ptr()) };
+                if ret < 0 && ret != -nix::libc::EEXIST {
+                    return Err(ceph(&found.name, "snapshot the image", ret));
+                }
+            }
+            found.size()
+        })
     }
 
     fn remove_snapshot(
@@ -542,21 +626,22 @@ impl RbdImages for LibRbdImages {
         image: &str,
         snapshot: &str,
     ) -> Result<(), ImageError> {
-        let s = Session::connect(client, pool)?;
-        let Some(found) = s.open(image)? else { return Ok(()) };
-        let snap = cstring(&found.name, "the snapshot", snapshot)?;
-        // SAFETY: open image and C string. A snapshot with clones (format
-        // 2) goes to the image's trash until they no longer need it.
-        let ret = unsafe { (s.admin.snap_remove)(found.handle, snap.as_ptr()) };
-        match ret {
-            0 => Ok(()),
-            r if r == -nix::libc::ENOENT => Ok(()),
-            r if r == -nix::libc::EBUSY => Err(ImageError::Busy(format!(
-                "snapshot {}@{snapshot} has clones that need it",
-                found.name
-            ))),
-            r => Err(ceph(&found.name, "remove the snapshot", r)),
-        }
+        self.on(client, pool, |s| {
+            let Some(found) = s.open(image)? else { return Ok(()) };
+            let snap = cstring(&found.name, "the snapshot", snapshot)?;
+            // SAFETY: open image and C string. A snapshot with clones (format
+            // 2) goes to the image's trash until they no longer need it.
+            let ret = unsafe { (s.admin.snap_remove)(found.handle, snap.as_ptr()) };
+            match ret {
+                0 => Ok(()),
+                r if r == -nix::libc::ENOENT => Ok(()),
+                r if r == -nix::libc::EBUSY => Err(ImageError::Busy(format!(
+                    "snapshot {}@{snapshot} has clones that need it",
+                    found.name
+                ))),
+                r => Err(ceph(&found.name, "remove the snapshot", r)),
+            }
+        })
     }
 
     fn clone_image(
@@ -569,58 +654,60 @@ impl RbdImages for LibRbdImages {
         features: u64,
         max_depth: u32,
     ) -> Result<u64, ImageError> {
-        let s = Session::connect(client, pool)?;
-        let what = s.describe(image);
-        if s.open(image)?.is_none() {
-            let source = s.open(parent)?.ok_or_else(|| {
-                ImageError::NotFound(format!("{} does not exist", s.describe(parent)))
-            })?;
-            let snap = cstring(&source.name, "the snapshot", snapshot)?;
-            let mut exists = false;
-            // SAFETY: open image, C string, `exists` receives the answer.
-            let ret = unsafe { (s.admin.snap_exists)(source.handle, snap.as_ptr(), &mut exists) };
-            if ret < 0 {
-                return Err(ceph(&source.name, "look for the snapshot", ret));
+        self.on(client, pool, |s| {
+            let what = s.describe(image);
+            if s.open(image)?.is_none() {
+                let source = s.open(parent)?.ok_or_else(|| {
+                    ImageError::NotFound(format!("{} does not exist", s.describe(parent)))
+                })?;
+                let snap = cstring(&source.name, "the snapshot", snapshot)?;
+                let mut exists = false;
+                // SAFETY: open image, C string, `exists` receives the answer.
+                let ret =
+                    unsafe { (s.admin.snap_exists)(source.handle, snap.as_ptr(), &mut exists) };
+                if ret < 0 {
+                    return Err(ceph(&source.name, "look for the snapshot", ret));
+                }
+                if !exists {
+                    return Err(ImageError::NotFound(format!(
+                        "snapshot {}@{snapshot} does not exist",
+                        s.describe(parent)
+                    )));
+                }
+                drop(source);
+                let opts = Options::new(s.admin);
+                opts.number(OPTION_FEATURES, features)?;
+                // Format 2: the parent's snapshot needs no protection, and can be
+                // removed while the clone still needs it (it waits in the trash).
+                opts.number(OPTION_CLONE_FORMAT, 2)?;
+                let (p, c) =
+                    (cstring(&what, "the parent", parent)?, cstring(&what, "the image", image)?);
+                // SAFETY: valid ioctxs, C strings and options object.
+                let ret = unsafe {
+                    (s.admin.clone3)(
+                        s.pool.ioctx,
+                        p.as_ptr(),
+                        snap.as_ptr(),
+                        s.pool.ioctx,
+                        c.as_ptr(),
+                        opts.handle,
+                    )
+                };
+                if ret < 0 && ret != -nix::libc::EEXIST {
+                    return Err(ceph(&what, "clone the image", ret));
+                }
             }
-            if !exists {
-                return Err(ImageError::NotFound(format!(
-                    "snapshot {}@{snapshot} does not exist",
-                    s.describe(parent)
-                )));
+            let clone = s.existing(image)?;
+            if s.depth(&clone)? > max_depth {
+                // SAFETY: open image. Copies the parent's data in: the clone
+                // no longer depends on it.
+                let ret = unsafe { (s.admin.flatten)(clone.handle) };
+                if ret < 0 {
+                    return Err(ceph(&what, "flatten the clone", ret));
+                }
             }
-            drop(source);
-            let opts = Options::new(s.admin);
-            opts.number(OPTION_FEATURES, features)?;
-            // Format 2: the parent's snapshot needs no protection, and can be
-            // removed while the clone still needs it (it waits in the trash).
-            opts.number(OPTION_CLONE_FORMAT, 2)?;
-            let (p, c) =
-                (cstring(&what, "the parent", parent)?, cstring(&what, "the image", image)?);
-            // SAFETY: valid ioctxs, C strings and options object.
-            let ret = unsafe {
-                (s.admin.clone3)(
-                    s.pool.ioctx,
-                    p.as_ptr(),
-                    snap.as_ptr(),
-                    s.pool.ioctx,
-                    c.as_ptr(),
-                    opts.handle,
-                )
-            };
-            if ret < 0 && ret != -nix::libc::EEXIST {
-                return Err(ceph(&what, "clone the image", ret));
-            }
-        }
-        let clone = s.existing(image)?;
-        if s.depth(&clone)? > max_depth {
-            // SAFETY: open image. Copies the parent's data in: the clone
-            // no longer depends on it.
-            let ret = unsafe { (s.admin.flatten)(clone.handle) };
-            if ret < 0 {
-                return Err(ceph(&what, "flatten the clone", ret));
-            }
-        }
-        clone.size()
+            clone.size()
+        })
     }
 
     fn size(
@@ -629,8 +716,7 @@ impl RbdImages for LibRbdImages {
         pool: &str,
         image: &str,
     ) -> Result<Option<u64>, ImageError> {
-        let s = Session::connect(client, pool)?;
-        s.open(image)?.map(|i| i.size()).transpose()
+        self.on(client, pool, |s| s.open(image)?.map(|i| i.size()).transpose())
     }
 }
 
