@@ -1203,6 +1203,103 @@ fn claims_grow_snapshot_and_restore_through_kubernetes_objects_without_sidecars(
             .contains(&"SnapshotCreationFailed".to_string())
     );
 
+    // Nothing was made for it.
+    let unclassed = c.rt.block_on(snapshots.get("unclassed")).unwrap();
+    let unclassed_content = format!("snapcontent-{}", unclassed.metadata.uid.unwrap());
+    assert!(c.rt.block_on(contents.get_opt(&unclassed_content)).unwrap().is_none());
+
+    // Another namespace's user cannot reach this volume: not by a claim
+    // naming its PV (never bound to it), nor by a snapshot status pointing
+    // at its content; nor is a filesystem snapshot restored as a block
+    // claim.
+    use k8s_openapi::api::core::v1::Namespace;
+    let namespace: Namespace =
+        serde_json::from_value(serde_json::json!({ "metadata": { "name": "other" } })).unwrap();
+    c.rt.block_on(Api::<Namespace>::all(c.client()).create(&Default::default(), &namespace))
+        .unwrap();
+    let other_claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "other");
+    let thief: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "thief", "namespace": "other" },
+        "spec": { "storageClassName": "rbd-grow", "accessModes": ["ReadWriteOnce"],
+                  "volumeName": data_pv, "resources": { "requests": { "storage": "400Mi" } } },
+    }))
+    .unwrap();
+    c.rt.block_on(other_claims.create(&Default::default(), &thief)).unwrap();
+    let other_snapshots: Api<VolumeSnapshot> = Api::namespaced(c.client(), "other");
+    let steal: VolumeSnapshot = serde_json::from_value(serde_json::json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+        "metadata": { "name": "steal", "namespace": "other" },
+        "spec": { "source": { "persistentVolumeClaimName": "thief" } },
+    }))
+    .unwrap();
+    let steal = c.rt.block_on(other_snapshots.create(&Default::default(), &steal)).unwrap();
+    let forged: VolumeSnapshot = serde_json::from_value(serde_json::json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+        "metadata": { "name": "forged", "namespace": "other" },
+        "spec": { "source": { "persistentVolumeClaimName": "nothing" } },
+    }))
+    .unwrap();
+    c.rt.block_on(other_snapshots.create(&Default::default(), &forged)).unwrap();
+    let forge = serde_json::json!({ "status": {
+        "boundVolumeSnapshotContentName": content_name, "readyToUse": true } });
+    c.rt.block_on(other_snapshots.patch_status(
+        "forged",
+        &Default::default(),
+        &Patch::Merge(&forge),
+    ))
+    .unwrap();
+    let loot: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "loot", "namespace": "other" },
+        "spec": { "storageClassName": "rbd-grow", "accessModes": ["ReadWriteOnce"],
+                  "dataSource": { "apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "forged" },
+                  "resources": { "requests": { "storage": "400Mi" } } },
+    }))
+    .unwrap();
+    let loot = c.rt.block_on(other_claims.create(&Default::default(), &loot)).unwrap();
+    let raw: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "raw", "namespace": "default" },
+        "spec": { "storageClassName": "rbd-grow", "accessModes": ["ReadWriteOnce"], "volumeMode": "Block",
+                  "dataSource": { "apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "snap" },
+                  "resources": { "requests": { "storage": "400Mi" } } },
+    }))
+    .unwrap();
+    let raw = c.rt.block_on(claims.create(&Default::default(), &raw)).unwrap();
+    let refused = |ns: &str, claim: &str, words: &str| {
+        use k8s_openapi::api::core::v1::Event;
+        let events: Api<Event> = Api::namespaced(c.client(), ns);
+        c.rt.block_on(events.list(&Default::default())).unwrap().items.into_iter().any(|e| {
+            e.involved_object.name.as_deref() == Some(claim)
+                && e.reason.as_deref() == Some("ProvisioningFailed")
+                && e.message.unwrap_or_default().contains(words)
+        })
+    };
+    c.wait("the forged snapshot refused", || refused("other", "loot", "not bound to it"));
+    c.wait("the change of volume mode refused", || {
+        refused("default", "raw", "allow-volume-mode-change")
+    });
+    // The stolen snapshot waits (its claim never binds), past a retry.
+    std::thread::sleep(std::time::Duration::from_secs(7));
+    let steal_content = format!("snapcontent-{}", steal.metadata.uid.unwrap());
+    assert!(c.rt.block_on(contents.get_opt(&steal_content)).unwrap().is_none());
+    let steal_now = c.rt.block_on(other_snapshots.get("steal")).unwrap();
+    assert_ne!(steal_now.status.and_then(|s| s.ready_to_use), Some(true));
+    for claim in [&loot, &raw] {
+        let pv = format!("pvc-{}", claim.metadata.uid.clone().unwrap());
+        assert!(c.rt.block_on(pvs.get_opt(&pv)).unwrap().is_none(), "{pv} was made");
+        assert!(image_size(&dir, &pv).is_none(), "image {pv} was made");
+    }
+    let listed = ceph::rbd(&dir, &["snap", "ls", &format!("rbd/{data_pv}")]);
+    assert_eq!(
+        String::from_utf8_lossy(&listed.stdout).matches("snapshot-").count(),
+        1,
+        "only the one snapshot: {listed:?}"
+    );
+    c.rt.block_on(other_claims.delete("loot", &Default::default())).unwrap();
+    c.rt.block_on(claims.delete("raw", &Default::default())).unwrap();
+    for name in ["steal", "forged"] {
+        c.rt.block_on(other_snapshots.delete(name, &Default::default())).unwrap();
+    }
+
     // A claim from the snapshot: a clone of exactly that snapshot.
     let source = serde_json::json!({
         "apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "snap",

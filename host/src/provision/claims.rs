@@ -8,7 +8,7 @@
 //! Bound claims that grow are grown by [`super::resize`]; VolumeSnapshots are
 //! served by [`super::snapshots`].
 
-use super::objects::{Context, DRIVER_SUFFIX, backend_of, failed, quantity_bytes};
+use super::objects::{Context, DRIVER_SUFFIX, backend_of, failed, quantity_bytes, volume_mode};
 use super::{Code, MadeVolume, Provisioner};
 use crate::kube::controller::drive;
 use crate::kube::controller::retry::{ReconcileError, Retries, api_error};
@@ -139,36 +139,60 @@ async fn reconcile_claim(
     };
     let parameters: BTreeMap<String, String> = class.parameters.clone().unwrap_or_default();
     let source = match &spec.data_source {
-        Some(s) if s.kind == "PersistentVolumeClaim" => {
+        Some(s)
+            if s.kind == "PersistentVolumeClaim"
+                && s.api_group.as_deref().is_none_or(str::is_empty) =>
+        {
             let ns = claim.namespace().unwrap_or_default();
-            let other: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-            let found =
-                other.get_opt(&s.name).await.map_err(api_error(&format!("PVC {ns}/{}", s.name)))?;
-            let handle = match found.and_then(|c| c.spec?.volume_name) {
-                Some(pv) => pvs
-                    .get_opt(&pv)
-                    .await
-                    .map_err(api_error(&format!("PV {pv}")))?
-                    .and_then(|pv| pv.spec?.csi.map(|c| c.volume_handle)),
-                None => None,
+            // Only a claim bound to its PV both ways, of this class's driver,
+            // in the same volume mode.
+            let Some((_, source_pv)) =
+                super::objects::bound_volume(&ctx.client, &ns, &s.name).await?
+            else {
+                return Ok(Action::requeue(RETRY)); // its source is not bound yet
             };
-            match handle {
-                Some(h) => Some(ContentSource::Volume(h)),
-                None => return Ok(Action::requeue(RETRY)), // its source is not bound yet
+            let source_spec = source_pv.spec.unwrap_or_default();
+            let Some(csi) = source_spec.csi.filter(|c| c.driver == class.provisioner) else {
+                let message = format!(
+                    "claim {} is not a volume of {}: a claim is cloned from its own driver's volumes",
+                    s.name, class.provisioner
+                );
+                ctx.claim_event(&claim, true, "ProvisioningFailed", &message).await;
+                return Ok(Action::await_change());
+            };
+            let (from, to) = (
+                volume_mode(source_spec.volume_mode.as_deref()),
+                volume_mode(spec.volume_mode.as_deref()),
+            );
+            if from != to {
+                let message = format!(
+                    "claim {} is a {from} volume; a {to} claim cannot be cloned from it",
+                    s.name
+                );
+                ctx.claim_event(&claim, true, "ProvisioningFailed", &message).await;
+                return Ok(Action::await_change());
             }
+            Some(ContentSource::Volume(csi.volume_handle))
         }
         Some(s)
             if s.kind == "VolumeSnapshot"
                 && s.api_group.as_deref() == Some(crate::kube::snapshot_crds::GROUP) =>
         {
             let ns = claim.namespace().unwrap_or_default();
-            match super::snapshots::restorable(&ctx.client, &ns, &s.name, &class.provisioner)
+            let mode = volume_mode(spec.volume_mode.as_deref());
+            match super::snapshots::restorable(&ctx.client, &ns, &s.name, &class.provisioner, mode)
                 .await?
             {
-                Ok(handle) => Some(ContentSource::Snapshot(handle)),
-                Err(waiting) => {
-                    tracing::info!(claim = %claim.name_any(), "{waiting}");
+                super::snapshots::Restorable::Ready(handle) => {
+                    Some(ContentSource::Snapshot(handle))
+                }
+                super::snapshots::Restorable::Waiting(why) => {
+                    tracing::info!(claim = %claim.name_any(), "{why}");
                     return Ok(Action::requeue(RETRY));
+                }
+                super::snapshots::Restorable::Refused(why) => {
+                    ctx.claim_event(&claim, true, "ProvisioningFailed", &why).await;
+                    return Ok(Action::await_change());
                 }
             }
         }
@@ -178,6 +202,13 @@ async fn reconcile_claim(
                 s.kind, s.name
             );
             ctx.claim_event(&claim, true, "ProvisioningFailed", &message).await;
+            return Ok(Action::await_change());
+        }
+        None if spec.data_source_ref.is_some() => {
+            // Set alone, it is a populator's or another namespace's source:
+            // not one this provisioner restores from, and never an empty volume.
+            let message = "a dataSourceRef this provisioner does not restore from";
+            ctx.claim_event(&claim, true, "ProvisioningFailed", message).await;
             return Ok(Action::await_change());
         }
         None => None,

@@ -561,6 +561,20 @@ impl Provisioner {
         Ok(())
     }
 
+    /// Remove the snapshot a request named `name` made, of whichever
+    /// backend made it; none is success. For a VolumeSnapshot deleted
+    /// before its content recorded what was made.
+    pub async fn forget_snapshot(&self, name: &str) -> Result<(), Failure> {
+        for backend in self.backends().into_iter().filter(|b| self.provisions(b)) {
+            if let Some(r) = self.records.get(&backend, ProvisionKind::Snapshot, name).await? {
+                self.delete_snapshot(&backend, &r.spec.id).await?;
+                // A record left Creating (its steps never ran) goes too.
+                self.records.delete(&backend, ProvisionKind::Snapshot, name).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// The snapshots this controller made and holds ready, optionally only
     /// the one with `id` or those of volume `source`, in a stable order.
     pub async fn snapshots(

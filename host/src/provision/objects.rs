@@ -5,9 +5,11 @@
 
 use super::{Code, Failure, Provisioner};
 use crate::kube::controller::Retrying;
+use crate::kube::controller::retry::api_error;
 use crate::kube::controller::retry::{ReconcileError, Retries};
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
+use kube::api::Api;
 use std::sync::Arc;
 
 /// The suffix of the provisioner names of volagent's classes.
@@ -99,6 +101,50 @@ pub fn failed(object: String, f: Failure) -> ReconcileError {
         Code::Unavailable | Code::Aborted | Code::FailedPrecondition | Code::Internal
     );
     ReconcileError::Provisioning { object, message: f.message, transient }
+}
+
+/// The PV claim `namespace/name` is bound to — only when the binding is
+/// whole both ways: the claim Bound and naming the PV, the PV's claimRef
+/// naming this claim (its namespace, name and uid). A claim's
+/// `volumeName` alone is what its author wrote: trusted, it would let a
+/// user of one namespace snapshot or clone another's volume.
+pub async fn bound_volume(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<(PersistentVolumeClaim, PersistentVolume)>, ReconcileError> {
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    let object = format!("PVC {namespace}/{name}");
+    let Some(claim) = claims.get_opt(name).await.map_err(api_error(&object))? else {
+        return Ok(None);
+    };
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    let Some(pv_name) = claim.spec.as_ref().and_then(|s| s.volume_name.clone()) else {
+        return Ok(None);
+    };
+    if !bound || pv_name.is_empty() {
+        return Ok(None);
+    }
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let Some(pv) = pvs.get_opt(&pv_name).await.map_err(api_error(&format!("PV {pv_name}")))? else {
+        return Ok(None);
+    };
+    let reference = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
+    let names_it = reference.is_some_and(|r| {
+        r.namespace.as_deref() == Some(namespace)
+            && r.name.as_deref() == Some(name)
+            && r.uid.is_some()
+            && r.uid == claim.uid()
+    });
+    Ok(names_it.then_some((claim, pv)))
+}
+
+/// A claim's volume mode, as Kubernetes defaults it.
+pub fn volume_mode(mode: Option<&str>) -> &str {
+    match mode {
+        Some("Block") => "Block",
+        _ => "Filesystem",
+    }
 }
 
 #[cfg(test)]

@@ -61,21 +61,16 @@ pub async fn reconcile(
         return Ok(Action::await_change());
     }
     let has = storage_bytes(pv_spec.capacity.as_ref()).unwrap_or(0);
-    if requested <= has {
-        return Ok(Action::await_change());
-    }
     let ns = claim.namespace().unwrap_or_default();
     let object = format!("PVC {ns}/{}", claim.name_any());
+    let status = claim.status.clone().unwrap_or_default();
+    let phase = status.allocated_resource_statuses.as_ref().and_then(|m| m.get("storage")).cloned();
+    let allocated = storage_bytes(status.allocated_resources.as_ref());
+    let resizing = status
+        .conditions
+        .as_ref()
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == RESIZING && c.status == "True"));
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-    let status = |conditions: serde_json::Value, phase: Option<&str>| {
-        serde_json::json!({ "status": {
-            "conditions": conditions,
-            "allocatedResources": { "storage": requested.to_string() },
-            "allocatedResourceStatuses": { "storage": phase },
-        }})
-    };
-    let now = crate::clock::now_rfc3339();
-    let condition = |kind: &str, message: &str| serde_json::json!([{ "type": kind, "status": "True", "lastTransitionTime": now, "message": message }]);
     let patch_status = |patch: serde_json::Value| {
         let (claims, name, object) = (claims.clone(), claim.name_any(), object.clone());
         async move {
@@ -86,19 +81,51 @@ pub async fn reconcile(
                 .map_err(api_error(&object))
         }
     };
-    patch_status(status(
-        condition(RESIZING, &format!("growing volume {pv_name} to {requested} bytes")),
-        Some("ControllerResizeInProgress"),
-    ))
-    .await?;
-    let grown = ctx.provisioner.expand_volume(backend, &csi.volume_handle, requested, 0).await;
-    let size = match grown {
+    let now = crate::clock::now_rfc3339();
+    let condition = |kind: &str, message: &str| serde_json::json!([{ "type": kind, "status": "True", "lastTransitionTime": now, "message": message }]);
+    let block = spec.volume_mode.as_deref() == Some("Block");
+    if requested <= has {
+        // Grown on the storage already: a growth a stopped controller left
+        // half-recorded is finished; otherwise there is nothing to do.
+        if resizing || phase.as_deref() == Some("ControllerResizeInProgress") {
+            finish(claim, ctx, pv_name, has, block, &patch_status, &condition).await?;
+        }
+        return Ok(Action::await_change());
+    }
+    if phase.as_deref() == Some("ControllerResizeInfeasible") && allocated == Some(requested) {
+        // Refused for this very size: only a new request is tried.
+        return Ok(Action::await_change());
+    }
+    // Marked once per size: a write that changes nothing would wake this
+    // reconcile at once, past the retry's backoff.
+    if !(resizing
+        && allocated == Some(requested)
+        && phase.as_deref() == Some("ControllerResizeInProgress"))
+    {
+        patch_status(serde_json::json!({ "status": {
+            "conditions": condition(RESIZING, &format!("growing volume {pv_name} to {requested} bytes")),
+            "allocatedResources": { "storage": requested.to_string() },
+            "allocatedResourceStatuses": { "storage": "ControllerResizeInProgress" },
+        }}))
+        .await?;
+    }
+    let size = match ctx.provisioner.expand_volume(backend, &csi.volume_handle, requested, 0).await
+    {
         Ok(size) => size,
+        Err(f)
+            if matches!(f.code, Code::InvalidArgument | Code::OutOfRange | Code::Unimplemented) =>
+        {
+            // For good, as asked: the claim says so and waits for another size.
+            patch_status(serde_json::json!({ "status": {
+                "conditions": [],
+                "allocatedResourceStatuses": { "storage": "ControllerResizeInfeasible" },
+            }}))
+            .await?;
+            ctx.claim_event(claim, true, "VolumeResizeFailed", &f.message).await;
+            return Ok(Action::await_change());
+        }
         Err(f) => {
-            let infeasible = matches!(f.code, Code::InvalidArgument | Code::OutOfRange);
-            let phase =
-                if infeasible { "ControllerResizeInfeasible" } else { "ControllerResizeFailed" };
-            patch_status(status(serde_json::json!([]), Some(phase))).await?;
+            // Retried with backoff; the claim stays marked as growing.
             ctx.claim_event(claim, true, "VolumeResizeFailed", &f.message).await;
             return Err(failed(object, f));
         }
@@ -107,40 +134,50 @@ pub async fn reconcile(
     pvs.patch(pv_name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(api_error(&format!("PV {pv_name}")))?;
-    if spec.volume_mode.as_deref() == Some("Block") {
-        // Nothing on the node to grow: the claim has its size now.
-        let done = serde_json::json!({ "status": {
+    finish(claim, ctx, pv_name, size, block, &patch_status, &condition).await?;
+    tracing::info!(claim = %object, pv = pv_name, size, "volume grown");
+    Ok(Action::await_change())
+}
+
+/// The storage has grown to `size`: a block claim takes the size; a
+/// filesystem claim waits for kubelet to grow its filesystem on the node
+/// (kubelet acts on `NodeResizePending`, and, before 1.32, on a PV larger
+/// than the claim's capacity; it then sets the capacity itself).
+async fn finish<F, Fut>(
+    claim: &PersistentVolumeClaim,
+    ctx: &Context,
+    pv_name: &str,
+    size: u64,
+    block: bool,
+    patch_status: &F,
+    condition: &impl Fn(&str, &str) -> serde_json::Value,
+) -> Result<(), ReconcileError>
+where
+    F: Fn(serde_json::Value) -> Fut,
+    Fut: std::future::Future<Output = Result<(), ReconcileError>>,
+{
+    if block {
+        patch_status(serde_json::json!({ "status": {
             "capacity": { "storage": size.to_string() },
             "conditions": [],
             "allocatedResourceStatuses": null,
-        }});
-        patch_status(done).await?;
-        ctx.claim_event(
-            claim,
-            false,
-            "VolumeResizeSuccessful",
-            &format!("volume {pv_name} grew to {size} bytes"),
-        )
-        .await;
+        }}))
+        .await?;
+        let message = format!("volume {pv_name} grew to {size} bytes");
+        ctx.claim_event(claim, false, "VolumeResizeSuccessful", &message).await;
     } else {
-        patch_status(status(
-            condition(
+        patch_status(serde_json::json!({ "status": {
+            "conditions": condition(
                 FS_RESIZE_PENDING,
                 "waiting for the node to grow the filesystem where the volume is mounted",
             ),
-            Some("NodeResizePending"),
-        ))
+            "allocatedResourceStatuses": { "storage": "NodeResizePending" },
+        }}))
         .await?;
-        ctx.claim_event(
-            claim,
-            false,
-            "FileSystemResizeRequired",
-            &format!(
-                "volume {pv_name} grew to {size} bytes on the storage; its filesystem grows on the node"
-            ),
-        )
-        .await;
+        let message = format!(
+            "volume {pv_name} grew to {size} bytes on the storage; its filesystem grows on the node"
+        );
+        ctx.claim_event(claim, false, "FileSystemResizeRequired", &message).await;
     }
-    tracing::info!(claim = %object, pv = pv_name, size, "volume grown");
-    Ok(Action::await_change())
+    Ok(())
 }

@@ -10,14 +10,14 @@
 //! from a ready one ([`restorable`]).
 
 use super::Code;
-use super::objects::{Context, backend_of, failed};
+use super::objects::{Context, backend_of, failed, volume_mode};
 use crate::kube::controller::drive;
 use crate::kube::controller::retry::{ReconcileError, api_error};
 use crate::kube::snapshot_crds::{
     API_VERSION, DEFAULT_CLASS, SnapshotReference, VolumeSnapshot, VolumeSnapshotClass,
     VolumeSnapshotContent, VolumeSnapshotContentSource, VolumeSnapshotContentSpec,
 };
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
@@ -72,24 +72,52 @@ pub async fn run(ctx: Arc<Context>) {
     );
 }
 
-/// The snapshot id of ready VolumeSnapshot `namespace/name` of `driver`,
-/// to restore a claim from; what it waits for otherwise.
+/// Whether a claim can be restored from a VolumeSnapshot now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restorable {
+    /// The snapshot's id.
+    Ready(String),
+    /// Not yet (not ready, not bound): tried again.
+    Waiting(String),
+    /// Never, as it stands: another driver's, another mode's.
+    Refused(String),
+}
+
+/// An annotation an admin sets on a content to let claims of another
+/// volume mode restore from it (a block volume's bytes mounted as a
+/// filesystem are a filesystem its author crafted).
+pub const ALLOW_MODE_CHANGE: &str = "snapshot.storage.k8s.io/allow-volume-mode-change";
+
+/// Whether `content` is bound to exactly `vs`: its reference names the
+/// snapshot's namespace, name and uid.
+fn bound_to(content: &VolumeSnapshotContent, vs: &VolumeSnapshot) -> bool {
+    let r = &content.spec.volume_snapshot_ref;
+    r.namespace == vs.namespace()
+        && r.name.as_deref() == Some(vs.name_any().as_str())
+        && r.uid.is_some()
+        && r.uid == vs.uid()
+}
+
+/// Can a claim of volume mode `mode` and `driver` be restored from
+/// VolumeSnapshot `namespace/name`? Only from a ready snapshot whose
+/// content is bound back to it, of the same driver and mode.
 pub async fn restorable(
     client: &kube::Client,
     namespace: &str,
     name: &str,
     driver: &str,
-) -> Result<Result<String, String>, ReconcileError> {
+    mode: &str,
+) -> Result<Restorable, ReconcileError> {
     let object = format!("VolumeSnapshot {namespace}/{name}");
     let snapshots: Api<VolumeSnapshot> = Api::namespaced(client.clone(), namespace);
     let Some(vs) = snapshots.get_opt(name).await.map_err(api_error(&object))? else {
-        return Ok(Err(format!("{object} does not exist")));
+        return Ok(Restorable::Waiting(format!("{object} does not exist")));
     };
-    let status = vs.status.unwrap_or_default();
+    let status = vs.status.clone().unwrap_or_default();
     let (Some(true), Some(content)) =
         (status.ready_to_use, status.bound_volume_snapshot_content_name)
     else {
-        return Ok(Err(format!("{object} is not ready to use")));
+        return Ok(Restorable::Waiting(format!("{object} is not ready to use")));
     };
     let contents: Api<VolumeSnapshotContent> = Api::all(client.clone());
     let Some(content) = contents
@@ -97,20 +125,47 @@ pub async fn restorable(
         .await
         .map_err(api_error(&format!("VolumeSnapshotContent {content}")))?
     else {
-        return Ok(Err(format!("{object}'s content {content} does not exist")));
+        return Ok(Restorable::Waiting(format!("{object}'s content {content} does not exist")));
     };
+    if !bound_to(&content, &vs) {
+        return Ok(Restorable::Refused(format!(
+            "{object} names content {}, which is not bound to it",
+            content.name_any()
+        )));
+    }
     if content.spec.driver != driver {
-        return Ok(Err(format!(
+        return Ok(Restorable::Refused(format!(
             "{object} was made by {}, not {driver}: a claim restores from its own driver's snapshots",
             content.spec.driver
         )));
     }
-    let handle = content
+    let from = volume_mode(content.spec.source_volume_mode.as_deref());
+    let allowed = content.annotations().get(ALLOW_MODE_CHANGE).is_some_and(|v| v == "true");
+    if content.spec.source_volume_mode.is_some() && from != mode && !allowed {
+        return Ok(Restorable::Refused(format!(
+            "{object} is of a {from} volume; a {mode} claim is restored from it only when its content is annotated {ALLOW_MODE_CHANGE}: \"true\""
+        )));
+    }
+    let handle = handle_of(&content);
+    Ok(handle.map(Restorable::Ready).unwrap_or_else(|| {
+        Restorable::Waiting(format!("{object}'s content has no snapshot handle yet"))
+    }))
+}
+
+/// Set on the contents this controller makes: the snapshot's id, there
+/// from the content's creation (its status may never be written).
+const HANDLE_ANNOTATION: &str = "volagent.io/snapshot-handle";
+
+/// The snapshot id a content records: in its status, its creation
+/// annotation, or (pre-provisioned) its spec.
+fn handle_of(content: &VolumeSnapshotContent) -> Option<String> {
+    content
         .status
-        .and_then(|s| s.snapshot_handle)
-        .or(content.spec.source.snapshot_handle)
-        .filter(|h| !h.is_empty());
-    Ok(handle.ok_or_else(|| format!("{object}'s content has no snapshot handle yet")))
+        .as_ref()
+        .and_then(|s| s.snapshot_handle.clone())
+        .or_else(|| content.annotations().get(HANDLE_ANNOTATION).cloned())
+        .or_else(|| content.spec.source.snapshot_handle.clone())
+        .filter(|h| !h.is_empty())
 }
 
 fn reference(vs: &VolumeSnapshot) -> ObjectReference {
@@ -158,14 +213,21 @@ async fn class_of(
     }
 }
 
-/// Patch `finalizer` into or out of an object's list (the list is
-/// replaced whole, from what was read).
-fn finalizers_patch(current: &[String], finalizer: &str, keep: bool) -> serde_json::Value {
+/// Patch `finalizer` into or out of an object's list. The list is
+/// replaced whole, from what was read, so the patch holds only on that
+/// version (`resource_version`): another controller's finalizer added
+/// meanwhile makes it a conflict, retried, never lost.
+fn finalizers_patch(
+    current: &[String],
+    resource_version: Option<&str>,
+    finalizer: &str,
+    keep: bool,
+) -> serde_json::Value {
     let mut list: Vec<String> = current.iter().filter(|f| *f != finalizer).cloned().collect();
     if keep {
         list.push(finalizer.to_string());
     }
-    serde_json::json!({ "metadata": { "finalizers": list } })
+    serde_json::json!({ "metadata": { "finalizers": list, "resourceVersion": resource_version } })
 }
 
 /// Nanoseconds since the epoch of an RFC 3339 time.
@@ -178,8 +240,14 @@ fn rfc3339(nanos: i64) -> Option<String> {
     k8s_openapi::jiff::Timestamp::from_nanosecond(i128::from(nanos)).ok().map(|t| t.to_string())
 }
 
-/// Tell the snapshot's owner why it is not ready (status and Event).
+/// Tell the snapshot's owner why it is not ready (status and Event) —
+/// once per reason: the same one again writes nothing, so that a retry
+/// is not a change that wakes the snapshot's reconcile at once.
 async fn not_ready(ctx: &Context, vs: &VolumeSnapshot, warning: bool, reason: &str, message: &str) {
+    let said = vs.status.as_ref().and_then(|s| s.error.as_ref()).and_then(|e| e.message.as_deref());
+    if said == Some(message) {
+        return;
+    }
     let api: Api<VolumeSnapshot> =
         Api::namespaced(ctx.client.clone(), &vs.namespace().unwrap_or_default());
     let patch = serde_json::json!({ "status": {
@@ -193,6 +261,93 @@ async fn not_ready(ctx: &Context, vs: &VolumeSnapshot, warning: bool, reason: &s
     }
     let ns = vs.namespace().unwrap_or_default();
     ctx.event(&ns, reference(vs), warning, reason, message).await;
+}
+
+/// The content a VolumeSnapshot of this controller's gets (upstream's
+/// snapshot controller names its own alike).
+fn content_name(vs: &VolumeSnapshot) -> String {
+    format!("snapcontent-{}", vs.uid().unwrap_or_default())
+}
+
+/// A deleted VolumeSnapshot: held while a claim still waits to be restored
+/// from it; then its content goes when the policy says Delete (whose own
+/// deletion removes the storage's snapshot), then its finalizer.
+async fn release_snapshot(vs: &VolumeSnapshot, ctx: &Context) -> Result<Action, ReconcileError> {
+    let ns = vs.namespace().unwrap_or_default();
+    let name = vs.name_any();
+    let object = format!("VolumeSnapshot {ns}/{name}");
+    // A restore in progress keeps its source.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+    let waiting = claims
+        .list(&ListParams::default())
+        .await
+        .map_err(api_error(&format!("the PVCs of namespace {ns}")))?
+        .items
+        .into_iter()
+        .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Bound"))
+        .filter(|c| c.metadata.deletion_timestamp.is_none())
+        .any(|c| {
+            c.spec.and_then(|s| s.data_source).is_some_and(|d| {
+                d.kind == "VolumeSnapshot"
+                    && d.api_group.as_deref() == Some(crate::kube::snapshot_crds::GROUP)
+                    && d.name == name
+            })
+        });
+    if waiting {
+        return Ok(Action::requeue(RETRY));
+    }
+    let contents: Api<VolumeSnapshotContent> = Api::all(ctx.client.clone());
+    let bound = vs.status.as_ref().and_then(|s| s.bound_volume_snapshot_content_name.clone());
+    // Its own content by its fixed name too: the status may never have
+    // been written (a controller stopped between the two).
+    let mut names = vec![content_name(vs)];
+    names.extend(bound.filter(|b| *b != names[0]));
+    let mut content_found = false;
+    for content_name in &names {
+        let content_object = format!("VolumeSnapshotContent {content_name}");
+        let Some(content) =
+            contents.get_opt(content_name).await.map_err(api_error(&content_object))?
+        else {
+            continue;
+        };
+        if !bound_to(&content, vs) || backend_of(&content.spec.driver).is_none() {
+            continue;
+        }
+        content_found = true;
+        if content.spec.deletion_policy == "Delete" {
+            if content.metadata.deletion_timestamp.is_none() {
+                contents
+                    .delete(content_name, &Default::default())
+                    .await
+                    .map_err(api_error(&content_object))?;
+            }
+            // Its snapshot goes first; this one once it has.
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        }
+    }
+    if !content_found {
+        // Made on the storage but no content written: what the record of
+        // `snapshot-<uid>` names goes with it.
+        let snapshot = format!("snapshot-{}", vs.uid().unwrap_or_default());
+        match ctx.provisioner.forget_snapshot(&snapshot).await {
+            Ok(()) => {}
+            Err(f) if matches!(f.code, Code::FailedPrecondition | Code::Aborted) => {
+                return Ok(Action::requeue(RETRY));
+            }
+            Err(f) => return Err(failed(object, f)),
+        }
+    }
+    let api: Api<VolumeSnapshot> = Api::namespaced(ctx.client.clone(), &ns);
+    let patch = finalizers_patch(
+        vs.finalizers(),
+        vs.resource_version().as_deref(),
+        SNAPSHOT_FINALIZER,
+        false,
+    );
+    api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(api_error(&object))?;
+    Ok(Action::await_change())
 }
 
 async fn reconcile_snapshot(
@@ -210,35 +365,7 @@ async fn reconcile_snapshot(
         if !held {
             return Ok(Action::await_change());
         }
-        if let Some(content_name) = status.bound_volume_snapshot_content_name.as_deref() {
-            let content = contents
-                .get_opt(content_name)
-                .await
-                .map_err(api_error(&format!("VolumeSnapshotContent {content_name}")))?;
-            if let Some(content) = content {
-                let bound_here = content.spec.volume_snapshot_ref.uid.as_deref()
-                    == vs.uid().as_deref()
-                    || content.spec.volume_snapshot_ref.uid.is_none();
-                if content.spec.deletion_policy == "Delete" && bound_here {
-                    if content.metadata.deletion_timestamp.is_none() {
-                        contents
-                            .delete(content_name, &Default::default())
-                            .await
-                            .map_err(api_error(&format!("VolumeSnapshotContent {content_name}")))?;
-                    }
-                    // Its snapshot goes first; this one once it has.
-                    return Ok(Action::requeue(Duration::from_secs(1)));
-                }
-            }
-        }
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(&finalizers_patch(vs.finalizers(), SNAPSHOT_FINALIZER, false)),
-        )
-        .await
-        .map_err(api_error(&object))?;
-        return Ok(Action::await_change());
+        return release_snapshot(&vs, &ctx).await;
     }
     if status.ready_to_use == Some(true) && status.bound_volume_snapshot_content_name.is_some() {
         return Ok(Action::await_change());
@@ -249,19 +376,13 @@ async fn reconcile_snapshot(
     let Some(claim_name) = vs.spec.source.persistent_volume_claim_name.as_deref() else {
         return Ok(Action::await_change());
     };
-    // The claim's volume, and whether it is one of ours.
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-    let claim =
-        claims.get_opt(claim_name).await.map_err(api_error(&format!("PVC {ns}/{claim_name}")))?;
-    let Some(pv_name) = claim.and_then(|c| c.spec?.volume_name).filter(|v| !v.is_empty()) else {
+    // The claim's volume — only one bound to it both ways: a claim's
+    // volumeName alone is its author's word — and whether it is ours.
+    let Some((_, pv)) = super::objects::bound_volume(&ctx.client, &ns, claim_name).await? else {
         // Unbound or not there (yet): it may be ours once bound.
         return Ok(Action::requeue(RETRY));
     };
-    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
-    let pv = pvs.get_opt(&pv_name).await.map_err(api_error(&format!("PV {pv_name}")))?;
-    let Some(pv_spec) = pv.and_then(|pv| pv.spec) else {
-        return Ok(Action::requeue(RETRY));
-    };
+    let pv_spec = pv.spec.clone().unwrap_or_default();
     let Some(csi) = pv_spec.csi.clone() else {
         return Ok(Action::await_change());
     };
@@ -286,13 +407,17 @@ async fn reconcile_snapshot(
         return Ok(Action::await_change());
     }
     if !held {
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(&finalizers_patch(vs.finalizers(), SNAPSHOT_FINALIZER, true)),
-        )
-        .await
-        .map_err(api_error(&object))?;
+        let patch = finalizers_patch(
+            vs.finalizers(),
+            vs.resource_version().as_deref(),
+            SNAPSHOT_FINALIZER,
+            true,
+        );
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(&object))?;
+        // The finalizer's change brings this snapshot back, held.
+        return Ok(Action::await_change());
     }
     let uid = vs.uid().unwrap_or_default();
     let snapshot_name = format!("snapshot-{uid}");
@@ -310,7 +435,7 @@ async fn reconcile_snapshot(
             return Err(failed(object, f));
         }
     };
-    let content_name = format!("snapcontent-{uid}");
+    let content_name = content_name(&vs);
     let mut content = VolumeSnapshotContent::new(
         &content_name,
         VolumeSnapshotContentSpec {
@@ -329,14 +454,24 @@ async fn reconcile_snapshot(
                 uid: Some(uid.clone()),
                 resource_version: None,
             },
-            source_volume_mode: pv_spec.volume_mode.clone(),
+            source_volume_mode: Some(volume_mode(pv_spec.volume_mode.as_deref()).to_string()),
         },
     );
     content.metadata.finalizers = Some(vec![CONTENT_FINALIZER.to_string()]);
+    content.metadata.annotations = Some([(HANDLE_ANNOTATION.to_string(), made.id.clone())].into());
     let content_object = format!("VolumeSnapshotContent {content_name}");
     match contents.create(&PostParams::default(), &content).await {
         Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            // Ours from an earlier attempt, or someone else's: only ours is
+            // written to.
+            let found = contents.get(&content_name).await.map_err(api_error(&content_object))?;
+            if !bound_to(&found, &vs) || found.spec.driver != csi.driver {
+                let why = format!("{content_object} exists and is not this snapshot's");
+                not_ready(&ctx, &vs, true, "SnapshotContentCreationFailed", &why).await;
+                return Ok(Action::await_change());
+            }
+        }
         Err(e) => return Err(api_error(&content_object)(e)),
     }
     let size = i64::try_from(made.size_bytes).unwrap_or(i64::MAX);
@@ -366,8 +501,9 @@ async fn reconcile_snapshot(
     Ok(Action::await_change())
 }
 
-/// A VolumeSnapshot of an existing content: bound once the content names
-/// it back and is ready.
+/// A VolumeSnapshot of an existing content (pre-provisioned by an
+/// admin): bound once the content, of a volagent driver, names it back
+/// and is ready; the content then records the snapshot's uid.
 async fn bind_existing(
     vs: &VolumeSnapshot,
     content_name: &str,
@@ -379,14 +515,7 @@ async fn bind_existing(
     let content_object = format!("VolumeSnapshotContent {content_name}");
     let Some(content) = contents.get_opt(content_name).await.map_err(api_error(&content_object))?
     else {
-        not_ready(
-            ctx,
-            vs,
-            true,
-            "SnapshotContentMissing",
-            &format!("{content_object} does not exist"),
-        )
-        .await;
+        // Whose it will be is not known yet: nothing is written.
         return Ok(Action::requeue(RETRY));
     };
     if backend_of(&content.spec.driver).is_none() {
@@ -403,17 +532,31 @@ async fn bind_existing(
     }
     let cs = content.status.clone().unwrap_or_default();
     if cs.ready_to_use != Some(true) {
-        return Ok(Action::requeue(Duration::from_secs(1)));
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    }
+    if r.uid.is_none() {
+        // Bound to this snapshot only, from now on.
+        let patch = serde_json::json!({
+            "metadata": { "resourceVersion": content.resource_version() },
+            "spec": { "volumeSnapshotRef": { "uid": vs.uid() } },
+        });
+        contents
+            .patch(content_name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(&content_object))?;
     }
     let api: Api<VolumeSnapshot> = Api::namespaced(ctx.client.clone(), &ns);
     if !vs.finalizers().iter().any(|f| f == SNAPSHOT_FINALIZER) {
-        api.patch(
-            &vs.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&finalizers_patch(vs.finalizers(), SNAPSHOT_FINALIZER, true)),
-        )
-        .await
-        .map_err(api_error(&object))?;
+        let patch = finalizers_patch(
+            vs.finalizers(),
+            vs.resource_version().as_deref(),
+            SNAPSHOT_FINALIZER,
+            true,
+        );
+        api.patch(&vs.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(&object))?;
+        return Ok(Action::await_change());
     }
     let ready = serde_json::json!({ "status": {
         "boundVolumeSnapshotContentName": content_name,
@@ -442,17 +585,15 @@ async fn reconcile_content(
     let contents: Api<VolumeSnapshotContent> = Api::all(ctx.client.clone());
     let held = content.finalizers().iter().any(|f| f == CONTENT_FINALIZER);
     let status = content.status.clone().unwrap_or_default();
-    let handle = status
-        .snapshot_handle
-        .clone()
-        .or(content.spec.source.snapshot_handle.clone())
-        .filter(|h| !h.is_empty());
+    let rv = content.resource_version();
     if content.metadata.deletion_timestamp.is_some() {
         if !held {
             return Ok(Action::await_change());
         }
-        if let (true, Some(handle)) = (content.spec.deletion_policy == "Delete", &handle) {
-            match ctx.provisioner.delete_snapshot(&backend, handle).await {
+        if let (true, Some(handle)) =
+            (content.spec.deletion_policy == "Delete", handle_of(&content))
+        {
+            match ctx.provisioner.delete_snapshot(&backend, &handle).await {
                 Ok(()) => tracing::info!(content = %name, id = %handle, "snapshot removed"),
                 Err(f) if matches!(f.code, Code::FailedPrecondition | Code::Aborted) => {
                     tracing::info!(content = %name, "not removed yet: {}", f.message);
@@ -461,25 +602,20 @@ async fn reconcile_content(
                 Err(f) => return Err(failed(object, f)),
             }
         }
+        let patch = finalizers_patch(content.finalizers(), rv.as_deref(), CONTENT_FINALIZER, false);
         contents
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(&finalizers_patch(content.finalizers(), CONTENT_FINALIZER, false)),
-            )
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map_err(api_error(&object))?;
         return Ok(Action::await_change());
     }
     if !held {
+        let patch = finalizers_patch(content.finalizers(), rv.as_deref(), CONTENT_FINALIZER, true);
         contents
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(&finalizers_patch(content.finalizers(), CONTENT_FINALIZER, true)),
-            )
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map_err(api_error(&object))?;
+        return Ok(Action::await_change());
     }
     // Pre-provisioned: the admin (trusted) names a snapshot that exists.
     if let (Some(given), None) = (&content.spec.source.snapshot_handle, &status.snapshot_handle) {
@@ -509,11 +645,11 @@ mod tests {
     fn a_finalizer_is_added_once_and_removed_alone() {
         let current = vec!["other".to_string(), SNAPSHOT_FINALIZER.to_string()];
         assert_eq!(
-            finalizers_patch(&current, SNAPSHOT_FINALIZER, true)["metadata"]["finalizers"],
+            finalizers_patch(&current, None, SNAPSHOT_FINALIZER, true)["metadata"]["finalizers"],
             serde_json::json!(["other", SNAPSHOT_FINALIZER])
         );
         assert_eq!(
-            finalizers_patch(&current, SNAPSHOT_FINALIZER, false)["metadata"]["finalizers"],
+            finalizers_patch(&current, None, SNAPSHOT_FINALIZER, false)["metadata"]["finalizers"],
             serde_json::json!(["other"])
         );
     }
