@@ -473,7 +473,8 @@ fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_anoth
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let contents: Api<volagent::kube::snapshot_crds::VolumeSnapshotContent> = Api::all(client.clone());
+    let contents: Api<volagent::kube::snapshot_crds::VolumeSnapshotContent> =
+        Api::all(client.clone());
     let records: Api<volagent::kube::crds::ProvisionRecord> = Api::all(client.clone());
     let asked = std::time::Instant::now();
     while !c.rt.block_on(contents.list(&Default::default())).unwrap().items.is_empty()

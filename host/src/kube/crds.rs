@@ -517,29 +517,35 @@ pub fn yaml_stream_of(files: Vec<(String, String)>) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// `files` (generated) are exactly what `deploy/<dir>` holds.
+    pub(crate) fn assert_generated(dir: &str, files: Vec<(String, String)>, regenerate: &str) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(dir);
+        for (file, yaml) in &files {
+            let committed = std::fs::read_to_string(path.join(file)).unwrap_or_else(|e| {
+                panic!("deploy/{dir}/{file}: {e}; regenerate with `{regenerate}`")
+            });
+            assert_eq!(
+                &committed, yaml,
+                "deploy/{dir}/{file} is stale; regenerate with `{regenerate}`"
+            );
+        }
+        let mut on_disk: Vec<String> = std::fs::read_dir(&path)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|f| f != "kustomization.yaml")
+            .collect();
+        on_disk.sort();
+        let mut expected: Vec<String> = files.into_iter().map(|(f, _)| f).collect();
+        expected.sort();
+        assert_eq!(on_disk, expected, "deploy/{dir}/ holds exactly the generated CRDs");
+    }
 
     #[test]
     fn deploy_crds_are_the_generated_ones() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/crds");
-        for (file, yaml) in all() {
-            let committed = std::fs::read_to_string(dir.join(&file)).unwrap_or_else(|e| {
-                panic!("deploy/crds/{file}: {e}; regenerate with `volagent crds --dir deploy/crds`")
-            });
-            assert_eq!(
-                committed, yaml,
-                "deploy/crds/{file} is stale; regenerate with `volagent crds --dir deploy/crds`"
-            );
-        }
-        let mut files: Vec<String> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        files.sort();
-        let mut expected: Vec<String> = all().into_iter().map(|(f, _)| f).collect();
-        expected.sort();
-        assert_eq!(files, expected, "deploy/crds/ holds exactly the generated CRDs");
+        assert_generated("crds", all(), "volagent crds --dir deploy/crds");
     }
 
     #[test]

@@ -288,13 +288,11 @@ mod tests {
 
     #[test]
     fn deploy_snapshot_crds_are_the_generated_ones() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/snapshot-crds");
-        for (file, yaml) in all() {
-            let committed = std::fs::read_to_string(dir.join(&file)).unwrap_or_else(|e| {
-                panic!("deploy/snapshot-crds/{file}: {e}; regenerate with `volagent crds --snapshots --dir deploy/snapshot-crds`")
-            });
-            assert_eq!(committed, yaml, "deploy/snapshot-crds/{file} is stale");
-        }
+        crate::kube::crds::tests::assert_generated(
+            "snapshot-crds",
+            all(),
+            "volagent crds --snapshots --dir deploy/snapshot-crds",
+        );
         assert_eq!(class_crd().spec.names.kind, "VolumeSnapshotClass", "the class CRD parses");
         for crd in [VolumeSnapshot::crd(), VolumeSnapshotContent::crd(), class_crd()] {
             let approval = crd.metadata.annotations.unwrap_or_default();

@@ -15,8 +15,7 @@ use crate::kube::controller::retry::{ReconcileError, Retries, api_error};
 use crate::model::{AccessMode, ContentSource, CreateRequest, VolumeMode};
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
-    ObjectReference, PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec,
-    VolumeNodeAffinity,
+    PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec, VolumeNodeAffinity,
 };
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -314,14 +313,7 @@ fn persistent_volume(
             ),
             storage_class_name: Some(class.name_any()),
             mount_options: class.mount_options.clone(),
-            claim_ref: Some(ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("PersistentVolumeClaim".into()),
-                namespace: claim.namespace(),
-                name: Some(claim.name_any()),
-                uid: claim.uid(),
-                ..Default::default()
-            }),
+            claim_ref: Some(super::objects::claim_reference(claim)),
             csi: Some(CSIPersistentVolumeSource {
                 driver,
                 volume_handle: made.id.clone(),

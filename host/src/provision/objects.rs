@@ -33,16 +33,8 @@ impl Context {
         reason: &str,
         message: &str,
     ) {
-        let about = ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("PersistentVolumeClaim".into()),
-            namespace: claim.namespace(),
-            name: Some(claim.name_any()),
-            uid: claim.uid(),
-            ..Default::default()
-        };
         let ns = claim.namespace().unwrap_or_default();
-        self.events.event(&ns, about, warning, reason, message).await;
+        self.events.event(&ns, claim_reference(claim), warning, reason, message).await;
     }
 
     /// An Event about `about` in `namespace` (best effort).
@@ -137,6 +129,18 @@ pub async fn bound_volume(
             && r.uid == claim.uid()
     });
     Ok(names_it.then_some((claim, pv)))
+}
+
+/// A reference to `claim` (a PV's claimRef, an Event's object).
+pub fn claim_reference(claim: &PersistentVolumeClaim) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("PersistentVolumeClaim".into()),
+        namespace: claim.namespace(),
+        name: Some(claim.name_any()),
+        uid: claim.uid(),
+        ..Default::default()
+    }
 }
 
 /// A claim's volume mode, as Kubernetes defaults it.
