@@ -1157,6 +1157,33 @@ fn claims_grow_snapshot_and_restore_through_kubernetes_objects_without_sidecars(
             .contains(&"FileSystemResizeRequired".to_string())
     );
 
+    // A growth the policy refuses (past 1 PiB): said once, not retried,
+    // never in a loop woken by the controller's own writes; the image stays
+    // as it was.
+    let huge = claim("huge", "64Mi", None);
+    let huge_pv = format!("pvc-{}", huge.metadata.uid.clone().unwrap());
+    cleanup.images.push(huge_pv.clone());
+    c.wait("claim huge to be Bound", || phase_of("huge") == "Bound");
+    let too_much =
+        serde_json::json!({ "spec": { "resources": { "requests": { "storage": "2Pi" } } } });
+    c.rt.block_on(claims.patch("huge", &PatchParams::default(), &Patch::Merge(&too_much))).unwrap();
+    let failures = || {
+        event_reasons(&c, "default", "PersistentVolumeClaim", "huge")
+            .iter()
+            .filter(|r| *r == "VolumeResizeFailed")
+            .count()
+    };
+    c.wait("the growth to fail", || failures() > 0);
+    std::thread::sleep(std::time::Duration::from_secs(8));
+    assert_eq!(failures(), 1, "a refused growth is tried once per size");
+    let marked = c.rt.block_on(claims.get("huge")).unwrap();
+    assert_eq!(
+        marked.metadata.annotations.unwrap_or_default().get("volagent.io/resize-infeasible"),
+        Some(&(2u64 << 50).to_string())
+    );
+    assert_eq!(image_size(&dir, &huge_pv), Some(64 << 20));
+    c.rt.block_on(claims.delete("huge", &Default::default())).unwrap();
+
     // A VolumeSnapshot of it, on the default class: an RBD snapshot, its
     // content, ready.
     let snapshots: Api<VolumeSnapshot> = Api::namespaced(c.client(), "default");
@@ -1333,7 +1360,7 @@ fn claims_grow_snapshot_and_restore_through_kubernetes_objects_without_sidecars(
     // controller removes (the clone first: its parent waits for it).
     c.rt.block_on(claims.delete("restored", &Default::default())).unwrap();
     c.rt.block_on(claims.delete("data", &Default::default())).unwrap();
-    for image in [&restored_pv, &data_pv, &brief_pv] {
+    for image in [&restored_pv, &data_pv, &brief_pv, &huge_pv] {
         c.wait(&format!("image {image} to be removed"), || image_size(&dir, image).is_none());
         c.wait(&format!("PV {image} to go"), || {
             c.rt.block_on(pvs.get_opt(image)).unwrap().is_none()

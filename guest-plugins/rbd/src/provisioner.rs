@@ -20,6 +20,20 @@ use volagent_guest_sdk::{AccessMode, KeyValue, VolumeMode};
 const MIB: u64 = 1 << 20;
 /// What a claim that names no size gets.
 const DEFAULT_SIZE: u64 = 1 << 30;
+/// The largest image made or grown: 1 PiB. librbd takes far larger sizes,
+/// but an image without object-map is removed object by object over its
+/// whole size, and one of exabytes would never go.
+const MAX_SIZE: u64 = 1 << 50;
+
+/// `size`, unless it passes [`MAX_SIZE`].
+fn bounded(size: u64) -> Result<u64, ProvisionError> {
+    if size > MAX_SIZE {
+        return Err(ProvisionError::OutOfRange(format!(
+            "{size} bytes is more than the {MAX_SIZE} bytes (1 PiB) an rbd volume may have"
+        )));
+    }
+    Ok(size)
+}
 const DEFAULT_MAX_CLONE_DEPTH: u32 = 4;
 
 /// A volume's or snapshot's place, as its id names it.
@@ -119,7 +133,7 @@ impl Provisioner for crate::Rbd {
                 "the volume id {id} would be longer than 128 bytes"
             )));
         }
-        let size = size_for(r.required_bytes, r.limit_bytes, MIB, DEFAULT_SIZE)?;
+        let size = bounded(size_for(r.required_bytes, r.limit_bytes, MIB, DEFAULT_SIZE)?)?;
         let features = features(p);
         let mut steps = Vec::new();
         let clone_from = |parent: &Place,
@@ -220,7 +234,7 @@ impl Provisioner for crate::Rbd {
                 v.id
             )));
         }
-        let size = size_for(v.required_bytes, v.limit_bytes, MIB, DEFAULT_SIZE)?;
+        let size = bounded(size_for(v.required_bytes, v.limit_bytes, MIB, DEFAULT_SIZE)?)?;
         Ok(Provision {
             steps: vec![ControllerStep::ResizeImage { image: place.image, size_bytes: size }],
             capacity_bytes: 0,
@@ -306,6 +320,27 @@ mod tests {
         assert_eq!(p.capacity_bytes, 11 * MIB);
         assert!(p.attributes.contains(&kv("storageCluster", "ceph")));
         assert!(p.attributes.contains(&kv("image", "pvc-1")));
+    }
+
+    #[test]
+    fn no_image_is_made_or_grown_past_a_pebibyte() {
+        let mut r = request();
+        r.required_bytes = MAX_SIZE;
+        assert!(crate::Rbd::create(r.clone()).is_ok());
+        r.required_bytes = MAX_SIZE + 1;
+        assert!(
+            matches!(crate::Rbd::create(r), Err(ProvisionError::OutOfRange(m)) if m.contains("1 PiB"))
+        );
+        let grow = |bytes| Target {
+            id: "ceph.kube.pvc-1".into(),
+            required_bytes: bytes,
+            ..Default::default()
+        };
+        assert!(crate::Rbd::expand(grow(MAX_SIZE)).is_ok());
+        assert!(matches!(
+            crate::Rbd::expand(grow(2 * MAX_SIZE)),
+            Err(ProvisionError::OutOfRange(_))
+        ));
     }
 
     #[test]

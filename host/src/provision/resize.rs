@@ -20,6 +20,8 @@ use kube::runtime::controller::Action;
 const RESIZING: &str = "Resizing";
 /// The claim's condition while its filesystem waits for kubelet.
 const FS_RESIZE_PENDING: &str = "FileSystemResizePending";
+/// On a claim whose growth to this many bytes the policy refused.
+const INFEASIBLE: &str = "volagent.io/resize-infeasible";
 
 /// Bytes of a `storage` quantity in a resource map.
 fn storage_bytes(
@@ -70,6 +72,14 @@ pub async fn reconcile(
         .conditions
         .as_ref()
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == RESIZING && c.status == "True"));
+    let mark = format!("growing volume {pv_name} to {requested} bytes");
+    // What the claim says already, read from what every API server keeps
+    // (one before 1.24 drops allocatedResources and its statuses).
+    let marked = status.conditions.as_ref().is_some_and(|cs| {
+        cs.iter().any(|c| c.type_ == RESIZING && c.message.as_deref() == Some(mark.as_str()))
+    });
+    let refused_before = claim.annotations().get(INFEASIBLE).map(String::as_str)
+        == Some(requested.to_string().as_str());
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
     let patch_status = |patch: serde_json::Value| {
         let (claims, name, object) = (claims.clone(), claim.name_any(), object.clone());
@@ -92,18 +102,17 @@ pub async fn reconcile(
         }
         return Ok(Action::await_change());
     }
-    if phase.as_deref() == Some("ControllerResizeInfeasible") && allocated == Some(requested) {
+    if refused_before
+        || (phase.as_deref() == Some("ControllerResizeInfeasible") && allocated == Some(requested))
+    {
         // Refused for this very size: only a new request is tried.
         return Ok(Action::await_change());
     }
     // Marked once per size: a write that changes nothing would wake this
     // reconcile at once, past the retry's backoff.
-    if !(resizing
-        && allocated == Some(requested)
-        && phase.as_deref() == Some("ControllerResizeInProgress"))
-    {
+    if !marked {
         patch_status(serde_json::json!({ "status": {
-            "conditions": condition(RESIZING, &format!("growing volume {pv_name} to {requested} bytes")),
+            "conditions": condition(RESIZING, &mark),
             "allocatedResources": { "storage": requested.to_string() },
             "allocatedResourceStatuses": { "storage": "ControllerResizeInProgress" },
         }}))
@@ -115,7 +124,13 @@ pub async fn reconcile(
         Err(f)
             if matches!(f.code, Code::InvalidArgument | Code::OutOfRange | Code::Unimplemented) =>
         {
-            // For good, as asked: the claim says so and waits for another size.
+            // For good, as asked: the claim says so and waits for another
+            // size (the annotation, for API servers that drop the status).
+            let note = serde_json::json!({ "metadata": { "annotations": { INFEASIBLE: requested.to_string() } } });
+            claims
+                .patch(&claim.name_any(), &PatchParams::default(), &Patch::Merge(&note))
+                .await
+                .map_err(api_error(&object))?;
             patch_status(serde_json::json!({ "status": {
                 "conditions": [],
                 "allocatedResourceStatuses": { "storage": "ControllerResizeInfeasible" },
