@@ -51,7 +51,7 @@ fn without_auto_unmount(options: &str) -> Option<String> {
 
 /// The last `n` error lines of `file` (gluster marks them "] E ["), or
 /// its last `n` lines when it has none; at most its last 64 KiB are read.
-fn tail(file: &Path, n: usize) -> String {
+pub(super) fn tail(file: &Path, n: usize) -> String {
     use std::io::{Read, Seek, SeekFrom};
     let Ok(mut f) = std::fs::File::open(file) else { return String::new() };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
