@@ -66,6 +66,17 @@ pub struct ImageRef {
     pub image: String,
 }
 
+/// A directory of a gluster volume on a StorageCluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectoryRef {
+    /// The StorageCluster, whose servers the controller reaches it by.
+    pub cluster: String,
+    /// The gluster volume.
+    pub volume: String,
+    /// Relative to the volume's root: names joined by '/'.
+    pub path: String,
+}
+
 /// A controller step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControllerStep {
@@ -97,6 +108,20 @@ pub enum ControllerStep {
         features: Vec<String>,
         max_depth: u32,
     },
+    /// The directory and its missing parents, limited to `quota_bytes`
+    /// (0: no limit) by the volume's directory quota.
+    CreateDirectory {
+        dir: DirectoryRef,
+        quota_bytes: u64,
+    },
+    /// The directory and everything in it.
+    RemoveDirectory(DirectoryRef),
+    /// The directory's quota limit raised to `bytes` (one without a limit
+    /// keeps none).
+    SetQuota {
+        dir: DirectoryRef,
+        bytes: u64,
+    },
 }
 
 impl ControllerStep {
@@ -108,6 +133,9 @@ impl ControllerStep {
             ControllerStep::CreateSnapshot { .. } => ControllerStepKind::CreateSnapshot,
             ControllerStep::DeleteSnapshot { .. } => ControllerStepKind::DeleteSnapshot,
             ControllerStep::CloneImage { .. } => ControllerStepKind::CloneImage,
+            ControllerStep::CreateDirectory { .. } => ControllerStepKind::CreateDirectory,
+            ControllerStep::RemoveDirectory(_) => ControllerStepKind::RemoveDirectory,
+            ControllerStep::SetQuota { .. } => ControllerStepKind::SetQuota,
         }
     }
 }
@@ -121,6 +149,9 @@ pub enum ControllerStepKind {
     CreateSnapshot,
     DeleteSnapshot,
     CloneImage,
+    CreateDirectory,
+    RemoveDirectory,
+    SetQuota,
 }
 
 impl ControllerStepKind {
@@ -132,6 +163,9 @@ impl ControllerStepKind {
             ControllerStepKind::CreateSnapshot => "create-snapshot",
             ControllerStepKind::DeleteSnapshot => "delete-snapshot",
             ControllerStepKind::CloneImage => "clone-image",
+            ControllerStepKind::CreateDirectory => "create-directory",
+            ControllerStepKind::RemoveDirectory => "remove-directory",
+            ControllerStepKind::SetQuota => "set-quota",
         }
     }
 }
