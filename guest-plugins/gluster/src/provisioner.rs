@@ -22,25 +22,13 @@ use volagent_guest_sdk::provision::{
     ControllerStep, ControllerStepKind, CreateRequest, DirectoryRef, Provision, ProvisionError,
     Provisioner, Target, parameter, size_for,
 };
+use volagent_guest_sdk::provision::{DNS_LABEL_RULE as NAME_RULE, dns_label as name_ok};
 use volagent_guest_sdk::{KeyValue, VolumeMode};
 
 const MIB: u64 = 1 << 20;
 /// What a claim that names no size gets.
 const DEFAULT_SIZE: u64 = 1 << 30;
 const DEFAULT_BASE_DIR: &str = "volagent";
-
-/// A DNS label: lowercase letters, digits and '-', 1 to 63, starting and
-/// ending with a letter or digit.
-fn name_ok(name: &str) -> bool {
-    let alnum = |b: Option<&u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
-    name.len() <= 63
-        && alnum(name.as_bytes().first())
-        && alnum(name.as_bytes().last())
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-}
-
-const NAME_RULE: &str =
-    "lowercase letters, digits and '-', 1 to 63, starting and ending with a letter or digit";
 
 /// The directory an id names.
 fn parse(id: &str) -> Result<DirectoryRef, ProvisionError> {

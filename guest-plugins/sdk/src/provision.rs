@@ -227,6 +227,22 @@ pub trait Provisioner {
     }
 }
 
+/// Whether `name` is a DNS label: lowercase letters, digits and '-', 1 to
+/// 63, starting and ending with a letter or digit. Ids made of such parts
+/// joined by '.' are Kubernetes object names, as nodes name records after
+/// volume ids.
+pub fn dns_label(name: &str) -> bool {
+    let alnum = |b: Option<&u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    name.len() <= 63
+        && alnum(name.as_bytes().first())
+        && alnum(name.as_bytes().last())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// [`dns_label`]'s rule, for refusals.
+pub const DNS_LABEL_RULE: &str =
+    "lowercase letters, digits and '-', 1 to 63, starting and ending with a letter or digit";
+
 /// The value of parameter `key`, if set and not blank (the last one wins).
 pub fn parameter<'p>(parameters: &'p [KeyValue], key: &str) -> Option<&'p str> {
     parameters
@@ -283,6 +299,16 @@ mod tests {
         assert_eq!(size_for(MIB, 2 * MIB, MIB, 0), Ok(MIB));
         assert_eq!(size_for(MIB + 1, MIB + 10, MIB, 0).unwrap_err(), ProvisionError::OutOfRange("1048577 to 1048586 bytes: this backend makes volumes in steps of 1048576 bytes, and none fits".into()));
         assert!(matches!(size_for(u64::MAX, 0, MIB, 0), Err(ProvisionError::OutOfRange(_))));
+    }
+
+    #[test]
+    fn dns_labels() {
+        for ok in ["a", "pvc-1", "0", &"a".repeat(63)] {
+            assert!(dns_label(ok), "{ok}");
+        }
+        for bad in ["", "-a", "a-", "A", "a_b", "a.b", &"a".repeat(64)] {
+            assert!(!dns_label(bad), "{bad}");
+        }
     }
 
     #[test]
