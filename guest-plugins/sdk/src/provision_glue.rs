@@ -172,6 +172,7 @@ mod steps {
         missing(step, "gluster")
     }
 
+    #[cfg(not(all(feature = "ceph", feature = "gluster")))]
     fn missing(step: &ControllerStep, feature: &str) {
         panic!(
             "{:?}: the policy was built without the volagent-guest-sdk feature `{feature}`",
