@@ -23,10 +23,14 @@ fn every_backend_loads_and_declares_itself() {
             .iter()
             .filter_map(|i| i.strip_prefix("volagent:policy/"))
             .filter_map(|i| i.strip_suffix("@1.1.0"))
-            .filter(|i| ["loop-devices", "nbd", "ceph", "ceph-provisioning"].contains(i))
+            .filter(|i| {
+                ["loop-devices", "nbd", "ceph", "ceph-provisioning", "gluster-provisioning"]
+                    .contains(i)
+            })
             .collect();
         let expected: &[&str] = match *name {
             "rbd" => &["ceph-provisioning", "ceph"],
+            "gluster" => &["gluster-provisioning"],
             "nbd" => &["nbd"],
             "local-pv" => &["loop-devices"],
             _ => &[],
@@ -35,11 +39,12 @@ fn every_backend_loads_and_declares_itself() {
         // The SDK exports every optional interface; the provisioner only
         // where the policy has one.
         let mut optional = vec!["block-volumes", "expand", "health"];
-        if *name == "rbd" {
+        let provisions = ["rbd", "gluster"].contains(name);
+        if provisions {
             optional.push("provisioner");
         }
         assert_eq!(plugin.optional_exports(), optional, "{name}");
-        assert_eq!(plugin.provisions(), *name == "rbd", "{name}");
+        assert_eq!(plugin.provisions(), provisions, "{name}");
         assert!(
             !plugin.imports().iter().any(|i| i.starts_with("wasi:sockets")),
             "{name}: {:?}",
@@ -297,4 +302,63 @@ fn rbd_provisions_through_the_host_with_checked_plans_and_nbd_is_refused_with_th
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn gluster_provisions_directories_through_the_host_with_checked_plans() {
+    let rt = runtime(500);
+    let gluster = load(&rt, volagent_test_artifacts::GLUSTER);
+    assert!(gluster.provisions());
+    let controller = &gluster.info().capabilities.controller_steps;
+    assert_eq!(
+        controller,
+        &[
+            ControllerStepKind::CreateDirectory,
+            ControllerStepKind::RemoveDirectory,
+            ControllerStepKind::SetQuota
+        ]
+    );
+    let kv = |k: &str, v: &str| KeyValue { key: k.into(), value: v.into() };
+    let request = CreateRequest {
+        name: "pvc-7".into(),
+        required_bytes: 3 << 20,
+        parameters: vec![kv("storageCluster", "gluster-a"), kv("volume", "gv0")],
+        access_modes: vec![AccessMode::ReadWriteMany],
+        ..Default::default()
+    };
+    let made = gluster.create_volume(&request).unwrap().unwrap();
+    assert_eq!(made.id, "gluster-a.gv0.pvc-7");
+    assert_eq!(made.capacity_bytes, 3 << 20);
+    let dir = DirectoryRef {
+        cluster: "gluster-a".into(),
+        volume: "gv0".into(),
+        path: "volagent/pvc-7".into(),
+    };
+    assert_eq!(
+        made.steps,
+        [ControllerStep::CreateDirectory(CreateDirectory {
+            dir: dir.clone(),
+            quota_bytes: 3 << 20
+        })]
+    );
+    assert!(made.attributes.contains(&kv("subdir", "volagent/pvc-7")), "{:?}", made.attributes);
+    let target = Target { id: made.id.clone(), required_bytes: 5 << 20, ..Default::default() };
+    let grown = gluster.expand_volume(&target).unwrap().unwrap();
+    assert_eq!(
+        grown.steps,
+        [ControllerStep::SetQuota(SetQuota { dir: dir.clone(), bytes: 5 << 20 })]
+    );
+    let gone = gluster.delete_volume(&target).unwrap().unwrap();
+    assert_eq!(gone.steps, [ControllerStep::RemoveDirectory(dir)]);
+    // The policy's own refusals keep their kind.
+    let mut block = request.clone();
+    block.mode = VolumeMode::Block;
+    assert!(matches!(gluster.create_volume(&block).unwrap(), Err(ProvisionError::Unsupported(_))));
+    assert!(matches!(gluster.snapshot(&target).unwrap(), Err(ProvisionError::Unsupported(_))));
+    let foreign = Target { id: "not-ours".into(), ..Default::default() };
+    assert!(matches!(gluster.delete_volume(&foreign).unwrap(), Err(ProvisionError::NotFound(_))));
+    // A base dir the host would refuse never gets past the policy's own check.
+    let mut sneaky = request.clone();
+    sneaky.parameters.push(kv("baseDir", ".."));
+    assert!(matches!(gluster.create_volume(&sneaky).unwrap(), Err(ProvisionError::Invalid(_))));
 }

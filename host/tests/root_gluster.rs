@@ -147,3 +147,108 @@ fn a_wrong_server_or_volume_fails_quoting_the_clients_log_and_leaves_nothing() {
     );
     assert_eq!(r.1["status"], "Failure", "{}", r.1);
 }
+
+/// The run's gluster dir.
+fn gluster_dir() -> PathBuf {
+    PathBuf::from(std::env::var("VOLAGENT_GLUSTER_DIR").unwrap())
+}
+
+/// The quota limit the brick keeps on `path` of v0 (its hard limit).
+fn brick_limit(path: &str) -> Option<u64> {
+    let dir = gluster_dir().join("bricks/v0").join(path);
+    let mut value = [0u8; 16];
+    // The brick names the attribute with its quota version.
+    let n = rustix::fs::lgetxattr(&dir, "trusted.glusterfs.quota.limit-set.1", &mut value).ok()?;
+    assert_eq!(n, 16, "{}", dir.display());
+    Some(u64::from_be_bytes(value[..8].try_into().unwrap()))
+}
+
+#[test]
+fn the_controllers_libgfapi_makes_limits_and_removes_directories_and_follows_no_link() {
+    use std::os::unix::fs::PermissionsExt;
+    use volagent::sys::gluster_dirs::{DirError, GlusterDirs, GlusterVolume, LibGfapiDirs};
+    const MIB: u64 = 1 << 20;
+    let host = gluster_host();
+    let scratch = volagent_test_support::scratch::RootScratch::enter();
+    let dirs = LibGfapiDirs::new();
+    // The first server does not exist: the volume file comes from the next.
+    let v0 = GlusterVolume {
+        servers: vec!["gluster-absent.invalid".into(), format!("{host}:24007")],
+        volume: "v0".into(),
+    };
+    let base = format!("sys-{}", std::process::id());
+    let path = format!("{base}/pvc-a");
+    let brick = gluster_dir().join("bricks/v0");
+
+    assert!(dirs.create(&v0, &path, 64 * MIB).unwrap(), "made");
+    let made = std::fs::metadata(brick.join(&path)).unwrap();
+    assert!(made.is_dir());
+    assert_eq!(made.permissions().mode() & 0o7777, 0o777, "the volume's own dir: its pods write");
+    assert_eq!(std::fs::metadata(brick.join(&base)).unwrap().permissions().mode() & 0o7777, 0o755);
+    assert_eq!(brick_limit(&path), Some(64 * MIB));
+    let state = dirs.state(&v0, &path).unwrap().unwrap();
+    assert_eq!((state.mode, state.quota_bytes), (0o777, Some(64 * MIB)));
+    // Idempotent; another limit is a conflict that changes nothing.
+    assert!(!dirs.create(&v0, &path, 64 * MIB).unwrap(), "there already");
+    let e = dirs.create(&v0, &path, 32 * MIB).unwrap_err();
+    assert!(matches!(e, DirError::Conflict(_)) && e.to_string().contains(&path), "{e}");
+    let e = dirs.create(&v0, &path, 0).unwrap_err();
+    assert!(matches!(e, DirError::Conflict(_)), "{e}");
+    assert_eq!(brick_limit(&path), Some(64 * MIB));
+
+    // Raised, never lowered.
+    assert_eq!(dirs.raise_quota(&v0, &path, 96 * MIB).unwrap(), Some(96 * MIB));
+    assert_eq!(brick_limit(&path), Some(96 * MIB));
+    assert_eq!(dirs.raise_quota(&v0, &path, 96 * MIB).unwrap(), Some(96 * MIB));
+    let e = dirs.raise_quota(&v0, &path, 64 * MIB).unwrap_err();
+    assert!(matches!(e, DirError::Refused(_)) && e.to_string().contains("never lowered"), "{e}");
+    assert_eq!(brick_limit(&path), Some(96 * MIB));
+    let e = dirs.raise_quota(&v0, &format!("{base}/nothing"), MIB).unwrap_err();
+    assert!(matches!(e, DirError::NotFound(_)), "{e}");
+    // Without a limit, none is added.
+    let open = format!("{base}/pvc-open");
+    assert!(dirs.create(&v0, &open, 0).unwrap());
+    assert_eq!(dirs.raise_quota(&v0, &open, MIB).unwrap(), None);
+    assert_eq!(brick_limit(&open), None);
+
+    // Filled through a client mount: files, a deep tree, and links out of it.
+    let mnt = scratch.path("v0");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let status = Command::new("mount")
+        .args(["-t", "glusterfs", &format!("{host}:/v0"), mnt.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let client = mnt.join(&path);
+    std::fs::create_dir_all(client.join("a/b/c")).unwrap();
+    std::fs::write(client.join("a/b/c/file"), b"data").unwrap();
+    std::fs::write(client.join("top"), b"data").unwrap();
+    std::fs::write(mnt.join(&open).join("kept"), b"another volume's").unwrap();
+    std::os::unix::fs::symlink(mnt.join(&open), client.join("out")).unwrap();
+    std::os::unix::fs::symlink("../pvc-open", client.join("a/up")).unwrap();
+    // A path through a link is refused, not followed.
+    std::os::unix::fs::symlink("pvc-open", mnt.join(&base).join("link")).unwrap();
+    let e = dirs.create(&v0, &format!("{base}/link/x"), 0).unwrap_err();
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    assert!(!mnt.join(&open).join("x").exists());
+    let e = dirs.remove(&v0, &format!("{base}/link/kept")).unwrap_err();
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    assert!(mnt.join(&open).join("kept").exists());
+
+    assert!(dirs.remove(&v0, &path).unwrap(), "removed");
+    assert!(!brick.join(&path).exists());
+    assert_eq!(std::fs::read(mnt.join(&open).join("kept")).unwrap(), b"another volume's");
+    assert!(!dirs.remove(&v0, &path).unwrap(), "gone already");
+    assert_eq!(dirs.state(&v0, &path).unwrap(), None);
+    // A link where a volume's dir was is removed itself, not entered.
+    assert!(dirs.remove(&v0, &format!("{base}/link")).unwrap());
+    assert!(mnt.join(&open).join("kept").exists());
+    assert!(dirs.remove(&v0, &base).unwrap());
+    assert!(!brick.join(&base).exists());
+
+    // A volume that does not exist: the connection's error says why.
+    let absent = GlusterVolume { servers: vec![host.clone()], volume: "no-such-volume".into() };
+    let e = dirs.create(&absent, "x", 0).unwrap_err().to_string();
+    assert!(e.contains("gluster volume no-such-volume") && e.contains("connect"), "{e}");
+    nix::mount::umount2(&mnt, nix::mount::MntFlags::MNT_DETACH).unwrap();
+}

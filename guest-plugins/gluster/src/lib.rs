@@ -4,14 +4,43 @@
 //! Options: `servers` (comma-separated; the first is asked for the volfile,
 //! the rest are backups; required unless the volume names a StorageCluster,
 //! whose endpoints the host passes as `endpoints`), `volume` (required: the
-//! gluster volume).
+//! gluster volume), `subdir` (a directory beneath the volume's root to mount
+//! instead of the root: what the provisioner makes each volume).
 
 use volagent_guest_sdk::staged::{Medium, Staged, StagedBackend};
 use volagent_guest_sdk::{NodePaths, PathRoot, PolicyError, Volume, options};
 
+mod provisioner;
+
 pub struct Gluster;
 
-volagent_guest_sdk::export_policy!(crate::Gluster);
+volagent_guest_sdk::export_policy!(crate::Gluster, provisioner);
+
+/// Most names in a `subdir`, and its longest.
+const MAX_SUBDIR_NAMES: usize = 16;
+const MAX_SUBDIR: usize = 1024;
+
+/// `subdir`, checked: names of letters, digits, '-', '_' and '.' (none
+/// starting with '.') joined by '/'. Nothing else reaches the mount source:
+/// no way out of the volume, and nothing the helper reads as an option.
+fn subdir(volume: &Volume) -> Result<Option<&str>, PolicyError> {
+    let Some(dir) = options::get(volume, "subdir") else { return Ok(None) };
+    let dir = dir.trim_matches('/');
+    let name_ok = |n: &str| {
+        !n.is_empty()
+            && !n.starts_with('.')
+            && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    };
+    let names: Vec<&str> = dir.split('/').collect();
+    if dir.len() > MAX_SUBDIR || names.len() > MAX_SUBDIR_NAMES || !names.iter().all(|n| name_ok(n))
+    {
+        return Err(PolicyError::InvalidOptions(format!(
+            "volume {}: subdir {dir:?} is not a directory beneath the gluster volume's root (names of letters, digits, '-', '_' and '.', not starting with '.', joined by '/')",
+            volume.name
+        )));
+    }
+    Ok(Some(dir))
+}
 
 impl StagedBackend for Gluster {
     const NAME: &'static str = "gluster";
@@ -35,6 +64,10 @@ impl StagedBackend for Gluster {
             )));
         };
         let gluster_volume = options::required(volume, "volume")?;
+        let source = match subdir(volume)? {
+            Some(dir) => format!("{first}:/{gluster_volume}/{dir}"),
+            None => format!("{first}:/{gluster_volume}"),
+        };
         let mut mount_options = Vec::new();
         if !backups.is_empty() {
             mount_options.push(format!("backup-volfile-servers={}", backups.join(":")));
@@ -42,7 +75,7 @@ impl StagedBackend for Gluster {
         // auto_unmount: the FUSE mount goes away if the client dies, instead
         // of leaving a dead mount that hangs every stat.
         mount_options.push("auto_unmount".to_string());
-        Ok(Staged::Network { source: format!("{first}:/{gluster_volume}"), options: mount_options })
+        Ok(Staged::Network { source, options: mount_options })
     }
 
     fn node_options(paths: &NodePaths) -> Vec<String> {
@@ -121,6 +154,26 @@ mod tests {
         let m = staging_mount(&v, &paths()).unwrap();
         assert_eq!(m.source, MountSource::Network("g7:/gv0".into()));
         assert_eq!(m.options[0], "backup-volfile-servers=g8");
+    }
+
+    #[test]
+    fn a_subdir_is_mounted_in_place_of_the_volumes_root_and_checked() {
+        let mut v = volume("g1");
+        v.options.push(KeyValue { key: "subdir".into(), value: "volagent/pvc-1".into() });
+        let m = staging_mount(&v, &paths()).unwrap();
+        assert_eq!(m.source, MountSource::Network("g1:/gv0/volagent/pvc-1".into()));
+        for bad in ["../x", "a/../b", "a//b", ".hidden", "a b", "a,ro", "a:b", "x/\0"] {
+            let mut v = volume("g1");
+            v.options.push(KeyValue { key: "subdir".into(), value: bad.into() });
+            match staging_mount(&v, &paths()) {
+                Err(PolicyError::InvalidOptions(m)) => assert!(m.contains("subdir"), "{m}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let deep = vec!["d"; 17].join("/");
+        let mut v = volume("g1");
+        v.options.push(KeyValue { key: "subdir".into(), value: deep });
+        assert!(matches!(staging_mount(&v, &paths()), Err(PolicyError::InvalidOptions(_))));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use volagent_guest_sdk::provision::{
     ContentSource, ControllerStep, ControllerStepKind, CreateRequest, ImageRef, Provision,
     ProvisionError, Provisioner, Target, parameter, size_for,
 };
+use volagent_guest_sdk::provision::{DNS_LABEL_RULE as NAME_RULE, dns_label as name_ok};
 use volagent_guest_sdk::{AccessMode, KeyValue, VolumeMode};
 
 const MIB: u64 = 1 << 20;
@@ -42,19 +43,6 @@ struct Place {
     image: ImageRef,
     snapshot: Option<String>,
 }
-
-/// A DNS label: lowercase letters, digits and '-', 1 to 63, starting and
-/// ending with a letter or digit.
-fn name_ok(name: &str) -> bool {
-    let alnum = |b: Option<&u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
-    name.len() <= 63
-        && alnum(name.as_bytes().first())
-        && alnum(name.as_bytes().last())
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-}
-
-const NAME_RULE: &str =
-    "lowercase letters, digits and '-', 1 to 63, starting and ending with a letter or digit";
 
 fn parse(id: &str) -> Result<Place, ProvisionError> {
     let parts: Vec<&str> = id.split('.').collect();

@@ -66,6 +66,17 @@ pub struct ImageRef {
     pub image: String,
 }
 
+/// A directory of a gluster volume on a StorageCluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectoryRef {
+    /// The StorageCluster, whose servers the controller reaches it by.
+    pub cluster: String,
+    /// The gluster volume.
+    pub volume: String,
+    /// Relative to the volume's root: names joined by '/'.
+    pub path: String,
+}
+
 /// A controller step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControllerStep {
@@ -97,6 +108,20 @@ pub enum ControllerStep {
         features: Vec<String>,
         max_depth: u32,
     },
+    /// The directory and its missing parents, limited to `quota_bytes`
+    /// (0: no limit) by the volume's directory quota.
+    CreateDirectory {
+        dir: DirectoryRef,
+        quota_bytes: u64,
+    },
+    /// The directory and everything in it.
+    RemoveDirectory(DirectoryRef),
+    /// The directory's quota limit raised to `bytes` (one without a limit
+    /// keeps none).
+    SetQuota {
+        dir: DirectoryRef,
+        bytes: u64,
+    },
 }
 
 impl ControllerStep {
@@ -108,6 +133,9 @@ impl ControllerStep {
             ControllerStep::CreateSnapshot { .. } => ControllerStepKind::CreateSnapshot,
             ControllerStep::DeleteSnapshot { .. } => ControllerStepKind::DeleteSnapshot,
             ControllerStep::CloneImage { .. } => ControllerStepKind::CloneImage,
+            ControllerStep::CreateDirectory { .. } => ControllerStepKind::CreateDirectory,
+            ControllerStep::RemoveDirectory(_) => ControllerStepKind::RemoveDirectory,
+            ControllerStep::SetQuota { .. } => ControllerStepKind::SetQuota,
         }
     }
 }
@@ -121,6 +149,9 @@ pub enum ControllerStepKind {
     CreateSnapshot,
     DeleteSnapshot,
     CloneImage,
+    CreateDirectory,
+    RemoveDirectory,
+    SetQuota,
 }
 
 impl ControllerStepKind {
@@ -132,6 +163,9 @@ impl ControllerStepKind {
             ControllerStepKind::CreateSnapshot => "create-snapshot",
             ControllerStepKind::DeleteSnapshot => "delete-snapshot",
             ControllerStepKind::CloneImage => "clone-image",
+            ControllerStepKind::CreateDirectory => "create-directory",
+            ControllerStepKind::RemoveDirectory => "remove-directory",
+            ControllerStepKind::SetQuota => "set-quota",
         }
     }
 }
@@ -193,6 +227,22 @@ pub trait Provisioner {
     }
 }
 
+/// Whether `name` is a DNS label: lowercase letters, digits and '-', 1 to
+/// 63, starting and ending with a letter or digit. Ids made of such parts
+/// joined by '.' are Kubernetes object names, as nodes name records after
+/// volume ids.
+pub fn dns_label(name: &str) -> bool {
+    let alnum = |b: Option<&u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    name.len() <= 63
+        && alnum(name.as_bytes().first())
+        && alnum(name.as_bytes().last())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// [`dns_label`]'s rule, for refusals.
+pub const DNS_LABEL_RULE: &str =
+    "lowercase letters, digits and '-', 1 to 63, starting and ending with a letter or digit";
+
 /// The value of parameter `key`, if set and not blank (the last one wins).
 pub fn parameter<'p>(parameters: &'p [KeyValue], key: &str) -> Option<&'p str> {
     parameters
@@ -249,6 +299,16 @@ mod tests {
         assert_eq!(size_for(MIB, 2 * MIB, MIB, 0), Ok(MIB));
         assert_eq!(size_for(MIB + 1, MIB + 10, MIB, 0).unwrap_err(), ProvisionError::OutOfRange("1048577 to 1048586 bytes: this backend makes volumes in steps of 1048576 bytes, and none fits".into()));
         assert!(matches!(size_for(u64::MAX, 0, MIB, 0), Err(ProvisionError::OutOfRange(_))));
+    }
+
+    #[test]
+    fn dns_labels() {
+        for ok in ["a", "pvc-1", "0", &"a".repeat(63)] {
+            assert!(dns_label(ok), "{ok}");
+        }
+        for bad in ["", "-a", "a-", "A", "a_b", "a.b", &"a".repeat(64)] {
+            assert!(!dns_label(bad), "{bad}");
+        }
     }
 
     #[test]

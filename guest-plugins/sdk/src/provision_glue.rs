@@ -4,6 +4,8 @@
 
 #[cfg(feature = "ceph")]
 use crate::bindings::volagent::policy::ceph_provisioning as cp;
+#[cfg(feature = "gluster")]
+use crate::bindings::volagent::policy::gluster_provisioning as gp;
 use crate::bindings::volagent::policy::provisioning as pv;
 use crate::bindings::volagent::policy::types as t;
 use crate::provision::*;
@@ -87,8 +89,25 @@ fn answer(r: Result<Provision, ProvisionError>) -> Result<pv::Provision, pv::Pro
 mod steps {
     use super::*;
 
-    #[cfg(feature = "ceph")]
+    /// Each step through its backend interface. A policy imports only the
+    /// interfaces of the SDK features it is built with, so a step of
+    /// another is a build mistake, named.
     pub fn add(p: &pv::Provision, step: &ControllerStep) {
+        match step {
+            ControllerStep::CreateImage { .. }
+            | ControllerStep::DeleteImage(_)
+            | ControllerStep::ResizeImage { .. }
+            | ControllerStep::CreateSnapshot { .. }
+            | ControllerStep::DeleteSnapshot { .. }
+            | ControllerStep::CloneImage { .. } => ceph(p, step),
+            ControllerStep::CreateDirectory { .. }
+            | ControllerStep::RemoveDirectory(_)
+            | ControllerStep::SetQuota { .. } => gluster(p, step),
+        }
+    }
+
+    #[cfg(feature = "ceph")]
+    fn ceph(p: &pv::Provision, step: &ControllerStep) {
         match step {
             ControllerStep::CreateImage { image: i, size_bytes, data_pool, features } => {
                 cp::create_image(
@@ -123,13 +142,40 @@ mod steps {
                     *max_depth,
                 )
             }
+            other => unreachable!("{:?} is not a ceph step", other.kind()),
+        }
+    }
+
+    #[cfg(feature = "gluster")]
+    fn gluster(p: &pv::Provision, step: &ControllerStep) {
+        match step {
+            ControllerStep::CreateDirectory { dir: d, quota_bytes } => {
+                gp::create_directory(p, &d.cluster, &d.volume, &d.path, *quota_bytes)
+            }
+            ControllerStep::RemoveDirectory(d) => {
+                gp::remove_directory(p, &d.cluster, &d.volume, &d.path)
+            }
+            ControllerStep::SetQuota { dir: d, bytes } => {
+                gp::set_quota(p, &d.cluster, &d.volume, &d.path, *bytes)
+            }
+            other => unreachable!("{:?} is not a gluster step", other.kind()),
         }
     }
 
     #[cfg(not(feature = "ceph"))]
-    pub fn add(_: &pv::Provision, step: &ControllerStep) {
+    fn ceph(_: &pv::Provision, step: &ControllerStep) {
+        missing(step, "ceph")
+    }
+
+    #[cfg(not(feature = "gluster"))]
+    fn gluster(_: &pv::Provision, step: &ControllerStep) {
+        missing(step, "gluster")
+    }
+
+    #[cfg(not(all(feature = "ceph", feature = "gluster")))]
+    fn missing(step: &ControllerStep, feature: &str) {
         panic!(
-            "{:?}: the policy was built without the volagent-guest-sdk feature `ceph`",
+            "{:?}: the policy was built without the volagent-guest-sdk feature `{feature}`",
             step.kind()
         )
     }

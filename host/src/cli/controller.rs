@@ -190,7 +190,7 @@ pub fn run(args: ControllerArgs, limits: crate::policy::Limits) -> anyhow::Resul
             Some(dir) => Some(Arc::new(crate::provision::Provisioner::new(
                 load_policies(dir, limits)?,
                 client.clone(),
-                Arc::new(crate::sys::rbd_images::LibRbdImages::default()),
+                crate::provision::execute::Mechanisms::real(),
                 args.step_deadline,
             ))),
             None => None,

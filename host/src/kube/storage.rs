@@ -178,6 +178,21 @@ pub async fn controller_connection(
     Ok(connection)
 }
 
+/// The endpoints of StorageCluster `name` of `backend` (also while it is
+/// being deleted), for storage the controller reaches as any client
+/// would, without credentials (Gluster's servers).
+pub async fn cluster_endpoints(
+    client: &kube::Client,
+    name: &str,
+    backend: &str,
+) -> Result<Vec<String>, VolumeError> {
+    let sc = storage_cluster(client, name, backend, true).await?;
+    if sc.spec.endpoints.is_empty() {
+        return Err(VolumeError::Refused(format!("StorageCluster {name} names no endpoints")));
+    }
+    Ok(sc.spec.endpoints)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

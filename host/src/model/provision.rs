@@ -62,6 +62,9 @@ pub enum ControllerStep {
     CreateSnapshot(SnapshotRef),
     DeleteSnapshot(SnapshotRef),
     CloneImage(CloneImage),
+    CreateDirectory(CreateDirectory),
+    RemoveDirectory(DirectoryRef),
+    SetQuota(SetQuota),
 }
 
 impl ControllerStep {
@@ -73,6 +76,25 @@ impl ControllerStep {
             ControllerStep::CreateSnapshot(_) => ControllerStepKind::CreateSnapshot,
             ControllerStep::DeleteSnapshot(_) => ControllerStepKind::DeleteSnapshot,
             ControllerStep::CloneImage(_) => ControllerStepKind::CloneImage,
+            ControllerStep::CreateDirectory(_) => ControllerStepKind::CreateDirectory,
+            ControllerStep::RemoveDirectory(_) => ControllerStepKind::RemoveDirectory,
+            ControllerStep::SetQuota(_) => ControllerStepKind::SetQuota,
+        }
+    }
+
+    /// The StorageCluster whose storage the step acts on.
+    pub fn cluster(&self) -> &str {
+        match self {
+            ControllerStep::CreateImage(c) => &c.image.cluster,
+            ControllerStep::DeleteImage(i) => &i.cluster,
+            ControllerStep::ResizeImage(r) => &r.image.cluster,
+            ControllerStep::CreateSnapshot(s) | ControllerStep::DeleteSnapshot(s) => {
+                &s.image.cluster
+            }
+            ControllerStep::CloneImage(c) => &c.parent.image.cluster,
+            ControllerStep::CreateDirectory(c) => &c.dir.cluster,
+            ControllerStep::RemoveDirectory(d) => &d.cluster,
+            ControllerStep::SetQuota(q) => &q.dir.cluster,
         }
     }
 }
@@ -115,6 +137,29 @@ pub struct CloneImage {
     pub max_depth: u32,
 }
 
+/// A directory of a gluster volume on a StorageCluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectoryRef {
+    pub cluster: String,
+    /// The gluster volume.
+    pub volume: String,
+    /// Relative to the volume's root.
+    pub path: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateDirectory {
+    pub dir: DirectoryRef,
+    /// 0: no quota limit.
+    pub quota_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetQuota {
+    pub dir: DirectoryRef,
+    pub bytes: u64,
+}
+
 /// Kinds of controller step, as capabilities declare them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ControllerStepKind {
@@ -124,16 +169,22 @@ pub enum ControllerStepKind {
     CreateSnapshot,
     DeleteSnapshot,
     CloneImage,
+    CreateDirectory,
+    RemoveDirectory,
+    SetQuota,
 }
 
 impl ControllerStepKind {
-    pub const ALL: [ControllerStepKind; 6] = [
+    pub const ALL: [ControllerStepKind; 9] = [
         ControllerStepKind::CreateImage,
         ControllerStepKind::DeleteImage,
         ControllerStepKind::ResizeImage,
         ControllerStepKind::CreateSnapshot,
         ControllerStepKind::DeleteSnapshot,
         ControllerStepKind::CloneImage,
+        ControllerStepKind::CreateDirectory,
+        ControllerStepKind::RemoveDirectory,
+        ControllerStepKind::SetQuota,
     ];
 
     pub fn name(self) -> &'static str {
@@ -144,6 +195,9 @@ impl ControllerStepKind {
             ControllerStepKind::CreateSnapshot => "create-snapshot",
             ControllerStepKind::DeleteSnapshot => "delete-snapshot",
             ControllerStepKind::CloneImage => "clone-image",
+            ControllerStepKind::CreateDirectory => "create-directory",
+            ControllerStepKind::RemoveDirectory => "remove-directory",
+            ControllerStepKind::SetQuota => "set-quota",
         }
     }
 }

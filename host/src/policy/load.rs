@@ -17,8 +17,16 @@ use wasmtime::component::Component;
 const ALLOWED_WASI_PACKAGES: &[&str] =
     &["wasi:cli/", "wasi:clocks/", "wasi:io/", "wasi:random/", "wasi:filesystem/"];
 /// Our own interfaces a guest may import.
-const ALLOWED_OWN_INTERFACES: &[&str] =
-    &["host", "types", "loop-devices", "nbd", "ceph", "provisioning", "ceph-provisioning"];
+const ALLOWED_OWN_INTERFACES: &[&str] = &[
+    "host",
+    "types",
+    "loop-devices",
+    "nbd",
+    "ceph",
+    "provisioning",
+    "ceph-provisioning",
+    "gluster-provisioning",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -364,6 +372,8 @@ mod tests {
         assert!(import_allowed("volagent:policy/ceph@1.0.0", "1.0.0"));
         assert!(!import_allowed("volagent:policy/host@1.1.0", "1.0.0"));
         assert!(import_allowed("volagent:policy/ceph-provisioning@1.1.0", "1.1.0"));
+        assert!(import_allowed("volagent:policy/gluster-provisioning@1.1.0", "1.1.0"));
+        assert!(!import_allowed("volagent:policy/gluster-provisioning@1.1.0", "1.0.0"));
         assert!(import_allowed("volagent:policy/host@0.5.0", "0.5.0"));
         assert!(import_allowed("volagent:policy/types@0.5.2", "0.5.0"));
         assert!(import_allowed("volagent:policy/host@0.4.0", "0.4.0"));

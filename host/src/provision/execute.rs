@@ -1,21 +1,71 @@
-//! Running a controller plan: each step against the storage, as the
-//! controller's user of the StorageCluster the step names, with a deadline.
-//! Every step is idempotent, so a plan that failed half-way is run again
-//! from its start by the request's retry.
+//! Running a controller plan: each step against the storage, with a
+//! deadline, on the mechanism of its kind — librbd as the controller's
+//! user of the StorageCluster the step names for RBD images, libgfapi as a
+//! client of its servers for directories of gluster volumes. Every step is
+//! idempotent, so a plan that failed half-way is run again from its start
+//! by the request's retry.
 
 use super::{Code, Failure};
 use crate::kube::volumes::VolumeError;
 use crate::model::ControllerStep;
+use crate::sys::gluster_dirs::{DirError, GlusterDirs, GlusterVolume, LibGfapiDirs};
 use crate::sys::rbd_export::{CephClient, RbdError};
-use crate::sys::rbd_images::{ImageError, RbdImages, feature_bits};
+use crate::sys::rbd_images::{ImageError, LibRbdImages, RbdImages, feature_bits};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The mechanisms controller steps run on, one per kind of storage.
+#[derive(Clone)]
+pub struct Mechanisms {
+    pub images: Arc<dyn RbdImages>,
+    pub dirs: Arc<dyn GlusterDirs>,
+}
+
+impl Mechanisms {
+    /// librbd and libgfapi, each loaded when a step first needs it.
+    pub fn real() -> Mechanisms {
+        Mechanisms {
+            images: Arc::new(LibRbdImages::default()),
+            dirs: Arc::new(LibGfapiDirs::new()),
+        }
+    }
+}
+
 pub struct Executor {
     client: kube::Client,
-    images: Arc<dyn RbdImages>,
+    mechanisms: Mechanisms,
     deadline: Duration,
+}
+
+/// How the controller reaches one StorageCluster's storage for a step.
+#[derive(Clone)]
+enum Reach {
+    /// As its controller user.
+    Ceph(CephClient),
+    /// As a client of its servers (Gluster has no users).
+    Gluster(Vec<String>),
+}
+
+/// The mechanism a step runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Mechanism {
+    Rbd,
+    Gluster,
+}
+
+fn mechanism(step: &ControllerStep) -> Mechanism {
+    match step {
+        ControllerStep::CreateImage(_)
+        | ControllerStep::DeleteImage(_)
+        | ControllerStep::ResizeImage(_)
+        | ControllerStep::CreateSnapshot(_)
+        | ControllerStep::DeleteSnapshot(_)
+        | ControllerStep::CloneImage(_) => Mechanism::Rbd,
+        ControllerStep::CreateDirectory(_)
+        | ControllerStep::RemoveDirectory(_)
+        | ControllerStep::SetQuota(_) => Mechanism::Gluster,
+    }
 }
 
 pub(super) fn cluster_failure(e: VolumeError) -> Failure {
@@ -37,9 +87,43 @@ fn image_failure(e: ImageError) -> Failure {
     Failure::new(code, e.to_string())
 }
 
+fn dir_failure(e: DirError) -> Failure {
+    let code = match &e {
+        DirError::NotFound(_) => Code::NotFound,
+        DirError::Conflict(_) => Code::AlreadyExists,
+        DirError::Unready(_) => Code::FailedPrecondition,
+        DirError::Refused(_) => Code::OutOfRange,
+        DirError::Invalid(_) => Code::InvalidArgument,
+        DirError::Library(_) | DirError::Gluster { .. } => Code::Unavailable,
+    };
+    Failure::new(code, e.to_string())
+}
+
 impl Executor {
-    pub fn new(client: kube::Client, images: Arc<dyn RbdImages>, deadline: Duration) -> Executor {
-        Executor { client, images, deadline }
+    pub fn new(client: kube::Client, mechanisms: Mechanisms, deadline: Duration) -> Executor {
+        Executor { client, mechanisms, deadline }
+    }
+
+    /// How to reach `cluster` for steps on `mechanism`.
+    async fn reach(
+        &self,
+        cluster: &str,
+        backend: &str,
+        mechanism: Mechanism,
+    ) -> Result<Reach, Failure> {
+        Ok(match mechanism {
+            Mechanism::Rbd => Reach::Ceph(
+                crate::kube::storage::controller_connection(&self.client, cluster, backend)
+                    .await
+                    .map_err(cluster_failure)?
+                    .ceph_client(),
+            ),
+            Mechanism::Gluster => Reach::Gluster(
+                crate::kube::storage::cluster_endpoints(&self.client, cluster, backend)
+                    .await
+                    .map_err(cluster_failure)?,
+            ),
+        })
     }
 
     /// Run `steps` in order; the size the last sizing step left, if any.
@@ -48,22 +132,22 @@ impl Executor {
         backend: &str,
         steps: &[ControllerStep],
     ) -> Result<Option<u64>, Failure> {
-        let mut clients: BTreeMap<String, CephClient> = BTreeMap::new();
+        let mut reached: BTreeMap<(String, Mechanism), Reach> = BTreeMap::new();
         let mut size = None;
         for (index, step) in steps.iter().enumerate() {
-            let cluster = cluster_of(step);
-            if !clients.contains_key(cluster) {
-                let connection =
-                    crate::kube::storage::controller_connection(&self.client, cluster, backend)
-                        .await
-                        .map_err(cluster_failure)?;
-                clients.insert(cluster.to_string(), connection.ceph_client());
+            let key = (step.cluster().to_string(), mechanism(step));
+            if !reached.contains_key(&key) {
+                let reach = self.reach(&key.0, backend, key.1).await?;
+                reached.insert(key.clone(), reach);
             }
-            let client = clients[cluster].clone();
-            let images = self.images.clone();
+            let reach = reached[&key].clone();
+            let mechanisms = self.mechanisms.clone();
             let owned = step.clone();
             let started = std::time::Instant::now();
-            let work = tokio::task::spawn_blocking(move || run_step(&*images, &client, &owned));
+            let work = tokio::task::spawn_blocking(move || match reach {
+                Reach::Ceph(client) => run_rbd_step(&*mechanisms.images, &client, &owned),
+                Reach::Gluster(servers) => run_gluster_step(&*mechanisms.dirs, servers, &owned),
+            });
             let done = tokio::time::timeout(self.deadline, work).await.map_err(|_| {
                 Failure::new(
                     Code::Unavailable,
@@ -95,18 +179,8 @@ impl Executor {
     }
 }
 
-fn cluster_of(step: &ControllerStep) -> &str {
-    match step {
-        ControllerStep::CreateImage(c) => &c.image.cluster,
-        ControllerStep::DeleteImage(i) => &i.cluster,
-        ControllerStep::ResizeImage(r) => &r.image.cluster,
-        ControllerStep::CreateSnapshot(s) | ControllerStep::DeleteSnapshot(s) => &s.image.cluster,
-        ControllerStep::CloneImage(c) => &c.parent.image.cluster,
-    }
-}
-
-/// One step; the image's size where the step knows it.
-fn run_step(
+/// One RBD step; the image's size where the step knows it.
+fn run_rbd_step(
     images: &dyn RbdImages,
     client: &CephClient,
     step: &ControllerStep,
@@ -181,5 +255,37 @@ fn run_step(
                 .map_err(image_failure)?;
             Ok(Some(size))
         }
+        other => Err(wrong_mechanism(other, "librbd")),
+    }
+}
+
+fn wrong_mechanism(step: &ControllerStep, mechanism: &str) -> Failure {
+    Failure::new(
+        Code::Internal,
+        format!("step {} put to {mechanism}, which does not run it", step.kind().name()),
+    )
+}
+
+/// One gluster step, on the volume it names at `servers`; the volume's
+/// size (its quota) where the step sets one.
+fn run_gluster_step(
+    dirs: &dyn GlusterDirs,
+    servers: Vec<String>,
+    step: &ControllerStep,
+) -> Result<Option<u64>, Failure> {
+    let at = |volume: &str| GlusterVolume { servers: servers.clone(), volume: volume.to_string() };
+    match step {
+        ControllerStep::CreateDirectory(c) => {
+            dirs.create(&at(&c.dir.volume), &c.dir.path, c.quota_bytes).map_err(dir_failure)?;
+            Ok((c.quota_bytes > 0).then_some(c.quota_bytes))
+        }
+        ControllerStep::RemoveDirectory(d) => {
+            dirs.remove(&at(&d.volume), &d.path).map_err(dir_failure)?;
+            Ok(None)
+        }
+        ControllerStep::SetQuota(q) => {
+            dirs.raise_quota(&at(&q.dir.volume), &q.dir.path, q.bytes).map_err(dir_failure)
+        }
+        other => Err(wrong_mechanism(other, "libgfapi")),
     }
 }

@@ -20,7 +20,6 @@ use crate::model::{
     CapacityRequest, ContentSource, CreateRequest, KeyValue, ProvisionError, Segment, Target,
 };
 use crate::policy::{CallError, Plugin};
-use crate::sys::rbd_images::RbdImages;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -111,13 +110,13 @@ impl Provisioner {
     pub fn new(
         plugins: BTreeMap<String, Arc<Plugin>>,
         client: kube::Client,
-        images: Arc<dyn RbdImages>,
+        mechanisms: execute::Mechanisms,
         step_deadline: Duration,
     ) -> Provisioner {
         Provisioner {
             plugins,
             records: records::Records::new(client.clone()),
-            executor: execute::Executor::new(client.clone(), images, step_deadline),
+            executor: execute::Executor::new(client.clone(), mechanisms, step_deadline),
             client,
             running: Mutex::new(BTreeSet::new()),
         }

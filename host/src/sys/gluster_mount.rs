@@ -13,12 +13,26 @@ use std::time::Duration;
 /// The helper (glusterfs-client).
 const HELPER: &str = "mount.glusterfs";
 
-/// A checked gluster source: "host:/volume".
+/// A checked gluster source: "host:/volume", or "host:/volume/subdir"
+/// for a directory beneath the volume's root (names of letters, digits,
+/// '-', '_' and '.', none starting with '.': never out of the volume).
 fn check_source(source: &str, target: &Path) -> Result<(), SysError> {
     let refused = |what: String| SysError::Refused { path: target.to_path_buf(), what };
-    let (host, volume) = source
-        .split_once(":/")
-        .ok_or_else(|| refused(format!("gluster source {source:?} is not host:/volume")))?;
+    let (host, path) = source.split_once(":/").ok_or_else(|| {
+        refused(format!("gluster source {source:?} is not host:/volume[/subdir]"))
+    })?;
+    let (volume, subdir) = match path.split_once('/') {
+        Some((volume, subdir)) => (volume, Some(subdir)),
+        None => (path, None),
+    };
+    let subdir_ok = subdir.is_none_or(|subdir| {
+        subdir.len() <= 1024
+            && subdir.split('/').all(|n| {
+                !n.is_empty()
+                    && !n.starts_with('.')
+                    && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            })
+    });
     let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
         None => {
@@ -31,10 +45,10 @@ fn check_source(source: &str, target: &Path) -> Result<(), SysError> {
     let volume_ok = !volume.is_empty()
         && volume.len() <= 255
         && volume.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
-    if host_ok && volume_ok {
+    if host_ok && volume_ok && subdir_ok {
         Ok(())
     } else {
-        Err(refused(format!("gluster source {source:?} is not host:/volume")))
+        Err(refused(format!("gluster source {source:?} is not host:/volume[/subdir]")))
     }
 }
 
@@ -51,7 +65,7 @@ fn without_auto_unmount(options: &str) -> Option<String> {
 
 /// The last `n` error lines of `file` (gluster marks them "] E ["), or
 /// its last `n` lines when it has none; at most its last 64 KiB are read.
-fn tail(file: &Path, n: usize) -> String {
+pub(super) fn tail(file: &Path, n: usize) -> String {
     use std::io::{Read, Seek, SeekFrom};
     let Ok(mut f) = std::fs::File::open(file) else { return String::new() };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
@@ -176,10 +190,30 @@ mod tests {
     #[test]
     fn sources_are_host_colon_slash_volume() {
         let t = Path::new("/t");
-        for ok in ["g1:/gv0", "10.0.0.5:/v-1", "[fe80::1]:/v0", "gluster.example.com:/data_1"] {
+        for ok in [
+            "g1:/gv0",
+            "10.0.0.5:/v-1",
+            "[fe80::1]:/v0",
+            "gluster.example.com:/data_1",
+            "g1:/gv0/volagent/pvc-1",
+            "g1:/gv0/a_b/c.d",
+        ] {
             assert!(check_source(ok, t).is_ok(), "{ok}");
         }
-        for bad in ["g1:gv0", "-o:/x", "g1:/", ":/v0", "g1:/a/b", "g1 x:/v", "g1:/v,ro"] {
+        for bad in [
+            "g1:gv0",
+            "-o:/x",
+            "g1:/",
+            ":/v0",
+            "g1 x:/v",
+            "g1:/v,ro",
+            "g1:/v/",
+            "g1:/v/../x",
+            "g1:/v/a//b",
+            "g1:/v/.x",
+            "g1:/v/a b",
+            "g1:/v/a,ro",
+        ] {
             assert!(check_source(bad, t).is_err(), "{bad}");
         }
     }

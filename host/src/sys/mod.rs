@@ -17,6 +17,7 @@ pub mod fake;
 #[cfg(feature = "testing")]
 pub mod faults;
 pub mod fusectl;
+pub mod gluster_dirs;
 pub mod gluster_mount;
 pub mod inspect;
 pub mod keyring;

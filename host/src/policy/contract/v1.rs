@@ -35,7 +35,8 @@ mod bindings {
 
 use bindings::exports::volagent::policy as ex;
 use bindings::volagent::policy::{
-    ceph, ceph_provisioning, host, loop_devices, nbd, provisioning as pv, types as a,
+    ceph, ceph_provisioning, gluster_provisioning, host, loop_devices, nbd, provisioning as pv,
+    types as a,
 };
 
 pub(crate) const VERSION: &str = "1.1.0";
@@ -1030,5 +1031,44 @@ impl ceph_provisioning::Host for CallState {
         let parent = m::SnapshotRef { image: image_ref(cluster, pool, parent), snapshot };
         let step = m::CloneImage { parent, image, features, max_depth };
         self.push_controller_step(&p, m::ControllerStep::CloneImage(step))
+    }
+}
+
+fn directory_ref(cluster: String, volume: String, path: String) -> m::DirectoryRef {
+    m::DirectoryRef { cluster, volume, path }
+}
+
+impl gluster_provisioning::Host for CallState {
+    fn create_directory(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        volume: String,
+        path: String,
+        quota_bytes: u64,
+    ) -> wasmtime::Result<()> {
+        let step = m::CreateDirectory { dir: directory_ref(cluster, volume, path), quota_bytes };
+        self.push_controller_step(&p, m::ControllerStep::CreateDirectory(step))
+    }
+    fn remove_directory(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        volume: String,
+        path: String,
+    ) -> wasmtime::Result<()> {
+        let step = m::ControllerStep::RemoveDirectory(directory_ref(cluster, volume, path));
+        self.push_controller_step(&p, step)
+    }
+    fn set_quota(
+        &mut self,
+        p: Resource<m::Provision>,
+        cluster: String,
+        volume: String,
+        path: String,
+        bytes: u64,
+    ) -> wasmtime::Result<()> {
+        let step = m::SetQuota { dir: directory_ref(cluster, volume, path), bytes };
+        self.push_controller_step(&p, m::ControllerStep::SetQuota(step))
     }
 }

@@ -3,7 +3,7 @@
 //! and an id, attributes and topology of bounded size.
 
 use super::{MAX_TEXT, PlanError, bounded, name_ok};
-use crate::model::{Capabilities, ControllerStep, ImageRef, Provision, Segment};
+use crate::model::{Capabilities, ControllerStep, DirectoryRef, ImageRef, Provision, Segment};
 
 /// Longest id of a volume or snapshot (CSI: 128 bytes).
 pub const MAX_ID: usize = 128;
@@ -13,6 +13,9 @@ pub const MAX_ATTRIBUTES: usize = 32;
 pub const MAX_SEGMENTS: usize = 16;
 /// Most controller steps in one plan.
 const MAX_STEPS: usize = 32;
+/// Longest directory path in a gluster volume, and most names in one.
+const MAX_DIR_PATH: usize = 1024;
+const MAX_DIR_DEPTH: usize = 16;
 /// RBD features a plan may ask for (krbd maps images with these).
 const RBD_FEATURES: &[&str] =
     &["layering", "exclusive-lock", "object-map", "fast-diff", "deep-flatten"];
@@ -103,6 +106,26 @@ fn image(i: &ImageRef) -> Result<(), String> {
     [&i.cluster, &i.pool, &i.image].iter().try_for_each(|t| bounded("a name", t, 253))
 }
 
+/// A directory beneath a gluster volume's root: relative, names joined by
+/// '/', none empty, `.` or `..` (nor starting with '.'): the controller
+/// never leaves the volume, and the path is safe in a mount source.
+fn directory(d: &DirectoryRef) -> Result<(), String> {
+    name_ok("StorageCluster", &d.cluster)?;
+    name_ok("gluster volume", &d.volume)?;
+    [&d.cluster, &d.volume].iter().try_for_each(|t| bounded("a name", t, 253))?;
+    bounded("the directory path", &d.path, MAX_DIR_PATH)?;
+    let names: Vec<&str> = d.path.split('/').collect();
+    if names.len() > MAX_DIR_DEPTH {
+        return Err(format!("directory path {:?} has more than {MAX_DIR_DEPTH} names", d.path));
+    }
+    for name in names {
+        name_ok("directory", name)
+            .and_then(|()| bounded("a directory name", name, 255))
+            .map_err(|e| format!("directory path {:?}: {e}", d.path))?;
+    }
+    Ok(())
+}
+
 fn features(fs: &[String]) -> Result<(), String> {
     for f in fs {
         if !RBD_FEATURES.contains(&f.as_str()) {
@@ -139,13 +162,19 @@ fn check_step(step: &ControllerStep) -> Result<(), String> {
             name_ok("image", &c.image)?;
             features(&c.features)
         }
+        ControllerStep::CreateDirectory(c) => directory(&c.dir),
+        ControllerStep::RemoveDirectory(d) => directory(d),
+        ControllerStep::SetQuota(q) => {
+            directory(&q.dir)?;
+            if q.bytes == 0 { Err("a quota of 0 bytes".into()) } else { Ok(()) }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{ControllerStepKind, CreateImage, KeyValue};
+    use crate::model::{ControllerStepKind, CreateDirectory, CreateImage, KeyValue, SetQuota};
 
     fn caps() -> Capabilities {
         Capabilities {
@@ -229,5 +258,58 @@ mod tests {
         let mut p = good();
         p.id.clear();
         provision(&p, &caps(), false).unwrap();
+    }
+
+    #[test]
+    fn gluster_directories_stay_beneath_their_volume() {
+        let mut caps = caps();
+        caps.controller_steps = ControllerStepKind::ALL.to_vec();
+        let dir = |path: &str| DirectoryRef {
+            cluster: "gluster-a".into(),
+            volume: "gv0".into(),
+            path: path.into(),
+        };
+        let plan = |step: ControllerStep| Provision {
+            steps: vec![step],
+            id: "gluster-a.gv0.pvc-1".into(),
+            ..Default::default()
+        };
+        let create = |path: &str| {
+            ControllerStep::CreateDirectory(CreateDirectory { dir: dir(path), quota_bytes: 0 })
+        };
+        for ok in ["pvc-1", "volagent/pvc-1", "a/b_c/d.e"] {
+            provision(&plan(create(ok)), &caps, true).unwrap();
+            provision(&plan(ControllerStep::RemoveDirectory(dir(ok))), &caps, false).unwrap();
+        }
+        let too_deep = vec!["d"; 17].join("/");
+        let too_long = "d".repeat(256);
+        for bad in [
+            "",
+            "/abs",
+            "a/../b",
+            "..",
+            "./a",
+            "a//b",
+            "a/",
+            "a/.hidden",
+            "a b",
+            "a,ro",
+            "a\n",
+            "a:b",
+            &too_deep,
+            &too_long,
+        ] {
+            let e = provision(&plan(create(bad)), &caps, true).unwrap_err().to_string();
+            assert!(e.contains("create-directory") && e.contains("directory"), "{bad:?}: {e}");
+        }
+        let mut other = dir("pvc-1");
+        other.volume = "../v".into();
+        let e = provision(&plan(ControllerStep::RemoveDirectory(other)), &caps, false).unwrap_err();
+        assert!(e.to_string().contains("gluster volume"), "{e}");
+        let zero = ControllerStep::SetQuota(SetQuota { dir: dir("pvc-1"), bytes: 0 });
+        assert!(provision(&plan(zero), &caps, false).unwrap_err().to_string().contains("0 bytes"));
+        // Steps the backend did not declare are refused as ever.
+        let e = provision(&plan(create("pvc-1")), &super::tests::caps(), true).unwrap_err();
+        assert!(e.to_string().contains("did not declare create-directory"), "{e}");
     }
 }
