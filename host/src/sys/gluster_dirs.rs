@@ -784,7 +784,17 @@ fn state(client: &Client, names: &[String]) -> Result<Option<DirState>, DirError
         return Err(DirError::Conflict(format!("{} is {}", client.at(&abs), kind(&st))));
     }
     let quota_bytes = if client.api.setfspid.is_some() {
-        client.limit(&abs)?.map(|(hard, _)| hard as u64)
+        match client.limit(&abs) {
+            Ok(limit) => limit.map(|(hard, _)| hard as u64),
+            // Removed between the look (its answer may come from the
+            // client's cache) and the read: it is not there.
+            Err(DirError::Gluster { source, .. })
+                if source.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
     } else {
         None
     };
