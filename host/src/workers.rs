@@ -324,14 +324,39 @@ fn release() {
 
 /// Run `f`, which may take long (a tool: mkfs, blkid, resize2fs), without
 /// keeping a worker for it: inside [`on_worker`] the worker is handed over
-/// first (the rest of that work then runs on this thread as a plain one).
-/// Elsewhere `f` simply runs: the caller already chose its thread.
+/// first. Elsewhere `f` simply runs: the caller already chose its thread.
+///
+/// When `f` ends before another thread has picked the handed-over worker
+/// up, this thread takes it back, and the rest of the work blocks that
+/// worker again: it is held again, watched as any hold is — unwatched, a
+/// step hanging after a quick tool (a mount after mkfs) kept every timer
+/// from firing, the request's deadline among them, when the other worker
+/// was parked waiting to be told of work (CI saw a mount hang 120 s).
 pub fn may_take_long<R>(f: impl FnOnce() -> R) -> R {
     if !HOLDING.get() {
         return f();
     }
     release();
-    tokio::task::block_in_place(f)
+    let r = tokio::task::block_in_place(f);
+    hold_again();
+    r
+}
+
+/// After a hand-over, hold the worker this thread may have taken back —
+/// or, if no worker may be held now, wake another one at once. Counted
+/// even when the thread did not get it back: the watch then wakes a worker
+/// that was not needed, which costs a wake-up, not a deadline.
+fn hold_again() {
+    let workers = match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => h.metrics().num_workers(),
+        _ => return,
+    };
+    if take_worker(workers) {
+        HOLDING.set(true);
+        watch_hold();
+    } else {
+        wake_another_worker();
+    }
 }
 
 #[cfg(test)]
@@ -425,7 +450,7 @@ mod tests {
                 on_worker(true, || {
                     assert_eq!(held(), 1);
                     may_take_long(|| assert_eq!(held(), 0));
-                    assert!(!HOLDING.get());
+                    assert!(HOLDING.get() && held() == 1, "held again after the tool");
                 });
             })
             .await
@@ -464,6 +489,37 @@ mod tests {
             held.await.unwrap()
         });
         assert!(fired, "the timer fired while a worker was held");
+
+        // Likewise after a tool's hand-over: a quick one ends before
+        // another thread picks the worker up, this thread takes it back,
+        // and the work blocking it afterwards is watched again.
+        let (rt, _) = runtime(2);
+        let fired = rt.block_on(async {
+            let (mut tx, mut rx) = tokio::net::UnixStream::pair().unwrap();
+            let timer = tokio::spawn(async {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            });
+            let held = tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut byte = [0u8];
+                rx.read_exact(&mut byte).await.unwrap();
+                on_worker(true, || {
+                    may_take_long(|| ());
+                    assert_eq!(held(), 1, "held again");
+                    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                    while !timer.is_finished() && std::time::Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    timer.is_finished()
+                })
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            use tokio::io::AsyncWriteExt;
+            tx.write_all(b"x").await.unwrap();
+            held.await.unwrap()
+        });
+        assert!(fired, "the timer fired while the worker was held again after a tool");
+        assert_eq!(held(), 0, "given back at the end");
 
         // A hold that ends within the grace wakes no other worker: only
         // the one woken by a socket to run it unparks (and parks again).
