@@ -24,22 +24,29 @@ fn every_backend_loads_and_declares_itself() {
             .filter_map(|i| i.strip_prefix("volagent:policy/"))
             .filter_map(|i| i.strip_suffix("@1.1.0"))
             .filter(|i| {
-                ["loop-devices", "nbd", "ceph", "ceph-provisioning", "gluster-provisioning"]
-                    .contains(i)
+                [
+                    "loop-devices",
+                    "nbd",
+                    "ceph",
+                    "ceph-provisioning",
+                    "gluster-provisioning",
+                    "local-provisioning",
+                ]
+                .contains(i)
             })
             .collect();
         let expected: &[&str] = match *name {
             "rbd" => &["ceph-provisioning", "ceph"],
             "gluster" => &["gluster-provisioning"],
             "nbd" => &["nbd"],
-            "local-pv" => &["loop-devices"],
+            "local-pv" => &["local-provisioning", "loop-devices"],
             _ => &[],
         };
         assert_eq!(own, expected, "{name}: {:?}", plugin.imports());
         // The SDK exports every optional interface; the provisioner only
         // where the policy has one.
         let mut optional = vec!["block-volumes", "expand", "health"];
-        let provisions = ["rbd", "gluster"].contains(name);
+        let provisions = ["rbd", "gluster", "local-pv"].contains(name);
         if provisions {
             optional.push("provisioner");
         }
@@ -302,6 +309,57 @@ fn rbd_provisions_through_the_host_with_checked_plans_and_nbd_is_refused_with_th
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// local-pv's provisioner through the host: it chooses among the free
+/// volumes the host offers (the smallest that holds the claim, on the
+/// chosen node), names the volume after it, and gives it back by name.
+#[test]
+fn local_pv_places_claims_on_the_offered_volumes_through_the_host() {
+    let rt = runtime(500);
+    let local = load(&rt, volagent_test_artifacts::LOCAL_PV);
+    assert!(local.provisions());
+    assert_eq!(
+        local.info().capabilities.controller_steps,
+        [ControllerStepKind::TakeLocalVolume, ControllerStepKind::ReleaseLocalVolume]
+    );
+    let offered = |name: &str, node: &str, mib: u64| LocalVolume {
+        name: name.into(),
+        node: node.into(),
+        kind: LocalKind::File,
+        capacity_bytes: mib << 20,
+    };
+    let on = |node: &str| vec![("kubernetes.io/hostname".to_string(), node.to_string())];
+    let request = CreateRequest {
+        name: "pvc-9".into(),
+        required_bytes: 20 << 20,
+        access_modes: vec![AccessMode::ReadWriteOnce],
+        requisite: vec![on("node-a")],
+        preferred: vec![on("node-a")],
+        parameters: vec![KeyValue { key: "wipe".into(), value: "zero".into() }],
+        local_volumes: vec![
+            offered("local-a1", "node-a", 16),
+            offered("local-a2", "node-a", 24),
+            offered("local-a3", "node-a", 64),
+            offered("local-b1", "node-b", 24),
+        ],
+        ..Default::default()
+    };
+    let made = local.create_volume(&request).unwrap().unwrap();
+    assert_eq!(made.steps, [ControllerStep::TakeLocalVolume("local-a2".into())]);
+    assert_eq!((made.id.as_str(), made.capacity_bytes), ("local-a2", 24 << 20));
+    assert_eq!(made.topology, [on("node-a")]);
+    assert!(made.attributes.contains(&KeyValue { key: "wipe".into(), value: "zero".into() }));
+    let mut full = request.clone();
+    full.local_volumes.retain(|v| v.node == "node-b");
+    assert!(matches!(local.create_volume(&full).unwrap(), Err(ProvisionError::Exhausted(_))));
+    let target = Target { id: made.id.clone(), ..Default::default() };
+    let gone = local.delete_volume(&target).unwrap().unwrap();
+    assert_eq!(gone.steps, [ControllerStep::ReleaseLocalVolume("local-a2".into())]);
+    assert!(matches!(local.expand_volume(&target).unwrap(), Err(ProvisionError::Unsupported(_))));
+    let capacity =
+        CapacityRequest { local_volumes: request.local_volumes.clone(), ..Default::default() };
+    assert_eq!(local.capacity(&capacity).unwrap().unwrap(), Some(64 << 20));
 }
 
 #[test]

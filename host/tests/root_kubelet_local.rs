@@ -196,3 +196,154 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
         assert!(names.contains(name), "the same volume, the same PV name: {names:?}");
     }
 }
+
+/// Dynamic local volumes under a real kubelet, with no sidecar: a
+/// `WaitForFirstConsumer` class whose provisioner is local-pv's driver. Two
+/// pods, each with its claim, are placed by kube-scheduler; the controller
+/// gives each claim the discovered volume of the node the scheduler chose
+/// (asking it to choose again when that node has none left), the pods
+/// write through the agents' CSI driver, and once pods and claims are
+/// deleted the volumes are wiped, their PVs gone, and nothing is left
+/// mounted or attached on the nodes. Prints how long the pair took to run.
+#[test]
+fn dynamic_local_claims_get_the_chosen_nodes_volumes_and_give_them_back_wiped() {
+    use k8s_openapi::api::storage::v1::CSIDriver;
+    const DYNAMIC: &str = "local-dynamic";
+    let mut c = Cluster::start(
+        VOLAGENT,
+        &[("node-a", &[]), ("node-b", &[])],
+        &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
+    );
+    let _scheduler = volagent_kube_env::node::Scheduler::start(
+        c.env(),
+        &c.scratch.path(""),
+        &c.assets,
+        Some(c.ns.clone()),
+    )
+    .expect("kube-scheduler");
+    let client = c.client();
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/csidrivers.yaml"),
+    )
+    .unwrap();
+    let drivers: Vec<CSIDriver> = serde_norway::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let driver = drivers
+        .iter()
+        .find(|d| d.metadata.name.as_deref() == Some("local-pv.csi.volagent.io"))
+        .unwrap();
+    c.rt.block_on(Api::<CSIDriver>::all(client.clone()).create(&PostParams::default(), driver))
+        .unwrap();
+    let sc: StorageClass = serde_json::from_value(json!({
+        "metadata": { "name": DYNAMIC },
+        "provisioner": "local-pv.csi.volagent.io",
+        "parameters": { "wipe": "zero" },
+        "reclaimPolicy": "Delete",
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }))
+    .unwrap();
+    c.rt.block_on(Api::<StorageClass>::all(client.clone()).create(&PostParams::default(), &sc))
+        .unwrap();
+    let mut images = Vec::new();
+    for node in ["node-a", "node-b"] {
+        let dir = c.scratch.path(&format!("dyn-{node}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        images.push(c.scratch.image(&format!("dyn-{node}/disk.img"), 64));
+        let class = format!("{DYNAMIC}={}", dir.display());
+        c.set_agent_args(node, &["--local-class", &class, "--local-scan-interval", "1s"]);
+        c.kill_agent(node);
+        c.start_agent(node, &[]);
+    }
+    if let Some(mut old) = c.controller.take() {
+        let _ = old.kill();
+        let _ = old.wait();
+    }
+    let plugins = c.node("node-a").plugin_dir().display().to_string();
+    c.controller_args = vec!["--plugin-dir".into(), plugins];
+    c.start_controller();
+
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let started = Instant::now();
+    for i in 0..2 {
+        let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": { "name": format!("dyn-{i}") },
+            "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": DYNAMIC,
+                      "resources": { "requests": { "storage": "32Mi" } } }
+        }))
+        .unwrap();
+        c.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
+        let script = format!(
+            "echo volagent-dynamic-marker-{i} > /data/marker && sync && cat /data/marker > /dev/termination-log"
+        );
+        let mut pod = pod(
+            &format!("dyn-{i}"),
+            "",
+            &script,
+            &[("data", json!({ "persistentVolumeClaim": { "claimName": format!("dyn-{i}") } }))],
+        );
+        pod["spec"].as_object_mut().unwrap().remove("nodeName");
+        c.create_pod(pod);
+    }
+    let mut placed = Vec::new();
+    for i in 0..2 {
+        let name = format!("dyn-{i}");
+        let p = c
+            .wait_pod(&name, "Succeeded", |p| phase(p) == "Succeeded" || phase(p) == "Failed")
+            .expect("the pod");
+        assert_eq!(phase(Some(&p)), "Succeeded", "{}", c.diagnose(&name, Some(&p)));
+        assert_eq!(
+            output(Some(&p)).as_deref().map(str::trim),
+            Some(format!("volagent-dynamic-marker-{i}").as_str())
+        );
+        let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap();
+        let claim = c.rt.block_on(claims.get(&name)).unwrap();
+        let pv = c.rt.block_on(pvs.get(&claim.spec.unwrap().volume_name.unwrap())).unwrap();
+        let csi = pv.spec.unwrap().csi.unwrap();
+        assert_eq!(csi.volume_attributes.unwrap()["node"], node, "{name} runs where its volume is");
+        placed.push(node);
+    }
+    println!("two dynamic local claims placed and their pods run in {:?}", started.elapsed());
+    placed.sort();
+    assert_eq!(placed, ["node-a", "node-b"], "one pod on each node: each has one volume");
+    for img in &images {
+        let bytes = std::fs::read(img).unwrap();
+        let marker = b"volagent-dynamic-marker-";
+        assert!(bytes.windows(marker.len()).any(|w| w == marker), "{} written", img.display());
+    }
+
+    for i in 0..2 {
+        c.delete_pod(&format!("dyn-{i}"));
+        c.rt.block_on(claims.delete(&format!("dyn-{i}"), &DeleteParams::default())).unwrap();
+    }
+    let asked = Instant::now();
+    loop {
+        let left = c.rt.block_on(pvs.list(&Default::default())).unwrap().items;
+        let lists =
+            c.rt.block_on(
+                Api::<volagent::kube::crds::NodeLocalVolumes>::all(client.clone())
+                    .list(&Default::default()),
+            )
+            .unwrap()
+            .items;
+        if left.is_empty() && lists.iter().all(|l| l.spec.operations.is_empty()) {
+            break;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(180),
+            "PVs left: {:?}\noperations: {:?}\ncontroller: {}",
+            left.iter().map(|p| (p.metadata.name.clone(), p.status.clone())).collect::<Vec<_>>(),
+            lists.iter().map(|l| (&l.spec, &l.status)).collect::<Vec<_>>(),
+            tail(&c.scratch.path("controller.log"))
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    for img in &images {
+        let bytes = std::fs::read(img).unwrap();
+        let marker = b"volagent-dynamic-marker-";
+        assert!(!bytes.windows(marker.len()).any(|w| w == marker), "{} was zeroed", img.display());
+    }
+    let attached = c.scratch.loops_left();
+    assert!(attached.is_empty(), "no loop device left: {attached:?}");
+}

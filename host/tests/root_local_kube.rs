@@ -714,3 +714,190 @@ fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
     ));
     assert!(holds_at(&img1, 20 << 20, MARKER), "the tenant's data is intact");
 }
+
+/// A claim on a dynamic local class (provisioner `local-pv.csi.volagent.io`,
+/// the scheduler's choice in `volume.kubernetes.io/selected-node`).
+fn dynamic_claim(c: &Cluster, name: &str, class: &str, size: &str, node: &str) -> String {
+    let pvc: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": name,
+            "annotations": { "volume.kubernetes.io/selected-node": node },
+        },
+        "spec": {
+            "storageClassName": class,
+            "accessModes": ["ReadWriteOnce"],
+            "resources": { "requests": { "storage": size } },
+        },
+    }))
+    .unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    let made = c.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
+    format!("pvc-{}", made.metadata.uid.unwrap())
+}
+
+/// Dynamic mode, against the API server with kube-controller-manager's PV
+/// binder: a class whose provisioner is local-pv's driver gets no PV made
+/// ahead for its volumes. A claim gets the smallest free volume that holds
+/// it on the node the scheduler chose, as PV `pvc-<uid>` (CSI, its handle
+/// the discovered volume's name, its attributes what the node discovered);
+/// a claim that finds none left on its node has the node taken off for the
+/// scheduler to choose again. A released claim's volume is wiped by its
+/// node's agent, its PV goes, and the volume serves the next claim. The
+/// CSI controller serves the same volumes: a retried create is the same
+/// volume, none left is RESOURCE_EXHAUSTED, capacity is the largest free
+/// volume, and a volume no PV ever named is free again at once.
+#[test]
+fn a_dynamic_local_class_hands_discovered_volumes_to_claims_and_takes_them_back_wiped() {
+    use tonic::Code;
+    use volagent::csi::proto::csi::controller_client::ControllerClient;
+    use volagent::csi::proto::csi::volume_capability::{
+        AccessMode, AccessType, MountVolume, access_mode::Mode,
+    };
+    use volagent::csi::proto::csi::*;
+    const CLASS: &str = "local-dyn";
+    const SELECTED: &str = "volume.kubernetes.io/selected-node";
+    let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[LOCAL_PV]);
+    let _kcm = c.controller_manager();
+    let sc: StorageClass = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": CLASS },
+        "provisioner": "local-pv.csi.volagent.io",
+        "parameters": { "wipe": "zero" },
+        "reclaimPolicy": "Delete",
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }))
+    .unwrap();
+    c.rt.block_on(Api::<StorageClass>::all(c.client()).create(&PostParams::default(), &sc))
+        .unwrap();
+    let (dir_a, dir_b) = (c.scratch.path("local-a"), c.scratch.path("local-b"));
+    std::fs::create_dir_all(&dir_a).unwrap();
+    std::fs::create_dir_all(&dir_b).unwrap();
+    let small = c.scratch.image("local-a/small.img", 24);
+    let big = c.scratch.image("local-a/big.img", 48);
+    let on_b = c.scratch.image("local-b/one.img", 24);
+    c.local_agent("node-a", CLASS, &dir_a, &[]);
+    c.local_agent("node-b", CLASS, &dir_b, &[]);
+    let csi = volagent_test_support::ceph_cluster::provisioning_controller(&mut c);
+    c.wait_for("the volumes discovered", 60, || {
+        let count = |n: &str| c.local(n).and_then(|l| l.status).map_or(0, |s| s.volume_count);
+        (count("node-a") == 2 && count("node-b") == 1).then_some(())
+    });
+    let (v_small, v_big, v_b) = (
+        pv_name("node-a", CLASS, &small),
+        pv_name("node-a", CLASS, &big),
+        pv_name("node-b", CLASS, &on_b),
+    );
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+
+    // The first claim: the smallest volume on node-a that holds 16 MiB.
+    let pv_a = dynamic_claim(&c, "data-a", CLASS, "16Mi", "node-a");
+    let bound = c.wait_for("data-a's PV Bound", 60, || c.pv(&pv_a).filter(|p| phase(p) == "Bound"));
+    let spec = bound.spec.clone().unwrap();
+    let source = spec.csi.clone().unwrap();
+    assert_eq!(
+        (source.driver.as_str(), source.volume_handle.as_str()),
+        ("local-pv.csi.volagent.io", v_small.as_str())
+    );
+    let attributes = source.volume_attributes.unwrap();
+    assert_eq!(attributes["path"], small.display().to_string());
+    assert_eq!(attributes["node"], "node-a");
+    assert_eq!(attributes["wipe"], "zero");
+    assert_eq!(spec.capacity.unwrap()["storage"].0, (24u64 << 20).to_string());
+    let term = &spec.node_affinity.unwrap().required.unwrap().node_selector_terms[0];
+    assert_eq!(
+        term.match_expressions.as_ref().unwrap()[0].values,
+        Some(vec!["node-a".to_string()])
+    );
+    assert!(
+        c.pv(&v_small).is_none() && c.local_pvs().is_empty(),
+        "no PV made ahead in dynamic mode"
+    );
+
+    // The second takes the big one; a third finds node-a full, and the
+    // scheduler is asked to choose again.
+    let pv_a2 = dynamic_claim(&c, "data-a2", CLASS, "32Mi", "node-a");
+    let second = c.wait_for("data-a2's PV", 60, || c.pv(&pv_a2));
+    assert_eq!(second.spec.unwrap().csi.unwrap().volume_handle, v_big);
+    let pv_a3 = dynamic_claim(&c, "data-a3", CLASS, "16Mi", "node-a");
+    c.wait_for("data-a3's selected node taken off", 60, || {
+        let claim = c.rt.block_on(claims.get("data-a3")).unwrap();
+        (!claim.metadata.annotations.unwrap_or_default().contains_key(SELECTED)).then_some(())
+    });
+    assert!(c.pv(&pv_a3).is_none(), "no PV without a volume");
+
+    // The first tenant writes; its claim goes; its volume is wiped and free.
+    write_at(&small, 8 << 20, MARKER);
+    c.release("data-a");
+    c.wait_for("data-a's PV wiped and gone", 120, || c.pv(&pv_a).is_none().then_some(()));
+    assert!(!holds_at(&small, 8 << 20, MARKER), "the volume was zeroed");
+    let reasons = c.events_of(&pv_a);
+    assert!(
+        reasons.contains(&"WipeStarted".to_string())
+            && reasons.contains(&"WipeComplete".to_string()),
+        "{reasons:?}"
+    );
+    c.wait_for("the wipe's operation removed", 30, || {
+        c.local("node-a").unwrap().spec.operations.is_empty().then_some(())
+    });
+    let records: Api<volagent::kube::crds::ProvisionRecord> = Api::all(c.client());
+    let left = c.rt.block_on(records.list(&Default::default())).unwrap().items;
+    assert!(!left.iter().any(|r| r.spec.name == pv_a), "data-a's record went: {left:?}");
+    // The scheduler chooses node-a again for data-a3: the wiped volume serves it.
+    let patch = serde_json::json!({ "metadata": { "annotations": { SELECTED: "node-a" } } });
+    c.rt.block_on(claims.patch("data-a3", &Default::default(), &kube::api::Patch::Merge(&patch)))
+        .unwrap();
+    let third = c.wait_for("data-a3's PV", 60, || c.pv(&pv_a3));
+    assert_eq!(third.spec.unwrap().csi.unwrap().volume_handle, v_small);
+
+    // The same volumes through the CSI controller.
+    let socket = volagent::provision::csi::socket_path(&csi, "local-pv");
+    c.wait_for("the local-pv controller socket", 30, || socket.exists().then_some(()));
+    let on = |node: &str| Topology {
+        segments: [("kubernetes.io/hostname".to_string(), node.to_string())].into(),
+    };
+    let create = |name: &str, node: &str| CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }),
+        volume_capabilities: vec![VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume::default())),
+            access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        }],
+        parameters: [("localClass".to_string(), CLASS.to_string())].into(),
+        accessibility_requirements: Some(TopologyRequirement {
+            requisite: vec![on(node)],
+            preferred: vec![on(node)],
+        }),
+        ..Default::default()
+    };
+    let capacity = |node: &str| GetCapacityRequest {
+        parameters: [("localClass".to_string(), CLASS.to_string())].into(),
+        accessible_topology: Some(on(node)),
+        ..Default::default()
+    };
+    c.rt.block_on(async {
+        let channel = volagent::csi::client::connect(socket.clone()).await.unwrap();
+        let mut ctl = ControllerClient::new(channel);
+        let free_b = ctl.get_capacity(capacity("node-b")).await.unwrap().into_inner();
+        assert_eq!(free_b.available_capacity, 24 << 20);
+        let made = ctl.create_volume(create("csi-1", "node-b")).await.unwrap().into_inner();
+        let made = made.volume.unwrap();
+        assert_eq!((made.volume_id.as_str(), made.capacity_bytes), (v_b.as_str(), 24 << 20));
+        assert_eq!(made.volume_context["path"], on_b.display().to_string());
+        let again = ctl.create_volume(create("csi-1", "node-b")).await.unwrap().into_inner();
+        assert_eq!(again.volume.unwrap(), made, "a retried create is the same volume");
+        let none = ctl.create_volume(create("csi-2", "node-b")).await.unwrap_err();
+        assert_eq!(none.code(), Code::ResourceExhausted, "{}", none.message());
+        let full_b = ctl.get_capacity(capacity("node-b")).await.unwrap().into_inner();
+        assert_eq!(full_b.available_capacity, 0);
+        let mut unnamed = create("csi-3", "node-b");
+        unnamed.parameters.clear();
+        let refused = ctl.create_volume(unnamed).await.unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidArgument, "{}", refused.message());
+        // No PV ever named it: free again at once, and again after.
+        let delete =
+            DeleteVolumeRequest { volume_id: made.volume_id.clone(), ..Default::default() };
+        ctl.delete_volume(delete.clone()).await.unwrap();
+        ctl.delete_volume(delete).await.unwrap();
+        let free_b = ctl.get_capacity(capacity("node-b")).await.unwrap().into_inner();
+        assert_eq!(free_b.available_capacity, 24 << 20);
+    });
+}

@@ -12,9 +12,11 @@ use volagent_guest_sdk::{
     StepKind, Unmount, Volume, VolumeMode, Wipe, WipeMethod, fence, options, plans,
 };
 
+mod provisioner;
+
 pub struct LocalPv;
 
-volagent_guest_sdk::export_policy!(crate::LocalPv);
+volagent_guest_sdk::export_policy!(crate::LocalPv, provisioner);
 
 const FILESYSTEMS: &[&str] = &["ext4", "xfs"];
 const DEFAULT_SHRED_PASSES: u32 = 3;

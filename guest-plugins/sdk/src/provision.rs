@@ -35,6 +35,31 @@ pub struct CreateRequest {
     /// Segments, most preferred first.
     pub preferred: Vec<Segment>,
     pub source: Option<ContentSource>,
+    /// The free discovered volumes of the request's class on the nodes it
+    /// may be placed on, smallest first (SDK feature `local-provisioning`;
+    /// empty without it).
+    pub local_volumes: Vec<LocalVolume>,
+}
+
+/// What a discovered local volume is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalKind {
+    /// A mounted filesystem, given as it is.
+    Filesystem,
+    /// A block device.
+    Block,
+    /// A regular file, attached as a loop device.
+    File,
+}
+
+/// A discovered local volume that nothing holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalVolume {
+    /// `local-<hash>` of its node, class and path.
+    pub name: String,
+    pub node: String,
+    pub kind: LocalKind,
+    pub capacity_bytes: u64,
 }
 
 /// An existing volume or snapshot, and what a call asks of it.
@@ -55,6 +80,8 @@ pub struct Target {
 pub struct CapacityRequest {
     pub parameters: Vec<KeyValue>,
     pub segment: Option<Segment>,
+    /// As [`CreateRequest::local_volumes`], in the segment.
+    pub local_volumes: Vec<LocalVolume>,
 }
 
 /// An RBD image on a StorageCluster.
@@ -122,6 +149,12 @@ pub enum ControllerStep {
         dir: DirectoryRef,
         bytes: u64,
     },
+    /// A discovered local volume, by name, taken by the volume being made
+    /// (whose id must be that name).
+    TakeVolume(String),
+    /// A discovered local volume, by name, wiped by its node's agent and
+    /// free again.
+    ReleaseVolume(String),
 }
 
 impl ControllerStep {
@@ -136,6 +169,8 @@ impl ControllerStep {
             ControllerStep::CreateDirectory { .. } => ControllerStepKind::CreateDirectory,
             ControllerStep::RemoveDirectory(_) => ControllerStepKind::RemoveDirectory,
             ControllerStep::SetQuota { .. } => ControllerStepKind::SetQuota,
+            ControllerStep::TakeVolume(_) => ControllerStepKind::TakeVolume,
+            ControllerStep::ReleaseVolume(_) => ControllerStepKind::ReleaseVolume,
         }
     }
 }
@@ -152,6 +187,8 @@ pub enum ControllerStepKind {
     CreateDirectory,
     RemoveDirectory,
     SetQuota,
+    TakeVolume,
+    ReleaseVolume,
 }
 
 impl ControllerStepKind {
@@ -166,6 +203,8 @@ impl ControllerStepKind {
             ControllerStepKind::CreateDirectory => "create-directory",
             ControllerStepKind::RemoveDirectory => "remove-directory",
             ControllerStepKind::SetQuota => "set-quota",
+            ControllerStepKind::TakeVolume => "take-volume",
+            ControllerStepKind::ReleaseVolume => "release-volume",
         }
     }
 }

@@ -6,6 +6,8 @@
 use crate::bindings::volagent::policy::ceph_provisioning as cp;
 #[cfg(feature = "gluster")]
 use crate::bindings::volagent::policy::gluster_provisioning as gp;
+#[cfg(feature = "local-provisioning")]
+use crate::bindings::volagent::policy::local_provisioning as lp;
 use crate::bindings::volagent::policy::provisioning as pv;
 use crate::bindings::volagent::policy::types as t;
 use crate::provision::*;
@@ -42,6 +44,50 @@ fn create_request(r: &pv::CreateRequest) -> CreateRequest {
             pv::ContentSource::Snapshot(id) => ContentSource::Snapshot(id),
             pv::ContentSource::Volume(id) => ContentSource::Volume(id),
         }),
+        local_volumes: local::free(r),
+    }
+}
+
+/// The free local volumes a request may take, asked of the host only by a
+/// policy built with `local-provisioning` (others do not import it).
+mod local {
+    use super::*;
+
+    #[cfg(feature = "local-provisioning")]
+    fn plain(volumes: Vec<lp::LocalVolume>) -> Vec<LocalVolume> {
+        volumes
+            .into_iter()
+            .map(|v| LocalVolume {
+                name: v.name,
+                node: v.node,
+                kind: match v.kind {
+                    lp::LocalKind::Filesystem => LocalKind::Filesystem,
+                    lp::LocalKind::Block => LocalKind::Block,
+                    lp::LocalKind::File => LocalKind::File,
+                },
+                capacity_bytes: v.capacity_bytes,
+            })
+            .collect()
+    }
+
+    #[cfg(feature = "local-provisioning")]
+    pub fn free(r: &pv::CreateRequest) -> Vec<LocalVolume> {
+        plain(lp::free_volumes(r))
+    }
+
+    #[cfg(feature = "local-provisioning")]
+    pub fn free_in(r: &pv::CapacityRequest) -> Vec<LocalVolume> {
+        plain(lp::free_volumes_in(r))
+    }
+
+    #[cfg(not(feature = "local-provisioning"))]
+    pub fn free(_: &pv::CreateRequest) -> Vec<LocalVolume> {
+        Vec::new()
+    }
+
+    #[cfg(not(feature = "local-provisioning"))]
+    pub fn free_in(_: &pv::CapacityRequest) -> Vec<LocalVolume> {
+        Vec::new()
     }
 }
 
@@ -103,7 +149,22 @@ mod steps {
             ControllerStep::CreateDirectory { .. }
             | ControllerStep::RemoveDirectory(_)
             | ControllerStep::SetQuota { .. } => gluster(p, step),
+            ControllerStep::TakeVolume(_) | ControllerStep::ReleaseVolume(_) => local(p, step),
         }
+    }
+
+    #[cfg(feature = "local-provisioning")]
+    fn local(p: &pv::Provision, step: &ControllerStep) {
+        match step {
+            ControllerStep::TakeVolume(v) => lp::take_volume(p, v),
+            ControllerStep::ReleaseVolume(v) => lp::release_volume(p, v),
+            other => unreachable!("{:?} is not a local volume's step", other.kind()),
+        }
+    }
+
+    #[cfg(not(feature = "local-provisioning"))]
+    fn local(_: &pv::Provision, step: &ControllerStep) {
+        missing(step, "local-provisioning")
     }
 
     #[cfg(feature = "ceph")]
@@ -172,7 +233,7 @@ mod steps {
         missing(step, "gluster")
     }
 
-    #[cfg(not(all(feature = "ceph", feature = "gluster")))]
+    #[cfg(not(all(feature = "ceph", feature = "gluster", feature = "local-provisioning")))]
     fn missing(step: &ControllerStep, feature: &str) {
         panic!(
             "{:?}: the policy was built without the volagent-guest-sdk feature `{feature}`",
@@ -214,7 +275,11 @@ pub mod export {
     pub fn capacity<P: Provisioner>(
         r: &pv::CapacityRequest,
     ) -> Result<Option<u64>, pv::ProvisionError> {
-        P::capacity(CapacityRequest { parameters: pairs(r.parameters()), segment: r.segment() })
-            .map_err(error)
+        P::capacity(CapacityRequest {
+            parameters: pairs(r.parameters()),
+            segment: r.segment(),
+            local_volumes: local::free_in(r),
+        })
+        .map_err(error)
     }
 }

@@ -358,7 +358,7 @@ pub enum LocalOperationKind {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LocalOperation {
-    /// The volume's PV name.
+    /// The discovered volume's name (its static PV's name too).
     pub volume: String,
     pub kind: LocalOperationKind,
     /// The released PV's UID: the operation is about that PV, not a later
@@ -367,9 +367,19 @@ pub struct LocalOperation {
     pub pv_uid: String,
     /// RFC 3339 time it was requested.
     pub requested_at: String,
+    /// A provisioned volume's PV (`pvc-<claim uid>`, a CSI volume whose
+    /// handle is `volume`), asked for by the provisioner; absent for a
+    /// discovered volume's own PV, named `volume`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pv: Option<String>,
 }
 
 impl LocalOperation {
+    /// The PV the operation is about.
+    pub fn pv_name(&self) -> &str {
+        self.pv.as_deref().unwrap_or(&self.volume)
+    }
+
     /// Whether `status` is about this request.
     pub fn is(&self, status: &LocalOperationStatus) -> bool {
         self.volume == status.volume

@@ -118,6 +118,7 @@ async fn sync_node(
                     kind: LocalOperationKind::Delete,
                     pv_uid: uid.clone(),
                     requested_at: crate::clock::now_rfc3339(),
+                    pv: None,
                 });
                 out.requested.push(name.clone());
             }
@@ -129,6 +130,9 @@ async fn sync_node(
     // Wipes done: the PV goes (the next round offers the volume anew).
     let mut finished = BTreeSet::new();
     for op in &ops {
+        if op.pv.is_some() {
+            continue; // a provisioned volume's: the provisioner's to finish
+        }
         let complete =
             status.operations.iter().any(|s| op.is(s) && s.phase == LocalOperationPhase::Complete);
         if !complete {
@@ -204,6 +208,9 @@ async fn sync_node(
             tracing::warn!(class = %v.class, volume = %v.path, node = %node, "no StorageClass of that name: no PV made");
             continue;
         };
+        if provisioned(class) {
+            continue; // handed out to claims by the provisioner, no PV ahead
+        }
         let pv = pv_of(&node, hostname.map_or(node.as_str(), |h| h.as_str()), v, class);
         match pv_api.create(&PostParams::default(), &pv).await {
             Ok(_) => {
@@ -215,6 +222,13 @@ async fn sync_node(
         }
     }
     Ok(())
+}
+
+/// Whether `class` has its discovered volumes provisioned to claims (its
+/// provisioner is local-pv's CSI driver) rather than offered as PVs made
+/// ahead.
+pub fn provisioned(class: &StorageClass) -> bool {
+    class.provisioner == crate::csi::driver_name(LOCAL_BACKEND)
 }
 
 /// What a local PV offers: its name, node, path and device identity.

@@ -336,7 +336,7 @@ async fn wipe(
                 took.as_secs_f64(),
                 cluster.node
             );
-            cluster.pv_event(&op.volume, &op.pv_uid, false, "WipeComplete", &message).await;
+            cluster.pv_event(op.pv_name(), &op.pv_uid, false, "WipeComplete", &message).await;
         }
         Err(Refused::Busy(message)) => {
             tracing::info!(volume = %op.volume, "wipe of a released local volume waits: {message}");
@@ -344,7 +344,7 @@ async fn wipe(
         Err(Refused::Failed(message)) => {
             metrics.local_wipe("unknown", bytes, "error", took);
             tracing::error!(volume = %op.volume, "wipe of a released local volume failed: {message}");
-            cluster.pv_event(&op.volume, &op.pv_uid, true, "WipeFailed", message).await;
+            cluster.pv_event(op.pv_name(), &op.pv_uid, true, "WipeFailed", message).await;
         }
     }
     let _ = done.send(Done { op, result });
@@ -361,7 +361,7 @@ async fn wipe_volume(
     let name = &op.volume;
     cluster
         .pv_event(
-            name,
+            op.pv_name(),
             &op.pv_uid,
             false,
             "WipeStarted",
@@ -387,8 +387,8 @@ async fn checked_volume(
     op: &LocalOperation,
     discovered: Option<discovery::Volume>,
 ) -> Result<(Volume, std::path::PathBuf), String> {
-    let name = &op.volume;
-    let v = discovered.ok_or_else(|| format!("volume {name} is not among the local volumes node {} discovered (gone, or outside its discovery dirs): nothing wiped", cluster.node))?;
+    let v = discovered.ok_or_else(|| format!("volume {} is not among the local volumes node {} discovered (gone, or outside its discovery dirs): nothing wiped", op.volume, cluster.node))?;
+    let name = op.pv_name();
     let pvs: Api<PersistentVolume> = Api::all(cluster.client.clone());
     let pv = pvs
         .get_opt(name)
@@ -414,25 +414,37 @@ async fn checked_volume(
             "PV {name} is {phase} with reclaim policy {policy}, not released under Delete: nothing wiped"
         ));
     }
-    Ok((volume_of(&pv, &v, &cluster.node)?, v.path))
+    Ok((volume_of(&pv, &op.volume, &v, &cluster.node)?, v.path))
 }
 
 /// The volume a wipe plan is asked for: the PV's own definition, checked
-/// to be the discovered volume on this node.
-fn volume_of(pv: &PersistentVolume, v: &discovery::Volume, node: &str) -> Result<Volume, String> {
+/// to be discovered volume `volume` (`v`) on this node — a discovered
+/// volume's own Flexvolume PV, or the CSI PV of a volume provisioned on it
+/// (whose handle is the discovered volume's name).
+fn volume_of(
+    pv: &PersistentVolume,
+    volume: &str,
+    v: &discovery::Volume,
+    node: &str,
+) -> Result<Volume, String> {
     let name = pv.metadata.name.clone().unwrap_or_default();
-    let flex = pv
-        .spec
-        .as_ref()
-        .and_then(|s| s.flex_volume.as_ref())
-        .filter(|f| f.driver == super::volumes::driver_name(LOCAL_BACKEND))
-        .ok_or_else(|| {
-            format!(
-                "PV {name} is not a {} volume: nothing wiped",
-                super::volumes::driver_name(LOCAL_BACKEND)
-            )
-        })?;
-    let options: BTreeMap<String, String> = flex.options.clone().unwrap_or_default();
+    let spec = pv.spec.clone().unwrap_or_default();
+    let flex_driver = super::volumes::driver_name(LOCAL_BACKEND);
+    let csi_driver = crate::csi::driver_name(LOCAL_BACKEND);
+    let (options, fs_type) = match (&spec.flex_volume, &spec.csi) {
+        (Some(flex), _) if flex.driver == flex_driver && name == volume => {
+            (flex.options.clone().unwrap_or_default(), flex.fs_type.clone())
+        }
+        (_, Some(csi)) if csi.driver == csi_driver && csi.volume_handle == volume => {
+            (csi.volume_attributes.clone().unwrap_or_default(), csi.fs_type.clone())
+        }
+        _ => {
+            return Err(format!(
+                "PV {name} is neither {flex_driver} volume {volume} nor {csi_driver} volume {volume}: nothing wiped"
+            ));
+        }
+    };
+    let options: BTreeMap<String, String> = options;
     let want = v.data_path().display().to_string();
     if options.get("path") != Some(&want) || options.get("node").map(String::as_str) != Some(node) {
         return Err(format!(
@@ -449,10 +461,10 @@ fn volume_of(pv: &PersistentVolume, v: &discovery::Volume, node: &str) -> Result
         ));
     }
     Ok(Volume {
-        name,
+        name: volume.to_string(),
         backend: LOCAL_BACKEND.into(),
         access_mode: AccessMode::ReadWriteOnce,
-        fs_type: flex.fs_type.clone().unwrap_or_default(),
+        fs_type: fs_type.unwrap_or_default(),
         mode: crate::policy::VolumeMode::Filesystem,
         mount_flags: Vec::new(),
         options: options.into_iter().map(|(key, value)| KeyValue { key, value }).collect(),
@@ -500,7 +512,7 @@ mod tests {
     fn only_the_pv_of_exactly_the_discovered_volume_is_wiped() {
         let good =
             [("path", "/dev/sdb"), ("node", "n1"), ("identity", "wwid:naa.1"), ("wipe", "zero")];
-        let v = volume_of(&pv("volagent/local-pv", &good), &block(), "n1").unwrap();
+        let v = volume_of(&pv("volagent/local-pv", &good), "local-1", &block(), "n1").unwrap();
         assert_eq!(
             (v.name.as_str(), v.backend.as_str(), v.fs_type.as_str()),
             ("local-1", "local-pv", "ext4")
@@ -514,13 +526,40 @@ mod tests {
             (vec![("path", "/dev/sdb"), ("node", "n1"), ("identity", "wwid:other")], "identity"),
             (vec![("path", "/dev/sdb"), ("node", "n1")], "identity"),
         ] {
-            let e = volume_of(&pv("volagent/local-pv", &bad), &block(), "n1").unwrap_err();
+            let e =
+                volume_of(&pv("volagent/local-pv", &bad), "local-1", &block(), "n1").unwrap_err();
             assert!(e.contains("nothing wiped"), "{why}: {e}");
         }
         assert!(
-            volume_of(&pv("volagent/rbd", &good), &block(), "n1")
+            volume_of(&pv("volagent/rbd", &good), "local-1", &block(), "n1")
                 .unwrap_err()
-                .contains("not a volagent/local-pv volume")
+                .contains("neither volagent/local-pv volume local-1")
         );
+        // A discovered volume's own PV is the one of its name.
+        assert!(volume_of(&pv("volagent/local-pv", &good), "local-2", &block(), "n1").is_err());
+
+        // A provisioned volume's CSI PV, whose handle is the discovered
+        // volume's name, is checked the same way.
+        let csi = |handle: &str, attributes: &[(&str, &str)]| PersistentVolume {
+            metadata: kube::api::ObjectMeta { name: Some("pvc-9".into()), ..Default::default() },
+            spec: Some(PersistentVolumeSpec {
+                csi: Some(k8s_openapi::api::core::v1::CSIPersistentVolumeSource {
+                    driver: "local-pv.csi.volagent.io".into(),
+                    volume_handle: handle.into(),
+                    volume_attributes: Some(
+                        attributes.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            status: None,
+        };
+        let v = volume_of(&csi("local-1", &good), "local-1", &block(), "n1").unwrap();
+        assert_eq!(v.name, "local-1", "the volume is the discovered one, not its PV");
+        assert!(volume_of(&csi("local-2", &good), "local-1", &block(), "n1").is_err());
+        let elsewhere = [("path", "/dev/sdc"), ("node", "n1"), ("identity", "wwid:naa.1")];
+        let e = volume_of(&csi("local-1", &elsewhere), "local-1", &block(), "n1").unwrap_err();
+        assert!(e.contains("nothing wiped"), "{e}");
     }
 }

@@ -32,6 +32,27 @@ pub struct CreateRequest {
     pub requisite: Vec<Segment>,
     pub preferred: Vec<Segment>,
     pub source: Option<ContentSource>,
+    /// For a backend that places volumes on discovered local volumes: the
+    /// free ones it may take (filled in by the controller, not the caller;
+    /// not part of what makes two requests the same).
+    pub local_volumes: Vec<LocalVolume>,
+}
+
+/// What a discovered local volume is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LocalKind {
+    Filesystem,
+    Block,
+    File,
+}
+
+/// A discovered local volume free to be taken.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalVolume {
+    pub name: String,
+    pub node: String,
+    pub kind: LocalKind,
+    pub capacity_bytes: u64,
 }
 
 /// An existing volume or snapshot, and what a call asks of it.
@@ -50,6 +71,8 @@ pub struct Target {
 pub struct CapacityRequest {
     pub parameters: Vec<KeyValue>,
     pub segment: Option<Segment>,
+    /// As [`CreateRequest::local_volumes`], in the segment.
+    pub local_volumes: Vec<LocalVolume>,
 }
 
 /// A controller step: what the controller does to the storage, as its own
@@ -65,6 +88,10 @@ pub enum ControllerStep {
     CreateDirectory(CreateDirectory),
     RemoveDirectory(DirectoryRef),
     SetQuota(SetQuota),
+    /// A discovered local volume, by name, taken by the volume being made.
+    TakeLocalVolume(String),
+    /// A discovered local volume, by name, wiped and free again.
+    ReleaseLocalVolume(String),
 }
 
 impl ControllerStep {
@@ -79,12 +106,15 @@ impl ControllerStep {
             ControllerStep::CreateDirectory(_) => ControllerStepKind::CreateDirectory,
             ControllerStep::RemoveDirectory(_) => ControllerStepKind::RemoveDirectory,
             ControllerStep::SetQuota(_) => ControllerStepKind::SetQuota,
+            ControllerStep::TakeLocalVolume(_) => ControllerStepKind::TakeLocalVolume,
+            ControllerStep::ReleaseLocalVolume(_) => ControllerStepKind::ReleaseLocalVolume,
         }
     }
 
-    /// The StorageCluster whose storage the step acts on.
-    pub fn cluster(&self) -> &str {
-        match self {
+    /// The StorageCluster whose storage the step acts on; none for a
+    /// local volume's (nodes' disks, reached through their agents).
+    pub fn cluster(&self) -> Option<&str> {
+        Some(match self {
             ControllerStep::CreateImage(c) => &c.image.cluster,
             ControllerStep::DeleteImage(i) => &i.cluster,
             ControllerStep::ResizeImage(r) => &r.image.cluster,
@@ -95,7 +125,10 @@ impl ControllerStep {
             ControllerStep::CreateDirectory(c) => &c.dir.cluster,
             ControllerStep::RemoveDirectory(d) => &d.cluster,
             ControllerStep::SetQuota(q) => &q.dir.cluster,
-        }
+            ControllerStep::TakeLocalVolume(_) | ControllerStep::ReleaseLocalVolume(_) => {
+                return None;
+            }
+        })
     }
 }
 
@@ -172,10 +205,12 @@ pub enum ControllerStepKind {
     CreateDirectory,
     RemoveDirectory,
     SetQuota,
+    TakeLocalVolume,
+    ReleaseLocalVolume,
 }
 
 impl ControllerStepKind {
-    pub const ALL: [ControllerStepKind; 9] = [
+    pub const ALL: [ControllerStepKind; 11] = [
         ControllerStepKind::CreateImage,
         ControllerStepKind::DeleteImage,
         ControllerStepKind::ResizeImage,
@@ -185,6 +220,8 @@ impl ControllerStepKind {
         ControllerStepKind::CreateDirectory,
         ControllerStepKind::RemoveDirectory,
         ControllerStepKind::SetQuota,
+        ControllerStepKind::TakeLocalVolume,
+        ControllerStepKind::ReleaseLocalVolume,
     ];
 
     pub fn name(self) -> &'static str {
@@ -198,6 +235,8 @@ impl ControllerStepKind {
             ControllerStepKind::CreateDirectory => "create-directory",
             ControllerStepKind::RemoveDirectory => "remove-directory",
             ControllerStepKind::SetQuota => "set-quota",
+            ControllerStepKind::TakeLocalVolume => "take-volume",
+            ControllerStepKind::ReleaseLocalVolume => "release-volume",
         }
     }
 }

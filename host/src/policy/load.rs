@@ -26,6 +26,7 @@ const ALLOWED_OWN_INTERFACES: &[&str] = &[
     "provisioning",
     "ceph-provisioning",
     "gluster-provisioning",
+    "local-provisioning",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -374,6 +375,7 @@ mod tests {
         assert!(import_allowed("volagent:policy/ceph-provisioning@1.1.0", "1.1.0"));
         assert!(import_allowed("volagent:policy/gluster-provisioning@1.1.0", "1.1.0"));
         assert!(!import_allowed("volagent:policy/gluster-provisioning@1.1.0", "1.0.0"));
+        assert!(import_allowed("volagent:policy/local-provisioning@1.1.0", "1.1.0"));
         assert!(import_allowed("volagent:policy/host@0.5.0", "0.5.0"));
         assert!(import_allowed("volagent:policy/types@0.5.2", "0.5.0"));
         assert!(import_allowed("volagent:policy/host@0.4.0", "0.4.0"));

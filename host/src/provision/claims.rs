@@ -227,8 +227,12 @@ async fn reconcile_claim(
         requisite: selected.iter().map(|n| vec![(NODE_KEY.to_string(), n.clone())]).collect(),
         preferred: selected.iter().map(|n| vec![(NODE_KEY.to_string(), n.clone())]).collect(),
         source,
+        local_volumes: Vec::new(),
     };
-    let made = match provisioner.create_volume(&backend, request.clone(), &parameters).await {
+    let made = match provisioner
+        .create_volume(&backend, request.clone(), &parameters, Some(&class.name_any()))
+        .await
+    {
         Ok(made) => made,
         // The scheduler chose a node that cannot serve the claim: it chooses again.
         Err(f) if f.code == Code::ResourceExhausted && selected.is_some() => {

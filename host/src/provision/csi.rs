@@ -212,10 +212,11 @@ impl Controller for ControllerService {
             requisite: topology_req.requisite.iter().map(segment).collect(),
             preferred: topology_req.preferred.iter().map(segment).collect(),
             source,
+            local_volumes: Vec::new(),
         };
         let made = self
             .provisioner
-            .create_volume(&self.backend, request, &parameters(&r.parameters)?)
+            .create_volume(&self.backend, request, &parameters(&r.parameters)?, None)
             .await
             .map_err(status)?;
         Ok(Response::new(CreateVolumeResponse {
@@ -275,6 +276,7 @@ impl Controller for ControllerService {
             .capacity(
                 &self.backend,
                 &parameters(&r.parameters)?,
+                None,
                 r.accessible_topology.as_ref().map(segment),
             )
             .await

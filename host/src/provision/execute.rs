@@ -52,6 +52,7 @@ enum Reach {
 enum Mechanism {
     Rbd,
     Gluster,
+    Local,
 }
 
 fn mechanism(step: &ControllerStep) -> Mechanism {
@@ -65,6 +66,10 @@ fn mechanism(step: &ControllerStep) -> Mechanism {
         ControllerStep::CreateDirectory(_)
         | ControllerStep::RemoveDirectory(_)
         | ControllerStep::SetQuota(_) => Mechanism::Gluster,
+        // Never put to a mechanism: run through the API server.
+        ControllerStep::TakeLocalVolume(_) | ControllerStep::ReleaseLocalVolume(_) => {
+            Mechanism::Local
+        }
     }
 }
 
@@ -123,6 +128,9 @@ impl Executor {
                     .await
                     .map_err(cluster_failure)?,
             ),
+            Mechanism::Local => {
+                return Err(Failure::new(Code::Internal, "a local step has no StorageCluster"));
+            }
         })
     }
 
@@ -135,7 +143,15 @@ impl Executor {
         let mut reached: BTreeMap<(String, Mechanism), Reach> = BTreeMap::new();
         let mut size = None;
         for (index, step) in steps.iter().enumerate() {
-            let key = (step.cluster().to_string(), mechanism(step));
+            let Some(cluster) = step.cluster() else {
+                // A local volume's: settled through the API server.
+                self.run_local(backend, step).await.map_err(|f| Failure {
+                    code: f.code,
+                    message: format!("step {} ({}): {}", index + 1, step.kind().name(), f.message),
+                })?;
+                continue;
+            };
+            let key = (cluster.to_string(), mechanism(step));
             if !reached.contains_key(&key) {
                 let reach = self.reach(&key.0, backend, key.1).await?;
                 reached.insert(key.clone(), reach);
@@ -176,6 +192,21 @@ impl Executor {
             }
         }
         Ok(size)
+    }
+}
+
+impl Executor {
+    /// A local volume's step: taking one is settled by the request's
+    /// record (written before the plan runs); giving one back asks its
+    /// node's agent to wipe it.
+    async fn run_local(&self, backend: &str, step: &ControllerStep) -> Result<(), Failure> {
+        match step {
+            ControllerStep::TakeLocalVolume(_) => Ok(()),
+            ControllerStep::ReleaseLocalVolume(volume) => {
+                super::local::release(&self.client, backend, volume).await
+            }
+            other => Err(wrong_mechanism(other, "the API server")),
+        }
     }
 }
 

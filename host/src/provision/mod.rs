@@ -10,6 +10,7 @@
 pub mod claims;
 pub mod csi;
 pub mod execute;
+pub mod local;
 pub mod objects;
 pub mod records;
 pub mod resize;
@@ -17,7 +18,8 @@ pub mod snapshots;
 
 use crate::kube::crds::{ProvisionKind, ProvisionPhase, ProvisionRecordSpec};
 use crate::model::{
-    CapacityRequest, ContentSource, CreateRequest, KeyValue, ProvisionError, Segment, Target,
+    CapacityRequest, ContentSource, ControllerStepKind, CreateRequest, KeyValue, ProvisionError,
+    Segment, Target,
 };
 use crate::policy::{CallError, Plugin};
 use std::collections::{BTreeMap, BTreeSet};
@@ -100,6 +102,9 @@ pub struct Provisioner {
     /// Names with a request running: a second one at once is aborted, as
     /// CSI asks (the caller retries).
     running: Mutex<BTreeSet<String>>,
+    /// Held from the look at which local volumes are free to the record of
+    /// the one taken, so that two requests never take the same.
+    placing: tokio::sync::Mutex<()>,
 }
 
 /// The StorageClass parameters CSI's sidecars and Kubernetes reserve for
@@ -119,6 +124,7 @@ impl Provisioner {
             executor: execute::Executor::new(client.clone(), mechanisms, step_deadline),
             client,
             running: Mutex::new(BTreeSet::new()),
+            placing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -201,13 +207,46 @@ impl Provisioner {
         Ok(out)
     }
 
+    /// Whether `backend`'s policy places volumes on discovered local
+    /// volumes (it declared the step taking one).
+    fn places_locally(&self, backend: &str) -> bool {
+        self.plugins.get(backend).is_some_and(|p| {
+            p.info().capabilities.controller_steps.contains(&ControllerStepKind::TakeLocalVolume)
+        })
+    }
+
+    /// The free local volumes of the request's discovery class (`class`:
+    /// the claim's StorageClass, when the request comes from one) on
+    /// `nodes` (None: any).
+    async fn local_candidates(
+        &self,
+        backend: &str,
+        class_parameters: &BTreeMap<String, String>,
+        class: Option<&str>,
+        nodes: Option<&BTreeSet<String>>,
+        own: Option<&str>,
+    ) -> Result<Vec<local::Candidate>, Failure> {
+        let class = local::class_of(class_parameters, class).ok_or_else(|| {
+            Failure::new(
+                Code::InvalidArgument,
+                format!(
+                    "backend {backend} places volumes on discovered local volumes: parameter {} must name their class",
+                    local::CLASS_PARAMETER
+                ),
+            )
+        })?;
+        local::free(&self.client, &self.records, backend, &class, nodes, own).await
+    }
+
     /// Make the volume `request` asks for (`request.parameters` are the
-    /// class's, as given), or find it made.
+    /// class's, as given; `class` the claim's StorageClass, if any), or
+    /// find it made.
     pub async fn create_volume(
         &self,
         backend: &str,
         mut request: CreateRequest,
         class_parameters: &BTreeMap<String, String>,
+        class: Option<&str>,
     ) -> Result<MadeVolume, Failure> {
         self.plugin(backend)?;
         if request.name.is_empty() {
@@ -246,8 +285,31 @@ impl Provisioner {
                 ));
             }
         }
+        // A volume placed on a discovered one: offered the free ones (a
+        // retry only the one it took), under the placing lock until the
+        // record says which it took.
+        let placing = self.places_locally(backend);
+        let _placing = if placing { Some(self.placing.lock().await) } else { None };
+        let mut candidates = Vec::new();
+        if placing {
+            let nodes = local::nodes_of(&request.requisite);
+            candidates = self
+                .local_candidates(
+                    backend,
+                    class_parameters,
+                    class,
+                    nodes.as_ref(),
+                    Some(&request.name),
+                )
+                .await?;
+            if let Some(r) = &found {
+                candidates.retain(|c| c.volume.name == r.spec.id);
+            }
+            request.local_volumes = candidates.iter().map(|c| c.volume.clone()).collect();
+        }
         let asked = request.clone();
-        let plan = self.ask(backend, move |p| p.create_volume(&asked)).await?;
+        let mut plan = self.ask(backend, move |p| p.create_volume(&asked)).await?;
+        local::settle(&mut plan, &candidates)?;
         let spec = ProvisionRecordSpec {
             backend: backend.to_string(),
             kind: ProvisionKind::Volume,
@@ -605,16 +667,31 @@ impl Provisioner {
             .is_some_and(|r| r.spec.phase == ProvisionPhase::Ready))
     }
 
-    /// Bytes a new volume could get where asked; none when unknown.
+    /// Bytes a new volume could get where asked (`class`: the
+    /// StorageClass asked about, if known); none when unknown.
     pub async fn capacity(
         &self,
         backend: &str,
         parameters: &BTreeMap<String, String>,
+        class: Option<&str>,
         segment: Option<Segment>,
     ) -> Result<Option<u64>, Failure> {
         self.plugin(backend)?;
-        let request =
-            CapacityRequest { parameters: self.parameters(backend, parameters).await?, segment };
+        let mut local_volumes = Vec::new();
+        if self.places_locally(backend) {
+            let nodes = local::nodes_of(segment.as_slice());
+            local_volumes = self
+                .local_candidates(backend, parameters, class, nodes.as_ref(), None)
+                .await?
+                .into_iter()
+                .map(|c| c.volume)
+                .collect();
+        }
+        let request = CapacityRequest {
+            parameters: self.parameters(backend, parameters).await?,
+            segment,
+            local_volumes,
+        };
         self.ask(backend, move |p| p.capacity(&request)).await
     }
 }

@@ -35,8 +35,8 @@ mod bindings {
 
 use bindings::exports::volagent::policy as ex;
 use bindings::volagent::policy::{
-    ceph, ceph_provisioning, gluster_provisioning, host, loop_devices, nbd, provisioning as pv,
-    types as a,
+    ceph, ceph_provisioning, gluster_provisioning, host, local_provisioning as lp, loop_devices,
+    nbd, provisioning as pv, types as a,
 };
 
 pub(crate) const VERSION: &str = "1.1.0";
@@ -1070,5 +1070,48 @@ impl gluster_provisioning::Host for CallState {
     ) -> wasmtime::Result<()> {
         let step = m::SetQuota { dir: directory_ref(cluster, volume, path), bytes };
         self.push_controller_step(&p, m::ControllerStep::SetQuota(step))
+    }
+}
+
+fn local_volumes_down(volumes: &[m::LocalVolume]) -> Vec<lp::LocalVolume> {
+    volumes
+        .iter()
+        .map(|v| lp::LocalVolume {
+            name: v.name.clone(),
+            node: v.node.clone(),
+            kind: match v.kind {
+                m::LocalKind::Filesystem => lp::LocalKind::Filesystem,
+                m::LocalKind::Block => lp::LocalKind::Block,
+                m::LocalKind::File => lp::LocalKind::File,
+            },
+            capacity_bytes: v.capacity_bytes,
+        })
+        .collect()
+}
+
+impl lp::Host for CallState {
+    fn free_volumes(
+        &mut self,
+        r: Resource<m::CreateRequest>,
+    ) -> wasmtime::Result<Vec<lp::LocalVolume>> {
+        Ok(local_volumes_down(&self.get(&r)?.local_volumes))
+    }
+    fn free_volumes_in(
+        &mut self,
+        r: Resource<m::CapacityRequest>,
+    ) -> wasmtime::Result<Vec<lp::LocalVolume>> {
+        Ok(local_volumes_down(&self.get(&r)?.local_volumes))
+    }
+    fn take_volume(&mut self, p: Resource<m::Provision>, volume: String) -> wasmtime::Result<()> {
+        let volume = crate::text::bounded(volume, 1024);
+        self.push_controller_step(&p, m::ControllerStep::TakeLocalVolume(volume))
+    }
+    fn release_volume(
+        &mut self,
+        p: Resource<m::Provision>,
+        volume: String,
+    ) -> wasmtime::Result<()> {
+        let volume = crate::text::bounded(volume, 1024);
+        self.push_controller_step(&p, m::ControllerStep::ReleaseLocalVolume(volume))
     }
 }

@@ -45,6 +45,26 @@ pub fn provision(p: &Provision, caps: &Capabilities, needs_id: bool) -> Result<(
     if needs_id || !p.id.is_empty() {
         id(&p.id).map_err(whole)?;
     }
+    // A volume made of a discovered one is that one: one taken, by its id.
+    let taken: Vec<&String> = p
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            ControllerStep::TakeLocalVolume(v) => Some(v),
+            _ => None,
+        })
+        .collect();
+    match taken.as_slice() {
+        [] => {}
+        [v] if **v == p.id => {}
+        [v] => {
+            return Err(whole(format!(
+                "the plan takes local volume {v} but names the volume {:?}: its id must be the taken volume's name",
+                p.id
+            )));
+        }
+        _ => return Err(whole("the plan takes more than one local volume".into())),
+    }
     if p.attributes.len() > MAX_ATTRIBUTES {
         return Err(whole(format!("more than {MAX_ATTRIBUTES} attributes")));
     }
@@ -168,6 +188,10 @@ fn check_step(step: &ControllerStep) -> Result<(), String> {
             directory(&q.dir)?;
             if q.bytes == 0 { Err("a quota of 0 bytes".into()) } else { Ok(()) }
         }
+        ControllerStep::TakeLocalVolume(v) | ControllerStep::ReleaseLocalVolume(v) => {
+            name_ok("local volume", v)?;
+            bounded("a name", v, 253)
+        }
     }
 }
 
@@ -258,6 +282,29 @@ mod tests {
         let mut p = good();
         p.id.clear();
         provision(&p, &caps(), false).unwrap();
+    }
+
+    #[test]
+    fn a_plan_takes_at_most_one_local_volume_and_is_named_after_it() {
+        let mut caps = caps();
+        caps.controller_steps = ControllerStepKind::ALL.to_vec();
+        let take = |v: &str| ControllerStep::TakeLocalVolume(v.into());
+        let plan = |steps: Vec<ControllerStep>, id: &str| Provision {
+            steps,
+            id: id.into(),
+            ..Default::default()
+        };
+        provision(&plan(vec![take("local-1a2b")], "local-1a2b"), &caps, true).unwrap();
+        let e = provision(&plan(vec![take("local-1a2b")], "pvc-1"), &caps, true).unwrap_err();
+        assert!(e.to_string().contains("must be the taken volume's name"), "{e}");
+        let two = plan(vec![take("local-1"), take("local-2")], "local-1");
+        assert!(provision(&two, &caps, true).unwrap_err().to_string().contains("more than one"));
+        for bad in ["../x", "a/b", "", ".x", "a b"] {
+            let e = provision(&plan(vec![take(bad)], bad), &caps, true).unwrap_err();
+            assert!(e.to_string().contains("local volume"), "{bad:?}: {e}");
+            let release = plan(vec![ControllerStep::ReleaseLocalVolume(bad.into())], "");
+            assert!(provision(&release, &caps, false).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
