@@ -787,6 +787,31 @@ fn a_dynamic_local_class_hands_discovered_volumes_to_claims_and_takes_them_back_
         pv_name("node-b", CLASS, &on_b),
     );
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    // What the scheduler is told: per node, the largest free volume.
+    let capacities = kube::api::Api::<kube::api::DynamicObject>::namespaced_with(
+        c.client(),
+        volagent_test_support::shipped::CONTROLLER_NAMESPACE,
+        &kube::api::ApiResource {
+            group: "storage.k8s.io".into(),
+            version: "v1alpha1".into(),
+            api_version: "storage.k8s.io/v1alpha1".into(),
+            kind: "CSIStorageCapacity".into(),
+            plural: "csistoragecapacities".into(),
+        },
+    );
+    let capacity_of = |node: &str| -> Option<String> {
+        let list = c.rt.block_on(capacities.list(&Default::default())).unwrap().items;
+        list.iter()
+            .find(|o| {
+                o.data["storageClassName"] == CLASS
+                    && o.data["nodeTopology"]["matchLabels"]["kubernetes.io/hostname"] == node
+            })
+            .and_then(|o| o.data["capacity"].as_str().map(String::from))
+    };
+    let bytes = |n: u64| Some((n << 20).to_string());
+    c.wait_for("the capacity published", 60, || {
+        (capacity_of("node-a") == bytes(48) && capacity_of("node-b") == bytes(24)).then_some(())
+    });
 
     // The first claim: the smallest volume on node-a that holds 16 MiB.
     let pv_a = dynamic_claim(&c, "data-a", CLASS, "16Mi", "node-a");
@@ -823,6 +848,9 @@ fn a_dynamic_local_class_hands_discovered_volumes_to_claims_and_takes_them_back_
         (!claim.metadata.annotations.unwrap_or_default().contains_key(SELECTED)).then_some(())
     });
     assert!(c.pv(&pv_a3).is_none(), "no PV without a volume");
+    c.wait_for("node-a's capacity down to nothing", 60, || {
+        (capacity_of("node-a") == bytes(0)).then_some(())
+    });
 
     // The first tenant writes; its claim goes; its volume is wiped and free.
     write_at(&small, 8 << 20, MARKER);

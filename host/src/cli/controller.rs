@@ -220,12 +220,18 @@ pub fn run(args: ControllerArgs, limits: crate::policy::Limits) -> anyhow::Resul
             }
         };
         let identity = config.identity.clone();
+        let namespace = args.namespace.clone();
         tokio::select! {
             () = controller::run(client.clone(), config, state, provisioner.clone().map(|p| {
                 let client = client.clone();
                 let identity = identity.clone();
                 let work: controller::LeaderWork = Arc::new(move || {
-                    Box::pin(crate::provision::claims::run(client.clone(), p.clone(), identity.clone()))
+                    Box::pin(crate::provision::claims::run(
+                        client.clone(),
+                        p.clone(),
+                        identity.clone(),
+                        namespace.clone(),
+                    ))
                 });
                 work
             })) => {}

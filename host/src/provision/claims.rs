@@ -42,7 +42,12 @@ const RETRY: Duration = Duration::from_secs(10);
 /// provision claims, grow them, remove released volumes and serve
 /// VolumeSnapshots until cancelled. `identity` names this replica in the
 /// Events it writes.
-pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>, identity: String) {
+pub async fn run(
+    client: kube::Client,
+    provisioner: Arc<Provisioner>,
+    identity: String,
+    namespace: String,
+) {
     let events = crate::kube::cluster::Cluster {
         client: client.clone(),
         component: "volagent-controller".into(),
@@ -51,13 +56,14 @@ pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>, identity: 
     };
     let ctx = Arc::new(Context {
         client: client.clone(),
-        provisioner,
+        provisioner: provisioner.clone(),
         retries: Retries::default(),
         events,
     });
     clear_orphans(&ctx).await;
     tokio::join!(
         super::snapshots::run(ctx.clone()),
+        super::capacity::run(client.clone(), provisioner, namespace),
         drive(
             Controller::new(
                 Api::<PersistentVolumeClaim>::all(client.clone()),

@@ -7,6 +7,7 @@
 //! a timeout) ends with the same volume, and another request under a name
 //! in use is refused.
 
+pub mod capacity;
 pub mod claims;
 pub mod csi;
 pub mod execute;
@@ -209,7 +210,7 @@ impl Provisioner {
 
     /// Whether `backend`'s policy places volumes on discovered local
     /// volumes (it declared the step taking one).
-    fn places_locally(&self, backend: &str) -> bool {
+    pub fn places_locally(&self, backend: &str) -> bool {
         self.plugins.get(backend).is_some_and(|p| {
             p.info().capabilities.controller_steps.contains(&ControllerStepKind::TakeLocalVolume)
         })

@@ -8,7 +8,7 @@ pub(crate) const VERBS: [&str; 8] =
     ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"];
 
 /// (group, resource, subresource, namespaced) checked for both accounts.
-pub(crate) const RESOURCES: [(&str, &str, &str, bool); 29] = [
+pub(crate) const RESOURCES: [(&str, &str, &str, bool); 30] = [
     ("volagent.io", "attachments", "", false),
     ("volagent.io", "provisionrecords", "", false),
     ("volagent.io", "fencerequests", "", false),
@@ -17,6 +17,7 @@ pub(crate) const RESOURCES: [(&str, &str, &str, bool); 29] = [
     ("volagent.io", "nodelocalvolumes", "", false),
     ("volagent.io", "nodelocalvolumes", "status", false),
     ("storage.k8s.io", "storageclasses", "", false),
+    ("storage.k8s.io", "csistoragecapacities", "", true),
     ("volagent.io", "nodecleanups", "", false),
     ("volagent.io", "storageclusters", "", false),
     ("volagent.io", "storageclusters", "status", false),
@@ -141,6 +142,15 @@ pub(crate) const CONTROLLER_GRANTS: &[Grant] = &[
         namespace: Some(CONTROLLER_NS),
         names: Some(&[WEBHOOK_TLS]),
         ..grant("", "secrets", &["update"])
+    },
+    // Local capacity per class and node, for the scheduler.
+    Grant {
+        namespace: Some(CONTROLLER_NS),
+        ..grant(
+            "storage.k8s.io",
+            "csistoragecapacities",
+            &["get", "list", "watch", "create", "update", "delete"],
+        )
     },
 ];
 

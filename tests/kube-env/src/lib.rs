@@ -236,6 +236,9 @@ impl KubeEnv {
                 arg("--service-account-signing-key-file=", &sa_key),
                 "--service-cluster-ip-range=10.0.0.0/24".into(),
                 "--allow-privileged=true".into(),
+                // Local volumes' capacity for the scheduler (alpha in 1.20).
+                "--runtime-config=storage.k8s.io/v1alpha1=true".into(),
+                "--feature-gates=CSIStorageCapacity=true".into(),
                 "--profiling=false".into(),
             ];
             if !in_cluster {

@@ -571,6 +571,8 @@ impl Scheduler {
             "--port=0".into(),
             "--secure-port=0".into(),
             "--v=2".into(),
+            // Places claims of local classes by the capacity published.
+            "--feature-gates=CSIStorageCapacity=true".into(),
         ];
         let daemon = Daemon::new(
             "kube-scheduler",
