@@ -403,6 +403,37 @@ mod tests {
         HELD.load(Ordering::Acquire)
     }
 
+    /// On a fresh two-worker runtime, whether a 200 ms timer fires while
+    /// the worker a socket woke is held: `first` runs in the hold, then
+    /// the hold waits for the timer (5 s at most). Both workers are parked
+    /// when the socket is written, one of them driving it.
+    fn timer_fires_while_held(first: impl FnOnce() + Send + 'static) -> bool {
+        let (rt, _) = runtime(2);
+        rt.block_on(async {
+            let (mut tx, mut rx) = tokio::net::UnixStream::pair().unwrap();
+            let timer = tokio::spawn(async {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            });
+            let held = tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut byte = [0u8];
+                rx.read_exact(&mut byte).await.unwrap();
+                on_worker(true, || {
+                    first();
+                    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                    while !timer.is_finished() && std::time::Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    timer.is_finished()
+                })
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            use tokio::io::AsyncWriteExt;
+            tx.write_all(b"x").await.unwrap();
+            held.await.unwrap()
+        })
+    }
+
     // The tests share HELD: one test walks through every case in turn.
     #[test]
     fn local_work_keeps_its_worker_while_another_is_free() {
@@ -464,61 +495,15 @@ mod tests {
         // I/O and timers go on while a worker is held: here the worker
         // that drove them is woken by a socket and held, the other one
         // parked while it drove them.
-        let (rt, _) = runtime(2);
-        let fired = rt.block_on(async {
-            let (mut tx, mut rx) = tokio::net::UnixStream::pair().unwrap();
-            let timer = tokio::spawn(async {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            });
-            let held = tokio::spawn(async move {
-                use tokio::io::AsyncReadExt;
-                let mut byte = [0u8];
-                rx.read_exact(&mut byte).await.unwrap();
-                on_worker(true, || {
-                    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-                    while !timer.is_finished() && std::time::Instant::now() < deadline {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    timer.is_finished()
-                })
-            });
-            // Both workers parked by now, one of them driving the socket.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            use tokio::io::AsyncWriteExt;
-            tx.write_all(b"x").await.unwrap();
-            held.await.unwrap()
-        });
-        assert!(fired, "the timer fired while a worker was held");
-
+        assert!(timer_fires_while_held(|| {}), "the timer fired while a worker was held");
         // Likewise after a tool's hand-over: a quick one ends before
         // another thread picks the worker up, this thread takes it back,
         // and the work blocking it afterwards is watched again.
-        let (rt, _) = runtime(2);
-        let fired = rt.block_on(async {
-            let (mut tx, mut rx) = tokio::net::UnixStream::pair().unwrap();
-            let timer = tokio::spawn(async {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            });
-            let held = tokio::spawn(async move {
-                use tokio::io::AsyncReadExt;
-                let mut byte = [0u8];
-                rx.read_exact(&mut byte).await.unwrap();
-                on_worker(true, || {
-                    may_take_long(|| ());
-                    assert_eq!(held(), 1, "held again");
-                    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-                    while !timer.is_finished() && std::time::Instant::now() < deadline {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    timer.is_finished()
-                })
-            });
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            use tokio::io::AsyncWriteExt;
-            tx.write_all(b"x").await.unwrap();
-            held.await.unwrap()
+        let after_a_tool = timer_fires_while_held(|| {
+            may_take_long(|| ());
+            assert_eq!(held(), 1, "held again");
         });
-        assert!(fired, "the timer fired while the worker was held again after a tool");
+        assert!(after_a_tool, "the timer fired while the worker was held again after a tool");
         assert_eq!(held(), 0, "given back at the end");
 
         // A hold that ends within the grace wakes no other worker: only

@@ -25,20 +25,60 @@ fn pv_phase(pv: &PersistentVolume) -> String {
     pv.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default()
 }
 
-#[test]
-fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
-    let mut c = Cluster::start(
+/// Claim `claim` (32 MiB of `class`) and pod `pod`, placed by the
+/// scheduler, which writes `marker` to it and says it back.
+fn claim_and_pod(c: &Cluster, claim: &str, pod_name: &str, class: &str, marker: &str) {
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": { "name": claim },
+        "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": class,
+                  "resources": { "requests": { "storage": "32Mi" } } }
+    }))
+    .unwrap();
+    c.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
+    let script =
+        format!("echo {marker} > /data/marker && sync && cat /data/marker > /dev/termination-log");
+    let volume = json!({ "persistentVolumeClaim": { "claimName": claim } });
+    let mut pod = pod(pod_name, "", &script, &[("data", volume)]);
+    pod["spec"].as_object_mut().unwrap().remove("nodeName");
+    c.create_pod(pod);
+}
+
+/// Once pod `pod` of [`claim_and_pod`] ran and said its marker: the node it
+/// ran on and its claim's PV.
+fn ran(c: &Cluster, claim: &str, pod: &str, marker: &str) -> (String, PersistentVolume) {
+    let p = c
+        .wait_pod(pod, "Succeeded", |p| phase(p) == "Succeeded" || phase(p) == "Failed")
+        .expect("the pod");
+    assert_eq!(phase(Some(&p)), "Succeeded", "{}", c.diagnose(pod, Some(&p)));
+    assert_eq!(output(Some(&p)).as_deref().map(str::trim), Some(marker));
+    let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    let claim = c.rt.block_on(claims.get(claim)).unwrap();
+    let pvs: Api<PersistentVolume> = Api::all(c.client());
+    (node, c.rt.block_on(pvs.get(&claim.spec.unwrap().volume_name.unwrap())).unwrap())
+}
+
+/// Two nodes whose agents serve local-pv, and kube-scheduler.
+fn two_nodes_and_a_scheduler() -> (Cluster, volagent_kube_env::node::Scheduler) {
+    let c = Cluster::start(
         VOLAGENT,
         &[("node-a", &[]), ("node-b", &[])],
         &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
     );
-    let _scheduler = volagent_kube_env::node::Scheduler::start(
+    let scheduler = volagent_kube_env::node::Scheduler::start(
         c.env(),
         &c.scratch.path(""),
         &c.assets,
         Some(c.ns.clone()),
     )
     .expect("kube-scheduler");
+    (c, scheduler)
+}
+
+#[test]
+fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
+    let (mut c, _scheduler) = two_nodes_and_a_scheduler();
     let sc = StorageClass {
         metadata: ObjectMeta { name: Some(CLASS.into()), ..Default::default() },
         provisioner: "kubernetes.io/no-provisioner".into(),
@@ -123,41 +163,13 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
     // The pair: claims data-web-0 and data-web-1, pods placed by the scheduler.
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
     for i in 0..2 {
-        let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
-            "metadata": { "name": format!("data-web-{i}") },
-            "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": CLASS, "resources": { "requests": { "storage": "32Mi" } } }
-        }))
-        .unwrap();
-        c.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
-        let script = format!(
-            "echo volagent-local-marker-web-{i} > /data/marker && sync && cat /data/marker > /dev/termination-log"
-        );
-        let mut pod = pod(
-            &format!("web-{i}"),
-            "",
-            &script,
-            &[(
-                "data",
-                json!({ "persistentVolumeClaim": { "claimName": format!("data-web-{i}") } }),
-            )],
-        );
-        pod["spec"].as_object_mut().unwrap().remove("nodeName");
-        c.create_pod(pod);
+        let marker = format!("volagent-local-marker-web-{i}");
+        claim_and_pod(&c, &format!("data-web-{i}"), &format!("web-{i}"), CLASS, &marker);
     }
     let mut placed = Vec::new();
     for i in 0..2 {
-        let name = format!("web-{i}");
-        let p = c
-            .wait_pod(&name, "Succeeded", |p| phase(p) == "Succeeded" || phase(p) == "Failed")
-            .expect("the pod");
-        assert_eq!(phase(Some(&p)), "Succeeded", "{}", c.diagnose(&name, Some(&p)));
-        assert_eq!(
-            output(Some(&p)).as_deref().map(str::trim),
-            Some(format!("volagent-local-marker-web-{i}").as_str())
-        );
-        let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap();
-        let claim = c.rt.block_on(claims.get(&format!("data-web-{i}"))).unwrap();
-        let pv = c.rt.block_on(pvs.get(&claim.spec.unwrap().volume_name.unwrap())).unwrap();
+        let marker = format!("volagent-local-marker-web-{i}");
+        let (node, pv) = ran(&c, &format!("data-web-{i}"), &format!("web-{i}"), &marker);
         let pv_node = pv.metadata.labels.unwrap()[volagent::kube::local_pvs::NODE_LABEL].clone();
         assert_eq!(node, pv_node, "web-{i} runs where its volume is");
         placed.push(node);
@@ -209,18 +221,7 @@ fn a_pair_of_pods_lands_on_the_volumes_nodes_and_the_volumes_come_back_wiped() {
 fn dynamic_local_claims_get_the_chosen_nodes_volumes_and_give_them_back_wiped() {
     use k8s_openapi::api::storage::v1::CSIDriver;
     const DYNAMIC: &str = "local-dynamic";
-    let mut c = Cluster::start(
-        VOLAGENT,
-        &[("node-a", &[]), ("node-b", &[])],
-        &[(volagent_test_artifacts::LOCAL_PV, "local-pv")],
-    );
-    let _scheduler = volagent_kube_env::node::Scheduler::start(
-        c.env(),
-        &c.scratch.path(""),
-        &c.assets,
-        Some(c.ns.clone()),
-    )
-    .expect("kube-scheduler");
+    let (mut c, _scheduler) = two_nodes_and_a_scheduler();
     let client = c.client();
     let text = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/csidrivers.yaml"),
@@ -255,51 +256,19 @@ fn dynamic_local_claims_get_the_chosen_nodes_volumes_and_give_them_back_wiped() 
         c.kill_agent(node);
         c.start_agent(node, &[]);
     }
-    if let Some(mut old) = c.controller.take() {
-        let _ = old.kill();
-        let _ = old.wait();
-    }
-    let plugins = c.node("node-a").plugin_dir().display().to_string();
-    c.controller_args = vec!["--plugin-dir".into(), plugins];
-    c.start_controller();
+    c.start_provisioning_controller();
 
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
     let pvs: Api<PersistentVolume> = Api::all(client.clone());
     let started = Instant::now();
     for i in 0..2 {
-        let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
-            "metadata": { "name": format!("dyn-{i}") },
-            "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": DYNAMIC,
-                      "resources": { "requests": { "storage": "32Mi" } } }
-        }))
-        .unwrap();
-        c.rt.block_on(claims.create(&PostParams::default(), &pvc)).unwrap();
-        let script = format!(
-            "echo volagent-dynamic-marker-{i} > /data/marker && sync && cat /data/marker > /dev/termination-log"
-        );
-        let mut pod = pod(
-            &format!("dyn-{i}"),
-            "",
-            &script,
-            &[("data", json!({ "persistentVolumeClaim": { "claimName": format!("dyn-{i}") } }))],
-        );
-        pod["spec"].as_object_mut().unwrap().remove("nodeName");
-        c.create_pod(pod);
+        let name = format!("dyn-{i}");
+        claim_and_pod(&c, &name, &name, DYNAMIC, &format!("volagent-dynamic-marker-{i}"));
     }
     let mut placed = Vec::new();
     for i in 0..2 {
         let name = format!("dyn-{i}");
-        let p = c
-            .wait_pod(&name, "Succeeded", |p| phase(p) == "Succeeded" || phase(p) == "Failed")
-            .expect("the pod");
-        assert_eq!(phase(Some(&p)), "Succeeded", "{}", c.diagnose(&name, Some(&p)));
-        assert_eq!(
-            output(Some(&p)).as_deref().map(str::trim),
-            Some(format!("volagent-dynamic-marker-{i}").as_str())
-        );
-        let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap();
-        let claim = c.rt.block_on(claims.get(&name)).unwrap();
-        let pv = c.rt.block_on(pvs.get(&claim.spec.unwrap().volume_name.unwrap())).unwrap();
+        let (node, pv) = ran(&c, &name, &name, &format!("volagent-dynamic-marker-{i}"));
         let csi = pv.spec.unwrap().csi.unwrap();
         assert_eq!(csi.volume_attributes.unwrap()["node"], node, "{name} runs where its volume is");
         placed.push(node);

@@ -341,13 +341,7 @@ fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_anoth
     );
     ceph_cluster::create_storage_cluster_in(&c.rt, &client, "ceph", "ceph-volagent");
     ceph_cluster::install_snapshot_crds_in(&c.rt, &client);
-    if let Some(mut old) = c.controller.take() {
-        let _ = old.kill();
-        let _ = old.wait();
-    }
-    let plugins = c.node("node-a").plugin_dir().display().to_string();
-    c.controller_args = vec!["--plugin-dir".into(), plugins];
-    c.start_controller();
+    c.start_provisioning_controller();
     let class: StorageClass = serde_json::from_value(json!({
         "metadata": { "name": "rbd-dynamic" },
         "provisioner": "rbd.csi.volagent.io",

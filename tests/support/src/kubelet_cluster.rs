@@ -180,6 +180,18 @@ impl Cluster {
         self.nodes.iter_mut().find(|n| n.name == name).unwrap_or_else(|| panic!("no node {name}"))
     }
 
+    /// Restarts the controller with the nodes' policies loaded (node-a's
+    /// plugin dir): the provisioning controller.
+    pub fn start_provisioning_controller(&mut self) {
+        if let Some(mut old) = self.controller.take() {
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        let plugins = self.node("node-a").plugin_dir().display().to_string();
+        self.controller_args = vec!["--plugin-dir".into(), plugins];
+        self.start_controller();
+    }
+
     /// Starts the volagent controller as its ServiceAccount, in the box's
     /// namespaces (the API server calls its webhook there), and waits until
     /// its webhook answers.
