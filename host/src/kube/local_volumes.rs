@@ -21,7 +21,6 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -444,7 +443,6 @@ fn volume_of(
             ));
         }
     };
-    let options: BTreeMap<String, String> = options;
     let want = v.data_path().display().to_string();
     if options.get("path") != Some(&want) || options.get("node").map(String::as_str) != Some(node) {
         return Err(format!(

@@ -71,6 +71,9 @@ fn object(class: &str, node: &str, bytes: u64) -> serde_json::Value {
 
 /// Keep the objects up to date while the controller leads.
 pub async fn run(client: kube::Client, provisioner: Arc<Provisioner>, namespace: String) {
+    if !provisioner.backends().iter().any(|b| provisioner.places_locally(b)) {
+        return; // no policy places volumes on local ones: nothing to tell
+    }
     let Some((api, kind)) = api(&client, &namespace).await else {
         tracing::info!(
             "this cluster serves no CSIStorageCapacity: the scheduler is not told local capacity"
