@@ -114,16 +114,18 @@ async fn publish(
     for class in classes.iter().filter(|c| drivers.contains_key(&c.provisioner)) {
         let backend = &drivers[&class.provisioner];
         let parameters = class.parameters.clone().unwrap_or_default();
-        for node in &nodes {
-            let segment = vec![("kubernetes.io/hostname".to_string(), node.clone())];
-            let name = class.name_any();
-            match provisioner.capacity(backend, &parameters, Some(&name), Some(segment)).await {
-                Ok(Some(bytes)) => {
-                    desired.insert(name_for(&name, node), object(&name, node, bytes));
+        let name = class.name_any();
+        match provisioner.local_capacities(backend, &parameters, &name, &nodes).await {
+            Ok(figures) => {
+                for (node, bytes) in figures {
+                    if let Some(bytes) = bytes {
+                        desired.insert(name_for(&name, &node), object(&name, &node, bytes));
+                    }
                 }
-                Ok(None) => {}
-                Err(f) => tracing::warn!(class = %name, node, "capacity: {f}"),
             }
+            // Nothing rewritten or removed on what could not be asked:
+            // the figures published stand until the next round.
+            Err(f) => anyhow::bail!("class {name}: {f}"),
         }
     }
     let selector = format!("{MANAGED_BY}={MANAGER}");

@@ -28,7 +28,7 @@ pub const CLASS_PARAMETER: &str = "localClass";
 const NODE_KEYS: [&str; 2] = ["kubernetes.io/hostname", "topology.volagent.io/node"];
 
 /// The key a provisioned local volume's topology names its node by.
-const NODE_KEY: &str = "kubernetes.io/hostname";
+pub const NODE_KEY: &str = "kubernetes.io/hostname";
 
 fn api_failure(what: String) -> impl FnOnce(kube::Error) -> Failure {
     move |e| Failure::new(Code::Unavailable, format!("{what}: {e}"))

@@ -668,6 +668,35 @@ impl Provisioner {
             .is_some_and(|r| r.spec.phase == ProvisionPhase::Ready))
     }
 
+    /// For a class placed on local volumes, bytes a new volume could get
+    /// on each of `nodes`: one look at what is free for all of them (not
+    /// one per node), then the policy asked per node.
+    pub async fn local_capacities(
+        &self,
+        backend: &str,
+        parameters: &BTreeMap<String, String>,
+        class: &str,
+        nodes: &[String],
+    ) -> Result<Vec<(String, Option<u64>)>, Failure> {
+        self.plugin(backend)?;
+        let free = self.local_candidates(backend, parameters, Some(class), None, None).await?;
+        let given = self.parameters(backend, parameters).await?;
+        let mut out = Vec::with_capacity(nodes.len());
+        for node in nodes {
+            let request = CapacityRequest {
+                parameters: given.clone(),
+                segment: Some(vec![(local::NODE_KEY.to_string(), node.clone())]),
+                local_volumes: free
+                    .iter()
+                    .filter(|c| c.volume.node == *node)
+                    .map(|c| c.volume.clone())
+                    .collect(),
+            };
+            out.push((node.clone(), self.ask(backend, move |p| p.capacity(&request)).await?));
+        }
+        Ok(out)
+    }
+
     /// Bytes a new volume could get where asked (`class`: the
     /// StorageClass asked about, if known); none when unknown.
     pub async fn capacity(
