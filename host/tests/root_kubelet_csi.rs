@@ -212,12 +212,22 @@ fn a_block_volume_is_a_device_in_the_container_and_mount_options_reach_the_mount
     c.delete_pod("blk-reader");
     let bytes = std::fs::read(&image).unwrap();
     assert_eq!(&bytes[4096..4096 + 14], b"raw-from-a-pod", "the bytes are in the volume's file");
-    let ops = std::fs::read_to_string(c.node("node-a").agent_log()).unwrap();
-    assert!(
-        ops.lines().any(|l| l.contains("csi call done")
-            && l.contains("csi_unstage")
-            && l.contains("csi-blk")),
-        "kubelet unstaged the block volume"
+    // kubelet tears a deleted pod's volumes down after the pod is gone.
+    let log = c.node("node-a").agent_log();
+    wait_until_or(
+        Deadline::within(Duration::from_secs(60)).polling(Duration::from_millis(250)),
+        "kubelet to unstage the block volume",
+        || {
+            let ops = std::fs::read_to_string(&log).unwrap_or_default();
+            ops.lines()
+                .any(|l| {
+                    l.contains("csi call done")
+                        && l.contains("csi_unstage")
+                        && l.contains("csi-blk")
+                })
+                .then_some(())
+        },
+        || tail(&log),
     );
 
     let image = c.image("opts.img", 64);
