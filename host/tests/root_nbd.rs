@@ -95,7 +95,7 @@ fn an_unreachable_server_or_a_kernel_only_volume_is_refused_and_leaves_nothing()
         &node,
         &["mount", &dir, &nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere).to_string()],
     );
-    assert_failure(&r, "nbdfuse");
+    assert_failure(&r, "volagent nbd fuse");
     let mut kernel = nbd_options("pv1", "pod-a", "uid-a", "ext4", &nowhere);
     kernel["attach"] = "kernel".into();
     assert_failure(&driver(&node, &["mount", &dir, &kernel.to_string()]), "kernel's nbd driver");

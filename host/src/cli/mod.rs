@@ -112,7 +112,9 @@ impl Cli {
 
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
-            Command::Agent { .. } | Command::Controller { .. } | Command::Nbd { .. } => "info",
+            Command::Agent { .. } | Command::Controller { .. } => "info",
+            // fuser warns of each FUSE call it is not given (xattrs…).
+            Command::Nbd { .. } => "info,fuser=error",
             Command::Plugin { .. }
             | Command::Status { .. }
             | Command::Crds { .. }

@@ -2,7 +2,8 @@
 //! local files or block devices, or Ceph RBD images through librbd (for
 //! tests, benchmarks, the agent's helper servers, and nodes that serve a
 //! disk to others: over a Unix socket or loopback, or beyond loopback over
-//! TLS to clients with certificates).
+//! TLS to clients with certificates); and `volagent nbd fuse`, the
+//! agent's userspace client, which serves an export as a file.
 
 use crate::nbd::{ClientAuth, Exports, Listener, Server, Settings, Timeouts};
 use crate::sys::export_file::FileExport;
@@ -11,10 +12,37 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+// Parsed once per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, clap::Subcommand)]
 pub enum NbdCommand {
     /// Serve exports until SIGTERM or Ctrl-C.
     Serve(ServeArgs),
+    /// Serve an export as the file FILE (its dir becomes a FUSE mount)
+    /// until the mount is unmounted: how the agent attaches an export on a
+    /// node without the kernel's nbd driver.
+    Fuse(FuseArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct FuseArgs {
+    /// The server: "unix:PATH" or "HOST:PORT".
+    #[arg(long)]
+    server: String,
+    /// The export's name (empty: the default export).
+    #[arg(long, default_value = "")]
+    export: String,
+    /// Up to this many connections, when the server allows more than one.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=16))]
+    connections: u8,
+    /// Refuse writes.
+    #[arg(long)]
+    read_only: bool,
+    /// Write this process's pid here once the file is served.
+    #[arg(long, value_name = "FILE")]
+    pid_file: Option<PathBuf>,
+    /// `<mount dir>/<file name>`.
+    file: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -119,7 +147,10 @@ fn parse_export(s: &str) -> Result<(String, PathBuf), String> {
 }
 
 pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
-    let NbdCommand::Serve(args) = command;
+    let args = match command {
+        NbdCommand::Serve(args) => args,
+        NbdCommand::Fuse(args) => return fuse(&args),
+    };
     let exports = Exports::default();
     let mut images = Vec::new();
     for (name, path) in &args.exports {
@@ -236,4 +267,20 @@ fn close_images(images: Vec<Arc<crate::sys::rbd_export::RbdExport>>) {
             }
         }
     }
+}
+
+fn fuse(args: &FuseArgs) -> anyhow::Result<ExitCode> {
+    if args.export.len() > 4096 || args.export.contains('\0') {
+        anyhow::bail!("an export name is at most 4096 bytes, without NUL");
+    }
+    crate::sys::nbd::fuse_file::FuseFile {
+        server: &args.server,
+        export: &args.export,
+        file: &args.file,
+        connections: args.connections,
+        read_only: args.read_only,
+        pid_file: args.pid_file.as_deref(),
+    }
+    .serve()?;
+    Ok(ExitCode::SUCCESS)
 }

@@ -172,8 +172,7 @@ impl Run<'_> {
             }
             return Ok(device);
         }
-        let uri = crate::sys::nbd::uri(server, export);
-        if self.sys.fuse_clients.connect(&key, &uri, connections, read_only)? {
+        if self.sys.fuse_clients.connect(&key, server, export, connections, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key.clone()));
         }
         let device = self.sys.devices.loop_attach(&self.sys.fuse_clients.file(&key), read_only)?;

@@ -68,13 +68,13 @@ impl Run<'_> {
             RbdAttach::Auto if helper() => Ok(RbdAttach::Nbd),
             RbdAttach::Auto if fuse() => Ok(RbdAttach::Fuse),
             RbdAttach::Auto => Err(refused(format!(
-                "{image}: this node has no way to map it: no kernel rbd driver, no librbd with an NBD client (nbd.ko or nbdfuse), no rbd-fuse"
+                "{image}: this node has no way to map it: no kernel rbd driver, no librbd with an NBD client (nbd.ko or /dev/fuse), no rbd-fuse"
             ))),
             RbdAttach::Kernel if !kernel() => {
                 Err(missing("the kernel's rbd driver (no rbd module)", "nbd, fuse or auto"))
             }
             RbdAttach::Nbd if !helper() => Err(missing(
-                "the agent's NBD server on librbd (librbd, and nbd.ko or nbdfuse)",
+                "the agent's NBD server on librbd (librbd, and nbd.ko or /dev/fuse)",
                 "kernel, fuse or auto",
             )),
             RbdAttach::Fuse if !fuse() => {

@@ -10,6 +10,7 @@
 //! is the [`listener`]'s to check: Unix sockets only root and the server's
 //! own uid, TCP beyond loopback only clients with certificates.
 
+pub mod client;
 pub mod deadline;
 pub mod export;
 pub mod handshake;

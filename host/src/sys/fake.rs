@@ -460,7 +460,8 @@ impl FuseClients for Fake {
     fn connect(
         &self,
         key: &str,
-        uri: &str,
+        server: &str,
+        export: &str,
         _connections: u8,
         read_only: bool,
     ) -> Result<bool, SysError> {
@@ -469,7 +470,8 @@ impl FuseClients for Fake {
         if s.nbd_clients.contains_key(key) {
             return Ok(false);
         }
-        s.nbd_clients.insert(key.to_string(), (uri.to_string(), read_only));
+        let uri = super::nbd::uri(server, export);
+        s.nbd_clients.insert(key.to_string(), (uri, read_only));
         s.files.insert(file);
         Ok(true)
     }

@@ -203,6 +203,15 @@ pub fn refresh_capacity(device: &Path) -> Result<(), SysError> {
         });
     }
     let dev = File::open(device).map_err(io("open", device))?;
+    // The capacity is read from the backing file's inode. A file served by
+    // FUSE (an NBD export through `volagent nbd fuse`) learns a new size
+    // only when asked: a stat asks. Nothing to do when it cannot be reached.
+    if let Some(name) = device.file_name().and_then(|n| n.to_str()) {
+        let sysfs = format!("/sys/block/{name}/loop/backing_file");
+        if let Ok(backing) = std::fs::read_to_string(&sysfs) {
+            let _ = std::fs::metadata(backing.trim_end_matches('\n'));
+        }
+    }
     // SAFETY: LOOP_SET_CAPACITY takes no argument; the fd is open.
     unsafe { loop_set_capacity(dev.as_raw_fd()) }
         .map_err(errno("refresh the capacity of", device))?;

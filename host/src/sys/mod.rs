@@ -390,21 +390,22 @@ pub trait KernelNbd: Send + Sync {
 }
 
 /// Userspace clients, by a key the caller derives from the export, each a
-/// FUSE mount exposing its export as a file: nbdfuse's, started here, and
+/// FUSE mount exposing its export as a file: `volagent nbd fuse`, started here, and
 /// rbd-fuse's, started by [`RbdFuse`] — both listed, watched and stopped
 /// here.
 pub trait FuseClients: Send + Sync {
-    /// The file nbdfuse client `key` exposes its export as (running or not).
+    /// The file NBD client `key` exposes its export as (running or not).
     fn file(&self, key: &str) -> PathBuf;
     /// The file rbd-fuse client `key` exposes `image` as (running or not).
     fn rbd_fuse_file(&self, key: &str, image: &str) -> PathBuf;
-    /// Start nbdfuse client `key` for the export at `uri`, and return once
-    /// it serves [`file`](Self::file); true when it was started, false
-    /// when it was running already.
+    /// Start userspace client `key` for `server`'s `export`, and return
+    /// once it serves [`file`](Self::file); true when it was started,
+    /// false when it was running already.
     fn connect(
         &self,
         key: &str,
-        uri: &str,
+        server: &str,
+        export: &str,
         connections: u8,
         read_only: bool,
     ) -> Result<bool, SysError>;
@@ -440,7 +441,7 @@ pub trait ExportHelpers: Send + Sync {
         read_only: bool,
     ) -> Result<bool, SysError>;
     /// Whether an rbd helper can serve on this node: librbd loads, and the
-    /// node has a way to reach an export (the nbd driver or nbdfuse).
+    /// node has a way to reach an export (the nbd driver or FUSE).
     fn rbd_available(&self) -> bool;
     /// Where helper server `key` listens: "unix:/path".
     fn server_address(&self, key: &str) -> String;

@@ -566,7 +566,9 @@ pub struct RbdExport {
     image: Handle,
     /// Released after the image (fields drop after `Drop::drop`).
     pool: Pool,
-    size: u64,
+    /// The size last read: librbd's, which follows a resize made anywhere
+    /// (it watches the image's header), so a grown image is served whole.
+    size: std::sync::atomic::AtomicU64,
     read_only: bool,
     name: String,
     identity: (u64, String),
@@ -589,7 +591,7 @@ impl RbdExport {
         let mut export = RbdExport {
             image,
             pool,
-            size: 0,
+            size: Default::default(),
             read_only,
             name: format!("{}/{}", target.pool, target.image),
             identity,
@@ -600,7 +602,7 @@ impl RbdExport {
         if ret < 0 {
             return Err(export.pool.rados.fail("read the image's size", ret));
         }
-        export.size = size;
+        export.size = size.into();
         Ok(export)
     }
 
@@ -624,7 +626,16 @@ impl Drop for RbdExport {
 
 impl Export for RbdExport {
     fn size(&self) -> u64 {
-        self.size
+        use std::sync::atomic::Ordering;
+        let mut size = 0u64;
+        // SAFETY: open image; librbd reads its cached header (refreshed
+        // when another client changed it).
+        let ret = unsafe { (self.api().rbd_get_size)(self.image, &mut size) };
+        if ret < 0 {
+            return self.size.load(Ordering::Relaxed);
+        }
+        self.size.store(size, Ordering::Relaxed);
+        size
     }
 
     fn read_only(&self) -> bool {

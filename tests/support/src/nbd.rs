@@ -101,10 +101,11 @@ pub fn driver(node: &Node, args: &[&str]) -> (i32, Value) {
     driver::run_driver(Command::new(node.driver_of("node-a", "nbd")).args(args))
 }
 
-/// nbdfuse processes whose mount lies under `dir`.
+/// Userspace NBD client processes (ours, nbdfuse, rbd-fuse) whose mount lies under `dir`.
 pub fn clients_under(dir: &Path) -> Vec<i32> {
     crate::scratch::processes_under(dir, |a| {
         a.first().is_some_and(|p| p.ends_with("nbdfuse") || p.ends_with("rbd-fuse"))
+            || a.get(1..3).is_some_and(|s| s[0] == "nbd" && s[1] == "fuse")
     })
 }
 

@@ -1,4 +1,4 @@
-//! Where the userspace clients (nbdfuse, rbd-fuse) and the helper servers
+//! Where the userspace clients (`volagent nbd fuse`, rbd-fuse) and the helper servers
 //! keep their files: beneath one dir of the agent's state, each named
 //! after its client's key, so that the next agent finds what the last one
 //! left — clients and helpers outlive the agent.
@@ -66,16 +66,20 @@ impl Layout {
         self.base.join(format!("{key}.keyring"))
     }
 
-    /// Client `key`'s pid, when its process runs (and is nbdfuse or
-    /// rbd-fuse, not a process that took over a stale pid).
+    /// Client `key`'s pid, when its process runs (and is a client: this
+    /// binary's `nbd fuse`, rbd-fuse, or the nbdfuse an older agent
+    /// started; not a process that took over a stale pid).
     pub fn client_pid(&self, key: &str) -> Option<nix::unistd::Pid> {
         let pid: i32 = std::fs::read_to_string(self.pid_file(key)).ok()?.trim().parse().ok()?;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let argv0 = cmdline.split(|b| *b == 0).next()?;
-        Path::new(std::str::from_utf8(argv0).ok()?)
-            .file_name()
-            .is_some_and(|n| n == "nbdfuse" || n == "rbd-fuse")
-            .then(|| nix::unistd::Pid::from_raw(pid))
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let name = Path::new(std::str::from_utf8(args.first()?).ok()?).file_name()?;
+        let ours = std::env::current_exe().ok();
+        let is_client = name == "nbdfuse"
+            || name == "rbd-fuse"
+            || (ours.as_deref().and_then(Path::file_name) == Some(name)
+                && args.get(1..3) == Some(&[&b"nbd"[..], &b"fuse"[..]][..]));
+        is_client.then(|| nix::unistd::Pid::from_raw(pid))
     }
 
     /// Every key a file here is named after: clients, helper servers and

@@ -1,6 +1,7 @@
 //! Userspace NBD clients for nodes without the kernel's nbd driver:
-//! `nbdfuse` exposes an export as the file `<base>/<key>/<key>` (a FUSE mount
-//! at `<base>/<key>`), which the executor attaches to a loop device. rbd-fuse
+//! `volagent nbd fuse` (this binary, [`super::fuse_file`]) exposes an export
+//! as the file `<base>/<key>/<key>` (a FUSE mount at `<base>/<key>`), which
+//! the executor attaches to a loop device. rbd-fuse
 //! clients ([`crate::sys::rbd_fuse`]) are FUSE clients too, kept the same
 //! way: listed, watched and stopped here.
 //!
@@ -17,6 +18,9 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// How errors name the client.
+const CLIENT: &str = "volagent nbd fuse";
 
 #[derive(Debug)]
 pub struct Clients {
@@ -39,7 +43,7 @@ impl Clients {
     pub fn new(base: PathBuf) -> Clients {
         Clients {
             files: Layout::new(base),
-            program: PathBuf::from("nbdfuse"),
+            program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("volagent")),
             ready_timeout: Duration::from_secs(20),
             stop_timeout: Duration::from_secs(5),
             checks: Default::default(),
@@ -161,7 +165,7 @@ impl Clients {
         true
     }
 
-    /// Whether client `key`'s process runs (nbdfuse or rbd-fuse).
+    /// Whether client `key`'s process runs (ours or rbd-fuse).
     pub(crate) fn running(&self, key: &str) -> Option<nix::unistd::Pid> {
         self.files.client_pid(key)
     }
@@ -180,7 +184,8 @@ impl FuseClients for Clients {
     fn connect(
         &self,
         key: &str,
-        uri: &str,
+        server: &str,
+        export: &str,
         connections: u8,
         read_only: bool,
     ) -> Result<bool, SysError> {
@@ -200,18 +205,21 @@ impl FuseClients for Clients {
         let log = std::fs::File::create(self.files.log_file(key))
             .map_err(io("create", &self.files.log_file(key)))?;
         let mut cmd = Command::new(&self.program);
-        cmd.arg("-P").arg(&pid_file).arg("-C").arg(connections.to_string());
+        cmd.args(["nbd", "fuse", "--server", server, "--export", export, "--pid-file"])
+            .arg(&pid_file)
+            .arg("--connections")
+            .arg(connections.clamp(1, 16).to_string());
         if read_only {
-            cmd.arg("-r");
+            cmd.arg("--read-only");
         }
-        cmd.arg(self.file(key)).arg(uri);
+        cmd.arg(self.file(key));
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone().map_err(io("dup", &self.files.log_file(key)))?)
             .stderr(log);
         // Its own process group: signals to the agent's (Ctrl-C, a
         // supervisor stopping it) do not reach it.
         cmd.process_group(0);
-        let mut child = cmd.spawn().map_err(io("run nbdfuse for", &dir))?;
+        let mut child = cmd.spawn().map_err(io("run the NBD client for", &dir))?;
         let deadline = Instant::now() + self.ready_timeout;
         loop {
             if pid_file.exists() {
@@ -220,7 +228,7 @@ impl FuseClients for Clients {
             if let Ok(Some(status)) = child.try_wait() {
                 let _ = std::fs::remove_dir(&dir);
                 return Err(SysError::Command {
-                    program: "nbdfuse",
+                    program: CLIENT,
                     path: dir,
                     message: format!("{status}: {}", self.log_tail(key)),
                 });
@@ -231,7 +239,7 @@ impl FuseClients for Clients {
                 let _ = self.clear_stale_mount(key);
                 let _ = std::fs::remove_dir(&dir);
                 return Err(SysError::Timeout {
-                    program: "nbdfuse",
+                    program: CLIENT,
                     path: dir,
                     secs: self.ready_timeout.as_secs(),
                 });
@@ -254,9 +262,9 @@ impl FuseClients for Clients {
             if let Err(e) = nix::mount::umount2(&dir, nix::mount::MntFlags::empty()) {
                 // Still held (a loop device not yet released): unmount
                 // lazily; the client ends when the last user lets go.
-                tracing::debug!(dir = %dir.display(), "nbdfuse unmount: {e}; detaching lazily");
+                tracing::debug!(dir = %dir.display(), "NBD client unmount: {e}; detaching lazily");
                 nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH)
-                    .map_err(errno("unmount nbdfuse", &dir))?;
+                    .map_err(errno("unmount the NBD client", &dir))?;
             }
             if let Some(pid) = pid
                 && !self.wait_gone(pid, key, self.stop_timeout)

@@ -6,6 +6,7 @@
 
 pub mod files;
 pub mod fuse;
+pub mod fuse_file;
 pub mod helpers;
 pub mod kernel;
 
