@@ -10,7 +10,7 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -298,10 +298,15 @@ fn pods_on_two_nodes_share_a_gluster_volume() {
 /// Dynamic provisioning under a real kubelet, with no sidecar: a claim on
 /// a volagent rbd class gets an image and a bound PV from the controller
 /// (its policy deciding, its own Ceph user making it); a pod on node-a
-/// writes to it through the agent's CSI driver; a VolumeSnapshot of it is
-/// restored into a second claim, which a pod on node-b reads the note
-/// from; deleted, everything goes — snapshot, images, PVs. Prints how long
-/// a claim takes to be Bound.
+/// writes to it through the agent's CSI driver (librbd behind the agent's
+/// NBD helper and its FUSE client: this kernel has no rbd or nbd driver)
+/// and, while it runs, the claim is grown: the image, then kubelet's
+/// NodeExpandVolume grow the mounted xfs, and the pod writes more than
+/// the old size held. A VolumeSnapshot of it is restored into a second
+/// claim, which a pod on node-b reads the note from; deleted, everything
+/// goes — snapshot, images, PVs. Prints how long a claim takes to be Bound
+/// and the growth to be seen in the pod. (xfs: ext4 grows online only
+/// with CAP_SYS_RESOURCE, which this machine's root lacks.)
 #[test]
 fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_another_node() {
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -345,9 +350,10 @@ fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_anoth
     let class: StorageClass = serde_json::from_value(json!({
         "metadata": { "name": "rbd-dynamic" },
         "provisioner": "rbd.csi.volagent.io",
-        "parameters": { "storageCluster": "ceph", "csi.storage.k8s.io/fstype": "ext4" },
+        "parameters": { "storageCluster": "ceph", "csi.storage.k8s.io/fstype": "xfs" },
         "reclaimPolicy": "Delete",
         "volumeBindingMode": "Immediate",
+        "allowVolumeExpansion": true,
     }))
     .unwrap();
     c.rt.block_on(Api::<StorageClass>::all(client.clone()).create(&PostParams::default(), &class))
@@ -366,11 +372,12 @@ fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_anoth
     .unwrap();
 
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
-    let new_claim = |name: &str, source: Option<serde_json::Value>| {
+    // xfs needs 300 MB at least.
+    let new_claim = |name: &str, size: &str, source: Option<serde_json::Value>| {
         let mut spec = json!({
             "storageClassName": "rbd-dynamic",
             "accessModes": ["ReadWriteOnce"],
-            "resources": { "requests": { "storage": "64Mi" } },
+            "resources": { "requests": { "storage": size } },
         });
         if let Some(source) = source {
             spec["dataSource"] = source;
@@ -391,18 +398,58 @@ fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_anoth
         }
         asked.elapsed()
     };
-    let bound_in = new_claim("data", None);
+    let bound_in = new_claim("data", "320Mi", None);
     println!("claim → Bound (image made, PV made, bound by the PV binder): {bound_in:?}");
     let volume = |claim: &str| json!({ "persistentVolumeClaim": { "claimName": claim } });
-    c.create_pod(pod(
+    // The writer notes the time and its filesystem's size, says it is
+    // ready, waits (at most 120 s) for the filesystem to grow by more than
+    // 100 MiB, then writes 320 MiB — more than the old filesystem held —
+    // and syncs.
+    c.create_pod(pod_with(
         "writer",
         "node-a",
-        "date +%s%N > /data/note && cat /data/note > /dev/termination-log",
+        "size() { df -m /data | awk 'NR==2 {print $2}'; } && \
+         date +%s%N > /data/note && sync && old=$(size) && touch /tmp/ready && \
+         i=0; while [ $(size) -le $((old + 100)) ]; do \
+           i=$((i+1)); [ $i -gt 1200 ] && exit 3; sleep 0.1; done && \
+         dd if=/dev/zero of=/data/more bs=1M count=320 conv=fsync 2>/dev/null && \
+         cat /data/note > /dev/termination-log",
         &[("data", volume("data"))],
+        Some("test -e /tmp/ready"),
+        "Never",
     ));
-    let done = c.wait_pod("writer", "Succeeded", |p| phase(p) == "Succeeded");
+    c.wait_pod("writer", "Ready", is_ready);
+    let grown_at = std::time::Instant::now();
+    let grow = json!({ "spec": { "resources": { "requests": { "storage": "512Mi" } } } });
+    c.rt.block_on(claims.patch("data", &PatchParams::default(), &Patch::Merge(&grow))).unwrap();
+    let done =
+        c.wait_pod("writer", "Succeeded", |p| matches!(phase(p).as_str(), "Succeeded" | "Failed"));
+    assert_eq!(
+        phase(done.as_ref()),
+        "Succeeded",
+        "the writer did not see its volume grow\n{}\n{}",
+        tail(&c.scratch.path("controller.log")),
+        tail(&c.node("node-a").agent_log())
+    );
+    println!("claim grown → the pod wrote past the old size: {:?}", grown_at.elapsed());
     let written = output(done.as_ref()).expect("the writer's output");
     assert!(written.trim().len() > 10, "{written:?}");
+    // kubelet records the growth on the claim once the node grew it.
+    let asked = std::time::Instant::now();
+    loop {
+        let claim = c.rt.block_on(claims.get("data")).unwrap();
+        let status = claim.status.unwrap_or_default();
+        let capacity = status.capacity.unwrap_or_default().get("storage").map(|q| q.0.clone());
+        let pending = status.conditions.unwrap_or_default().iter().any(|c| c.status == "True");
+        if matches!(capacity.as_deref(), Some("512Mi" | "536870912")) && !pending {
+            break;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(60),
+            "the claim says {capacity:?}, conditions pending: {pending}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     c.delete_pod("writer");
 
     // The snapshot, once the writer's node let go of the volume.
@@ -427,7 +474,7 @@ fn a_dynamic_rbd_claim_serves_a_pod_and_its_snapshot_restores_for_a_pod_on_anoth
     }
     let source =
         json!({ "apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "snap" });
-    new_claim("restored", Some(source));
+    new_claim("restored", "512Mi", Some(source));
     c.create_pod(pod(
         "reader",
         "node-b",
