@@ -1,7 +1,7 @@
 //! An RBD image as a block device on a node without rbd.ko or nbd.ko, two
 //! ways, on the same image of a real Ceph in the same run: volagent's NBD
-//! server in front of librbd, reached through nbdfuse on a loop device (the
-//! agent's userspace attach path), against `rbd-fuse` on a loop device (the
+//! server in front of librbd, reached through the agent's own FUSE client
+//! (`volagent nbd fuse`) on a loop device (its userspace attach path), against `rbd-fuse` on a loop device (the
 //! fallback Ceph itself ships). fio, direct I/O on each loop device (and
 //! the loop devices' own I/O to their files direct too, past the page cache):
 //! sequential read and write (1 MiB, depth 8), 4 KiB random read and write
@@ -111,7 +111,7 @@ fn main() {
         &format!("rbd/{image}"),
     ]));
 
-    // volagent: librbd behind the NBD server, nbdfuse, a loop device.
+    // volagent: librbd behind the NBD server, its FUSE client, a loop device.
     let target = RbdTarget {
         client: CephClient {
             conf: Some(conf.clone()),
@@ -131,20 +131,21 @@ fn main() {
     let socket = scratch.path("nbd.sock");
     let server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None)
         .expect("server");
-    let nbd_dir = scratch.path("nbdfuse");
-    std::fs::create_dir_all(&nbd_dir).expect("nbdfuse dir");
-    let pid = scratch.path("nbdfuse.pid");
-    let nbdfuse = Fuse {
-        child: Command::new("nbdfuse")
-            .arg("-P")
+    let nbd_dir = scratch.path("nbd-fuse");
+    std::fs::create_dir_all(&nbd_dir).expect("client dir");
+    let pid = scratch.path("nbd-fuse.pid");
+    let client = Fuse {
+        child: Command::new(env!("CARGO_BIN_EXE_volagent"))
+            .args(["nbd", "fuse", "--server"])
+            .arg(format!("unix:{}", socket.display()))
+            .arg("--pid-file")
             .arg(&pid)
             .arg(nbd_dir.join("disk"))
-            .arg(format!("nbd+unix:///?socket={}", socket.display()))
             .spawn()
-            .expect("nbdfuse"),
+            .expect("volagent nbd fuse"),
         dir: nbd_dir.clone(),
     };
-    wait_for("nbdfuse", || pid.exists());
+    wait_for("volagent nbd fuse", || pid.exists());
     let ours = losetup(&nbd_dir.join("disk"));
 
     // rbd-fuse: the image as a file, a loop device.
@@ -191,7 +192,7 @@ fn main() {
         run(Command::new("losetup").arg("-d").arg(dev));
     }
     drop(rbd_fuse);
-    drop(nbdfuse);
+    drop(client);
     drop(server);
     let _ = Command::new("rbd")
         .arg("-c")

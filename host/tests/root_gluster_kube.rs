@@ -274,3 +274,95 @@ fn the_csi_controller_provisions_gluster_directories_limited_by_quota_that_nodes
     assert!(!dir.join("bricks/v0").join(&path).exists());
     assert_eq!(dirs.state(&v0, &path).unwrap(), None);
 }
+
+/// The same volumes through Kubernetes objects, with no sidecar: a claim
+/// on a gluster class gets a PV of its own directory (the cluster's PV
+/// binder binds them), limited by its quota; the claim grown, the quota and
+/// the PV follow (and the claim waits for kubelet's node expansion, as
+/// external-resizer leaves it); the claim deleted, the PV, the directory
+/// and the record go.
+#[test]
+fn claims_on_a_gluster_class_get_quota_limited_directories_that_grow_and_go_with_them() {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::storage::v1::StorageClass;
+    use kube::api::{Patch, PatchParams};
+    let (dir, host) = gluster();
+    let mut c = Cluster::start(VOLAGENT, &["node-a"], &[GLUSTER]);
+    create_storage_cluster(&c, "gluster-k", &host);
+    let assets = volagent_kube_env::node::node_assets().expect("scripts/node-assets");
+    let _kcm = volagent_kube_env::node::ControllerManager::start_with(
+        &c.env,
+        &c.scratch.path(""),
+        &assets,
+        "persistentvolume-binder,pv-protection,pvc-protection",
+    )
+    .expect("kube-controller-manager");
+    ceph_cluster::provisioning_controller(&mut c);
+    let class: StorageClass = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "gluster-shared" },
+        "provisioner": "gluster.csi.volagent.io",
+        "parameters": { "storageCluster": "gluster-k", "volume": "v0" },
+        "reclaimPolicy": "Delete",
+        "allowVolumeExpansion": true,
+        "volumeBindingMode": "Immediate",
+    }))
+    .unwrap();
+    c.rt.block_on(Api::<StorageClass>::all(c.client()).create(&Default::default(), &class))
+        .unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.client(), "default");
+    let pvs: Api<PersistentVolume> = Api::all(c.client());
+    let object: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "shared", "namespace": "default" },
+        "spec": { "storageClassName": "gluster-shared", "accessModes": ["ReadWriteMany"],
+                  "resources": { "requests": { "storage": "32Mi" } } },
+    }))
+    .unwrap();
+    let claim = c.rt.block_on(claims.create(&Default::default(), &object)).unwrap();
+    let pv_name = format!("pvc-{}", claim.metadata.uid.unwrap());
+    let path = format!("volagent/{pv_name}");
+    let phase = || {
+        c.rt.block_on(claims.get("shared"))
+            .unwrap()
+            .status
+            .and_then(|s| s.phase)
+            .unwrap_or_default()
+    };
+    c.wait("claim shared to be Bound", || phase() == "Bound");
+
+    let pv = c.rt.block_on(pvs.get(&pv_name)).unwrap();
+    let spec = pv.spec.unwrap();
+    let csi = spec.csi.unwrap();
+    assert_eq!(csi.driver, "gluster.csi.volagent.io");
+    assert_eq!(csi.volume_handle, format!("gluster-k.v0.{pv_name}"));
+    let attributes = csi.volume_attributes.unwrap_or_default();
+    assert_eq!(attributes.get("subdir"), Some(&path), "{attributes:?}");
+    assert_eq!(spec.capacity.unwrap()["storage"].0, (32 << 20).to_string());
+    assert_eq!(spec.access_modes.unwrap(), ["ReadWriteMany"]);
+    assert_eq!(spec.persistent_volume_reclaim_policy.as_deref(), Some("Delete"));
+    assert!(dir.join("bricks/v0").join(&path).is_dir());
+    assert_eq!(brick_limit(&dir, &path), Some(32 << 20));
+
+    // Grown: the quota, then the PV; the claim waits for the node.
+    let grow =
+        serde_json::json!({ "spec": { "resources": { "requests": { "storage": "48Mi" } } } });
+    c.rt.block_on(claims.patch("shared", &PatchParams::default(), &Patch::Merge(&grow))).unwrap();
+    c.wait("the PV to grow", || {
+        c.rt.block_on(pvs.get(&pv_name)).unwrap().spec.unwrap().capacity.unwrap()["storage"].0
+            == (48 << 20).to_string()
+    });
+    assert_eq!(brick_limit(&dir, &path), Some(48 << 20));
+    let conditions = c.rt.block_on(claims.get("shared")).unwrap().status.unwrap().conditions;
+    assert!(
+        conditions.unwrap_or_default().iter().any(|c| c.type_ == "FileSystemResizePending"),
+        "the claim waits for kubelet's NodeExpandVolume"
+    );
+
+    // Deleted: the PV, the directory, the record.
+    c.rt.block_on(claims.delete("shared", &Default::default())).unwrap();
+    let records: Api<volagent::kube::crds::ProvisionRecord> = Api::all(c.client());
+    c.wait("the PV, the directory and the record to go", || {
+        c.rt.block_on(pvs.get_opt(&pv_name)).unwrap().is_none()
+            && !dir.join("bricks/v0").join(&path).exists()
+            && c.rt.block_on(records.list(&Default::default())).unwrap().items.is_empty()
+    });
+}

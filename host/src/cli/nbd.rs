@@ -38,6 +38,12 @@ pub struct FuseArgs {
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
+    /// Ask the server for the export's size again at each stat of the file
+    /// (a connection of its own each time): for servers whose exports grow,
+    /// as the agent's helper does when an rbd image is resized. Without
+    /// it, the size the server said at connect is served.
+    #[arg(long)]
+    follow_size: bool,
     /// Write this process's pid here once the file is served.
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
@@ -279,6 +285,7 @@ fn fuse(args: &FuseArgs) -> anyhow::Result<ExitCode> {
         file: &args.file,
         connections: args.connections,
         read_only: args.read_only,
+        follow_size: args.follow_size,
         pid_file: args.pid_file.as_deref(),
     }
     .serve()?;

@@ -340,7 +340,7 @@ fn handshake(s: &mut Stream, server: &str, export: &str) -> Result<ExportInfo, C
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nbd::{Export, Exports, Listener, Server, export::Memory};
+    use crate::nbd::{Exports, Listener, Server, export::Memory};
     use std::sync::Arc;
 
     fn serve(size: usize) -> (tempfile::TempDir, Server, String) {

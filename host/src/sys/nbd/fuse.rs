@@ -212,6 +212,11 @@ impl FuseClients for Clients {
         if read_only {
             cmd.arg("--read-only");
         }
+        // The agent's own helper for this export (librbd's image, a local
+        // file) may grow it; other servers are asked the size once.
+        if server == format!("unix:{}", self.files.socket(key).display()) {
+            cmd.arg("--follow-size");
+        }
         cmd.arg(self.file(key));
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone().map_err(io("dup", &self.files.log_file(key)))?)

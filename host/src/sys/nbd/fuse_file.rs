@@ -1,10 +1,13 @@
 //! `volagent nbd fuse`: an NBD export served as one file in a FUSE mount of
 //! its own, for nodes without the kernel's nbd driver (the executor puts a
 //! loop device on the file). It replaces nbdfuse on that path for two
-//! reasons: a stat of the file asks the server for the export's size again,
-//! so a volume grown under a mounted filesystem is seen (the loop device
-//! and the filesystem are then grown over it); and the FUSE connection is
-//! this project's own to keep and, later, hand over.
+//! reasons: with `follow_size`, a stat of the file asks the server for the
+//! export's size again, so a volume grown under a mounted filesystem is
+//! seen (the loop device and the filesystem are then grown over it); and
+//! the FUSE connection is this project's own to keep and, later, hand over.
+//! (Only where the server may grow an export and takes more connections:
+//! the agent's own helper. qemu-nbd, by default, serves one client at a
+//! time, and a size question would wait for the first to leave.)
 //!
 //! Requests run on `connections` threads, each with its own NBD connection
 //! when the server says writes on one are seen on all (multi-conn), else on
@@ -49,6 +52,8 @@ pub struct FuseFile<'a> {
     pub file: &'a Path,
     pub connections: u8,
     pub read_only: bool,
+    /// Ask the export's size again at each stat.
+    pub follow_size: bool,
     /// Written once the mount serves (how the agent knows it is up).
     pub pid_file: Option<&'a Path>,
 }
@@ -83,6 +88,7 @@ impl FuseFile<'_> {
             name: name.to_os_string(),
             size: AtomicU64::new(info.size),
             read_only,
+            follow_size: self.follow_size,
             pool,
             next: AtomicUsize::new(0),
             started: SystemTime::now(),
@@ -117,6 +123,7 @@ struct ExportFs {
     /// The size last heard from the server.
     size: AtomicU64,
     read_only: bool,
+    follow_size: bool,
     pool: Vec<Mutex<Client>>,
     next: AtomicUsize,
     started: SystemTime,
@@ -156,6 +163,9 @@ impl ExportFs {
     /// The export's size as the server says it now; the last known one
     /// when it cannot say.
     fn refresh_size(&self) {
+        if !self.follow_size {
+            return;
+        }
         match Client::probe(&self.server, &self.export, PROBE_TIMEOUT) {
             Ok(ExportInfo { size, .. }) => {
                 let old = self.size.swap(size, Ordering::Relaxed);
@@ -183,7 +193,8 @@ impl ExportFs {
     }
 }
 
-/// Attributes are never cached: each stat asks the size again.
+/// Attributes are never cached: with `follow_size`, each stat asks the
+/// size again.
 const NO_CACHE: Duration = Duration::ZERO;
 
 impl Filesystem for ExportFs {
