@@ -289,14 +289,7 @@ fn claims_on_a_gluster_class_get_quota_limited_directories_that_grow_and_go_with
     let (dir, host) = gluster();
     let mut c = Cluster::start(VOLAGENT, &["node-a"], &[GLUSTER]);
     create_storage_cluster(&c, "gluster-k", &host);
-    let assets = volagent_kube_env::node::node_assets().expect("scripts/node-assets");
-    let _kcm = volagent_kube_env::node::ControllerManager::start_with(
-        &c.env,
-        &c.scratch.path(""),
-        &assets,
-        "persistentvolume-binder,pv-protection,pvc-protection",
-    )
-    .expect("kube-controller-manager");
+    let _kcm = c.pv_binder();
     ceph_cluster::provisioning_controller(&mut c);
     let class: StorageClass = serde_json::from_value(serde_json::json!({
         "metadata": { "name": "gluster-shared" },

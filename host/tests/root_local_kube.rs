@@ -37,7 +37,6 @@ trait LocalCluster {
     fn comes_back(&self, name: &str, old_uid: &str, secs: u64) -> PersistentVolume;
     fn events_of(&self, pv: &str) -> Vec<String>;
     fn status(&self, node: &str) -> serde_json::Value;
-    fn controller_manager(&self) -> volagent_kube_env::node::ControllerManager;
 }
 
 impl LocalCluster for Cluster {
@@ -173,18 +172,6 @@ impl LocalCluster for Cluster {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()
     }
-
-    fn controller_manager(&self) -> volagent_kube_env::node::ControllerManager {
-        let assets = volagent_kube_env::node::node_assets()
-            .expect("kube-controller-manager (scripts/node-assets)");
-        volagent_kube_env::node::ControllerManager::start_with(
-            &self.env,
-            &self.scratch.path(""),
-            &assets,
-            "persistentvolume-binder,pv-protection,pvc-protection",
-        )
-        .expect("kube-controller-manager")
-    }
 }
 
 fn phase(pv: &PersistentVolume) -> String {
@@ -227,7 +214,7 @@ fn pv_name(node: &str, class: &str, path: &Path) -> String {
 #[test]
 fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
     let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[LOCAL_PV]);
-    let _kcm = c.controller_manager();
+    let _kcm = c.pv_binder();
     c.storage_class("local-fast", &[("wipe", "zero")]);
     let (dir_a, dir_b) = (c.scratch.path("local-a"), c.scratch.path("local-b"));
     std::fs::create_dir_all(&dir_a).unwrap();
@@ -354,7 +341,7 @@ fn discovered_volumes_become_pvs_and_come_back_wiped_after_release() {
 #[test]
 fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
     let mut c = Cluster::start(VOLAGENT, &["node-a"], &[LOCAL_PV]);
-    let _kcm = c.controller_manager();
+    let _kcm = c.pv_binder();
     c.storage_class("local-slow", &[("wipe", "shred:2")]);
     let dir = c.scratch.path("local-a");
     std::fs::create_dir_all(&dir).unwrap();
@@ -467,7 +454,7 @@ fn a_wipe_cut_short_is_started_again_and_a_failed_one_ends_in_error() {
 #[test]
 fn faults_at_wipe_and_clear_directory_end_in_error_and_the_admins_retry_succeeds() {
     let mut c = Cluster::start(VOLAGENT, &["node-a"], &[LOCAL_PV]);
-    let _kcm = c.controller_manager();
+    let _kcm = c.pv_binder();
     c.storage_class("local-faulty", &[("wipe", "zero")]);
     let dir = c.scratch.path("local-a");
     let fs1 = dir.join("fs1");
@@ -588,7 +575,7 @@ fn an_edited_or_aliased_local_pv_is_refused_and_a_wipe_needs_a_released_pv() {
         assert_failure, assert_success, kubelet_options, run_driver,
     };
     let mut c = Cluster::start(VOLAGENT, &["node-a"], &[LOCAL_PV]);
-    let _kcm = c.controller_manager();
+    let _kcm = c.pv_binder();
     c.storage_class("local-strict", &[("wipe", "zero")]);
     let dir = c.scratch.path("local-a");
     std::fs::create_dir_all(&dir).unwrap();
@@ -757,7 +744,7 @@ fn a_dynamic_local_class_hands_discovered_volumes_to_claims_and_takes_them_back_
     const CLASS: &str = "local-dyn";
     const SELECTED: &str = "volume.kubernetes.io/selected-node";
     let mut c = Cluster::start(VOLAGENT, &["node-a", "node-b"], &[LOCAL_PV]);
-    let _kcm = c.controller_manager();
+    let _kcm = c.pv_binder();
     let sc: StorageClass = serde_json::from_value(serde_json::json!({
         "metadata": { "name": CLASS },
         "provisioner": "local-pv.csi.volagent.io",

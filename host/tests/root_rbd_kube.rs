@@ -1071,14 +1071,7 @@ fn claims_grow_snapshot_and_restore_through_kubernetes_objects_without_sidecars(
     // The admin installs the snapshot API; the PV binder and the
     // protection controllers run as in any cluster.
     ceph_cluster::install_snapshot_crds(&c);
-    let assets = volagent_kube_env::node::node_assets().expect("scripts/node-assets");
-    let _kcm = volagent_kube_env::node::ControllerManager::start_with(
-        &c.env,
-        &c.scratch.path(""),
-        &assets,
-        "persistentvolume-binder,pv-protection,pvc-protection",
-    )
-    .expect("kube-controller-manager");
+    let _kcm = c.pv_binder();
     ceph_cluster::provisioning(&mut c);
     let class: StorageClass = serde_json::from_value(serde_json::json!({
         "metadata": { "name": "rbd-grow" },

@@ -211,6 +211,21 @@ impl Cluster {
     }
 
     /// Waits up to a minute, asking every 100 ms (the API server, mostly).
+    /// kube-controller-manager with the PV binder and the protection
+    /// controllers only, as any cluster runs them: what binds provisioned
+    /// PVs to their claims. Stopped when dropped.
+    pub fn pv_binder(&self) -> volagent_kube_env::node::ControllerManager {
+        let assets = volagent_kube_env::node::node_assets()
+            .expect("kube-controller-manager (scripts/node-assets)");
+        volagent_kube_env::node::ControllerManager::start_with(
+            &self.env,
+            &self.scratch.path(""),
+            &assets,
+            "persistentvolume-binder,pv-protection,pvc-protection",
+        )
+        .expect("kube-controller-manager")
+    }
+
     pub fn wait(&self, what: &str, done: impl FnMut() -> bool) {
         let deadline =
             Deadline::within(Duration::from_secs(60)).polling(Duration::from_millis(100));
