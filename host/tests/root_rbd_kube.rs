@@ -739,9 +739,9 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         };
         assert_eq!(code(ctl.controller_expand_volume(no_range).await).0, Code::InvalidArgument);
         // On this machine the image is mapped through the agent's NBD
-        // helper, which serves the size it opened: the filesystem cannot
-        // grow until the volume is staged again (krbd sees it at once: the
-        // VM tier). The node says so rather than pretending.
+        // helper and its FUSE client, which asks the helper the size again:
+        // the mounted filesystem grows online.
+        let before = statvfs_bytes(&target);
         let expand = NodeExpandVolumeRequest {
             volume_id: made.volume_id.clone(),
             volume_path: target.clone(),
@@ -752,9 +752,10 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         let mut node = volagent::csi::proto::csi::node_client::NodeClient::new(
             volagent::csi::client::connect(node_socket.clone()).await.unwrap(),
         );
-        let (got, why) = code(node.node_expand_volume(expand).await);
-        assert_eq!(got, Code::OutOfRange, "{why}");
-        assert!(why.contains("has not grown enough"), "{why}");
+        let grown = node.node_expand_volume(expand).await.unwrap().into_inner();
+        assert_eq!(grown.capacity_bytes, 400 * MIB);
+        let after = statvfs_bytes(&target);
+        assert!(after > before + (60 << 20), "the mounted filesystem grew: {before} -> {after}");
 
         // A snapshot, idempotent by name, listed, and restored as a clone.
         let snap_req = CreateSnapshotRequest {
@@ -813,8 +814,8 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         (snap, r)
     });
 
-    // Staged again, the device has the new size, and the node grows the
-    // filesystem to it.
+    // Staged again, the filesystem keeps its new size, and growing it
+    // again is success with nothing to do.
     csi_unpublish_and_unstage(&c, "node-a", &made.volume_id);
     let target = c.csi_stage_and_publish_fs("node-a", &made.volume_id, &attrs, "xfs");
     let before = statvfs_bytes(&target);
@@ -833,7 +834,8 @@ fn the_csi_controller_provisions_rbd_images_as_the_policy_plans_with_the_specs_c
         .unwrap();
     });
     let after = statvfs_bytes(&target);
-    assert!(after > before + (60 << 20), "the filesystem grew: {before} -> {after}");
+    assert_eq!(after, before, "the filesystem kept the size it grew to");
+    assert!(after > 300 << 20, "{after}");
     assert_eq!(std::fs::read(format!("{target}/data")).unwrap(), b"provisioned");
     csi_unpublish_and_unstage(&c, "node-a", &made.volume_id);
 
