@@ -303,7 +303,13 @@ impl Agent {
             let tag = sys.devices.loop_tag();
             for (key, running) in sys.fuse_clients.clients()? {
                 let file = sys.fuse_clients.file(&key);
-                match (loops.iter().any(|l| l.is_over_client_file(&file, tag)), running) {
+                // An rbd-fuse client's file is named after its image, not
+                // its key: any file in the client's dir is its.
+                let used = loops.iter().any(|l| {
+                    l.is_over_client_file(&file, tag)
+                        || (file.parent().is_some() && l.backing_file.parent() == file.parent())
+                });
+                match (used, running) {
                     // A kernel connection's (helper server), seen to above.
                     (false, _) if kernel_keys.contains(&key) => {}
                     (true, true) => {}
