@@ -150,7 +150,20 @@ impl Run<'_> {
         if let Some(device) = self.sys.kernel_nbd.device(key) {
             return Ok(Some(device));
         }
-        Ok(self.loops_over(&self.sys.fuse_clients.file(key))?.into_iter().next())
+        // Only a running client's device, over its file where it is now:
+        // one left over the file of a client that ended (its mount
+        // detached, or failing ENOTCONN) would fail every request.
+        let file = self.sys.fuse_clients.file(key);
+        if !self.sys.fuse_clients.clients()?.into_iter().any(|(k, running)| k == key && running) {
+            return Ok(None);
+        }
+        Ok(self
+            .sys
+            .devices
+            .loop_devices()?
+            .into_iter()
+            .find(|l| l.backing_file == file)
+            .map(|l| l.device))
     }
 
     /// Connect `server`'s `export` as export `key`'s device: a kernel nbd
