@@ -18,6 +18,7 @@ pub mod listener;
 pub mod local;
 pub mod metrics;
 pub mod model;
+pub mod mounter;
 pub mod nbd;
 pub mod ops;
 pub mod plugin;

@@ -72,11 +72,21 @@ impl AcceptPause {
     }
 
     pub async fn wait(&mut self, listener: &str, e: &std::io::Error) {
+        tokio::time::sleep(self.failed(listener, e)).await;
+    }
+
+    /// [`wait`](Self::wait) for a blocking accept loop.
+    pub fn wait_blocking(&mut self, listener: &str, e: &std::io::Error) {
+        std::thread::sleep(self.failed(listener, e));
+    }
+
+    fn failed(&mut self, listener: &str, e: &std::io::Error) -> Duration {
         if self.failures == 0 {
             tracing::warn!("{listener}: cannot accept a connection ({e}); pausing and retrying");
         }
         self.failures += 1;
-        tokio::time::sleep(self.next).await;
+        let pause = self.next;
         self.next = (self.next * 2).min(Duration::from_secs(1));
+        pause
     }
 }

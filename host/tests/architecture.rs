@@ -30,7 +30,8 @@ const BELOW_THE_EDGES: &[&str] = &[
 ];
 
 /// The edges, as paths in the crate.
-const EDGE_MODULES: &[&str] = &["cli", "socket", "csi", "kube", "plugin", "provision", "http"];
+const EDGE_MODULES: &[&str] =
+    &["cli", "socket", "csi", "kube", "plugin", "provision", "http", "mounter"];
 
 /// The crates of the edges' wire formats.
 const EDGE_CRATES: &[&str] = &["volagent_protocol", "tonic", "prost", "k8s_openapi", "kube"];

@@ -106,6 +106,12 @@ pub struct AgentArgs {
     /// hanging the mounts and unmounts that wait on it.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     nbd_hung_after: Duration,
+    /// The node's mounter (`volagent mounter`): the processes volumes need
+    /// while mounted (userspace NBD clients and helper servers, rbd-fuse,
+    /// GlusterFS clients) are started there, in a pod of their own, so that
+    /// they outlive this agent's. Without it, the agent starts them itself.
+    #[arg(long, env = "VOLAGENT_MOUNTER")]
+    mounter: Option<PathBuf>,
     /// Do not serve CSI drivers (by default each backend is also the CSI
     /// driver `<backend>.csi.volagent.io`, registered with kubelet through
     /// <kubelet-root>/plugins_registry).
@@ -258,7 +264,27 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         })
         .collect::<anyhow::Result<_>>()?;
     let tag = crate::ops::loop_tag(&node, &config.state_dir);
-    let sys = Sys::linux_with(roots, &tag, config.state_dir.join("nbd"), args.nbd_hung_after);
+    let launcher: Arc<dyn crate::sys::launch::Launcher> = match &args.mounter {
+        Some(socket) => {
+            let mounter = crate::sys::launch::remote::Remote::new(socket.clone());
+            // Only said here: the mounter may start after the agent, and
+            // each launch names the socket when it cannot be reached.
+            match mounter.hello() {
+                Ok(m) => tracing::info!(
+                    socket = %socket.display(),
+                    version = m.version,
+                    protocol = m.protocol,
+                    running = m.running,
+                    "the node's mounter starts the processes volumes need"
+                ),
+                Err(e) => tracing::warn!("the node's mounter does not answer yet: {e}"),
+            }
+            Arc::new(mounter)
+        }
+        None => Arc::new(crate::sys::launch::Local::default()),
+    };
+    let sys =
+        Sys::linux_with(roots, &tag, config.state_dir.join("nbd"), args.nbd_hung_after, launcher);
     // The chaos tier's hooks exist only in a build for tests.
     #[cfg(feature = "testing")]
     let sys = with_test_hooks(sys);

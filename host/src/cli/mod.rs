@@ -3,6 +3,7 @@
 mod agent;
 mod controller;
 mod local;
+mod mounter;
 mod nbd;
 mod plugin;
 mod plugin_new;
@@ -63,6 +64,12 @@ enum Command {
         #[command(subcommand)]
         command: local::LocalCommand,
     },
+    /// Run the node's mounter: it starts, on the agent's request, the
+    /// processes mounted volumes need, in a pod that outlives the agent's.
+    Mounter {
+        #[command(flatten)]
+        args: mounter::MounterArgs,
+    },
     /// The agent's NBD server, on its own.
     Nbd {
         #[command(subcommand)]
@@ -112,7 +119,7 @@ impl Cli {
 
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
-            Command::Agent { .. } | Command::Controller { .. } => "info",
+            Command::Agent { .. } | Command::Controller { .. } | Command::Mounter { .. } => "info",
             // fuser warns of each FUSE call it is not given (xattrs…).
             Command::Nbd { .. } => "info,fuser=error",
             Command::Plugin { .. }
@@ -130,6 +137,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Status { args } => status::run(args),
         Command::Plugin { command, limits } => plugin::run(command, limits.limits()),
         Command::Controller { args, limits } => controller::run(args, limits.limits()),
+        Command::Mounter { args } => mounter::run(args),
         Command::Nbd { command } => nbd::run(command),
         Command::Local { command } => local::run(command),
         Command::Crds { dir: None, snapshots } => {

@@ -5,13 +5,10 @@
 //! wrong or unreachable server leaves nothing mounted or running. A failed
 //! mount's error quotes the end of the client's log.
 
+use super::launch::{Launch, Launcher, Program};
 use super::{SysError, io};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
-
-/// The helper (glusterfs-client).
-const HELPER: &str = "mount.glusterfs";
 
 /// A checked gluster source: "host:/volume", or "host:/volume/subdir"
 /// for a directory beneath the volume's root (names of letters, digits,
@@ -118,6 +115,7 @@ fn clean_up(target: &Path) {
 /// helper, within `deadline`. Retried once without `auto_unmount` when the
 /// client refuses that option.
 pub fn mount(
+    launcher: &dyn Launcher,
     source: &str,
     target: &Path,
     options: &str,
@@ -133,32 +131,33 @@ pub fn mount(
     if let Some(dir) = log.as_ref().and_then(|l| l.parent()) {
         std::fs::create_dir_all(dir).map_err(io("mkdir", dir))?;
     }
-    match attempt(source, target, &options, log.as_deref(), deadline) {
+    match attempt(launcher, source, target, &options, log.as_deref(), deadline) {
         Err(SysError::Command { message, .. })
             if message.contains("auto_unmount") && without_auto_unmount(&options).is_some() =>
         {
             tracing::warn!(target = %target.display(), "this glusterfs client does not take auto_unmount; mounting without it");
             let options = without_auto_unmount(&options).unwrap_or_default();
-            attempt(source, target, &options, log.as_deref(), deadline)
+            attempt(launcher, source, target, &options, log.as_deref(), deadline)
         }
         other => other,
     }
 }
 
 fn attempt(
+    launcher: &dyn Launcher,
     source: &str,
     target: &Path,
     options: &str,
     log: Option<&Path>,
     deadline: Duration,
 ) -> Result<(), SysError> {
-    let mut cmd = Command::new(HELPER);
-    cmd.arg(source).arg(target);
+    // Its FUSE client must outlive the agent: started by the launcher.
+    let mut launch = Launch::new(Program::MountGlusterfs, target).arg(source).arg(target);
     if !options.is_empty() {
-        cmd.arg("-o").arg(options);
+        launch = launch.arg("-o").arg(options);
     }
     let fuse = |fs: &str| fs.starts_with("fuse");
-    match super::mount_helper::run(&mut cmd, HELPER, target, deadline, fuse, "") {
+    match super::mount_helper::launch(launcher, launch, target, deadline, fuse, "") {
         Ok(()) => Ok(()),
         Err(e) => {
             clean_up(target);

@@ -44,12 +44,24 @@ pub struct Linux {
     pub deadlines: Deadlines,
     roots: Roots,
     tag: String,
+    /// Where FUSE clients of mounts (GlusterFS) are started.
+    launcher: std::sync::Arc<dyn super::launch::Launcher>,
 }
 
 impl Linux {
     /// Act beneath `roots`; loop devices attached carry `tag`.
     pub fn new(roots: Roots, tag: &str) -> Linux {
-        Linux { deadlines: Deadlines::default(), roots, tag: tag.to_string() }
+        Linux {
+            deadlines: Deadlines::default(),
+            roots,
+            tag: tag.to_string(),
+            launcher: std::sync::Arc::new(super::launch::Local::default()),
+        }
+    }
+
+    /// This node, its mounts' FUSE clients started by `launcher`.
+    pub fn with_launcher(self, launcher: std::sync::Arc<dyn super::launch::Launcher>) -> Linux {
+        Linux { launcher, ..self }
     }
 
     /// No roots: only what needs none (the mount table, loop devices by
@@ -217,6 +229,7 @@ impl Mounts for Linux {
             // roots (the agent's own staging dir, which nobody else writes).
             drop(dir);
             return super::gluster_mount::mount(
+                &*self.launcher,
                 source,
                 target,
                 options,

@@ -22,6 +22,7 @@ pub mod gluster_mount;
 pub mod inspect;
 pub mod keyring;
 pub mod krbd;
+pub mod launch;
 pub mod linux;
 pub mod loopdev;
 pub mod missing;
@@ -578,11 +579,18 @@ impl Sys {
     /// carry `tag`; userspace NBD clients and helper servers live in
     /// `nbd_dir` (beneath the agent's state dir).
     pub fn linux(roots: Roots, tag: &str, nbd_dir: PathBuf) -> Sys {
-        Sys::linux_with(roots, tag, nbd_dir, nbd::kernel::DEFAULT_REQUEST_TIMEOUT)
+        Sys::linux_with(
+            roots,
+            tag,
+            nbd_dir,
+            nbd::kernel::DEFAULT_REQUEST_TIMEOUT,
+            Arc::new(launch::Local::default()),
+        )
     }
 
     /// [`linux`](Self::linux), the kernel failing an NBD request (and its
-    /// connection) that takes longer than `nbd_request_timeout`. What the
+    /// connection) that takes longer than `nbd_request_timeout`, and the
+    /// processes volumes need started by `launcher`. What the
     /// node lacks (the nbd or rbd module, rbd-fuse) is found here, once,
     /// and passed in as [`missing::Missing`].
     pub fn linux_with(
@@ -590,8 +598,9 @@ impl Sys {
         tag: &str,
         nbd_dir: PathBuf,
         nbd_request_timeout: std::time::Duration,
+        launcher: Arc<dyn launch::Launcher>,
     ) -> Sys {
-        let node = Arc::new(linux::Linux::new(roots, tag));
+        let node = Arc::new(linux::Linux::new(roots, tag).with_launcher(launcher.clone()));
         let mut devices = nbd::kernel::NbdDevices::new(nbd_dir.clone());
         devices.request_timeout = nbd_request_timeout;
         let kernel_nbd: Arc<dyn KernelNbd> = if devices.available() {
@@ -605,7 +614,8 @@ impl Sys {
                 ),
             })
         };
-        let fuse_clients = Arc::new(nbd::fuse::Clients::new(nbd_dir.clone()));
+        let fuse_clients =
+            Arc::new(nbd::fuse::Clients::new(nbd_dir.clone()).with_launcher(launcher.clone()));
         let rbd_fuse: Arc<dyn RbdFuse> = if rbd_fuse::RbdFuseClients::installed() {
             Arc::new(rbd_fuse::RbdFuseClients::new(fuse_clients.clone()))
         } else {
@@ -627,7 +637,9 @@ impl Sys {
             mounts: node.clone(),
             devices: node.clone(),
             filesystems: node,
-            export_helpers: Arc::new(nbd::helpers::Helpers::new(nbd_dir, kernel_nbd.clone())),
+            export_helpers: Arc::new(
+                nbd::helpers::Helpers::new(nbd_dir, kernel_nbd.clone()).with_launcher(launcher),
+            ),
             kernel_nbd,
             fuse_clients,
             rbd_fuse,

@@ -3,6 +3,7 @@
 //! the kernel's mount table shows the mount, not on the helper's word.
 
 use super::SysError;
+use super::launch::{Launch, Launcher, Output};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -21,20 +22,44 @@ pub fn run(
 ) -> Result<(), SysError> {
     cmd.stdout(std::process::Stdio::piped());
     let out = super::tool::run_with(cmd, program, target, deadline)?;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let out =
+        Output { exit: out.status.into(), stdout: text(&out.stdout), stderr: text(&out.stderr) };
+    judge(out, program, target, is_type, context)
+}
+
+/// [`run`], the helper started by `launcher` (the node's mounter, for a
+/// FUSE client that must outlive the agent).
+pub fn launch(
+    launcher: &dyn Launcher,
+    launch: Launch,
+    target: &Path,
+    deadline: Duration,
+    is_type: impl Fn(&str) -> bool,
+    context: &str,
+) -> Result<(), SysError> {
+    let program = launch.program.name();
+    let out = launcher.run(launch, deadline)?;
+    judge(out, program, target, is_type, context)
+}
+
+fn judge(
+    out: Output,
+    program: &'static str,
+    target: &Path,
+    is_type: impl Fn(&str) -> bool,
+    context: &str,
+) -> Result<(), SysError> {
     let mounted =
         super::mountinfo::own()?.iter().any(|m| m.mount_point == target && is_type(&m.fs_type));
-    if out.status.success() && mounted {
+    if out.exit.success && mounted {
         return Ok(());
     }
-    let said = format!(
-        "{} {}",
-        String::from_utf8_lossy(&out.stdout).trim(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
+    let said = format!("{} {}", out.stdout.trim(), out.stderr.trim());
     Err(SysError::Command {
         program,
         path: target.to_path_buf(),
-        message: format!("{}{context}: {}", out.status, said.trim()),
+        message: format!("{}{context}: {}", out.exit, said.trim()),
     })
 }
 

@@ -3,13 +3,12 @@
 //! Its clients live beside nbdfuse's ([`super::nbd::fuse`]), which lists,
 //! watches and stops them; this starts them.
 
+use super::launch::{Launch, Program};
 use super::nbd::files::remove_keyring;
 use super::nbd::fuse::Clients;
 use super::rbd_export::RbdTarget;
 use super::{FuseClients, RbdFuse, SysError, io};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 /// rbd-fuse, where the node has it installed.
@@ -90,23 +89,22 @@ impl RbdFuse for RbdFuseClients {
         ));
         let log_path = self.clients.files().log_file(key);
         let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
-        let mut cmd = Command::new("rbd-fuse");
-        cmd.arg("-f").arg("-c").arg(client.conf.as_deref().unwrap_or(Path::new("/dev/null")));
-        cmd.args(["-p", &target.pool, "-r", &target.image]);
+        let mut launch = Launch::new(Program::RbdFuse, &dir)
+            .arg("-f")
+            .arg("-c")
+            .arg(client.conf.as_deref().unwrap_or(Path::new("/dev/null")))
+            .args(["-p", &target.pool, "-r", &target.image]);
         if read_only {
-            cmd.args(["-o", "ro"]);
+            launch = launch.args(["-o", "ro"]);
         }
-        cmd.arg(&dir).env("CEPH_ARGS", ceph_args);
-        cmd.stdin(Stdio::null())
-            .stdout(log.try_clone().map_err(io("dup", &log_path))?)
-            .stderr(log)
-            .process_group(0);
+        let mut launch = launch.arg(&dir).log_to(log)?;
+        launch.env.push(("CEPH_ARGS".into(), ceph_args));
         let file = self.clients.rbd_fuse_file(key, &target.image);
-        let ready = cmd.spawn().map_err(io("run rbd-fuse for", &dir)).and_then(|child| {
+        let ready = self.clients.launcher().spawn(launch).and_then(|child| {
             // It mounts first and connects to the cluster after, when the
             // kernel's first request comes: the image's file is there
             // once it has connected (and read the keyring).
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let pid = nix::unistd::Pid::from_raw(child.pid() as i32);
             self.clients.await_mount(key, child, "rbd-fuse")?;
             self.await_file(key, pid, &file)
         });

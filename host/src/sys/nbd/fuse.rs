@@ -12,11 +12,11 @@
 
 use super::files::Layout;
 use crate::sys::fusectl::AbortSwitch;
+use crate::sys::launch::{Launch, Launcher, Program, Spawned};
 use crate::sys::{FuseClients, SysError, errno, io};
 use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How errors name the client.
@@ -25,7 +25,8 @@ const CLIENT: &str = "volagent nbd fuse";
 #[derive(Debug)]
 pub struct Clients {
     files: Layout,
-    program: PathBuf,
+    /// Where clients are started: here, or in the node's mounter.
+    launcher: Arc<dyn Launcher>,
     /// How long a client may take to connect, and to end once unmounted.
     pub ready_timeout: Duration,
     pub stop_timeout: Duration,
@@ -43,11 +44,20 @@ impl Clients {
     pub fn new(base: PathBuf) -> Clients {
         Clients {
             files: Layout::new(base),
-            program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("volagent")),
+            launcher: Arc::new(crate::sys::launch::Local::default()),
             ready_timeout: Duration::from_secs(20),
             stop_timeout: Duration::from_secs(5),
             checks: Default::default(),
         }
+    }
+
+    /// Clients started by `launcher`.
+    pub fn with_launcher(self, launcher: Arc<dyn Launcher>) -> Clients {
+        Clients { launcher, ..self }
+    }
+
+    pub(crate) fn launcher(&self) -> &Arc<dyn Launcher> {
+        &self.launcher
     }
 
     /// Where the clients keep their files.
@@ -115,11 +125,11 @@ impl Clients {
     pub(crate) fn await_mount(
         &self,
         key: &str,
-        mut child: std::process::Child,
+        mut child: Box<dyn Spawned>,
         program: &'static str,
     ) -> Result<(), SysError> {
         let (dir, pid_file) = (self.files.dir(key), self.files.pid_file(key));
-        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
+        std::fs::write(&pid_file, child.pid().to_string()).map_err(io("write", &pid_file))?;
         let deadline = Instant::now() + self.ready_timeout;
         while self.mounted(key)?.is_none() {
             let failed = match child.try_wait() {
@@ -129,8 +139,7 @@ impl Clients {
                     message: format!("{status}: {}", self.log_tail(key)),
                 }),
                 _ if Instant::now() >= deadline => {
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    child.kill();
                     let _ = self.clear_stale_mount(key);
                     Some(SysError::Timeout {
                         program,
@@ -150,7 +159,7 @@ impl Clients {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        std::thread::spawn(move || drop(child.wait()));
+        child.keep();
         Ok(())
     }
 
@@ -204,27 +213,21 @@ impl FuseClients for Clients {
         }
         let log = std::fs::File::create(self.files.log_file(key))
             .map_err(io("create", &self.files.log_file(key)))?;
-        let mut cmd = Command::new(&self.program);
-        cmd.args(["nbd", "fuse", "--server", server, "--export", export, "--pid-file"])
+        let mut launch = Launch::new(Program::Volagent, &dir)
+            .args(["nbd", "fuse", "--server", server, "--export", export, "--pid-file"])
             .arg(&pid_file)
             .arg("--connections")
             .arg(connections.clamp(1, 16).to_string());
         if read_only {
-            cmd.arg("--read-only");
+            launch = launch.arg("--read-only");
         }
         // The agent's own helper for this export (librbd's image, a local
         // file) may grow it; other servers are asked the size once.
         if server == format!("unix:{}", self.files.socket(key).display()) {
-            cmd.arg("--follow-size");
+            launch = launch.arg("--follow-size");
         }
-        cmd.arg(self.file(key));
-        cmd.stdin(Stdio::null())
-            .stdout(log.try_clone().map_err(io("dup", &self.files.log_file(key)))?)
-            .stderr(log);
-        // Its own process group: signals to the agent's (Ctrl-C, a
-        // supervisor stopping it) do not reach it.
-        cmd.process_group(0);
-        let mut child = cmd.spawn().map_err(io("run the NBD client for", &dir))?;
+        let launch = launch.arg(self.file(key)).log_to(log)?;
+        let mut child = self.launcher.spawn(launch)?;
         let deadline = Instant::now() + self.ready_timeout;
         loop {
             if pid_file.exists() {
@@ -239,8 +242,7 @@ impl FuseClients for Clients {
                 });
             }
             if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 let _ = self.clear_stale_mount(key);
                 let _ = std::fs::remove_dir(&dir);
                 return Err(SysError::Timeout {
@@ -251,8 +253,7 @@ impl FuseClients for Clients {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        // Reap it when it ends, while this agent runs.
-        std::thread::spawn(move || drop(child.wait()));
+        child.keep();
         Ok(true)
     }
 

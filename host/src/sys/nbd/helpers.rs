@@ -5,18 +5,19 @@
 //! the next agent finds it by its pid file.
 
 use super::files::{Layout, last_lines, remove_keyring};
+use crate::sys::launch::{Launch, Launcher, Program};
 use crate::sys::rbd_export::RbdTarget;
 use crate::sys::{ExportHelpers, KernelNbd, SysError, io};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub struct Helpers {
     files: Layout,
-    /// The helper server: this agent's own binary.
+    /// The helper server: this agent's own binary (its name).
     program: PathBuf,
+    /// Where helpers are started: here, or in the node's mounter.
+    launcher: Arc<dyn Launcher>,
     /// How long a helper may take to listen, and to end once stopped.
     pub ready_timeout: Duration,
     pub stop_timeout: Duration,
@@ -31,35 +32,42 @@ impl Helpers {
         Helpers {
             files: Layout::new(base),
             program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("volagent")),
+            launcher: Arc::new(crate::sys::launch::Local::default()),
             ready_timeout: Duration::from_secs(20),
             stop_timeout: Duration::from_secs(5),
             kernel,
         }
     }
 
+    /// Helpers started by `launcher`.
+    pub fn with_launcher(self, launcher: Arc<dyn Launcher>) -> Helpers {
+        Helpers { launcher, ..self }
+    }
+
     /// `<this binary> nbd serve` on `key`'s socket, its log as stderr.
-    fn command(&self, key: &str, read_only: bool) -> Result<Command, SysError> {
+    fn command(&self, key: &str, read_only: bool) -> Result<Launch, SysError> {
         let base = self.files.base();
         std::fs::create_dir_all(base).map_err(io("mkdir", base))?;
         let log_path = self.files.server_log_file(key);
         let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
-        let mut cmd = Command::new(&self.program);
-        cmd.args(["nbd", "serve", "--unix"]).arg(self.files.socket(key));
+        let socket = self.files.socket(key);
+        let mut launch =
+            Launch::new(Program::Volagent, &socket).args(["nbd", "serve", "--unix"]).arg(&socket);
         if read_only {
-            cmd.arg("--read-only");
+            launch = launch.arg("--read-only");
         }
-        cmd.stdout(Stdio::null()).stderr(log).process_group(0);
-        Ok(cmd)
+        launch.stderr = Some(log);
+        Ok(launch)
     }
 
     /// Start helper `key` and return once its socket accepts (it opens
     /// its export before it listens).
-    fn start(&self, key: &str, mut cmd: Command) -> Result<bool, SysError> {
+    fn start(&self, key: &str, launch: Launch) -> Result<bool, SysError> {
         let socket = self.files.socket(key);
         let log_path = self.files.server_log_file(key);
-        let mut child = cmd.spawn().map_err(io("run the nbd server helper for", &socket))?;
+        let mut child = self.launcher.spawn(launch)?;
         let pid_file = self.files.server_pid_file(key);
-        std::fs::write(&pid_file, child.id().to_string()).map_err(io("write", &pid_file))?;
+        std::fs::write(&pid_file, child.pid().to_string()).map_err(io("write", &pid_file))?;
         let deadline = Instant::now() + self.ready_timeout;
         while std::os::unix::net::UnixStream::connect(&socket).is_err() {
             if let Ok(Some(status)) = child.try_wait() {
@@ -72,8 +80,7 @@ impl Helpers {
                 });
             }
             if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 let _ = std::fs::remove_file(&pid_file);
                 return Err(SysError::Timeout {
                     program: "volagent nbd serve",
@@ -83,7 +90,7 @@ impl Helpers {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        std::thread::spawn(move || drop(child.wait()));
+        child.keep();
         Ok(true)
     }
 
@@ -107,34 +114,35 @@ impl ExportHelpers for Helpers {
         if self.running(key).is_some() {
             return Ok(false);
         }
-        let mut cmd = self.command(key, read_only)?;
-        cmd.args(["--export-stdin", ""]).stdin(file);
-        self.start(key, cmd)
+        let mut launch = self.command(key, read_only)?.args(["--export-stdin", ""]);
+        launch.stdin = Some(file);
+        self.start(key, launch)
     }
 
     fn serve_rbd(&self, key: &str, target: &RbdTarget, read_only: bool) -> Result<bool, SysError> {
         if self.running(key).is_some() {
             return Ok(false);
         }
-        let mut cmd = self.command(key, read_only)?;
         let client = &target.client;
-        cmd.arg("--export-rbd")
+        let mut launch = self
+            .command(key, read_only)?
+            .arg("--export-rbd")
             .arg(format!("={}/{}", target.pool, target.image))
             .args(["--ceph-user", &client.user]);
         if let Some(monitors) = &client.monitors {
-            cmd.args(["--ceph-monitors", monitors]);
+            launch = launch.args(["--ceph-monitors", monitors]);
         }
         if let Some(conf) = &client.conf {
-            cmd.arg("--ceph-conf").arg(conf);
+            launch = launch.arg("--ceph-conf").arg(conf);
         }
         let client_file = self.files.client_file(key);
         let _ = std::fs::remove_file(&client_file);
-        cmd.arg("--ceph-client-file").arg(&client_file).stdin(Stdio::null());
+        launch = launch.arg("--ceph-client-file").arg(&client_file);
         let written = self.files.write_keyring(key, &target.client)?;
         if let Some(keyring) = written.as_ref().or(client.keyring.as_ref()) {
-            cmd.arg("--ceph-keyring").arg(keyring);
+            launch = launch.arg("--ceph-keyring").arg(keyring);
         }
-        let started = self.start(key, cmd);
+        let started = self.start(key, launch);
         // Read at connect; the helper serves only once it has connected.
         remove_keyring(written);
         started
