@@ -12,7 +12,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use volagent::kube::crds::Attachment;
 use volagent_test_support::daemonset_cluster::*;
 use volagent_test_support::kubelet_cluster::{
@@ -310,4 +312,192 @@ fn a_workload_keeps_its_volume_while_the_agent_pod_is_replaced() {
     assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted at {}", dir.display());
     c.wait("the record gone", || record(&c, "data").is_none().then_some(()));
     c.wait("no loop device left", || c.scratch.loops_left().is_empty().then_some(()));
+}
+
+/// Watches `file` grow from a thread: the longest it went without growing,
+/// from when [`Growth::window`] was last called.
+struct Growth {
+    stop: Arc<AtomicBool>,
+    longest: Arc<Mutex<Duration>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Growth {
+    fn watch(file: PathBuf) -> Growth {
+        let stop = Arc::new(AtomicBool::new(false));
+        let longest = Arc::new(Mutex::new(Duration::ZERO));
+        let (s, l) = (stop.clone(), longest.clone());
+        let thread = std::thread::spawn(move || {
+            let (mut size, mut since) = (0, Instant::now());
+            while !s.load(Ordering::SeqCst) {
+                let now = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+                if now != size {
+                    size = now;
+                    since = Instant::now();
+                }
+                let mut longest = l.lock().unwrap_or_else(|e| e.into_inner());
+                *longest = (*longest).max(since.elapsed());
+                drop(longest);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        Growth { stop, longest, thread: Some(thread) }
+    }
+
+    /// The longest stall since the last call.
+    fn window(&self) -> Duration {
+        std::mem::take(&mut *self.longest.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl Drop for Growth {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Processes of the userspace data path on the node: the agent's NBD client
+/// and helper server (run by the mounter, as the host's pids).
+fn data_path_processes() -> Vec<(i32, String)> {
+    let state = Path::new(NODE_PATHS[2].1);
+    let mut found: Vec<(i32, String)> =
+        volagent_test_support::scratch::processes_under(state, |a| {
+            a.get(1..3).is_some_and(|s| s[0] == "nbd" && (s[1] == "fuse" || s[1] == "serve"))
+        })
+        .into_iter()
+        .map(|p| (p, std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default()))
+        .collect();
+    found.sort();
+    found
+}
+
+/// A userspace volume — a local file behind the agent's helper NBD server,
+/// reached through its FUSE client and a loop device (this kernel has no
+/// nbd.ko) — keeps a workload writing and fsync-ing without one error while
+/// the agent's DaemonSet is rolled to a new image tag (RollingUpdate) and
+/// while the agent's container is SIGKILLed: the client and the helper are
+/// the mounter's (its own DaemonSet), not the agent's, so neither event
+/// touches them; each new agent adopts the volume. The workload's pod is
+/// never restarted, and every record it wrote is in the file afterwards.
+#[test]
+fn a_userspace_volume_serves_on_while_the_agent_is_rolled_and_killed() {
+    let c = DsCluster::start("node-roll");
+    let disk = c.disk("roll.img", 64);
+    create_volume(
+        &c.rt,
+        &c.client(),
+        "roll",
+        "nbd",
+        "ReadWriteOnce",
+        &[("file", disk.as_str()), ("attach", "userspace")],
+        c.kcm.as_ref().expect("kcm").log(),
+    );
+    // One record per loop, appended and fsynced (dd's conv=fsync); any
+    // failure ends the pod, which is never restarted.
+    let writer = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo $i >> /data/log || exit 1; dd if=/dev/null of=/data/log conv=notrunc,fsync 2>/dev/null || exit 2; done";
+    let fresh = "test $(( $(date +%s) - $(stat -c %Y /data/log) )) -lt 3";
+    let uid = c.create_pod(pod_with(
+        "app",
+        &c.node,
+        writer,
+        &[("data", claim("roll"))],
+        Some(fresh),
+        "Never",
+    ));
+    c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
+    let dir = Path::new(NODE_PATHS[0].1).join(format!("pods/{uid}/volumes/volagent~nbd/roll"));
+    let processes = data_path_processes();
+    assert_eq!(processes.len(), 2, "the client and the helper server: {processes:?}");
+    let mounter = c.wait_ready(MOUNTER_LABEL, 1).remove(0);
+    let mounter_pid = c.container_pid(&mounter, "mounter");
+    let growth = Growth::watch(dir.join("log"));
+    let lines = || std::fs::read_to_string(dir.join("log")).map(|s| s.lines().count()).unwrap_or(0);
+    let still_writing = |when: &str| {
+        let before = lines();
+        c.wait(&format!("app writing {when}"), || (lines() >= before + 20).then_some(()));
+        let app = c.pod("default", "app");
+        assert!(
+            is_ready(app.as_ref()) && restarts(app.as_ref()) == 0,
+            "app runs on, never restarted, {when}"
+        );
+        assert_eq!(data_path_processes(), processes, "the same client and helper {when}");
+    };
+    still_writing("before");
+    growth.window();
+
+    // (a) Rolled: the same image under a new tag; the DaemonSet controller
+    // replaces the agent's pod.
+    let first = c.agent_pod();
+    let (image_name, _) = c.image.rsplit_once(':').expect("a tag");
+    let rolled = format!("{image_name}:rolled");
+    c.containerd().ctr(&["images", "tag", &c.image, &rolled]).expect("tag the image");
+    let daemonsets: Api<DaemonSet> = Api::namespaced(c.client(), SYSTEM);
+    let patch = json!({ "spec": { "template": { "spec": { "containers": [
+        { "name": "agent", "image": rolled }
+    ] } } } });
+    c.rt.block_on(daemonsets.patch(
+        "volagent-agent",
+        &PatchParams::default(),
+        &Patch::Strategic(&patch),
+    ))
+    .expect("roll the agent's DaemonSet");
+    let second = c.wait("the rolled agent pod Ready", || {
+        let p = c.agent_pod();
+        let image = p.spec.as_ref().map(|s| s.containers[0].image.clone().unwrap_or_default());
+        (p.metadata.uid != first.metadata.uid && image.as_deref() == Some(rolled.as_str()))
+            .then_some(p)
+    });
+    still_writing("after the agent was rolled");
+    let adopted = c.wait("the rolled agent's reconciliation", || {
+        reconciliations(&c, &second).first().cloned()
+    });
+    assert_eq!(adopted["kept"].as_u64(), Some(1), "the rolled agent adopted the volume: {adopted}");
+    let rolled_stall = growth.window();
+
+    // (b) Killed: kubelet restarts the container in the same pod.
+    let id = container_id(&second, "agent");
+    c.containerd()
+        .ctr(&["tasks", "kill", "--signal", "SIGKILL", &id])
+        .expect("kill the agent's container");
+    c.wait("the agent restarted and Ready", || {
+        let p = c.pod(SYSTEM, &name(&second));
+        (restarts(p.as_ref()) >= 1 && is_ready(p.as_ref())).then_some(())
+    });
+    still_writing("after the agent was killed");
+    let adopted = c.wait("the restarted agent's reconciliation", || {
+        reconciliations(&c, &second).get(1).cloned()
+    });
+    assert_eq!(adopted["kept"].as_u64(), Some(1), "the restarted agent adopted it: {adopted}");
+    let killed_stall = growth.window();
+    assert_eq!(
+        c.container_pid(&c.wait_ready(MOUNTER_LABEL, 1).remove(0), "mounter"),
+        mounter_pid,
+        "the mounter was never restarted"
+    );
+    eprintln!(
+        "longest stall of the workload: {rolled_stall:?} while the agent was rolled, {killed_stall:?} while it was killed"
+    );
+    drop(growth);
+
+    c.delete_pod("default", "app");
+    c.wait("app gone", || c.pod("default", "app").is_none().then_some(()));
+    assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted at {}", dir.display());
+    c.wait("the client and the helper ended", || data_path_processes().is_empty().then_some(()));
+    c.wait("no loop device left", || c.scratch.loops_left().is_empty().then_some(()));
+    // Every record, in order, straight from the file's filesystem.
+    let out = std::process::Command::new("debugfs")
+        .args(["-R", "cat /log"])
+        .arg(c.scratch.path("disks/roll.img"))
+        .stderr(std::process::Stdio::null())
+        .output()
+        .expect("debugfs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let records: Vec<&str> = text.lines().collect();
+    assert!(records.len() > 60, "the workload wrote through it all: {} records", records.len());
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!(*r, (i + 1).to_string(), "record {} of {}", i + 1, records.len());
+    }
 }

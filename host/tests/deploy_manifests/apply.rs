@@ -59,6 +59,7 @@ async fn manifests_apply_in_order_to_a_real_apiserver_and_keep_every_field() -> 
     }
 
     workloads::agent_daemonset_is_as_a_node_needs(&all)?;
+    workloads::mounter_daemonset_outlives_the_agent(&all)?;
     workloads::controller_deployment_is_locked_down(&all)?;
     webhook::reviews_the_agents_writes_failing_closed(&all)?;
 

@@ -124,8 +124,15 @@ fn the_image_ships_what_the_daemonset_runs() -> anyhow::Result<()> {
 fn the_workloads_args_parse_as_the_binary_expects() -> anyhow::Result<()> {
     use clap::Parser;
     let all = manifests(&kustomization()?)?;
-    for kind in ["DaemonSet", "Deployment"] {
-        let w = all.iter().find(|m| m.kind() == kind).with_context(|| format!("no {kind}"))?;
+    let workloads: Vec<_> =
+        all.iter().filter(|m| ["DaemonSet", "Deployment"].contains(&m.kind())).collect();
+    assert_eq!(
+        workloads.len(),
+        3,
+        "the agent's and the mounter's DaemonSets, the controller's Deployment"
+    );
+    for w in workloads {
+        let kind = format!("{} {}", w.kind(), w.name());
         let args: Vec<String> = w.object["spec"]["template"]["spec"]["containers"][0]["args"]
             .as_array()
             .with_context(|| format!("the {kind}'s args"))?

@@ -2,6 +2,7 @@
 //! stored them.
 
 use super::*;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 /// The agent's DaemonSet: its update strategy, token, priority,
 /// tolerations, container, probes and host paths.
@@ -10,10 +11,16 @@ pub(crate) fn agent_daemonset_is_as_a_node_needs(all: &[Applied]) -> anyhow::Res
     let ds: DaemonSet =
         serde_json::from_value(applied(all, "DaemonSet", AGENT_SA)?.answer.clone())?;
     let spec = ds.spec;
+    let strategy = spec.update_strategy.clone().unwrap_or_default();
     assert_eq!(
-        spec.update_strategy.and_then(|u| u.type_).as_deref(),
-        Some("OnDelete"),
-        "FUSE daemons die with the agent's container: nodes are drained before it restarts"
+        strategy.type_.as_deref(),
+        Some("RollingUpdate"),
+        "nothing a volume needs runs in the agent's pod: it is rolled node by node"
+    );
+    assert_eq!(
+        strategy.rolling_update.and_then(|r| r.max_unavailable),
+        Some(IntOrString::Int(1)),
+        "one node's agent at a time"
     );
     let pod = spec.template.spec.context("pod spec")?;
     assert_eq!(pod.service_account_name.as_deref(), Some(AGENT_SA));
@@ -37,7 +44,7 @@ pub(crate) fn agent_daemonset_is_as_a_node_needs(all: &[Applied]) -> anyhow::Res
         "the cluster's CA: {sources:?}"
     );
     assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
-    assert_ne!(pod.host_pid, Some(true), "hostPID is not needed");
+    assert_eq!(pod.host_pid, Some(true), "the mounter's processes are found by their pids");
     let tolerations = pod.tolerations.clone().unwrap_or_default();
     assert!(
         tolerations.iter().any(|t| t.operator.as_deref() == Some("Exists")
@@ -69,6 +76,8 @@ pub(crate) fn agent_daemonset_is_as_a_node_needs(all: &[Applied]) -> anyhow::Res
             "/usr/libexec/kubernetes/kubelet-plugins/volume/exec",
             "--metrics-addr",
             "$(NODE_IP):9479",
+            "--mounter",
+            "/run/volagent/mounter.sock",
         ])
     );
     assert_eq!(agent.command, None, "the image's ENTRYPOINT (tini) stays");
@@ -107,6 +116,11 @@ pub(crate) fn agent_daemonset_is_as_a_node_needs(all: &[Applied]) -> anyhow::Res
                 Some("Bidirectional"),
                 "staging mounts made in the container must show on the host"
             ),
+            "/var/lib/volagent" => assert_eq!(
+                mount.mount_propagation.as_deref(),
+                Some("Bidirectional"),
+                "the mounter's FUSE mounts show here, and the agent's unmounts reach them"
+            ),
             "/lib/modules" => assert_eq!(mount.read_only, Some(true), "/lib/modules read-only"),
             "/run/volagent" => assert_eq!(host.type_.as_deref(), Some("DirectoryOrCreate")),
             _ => {}
@@ -126,6 +140,66 @@ pub(crate) fn agent_daemonset_is_as_a_node_needs(all: &[Applied]) -> anyhow::Res
             "hostPath {path} missing: {host_paths:?}"
         );
     }
+    Ok(())
+}
+
+/// The mounter's DaemonSet: replaced only when an operator deletes its pod,
+/// no API access, the agent's node paths where its processes mount, a
+/// readiness probe that asks it on its socket and no liveness probe.
+pub(crate) fn mounter_daemonset_outlives_the_agent(all: &[Applied]) -> anyhow::Result<()> {
+    let ds: DaemonSet =
+        serde_json::from_value(applied(all, "DaemonSet", "volagent-mounter")?.answer.clone())?;
+    let spec = ds.spec;
+    assert_eq!(
+        spec.update_strategy.and_then(|u| u.type_).as_deref(),
+        Some("OnDelete"),
+        "replacing the mounter ends its volumes' processes: only by an operator"
+    );
+    let pod = spec.template.spec.context("pod spec")?;
+    assert_eq!(pod.automount_service_account_token, Some(false), "no token");
+    assert!(
+        pod.volumes.iter().flatten().all(|v| v.projected.is_none() && v.secret.is_none()),
+        "no credentials of any kind"
+    );
+    assert_eq!((pod.host_pid, pod.host_network), (Some(true), Some(true)));
+    assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
+    let mounter = container(&pod, "mounter")?;
+    assert_eq!(mounter.image.as_deref(), Some("ghcr.io/volagent/volagent:0.1.0"));
+    assert_eq!(mounter.args, args(&["mounter", "--socket", "/run/volagent/mounter.sock"]));
+    assert_eq!(mounter.liveness_probe, None, "a restart would end every process it runs");
+    let probe = mounter.readiness_probe.as_ref().and_then(|p| p.exec.clone());
+    assert_eq!(
+        probe.and_then(|e| e.command),
+        args(&[
+            "/opt/volagent/volagent",
+            "mounter",
+            "--check",
+            "--socket",
+            "/run/volagent/mounter.sock"
+        ])
+    );
+    assert!(mounter.resources.as_ref().is_some_and(|r| r.limits.is_none()), "no limits");
+    let volumes = pod.volumes.clone().unwrap_or_default();
+    let mounts = mounter.volume_mounts.clone().unwrap_or_default();
+    for (path, propagation) in [
+        ("/dev", None),
+        ("/var/lib/kubelet", Some("Bidirectional")),
+        ("/var/lib/volagent", Some("Bidirectional")),
+        ("/run/volagent", None),
+    ] {
+        let mount = mounts
+            .iter()
+            .find(|m| m.mount_path == path)
+            .with_context(|| format!("{path} is not mounted"))?;
+        let volume = volumes
+            .iter()
+            .find(|v| v.name == mount.name)
+            .and_then(|v| v.host_path.clone())
+            .with_context(|| format!("{path} is no hostPath"))?;
+        assert_eq!(volume.path, path, "{path} at its host path");
+        assert_eq!(mount.mount_propagation.as_deref(), propagation, "{path}'s propagation");
+    }
+    assert_eq!(mounts.len(), 4, "only those: {mounts:?}");
     Ok(())
 }
 

@@ -39,6 +39,7 @@ pub const SYSTEM: &str = "volagent-system";
 /// The controller's namespace (its pods, Lease and webhook Service).
 pub const CONTROLLER_NS: &str = "volagent-controller";
 pub const AGENT_LABEL: &str = "app.kubernetes.io/name=volagent-agent";
+pub const MOUNTER_LABEL: &str = "app.kubernetes.io/name=volagent-mounter";
 pub const CONTROLLER_LABEL: &str = "app.kubernetes.io/name=volagent-controller";
 /// How long pods may take: the agent's image is imported and started, the
 /// DaemonSet controller retries until the service account's token exists,
@@ -138,6 +139,7 @@ impl DsCluster {
         ))
         .expect("node Ready");
         c.apply_deploy();
+        c.wait_ready(MOUNTER_LABEL, 1);
         c.wait_ready(AGENT_LABEL, 1);
         c.wait_ready(CONTROLLER_LABEL, 2);
         c
@@ -167,10 +169,12 @@ impl DsCluster {
         std::fs::write(overlay.join("kustomization.yaml"), kustomization)
             .expect("write the overlay");
         let out = self.kubectl(&["apply", "-k", &overlay.display().to_string()]);
-        assert!(
-            out.contains("daemonset.apps/volagent-agent created"),
-            "kubectl apply -k created the DaemonSet:\n{out}"
-        );
+        for ds in ["volagent-agent", "volagent-mounter"] {
+            assert!(
+                out.contains(&format!("daemonset.apps/{ds} created")),
+                "kubectl apply -k created the DaemonSet {ds}:\n{out}"
+            );
+        }
     }
 
     pub fn kubectl(&self, args: &[&str]) -> String {
@@ -284,6 +288,16 @@ impl DsCluster {
         }
         for log in self.agent_logs() {
             out += &tail(&log);
+        }
+        for log in container_logs("volagent-system_volagent-mounter-", "mounter") {
+            out += &tail(&log);
+        }
+        // The userspace clients' and helpers' own logs.
+        let nbd = Path::new(NODE_PATHS[2].1).join("nbd");
+        for entry in std::fs::read_dir(&nbd).into_iter().flatten().flatten() {
+            if entry.path().extension().is_some_and(|e| e == "log") {
+                out += &tail(&entry.path());
+            }
         }
         out + &tail(self.kcm.as_ref().expect("kcm").log())
     }
@@ -405,6 +419,16 @@ impl Drop for DsCluster {
         node::teardown(&self.scratch.path(""));
         for (_, path) in NODE_PATHS {
             node::unmount_below(Path::new(path));
+        }
+        // Loop devices the node's agent left (a test that failed with a
+        // volume attached): over files under the node's paths, which are
+        // not the scratch dir's, and tagged for this node's agent, whose
+        // next run would otherwise find them.
+        use volagent::sys::Devices;
+        let linux = volagent::sys::linux::Linux::unrooted();
+        let tag = volagent::ops::loop_tag(&self.node, Path::new(NODE_PATHS[2].1));
+        for l in linux.loop_devices().unwrap_or_default().into_iter().filter(|l| l.tag == tag) {
+            let _ = linux.loop_detach(&l.device);
         }
     }
 }

@@ -1,0 +1,449 @@
+//! The node's mounter (`volagent mounter`), with a standalone agent that
+//! starts the processes its volumes need there (`--mounter`): they are the
+//! mounter's children, not the agent's, so the agent and everything it
+//! started can be killed — what a container runtime does to a replaced
+//! pod — while a workload writes and fsyncs on, and the next agent adopts
+//! them. The mounter serves root only and starts only what a launch may
+//! name. Needs root.
+// Helpers outside #[test] fns: a failed setup step fails the test.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use volagent::sys::launch::wire;
+use volagent_test_support::agent::Node;
+use volagent_test_support::ceph::{Image, ceph_dir, volagent_key};
+use volagent_test_support::driver::{assert_success, kubelet_options, rbd_options};
+use volagent_test_support::nbd::*;
+use volagent_test_support::{wait_until, wait_until_or};
+
+const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
+
+/// A mounter on `socket`, ready.
+fn start_mounter(socket: &Path, log: &Path) -> Child {
+    let log = std::fs::File::create(log).unwrap();
+    let child = Command::new(VOLAGENT)
+        .args(["mounter", "--socket"])
+        .arg(socket)
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    wait_until(Duration::from_secs(10), "the mounter to answer", || {
+        Command::new(VOLAGENT)
+            .args(["mounter", "--check", "--socket"])
+            .arg(socket)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    child
+}
+
+fn parent_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // "pid (comm) state ppid ...": comm may hold spaces, not ')'.
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    after.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+/// `pid` and every process below it.
+fn tree_of(pid: i32) -> Vec<i32> {
+    let parents: Vec<(i32, i32)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse().ok())
+        .filter_map(|p: i32| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            let after = &stat[stat.rfind(')')? + 2..];
+            Some((p, after.split(' ').nth(1)?.parse().ok()?))
+        })
+        .collect();
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let p = tree[i];
+        tree.extend(parents.iter().filter(|(_, parent)| *parent == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    tree
+}
+
+/// A workload: 4 KiB appended and fsynced to `<dir>/log` without pause;
+/// how many, the errors, and the longest wait for one.
+struct Writer {
+    stop: Arc<AtomicBool>,
+    stats: Arc<Mutex<(u64, Vec<String>, Duration)>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Logs whose tails a failure shows.
+    logs: Vec<PathBuf>,
+    /// What it writes.
+    file: PathBuf,
+}
+
+impl Writer {
+    fn start(dir: &str) -> Writer {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(Mutex::new((0u64, Vec::new(), Duration::ZERO)));
+        // Unique: a shared volume (gluster's) keeps the files of other runs.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        let path =
+            PathBuf::from(dir).join(format!("log-{}-{}", std::process::id(), nanos.as_nanos()));
+        let file = path.clone();
+        let (s, st) = (stop.clone(), stats.clone());
+        let thread = std::thread::spawn(move || {
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap();
+            let mut n = 0u64;
+            while !s.load(Ordering::SeqCst) {
+                let started = Instant::now();
+                let mut record = format!("{n:016}\n").into_bytes();
+                record.resize(4096, b'.');
+                *record.last_mut().unwrap() = b'\n';
+                let done = f.write_all(&record).and_then(|_| f.sync_data());
+                let took = started.elapsed();
+                let mut stats = st.lock().unwrap();
+                match done {
+                    Ok(()) => {
+                        stats.0 += 1;
+                        n += 1;
+                    }
+                    Err(e) => stats.1.push(e.to_string()),
+                }
+                stats.2 = stats.2.max(took);
+                if stats.1.len() >= 3 {
+                    // A failed filesystem only fails again.
+                    break;
+                }
+            }
+        });
+        Writer { stop, stats, thread: Some(thread), logs: Vec::new(), file }
+    }
+
+    fn written(&self) -> u64 {
+        self.stats.lock().unwrap().0
+    }
+
+    /// Wait for `more` writes beyond now.
+    fn goes_on(&self, more: u64, when: &str) {
+        let from = self.written();
+        wait_until_or(
+            Duration::from_secs(30),
+            &format!("the workload writing {when}"),
+            || (self.written() >= from + more).then_some(()),
+            || {
+                let mut out = format!("{:?}", self.stats.lock().unwrap());
+                for log in &self.logs {
+                    let text = std::fs::read_to_string(log).unwrap_or_default();
+                    let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                    out += &format!(
+                        "\n--- {}:\n{}",
+                        log.display(),
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    );
+                }
+                out
+            },
+        );
+    }
+
+    /// Stop; (records written, errors, the longest write + fsync).
+    fn finish(mut self) -> (u64, Vec<String>, Duration) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.thread.take().unwrap().join().unwrap();
+        self.stats.lock().unwrap().clone()
+    }
+}
+
+/// A node whose agent starts the processes its volumes need in a mounter
+/// (and serves `backend` too, from `wasm`); the mounter and its socket.
+fn node_with_mounter(wasm: &str, backend: &str) -> (Node, Child, PathBuf) {
+    let mut node = Node::start_with(VOLAGENT, &[(wasm, backend)]);
+    let socket = node.scratch.path("run/mounter.sock");
+    let mounter = start_mounter(&socket, &node.scratch.path("mounter.log"));
+    node.stop_agent();
+    node.spawn_agent_env("node-a", &[], &["--mounter", socket.to_str().unwrap()]);
+    (node, mounter, socket)
+}
+
+/// Volume pv1 of pod-a, mounted through `backend`'s driver with `options`,
+/// its processes (found by `processes`) started by the mounter: the agent
+/// and every process below it are killed — what a container runtime does
+/// to a replaced pod — while a workload writes and fsyncs; the workload
+/// sees no error, and the next agent adopts the volume. The unmount stops
+/// the processes, the mounter reaps them, and the file holds every record.
+/// `daemon`: the program daemonizes (glusterfs), so its parent is not the
+/// mounter; it must still never be below the agent.
+fn outlives_its_agent(
+    backend: &str,
+    program: &str,
+    wasm: &str,
+    options: impl FnOnce(&Node) -> serde_json::Value,
+    processes: impl Fn(&Path) -> Vec<i32>,
+    daemon: bool,
+) {
+    let (mut node, mut mounter, socket) = node_with_mounter(wasm, backend);
+    let options = options(&node);
+    let dir = node.mount_dir_of("node-a", backend, "uid-a", "pv1");
+    let flex = node.driver_of("node-a", backend);
+    let driver =
+        |args: &[&str]| volagent_test_support::driver::run_driver(Command::new(&flex).args(args));
+    assert_success(&driver(&["mount", &dir, &options.to_string()]));
+    let serving = processes(&node.scratch.path(""));
+    assert!(!serving.is_empty(), "the volume's processes run");
+    let said = std::fs::read_to_string(node.scratch.path("mounter.log")).unwrap();
+    assert!(said.contains(&format!("program=\"{program}\"")), "the mounter ran {program}: {said}");
+    let mounter_pid = mounter.id() as i32;
+    if !daemon {
+        for pid in &serving {
+            assert_eq!(parent_of(*pid), mounter_pid, "process {pid} is the mounter's child");
+        }
+    }
+
+    let mut writer = Writer::start(&dir);
+    writer.logs = vec![node.log_path("node-a"), node.scratch.path("mounter.log")];
+    writer.goes_on(20, "before");
+    // What a container runtime does to the agent's pod: kill it and
+    // everything it started.
+    let agent = node.pid_of("node-a");
+    let tree = tree_of(agent);
+    assert!(
+        serving.iter().all(|p| !tree.contains(p)),
+        "no process of the volume is below the agent: {tree:?}"
+    );
+    for pid in &tree {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    node.kill_agent_of("node-a");
+    writer.goes_on(50, "with no agent");
+    node.spawn_agent_env("node-a", &[], &["--mounter", socket.to_str().unwrap()]);
+    writer.goes_on(20, "after the next agent started");
+    let file = writer.file.clone();
+    let (written, errors, longest) = writer.finish();
+    assert_eq!(errors, Vec::<String>::new(), "no write or fsync failed");
+    eprintln!("{backend}: {written} records written and fsynced; the longest took {longest:?}");
+    assert_eq!(processes(&node.scratch.path("")), serving, "the same processes, adopted");
+    let log = std::fs::read(&file).unwrap();
+    assert_eq!(log.len() as u64, written * 4096, "every record is in the file");
+    for (i, record) in log.chunks(4096).enumerate() {
+        assert_eq!(&record[..16], format!("{i:016}").as_bytes(), "record {i} in its place");
+    }
+    std::fs::remove_file(&file).unwrap();
+
+    assert_success(&driver(&["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
+    wait_until(NBD_WAIT, "the volume's processes to end, reaped", || {
+        serving.iter().all(|p| !Path::new(&format!("/proc/{p}")).exists())
+    });
+    let status = Command::new(VOLAGENT)
+        .args(["mounter", "--check", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&status.stdout).contains(", 0 processes running"),
+        "{status:?}"
+    );
+    node.stop_agent();
+    let _ = mounter.kill();
+    let _ = mounter.wait();
+}
+
+/// A local file behind the agent's helper NBD server, reached through its
+/// userspace client (this node has no nbd.ko).
+#[test]
+fn a_local_file_over_the_userspace_nbd_path_outlives_its_agent() {
+    outlives_its_agent(
+        "nbd",
+        "volagent",
+        volagent_test_artifacts::NBD,
+        |node| {
+            let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
+            options.as_object_mut().unwrap().remove("server");
+            options["file"] = node.image("own.img", 64).into();
+            options
+        },
+        |root| {
+            let mut p = clients_under(root);
+            p.extend(servers_under(root));
+            p
+        },
+        false,
+    );
+}
+
+/// An RBD image through librbd behind the agent's helper NBD server and
+/// its userspace client, on the run's Ceph.
+#[test]
+fn an_rbd_image_through_librbd_outlives_its_agent() {
+    let ceph = ceph_dir();
+    let key = volagent_key(&ceph);
+    let image = Image::create(&ceph, 64);
+    outlives_its_agent(
+        "rbd",
+        "volagent",
+        volagent_test_artifacts::RBD,
+        |_| rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce"),
+        |root| {
+            let mut p = clients_under(root);
+            p.extend(servers_under(root));
+            p
+        },
+        false,
+    );
+}
+
+/// An RBD image through rbd-fuse.
+#[test]
+fn an_rbd_image_through_rbd_fuse_outlives_its_agent() {
+    let ceph = ceph_dir();
+    let key = volagent_key(&ceph);
+    let image = Image::create(&ceph, 64);
+    outlives_its_agent(
+        "rbd",
+        "rbd-fuse",
+        volagent_test_artifacts::RBD,
+        |_| {
+            let mut o =
+                rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
+            o["attach"] = "fuse".into();
+            o
+        },
+        clients_under,
+        false,
+    );
+}
+
+/// A GlusterFS volume: mount.glusterfs runs in the mounter, and the FUSE
+/// client it leaves (a daemon, so not the mounter's child) serves on.
+#[test]
+fn a_gluster_volume_outlives_its_agent() {
+    let dir = PathBuf::from(std::env::var("VOLAGENT_GLUSTER_DIR").expect(
+        "VOLAGENT_GLUSTER_DIR: the single-node GlusterFS of this run (scripts/gluster-env start makes it; scripts/test sets it)",
+    ));
+    assert!(dir.join("ready").exists(), "no GlusterFS ready in {}", dir.display());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+    outlives_its_agent(
+        "gluster",
+        "mount.glusterfs",
+        volagent_test_artifacts::GLUSTER,
+        |_| {
+            let mut o = kubelet_options("pv1", "pod-a", "uid-a", "", "");
+            let m = o.as_object_mut().unwrap();
+            m.remove("path");
+            m.insert("servers".into(), host.clone().into());
+            m.insert("volume".into(), "v0".into());
+            m.insert("accessMode".into(), "ReadWriteMany".into());
+            o
+        },
+        |root| {
+            volagent_test_support::scratch::processes_under(root, |a| {
+                a.first().is_some_and(|p| p.ends_with("glusterfs"))
+            })
+        },
+        true,
+    );
+}
+
+/// Send `body` to the mounter on `socket`; its reply.
+fn ask(socket: &Path, body: &str) -> wire::Reply {
+    let mut s = UnixStream::connect(socket).unwrap();
+    wire::send(&mut s, body.as_bytes(), &[]).unwrap();
+    let (reply, _) = wire::receive(&mut s).unwrap();
+    serde_json::from_slice(&reply).unwrap()
+}
+
+fn error_of(reply: wire::Reply) -> String {
+    match reply {
+        wire::Reply::Error { message } => message,
+        other => panic!("not an error: {other:?}"),
+    }
+}
+
+/// Root only, even on a socket anyone may open; only the programs and
+/// subcommands a launch may name; a request of a later protocol that this
+/// mounter does not know, and pids it did not start, get errors that say
+/// so — and the mounter goes on serving.
+#[test]
+fn the_mounter_serves_root_only_and_starts_only_what_a_launch_may_name() {
+    let scratch = volagent_test_support::scratch::RootScratch::enter();
+    let socket = scratch.path("mounter.sock");
+    let mut mounter = start_mounter(&socket, &scratch.path("mounter.log"));
+    assert_eq!(
+        std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777,
+        0o600,
+        "the socket is root's only"
+    );
+
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let nobody = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups", VOLAGENT])
+        .args(["mounter", "--check", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(!nobody.status.success());
+    let said = String::from_utf8_lossy(&nobody.stderr);
+    assert!(said.contains("uid 65534 may not use the mounter"), "{said}");
+
+    let spawn = |program: &str, args: &str| {
+        format!(r#"{{"protocol":1,"op":"spawn","program":"{program}","args":{args},"path":"/x"}}"#)
+    };
+    for (body, says) in [
+        (spawn("volagent", r#"["agent"]"#), "volagent agent is not a subcommand"),
+        (spawn("/bin/sh", r#"["-c","id"]"#), "unknown variant"),
+        (
+            spawn("volagent", r#"["nbd","serve"]"#)
+                .replace("\"path\"", "\"env\":[[\"LD_PRELOAD\",\"/x.so\"]],\"path\""),
+            "LD_PRELOAD",
+        ),
+        (r#"{"protocol":2,"op":"hand-over","pid":1}"#.to_string(), "protocol 2 is newer"),
+        (
+            r#"{"protocol":1,"op":"kill","pid":1}"#.to_string(),
+            "pid 1 is not a process this mounter started",
+        ),
+        (
+            r#"{"protocol":1,"op":"status","pid":1}"#.to_string(),
+            "pid 1 is not a process this mounter started",
+        ),
+        (r#"{"protocol":0,"op":"hello"}"#.to_string(), "protocol 0"),
+    ] {
+        let message = error_of(ask(&socket, &body));
+        assert!(message.contains(says), "{body}: {message}");
+    }
+    // Descriptors that the request does not name are refused (and closed).
+    let mut s = UnixStream::connect(&socket).unwrap();
+    let devnull = std::fs::File::open("/dev/null").unwrap();
+    use std::os::fd::AsRawFd;
+    wire::send(&mut s, spawn("rbd-fuse", "[]").as_bytes(), &[devnull.as_raw_fd()]).unwrap();
+    let (reply, _) = wire::receive(&mut s).unwrap();
+    let message = error_of(serde_json::from_slice(&reply).unwrap());
+    assert!(message.contains("1 descriptors came with a request naming 0 streams"), "{message}");
+
+    // A run to its end, and one past its deadline.
+    let run = |args: &str, deadline_ms: u64| {
+        format!(
+            r#"{{"protocol":1,"op":"run","program":"volagent","args":{args},"path":"/x","deadline_ms":{deadline_ms}}}"#
+        )
+    };
+    match ask(&socket, &run(r#"["nbd","serve","--bogus"]"#, 10_000)) {
+        wire::Reply::Ran { output } => {
+            assert!(!output.exit.success);
+            assert!(output.stderr.contains("--bogus"), "{output:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        ask(&socket, &run(r#"["nbd","serve","--unix","/nonexistent/dir/s"]"#, 1)),
+        wire::Reply::TimedOut { .. } | wire::Reply::Ran { .. }
+    ));
+    assert!(matches!(ask(&socket, r#"{"protocol":1,"op":"hello"}"#), wire::Reply::Hello { .. }));
+    let _ = mounter.kill();
+    let _ = mounter.wait();
+}
