@@ -359,6 +359,13 @@ async fn reconcile_volume(
     if !released && !deleting {
         return Ok(Action::await_change());
     }
+    // Being deleted without our finalizer: its volume was removed before
+    // the finalizer went. The PV lingers for others' finalizers
+    // (pv-protection), and a release asked again now would request a new
+    // wipe of a volume already given back.
+    if pv.metadata.deletion_timestamp.is_some() && !has_finalizer {
+        return Ok(Action::await_change());
+    }
     let name = pv.name_any();
     if delete_policy {
         let Some(handle) = spec.csi.as_ref().map(|c| c.volume_handle.clone()) else {
