@@ -351,6 +351,32 @@ fn a_gluster_volume_outlives_its_agent() {
     );
 }
 
+/// An agent told of a mounter that does not answer fails the mount with an
+/// error naming the mounter's socket, and leaves nothing behind: no mount,
+/// loop device, process or file of the export.
+#[test]
+fn a_mounter_that_does_not_answer_fails_the_mount_and_leaves_nothing() {
+    let mut node = nbd_node(VOLAGENT);
+    let socket = node.scratch.path("run/absent.sock");
+    node.stop_agent();
+    node.spawn_agent_env("node-a", &[], &["--mounter", socket.to_str().unwrap()]);
+    let state = node.scratch.path("node-a/state");
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
+    options.as_object_mut().unwrap().remove("server");
+    options["file"] = node.image("own.img", 64).into();
+    let r = driver(&node, &["mount", &dir, &options.to_string()]);
+    volagent_test_support::driver::assert_failure(&r, "connect to the mounter at");
+    volagent_test_support::driver::assert_failure(&r, "absent.sock");
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
+    assert!(clients_under(&state).is_empty() && servers_under(&state).is_empty());
+    let left: Vec<PathBuf> = std::fs::read_dir(state.join("nbd"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    node.stop_agent();
+}
+
 /// Send `body` to the mounter on `socket`; its reply.
 fn ask(socket: &Path, body: &str) -> wire::Reply {
     let mut s = UnixStream::connect(socket).unwrap();

@@ -100,7 +100,11 @@ impl RbdFuse for RbdFuseClients {
         let mut launch = launch.arg(&dir).log_to(log)?;
         launch.env.push(("CEPH_ARGS".into(), ceph_args));
         let file = self.clients.rbd_fuse_file(key, &target.image);
-        let ready = self.clients.launcher().spawn(launch).and_then(|child| {
+        let spawned = self.clients.launcher().spawn(launch).inspect_err(|_| {
+            let _ = std::fs::remove_file(&log_path);
+            let _ = std::fs::remove_dir(&dir);
+        });
+        let ready = spawned.and_then(|child| {
             // It mounts first and connects to the cluster after, when the
             // kernel's first request comes: the image's file is there
             // once it has connected (and read the keyring).

@@ -227,7 +227,10 @@ impl FuseClients for Clients {
             launch = launch.arg("--follow-size");
         }
         let launch = launch.arg(self.file(key)).log_to(log)?;
-        let mut child = self.launcher.spawn(launch)?;
+        let mut child = self.launcher.spawn(launch).inspect_err(|_| {
+            let _ = std::fs::remove_file(self.files.log_file(key));
+            let _ = std::fs::remove_dir(&dir);
+        })?;
         let deadline = Instant::now() + self.ready_timeout;
         loop {
             if pid_file.exists() {

@@ -65,7 +65,9 @@ impl Helpers {
     fn start(&self, key: &str, launch: Launch) -> Result<bool, SysError> {
         let socket = self.files.socket(key);
         let log_path = self.files.server_log_file(key);
-        let mut child = self.launcher.spawn(launch)?;
+        let mut child = self.launcher.spawn(launch).inspect_err(|_| {
+            let _ = std::fs::remove_file(&log_path);
+        })?;
         let pid_file = self.files.server_pid_file(key);
         std::fs::write(&pid_file, child.pid().to_string()).map_err(io("write", &pid_file))?;
         let deadline = Instant::now() + self.ready_timeout;
