@@ -427,7 +427,20 @@ impl Drop for DsCluster {
         use volagent::sys::Devices;
         let linux = volagent::sys::linux::Linux::unrooted();
         let tag = volagent::ops::loop_tag(&self.node, Path::new(NODE_PATHS[2].1));
-        for l in linux.loop_devices().unwrap_or_default().into_iter().filter(|l| l.tag == tag) {
+        // A device over a FUSE file whose client died has no readable
+        // status (ENOTCONN), so no tag: known by its file's path instead.
+        let state = Path::new(NODE_PATHS[2].1);
+        let dead_client_file = |f: &Path| {
+            f.starts_with(state)
+                || (f.parent() == Some(Path::new("/"))
+                    && f.file_name().is_some_and(|n| n.to_string_lossy().starts_with("export-")))
+        };
+        for l in linux
+            .loop_devices()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|l| l.tag == tag || (l.tag.is_empty() && dead_client_file(&l.backing_file)))
+        {
             let _ = linux.loop_detach(&l.device);
         }
     }
