@@ -5,8 +5,11 @@
 //! clients ([`crate::sys::rbd_fuse`]) are FUSE clients too, kept the same
 //! way: listed, watched and stopped here.
 //!
-//! A client runs in its own process group, so it outlives an agent restart (the
-//! next agent adopts it by its pid file). Stopping one unmounts it, waits
+//! A client is started by the launcher ([`crate::sys::launch`]): in a
+//! cluster the node's mounter, so it lives in the mounter's pod and outlives
+//! the agent's; standalone, this process, in a process group of its own, so
+//! it outlives the agent's process. Either way the next agent adopts it by
+//! its pid file. Stopping one unmounts it, waits
 //! for the process, and if it does not end — a client hung on a server
 //! that does not answer — aborts its FUSE connection (fusectl) and kills it.
 

@@ -1,7 +1,8 @@
 //! The agent's helper NBD servers: `volagent nbd serve` (this binary) on
 //! `<base>/<key>.sock`, serving a local file the agent opened beneath its
 //! roots (handed over on standard input) or an RBD image through librbd.
-//! A helper outlives the agent, since a client ends when its server does;
+//! A helper outlives the agent, since a client ends when its server does:
+//! it is started by the launcher (the node's mounter, in a cluster), and
 //! the next agent finds it by its pid file.
 
 use super::files::{Layout, last_lines, remove_keyring};
