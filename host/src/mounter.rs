@@ -194,7 +194,7 @@ impl Mounter {
             ));
         }
         let mut launch = Launch::new(start.program, Path::new(&start.path));
-        launch.args = start.args;
+        launch.args = start.args.into_iter().map(Into::into).collect();
         launch.env = start.env;
         for (stream, fd) in start.streams.into_iter().zip(fds) {
             let slot = match stream {

@@ -269,55 +269,53 @@ fn a_local_file_over_the_userspace_nbd_path_outlives_its_agent() {
             options["file"] = node.image("own.img", 64).into();
             options
         },
-        |root| {
-            let mut p = clients_under(root);
-            p.extend(servers_under(root));
-            p
+        client_and_helper,
+        false,
+    );
+}
+
+/// A client of the agent's helper and the helper itself.
+fn client_and_helper(root: &Path) -> Vec<i32> {
+    let mut p = clients_under(root);
+    p.extend(servers_under(root));
+    p
+}
+
+/// An RBD image on the run's Ceph, attached as `attach` asks (none: the
+/// default path), its processes started as `program` and found by
+/// `processes`.
+fn rbd_outlives_its_agent(attach: Option<&str>, program: &str, processes: fn(&Path) -> Vec<i32>) {
+    let ceph = ceph_dir();
+    let key = volagent_key(&ceph);
+    let image = Image::create(&ceph, 64);
+    outlives_its_agent(
+        "rbd",
+        program,
+        volagent_test_artifacts::RBD,
+        |_| {
+            let mut o =
+                rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
+            if let Some(attach) = attach {
+                o["attach"] = attach.into();
+            }
+            o
         },
+        processes,
         false,
     );
 }
 
 /// An RBD image through librbd behind the agent's helper NBD server and
-/// its userspace client, on the run's Ceph.
+/// its userspace client.
 #[test]
 fn an_rbd_image_through_librbd_outlives_its_agent() {
-    let ceph = ceph_dir();
-    let key = volagent_key(&ceph);
-    let image = Image::create(&ceph, 64);
-    outlives_its_agent(
-        "rbd",
-        "volagent",
-        volagent_test_artifacts::RBD,
-        |_| rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce"),
-        |root| {
-            let mut p = clients_under(root);
-            p.extend(servers_under(root));
-            p
-        },
-        false,
-    );
+    rbd_outlives_its_agent(None, "volagent", client_and_helper);
 }
 
 /// An RBD image through rbd-fuse.
 #[test]
 fn an_rbd_image_through_rbd_fuse_outlives_its_agent() {
-    let ceph = ceph_dir();
-    let key = volagent_key(&ceph);
-    let image = Image::create(&ceph, 64);
-    outlives_its_agent(
-        "rbd",
-        "rbd-fuse",
-        volagent_test_artifacts::RBD,
-        |_| {
-            let mut o =
-                rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
-            o["attach"] = "fuse".into();
-            o
-        },
-        clients_under,
-        false,
-    );
+    rbd_outlives_its_agent(Some("fuse"), "rbd-fuse", clients_under);
 }
 
 /// A GlusterFS volume: mount.glusterfs runs in the mounter, and the FUSE
@@ -465,10 +463,18 @@ fn the_mounter_serves_root_only_and_starts_only_what_a_launch_may_name() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(matches!(
-        ask(&socket, &run(r#"["nbd","serve","--unix","/nonexistent/dir/s"]"#, 1)),
-        wire::Reply::TimedOut { .. } | wire::Reply::Ran { .. }
-    ));
+    // A server runs until stopped: killed at the run's deadline, and said so.
+    let disk = scratch.image("disk.img", 1);
+    let serve = format!(
+        r#"["nbd","serve","--unix","{}","--export","={}"]"#,
+        scratch.path("run.sock").display(),
+        disk.display()
+    );
+    let started = std::time::Instant::now();
+    assert_eq!(ask(&socket, &run(&serve, 500)), wire::Reply::TimedOut { secs: 0 });
+    assert!(started.elapsed() < Duration::from_secs(5), "killed at its deadline");
+    let servers = servers_under(&scratch.path(""));
+    assert!(servers.is_empty(), "the run's server is gone: {servers:?}");
     assert!(matches!(ask(&socket, r#"{"protocol":1,"op":"hello"}"#), wire::Reply::Hello { .. }));
     let _ = mounter.kill();
     let _ = mounter.wait();

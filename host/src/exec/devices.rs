@@ -154,7 +154,7 @@ impl Run<'_> {
         // one left over the file of a client that ended (its mount
         // detached, or failing ENOTCONN) would fail every request.
         let file = self.sys.fuse_clients.file(key);
-        if !self.sys.fuse_clients.clients()?.into_iter().any(|(k, running)| k == key && running) {
+        if !self.sys.fuse_clients.running(key)? {
             return Ok(None);
         }
         Ok(self

@@ -415,6 +415,10 @@ pub trait FuseClients: Send + Sync {
     /// Every client (or helper server, or kernel connection) this node has
     /// a trace of, and whether its client runs.
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError>;
+    /// Whether client `key`'s process runs.
+    fn running(&self, key: &str) -> Result<bool, SysError> {
+        Ok(self.clients()?.into_iter().any(|(k, running)| k == key && running))
+    }
     /// Check that each running client's server still answers (a flush
     /// through it); abort the clients whose check has not come back within
     /// `after`, so that I/O through them fails instead of hanging. Call it

@@ -14,6 +14,7 @@ pub mod remote;
 pub mod wire;
 
 use super::SysError;
+use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -54,7 +55,9 @@ pub const MAX_ARG_BYTES: usize = 4096;
 #[derive(Debug)]
 pub struct Launch {
     pub program: Program,
-    pub args: Vec<String>,
+    /// As given: a path that is not UTF-8 is passed on exactly here, and
+    /// refused by name where the mounter's protocol (JSON) cannot carry it.
+    pub args: Vec<OsString>,
     pub env: Vec<(String, String)>,
     pub stdin: Option<std::fs::File>,
     pub stdout: Option<std::fs::File>,
@@ -77,7 +80,7 @@ impl Launch {
     }
 
     pub fn arg(mut self, arg: impl AsRef<std::ffi::OsStr>) -> Launch {
-        self.args.push(arg.as_ref().to_string_lossy().into_owned());
+        self.args.push(arg.as_ref().to_os_string());
         self
     }
 
@@ -101,7 +104,10 @@ impl Launch {
         if self.args.len() > MAX_ARGS {
             return Err(format!("{} arguments, more than {MAX_ARGS}", self.args.len()));
         }
-        if let Some(a) = self.args.iter().find(|a| a.len() > MAX_ARG_BYTES || a.contains('\0')) {
+        if let Some(a) = self.args.iter().find(|a| {
+            let bytes = a.as_encoded_bytes();
+            bytes.len() > MAX_ARG_BYTES || bytes.contains(&0)
+        }) {
             return Err(format!("an argument of {} bytes or with a NUL", a.len()));
         }
         if let Some((k, _)) = self.env.iter().find(|(k, _)| !ALLOWED_ENV.contains(&k.as_str())) {
@@ -110,9 +116,14 @@ impl Launch {
         if self.env.iter().any(|(_, v)| v.len() > MAX_ARG_BYTES || v.contains('\0')) {
             return Err("an environment value too long or with a NUL".into());
         }
-        let sub: Vec<&str> = self.args.iter().take(2).map(String::as_str).collect();
+        let sub: Vec<&std::ffi::OsStr> =
+            self.args.iter().take(2).map(OsString::as_os_str).collect();
         if self.program == Program::Volagent && sub != ["nbd", "fuse"] && sub != ["nbd", "serve"] {
-            return Err(format!("volagent {} is not a subcommand a launch may run", sub.join(" ")));
+            let named: Vec<_> = sub.iter().map(|s| s.to_string_lossy()).collect();
+            return Err(format!(
+                "volagent {} is not a subcommand a launch may run",
+                named.join(" ")
+            ));
         }
         Ok(())
     }

@@ -55,14 +55,26 @@ impl Remote {
         let body = serde_json::to_vec(&Envelope { protocol: wire::PROTOCOL, request })
             .map_err(|e| self.failed(format!("encode a request: {e}")))?;
         let raw: Vec<_> = fds.iter().map(|f| f.as_raw_fd()).collect();
-        wire::send(&mut stream, &body, &raw).map_err(io("send a request to the mounter at"))?;
-        let (reply, _) = wire::receive(&mut stream).map_err(|e| {
-            if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-                self.failed(format!("no answer within {} s", timeout.as_secs()))
-            } else {
-                io("read the answer of the mounter at")(e)
+        // A mounter that refuses the peer answers before it reads, and
+        // closes: the send may then fail, and its answer says why.
+        let sent =
+            wire::send(&mut stream, &body, &raw).map_err(io("send a request to the mounter at"));
+        let (reply, _) = match wire::receive(&mut stream) {
+            Ok(frame) => frame,
+            Err(e) => {
+                sent?;
+                return Err(
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) {
+                        self.failed(format!("no answer within {} s", timeout.as_secs()))
+                    } else {
+                        io("read the answer of the mounter at")(e)
+                    },
+                );
             }
-        })?;
+        };
         match serde_json::from_slice(&reply) {
             Ok(Reply::Error { message }) => Err(self.failed(message)),
             Ok(reply) => Ok(reply),
@@ -88,6 +100,17 @@ impl Remote {
     fn start(launch: Launch) -> Result<(Start, Vec<std::fs::File>), SysError> {
         let path = launch.path.to_string_lossy().into_owned();
         launch.check().map_err(|what| SysError::Refused { path: launch.path.clone(), what })?;
+        // JSON carries text: a path that is not UTF-8 is refused, never
+        // passed on changed.
+        let args = launch
+            .args
+            .iter()
+            .map(|a| a.to_str().map(String::from))
+            .collect::<Option<Vec<String>>>()
+            .ok_or_else(|| SysError::Refused {
+                path: launch.path.clone(),
+                what: "an argument that is not UTF-8 cannot be sent to the mounter".into(),
+            })?;
         let mut streams = Vec::new();
         let mut fds = Vec::new();
         for (stream, file) in [
@@ -100,8 +123,7 @@ impl Remote {
                 fds.push(f);
             }
         }
-        let start =
-            Start { program: launch.program, args: launch.args, env: launch.env, streams, path };
+        let start = Start { program: launch.program, args, env: launch.env, streams, path };
         Ok((start, fds))
     }
 }
@@ -109,7 +131,13 @@ impl Remote {
 struct RemoteChild {
     remote: Remote,
     pid: u32,
+    /// When the mounter was last asked: callers poll every few ms while
+    /// they wait for readiness, and each ask is a connection.
+    asked: Option<std::time::Instant>,
 }
+
+/// How often a waiting caller's polls reach the mounter.
+const STATUS_EVERY: Duration = Duration::from_millis(50);
 
 impl Spawned for RemoteChild {
     fn pid(&self) -> u32 {
@@ -117,6 +145,10 @@ impl Spawned for RemoteChild {
     }
 
     fn try_wait(&mut self) -> Result<Option<Exit>, SysError> {
+        if self.asked.is_some_and(|at| at.elapsed() < STATUS_EVERY) {
+            return Ok(None);
+        }
+        self.asked = Some(std::time::Instant::now());
         match self.remote.call(Request::Status { pid: self.pid }, &[], self.remote.timeout)? {
             Reply::Status { exit } => Ok(exit),
             other => Err(self.remote.unexpected(&other)),
@@ -138,7 +170,9 @@ impl Launcher for Remote {
     fn spawn(&self, launch: Launch) -> Result<Box<dyn Spawned>, SysError> {
         let (start, fds) = Self::start(launch)?;
         match self.call(Request::Spawn(start), &fds, self.timeout)? {
-            Reply::Spawned { pid } => Ok(Box::new(RemoteChild { remote: self.clone(), pid })),
+            Reply::Spawned { pid } => {
+                Ok(Box::new(RemoteChild { remote: self.clone(), pid, asked: None }))
+            }
             other => Err(self.unexpected(&other)),
         }
     }

@@ -305,6 +305,11 @@ impl FuseClients for Clients {
             _ => Ok(()),
         }
     }
+    /// One pid file and its process, not every client's.
+    fn running(&self, key: &str) -> Result<bool, SysError> {
+        Ok(Clients::running(self, key).is_some())
+    }
+
     fn clients(&self) -> Result<Vec<(String, bool)>, SysError> {
         Ok(self
             .files
