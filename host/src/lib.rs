@@ -10,6 +10,7 @@ pub mod cli;
 pub mod clock;
 pub mod csi;
 pub mod exec;
+pub mod fuse;
 pub mod http;
 pub mod init;
 pub mod kube;

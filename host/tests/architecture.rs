@@ -18,6 +18,7 @@ const BELOW_THE_EDGES: &[&str] = &[
     "local",
     "sys",
     "nbd",
+    "fuse",
     "workers.rs",
     "metrics.rs",
     "secret.rs",

@@ -119,9 +119,10 @@ impl Cli {
 
     pub fn default_log_filter(&self) -> &'static str {
         match self.command {
-            Command::Agent { .. } | Command::Controller { .. } | Command::Mounter { .. } => "info",
-            // fuser warns of each FUSE call it is not given (xattrs…).
-            Command::Nbd { .. } => "info,fuser=error",
+            Command::Agent { .. }
+            | Command::Controller { .. }
+            | Command::Mounter { .. }
+            | Command::Nbd { .. } => "info",
             Command::Plugin { .. }
             | Command::Status { .. }
             | Command::Crds { .. }

@@ -8,6 +8,7 @@
 use crate::nbd::{ClientAuth, Exports, Listener, Server, Settings, Timeouts};
 use crate::sys::export_file::FileExport;
 use anyhow::Context;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -47,6 +48,11 @@ pub struct FuseArgs {
     /// Write this process's pid here once the file is served.
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
+    /// Serve the FUSE connection open on standard input, already mounted
+    /// at FILE's dir by a client that ended (its keeper hands it over),
+    /// instead of mounting a new one.
+    #[arg(long)]
+    connection_stdin: bool,
     /// `<mount dir>/<file name>`.
     file: PathBuf,
 }
@@ -287,6 +293,11 @@ fn fuse(args: &FuseArgs) -> anyhow::Result<ExitCode> {
         read_only: args.read_only,
         follow_size: args.follow_size,
         pid_file: args.pid_file.as_deref(),
+        handed: args
+            .connection_stdin
+            .then(|| std::io::stdin().as_fd().try_clone_to_owned())
+            .transpose()
+            .context("standard input: the FUSE connection handed over")?,
     }
     .serve()?;
     Ok(ExitCode::SUCCESS)

@@ -13,20 +13,18 @@
 //! when the server says writes on one are seen on all (multi-conn), else on
 //! one connection shared in turn. Only root (the mount's owner) may use it.
 
+use crate::fuse::{Connection, Filesystem, MountOptions, Stop, abi};
 use crate::nbd::client::{Client, ClientError, ExportInfo};
 use crate::nbd::wire;
-use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, KernelConfig,
-    LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
-    ReplyWrite, Request, WriteFlags,
-};
-use std::ffi::{OsStr, OsString};
+use nix::errno::Errno;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
-const FILE: INodeNo = INodeNo(2);
+const ROOT: u64 = 1;
+const FILE: u64 = 2;
 /// How long a size question to the server may take before the last known
 /// size is answered instead.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -37,8 +35,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 pub enum FuseFileError {
     #[error(transparent)]
     Client(#[from] ClientError),
+    #[error(transparent)]
+    Fuse(#[from] crate::fuse::FuseError),
     #[error("{path}: {what}: {source}")]
-    Fuse { path: String, what: &'static str, source: std::io::Error },
+    Io { path: String, what: &'static str, source: std::io::Error },
     #[error("{path}: {what}")]
     Invalid { path: String, what: String },
 }
@@ -56,11 +56,16 @@ pub struct FuseFile<'a> {
     pub follow_size: bool,
     /// Written once the mount serves (how the agent knows it is up).
     pub pid_file: Option<&'a Path>,
+    /// The connection of a client that ended, mounted at the dir already:
+    /// served instead of a new mount, its untaken requests asked again.
+    pub handed: Option<OwnedFd>,
 }
 
 impl FuseFile<'_> {
-    /// Mount and serve until the mount goes (the agent unmounts it).
-    pub fn serve(&self) -> Result<(), FuseFileError> {
+    /// Mount (or take over) and serve until the mount goes (the agent
+    /// unmounts it) or SIGTERM: then the requests under way are answered,
+    /// no other is taken, and the connection is left to its keeper.
+    pub fn serve(self) -> Result<(), FuseFileError> {
         let invalid = |what: &str| FuseFileError::Invalid {
             path: self.file.display().to_string(),
             what: what.to_string(),
@@ -85,79 +90,96 @@ impl FuseFile<'_> {
         let fs = ExportFs {
             server: self.server.to_string(),
             export: self.export.to_string(),
-            name: name.to_os_string(),
+            name: name.as_encoded_bytes().to_vec(),
             size: AtomicU64::new(info.size),
             read_only,
             follow_size: self.follow_size,
             pool,
             next: AtomicUsize::new(0),
-            started: SystemTime::now(),
+            started: SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
             failures: AtomicU64::new(0),
         };
-        let mut config = fuser::Config::default();
-        config.mount_options = vec![
-            fuser::MountOption::FSName(format!("volagent-nbd:{}", self.export)),
-            fuser::MountOption::Subtype("volagent-nbd".into()),
-            fuser::MountOption::NoSuid,
-            fuser::MountOption::NoDev,
-            fuser::MountOption::NoExec,
-            if read_only { fuser::MountOption::RO } else { fuser::MountOption::RW },
-        ];
-        config.n_threads = Some(count.max(2));
-        config.clone_fd = true;
-        let fuse_err =
-            |what, source| FuseFileError::Fuse { path: dir.display().to_string(), what, source };
-        let session = fuser::Session::new(fs, dir, &config).map_err(|e| fuse_err("mount", e))?;
+        let stop = Stop::new()?;
+        let term = stop_on_sigterm(&stop).map_err(|source| FuseFileError::Io {
+            path: dir.display().to_string(),
+            what: "wait for SIGTERM",
+            source,
+        })?;
+        let connection = match self.handed {
+            Some(fd) => {
+                let connection = Connection::handed(fd);
+                if !connection.resend()? {
+                    tracing::warn!("this kernel cannot queue again the requests the last client took (Linux 6.9 can); any it had not answered wait forever");
+                }
+                tracing::info!(dir = %dir.display(), "serving the connection handed over");
+                connection
+            }
+            None => {
+                let fsname = format!("volagent-nbd:{}", self.export);
+                let options =
+                    MountOptions { fsname: &fsname, subtype: "volagent-nbd", read_only };
+                Connection::mount(dir, &options)?
+            }
+        };
         if let Some(pid_file) = self.pid_file {
-            std::fs::write(pid_file, std::process::id().to_string())
-                .map_err(|e| fuse_err("write the pid file", e))?;
+            std::fs::write(pid_file, std::process::id().to_string()).map_err(|source| {
+                FuseFileError::Io {
+                    path: pid_file.display().to_string(),
+                    what: "write the pid file",
+                    source,
+                }
+            })?;
         }
-        session.run().map_err(|e| fuse_err("serve", e))
+        let served = connection.serve(&fs, count.max(2), &stop);
+        drop(term);
+        Ok(served?)
     }
+}
+
+/// SIGTERM, blocked in this thread and every thread it starts after,
+/// triggers `stop` (a thread waits for it).
+fn stop_on_sigterm(stop: &Stop) -> std::io::Result<std::thread::JoinHandle<()>> {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.thread_block().map_err(std::io::Error::from)?;
+    let trigger = stop.clone();
+    std::thread::Builder::new().name("sigterm".into()).spawn(move || {
+        if set.wait() == Ok(Signal::SIGTERM) {
+            tracing::info!("SIGTERM: answering the requests under way and taking no more");
+            trigger.trigger();
+        }
+    })
 }
 
 struct ExportFs {
     server: String,
     export: String,
-    name: OsString,
+    name: Vec<u8>,
     /// The size last heard from the server.
     size: AtomicU64,
     read_only: bool,
     follow_size: bool,
     pool: Vec<Mutex<Client>>,
     next: AtomicUsize,
-    started: SystemTime,
+    /// Seconds since the epoch: every time the files show.
+    started: u64,
     failures: AtomicU64,
 }
 
 impl ExportFs {
-    fn attr(&self, ino: INodeNo) -> FileAttr {
-        let (kind, perm, size, nlink) = match ino {
-            INodeNo::ROOT => (FileType::Directory, 0o700, 0, 2),
+    fn attr(&self, ino: u64) -> abi::Attr {
+        let (mode, size, nlink) = match ino {
+            ROOT => (nix::libc::S_IFDIR | 0o700, 0, 2),
             _ => (
-                FileType::RegularFile,
-                if self.read_only { 0o400 } else { 0o600 },
+                nix::libc::S_IFREG | if self.read_only { 0o400 } else { 0o600 },
                 self.size.load(Ordering::Relaxed),
                 1,
             ),
         };
-        FileAttr {
-            ino,
-            size,
-            blocks: size.div_ceil(512),
-            atime: self.started,
-            mtime: self.started,
-            ctime: self.started,
-            crtime: self.started,
-            kind,
-            perm,
-            nlink,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            blksize: 4096,
-            flags: 0,
-        }
+        abi::Attr { ino, size, mode, nlink, time: self.started }
     }
 
     /// The export's size as the server says it now; the last known one
@@ -188,196 +210,102 @@ impl ExportFs {
             if n < 10 || n.is_multiple_of(1000) {
                 tracing::warn!(failures = n + 1, "{e}");
             }
-            Errno::from_i32(e.errno())
+            Errno::from_raw(e.errno())
         })
+    }
+
+    fn file(&self, ino: u64) -> Result<(), Errno> {
+        match ino {
+            FILE => Ok(()),
+            ROOT => Err(Errno::EISDIR),
+            _ => Err(Errno::ENOENT),
+        }
     }
 }
 
-/// Attributes are never cached: with `follow_size`, each stat asks the
-/// size again.
-const NO_CACHE: Duration = Duration::ZERO;
-
 impl Filesystem for ExportFs {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let _ = config.set_max_write(1 << 20);
+    fn lookup(&self, parent: u64, name: &[u8]) -> Result<abi::Attr, Errno> {
+        if parent != ROOT || name != self.name.as_slice() {
+            return Err(Errno::ENOENT);
+        }
+        self.refresh_size();
+        Ok(self.attr(FILE))
+    }
+
+    fn getattr(&self, ino: u64) -> Result<abi::Attr, Errno> {
+        match ino {
+            ROOT => Ok(self.attr(ino)),
+            FILE => {
+                self.refresh_size();
+                Ok(self.attr(ino))
+            }
+            _ => Err(Errno::ENOENT),
+        }
+    }
+
+    fn setattr(&self, ino: u64, valid: u32, size: u64) -> Result<abi::Attr, Errno> {
+        // The export's size is the server's; an open with O_TRUNC or a
+        // chmod cannot change it. Times are accepted and forgotten.
+        if ino != FILE || valid & (abi::set::MODE | abi::set::UID | abi::set::GID) != 0 {
+            return Err(Errno::EPERM);
+        }
+        if valid & abi::set::SIZE != 0 && size != self.size.load(Ordering::Relaxed) {
+            return Err(Errno::EPERM);
+        }
+        Ok(self.attr(ino))
+    }
+
+    fn entries(&self, ino: u64) -> Result<Vec<(u64, u32, Vec<u8>)>, Errno> {
+        if ino != ROOT {
+            return Err(Errno::ENOTDIR);
+        }
+        let dir = u32::from(nix::libc::DT_DIR);
+        Ok(vec![
+            (ROOT, dir, b".".to_vec()),
+            (ROOT, dir, b"..".to_vec()),
+            (FILE, u32::from(nix::libc::DT_REG), self.name.clone()),
+        ])
+    }
+
+    fn open(&self, ino: u64, flags: i32) -> Result<(), Errno> {
+        self.file(ino)?;
+        if self.read_only && flags & nix::libc::O_ACCMODE != nix::libc::O_RDONLY {
+            return Err(Errno::EROFS);
+        }
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        if parent != INodeNo::ROOT || name != self.name.as_os_str() {
-            return reply.error(Errno::ENOENT);
-        }
-        self.refresh_size();
-        reply.entry(&NO_CACHE, &self.attr(FILE), fuser::Generation(0));
-    }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match ino {
-            INodeNo::ROOT => reply.attr(&NO_CACHE, &self.attr(ino)),
-            FILE => {
-                self.refresh_size();
-                reply.attr(&NO_CACHE, &self.attr(ino));
-            }
-            _ => reply.error(Errno::ENOENT),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn setattr(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        _atime: Option<fuser::TimeOrNow>,
-        _mtime: Option<fuser::TimeOrNow>,
-        _ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<SystemTime>,
-        _chgtime: Option<SystemTime>,
-        _bkuptime: Option<SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        // The export's size is the server's; an open with O_TRUNC or a
-        // chmod cannot change it. Times are accepted and forgotten.
-        if ino != FILE || mode.is_some() || uid.is_some() || gid.is_some() {
-            return reply.error(Errno::EPERM);
-        }
-        if size.is_some_and(|s| s != self.size.load(Ordering::Relaxed)) {
-            return reply.error(Errno::EPERM);
-        }
-        reply.attr(&NO_CACHE, &self.attr(ino));
-    }
-
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
-        if ino != INodeNo::ROOT {
-            return reply.error(Errno::ENOTDIR);
-        }
-        let entries = [
-            (INodeNo::ROOT, FileType::Directory, OsStr::new(".")),
-            (INodeNo::ROOT, FileType::Directory, OsStr::new("..")),
-            (FILE, FileType::RegularFile, self.name.as_os_str()),
-        ];
-        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
-            if reply.add(ino, (i + 1) as u64, kind, name) {
-                break;
-            }
-        }
-        reply.ok();
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        if ino != FILE {
-            return reply.error(Errno::EISDIR);
-        }
-        if self.read_only && flags.0 & nix::libc::O_ACCMODE != nix::libc::O_RDONLY {
-            return reply.error(Errno::EROFS);
-        }
-        reply.opened(FileHandle(0), FopenFlags::empty());
-    }
-
-    fn read(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        if ino != FILE {
-            return reply.error(Errno::EISDIR);
-        }
+    fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>, Errno> {
+        self.file(ino)?;
         let end = self.size.load(Ordering::Relaxed);
         let len = u64::from(size).min(end.saturating_sub(offset)) as usize;
-        if len == 0 {
-            return reply.data(&[]);
-        }
         let mut buf = vec![0u8; len];
-        match self.with(|c| c.read(&mut buf, offset)) {
-            Ok(()) => reply.data(&buf),
-            Err(e) => reply.error(e),
+        if len > 0 {
+            self.with(|c| c.read(&mut buf, offset))?;
         }
+        Ok(buf)
     }
 
-    fn write(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        data: &[u8],
-        _write_flags: WriteFlags,
-        flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        if ino != FILE {
-            return reply.error(Errno::EISDIR);
-        }
+    fn write(&self, ino: u64, offset: u64, data: &[u8], flags: i32) -> Result<u32, Errno> {
+        self.file(ino)?;
         if self.read_only {
-            return reply.error(Errno::EROFS);
+            return Err(Errno::EROFS);
         }
         let end = self.size.load(Ordering::Relaxed);
         if offset.checked_add(data.len() as u64).is_none_or(|e| e > end) {
             // Past the export's end: a file that cannot grow by writing.
-            return reply.error(Errno::ENOSPC);
+            return Err(Errno::ENOSPC);
         }
-        let fua = flags.0 & (nix::libc::O_SYNC | nix::libc::O_DSYNC) != 0;
-        match self.with(|c| c.write(data, offset, fua)) {
-            Ok(()) => reply.written(data.len() as u32),
-            Err(e) => reply.error(e),
-        }
+        let fua = flags & (nix::libc::O_SYNC | nix::libc::O_DSYNC) != 0;
+        self.with(|c| c.write(data, offset, fua))?;
+        Ok(data.len() as u32)
     }
 
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        // A close is not a sync (fsync is).
-        reply.ok();
+    fn fsync(&self, _ino: u64) -> Result<(), Errno> {
+        self.with(Client::flush)
     }
 
-    fn fsync(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        match self.with(Client::flush) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
-    }
-
-    fn fallocate(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        length: u64,
-        mode: i32,
-        reply: ReplyEmpty,
-    ) {
+    fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32) -> Result<(), Errno> {
         // The loop device's discards and write-zeroes: both must read back
         // as zeroes after, so both are NBD write-zeroes (a trim need not
         // zero); a hole may be punched only when the caller asked for one.
@@ -385,25 +313,23 @@ impl Filesystem for ExportFs {
         let punch = match mode & !FALLOC_FL_KEEP_SIZE {
             FALLOC_FL_PUNCH_HOLE if mode & FALLOC_FL_KEEP_SIZE != 0 => true,
             FALLOC_FL_ZERO_RANGE => false,
-            _ => return reply.error(Errno::EOPNOTSUPP),
+            _ => return Err(Errno::EOPNOTSUPP),
         };
         if ino != FILE || self.read_only {
-            return reply.error(Errno::EOPNOTSUPP);
+            return Err(Errno::EOPNOTSUPP);
         }
         let end = self.size.load(Ordering::Relaxed);
         if offset.checked_add(length).is_none_or(|e| e > end) {
-            return reply.error(Errno::EOPNOTSUPP);
+            return Err(Errno::EOPNOTSUPP);
         }
         let mut done = 0u64;
         while done < length {
             let step = (length - done).min(1 << 30) as u32;
-            match self.with(|c| c.write_zeroes(offset + done, step, punch)) {
-                Ok(true) => {}
-                Ok(false) => return reply.error(Errno::EOPNOTSUPP),
-                Err(e) => return reply.error(e),
+            if !self.with(|c| c.write_zeroes(offset + done, step, punch))? {
+                return Err(Errno::EOPNOTSUPP);
             }
             done += u64::from(step);
         }
-        reply.ok();
+        Ok(())
     }
 }
