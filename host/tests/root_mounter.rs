@@ -274,6 +274,89 @@ fn a_local_file_over_the_userspace_nbd_path_outlives_its_agent() {
     );
 }
 
+/// Kill `pids` with SIGKILL.
+fn kill_all(pids: &[i32]) {
+    for pid in pids {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// A local file behind the helper, through the userspace client, both in
+/// the mounter, under a workload that writes and fsyncs without pause:
+/// (1) the client alone is killed: the agent starts another on the same
+/// FUSE connection it kept; (2) the mounter and everything it started are
+/// killed — what the runtime does when the mounter's pod dies — and a new
+/// mounter comes up seconds later, as kubelet would restart it: the agent
+/// starts the helper again on the export it kept, then the client on the
+/// connection. The workload sees pauses, never an error, and every record
+/// is in the file.
+#[test]
+fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_die() {
+    let (mut node, mut mounter, socket) = node_with_mounter(volagent_test_artifacts::NBD, "nbd");
+    let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
+    options.as_object_mut().unwrap().remove("server");
+    options["file"] = node.image("own.img", 64).into();
+    let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+    let flex = node.driver_of("node-a", "nbd");
+    let driver =
+        |args: &[&str]| volagent_test_support::driver::run_driver(Command::new(&flex).args(args));
+    assert_success(&driver(&["mount", &dir, &options.to_string()]));
+    let root = node.scratch.path("");
+    let (client, helper) = (clients_under(&root), servers_under(&root));
+    assert_eq!((client.len(), helper.len()), (1, 1), "one client, one helper");
+
+    let mut writer = Writer::start(&dir);
+    writer.logs = vec![node.log_path("node-a"), node.scratch.path("mounter.log")];
+    writer.goes_on(20, "before");
+
+    kill_all(&client);
+    wait_until(NBD_WAIT, "another client", || {
+        let now = clients_under(&root);
+        now.len() == 1 && now != client
+    });
+    writer.goes_on(50, "after the client was killed");
+    let stall_client = writer.stats.lock().unwrap().2;
+
+    let client = clients_under(&root);
+    kill_all(&tree_of(mounter.id() as i32));
+    let _ = mounter.wait();
+    // Requests wait in the kernel meanwhile; the agent keeps the connection.
+    std::thread::sleep(Duration::from_secs(3));
+    let mut mounter = start_mounter(&socket, &node.scratch.path("mounter.log"));
+    wait_until(NBD_WAIT, "a new helper and client", || {
+        let (c, h) = (clients_under(&root), servers_under(&root));
+        c.len() == 1 && h.len() == 1 && c != client && h != helper
+    });
+    for pid in clients_under(&root).into_iter().chain(servers_under(&root)) {
+        assert_eq!(parent_of(pid), mounter.id() as i32, "process {pid} is the new mounter's");
+    }
+    writer.goes_on(50, "after the mounter was killed and came back");
+    let file = writer.file.clone();
+    let (written, errors, longest) = writer.finish();
+    assert_eq!(errors, Vec::<String>::new(), "no write or fsync failed");
+    eprintln!(
+        "{written} records written and fsynced; the longest took {stall_client:?} when the client was killed, {longest:?} overall (the mounter down 3 s)"
+    );
+    let log = std::fs::read(&file).unwrap();
+    assert_eq!(log.len() as u64, written * 4096, "every record is in the file");
+    for (i, record) in log.chunks(4096).enumerate() {
+        assert_eq!(&record[..16], format!("{i:016}").as_bytes(), "record {i} in its place");
+    }
+    std::fs::remove_file(&file).unwrap();
+
+    assert_success(&driver(&["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
+    wait_until(NBD_WAIT, "the volume's processes to end", || {
+        clients_under(&root).is_empty() && servers_under(&root).is_empty()
+    });
+    node.stop_agent();
+    let _ = mounter.kill();
+    let _ = mounter.wait();
+}
+
 /// A client of the agent's helper and the helper itself.
 fn client_and_helper(root: &Path) -> Vec<i32> {
     let mut p = clients_under(root);

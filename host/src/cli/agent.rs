@@ -288,7 +288,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     // The chaos tier's hooks exist only in a build for tests.
     #[cfg(feature = "testing")]
     let sys = with_test_hooks(sys);
-    spawn_nbd_watchdog(sys.fuse_clients.clone(), args.nbd_hung_after);
+    spawn_nbd_watchdog(sys.export_helpers.clone(), sys.fuse_clients.clone(), args.nbd_hung_after);
     let mut agent = Agent::new(
         config,
         Vec::new(),
@@ -441,16 +441,32 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     served
 }
 
+/// How often ended helpers and clients are looked for.
+const HEAL_EVERY: Duration = Duration::from_millis(500);
+
 /// How long the agent's exit waits for steps still running.
 const EXIT_GRACE: Duration = Duration::from_secs(5);
 
-/// Check the userspace NBD clients' servers a few times per `hung_after`.
-fn spawn_nbd_watchdog(clients: Arc<dyn crate::sys::FuseClients>, hung_after: Duration) {
+/// Start again the helpers and clients that ended under a mounted volume
+/// (at once, for an agent that has just started: it keeps what the last
+/// one started), then every `HEAL_EVERY`; check the userspace NBD clients'
+/// servers a few times per `hung_after`.
+fn spawn_nbd_watchdog(
+    helpers: Arc<dyn crate::sys::ExportHelpers>,
+    clients: Arc<dyn crate::sys::FuseClients>,
+    hung_after: Duration,
+) {
     let every = (hung_after / 4).clamp(Duration::from_millis(250), Duration::from_secs(15));
     let spawned = std::thread::Builder::new().name("nbd-watchdog".into()).spawn(move || {
+        let mut checked = std::time::Instant::now();
         loop {
-            std::thread::sleep(every);
-            clients.abort_hung(hung_after);
+            helpers.heal();
+            clients.heal();
+            if checked.elapsed() >= every {
+                clients.abort_hung(hung_after);
+                checked = std::time::Instant::now();
+            }
+            std::thread::sleep(HEAL_EVERY.min(every));
         }
     });
     if let Err(e) = spawned {

@@ -71,16 +71,42 @@ pub struct Header {
 /// A request, its arguments parsed.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Request<'a> {
-    Init { major: u32, minor: u32, max_readahead: u32, flags: u32 },
-    Lookup { name: &'a [u8] },
+    Init {
+        major: u32,
+        minor: u32,
+        max_readahead: u32,
+        flags: u32,
+    },
+    Lookup {
+        name: &'a [u8],
+    },
     Getattr,
-    Setattr { valid: u32, size: u64 },
-    Open { flags: u32 },
+    Setattr {
+        valid: u32,
+        size: u64,
+    },
+    Open {
+        flags: u32,
+    },
     Opendir,
-    Read { offset: u64, size: u32 },
-    Write { offset: u64, flags: u32, data: &'a [u8] },
-    Readdir { offset: u64, size: u32 },
-    Fallocate { offset: u64, length: u64, mode: u32 },
+    Read {
+        offset: u64,
+        size: u32,
+    },
+    Write {
+        offset: u64,
+        flags: u32,
+        data: &'a [u8],
+    },
+    Readdir {
+        offset: u64,
+        size: u32,
+    },
+    Fallocate {
+        offset: u64,
+        length: u64,
+        mode: u32,
+    },
     Statfs,
     Fsync,
     /// Answered with no error and nothing else: flush, release(dir),

@@ -424,6 +424,12 @@ pub trait FuseClients: Send + Sync {
     /// `after`, so that I/O through them fails instead of hanging. Call it
     /// periodically; returns the keys aborted.
     fn abort_hung(&self, after: std::time::Duration) -> Vec<String>;
+    /// Start again, on its kept connection, each client that ended while
+    /// its volume is mounted, and keep the connections of running clients
+    /// not kept yet. Call it periodically; returns the keys started again.
+    fn heal(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The agent's helper NBD servers, by key: processes that outlive the
@@ -458,6 +464,13 @@ pub trait ExportHelpers: Send + Sync {
     /// The Ceph client of each running rbd helper or rbd-fuse client: key,
     /// global id, address.
     fn storage_clients(&self) -> Vec<(String, u64, String)>;
+    /// Start again each helper serving a local file that ended before it
+    /// was stopped, on the same open file, and keep the files of running
+    /// ones not kept yet. Call it periodically, before
+    /// [`FuseClients::heal`]; returns the keys started again.
+    fn heal(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// rbd-fuse: an RBD image exposed as a file through FUSE.

@@ -5,6 +5,11 @@
 //! clients ([`crate::sys::rbd_fuse`]) are FUSE clients too, kept the same
 //! way: listed, watched and stopped here.
 //!
+//! The agent keeps each running client's FUSE connection and arguments
+//! ([`super::keeper`]): a client that dies — killed, or its mounter's pod
+//! gone — is started again on the same connection ([`FuseClients::heal`]), and
+//! the workload sees a pause, not an error.
+//!
 //! A client is started by the launcher ([`crate::sys::launch`]): in a
 //! cluster the node's mounter, so it lives in the mounter's pod and outlives
 //! the agent's; standalone, this process, in a process group of its own, so
@@ -14,6 +19,7 @@
 //! that does not answer — aborts its FUSE connection (fusectl) and kills it.
 
 use super::files::Layout;
+use super::keeper::{Keeper, Kept};
 use crate::sys::fusectl::AbortSwitch;
 use crate::sys::launch::{Launch, Launcher, Program, Spawned};
 use crate::sys::{FuseClients, SysError, errno, io};
@@ -24,6 +30,8 @@ use std::time::{Duration, Instant};
 
 /// How errors name the client.
 const CLIENT: &str = "volagent nbd fuse";
+/// The mount type of this binary's clients (rbd-fuse's is not kept).
+const MOUNT_TYPE: &str = "fuse.volagent-nbd";
 
 #[derive(Debug)]
 pub struct Clients {
@@ -41,6 +49,8 @@ pub struct Clients {
             (Instant, std::sync::Arc<std::sync::atomic::AtomicBool>),
         >,
     >,
+    /// Each running client's connection and arguments, to start it again.
+    keeper: Keeper,
 }
 
 impl Clients {
@@ -51,6 +61,7 @@ impl Clients {
             ready_timeout: Duration::from_secs(20),
             stop_timeout: Duration::from_secs(5),
             checks: Default::default(),
+            keeper: Keeper::default(),
         }
     }
 
@@ -71,13 +82,106 @@ impl Clients {
     /// The FUSE mount at the client's dir: its connection number (the
     /// mount's minor device number, as fusectl names it).
     pub(crate) fn mounted(&self, key: &str) -> Result<Option<u32>, SysError> {
+        Ok(self.mount(key)?.map(|(conn, _)| conn))
+    }
+
+    /// [`mounted`](Self::mounted), and the mount's type.
+    fn mount(&self, key: &str) -> Result<Option<(u32, String)>, SysError> {
         let dir = self.files.dir(key);
         let table = crate::sys::mountinfo::own()?;
         Ok(table
             .iter()
             .rev()
             .find(|m| m.mount_point == dir && m.fs_type.starts_with("fuse"))
-            .map(|m| m.device.1))
+            .map(|m| (m.device.1, m.fs_type.clone())))
+    }
+
+    /// Keep running client `key`'s connection and arguments, if it is
+    /// this binary's and they are not kept yet.
+    fn keep(&self, key: &str) {
+        if self.keeper.holds(key) {
+            return;
+        }
+        let Some(pid) = self.running(key) else { return };
+        if !matches!(self.mount(key), Ok(Some((_, kind))) if kind == MOUNT_TYPE) {
+            return;
+        }
+        let Some(fd) = super::keeper::fd_to(pid, "/dev/fuse") else {
+            tracing::warn!(client = key, %pid, "the client has no FUSE connection open to keep");
+            return;
+        };
+        match Kept::from_process(pid, fd) {
+            Ok(kept) => self.keeper.put(key, kept),
+            Err(e) => tracing::warn!(
+                client = key,
+                "its connection is not kept, so its death would fail the volume's I/O: {e}"
+            ),
+        }
+    }
+
+    /// Start client `key` again on its kept connection; the kept copy is
+    /// the caller's to put back.
+    fn take_over(&self, key: &str, kept: &Kept) -> Result<(), SysError> {
+        let dir = self.files.dir(key);
+        // Without its server a successor would only wait and fail.
+        let server = kept.args.windows(2).find(|w| w[0] == "--server").map(|w| w[1].clone());
+        if let Some(socket) = server.as_ref().and_then(|s| s.to_str()?.strip_prefix("unix:"))
+            && std::os::unix::net::UnixStream::connect(socket).is_err()
+        {
+            return Err(SysError::Command {
+                program: CLIENT,
+                path: dir,
+                message: format!("its server {socket} does not answer yet"),
+            });
+        }
+        let pid_file = self.files.pid_file(key);
+        let _ = std::fs::remove_file(&pid_file);
+        let log_path = self.files.log_file(key);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(io("open", &log_path))?;
+        let mut launch = Launch::new(Program::Volagent, &dir).args(&kept.args);
+        if !kept.args.iter().any(|a| a == "--connection-stdin") {
+            launch = launch.arg("--connection-stdin");
+        }
+        launch.stdin = Some(kept.file_for_successor(key)?);
+        let child = self.launcher.spawn(launch.log_to(log)?)?;
+        self.await_pid_file(key, child)
+    }
+
+    /// Start again each client that died on its kept connection; keep
+    /// those not kept yet (an agent that restarted adopts them); let go of
+    /// connections no longer mounted. Returns the keys started again.
+    fn restart_ended(&self) -> Vec<String> {
+        let mut healed = Vec::new();
+        let keys: std::collections::BTreeSet<String> =
+            self.files.keys().unwrap_or_default().into_iter().chain(self.keeper.keys()).collect();
+        for key in keys {
+            match self.mounted(&key) {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    self.keeper.forget(&key);
+                    continue;
+                }
+                Err(_) => continue,
+            }
+            if self.running(&key).is_some() {
+                self.keep(&key);
+                continue;
+            }
+            let Some(kept) = self.keeper.take(&key) else { continue };
+            match self.take_over(&key, &kept) {
+                Ok(()) => {
+                    tracing::info!(client = %key, "a client that ended was started again on its connection");
+                    healed.push(key.clone());
+                }
+                Err(e) => tracing::warn!(client = %key, "the client ended; starting it again: {e}"),
+            }
+            self.keeper.put(&key, kept);
+        }
+        healed
     }
 
     pub(crate) fn log_tail(&self, key: &str) -> String {
@@ -166,6 +270,33 @@ impl Clients {
         Ok(())
     }
 
+    /// Wait for `child`, client `key`, to write its pid file (once it
+    /// serves); on failure or timeout, stop it and say why.
+    fn await_pid_file(&self, key: &str, mut child: Box<dyn Spawned>) -> Result<(), SysError> {
+        let (dir, pid_file) = (self.files.dir(key), self.files.pid_file(key));
+        let deadline = Instant::now() + self.ready_timeout;
+        while !pid_file.exists() {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(SysError::Command {
+                    program: CLIENT,
+                    path: dir,
+                    message: format!("{status}: {}", self.log_tail(key)),
+                });
+            }
+            if Instant::now() >= deadline {
+                child.kill();
+                return Err(SysError::Timeout {
+                    program: CLIENT,
+                    path: dir,
+                    secs: self.ready_timeout.as_secs(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.keep();
+        Ok(())
+    }
+
     fn wait_gone(&self, pid: nix::unistd::Pid, key: &str, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         while self.running(key) == Some(pid) {
@@ -202,8 +333,16 @@ impl FuseClients for Clients {
         read_only: bool,
     ) -> Result<bool, SysError> {
         let dir = self.files.dir(key);
-        if self.mounted(key)?.is_some() && self.running(key).is_some() {
-            return Ok(false);
+        if self.mounted(key)?.is_some() {
+            if self.running(key).is_some() {
+                return Ok(false);
+            }
+            // Died, its connection kept: started again on it, nothing lost.
+            if let Some(kept) = self.keeper.take(key) {
+                let taken_over = self.take_over(key, &kept);
+                self.keeper.put(key, kept);
+                return taken_over.map(|()| false);
+            }
         }
         self.clear_stale_mount(key)?;
         std::fs::create_dir_all(&dir).map_err(io("mkdir", &dir))?;
@@ -230,40 +369,20 @@ impl FuseClients for Clients {
             launch = launch.arg("--follow-size");
         }
         let launch = launch.arg(self.file(key)).log_to(log)?;
-        let mut child = self.launcher.spawn(launch).inspect_err(|_| {
+        let child = self.launcher.spawn(launch).inspect_err(|_| {
             let _ = std::fs::remove_file(self.files.log_file(key));
             let _ = std::fs::remove_dir(&dir);
         })?;
-        let deadline = Instant::now() + self.ready_timeout;
-        loop {
-            if pid_file.exists() {
-                break;
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                let _ = std::fs::remove_dir(&dir);
-                return Err(SysError::Command {
-                    program: CLIENT,
-                    path: dir,
-                    message: format!("{status}: {}", self.log_tail(key)),
-                });
-            }
-            if Instant::now() >= deadline {
-                child.kill();
-                let _ = self.clear_stale_mount(key);
-                let _ = std::fs::remove_dir(&dir);
-                return Err(SysError::Timeout {
-                    program: CLIENT,
-                    path: dir,
-                    secs: self.ready_timeout.as_secs(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        child.keep();
+        self.await_pid_file(key, child).inspect_err(|_| {
+            let _ = self.clear_stale_mount(key);
+            let _ = std::fs::remove_dir(&dir);
+        })?;
+        self.keep(key);
         Ok(true)
     }
 
     fn disconnect(&self, key: &str) -> Result<(), SysError> {
+        self.keeper.forget(key);
         let dir = self.files.dir(key);
         let pid = self.running(key);
         if self.mounted(key)?.is_some() {
@@ -320,6 +439,10 @@ impl FuseClients for Clients {
                 (k, running)
             })
             .collect())
+    }
+
+    fn heal(&self) -> Vec<String> {
+        self.restart_ended()
     }
 
     fn abort_hung(&self, after: Duration) -> Vec<String> {

@@ -111,15 +111,16 @@ impl FuseFile<'_> {
             Some(fd) => {
                 let connection = Connection::handed(fd);
                 if !connection.resend()? {
-                    tracing::warn!("this kernel cannot queue again the requests the last client took (Linux 6.9 can); any it had not answered wait forever");
+                    tracing::warn!(
+                        "this kernel cannot queue again the requests the last client took (Linux 6.9 can); any it had not answered wait forever"
+                    );
                 }
                 tracing::info!(dir = %dir.display(), "serving the connection handed over");
                 connection
             }
             None => {
                 let fsname = format!("volagent-nbd:{}", self.export);
-                let options =
-                    MountOptions { fsname: &fsname, subtype: "volagent-nbd", read_only };
+                let options = MountOptions { fsname: &fsname, subtype: "volagent-nbd", read_only };
                 Connection::mount(dir, &options)?
             }
         };

@@ -3,9 +3,12 @@
 //! roots (handed over on standard input) or an RBD image through librbd.
 //! A helper outlives the agent, since a client ends when its server does:
 //! it is started by the launcher (the node's mounter, in a cluster), and
-//! the next agent finds it by its pid file.
+//! the next agent finds it by its pid file. A helper serving a local file
+//! that ends before it is stopped is started again on the same open file
+//! ([`ExportHelpers::heal`]; [`super::keeper`]).
 
 use super::files::{Layout, last_lines, remove_keyring};
+use super::keeper::{Keeper, Kept};
 use crate::sys::launch::{Launch, Launcher, Program};
 use crate::sys::rbd_export::RbdTarget;
 use crate::sys::{ExportHelpers, KernelNbd, SysError, io};
@@ -24,6 +27,9 @@ pub struct Helpers {
     pub stop_timeout: Duration,
     /// The node's kernel NBD: one way an rbd helper's export is reached.
     kernel: Arc<dyn KernelNbd>,
+    /// Each running local-file helper's export and arguments, to start it
+    /// again. (An rbd helper's keyring is gone once it connected.)
+    keeper: Keeper,
 }
 
 impl Helpers {
@@ -37,6 +43,7 @@ impl Helpers {
             ready_timeout: Duration::from_secs(20),
             stop_timeout: Duration::from_secs(5),
             kernel,
+            keeper: Keeper::default(),
         }
     }
 
@@ -97,6 +104,25 @@ impl Helpers {
         Ok(true)
     }
 
+    /// Keep running helper `key`'s export and arguments, if it serves a
+    /// file handed over on standard input and they are not kept yet.
+    fn keep(&self, key: &str) {
+        if self.keeper.holds(key) {
+            return;
+        }
+        let Some(pid) = self.running(key) else { return };
+        match Kept::from_process(pid, 0) {
+            Ok(kept) if kept.args.iter().any(|a| a == "--export-stdin") => {
+                self.keeper.put(key, kept);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(
+                helper = key,
+                "its export is not kept, so its death would fail the volume's I/O: {e}"
+            ),
+        }
+    }
+
     /// The helper's pid, when it runs ("<this binary> nbd serve").
     fn running(&self, key: &str) -> Option<nix::unistd::Pid> {
         let pid: i32 =
@@ -119,7 +145,9 @@ impl ExportHelpers for Helpers {
         }
         let mut launch = self.command(key, read_only)?.args(["--export-stdin", ""]);
         launch.stdin = Some(file);
-        self.start(key, launch)
+        let started = self.start(key, launch)?;
+        self.keep(key);
+        Ok(started)
     }
 
     fn serve_rbd(&self, key: &str, target: &RbdTarget, read_only: bool) -> Result<bool, SysError> {
@@ -163,6 +191,7 @@ impl ExportHelpers for Helpers {
     }
 
     fn stop_serving(&self, key: &str) -> Result<(), SysError> {
+        self.keeper.forget(key);
         if let Some(pid) = self.running(key) {
             // SIGTERM: it closes its connections and removes its socket, and
             // closes an RBD image (flushing it, dropping its watch and lock):
@@ -196,6 +225,41 @@ impl ExportHelpers for Helpers {
     fn set_storage_client(&self, key: &str, id: u64, address: &str) -> Result<(), SysError> {
         let file = self.files.client_file(key);
         std::fs::write(&file, format!("{id} {address}\n")).map_err(io("write", &file))
+    }
+
+    fn heal(&self) -> Vec<String> {
+        let mut healed = Vec::new();
+        let keys: std::collections::BTreeSet<String> =
+            self.files.keys().unwrap_or_default().into_iter().chain(self.keeper.keys()).collect();
+        for key in keys {
+            if self.running(&key).is_some() {
+                self.keep(&key);
+                continue;
+            }
+            let Some(kept) = self.keeper.take(&key) else { continue };
+            let started = (|| {
+                let log_path = self.files.server_log_file(&key);
+                let log = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log_path)
+                    .map_err(io("open", &log_path))?;
+                let mut launch =
+                    Launch::new(Program::Volagent, &self.files.socket(&key)).args(&kept.args);
+                launch.stdin = Some(kept.file_for_successor(&key)?);
+                launch.stderr = Some(log);
+                self.start(&key, launch)
+            })();
+            match started {
+                Ok(_) => {
+                    tracing::info!(helper = %key, "a helper that ended was started again on its export");
+                    healed.push(key.clone());
+                }
+                Err(e) => tracing::warn!(helper = %key, "the helper ended; starting it again: {e}"),
+            }
+            self.keeper.put(&key, kept);
+        }
+        healed
     }
 
     fn storage_clients(&self) -> Vec<(String, u64, String)> {

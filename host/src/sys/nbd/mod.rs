@@ -8,6 +8,7 @@ pub mod files;
 pub mod fuse;
 pub mod fuse_file;
 pub mod helpers;
+pub mod keeper;
 pub mod kernel;
 
 /// `server` ("unix:/path" or "host:port") and `export` as an NBD URI.
