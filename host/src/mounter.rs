@@ -9,6 +9,12 @@
 //! serves root peers only (`SO_PEERCRED`, as the agent's socket does), starts
 //! only the programs a launch may name, and reaps what it started. It holds
 //! no credentials and never talks to the API server.
+//!
+//! On SIGTERM (its pod is being replaced) it starts nothing more, asks each
+//! userspace NBD client it started to answer the requests it holds and take
+//! no more, waits for them, and ends. The agent keeps their connections and
+//! starts successors in the next mounter: nothing a client took is lost,
+//! even on a kernel that cannot resend it.
 
 use crate::sys::launch::wire::{self, Envelope, Reply, Request, Start, Stream};
 use crate::sys::launch::{Exit, Launch, run_to_end};
@@ -28,11 +34,22 @@ const MAX_RUN: Duration = Duration::from_secs(600);
 const MAX_CONNECTIONS: usize = 64;
 /// How many ended processes' exits are kept for a status request.
 const ENDED_KEPT: usize = 1024;
+/// How long the clients may take to end after a SIGTERM.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// A process started and not yet ended.
+#[derive(Default)]
+struct Live {
+    program: String,
+    path: String,
+    /// A userspace NBD client (`nbd fuse`): it drains on SIGTERM.
+    client: bool,
+}
 
 #[derive(Default)]
 struct Children {
     /// Started and not yet ended (the pid is still theirs: not reaped).
-    live: HashMap<u32, (String, String)>,
+    live: HashMap<u32, Live>,
     ended: HashMap<u32, Exit>,
     order: VecDeque<u32>,
 }
@@ -41,6 +58,8 @@ pub struct Mounter {
     volagent: PathBuf,
     children: Mutex<Children>,
     connections: AtomicUsize,
+    /// SIGTERM came: nothing more is started.
+    ending: std::sync::atomic::AtomicBool,
 }
 
 impl Mounter {
@@ -50,13 +69,58 @@ impl Mounter {
             volagent,
             children: Default::default(),
             connections: AtomicUsize::new(0),
+            ending: Default::default(),
         })
+    }
+
+    /// Drain and end on SIGTERM. (A handler, not a blocked signal: what
+    /// the mounter starts would inherit a signal mask.)
+    fn end_on_sigterm(self: &Arc<Self>) -> anyhow::Result<()> {
+        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM])?;
+        let me = self.clone();
+        std::thread::Builder::new().name("mounter-term".into()).spawn(move || {
+            if signals.forever().next().is_some() {
+                me.drain();
+                std::process::exit(0);
+            }
+        })?;
+        Ok(())
+    }
+
+    /// Start nothing more; SIGTERM each client and wait (at most `DRAIN`)
+    /// for them to end.
+    fn drain(&self) {
+        self.ending.store(true, Ordering::SeqCst);
+        let clients: Vec<u32> = {
+            let children = self.lock();
+            let clients: Vec<u32> =
+                children.live.iter().filter(|(_, l)| l.client).map(|(pid, _)| *pid).collect();
+            for pid in &clients {
+                // Under the lock: still this child's pid.
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid as i32),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+            }
+            clients
+        };
+        tracing::info!(
+            clients = clients.len(),
+            "SIGTERM: the clients answer the requests they hold and end; starting nothing more"
+        );
+        let deadline = std::time::Instant::now() + DRAIN;
+        while std::time::Instant::now() < deadline
+            && clients.iter().any(|pid| self.lock().live.contains_key(pid))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Serve `socket` until the process ends.
     pub fn serve(self: Arc<Self>, socket: &Path) -> anyhow::Result<()> {
         let listener = crate::listener::bind_std(socket)?;
         listener.set_nonblocking(false)?;
+        self.end_on_sigterm()?;
         tracing::info!(socket = %socket.display(), protocol = wire::PROTOCOL, "mounter serving");
         let mut pause = crate::listener::AcceptPause::default();
         loop {
@@ -211,7 +275,12 @@ impl Mounter {
     }
 
     fn spawn(self: &Arc<Self>, start: Start, fds: Vec<OwnedFd>) -> Result<Reply, String> {
+        if self.ending.load(Ordering::SeqCst) {
+            return Err("this mounter is ending (SIGTERM) and starts nothing more".into());
+        }
         let (program, path) = (start.program.name(), start.path.clone());
+        let client = start.program == crate::sys::launch::Program::Volagent
+            && start.args.get(..2).is_some_and(|a| a[0] == "nbd" && a[1] == "fuse");
         let launch = Self::launch(start, fds)?;
         // Registered before its reaper can look for it.
         let mut children = self.lock();
@@ -220,7 +289,9 @@ impl Mounter {
             .spawn()
             .map_err(|e| format!("run {program} for {path}: {e}"))?;
         let pid = child.id();
-        children.live.insert(pid, (program.to_string(), path.clone()));
+        children
+            .live
+            .insert(pid, Live { program: program.to_string(), path: path.clone(), client });
         drop(children);
         tracing::info!(pid, program, path, "started");
         let me = self.clone();
@@ -245,7 +316,7 @@ impl Mounter {
             Ok(status) => Exit::from(status),
             Err(e) => Exit { success: false, status: format!("unknown ({e}; {ended:?})") },
         };
-        let (program, path) = children.live.remove(&pid).unwrap_or_default();
+        let Live { program, path, .. } = children.live.remove(&pid).unwrap_or_default();
         tracing::info!(pid, program, path, exit = %exit, "ended");
         children.ended.insert(pid, exit);
         children.order.push_back(pid);
@@ -257,6 +328,9 @@ impl Mounter {
     }
 
     fn run(&self, start: Start, fds: Vec<OwnedFd>, deadline: Duration) -> Result<Reply, String> {
+        if self.ending.load(Ordering::SeqCst) {
+            return Err("this mounter is ending (SIGTERM) and starts nothing more".into());
+        }
         let (program, path) = (start.program.name(), PathBuf::from(&start.path));
         let launch = Self::launch(start, fds)?;
         let deadline = deadline.min(MAX_RUN);

@@ -318,7 +318,7 @@ fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_di
         now.len() == 1 && now != client
     });
     writer.goes_on(50, "after the client was killed");
-    let stall_client = writer.stats.lock().unwrap().2;
+    let stall_client = std::mem::take(&mut writer.stats.lock().unwrap().2);
 
     let client = clients_under(&root);
     kill_all(&tree_of(mounter.id() as i32));
@@ -334,11 +334,36 @@ fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_di
         assert_eq!(parent_of(pid), mounter.id() as i32, "process {pid} is the new mounter's");
     }
     writer.goes_on(50, "after the mounter was killed and came back");
+    let stall_killed = std::mem::take(&mut writer.stats.lock().unwrap().2);
+
+    // (3) The mounter is stopped (SIGTERM, its pod replaced): it has its
+    // client answer what it holds and end, starts nothing more, and ends.
+    let client = clients_under(&root);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(mounter.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let draining = Instant::now();
+    let ended = mounter.wait().unwrap();
+    let drained = draining.elapsed();
+    assert!(ended.success(), "the mounter drained and ended: {ended:?}");
+    assert!(drained < Duration::from_secs(5), "its client ended at once: {drained:?}");
+    assert!(clients_under(&root).iter().all(|p| !client.contains(p)), "its client ended");
+    let said = std::fs::read_to_string(node.scratch.path("mounter.log")).unwrap();
+    assert!(said.contains("SIGTERM"), "{said}");
+    std::thread::sleep(Duration::from_secs(1));
+    let mut mounter = start_mounter(&socket, &node.scratch.path("mounter.log"));
+    wait_until(NBD_WAIT, "a client in the next mounter", || {
+        clients_under(&root).first().is_some_and(|p| parent_of(*p) == mounter.id() as i32)
+    });
+    writer.goes_on(50, "after the mounter was replaced");
+
     let file = writer.file.clone();
     let (written, errors, longest) = writer.finish();
     assert_eq!(errors, Vec::<String>::new(), "no write or fsync failed");
     eprintln!(
-        "{written} records written and fsynced; the longest took {stall_client:?} when the client was killed, {longest:?} overall (the mounter down 3 s)"
+        "{written} records written and fsynced; the longest wait: {stall_client:?} when the client was killed, {stall_killed:?} when the mounter was killed (down 3 s), {longest:?} when it was replaced (down 1 s)"
     );
     let log = std::fs::read(&file).unwrap();
     assert_eq!(log.len() as u64, written * 4096, "every record is in the file");

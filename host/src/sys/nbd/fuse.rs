@@ -98,12 +98,17 @@ impl Clients {
 
     /// Keep running client `key`'s connection and arguments, if it is
     /// this binary's and they are not kept yet.
-    fn keep(&self, key: &str) {
+    /// `kind`: its mount's type, when the caller has read it.
+    fn keep(&self, key: &str, kind: Option<&str>) {
         if self.keeper.holds(key) {
             return;
         }
         let Some(pid) = self.running(key) else { return };
-        if !matches!(self.mount(key), Ok(Some((_, kind))) if kind == MOUNT_TYPE) {
+        let ours = match kind {
+            Some(kind) => kind == MOUNT_TYPE,
+            None => matches!(self.mount(key), Ok(Some((_, kind))) if kind == MOUNT_TYPE),
+        };
+        if !ours {
             return;
         }
         let Some(fd) = super::keeper::fd_to(pid, "/dev/fuse") else {
@@ -156,28 +161,28 @@ impl Clients {
     /// connections no longer mounted. Returns the keys started again.
     fn restart_ended(&self) -> Vec<String> {
         let mut healed = Vec::new();
+        // The mount table once, not once per client.
+        let Ok(table) = crate::sys::mountinfo::own() else { return healed };
+        let fuse_mounts: std::collections::HashMap<&std::path::Path, &str> = table
+            .iter()
+            .filter(|m| m.fs_type.starts_with("fuse"))
+            .map(|m| (m.mount_point.as_path(), m.fs_type.as_str()))
+            .collect();
         let keys: std::collections::BTreeSet<String> =
             self.files.keys().unwrap_or_default().into_iter().chain(self.keeper.keys()).collect();
         for key in keys {
-            match self.mounted(&key) {
-                Ok(Some(_)) => {}
-                Ok(None) => {
-                    self.keeper.forget(&key);
-                    continue;
-                }
-                Err(_) => continue,
-            }
+            let Some(kind) = fuse_mounts.get(self.files.dir(&key).as_path()) else {
+                self.keeper.forget(&key);
+                continue;
+            };
             if self.running(&key).is_some() {
-                self.keep(&key);
+                self.keep(&key, Some(kind));
                 continue;
             }
             let Some(kept) = self.keeper.take(&key) else { continue };
-            match self.take_over(&key, &kept) {
-                Ok(()) => {
-                    tracing::info!(client = %key, "a client that ended was started again on its connection");
-                    healed.push(key.clone());
-                }
-                Err(e) => tracing::warn!(client = %key, "the client ended; starting it again: {e}"),
+            let started = self.take_over(&key, &kept);
+            if self.keeper.report(&key, "the client", started) {
+                healed.push(key.clone());
             }
             self.keeper.put(&key, kept);
         }
@@ -377,7 +382,7 @@ impl FuseClients for Clients {
             let _ = self.clear_stale_mount(key);
             let _ = std::fs::remove_dir(&dir);
         })?;
-        self.keep(key);
+        self.keep(key, None);
         Ok(true)
     }
 

@@ -250,12 +250,8 @@ impl ExportHelpers for Helpers {
                 launch.stderr = Some(log);
                 self.start(&key, launch)
             })();
-            match started {
-                Ok(_) => {
-                    tracing::info!(helper = %key, "a helper that ended was started again on its export");
-                    healed.push(key.clone());
-                }
-                Err(e) => tracing::warn!(helper = %key, "the helper ended; starting it again: {e}"),
+            if self.keeper.report(&key, "the helper", started.map(|_| ())) {
+                healed.push(key.clone());
             }
             self.keeper.put(&key, kept);
         }

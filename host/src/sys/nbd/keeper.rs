@@ -60,9 +60,31 @@ impl Kept {
 #[derive(Debug, Default)]
 pub struct Keeper {
     kept: Mutex<BTreeMap<String, Kept>>,
+    /// Keys whose successor failed to start since it last started: said
+    /// once, not at every retry (the mounter may be down for a while).
+    failing: Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Keeper {
+    /// Say how starting `key`'s successor went: a success always, a
+    /// failure the first time only.
+    pub fn report(&self, key: &str, what: &str, started: Result<(), SysError>) -> bool {
+        let mut failing = self.failing.lock().unwrap_or_else(|e| e.into_inner());
+        match started {
+            Ok(()) => {
+                failing.remove(key);
+                tracing::info!(key, "{what} that ended was started again");
+                true
+            }
+            Err(e) => {
+                if failing.insert(key.to_string()) {
+                    tracing::warn!(key, "{what} ended; starting it again (retried quietly): {e}");
+                }
+                false
+            }
+        }
+    }
+
     pub fn holds(&self, key: &str) -> bool {
         self.lock().contains_key(key)
     }
@@ -80,6 +102,7 @@ impl Keeper {
     /// Let `key`'s go: the volume is being detached.
     pub fn forget(&self, key: &str) {
         self.lock().remove(key);
+        self.failing.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
     }
 
     pub fn keys(&self) -> Vec<String> {
