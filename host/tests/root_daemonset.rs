@@ -377,13 +377,16 @@ fn data_path_processes() -> Vec<(i32, String)> {
 /// A userspace volume — a local file behind the agent's helper NBD server,
 /// reached through its FUSE client and a loop device (this kernel has no
 /// nbd.ko) — keeps a workload writing and fsync-ing without one error while
-/// the agent's DaemonSet is rolled to a new image tag (RollingUpdate) and
-/// while the agent's container is SIGKILLed: the client and the helper are
+/// the agent's DaemonSet is rolled to a new image tag (RollingUpdate),
+/// while the agent's container is SIGKILLed — the client and the helper are
 /// the mounter's (its own DaemonSet), not the agent's, so neither event
-/// touches them; each new agent adopts the volume. The workload's pod is
-/// never restarted, and every record it wrote is in the file afterwards.
+/// touches them; each new agent adopts the volume — and while the mounter's
+/// pod is replaced and its container SIGKILLed: the agent keeps the FUSE
+/// connection and the helper's export, and starts a new helper and client
+/// on them in the next mounter. The workload's pod is never restarted, and
+/// every record it wrote is in the file afterwards.
 #[test]
-fn a_userspace_volume_serves_on_while_the_agent_is_rolled_and_killed() {
+fn a_userspace_volume_serves_on_while_the_agent_and_the_mounter_are_replaced_and_killed() {
     let c = DsCluster::start("node-roll");
     let disk = c.disk("roll.img", 64);
     create_volume(
@@ -410,8 +413,8 @@ fn a_userspace_volume_serves_on_while_the_agent_is_rolled_and_killed() {
     ));
     c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
     let dir = Path::new(NODE_PATHS[0].1).join(format!("pods/{uid}/volumes/volagent~nbd/roll"));
-    let processes = data_path_processes();
-    assert_eq!(processes.len(), 2, "the client and the helper server: {processes:?}");
+    let processes = std::cell::RefCell::new(data_path_processes());
+    assert_eq!(processes.borrow().len(), 2, "the client and the helper server: {processes:?}");
     let mounter = c.wait_ready(MOUNTER_LABEL, 1).remove(0);
     let mounter_pid = c.container_pid(&mounter, "mounter");
     let growth = Growth::watch(dir.join("log"));
@@ -428,7 +431,16 @@ fn a_userspace_volume_serves_on_while_the_agent_is_rolled_and_killed() {
             .and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first().cloned())
             .is_some_and(|s| s.state.and_then(|s| s.running).is_some());
         assert!(running && restarts(app.as_ref()) == 0, "app runs on, never restarted, {when}");
-        assert_eq!(data_path_processes(), processes, "the same client and helper {when}");
+        assert_eq!(data_path_processes(), *processes.borrow(), "the same client and helper {when}");
+    };
+    // The mounter's processes gone: the agent starts others on what it kept.
+    let started_again = |when: &str| {
+        let old: Vec<i32> = processes.borrow().iter().map(|(p, _)| *p).collect();
+        let new = c.wait(&format!("a new client and helper {when}"), || {
+            let now = data_path_processes();
+            (now.len() == 2 && now.iter().all(|(p, _)| !old.contains(p))).then_some(now)
+        });
+        *processes.borrow_mut() = new;
     };
     still_writing("before");
     growth.window();
@@ -482,8 +494,32 @@ fn a_userspace_volume_serves_on_while_the_agent_is_rolled_and_killed() {
         mounter_pid,
         "the mounter was never restarted"
     );
+
+    // (c) The mounter's pod replaced (deleted; OnDelete's new pod): it has
+    // the client answer what it holds and end; the runtime ends the rest.
+    c.delete_pod(SYSTEM, &name(&mounter));
+    let mounter = c.wait("a new mounter pod Ready", || {
+        let p = c.wait_ready(MOUNTER_LABEL, 1).remove(0);
+        (p.metadata.uid != mounter.metadata.uid).then_some(p)
+    });
+    started_again("after the mounter's pod was replaced");
+    still_writing("after the mounter's pod was replaced");
+    let replaced_stall = growth.window();
+
+    // (d) The mounter killed: kubelet restarts its container.
+    let id = container_id(&mounter, "mounter");
+    c.containerd()
+        .ctr(&["tasks", "kill", "--signal", "SIGKILL", &id])
+        .expect("kill the mounter's container");
+    c.wait("the mounter restarted and Ready", || {
+        let p = c.pod(SYSTEM, &name(&mounter));
+        (restarts(p.as_ref()) >= 1 && is_ready(p.as_ref())).then_some(())
+    });
+    started_again("after the mounter was killed");
+    still_writing("after the mounter was killed");
+    let mounter_killed_stall = growth.window();
     eprintln!(
-        "longest stall of the workload: {rolled_stall:?} while the agent was rolled, {killed_stall:?} while it was killed"
+        "longest stall of the workload: {rolled_stall:?} while the agent was rolled, {killed_stall:?} while it was killed, {replaced_stall:?} while the mounter's pod was replaced, {mounter_killed_stall:?} while the mounter was killed"
     );
     drop(growth);
 

@@ -287,7 +287,8 @@ fn kill_all(pids: &[i32]) {
 /// A local file behind the helper, through the userspace client, both in
 /// the mounter, under a workload that writes and fsyncs without pause:
 /// (1) the client alone is killed: the agent starts another on the same
-/// FUSE connection it kept; (2) the mounter and everything it started are
+/// FUSE connection it kept; then the helper alone: the agent starts another
+/// on the export it kept, and the client connects again; (2) the mounter and everything it started are
 /// killed — what the runtime does when the mounter's pod dies — and a new
 /// mounter comes up seconds later, as kubelet would restart it: the agent
 /// starts the helper again on the export it kept, then the client on the
@@ -319,6 +320,17 @@ fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_di
     });
     writer.goes_on(50, "after the client was killed");
     let stall_client = std::mem::take(&mut writer.stats.lock().unwrap().2);
+
+    // The helper alone: the agent starts another on the export it kept,
+    // and the client connects to it again.
+    kill_all(&helper);
+    wait_until(NBD_WAIT, "another helper", || {
+        let now = servers_under(&root);
+        now.len() == 1 && now != helper
+    });
+    writer.goes_on(50, "after the helper was killed");
+    let stall_helper = std::mem::take(&mut writer.stats.lock().unwrap().2);
+    let helper = servers_under(&root);
 
     let client = clients_under(&root);
     kill_all(&tree_of(mounter.id() as i32));
@@ -363,7 +375,7 @@ fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_di
     let (written, errors, longest) = writer.finish();
     assert_eq!(errors, Vec::<String>::new(), "no write or fsync failed");
     eprintln!(
-        "{written} records written and fsynced; the longest wait: {stall_client:?} when the client was killed, {stall_killed:?} when the mounter was killed (down 3 s), {longest:?} when it was replaced (down 1 s)"
+        "{written} records written and fsynced; the longest wait: {stall_client:?} when the client was killed, {stall_helper:?} when the helper was, {stall_killed:?} when the mounter was killed (down 3 s), {longest:?} when it was replaced (down 1 s)"
     );
     let log = std::fs::read(&file).unwrap();
     assert_eq!(log.len() as u64, written * 4096, "every record is in the file");

@@ -30,6 +30,9 @@ const FILE: u64 = 2;
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the first connections may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a request whose connection broke tries to connect again (a
+/// helper being started again by the agent) before it fails.
+const RECONNECT_FOR: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum FuseFileError {
@@ -200,11 +203,31 @@ impl ExportFs {
         }
     }
 
-    /// Run `f` on the next connection.
-    fn with<T>(&self, f: impl FnOnce(&mut Client) -> Result<T, ClientError>) -> Result<T, Errno> {
+    /// Run `f` on the next connection. A connection that broke (its
+    /// server ended: a helper the agent is starting again) is made again
+    /// and `f` run again: reads, writes at an offset and flushes mean the
+    /// same done twice.
+    fn with<T>(
+        &self,
+        mut f: impl FnMut(&mut Client) -> Result<T, ClientError>,
+    ) -> Result<T, Errno> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.pool.len();
         let mut c = self.pool[i].lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut c).map_err(|e| {
+        let mut result = f(&mut c);
+        let deadline = std::time::Instant::now() + RECONNECT_FOR;
+        while matches!(result, Err(ClientError::Io { .. })) && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(100));
+            match Client::connect(&self.server, &self.export, PROBE_TIMEOUT) {
+                Ok(fresh) => {
+                    tracing::info!(export = %self.export, "connected again after: {}", result.as_ref().err().map(ToString::to_string).unwrap_or_default());
+                    *c = fresh;
+                    result = f(&mut c);
+                }
+                Err(e) => tracing::debug!("connecting again: {e}"),
+            }
+        }
+        result.map_err(|e| {
             // The log is a file the agent reads back: the first failures
             // and then one in a thousand, not one line per retried block.
             let n = self.failures.fetch_add(1, Ordering::Relaxed);
