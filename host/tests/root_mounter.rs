@@ -158,6 +158,17 @@ impl Writer {
     }
 }
 
+/// `file` holds the `written` records a [`Writer`] wrote, in order; then
+/// it is removed.
+fn every_record_in_place(file: &Path, written: u64) {
+    let log = std::fs::read(file).unwrap();
+    assert_eq!(log.len() as u64, written * 4096, "every record is in the file");
+    for (i, record) in log.chunks(4096).enumerate() {
+        assert_eq!(&record[..16], format!("{i:016}").as_bytes(), "record {i} in its place");
+    }
+    std::fs::remove_file(file).unwrap();
+}
+
 /// A node whose agent starts the processes its volumes need in a mounter
 /// (and serves `backend` too, from `wasm`); the mounter and its socket.
 fn node_with_mounter(wasm: &str, backend: &str) -> (Node, Child, PathBuf) {
@@ -229,12 +240,7 @@ fn outlives_its_agent(
     assert_eq!(errors, Vec::<String>::new(), "no write or fsync failed");
     eprintln!("{backend}: {written} records written and fsynced; the longest took {longest:?}");
     assert_eq!(processes(&node.scratch.path("")), serving, "the same processes, adopted");
-    let log = std::fs::read(&file).unwrap();
-    assert_eq!(log.len() as u64, written * 4096, "every record is in the file");
-    for (i, record) in log.chunks(4096).enumerate() {
-        assert_eq!(&record[..16], format!("{i:016}").as_bytes(), "record {i} in its place");
-    }
-    std::fs::remove_file(&file).unwrap();
+    every_record_in_place(&file, written);
 
     assert_success(&driver(&["unmount", &dir]));
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
@@ -377,12 +383,7 @@ fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_di
     eprintln!(
         "{written} records written and fsynced; the longest wait: {stall_client:?} when the client was killed, {stall_helper:?} when the helper was, {stall_killed:?} when the mounter was killed (down 3 s), {longest:?} when it was replaced (down 1 s)"
     );
-    let log = std::fs::read(&file).unwrap();
-    assert_eq!(log.len() as u64, written * 4096, "every record is in the file");
-    for (i, record) in log.chunks(4096).enumerate() {
-        assert_eq!(&record[..16], format!("{i:016}").as_bytes(), "record {i} in its place");
-    }
-    std::fs::remove_file(&file).unwrap();
+    every_record_in_place(&file, written);
 
     assert_success(&driver(&["unmount", &dir]));
     assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
