@@ -34,8 +34,10 @@ const MAX_RUN: Duration = Duration::from_secs(600);
 const MAX_CONNECTIONS: usize = 64;
 /// How many ended processes' exits are kept for a status request.
 const ENDED_KEPT: usize = 1024;
-/// How long the clients may take to end after a SIGTERM.
-const DRAIN: Duration = Duration::from_secs(10);
+/// How long the clients may take to end after a SIGTERM (within the
+/// DaemonSet's 30 s grace; a request held longer is resent by the kernel to
+/// the next client, on Linux 6.9 and later).
+const DRAIN: Duration = Duration::from_secs(20);
 
 /// A process started and not yet ended.
 #[derive(Default)]
@@ -90,9 +92,9 @@ impl Mounter {
     /// Start nothing more; SIGTERM each client and wait (at most `DRAIN`)
     /// for them to end.
     fn drain(&self) {
-        self.ending.store(true, Ordering::SeqCst);
         let clients: Vec<u32> = {
             let children = self.lock();
+            self.ending.store(true, Ordering::SeqCst);
             let clients: Vec<u32> =
                 children.live.iter().filter(|(_, l)| l.client).map(|(pid, _)| *pid).collect();
             for pid in &clients {
@@ -275,15 +277,17 @@ impl Mounter {
     }
 
     fn spawn(self: &Arc<Self>, start: Start, fds: Vec<OwnedFd>) -> Result<Reply, String> {
-        if self.ending.load(Ordering::SeqCst) {
-            return Err("this mounter is ending (SIGTERM) and starts nothing more".into());
-        }
         let (program, path) = (start.program.name(), start.path.clone());
         let client = start.program == crate::sys::launch::Program::Volagent
             && start.args.get(..2).is_some_and(|a| a[0] == "nbd" && a[1] == "fuse");
         let launch = Self::launch(start, fds)?;
         // Registered before its reaper can look for it.
         let mut children = self.lock();
+        // Under the lock the drain takes: a client started now is one it
+        // sees.
+        if self.ending.load(Ordering::SeqCst) {
+            return Err("this mounter is ending (SIGTERM) and starts nothing more".into());
+        }
         let child = launch
             .command(&self.volagent)
             .spawn()

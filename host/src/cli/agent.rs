@@ -461,7 +461,7 @@ fn spawn_nbd_watchdog(
         let mut checked = std::time::Instant::now();
         loop {
             helpers.heal();
-            clients.heal();
+            clients.heal(hung_after);
             if checked.elapsed() >= every {
                 clients.abort_hung(hung_after);
                 checked = std::time::Instant::now();

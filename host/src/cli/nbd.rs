@@ -53,6 +53,12 @@ pub struct FuseArgs {
     /// instead of mounting a new one.
     #[arg(long)]
     connection_stdin: bool,
+    /// Send a request again on a new connection when its connection broke
+    /// (for up to 30 s), instead of failing it: only for a server that
+    /// keeps every write it acknowledged when it ends (the agent's helper
+    /// serving a local file).
+    #[arg(long)]
+    reconnect: bool,
     /// `<mount dir>/<file name>`.
     file: PathBuf,
 }
@@ -298,6 +304,7 @@ fn fuse(args: &FuseArgs) -> anyhow::Result<ExitCode> {
             .then(|| std::io::stdin().as_fd().try_clone_to_owned())
             .transpose()
             .context("standard input: the FUSE connection handed over")?,
+        reconnect: args.reconnect,
     }
     .serve()?;
     Ok(ExitCode::SUCCESS)

@@ -187,6 +187,15 @@ impl Run<'_> {
         }
         if self.sys.fuse_clients.connect(&key, server, export, connections, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key.clone()));
+        } else if let Some(device) = {
+            let file = self.sys.fuse_clients.file(&key);
+            let devices = self.sys.devices.loop_devices()?;
+            devices.into_iter().find(|l| l.backing_file == file).map(|l| l.device)
+        } {
+            // Running already, or just started again on its connection: the
+            // loop device over its file is the export's; a second one would
+            // let two filesystems write the same blocks.
+            return Ok(device);
         }
         let device = self.sys.devices.loop_attach(&self.sys.fuse_clients.file(&key), read_only)?;
         self.undo.push(Undo::Detach(device.clone()));

@@ -197,6 +197,11 @@ pub fn parse(msg: &[u8]) -> Result<(Header, Request<'_>), ParseError> {
     Ok((header, request))
 }
 
+/// The id of a request that could not be parsed, when its header is whole.
+pub fn unique_of(msg: &[u8]) -> Option<u64> {
+    Args(msg).u64(8).ok()
+}
+
 /// A reply's header: `error` is 0 or a negative errno; `len` counts the
 /// payload that follows.
 pub fn out_header(unique: u64, error: i32, payload: usize) -> [u8; OUT_HEADER] {
@@ -315,9 +320,19 @@ pub fn init_reply(major: u32, minor: u32, max_readahead: u32, flags: u32) -> Res
     o.u32(MAJOR).u32(MINOR.min(minor)).u32(max_readahead).u32(flags & wanted);
     // max_background, congestion_threshold, max_write, time_gran,
     // max_pages, map_alignment; the rest is zero.
-    o.u16(16).u16(12).u32(MAX_WRITE).u32(1).u16((MAX_WRITE / 4096) as u16).u16(0);
+    o.u16(16).u16(12).u32(MAX_WRITE).u32(1).u16(max_pages()).u16(0);
     o.0.resize(64, 0);
     Ok(o.0)
+}
+
+/// Pages of `MAX_WRITE`, in this machine's page size.
+fn max_pages() -> u16 {
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .filter(|p| *p > 0)
+        .unwrap_or(4096) as u32;
+    (MAX_WRITE / page).max(1) as u16
 }
 
 #[cfg(test)]

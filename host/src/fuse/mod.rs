@@ -74,7 +74,13 @@ impl Connection {
             nix::sys::stat::Mode::empty(),
         )
         .map_err(|e| io("open /dev/fuse for", e))?;
-        let data = format!("fd={},rootmode=40000,user_id=0,group_id=0", fd.as_raw_fd());
+        // max_read: no read larger than a reply may be (with large pages,
+        // max_pages alone would allow more).
+        let data = format!(
+            "fd={},rootmode=40000,user_id=0,group_id=0,max_read={}",
+            fd.as_raw_fd(),
+            abi::MAX_WRITE
+        );
         let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
         if options.read_only {
             flags |= MsFlags::MS_RDONLY;
@@ -91,9 +97,19 @@ impl Connection {
     }
 
     /// A connection already mounted and initialised, handed over by its
-    /// keeper.
-    pub fn handed(fd: OwnedFd) -> Connection {
-        Connection { fd }
+    /// keeper: it must be the FUSE device.
+    pub fn handed(fd: OwnedFd) -> Result<Connection, FuseError> {
+        let st = nix::sys::stat::fstat(&fd)
+            .map_err(|source| FuseError::Connection { what: "stat it", source })?;
+        if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFCHR
+            || st.st_rdev != nix::sys::stat::makedev(10, 229)
+        {
+            return Err(FuseError::Connection {
+                what: "the descriptor handed over is not /dev/fuse",
+                source: Errno::EBADF,
+            });
+        }
+        Ok(Connection { fd })
     }
 
     /// Ask the kernel to queue again the requests a predecessor took and
@@ -119,8 +135,19 @@ impl Connection {
         fcntl(&self.fd, FcntlArg::F_SETFL(OFlag::from_bits_retain(flags) | OFlag::O_NONBLOCK))
             .map_err(|source| FuseError::Connection { what: "make it non-blocking", source })?;
         std::thread::scope(|s| {
-            let readers: Vec<_> =
-                (0..threads.max(1)).map(|_| s.spawn(|| self.reader(fs, stop))).collect();
+            let readers: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    s.spawn(|| {
+                        let result = self.reader(fs, stop);
+                        // One reader ending ends them all.
+                        stop.trigger();
+                        if let Err(e) = &result {
+                            tracing::error!("{e}");
+                        }
+                        result
+                    })
+                })
+                .collect();
             let mut first = Ok(());
             for r in readers {
                 let result = r.join().unwrap_or(Err(FuseError::Connection {
@@ -130,8 +157,6 @@ impl Connection {
                 if first.is_ok() {
                     first = result;
                 }
-                // One reader ending ends them all.
-                stop.trigger();
             }
             first
         })
@@ -161,21 +186,26 @@ impl Connection {
                 Err(Errno::ENODEV) => return Ok(()),
                 Err(source) => return Err(FuseError::Connection { what: "read", source }),
             };
-            let (header, request) = match abi::parse(&buf[..n]) {
-                Ok(parsed) => parsed,
+            let (unique, reply) = match abi::parse(&buf[..n]) {
+                Ok((header, request)) => match answer(fs, header.nodeid, request) {
+                    Some(reply) => (header.unique, reply),
+                    None => continue,
+                },
                 Err(e) => {
-                    // The kernel's own message: nothing to answer, since its
-                    // id cannot be trusted either.
                     tracing::error!("{e}");
-                    continue;
+                    // Answered, so that its caller does not wait forever,
+                    // when its id can be read at all.
+                    match abi::unique_of(&buf[..n]) {
+                        Some(unique) => (unique, Err(Errno::EIO)),
+                        None => continue,
+                    }
                 }
             };
-            let Some(reply) = answer(fs, header.nodeid, request) else { continue };
             let (error, payload) = match reply {
                 Ok(payload) => (0, payload),
                 Err(e) => (-(e as i32), Vec::new()),
             };
-            let head = abi::out_header(header.unique, error, payload.len());
+            let head = abi::out_header(unique, error, payload.len());
             match nix::sys::uio::writev(&self.fd, &[IoSlice::new(&head), IoSlice::new(&payload)]) {
                 // ENOENT: the request was interrupted and is no more.
                 Ok(_) | Err(Errno::ENOENT) => {}

@@ -426,8 +426,11 @@ pub trait FuseClients: Send + Sync {
     fn abort_hung(&self, after: std::time::Duration) -> Vec<String>;
     /// Start again, on its kept connection, each client that ended while
     /// its volume is mounted, and keep the connections of running clients
-    /// not kept yet. Call it periodically; returns the keys started again.
-    fn heal(&self) -> Vec<String> {
+    /// not kept yet; abort a connection no client could be started on for
+    /// `give_up_after`. Call it periodically; returns the keys started
+    /// again.
+    fn heal(&self, give_up_after: std::time::Duration) -> Vec<String> {
+        let _ = give_up_after;
         Vec::new()
     }
 }

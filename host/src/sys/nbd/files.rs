@@ -42,6 +42,16 @@ impl Layout {
         self.base.join(format!("{key}.log"))
     }
 
+    /// How client `key` was started (its successor's arguments).
+    pub fn args_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.args"))
+    }
+
+    /// How helper server `key` was started.
+    pub fn server_args_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.server.args"))
+    }
+
     /// Where helper server `key` listens.
     pub fn socket(&self, key: &str) -> PathBuf {
         self.base.join(format!("{key}.sock"))
@@ -130,7 +140,7 @@ pub fn remove_keyring(file: Option<PathBuf>) {
 }
 
 /// Create `file` readable by its owner alone, with `bytes`.
-fn write_private(file: &Path, bytes: &[u8]) -> Result<(), SysError> {
+pub(crate) fn write_private(file: &Path, bytes: &[u8]) -> Result<(), SysError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(file);

@@ -19,7 +19,7 @@
 //! that does not answer — aborts its FUSE connection (fusectl) and kills it.
 
 use super::files::Layout;
-use super::keeper::{Keeper, Kept};
+use super::keeper::{Keeper, Kept, Recorded, Served};
 use crate::sys::fusectl::AbortSwitch;
 use crate::sys::launch::{Launch, Launcher, Program, Spawned};
 use crate::sys::{FuseClients, SysError, errno, io};
@@ -96,41 +96,54 @@ impl Clients {
             .map(|m| (m.device.1, m.fs_type.clone())))
     }
 
-    /// Keep running client `key`'s connection and arguments, if it is
-    /// this binary's and they are not kept yet.
-    /// `kind`: its mount's type, when the caller has read it.
+    /// Keep running client `key`'s connection, if this agent recorded how
+    /// it started it and it is not kept yet. `kind`: its mount's type, when
+    /// the caller has read it (rbd-fuse's is not kept).
     fn keep(&self, key: &str, kind: Option<&str>) {
         if self.keeper.holds(key) {
             return;
         }
-        let Some(pid) = self.running(key) else { return };
+        let Some(recorded) = Recorded::read(&self.files.args_file(key)) else { return };
         let ours = match kind {
             Some(kind) => kind == MOUNT_TYPE,
             None => matches!(self.mount(key), Ok(Some((_, kind))) if kind == MOUNT_TYPE),
         };
-        if !ours {
-            return;
-        }
-        let Some(fd) = super::keeper::fd_to(pid, "/dev/fuse") else {
-            tracing::warn!(client = key, %pid, "the client has no FUSE connection open to keep");
-            return;
-        };
-        match Kept::from_process(pid, fd) {
+        let Some(pid) = self.running(key).filter(|_| ours) else { return };
+        match Kept::from_process(pid, Served::Fuse, recorded) {
             Ok(kept) => self.keeper.put(key, kept),
-            Err(e) => tracing::warn!(
-                client = key,
-                "its connection is not kept, so its death would fail the volume's I/O: {e}"
+            Err(e) => self.keeper.warn_once(
+                key,
+                format_args!(
+                    "its connection is not kept, so its death would fail the volume's I/O: {e}"
+                ),
             ),
         }
     }
 
-    /// Start client `key` again on its kept connection; the kept copy is
-    /// the caller's to put back.
-    fn take_over(&self, key: &str, kept: &Kept) -> Result<(), SysError> {
+    /// Start client `key` again on its kept connection if its process
+    /// ended; true when it did. The caller holds the keeper's restart lock.
+    /// A connection that is no longer up is let go (an error).
+    fn take_over(&self, key: &str) -> Result<bool, SysError> {
         let dir = self.files.dir(key);
+        let Some((alive, up, recorded)) =
+            self.keeper.with(key, |k| (k.alive(), k.connection_up(), k.recorded.clone()))
+        else {
+            return Ok(false);
+        };
+        if alive {
+            return Ok(false);
+        }
+        if !up {
+            self.keeper.forget_locked(key);
+            return Err(SysError::Command {
+                program: CLIENT,
+                path: dir,
+                message: "its FUSE connection was aborted; nothing to hand over".into(),
+            });
+        }
         // Without its server a successor would only wait and fail.
-        let server = kept.args.windows(2).find(|w| w[0] == "--server").map(|w| w[1].clone());
-        if let Some(socket) = server.as_ref().and_then(|s| s.to_str()?.strip_prefix("unix:"))
+        let server = recorded.args.windows(2).find(|w| w[0] == "--server").map(|w| w[1].clone());
+        if let Some(socket) = server.as_deref().and_then(|s| s.strip_prefix("unix:"))
             && std::os::unix::net::UnixStream::connect(socket).is_err()
         {
             return Err(SysError::Command {
@@ -139,6 +152,9 @@ impl Clients {
                 message: format!("its server {socket} does not answer yet"),
             });
         }
+        let Some(file) = self.keeper.with(key, |k| k.file_for_successor(key)) else {
+            return Ok(false);
+        };
         let pid_file = self.files.pid_file(key);
         let _ = std::fs::remove_file(&pid_file);
         let log_path = self.files.log_file(key);
@@ -147,19 +163,25 @@ impl Clients {
             .append(true)
             .open(&log_path)
             .map_err(io("open", &log_path))?;
-        let mut launch = Launch::new(Program::Volagent, &dir).args(&kept.args);
-        if !kept.args.iter().any(|a| a == "--connection-stdin") {
-            launch = launch.arg("--connection-stdin");
-        }
-        launch.stdin = Some(kept.file_for_successor(key)?);
-        let child = self.launcher.spawn(launch.log_to(log)?)?;
-        self.await_pid_file(key, child)
+        let mut launch = Launch::new(Program::Volagent, &dir)
+            .args(&recorded.args)
+            .arg("--connection-stdin")
+            .log_to(log)?;
+        launch.stdin = Some(file?);
+        let child = self.launcher.spawn(launch)?;
+        let pid = nix::unistd::Pid::from_raw(child.pid() as i32);
+        self.await_pid_file(key, child)?;
+        let process = super::keeper::pidfd_open(pid)?;
+        self.keeper.with(key, |k| k.serving(process));
+        Ok(true)
     }
 
     /// Start again each client that died on its kept connection; keep
     /// those not kept yet (an agent that restarted adopts them); let go of
-    /// connections no longer mounted. Returns the keys started again.
-    fn restart_ended(&self) -> Vec<String> {
+    /// connections no longer mounted, and of those that could not be served
+    /// again for `give_up_after` (their connection aborted: I/O fails, as
+    /// it would have without a keeper). Returns the keys started again.
+    fn restart_ended(&self, give_up_after: Duration) -> Vec<String> {
         let mut healed = Vec::new();
         // The mount table once, not once per client.
         let Ok(table) = crate::sys::mountinfo::own() else { return healed };
@@ -171,20 +193,32 @@ impl Clients {
         let keys: std::collections::BTreeSet<String> =
             self.files.keys().unwrap_or_default().into_iter().chain(self.keeper.keys()).collect();
         for key in keys {
+            // Not while the client is being stopped.
+            let _restarting = self.keeper.restart_lock();
             let Some(kind) = fuse_mounts.get(self.files.dir(&key).as_path()) else {
-                self.keeper.forget(&key);
+                self.keeper.forget_locked(&key);
                 continue;
             };
-            if self.running(&key).is_some() {
+            if !self.keeper.holds(&key) {
                 self.keep(&key, Some(kind));
                 continue;
             }
-            let Some(kept) = self.keeper.take(&key) else { continue };
-            let started = self.take_over(&key, &kept);
-            if self.keeper.report(&key, "the client", started) {
+            let started = match self.take_over(&key) {
+                Ok(false) => continue,
+                Ok(true) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if started.is_ok() {
                 healed.push(key.clone());
             }
-            self.keeper.put(&key, kept);
+            let failing = self.keeper.report(&key, "the client", &started);
+            if failing > give_up_after {
+                tracing::error!(client = %key, secs = give_up_after.as_secs(), "no client could be started again on this connection; aborting it so that its I/O fails instead of hanging");
+                if let Ok(Some(switch)) = self.switch(&key) {
+                    switch.pull();
+                }
+                self.keeper.forget_locked(&key);
+            }
         }
         healed
     }
@@ -343,10 +377,14 @@ impl FuseClients for Clients {
                 return Ok(false);
             }
             // Died, its connection kept: started again on it, nothing lost.
-            if let Some(kept) = self.keeper.take(key) {
-                let taken_over = self.take_over(key, &kept);
-                self.keeper.put(key, kept);
-                return taken_over.map(|()| false);
+            if self.keeper.holds(key) {
+                let _restarting = self.keeper.restart_lock();
+                match self.take_over(key) {
+                    Ok(_) => return Ok(false),
+                    // Let go: its connection is down, cleared below.
+                    Err(_) if !self.keeper.holds(key) => {}
+                    Err(e) => return Err(e),
+                }
             }
         }
         self.clear_stale_mount(key)?;
@@ -370,16 +408,39 @@ impl FuseClients for Clients {
         }
         // The agent's own helper for this export (librbd's image, a local
         // file) may grow it; other servers are asked the size once.
-        if server == format!("unix:{}", self.files.socket(key).display()) {
+        let own_helper = server == format!("unix:{}", self.files.socket(key).display());
+        if own_helper {
             launch = launch.arg("--follow-size");
         }
-        let launch = launch.arg(self.file(key)).log_to(log)?;
+        // Writes a local-file helper acknowledged are in its file: a request
+        // whose connection broke may be sent again to the helper started
+        // after it. (librbd's or a remote server's cache may have lost
+        // them: the request fails.)
+        if own_helper
+            && Recorded::read(&self.files.server_args_file(key)).is_some_and(|r| r.export.is_some())
+        {
+            launch = launch.arg("--reconnect");
+        }
+        let launch = launch.arg(self.file(key));
+        // How a successor is started, for this agent and the next.
+        let args: Option<Vec<String>> =
+            launch.args.iter().map(|a| a.to_str().map(String::from)).collect();
+        let args_file = self.files.args_file(key);
+        match args {
+            Some(args) => Recorded { args, export: None }.write(&args_file)?,
+            None => {
+                let _ = std::fs::remove_file(&args_file);
+            }
+        }
+        let launch = launch.log_to(log)?;
         let child = self.launcher.spawn(launch).inspect_err(|_| {
+            let _ = std::fs::remove_file(&args_file);
             let _ = std::fs::remove_file(self.files.log_file(key));
             let _ = std::fs::remove_dir(&dir);
         })?;
         self.await_pid_file(key, child).inspect_err(|_| {
             let _ = self.clear_stale_mount(key);
+            let _ = std::fs::remove_file(&args_file);
             let _ = std::fs::remove_dir(&dir);
         })?;
         self.keep(key, None);
@@ -387,7 +448,13 @@ impl FuseClients for Clients {
     }
 
     fn disconnect(&self, key: &str) -> Result<(), SysError> {
-        self.keeper.forget(key);
+        // Waits for a successor being started; none is started or kept
+        // after, without its recording.
+        {
+            let _restarting = self.keeper.restart_lock();
+            let _ = std::fs::remove_file(self.files.args_file(key));
+            self.keeper.forget_locked(key);
+        }
         let dir = self.files.dir(key);
         let pid = self.running(key);
         if self.mounted(key)?.is_some() {
@@ -416,7 +483,12 @@ impl FuseClients for Clients {
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
             self.wait_gone(pid, key, self.stop_timeout);
         }
-        for f in [self.files.pid_file(key), self.files.log_file(key), self.files.client_file(key)] {
+        for f in [
+            self.files.pid_file(key),
+            self.files.log_file(key),
+            self.files.client_file(key),
+            self.files.args_file(key),
+        ] {
             match std::fs::remove_file(&f) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     tracing::warn!(file = %f.display(), "left in place: {e}");
@@ -446,8 +518,8 @@ impl FuseClients for Clients {
             .collect())
     }
 
-    fn heal(&self) -> Vec<String> {
-        self.restart_ended()
+    fn heal(&self, give_up_after: Duration) -> Vec<String> {
+        self.restart_ended(give_up_after)
     }
 
     fn abort_hung(&self, after: Duration) -> Vec<String> {
@@ -471,6 +543,8 @@ impl FuseClients for Clients {
                 if let Ok(Some(switch)) = self.switch(&key) {
                     switch.pull();
                 }
+                // Not to be started again on the aborted connection.
+                self.keeper.forget(&key);
                 if let Some(pid) = self.running(&key) {
                     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
                 }

@@ -62,6 +62,10 @@ pub struct FuseFile<'a> {
     /// The connection of a client that ended, mounted at the dir already:
     /// served instead of a new mount, its untaken requests asked again.
     pub handed: Option<OwnedFd>,
+    /// A request whose connection broke is sent again on a new one: only
+    /// for a server that keeps what it acknowledged when it ends (the
+    /// agent's local-file helper, whose writes are in its file).
+    pub reconnect: bool,
 }
 
 impl FuseFile<'_> {
@@ -103,6 +107,7 @@ impl FuseFile<'_> {
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             failures: AtomicU64::new(0),
+            reconnect: self.reconnect,
         };
         let stop = Stop::new()?;
         let term = stop_on_sigterm(&stop).map_err(|source| FuseFileError::Io {
@@ -112,7 +117,7 @@ impl FuseFile<'_> {
         })?;
         let connection = match self.handed {
             Some(fd) => {
-                let connection = Connection::handed(fd);
+                let connection = Connection::handed(fd)?;
                 if !connection.resend()? {
                     tracing::warn!(
                         "this kernel cannot queue again the requests the last client took (Linux 6.9 can); any it had not answered wait forever"
@@ -171,6 +176,7 @@ struct ExportFs {
     /// Seconds since the epoch: every time the files show.
     started: u64,
     failures: AtomicU64,
+    reconnect: bool,
 }
 
 impl ExportFs {
@@ -203,10 +209,10 @@ impl ExportFs {
         }
     }
 
-    /// Run `f` on the next connection. A connection that broke (its
-    /// server ended: a helper the agent is starting again) is made again
-    /// and `f` run again: reads, writes at an offset and flushes mean the
-    /// same done twice.
+    /// Run `f` on the next connection. With `reconnect`, a connection that
+    /// broke (its server ended: a helper the agent is starting again) is
+    /// made again and `f` run again: reads, writes at an offset and flushes
+    /// mean the same done twice, and the server kept what it acknowledged.
     fn with<T>(
         &self,
         mut f: impl FnMut(&mut Client) -> Result<T, ClientError>,
@@ -215,7 +221,9 @@ impl ExportFs {
         let mut c = self.pool[i].lock().unwrap_or_else(|e| e.into_inner());
         let mut result = f(&mut c);
         let deadline = std::time::Instant::now() + RECONNECT_FOR;
-        while matches!(result, Err(ClientError::Io { .. })) && std::time::Instant::now() < deadline
+        while self.reconnect
+            && matches!(result, Err(ClientError::Io { .. }))
+            && std::time::Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(100));
             match Client::connect(&self.server, &self.export, PROBE_TIMEOUT) {

@@ -8,7 +8,7 @@
 //! ([`ExportHelpers::heal`]; [`super::keeper`]).
 
 use super::files::{Layout, last_lines, remove_keyring};
-use super::keeper::{Keeper, Kept};
+use super::keeper::{Keeper, Kept, Recorded, Served};
 use crate::sys::launch::{Launch, Launcher, Program};
 use crate::sys::rbd_export::RbdTarget;
 use crate::sys::{ExportHelpers, KernelNbd, SysError, io};
@@ -104,23 +104,58 @@ impl Helpers {
         Ok(true)
     }
 
-    /// Keep running helper `key`'s export and arguments, if it serves a
-    /// file handed over on standard input and they are not kept yet.
+    /// Keep running helper `key`'s export, if this agent recorded how it
+    /// started it on a file and it is not kept yet.
     fn keep(&self, key: &str) {
         if self.keeper.holds(key) {
             return;
         }
+        let Some(recorded) = Recorded::read(&self.files.server_args_file(key)) else { return };
+        let Some((dev, ino)) = recorded.export else { return };
         let Some(pid) = self.running(key) else { return };
-        match Kept::from_process(pid, 0) {
-            Ok(kept) if kept.args.iter().any(|a| a == "--export-stdin") => {
-                self.keeper.put(key, kept);
-            }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(
-                helper = key,
-                "its export is not kept, so its death would fail the volume's I/O: {e}"
+        match Kept::from_process(pid, Served::Export(dev, ino), recorded) {
+            Ok(kept) => self.keeper.put(key, kept),
+            Err(e) => self.keeper.warn_once(
+                key,
+                format_args!(
+                    "its export is not kept, so its death would fail the volume's I/O: {e}"
+                ),
             ),
         }
+    }
+
+    /// Start helper `key` again on its kept export if its process ended;
+    /// true when it did. The caller holds the keeper's restart lock.
+    fn restart(&self, key: &str) -> Result<bool, SysError> {
+        let Some((alive, recorded)) = self.keeper.with(key, |k| (k.alive(), k.recorded.clone()))
+        else {
+            return Ok(false);
+        };
+        if alive {
+            return Ok(false);
+        }
+        let Some(file) = self.keeper.with(key, |k| k.file_for_successor(key)) else {
+            return Ok(false);
+        };
+        let log_path = self.files.server_log_file(key);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(io("open", &log_path))?;
+        let mut launch =
+            Launch::new(Program::Volagent, &self.files.socket(key)).args(&recorded.args);
+        launch.stdin = Some(file?);
+        launch.stderr = Some(log);
+        self.start(key, launch)?;
+        let pid = self.running(key).ok_or_else(|| SysError::Command {
+            program: "volagent nbd serve",
+            path: self.files.socket(key),
+            message: "ended as soon as it listened".into(),
+        })?;
+        let process = super::keeper::pidfd_open(pid)?;
+        self.keeper.with(key, |k| k.serving(process));
+        Ok(true)
     }
 
     /// The helper's pid, when it runs ("<this binary> nbd serve").
@@ -144,8 +179,20 @@ impl ExportHelpers for Helpers {
             return Ok(false);
         }
         let mut launch = self.command(key, read_only)?.args(["--export-stdin", ""]);
+        // How a successor is started on the same file, for this agent and
+        // the next.
+        let meta = file.metadata().map_err(io("stat the export of", &self.files.socket(key)))?;
+        let args: Option<Vec<String>> =
+            launch.args.iter().map(|a| a.to_str().map(String::from)).collect();
+        let args_file = self.files.server_args_file(key);
+        if let Some(args) = args {
+            use std::os::unix::fs::MetadataExt;
+            Recorded { args, export: Some((meta.dev(), meta.ino())) }.write(&args_file)?;
+        }
         launch.stdin = Some(file);
-        let started = self.start(key, launch)?;
+        let started = self.start(key, launch).inspect_err(|_| {
+            let _ = std::fs::remove_file(&args_file);
+        })?;
         self.keep(key);
         Ok(started)
     }
@@ -191,7 +238,13 @@ impl ExportHelpers for Helpers {
     }
 
     fn stop_serving(&self, key: &str) -> Result<(), SysError> {
-        self.keeper.forget(key);
+        // Waits for a successor being started; none is started or kept
+        // after, without its recording.
+        {
+            let _restarting = self.keeper.restart_lock();
+            let _ = std::fs::remove_file(self.files.server_args_file(key));
+            self.keeper.forget_locked(key);
+        }
         if let Some(pid) = self.running(key) {
             // SIGTERM: it closes its connections and removes its socket, and
             // closes an RBD image (flushing it, dropping its watch and lock):
@@ -208,6 +261,7 @@ impl ExportHelpers for Helpers {
         for f in [
             self.files.server_pid_file(key),
             self.files.server_log_file(key),
+            self.files.server_args_file(key),
             self.files.socket(key),
             self.files.client_file(key),
             self.files.keyring_file(key),
@@ -232,28 +286,21 @@ impl ExportHelpers for Helpers {
         let keys: std::collections::BTreeSet<String> =
             self.files.keys().unwrap_or_default().into_iter().chain(self.keeper.keys()).collect();
         for key in keys {
-            if self.running(&key).is_some() {
+            // Not while the helper is being stopped.
+            let _restarting = self.keeper.restart_lock();
+            if !self.keeper.holds(&key) {
                 self.keep(&key);
                 continue;
             }
-            let Some(kept) = self.keeper.take(&key) else { continue };
-            let started = (|| {
-                let log_path = self.files.server_log_file(&key);
-                let log = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&log_path)
-                    .map_err(io("open", &log_path))?;
-                let mut launch =
-                    Launch::new(Program::Volagent, &self.files.socket(&key)).args(&kept.args);
-                launch.stdin = Some(kept.file_for_successor(&key)?);
-                launch.stderr = Some(log);
-                self.start(&key, launch)
-            })();
-            if self.keeper.report(&key, "the helper", started.map(|_| ())) {
+            let started = match self.restart(&key) {
+                Ok(false) => continue,
+                Ok(true) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if started.is_ok() {
                 healed.push(key.clone());
             }
-            self.keeper.put(&key, kept);
+            self.keeper.report(&key, "the helper", &started);
         }
         healed
     }
