@@ -192,6 +192,68 @@ fn a_server_that_stops_answering_is_aborted_and_unmount_still_completes() {
     nix::sys::signal::kill(server_pid, nix::sys::signal::Signal::SIGCONT).unwrap();
 }
 
+/// Write and fsync a new file in `dir` on a thread; what it came to, or
+/// None if it has not come back within `within` (hung).
+fn write_and_sync(dir: &str, name: &str, within: Duration) -> Option<std::io::Result<()>> {
+    let path = format!("{dir}/{name}");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let done = std::fs::File::create(&path).and_then(|mut f| {
+            std::io::Write::write_all(&mut f, &[7u8; 65536])?;
+            f.sync_all()
+        });
+        let _ = tx.send(done);
+    });
+    rx.recv_timeout(within).ok()
+}
+
+/// A userspace client of a remote server (qemu-nbd) that is killed is
+/// started again on the FUSE connection the agent kept: the volume goes on.
+/// When the server is gone too, no client can be: after --nbd-hung-after the
+/// agent lets the connection go and aborts it, so I/O fails instead of
+/// hanging, and the unmount completes.
+#[test]
+fn a_killed_client_is_started_again_and_one_that_cannot_be_is_aborted_after_the_hung_timeout() {
+    let mut node = nbd_node(VOLAGENT);
+    node.stop_agent();
+    node.spawn_agent_env("node-a", &[], &["--nbd-hung-after", "2s"]);
+    let Mounted { mut server, state, dir, .. } = mount_on_qemu_nbd(&node);
+    let first = clients_under(&state);
+    assert_eq!(first.len(), 1);
+    for pid in &first {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    wait_until(NBD_WAIT, "another client", || {
+        let now = clients_under(&state);
+        now.len() == 1 && now != first
+    });
+    let wrote = write_and_sync(&dir, "after-client", Duration::from_secs(30));
+    assert!(matches!(wrote, Some(Ok(()))), "the volume serves on: {wrote:?}");
+
+    // The server and the client gone: nothing to start a client on.
+    let _ = server.0.kill();
+    let _ = server.0.wait();
+    for pid in clients_under(&state) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let wrote = write_and_sync(&dir, "after-server", Duration::from_secs(60));
+    assert!(matches!(wrote, Some(Err(_))), "I/O fails, not hangs: {wrote:?}");
+    let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
+    assert!(log.contains("no client could be started again"), "the agent says why: {log}");
+    let unmounted = driver(&node, &["unmount", &dir]);
+    if unmounted.1["status"] != "Success" {
+        assert_success(&driver(&node, &["unmount", &dir]));
+    }
+    assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+    assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
+}
+
 #[test]
 fn start_up_reconciliation_removes_clients_nothing_uses() {
     let mut node = nbd_node(VOLAGENT);
