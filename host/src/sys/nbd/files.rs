@@ -130,6 +130,12 @@ impl Layout {
     }
 }
 
+/// `path` opened for appending (made if missing): a successor's log goes
+/// on after its predecessor's.
+pub fn append_to(path: &Path) -> Result<std::fs::File, SysError> {
+    std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(io("open", path))
+}
+
 /// Remove a keyring [`Layout::write_keyring`] wrote, once read.
 pub fn remove_keyring(file: Option<PathBuf>) {
     if let Some(file) = file

@@ -19,7 +19,7 @@
 //! that does not answer — aborts its FUSE connection (fusectl) and kills it.
 
 use super::files::Layout;
-use super::keeper::{Keeper, Kept, Recorded, Served};
+use super::keeper::{Keeper, Kept, Recorded, Served, Successor};
 use crate::sys::fusectl::AbortSwitch;
 use crate::sys::launch::{Launch, Launcher, Program, Spawned};
 use crate::sys::{FuseClients, SysError, errno, io};
@@ -125,14 +125,9 @@ impl Clients {
     /// A connection that is no longer up is let go (an error).
     fn take_over(&self, key: &str) -> Result<bool, SysError> {
         let dir = self.files.dir(key);
-        let Some((alive, up, recorded)) =
-            self.keeper.with(key, |k| (k.alive(), k.connection_up(), k.recorded.clone()))
-        else {
+        let Some(Successor { recorded, file, up }) = self.keeper.ended(key) else {
             return Ok(false);
         };
-        if alive {
-            return Ok(false);
-        }
         if !up {
             self.keeper.forget_locked(key);
             return Err(SysError::Command {
@@ -152,17 +147,8 @@ impl Clients {
                 message: format!("its server {socket} does not answer yet"),
             });
         }
-        let Some(file) = self.keeper.with(key, |k| k.file_for_successor(key)) else {
-            return Ok(false);
-        };
-        let pid_file = self.files.pid_file(key);
-        let _ = std::fs::remove_file(&pid_file);
-        let log_path = self.files.log_file(key);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(io("open", &log_path))?;
+        let _ = std::fs::remove_file(self.files.pid_file(key));
+        let log = super::files::append_to(&self.files.log_file(key))?;
         let mut launch = Launch::new(Program::Volagent, &dir)
             .args(&recorded.args)
             .arg("--connection-stdin")

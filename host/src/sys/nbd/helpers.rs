@@ -8,7 +8,7 @@
 //! ([`ExportHelpers::heal`]; [`super::keeper`]).
 
 use super::files::{Layout, last_lines, remove_keyring};
-use super::keeper::{Keeper, Kept, Recorded, Served};
+use super::keeper::{Keeper, Kept, Recorded, Served, Successor};
 use crate::sys::launch::{Launch, Launcher, Program};
 use crate::sys::rbd_export::RbdTarget;
 use crate::sys::{ExportHelpers, KernelNbd, SysError, io};
@@ -127,22 +127,10 @@ impl Helpers {
     /// Start helper `key` again on its kept export if its process ended;
     /// true when it did. The caller holds the keeper's restart lock.
     fn restart(&self, key: &str) -> Result<bool, SysError> {
-        let Some((alive, recorded)) = self.keeper.with(key, |k| (k.alive(), k.recorded.clone()))
-        else {
+        let Some(Successor { recorded, file, .. }) = self.keeper.ended(key) else {
             return Ok(false);
         };
-        if alive {
-            return Ok(false);
-        }
-        let Some(file) = self.keeper.with(key, |k| k.file_for_successor(key)) else {
-            return Ok(false);
-        };
-        let log_path = self.files.server_log_file(key);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(io("open", &log_path))?;
+        let log = super::files::append_to(&self.files.server_log_file(key))?;
         let mut launch =
             Launch::new(Program::Volagent, &self.files.socket(key)).args(&recorded.args);
         launch.stdin = Some(file?);

@@ -138,6 +138,13 @@ impl Kept {
     }
 }
 
+/// What [`Keeper::ended`] hands a successor.
+pub struct Successor {
+    pub recorded: Recorded,
+    pub file: Result<std::fs::File, SysError>,
+    pub up: bool,
+}
+
 /// Kept files, by key.
 #[derive(Debug, Default)]
 pub struct Keeper {
@@ -164,6 +171,18 @@ impl Keeper {
     /// Run `f` on `key`'s, if kept.
     pub fn with<T>(&self, key: &str, f: impl FnOnce(&mut Kept) -> T) -> Option<T> {
         self.lock().get_mut(key).map(f)
+    }
+
+    /// What a successor of `key`'s process needs once that process ended:
+    /// how it was started, a copy of its file, and whether that file is
+    /// still up (a FUSE connection not aborted). None while the process
+    /// runs, or when nothing is kept.
+    pub fn ended(&self, key: &str) -> Option<Successor> {
+        self.lock().get(key).filter(|k| !k.alive()).map(|k| Successor {
+            recorded: k.recorded.clone(),
+            file: k.file_for_successor(key),
+            up: k.connection_up(),
+        })
     }
 
     /// One successor at a time.
