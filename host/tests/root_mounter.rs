@@ -8,20 +8,18 @@
 // Helpers outside #[test] fns: a failed setup step fails the test.
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use volagent::sys::launch::wire;
 use volagent_test_support::agent::Node;
 use volagent_test_support::ceph::{Image, ceph_dir, volagent_key};
 use volagent_test_support::driver::{assert_success, kubelet_options, rbd_options};
 use volagent_test_support::nbd::*;
-use volagent_test_support::{wait_until, wait_until_or};
+use volagent_test_support::wait_until;
+use volagent_test_support::workload::{Writer, every_record_in_place, kill_all};
 
 const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 
@@ -71,102 +69,6 @@ fn tree_of(pid: i32) -> Vec<i32> {
         i += 1;
     }
     tree
-}
-
-/// A workload: 4 KiB appended and fsynced to `<dir>/log` without pause;
-/// how many, the errors, and the longest wait for one.
-struct Writer {
-    stop: Arc<AtomicBool>,
-    stats: Arc<Mutex<(u64, Vec<String>, Duration)>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    /// Logs whose tails a failure shows.
-    logs: Vec<PathBuf>,
-    /// What it writes.
-    file: PathBuf,
-}
-
-impl Writer {
-    fn start(dir: &str) -> Writer {
-        let stop = Arc::new(AtomicBool::new(false));
-        let stats = Arc::new(Mutex::new((0u64, Vec::new(), Duration::ZERO)));
-        // Unique: a shared volume (gluster's) keeps the files of other runs.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
-        let path =
-            PathBuf::from(dir).join(format!("log-{}-{}", std::process::id(), nanos.as_nanos()));
-        let file = path.clone();
-        let (s, st) = (stop.clone(), stats.clone());
-        let thread = std::thread::spawn(move || {
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap();
-            let mut n = 0u64;
-            while !s.load(Ordering::SeqCst) {
-                let started = Instant::now();
-                let mut record = format!("{n:016}\n").into_bytes();
-                record.resize(4096, b'.');
-                *record.last_mut().unwrap() = b'\n';
-                let done = f.write_all(&record).and_then(|_| f.sync_data());
-                let took = started.elapsed();
-                let mut stats = st.lock().unwrap();
-                match done {
-                    Ok(()) => {
-                        stats.0 += 1;
-                        n += 1;
-                    }
-                    Err(e) => stats.1.push(e.to_string()),
-                }
-                stats.2 = stats.2.max(took);
-                if stats.1.len() >= 3 {
-                    // A failed filesystem only fails again.
-                    break;
-                }
-            }
-        });
-        Writer { stop, stats, thread: Some(thread), logs: Vec::new(), file }
-    }
-
-    fn written(&self) -> u64 {
-        self.stats.lock().unwrap().0
-    }
-
-    /// Wait for `more` writes beyond now.
-    fn goes_on(&self, more: u64, when: &str) {
-        let from = self.written();
-        wait_until_or(
-            Duration::from_secs(30),
-            &format!("the workload writing {when}"),
-            || (self.written() >= from + more).then_some(()),
-            || {
-                let mut out = format!("{:?}", self.stats.lock().unwrap());
-                for log in &self.logs {
-                    let text = std::fs::read_to_string(log).unwrap_or_default();
-                    let tail: Vec<&str> = text.lines().rev().take(30).collect();
-                    out += &format!(
-                        "\n--- {}:\n{}",
-                        log.display(),
-                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                    );
-                }
-                out
-            },
-        );
-    }
-
-    /// Stop; (records written, errors, the longest write + fsync).
-    fn finish(mut self) -> (u64, Vec<String>, Duration) {
-        self.stop.store(true, Ordering::SeqCst);
-        self.thread.take().unwrap().join().unwrap();
-        self.stats.lock().unwrap().clone()
-    }
-}
-
-/// `file` holds the `written` records a [`Writer`] wrote, in order; then
-/// it is removed.
-fn every_record_in_place(file: &Path, written: u64) {
-    let log = std::fs::read(file).unwrap();
-    assert_eq!(log.len() as u64, written * 4096, "every record is in the file");
-    for (i, record) in log.chunks(4096).enumerate() {
-        assert_eq!(&record[..16], format!("{i:016}").as_bytes(), "record {i} in its place");
-    }
-    std::fs::remove_file(file).unwrap();
 }
 
 /// A node whose agent starts the processes its volumes need in a mounter
@@ -278,16 +180,6 @@ fn a_local_file_over_the_userspace_nbd_path_outlives_its_agent() {
         client_and_helper,
         false,
     );
-}
-
-/// Kill `pids` with SIGKILL.
-fn kill_all(pids: &[i32]) {
-    for pid in pids {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(*pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-    }
 }
 
 /// A local file behind the helper, through the userspace client, both in

@@ -20,6 +20,7 @@ const VOLAGENT: &str = env!("CARGO_BIN_EXE_volagent");
 const IN_THE_VM: &[&str] = &[
     "an_export_is_mounted_through_a_kernel_nbd_device_and_detached_whole",
     "the_agents_own_export_outlives_the_agent_on_the_kernel_device",
+    "a_killed_helper_is_started_again_and_the_device_reconnected_to_it_while_a_workload_writes",
     "a_mount_cut_short_after_the_connect_leaves_no_device_connected",
     "start_up_reconciliation_disconnects_a_connection_no_record_names",
     "a_server_that_stops_answering_fails_io_instead_of_hanging",
@@ -184,6 +185,72 @@ mod in_the_vm {
         assert_eq!(
             read_back(Path::new(&image), "ext4"),
             b"through the kernel and the agent's own export"
+        );
+    }
+
+    /// The agent's helper is SIGKILLed under a workload that appends and
+    /// fsyncs: the device's requests wait (the dead-connection timeout the
+    /// agent set), the agent starts the helper again on the export it kept
+    /// and hands the device the new helper's sockets (NBD_CMD_RECONFIGURE).
+    /// The workload sees a delay, never an error, and every record is on
+    /// the device.
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn a_killed_helper_is_started_again_and_the_device_reconnected_to_it_while_a_workload_writes() {
+        use volagent_test_support::workload::{Writer, every_record_in_place, kill_all};
+        let mut node = node();
+        // A request the killed helper had taken waits for this long before
+        // the kernel sends it again: it bounds the stall a kill costs.
+        node.stop_agent();
+        node.spawn_agent_env("node-a", &[], &["--nbd-hung-after", "8s"]);
+        let image = node.image("own.img", 64);
+        let state = node.scratch.path("node-a/state");
+        let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+        let mut o = options("pv1", "pod-a", "uid-a", "unused");
+        o.as_object_mut().unwrap().remove("server");
+        o["file"] = image.into();
+        let r = driver(&node, &["mount", &dir, &o.to_string()]);
+        assert_success(&r);
+        let device = r.1["device"].as_str().unwrap_or_default().to_string();
+        assert!(device.starts_with("/dev/nbd") && connected(&device), "{}", r.1);
+        let helper = servers_under(&state);
+        assert_eq!(helper.len(), 1, "one helper server");
+
+        let mut writer = Writer::start(&dir);
+        writer.logs = vec![node.log_path("node-a")];
+        writer.goes_on(20, "before");
+        std::mem::take(&mut writer.stats.lock().unwrap().2);
+        kill_all(&helper);
+        wait_until(NBD_WAIT, "another helper", || {
+            let now = servers_under(&state);
+            now.len() == 1 && now != helper
+        });
+        writer.goes_on(30, "after the helper was killed");
+        let file = writer.file.clone();
+        let (written, errors, stall) = writer.finish();
+        assert!(errors.is_empty(), "the workload saw errors: {errors:?}");
+        println!(
+            "the helper killed under the kernel device: the longest write + fsync took {stall:?}"
+        );
+        let log = std::fs::read_to_string(node.log_path("node-a")).unwrap();
+        assert!(
+            log.contains("was reconnected to its helper"),
+            "the agent says what it did:\n{log}"
+        );
+        assert!(connected(&device), "{device} is still connected");
+
+        // What the workload wrote is on the device, not only in the cache.
+        nix::unistd::sync();
+        std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+        every_record_in_place(&file, written);
+        assert_success(&driver(&node, &["unmount", &dir]));
+        assert!(!connected(&device), "{device} was disconnected");
+        wait_until(NBD_WAIT, "the helper server to end", || servers_under(&state).is_empty());
+        assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+        assert!(
+            left_in(&state.join("nbd")).is_empty(),
+            "left behind: {:?}",
+            left_in(&state.join("nbd"))
         );
     }
 

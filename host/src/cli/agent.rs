@@ -288,7 +288,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     // The chaos tier's hooks exist only in a build for tests.
     #[cfg(feature = "testing")]
     let sys = with_test_hooks(sys);
-    spawn_nbd_watchdog(sys.export_helpers.clone(), sys.fuse_clients.clone(), args.nbd_hung_after);
+    spawn_nbd_watchdog(&sys, args.nbd_hung_after);
     let mut agent = Agent::new(
         config,
         Vec::new(),
@@ -449,18 +449,20 @@ const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// Start again the helpers and clients that ended under a mounted volume
 /// (at once, for an agent that has just started: it keeps what the last
-/// one started), then every `HEAL_EVERY`; check the userspace NBD clients'
+/// one started), and hand a restarted helper to the kernel devices it
+/// served, then every `HEAL_EVERY`; check the userspace NBD clients'
 /// servers a few times per `hung_after`.
-fn spawn_nbd_watchdog(
-    helpers: Arc<dyn crate::sys::ExportHelpers>,
-    clients: Arc<dyn crate::sys::FuseClients>,
-    hung_after: Duration,
-) {
+fn spawn_nbd_watchdog(sys: &crate::sys::Sys, hung_after: Duration) {
+    let helpers = sys.export_helpers.clone();
+    let clients = sys.fuse_clients.clone();
+    let kernel = sys.kernel_nbd.clone();
     let every = (hung_after / 4).clamp(Duration::from_millis(250), Duration::from_secs(15));
     let spawned = std::thread::Builder::new().name("nbd-watchdog".into()).spawn(move || {
         let mut checked = std::time::Instant::now();
+        let mut reconnects = crate::sys::nbd::kernel::Reconnects::default();
         loop {
-            helpers.heal();
+            let healed = helpers.heal();
+            reconnects.round(healed, kernel.as_ref(), helpers.as_ref(), hung_after);
             clients.heal(hung_after);
             if checked.elapsed() >= every {
                 clients.abort_hung(hung_after);

@@ -192,6 +192,16 @@ impl Client {
     }
 
     /// End the connection politely (NBD_CMD_DISC has no reply).
+    /// The connection itself, in transmission, for the kernel to take
+    /// over (`NBD_CMD_RECONFIGURE`): no timeouts left on it.
+    pub fn into_socket(self) -> std::os::fd::OwnedFd {
+        let _ = self.stream.set_timeout(None);
+        match self.stream {
+            Stream::Unix(s) => s.into(),
+            Stream::Tcp(s) => s.into(),
+        }
+    }
+
     pub fn disconnect(mut self) {
         let header = header(wire::CMD_DISC, 0, self.cookie, 0, 0);
         let _ = self.stream.write_all(&header);

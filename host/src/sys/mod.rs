@@ -388,6 +388,11 @@ pub trait KernelNbd: Send + Sync {
     /// Every export this node has a kernel connection record of, and its
     /// device while connected.
     fn connections(&self) -> Vec<(String, Option<PathBuf>)>;
+    /// Hand `key`'s device new connections to `server`'s `export` (its
+    /// helper, started again) in place of those that died.
+    fn reconnect(&self, _key: &str, _server: &str, _export: &str) -> Result<(), SysError> {
+        Ok(())
+    }
 }
 
 /// Userspace clients, by a key the caller derives from the export, each a
@@ -623,6 +628,7 @@ impl Sys {
         let node = Arc::new(linux::Linux::new(roots, tag).with_launcher(launcher.clone()));
         let mut devices = nbd::kernel::NbdDevices::new(nbd_dir.clone());
         devices.request_timeout = nbd_request_timeout;
+        devices.dead_conn_timeout = nbd_request_timeout;
         let kernel_nbd: Arc<dyn KernelNbd> = if devices.available() {
             Arc::new(devices)
         } else {

@@ -23,6 +23,7 @@ pub mod scratch;
 pub mod shipped;
 pub mod vm;
 pub mod wait;
+pub mod workload;
 
 pub use wait::{Deadline, wait_until, wait_until_async, wait_until_or};
 

@@ -72,7 +72,7 @@ pub fn run_tests(
     );
     for name in tests {
         script.push_str(&format!(
-            "timeout -s KILL {TEST_DEADLINE_SECS} '{}' --ignored --exact --color never {module}::{name} || {{ status=1; echo 'VOLAGENT_VM_TEST_FAILED: {name}'; }}\n",
+            "timeout -s KILL {TEST_DEADLINE_SECS} '{}' --ignored --exact --nocapture --color never {module}::{name} || {{ status=1; echo 'VOLAGENT_VM_TEST_FAILED: {name}'; }}\n",
             exe.display()
         ));
     }

@@ -3,6 +3,11 @@
 //! over netlink, then exits — the kernel holds the connection, so it
 //! outlives the agent and its container without any process of ours.
 //!
+//! A device whose server is the agent's own helper waits up to its
+//! dead-connection timeout when that helper ends, and the helper started
+//! again on the same export is handed to it with `NBD_CMD_RECONFIGURE`
+//! ([`super::netlink`]): the workload sees a delay, not an I/O error.
+//!
 //! Which device serves which export is recorded in `<base>/<key>.kernel`:
 //! the device, the pid the kernel reports for its connection and the boot
 //! it was made in. A device is ours only while all three still match — a
@@ -26,6 +31,10 @@ pub struct NbdDevices {
     pub request_timeout: Duration,
     /// How long `nbd-client` may take to connect or disconnect.
     pub command_timeout: Duration,
+    /// How long a device whose every connection to the agent's own helper
+    /// died waits for the helper to be started again before it fails
+    /// requests.
+    pub dead_conn_timeout: Duration,
 }
 
 /// A connection this agent made: the device and how to recognise it.
@@ -90,6 +99,30 @@ fn server_args(server: &str) -> Vec<String> {
     }
 }
 
+fn remove(file: &Path) -> Result<(), SysError> {
+    match std::fs::remove_file(file) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", file)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// N of `/dev/nbdN`.
+fn index_of(device: &Path) -> Option<u32> {
+    device.file_name()?.to_str()?.strip_prefix("nbd")?.parse().ok()
+}
+
+/// The size the kernel has for `device`, in bytes.
+fn device_bytes(device: &Path) -> Result<u64, SysError> {
+    let name = device.file_name().unwrap_or_default();
+    let file = Path::new("/sys/block").join(name).join("size");
+    let text = std::fs::read_to_string(&file).map_err(io("read", &file))?;
+    let sectors: u64 = text.trim().parse().map_err(|_| SysError::Refused {
+        path: file.clone(),
+        what: format!("not a size: {:?}", text.trim()),
+    })?;
+    Ok(sectors * 512)
+}
+
 impl NbdDevices {
     pub fn new(base: PathBuf) -> NbdDevices {
         NbdDevices {
@@ -97,11 +130,45 @@ impl NbdDevices {
             program: PathBuf::from("nbd-client"),
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             command_timeout: Duration::from_secs(20),
+            dead_conn_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
     }
 
     fn record_file(&self, key: &str) -> PathBuf {
         self.base.join(format!("{key}.kernel"))
+    }
+
+    /// How many connections `key`'s device was made with (a file of its
+    /// own, so that the record an earlier release reads is unchanged).
+    fn connections_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.kernel.connections"))
+    }
+
+    /// Whether `server` is the agent's own helper serving `key`: the one
+    /// server a device is reconnected to when it ends.
+    fn own_helper(&self, key: &str, server: &str) -> bool {
+        server.strip_prefix("unix:").map(Path::new)
+            == Some(super::files::Layout::new(self.base.clone()).socket(key).as_path())
+    }
+
+    /// Make `name`'s requests wait for a new connection when every one to
+    /// the helper died, instead of failing at once (nbd-client cannot say
+    /// so). Without it the device still serves; only a helper's restart
+    /// would then fail its I/O.
+    fn wait_for_the_helper(&self, name: &str, device: &Path) {
+        let change = super::netlink::Reconfigure {
+            dead_conn_timeout: Some(self.dead_conn_timeout),
+            ..Default::default()
+        };
+        if let Err(e) = index_of(device)
+            .ok_or_else(|| SysError::Refused {
+                path: device.into(),
+                what: "not an nbd device".into(),
+            })
+            .and_then(|index| super::netlink::reconfigure(index, &change))
+        {
+            tracing::warn!(device = name, "a restart of its helper will fail its I/O: {e}");
+        }
     }
 
     fn disconnect_device(&self, device: &Path) -> Result<(), SysError> {
@@ -177,10 +244,18 @@ impl KernelNbd for NbdDevices {
             })?;
             let record = format!("{name} {pid} {}\n", boot_id());
             let file = self.record_file(key);
-            if let Err(e) = std::fs::write(&file, record) {
+            let count = self.connections_file(key);
+            let written = std::fs::write(&count, connections.max(1).to_string())
+                .map_err(io("write", &count))
+                .and_then(|_| std::fs::write(&file, record).map_err(io("write", &file)));
+            if let Err(e) = written {
                 // Unrecorded, it would be nobody's: undo it.
                 let _ = self.disconnect_device(&device);
-                return Err(io("write", &file)(e));
+                let _ = std::fs::remove_file(&count);
+                return Err(e);
+            }
+            if self.own_helper(key, server) {
+                self.wait_for_the_helper(&name, &device);
             }
             return Ok((device, true));
         }
@@ -196,11 +271,51 @@ impl KernelNbd for NbdDevices {
         if let Some(device) = self.device(key) {
             self.disconnect_device(&device)?;
         }
-        let file = self.record_file(key);
-        match std::fs::remove_file(&file) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &file)(e)),
-            _ => Ok(()),
+        remove(&self.connections_file(key))?;
+        remove(&self.record_file(key))
+    }
+
+    /// Hand `key`'s device new connections to `server`'s `export` in place
+    /// of those that died; connections that did not die are kept (the
+    /// kernel takes a socket only for a dead one).
+    fn reconnect(&self, key: &str, server: &str, export: &str) -> Result<(), SysError> {
+        let Some(device) = self.device(key) else { return Ok(()) };
+        let index = index_of(&device).ok_or_else(|| SysError::Refused {
+            path: device.clone(),
+            what: "not an nbd device".into(),
+        })?;
+        let count = std::fs::read_to_string(self.connections_file(key))
+            .ok()
+            .and_then(|t| t.trim().parse::<u8>().ok())
+            .unwrap_or(1)
+            .clamp(1, 16);
+        let size = device_bytes(&device)?;
+        let mut clients = Vec::with_capacity(count.into());
+        for _ in 0..count {
+            let client = crate::nbd::client::Client::connect(server, export, self.command_timeout)
+                .map_err(|e| SysError::Command {
+                    program: "nbd reconnect",
+                    path: device.clone(),
+                    message: e.to_string(),
+                })?;
+            // Another export behind the same address would be written
+            // where this one's filesystem thinks its blocks are.
+            if client.info().size != size {
+                return Err(SysError::Refused {
+                    path: device,
+                    what: format!(
+                        "{server} now serves {} bytes, the device has {size}: not reconnected",
+                        client.info().size
+                    ),
+                });
+            }
+            clients.push(client.into_socket());
         }
+        let sockets = clients.iter().map(std::os::fd::AsFd::as_fd).collect();
+        super::netlink::reconfigure(
+            index,
+            &super::netlink::Reconfigure { sockets, ..Default::default() },
+        )
     }
 
     /// Every export with a record, and its device while it is connected.
@@ -218,6 +333,48 @@ impl KernelNbd for NbdDevices {
                 (k, device)
             })
             .collect()
+    }
+}
+
+/// Kernel devices whose helper was started again, each reconnected to it
+/// in the round its helper was healed, and again every round while that
+/// fails, until `give_up_after` (by then the kernel has failed what waited).
+#[derive(Default)]
+pub struct Reconnects {
+    due: std::collections::BTreeMap<String, std::time::Instant>,
+}
+
+impl Reconnects {
+    /// One round: `healed` names the helpers started again since the last.
+    pub fn round(
+        &mut self,
+        healed: Vec<String>,
+        kernel: &dyn KernelNbd,
+        helpers: &dyn crate::sys::ExportHelpers,
+        give_up_after: Duration,
+    ) {
+        let now = std::time::Instant::now();
+        for key in healed {
+            if kernel.device(&key).is_some() {
+                self.due.insert(key, now);
+            }
+        }
+        self.due.retain(|key, since| {
+            match kernel.reconnect(key, &helpers.server_address(key), "") {
+                Ok(()) => {
+                    tracing::info!(export = key, "its kernel nbd device was reconnected to its helper, started again");
+                    false
+                }
+                Err(e) if since.elapsed() < give_up_after => {
+                    tracing::debug!(export = key, "not reconnected yet: {e}");
+                    true
+                }
+                Err(e) => {
+                    tracing::error!(export = key, "its kernel nbd device could not be reconnected to its helper within {give_up_after:?}, so its I/O fails: {e}");
+                    false
+                }
+            }
+        });
     }
 }
 
@@ -252,11 +409,8 @@ impl KernelNbd for Unloaded {
     }
 
     fn disconnect(&self, key: &str) -> Result<(), SysError> {
-        let file = self.records.record_file(key);
-        match std::fs::remove_file(&file) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &file)(e)),
-            _ => Ok(()),
-        }
+        remove(&self.records.connections_file(key))?;
+        remove(&self.records.record_file(key))
     }
 
     fn connections(&self) -> Vec<(String, Option<PathBuf>)> {
