@@ -212,6 +212,7 @@ impl Mounter {
                 version: env!("CARGO_PKG_VERSION").into(),
                 pid: std::process::id(),
                 running: self.lock().live.len() as u32,
+                pod: wire::PodName::from_env(),
             },
             Request::Spawn(start) => self.spawn(start, fds).unwrap_or_else(error),
             Request::Run { start, deadline_ms } => {

@@ -97,6 +97,7 @@ fn outlives_its_agent(
     options: impl FnOnce(&Node) -> serde_json::Value,
     processes: impl Fn(&Path) -> Vec<i32>,
     daemon: bool,
+    pinned: Option<&str>,
 ) {
     let (mut node, mut mounter, socket) = node_with_mounter(wasm, backend);
     let options = options(&node);
@@ -137,6 +138,16 @@ fn outlives_its_agent(
     writer.goes_on(50, "with no agent");
     node.spawn_agent_env("node-a", &[], &["--mounter", socket.to_str().unwrap()]);
     writer.goes_on(20, "after the next agent started");
+    // What no successor could take over pins the mounter: status says so.
+    let status = Command::new(VOLAGENT)
+        .args(["status", "--json", "--socket"])
+        .arg(&node.socket)
+        .output()
+        .unwrap();
+    let said: serde_json::Value = serde_json::from_slice(&status.stdout)
+        .unwrap_or_else(|e| panic!("status --json ({e}): {status:?}"));
+    assert_eq!(said["volumes"][0]["volume"], "pv1", "{said}");
+    assert_eq!(said["volumes"][0]["pinned_by"].as_str(), pinned, "{said}");
     let file = writer.file.clone();
     let (written, errors, longest) = writer.finish();
     assert_eq!(errors, Vec::<String>::new(), "no write or fsync failed");
@@ -179,6 +190,7 @@ fn a_local_file_over_the_userspace_nbd_path_outlives_its_agent() {
         },
         client_and_helper,
         false,
+        None,
     );
 }
 
@@ -297,7 +309,12 @@ fn client_and_helper(root: &Path) -> Vec<i32> {
 /// An RBD image on the run's Ceph, attached as `attach` asks (none: the
 /// default path), its processes started as `program` and found by
 /// `processes`.
-fn rbd_outlives_its_agent(attach: Option<&str>, program: &str, processes: fn(&Path) -> Vec<i32>) {
+fn rbd_outlives_its_agent(
+    attach: Option<&str>,
+    program: &str,
+    processes: fn(&Path) -> Vec<i32>,
+    pinned: &str,
+) {
     let ceph = ceph_dir();
     let key = volagent_key(&ceph);
     let image = Image::create(&ceph, 64);
@@ -315,6 +332,7 @@ fn rbd_outlives_its_agent(attach: Option<&str>, program: &str, processes: fn(&Pa
         },
         processes,
         false,
+        Some(pinned),
     );
 }
 
@@ -322,13 +340,13 @@ fn rbd_outlives_its_agent(attach: Option<&str>, program: &str, processes: fn(&Pa
 /// its userspace client.
 #[test]
 fn an_rbd_image_through_librbd_outlives_its_agent() {
-    rbd_outlives_its_agent(None, "volagent", client_and_helper);
+    rbd_outlives_its_agent(None, "volagent", client_and_helper, volagent::sys::pins::LIBRBD_HELPER);
 }
 
 /// An RBD image through rbd-fuse.
 #[test]
 fn an_rbd_image_through_rbd_fuse_outlives_its_agent() {
-    rbd_outlives_its_agent(Some("fuse"), "rbd-fuse", clients_under);
+    rbd_outlives_its_agent(Some("fuse"), "rbd-fuse", clients_under, volagent::sys::pins::RBD_FUSE);
 }
 
 /// A GlusterFS volume: mount.glusterfs runs in the mounter, and the FUSE
@@ -359,6 +377,7 @@ fn a_gluster_volume_outlives_its_agent() {
             })
         },
         true,
+        Some(volagent::sys::pins::GLUSTERFS),
     );
 }
 

@@ -1044,6 +1044,16 @@ fn image_info(dir: &std::path::Path, image: &str) -> Option<Value> {
 
 /// The reasons of the Events about `kind` `name` in `namespace`.
 fn event_reasons(c: &Cluster, namespace: &str, kind: &str, name: &str) -> Vec<String> {
+    events_about(c, namespace, kind, name).into_iter().map(|(reason, ..)| reason).collect()
+}
+
+/// The Events about `kind` `name` in `namespace`: (reason, type, message).
+fn events_about(
+    c: &Cluster,
+    namespace: &str,
+    kind: &str,
+    name: &str,
+) -> Vec<(String, String, String)> {
     use k8s_openapi::api::core::v1::Event;
     let events: Api<Event> = Api::namespaced(c.client(), namespace);
     c.rt.block_on(events.list(&Default::default()))
@@ -1054,8 +1064,102 @@ fn event_reasons(c: &Cluster, namespace: &str, kind: &str, name: &str) -> Vec<St
             e.involved_object.kind.as_deref() == Some(kind)
                 && e.involved_object.name.as_deref() == Some(name)
         })
-        .filter_map(|e| e.reason)
+        .map(|e| {
+            (
+                e.reason.unwrap_or_default(),
+                e.type_.unwrap_or_default(),
+                e.message.unwrap_or_default(),
+            )
+        })
         .collect()
+}
+
+/// A volume served by rbd-fuse pins the node's mounter: no new mounter
+/// could take over rbd-fuse's FUSE connection. The agent, as its
+/// ServiceAccount, writes a Warning Event on the mounter's pod naming the
+/// volume, and a Normal one once it is unmounted. The mounter runs as a
+/// process named after a Pod object, as the downward API names it in the
+/// DaemonSet.
+#[test]
+fn a_volume_that_pins_the_mounter_is_named_in_an_event_on_the_mounter_pod() {
+    use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+    let dir = ceph_dir();
+    let key = volagent_key(&dir);
+    let image = Image::create(&dir, 64);
+    let mut c = Cluster::start(VOLAGENT, &["node-a"], &[RBD]);
+    ceph_cluster::create_secret(&c, shipped::AGENT_NAMESPACE, "ceph-volagent", &key);
+    ceph_cluster::create_storage_cluster(&c, "ceph", "ceph-volagent");
+    c.rt.block_on(kube_objects::create_pv(
+        &c.client(),
+        "pv-fuse",
+        "rbd",
+        "ReadWriteOnce",
+        &[("storageCluster", "ceph"), ("image", image.name.as_str()), ("attach", "fuse")],
+    ));
+    let name = "volagent-mounter-x1";
+    let pod = Pod {
+        metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
+        spec: Some(PodSpec {
+            node_name: Some("node-a".into()),
+            containers: vec![Container {
+                name: "mounter".into(),
+                image: Some("volagent".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let pods: Api<Pod> = Api::namespaced(c.client(), shipped::AGENT_NAMESPACE);
+    let uid = c.rt.block_on(pods.create(&Default::default(), &pod)).unwrap().metadata.uid.unwrap();
+    let socket = c.scratch.path("mounter.sock");
+    // Killed at the end, even after a failure (it outlives the agents).
+    struct Mounter(std::process::Child);
+    impl Drop for Mounter {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _mounter = Mounter(
+        Command::new(VOLAGENT)
+            .args(["mounter", "--socket"])
+            .arg(&socket)
+            .env("POD_NAMESPACE", shipped::AGENT_NAMESPACE)
+            .env("POD_NAME", name)
+            .env("POD_UID", &uid)
+            .stderr(std::fs::File::create(c.scratch.path("mounter.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until(std::time::Duration::from_secs(10), "the mounter to answer", || {
+        Command::new(VOLAGENT)
+            .args(["mounter", "--check", "--socket"])
+            .arg(&socket)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    c.kill_agent("node-a");
+    c.spawn_agent_with("node-a", &["--mounter", socket.to_str().unwrap()]);
+
+    let (target, r) = c.mount_with("node-a", "web", "pv-fuse", None);
+    assert_success(&r);
+    assert!(!clients_under(&c.scratch.path("")).is_empty(), "rbd-fuse serves the volume");
+    let said = |reason: &str| {
+        events_about(&c, shipped::AGENT_NAMESPACE, "Pod", name)
+            .into_iter()
+            .find(|(r, ..)| r == reason)
+    };
+    c.wait("a Warning on the mounter's pod naming the volume", || said("MounterPinned").is_some());
+    let (_, kind, message) = said("MounterPinned").unwrap();
+    assert_eq!(kind, "Warning");
+    assert!(message.contains("rbd/pv-fuse (rbd-fuse)"), "{message}");
+    assert!(said("MounterFree").is_none(), "not free while the volume is mounted");
+
+    let driver = c.scratch.path("node-a/vpd/volagent~rbd/rbd");
+    assert_success(&run_driver(Command::new(driver).args(["unmount", &target])));
+    c.wait("a Normal Event once nothing pins the mounter", || said("MounterFree").is_some());
+    assert_eq!(said("MounterFree").unwrap().1, "Normal");
 }
 
 #[test]

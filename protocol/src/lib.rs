@@ -184,6 +184,12 @@ pub struct HeldVolume {
     pub storage_cluster: Option<String>,
     /// The pods on this node holding it.
     pub pods: Vec<HeldBy>,
+    /// The process serving its data that no successor can take over
+    /// (rbd-fuse, the GlusterFS client, librbd in a helper): the pod
+    /// running it (the node's mounter, or the agent without one) must not
+    /// be replaced while the volume is mounted. None: nothing pins it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned_by: Option<String>,
 }
 
 /// A pod holding a volume on this node, as recorded.
@@ -355,6 +361,7 @@ mod tests {
                     read_only: false,
                     since: "2026-01-01T00:00:00Z".into(),
                 }],
+                pinned_by: Some("rbd-fuse".into()),
             }],
             volumes_left_out: 3,
             volumes_error: None,

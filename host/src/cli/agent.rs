@@ -264,9 +264,11 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         })
         .collect::<anyhow::Result<_>>()?;
     let tag = crate::ops::loop_tag(&node, &config.state_dir);
+    let mut remote = None;
     let launcher: Arc<dyn crate::sys::launch::Launcher> = match &args.mounter {
         Some(socket) => {
-            let mounter = crate::sys::launch::remote::Remote::new(socket.clone());
+            let mounter = Arc::new(crate::sys::launch::remote::Remote::new(socket.clone()));
+            remote = Some(mounter.clone());
             // Only said here: the mounter may start after the agent, and
             // each launch names the socket when it cannot be reached.
             match mounter.hello() {
@@ -279,7 +281,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
                 ),
                 Err(e) => tracing::warn!("the node's mounter does not answer yet: {e}"),
             }
-            Arc::new(mounter)
+            mounter
         }
         None => Arc::new(crate::sys::launch::Local::default()),
     };
@@ -301,6 +303,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         agent = agent.with_cluster(Arc::new(c));
     }
     let agent = Arc::new(agent);
+    if let Some(mounter) = remote {
+        rt.spawn(agent.clone().tell_the_mounter_pod(mounter));
+    }
     // The backends: loaded (and their drivers installed) by the first pass
     // over the plugin dir, then kept in line with it by the watch.
     let (volume_plugin_dir, driver_binary) = driver_target(&args);

@@ -128,6 +128,7 @@ pub fn table(status: &NodeVolumes) -> String {
     if let Some(e) = &status.volumes_error {
         out.push_str(&format!("the agent cannot list the volumes: {}\n", cell(e)));
     }
+    out.push_str(&pinned_table(&status.volumes));
     if let Some(local) = &status.local {
         out.push_str(&local_table(local));
     }
@@ -135,6 +136,26 @@ pub fn table(status: &NodeVolumes) -> String {
         out.push_str(&csi_table(csi));
     }
     out
+}
+
+/// The volumes whose data a process no successor can take over serves:
+/// its pod (the mounter's) must not be replaced while they are mounted.
+fn pinned_table(volumes: &[HeldVolume]) -> String {
+    let rows: Vec<Vec<String>> = volumes
+        .iter()
+        .filter_map(|v| {
+            let by = v.pinned_by.as_deref()?;
+            Some(vec![cell(&v.backend), cell(&v.volume), cell(by)])
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nthe pod serving these volumes (the node's mounter) must not be replaced while they are mounted: \
+         no successor can take over what serves them\n{}",
+        aligned(&["BACKEND", "VOLUME", "SERVED BY"], &rows)
+    )
 }
 
 /// The CSI drivers and what kubelet said of each, then the publications.
@@ -283,6 +304,7 @@ mod tests {
             staging_dir: format!("/var/lib/kubelet/plugins/volagent/local-pv/mounts/{name}"),
             storage_cluster: None,
             pods,
+            pinned_by: None,
         }
     }
 
@@ -390,6 +412,31 @@ mod tests {
         assert_eq!(lines[3].split_whitespace().nth(6), Some("ro"));
         assert_eq!(lines[4].split_whitespace().nth(3), Some("-"), "no device");
         assert!(lines.iter().all(|l| !l.ends_with(' ')), "{text:?}");
+    }
+
+    #[test]
+    fn volumes_that_pin_the_mounter_are_listed_after_the_pods() {
+        let mut fuse = volume("pv-fuse", Some("/dev/loop3"), vec![pod("web-0", false)]);
+        fuse.pinned_by = Some("rbd-fuse".into());
+        let free = volume("pv-free", Some("/dev/loop4"), vec![pod("web-1", false)]);
+        let text = table(&status(vec![fuse, free]));
+        let lines: Vec<&str> = text.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.contains("must not be replaced"))
+            .unwrap_or_else(|| panic!("no pinned section: {text}"));
+        assert_eq!(
+            lines[at + 1].split_whitespace().collect::<Vec<_>>(),
+            ["BACKEND", "VOLUME", "SERVED", "BY"]
+        );
+        assert_eq!(
+            lines[at + 2].split_whitespace().collect::<Vec<_>>(),
+            ["local-pv", "pv-fuse", "rbd-fuse"]
+        );
+        assert_eq!(lines.len(), at + 3, "only the pinned volume: {text}");
+        assert!(
+            !table(&status(vec![volume("pv-free", None, vec![])])).contains("must not be replaced")
+        );
     }
 
     #[test]

@@ -39,6 +39,71 @@ impl Agent {
     }
 }
 
+/// How often the volumes pinning the node's mounter are looked at.
+const PINS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Agent {
+    /// Say on the node's mounter pod, as an Event, which mounted volumes
+    /// pin it ([`crate::sys::pins`]) each time that changes: a Warning
+    /// naming them, a Normal one once none does. The mounter names its pod
+    /// in its hello (the downward API); one that does not is not told
+    /// about, and is asked again at the next change. Runs for good.
+    pub async fn tell_the_mounter_pod(
+        self: std::sync::Arc<Self>,
+        mounter: std::sync::Arc<crate::sys::launch::remote::Remote>,
+    ) {
+        let Some(cluster) = self.node.cluster.clone() else { return };
+        // Nothing pinned at start is nothing to say.
+        let mut told: Vec<String> = Vec::new();
+        loop {
+            tokio::time::sleep(PINS_EVERY).await;
+            let pinned = match self.pinned_volumes().await {
+                Ok(p) => p,
+                Err(f) => {
+                    tracing::debug!("the volumes pinning the mounter are not known: {}", f.message);
+                    continue;
+                }
+            };
+            if pinned == told {
+                continue;
+            }
+            let asked = mounter.clone();
+            let pod = match super::execute::blocking(move || asked.hello()).await {
+                Ok(Ok(hello)) => hello.pod,
+                Ok(Err(e)) => {
+                    tracing::warn!("the node's mounter is not told what pins it: {e}");
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            let Some(pod) = pod else {
+                told = pinned;
+                continue;
+            };
+            let node = &self.node.config.node;
+            let (warning, reason, message) = if pinned.is_empty() {
+                (
+                    false,
+                    "MounterFree",
+                    format!("volagent on {node}: no mounted volume pins this mounter now"),
+                )
+            } else {
+                (
+                    true,
+                    "MounterPinned",
+                    format!(
+                        "volagent on {node}: deleting this pod fails the I/O of {} mounted volumes that no new mounter can take over: {}; move their pods off the node first",
+                        pinned.len(),
+                        pinned.join(", ")
+                    ),
+                )
+            };
+            cluster.pod_event(&pod.namespace, &pod.name, &pod.uid, warning, reason, &message).await;
+            told = pinned;
+        }
+    }
+}
+
 impl From<&Consumer> for PodRef {
     fn from(c: &Consumer) -> PodRef {
         PodRef { namespace: c.pod_namespace.clone(), name: c.pod.clone(), uid: c.pod_uid.clone() }

@@ -23,6 +23,30 @@ impl Agent {
         Ok((records.into_iter().map(|(r, _)| r).collect(), table))
     }
 
+    /// Which of this node's devices pin the pod serving them ([`crate::sys::pins`]).
+    pub async fn pins(&self) -> crate::sys::pins::Pins {
+        let sys = self.node.sys.clone();
+        blocking(move || sys.pins()).await.unwrap_or_default()
+    }
+
+    /// This node's mounted volumes that pin the pod serving them, as
+    /// `backend/volume (what serves it)`, sorted.
+    pub async fn pinned_volumes(&self) -> Result<Vec<String>, Failure> {
+        let (records, table) = self.held_records().await?;
+        let pins = self.pins().await;
+        let node = &self.node.config.node;
+        let mut pinned: Vec<String> = records
+            .iter()
+            .filter(|r| r.on_node(node).next().is_some())
+            .filter_map(|r| {
+                let by = pinned_by(&pins, &table, &self.staging_dir_of(r))?;
+                Some(format!("{}/{} ({by})", r.backend, r.volume))
+            })
+            .collect();
+        pinned.sort();
+        Ok(pinned)
+    }
+
     /// Where `record`'s volume is staged on this node: a CSI stage's
     /// staging dir is kubelet's, the stage's own mount dir.
     pub fn staging_dir_of(&self, r: &Record) -> String {
@@ -34,4 +58,16 @@ impl Agent {
             .map(|h| h.consumer.mount_dir.clone())
             .unwrap_or_else(|| self.node.config.paths(&r.backend, &r.volume).staging_dir)
     }
+}
+
+/// What pins the pod serving the volume staged at `staging_dir`, by the
+/// mount there: its type, and its device.
+pub fn pinned_by(
+    pins: &crate::sys::pins::Pins,
+    table: &[MountInfo],
+    staging_dir: &str,
+) -> Option<&'static str> {
+    let m = table.iter().rev().find(|m| m.mount_point == std::path::Path::new(staging_dir))?;
+    let device = m.source.starts_with("/dev/").then_some(m.source.as_str());
+    pins.of(device, &m.fs_type)
 }

@@ -153,12 +153,12 @@ pub struct PodIdentity {
 impl PodIdentity {
     /// From POD_NAMESPACE, POD_NAME, POD_UID and CONTAINER_NAME, when all are set.
     pub fn from_env() -> Option<PodIdentity> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let pod = crate::sys::launch::wire::PodName::from_env()?;
         Some(PodIdentity {
-            pod_namespace: var("POD_NAMESPACE")?,
-            pod_name: var("POD_NAME")?,
-            pod_uid: var("POD_UID")?,
-            container_name: var("CONTAINER_NAME")?,
+            pod_namespace: pod.namespace,
+            pod_name: pod.name,
+            pod_uid: pod.uid,
+            container_name: std::env::var("CONTAINER_NAME").ok().filter(|v| !v.is_empty())?,
         })
     }
 }

@@ -147,7 +147,13 @@ async fn csi_report(agent: &Agent, board: &Board) -> Option<CsiReport> {
 
 async fn held_volumes(agent: &Agent) -> Result<Vec<HeldVolume>, crate::ops::Failure> {
     let (records, table) = agent.held_records().await?;
-    Ok(held_of(&records, &agent.node.config.node, |r| agent.staging_dir_of(r), &table))
+    let pins = agent.pins().await;
+    let mut held = held_of(&records, &agent.node.config.node, |r| agent.staging_dir_of(r), &table);
+    for v in &mut held {
+        v.pinned_by =
+            crate::ops::holdings::pinned_by(&pins, &table, &v.staging_dir).map(str::to_string);
+    }
+    Ok(held)
 }
 
 /// `records` as `node` holds them, by backend and volume, each volume's
@@ -185,6 +191,7 @@ pub fn held_of(
                 staging_dir,
                 storage_cluster: r.storage_cluster.clone(),
                 pods,
+                pinned_by: None,
             }
         })
         .collect();
@@ -335,6 +342,7 @@ mod tests {
             staging_dir: format!("/k/plugins/volagent/local-pv/mounts/pv{n:05}"),
             storage_cluster: None,
             pods: vec![],
+            pinned_by: None,
         }
     }
 

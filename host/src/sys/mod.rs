@@ -30,6 +30,7 @@ pub mod mount_helper;
 pub mod mountinfo;
 pub mod nbd;
 pub mod nfs_mount;
+pub mod pins;
 mod probe;
 pub mod rbd_export;
 pub mod rbd_fuse;

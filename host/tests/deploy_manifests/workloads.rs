@@ -179,6 +179,14 @@ pub(crate) fn mounter_daemonset_outlives_the_agent(all: &[Applied]) -> anyhow::R
         ])
     );
     assert!(mounter.resources.as_ref().is_some_and(|r| r.limits.is_none()), "no limits");
+    // Its pod, for the Events that name what pins it.
+    for (var, path) in [
+        ("POD_NAMESPACE", "metadata.namespace"),
+        ("POD_NAME", "metadata.name"),
+        ("POD_UID", "metadata.uid"),
+    ] {
+        assert_eq!(field_ref_env(mounter, var).as_deref(), Some(path), "mounter env {var}");
+    }
     let volumes = pod.volumes.clone().unwrap_or_default();
     let mounts = mounter.volume_mounts.clone().unwrap_or_default();
     for (path, propagation) in [

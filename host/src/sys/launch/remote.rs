@@ -26,6 +26,7 @@ pub struct Mounter {
     pub version: String,
     pub pid: u32,
     pub running: u32,
+    pub pod: Option<super::wire::PodName>,
 }
 
 impl Remote {
@@ -85,8 +86,8 @@ impl Remote {
     /// Ask the mounter who it is.
     pub fn hello(&self) -> Result<Mounter, SysError> {
         match self.call(Request::Hello, &[], self.timeout)? {
-            Reply::Hello { protocol, version, pid, running } => {
-                Ok(Mounter { protocol, version, pid, running })
+            Reply::Hello { protocol, version, pid, running, pod } => {
+                Ok(Mounter { protocol, version, pid, running, pod })
             }
             other => Err(self.unexpected(&other)),
         }

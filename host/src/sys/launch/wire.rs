@@ -82,6 +82,10 @@ pub enum Reply {
         pid: u32,
         /// Processes it started that run.
         running: u32,
+        /// Its pod, when the downward API says (absent from mounters before
+        /// it was added): Events about what holds it are written on it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pod: Option<PodName>,
     },
     Spawned {
         pid: u32,
@@ -101,6 +105,26 @@ pub enum Reply {
     Error {
         message: String,
     },
+}
+
+/// A pod: namespace, name and uid.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PodName {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl PodName {
+    /// From POD_NAMESPACE, POD_NAME and POD_UID (the downward API), when all are set.
+    pub fn from_env() -> Option<PodName> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Some(PodName {
+            namespace: var("POD_NAMESPACE")?,
+            name: var("POD_NAME")?,
+            uid: var("POD_UID")?,
+        })
+    }
 }
 
 /// Send `body` as one frame, with `fds` beside its first bytes.
