@@ -21,6 +21,7 @@ const IN_THE_VM: &[&str] = &[
     "an_export_is_mounted_through_a_kernel_nbd_device_and_detached_whole",
     "the_agents_own_export_outlives_the_agent_on_the_kernel_device",
     "a_killed_helper_is_started_again_and_the_device_reconnected_to_it_while_a_workload_writes",
+    "without_fuse_resend_a_userspace_client_stopped_with_sigterm_is_replaced_without_an_error",
     "a_mount_cut_short_after_the_connect_leaves_no_device_connected",
     "start_up_reconciliation_disconnects_a_connection_no_record_names",
     "a_server_that_stops_answering_fails_io_instead_of_hanging",
@@ -252,6 +253,66 @@ mod in_the_vm {
             "left behind: {:?}",
             left_in(&state.join("nbd"))
         );
+    }
+
+    /// This VM's kernel (Debian's 6.1) has no FUSE_NOTIFY_RESEND: what a
+    /// userspace client had taken when it died is never queued again. A
+    /// client sent SIGTERM — what the mounter does to each when its pod is
+    /// replaced — answers what it took and takes nothing more, so its
+    /// successor, started by the agent on the connection it kept, serves
+    /// every request left: the workload sees a pause, no error.
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn without_fuse_resend_a_userspace_client_stopped_with_sigterm_is_replaced_without_an_error() {
+        use volagent_test_support::workload::{Writer, every_record_in_place};
+        let release = nix::sys::utsname::uname().unwrap().release().to_string_lossy().into_owned();
+        let mut numbers = release.split(['.', '-']).map(|n| n.parse::<u32>().unwrap_or(0));
+        let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+        assert!((major, minor) < (6, 9), "this test is for a kernel without resend, not {release}");
+        let node = node();
+        let state = node.scratch.path("node-a/state");
+        let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+        let mut o = options("pv1", "pod-a", "uid-a", "unused");
+        o.as_object_mut().unwrap().remove("server");
+        o["file"] = node.image("own.img", 64).into();
+        o["attach"] = "userspace".into();
+        let r = driver(&node, &["mount", &dir, &o.to_string()]);
+        assert_success(&r);
+        assert!(r.1["device"].as_str().is_some_and(|d| d.starts_with("/dev/loop")), "{}", r.1);
+        let client = clients_under(&state);
+        assert_eq!(client.len(), 1, "one userspace client");
+
+        let mut writer = Writer::start(&dir);
+        writer.logs = vec![node.log_path("node-a")];
+        writer.goes_on(20, "before");
+        std::mem::take(&mut writer.stats.lock().unwrap().2);
+        for pid in &client {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGTERM,
+            )
+            .unwrap();
+        }
+        wait_until(NBD_WAIT, "another client", || {
+            let now = clients_under(&state);
+            now.len() == 1 && now != client
+        });
+        writer.goes_on(30, "after the client was replaced");
+        let file = writer.file.clone();
+        let (written, errors, stall) = writer.finish();
+        assert!(errors.is_empty(), "the workload saw errors: {errors:?}");
+        println!(
+            "a client replaced (SIGTERM) on {release}: the longest write + fsync took {stall:?}"
+        );
+        nix::unistd::sync();
+        std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+        every_record_in_place(&file, written);
+        assert_success(&driver(&node, &["unmount", &dir]));
+        assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+        assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops_left());
+        wait_until(NBD_WAIT, "the client and helper to end", || {
+            clients_under(&state).is_empty() && servers_under(&state).is_empty()
+        });
     }
 
     #[test]
