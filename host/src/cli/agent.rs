@@ -460,14 +460,16 @@ const EXIT_GRACE: Duration = Duration::from_secs(5);
 fn spawn_nbd_watchdog(sys: &crate::sys::Sys, hung_after: Duration) {
     let helpers = sys.export_helpers.clone();
     let clients = sys.fuse_clients.clone();
-    let kernel = sys.kernel_nbd.clone();
+    let reconnects = crate::sys::nbd::kernel::Reconnects::start(
+        sys.kernel_nbd.clone(),
+        helpers.clone(),
+        hung_after,
+    );
     let every = (hung_after / 4).clamp(Duration::from_millis(250), Duration::from_secs(15));
     let spawned = std::thread::Builder::new().name("nbd-watchdog".into()).spawn(move || {
         let mut checked = std::time::Instant::now();
-        let mut reconnects = crate::sys::nbd::kernel::Reconnects::default();
         loop {
-            let healed = helpers.heal();
-            reconnects.round(healed, kernel.as_ref(), helpers.as_ref(), hung_after);
+            reconnects.healed(helpers.heal());
             clients.heal(hung_after);
             if checked.elapsed() >= every {
                 clients.abort_hung(hung_after);

@@ -191,7 +191,6 @@ impl Client {
         Ok(true)
     }
 
-    /// End the connection politely (NBD_CMD_DISC has no reply).
     /// The connection itself, in transmission, for the kernel to take
     /// over (`NBD_CMD_RECONFIGURE`): no timeouts left on it.
     pub fn into_socket(self) -> std::os::fd::OwnedFd {
@@ -202,6 +201,7 @@ impl Client {
         }
     }
 
+    /// End the connection politely (NBD_CMD_DISC has no reply).
     pub fn disconnect(mut self) {
         let header = header(wire::CMD_DISC, 0, self.cookie, 0, 0);
         let _ = self.stream.write_all(&header);

@@ -44,17 +44,19 @@ const PINS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Agent {
     /// Say on the node's mounter pod, as an Event, which mounted volumes
-    /// pin it ([`crate::sys::pins`]) each time that changes: a Warning
-    /// naming them, a Normal one once none does. The mounter names its pod
-    /// in its hello (the downward API); one that does not is not told
-    /// about, and is asked again at the next change. Runs for good.
+    /// pin it ([`crate::sys::pins`]) each time that changes or the pod is
+    /// a new one: a Warning naming them, a Normal one once none does. The
+    /// mounter names its pod in its hello (the downward API); one that does
+    /// not is not told about. Runs for good.
     pub async fn tell_the_mounter_pod(
         self: std::sync::Arc<Self>,
         mounter: std::sync::Arc<crate::sys::launch::remote::Remote>,
     ) {
         let Some(cluster) = self.node.cluster.clone() else { return };
-        // Nothing pinned at start is nothing to say.
-        let mut told: Vec<String> = Vec::new();
+        // What the mounter's pod (by uid: a new pod is told again) was
+        // told; nothing pinned at start is nothing to say.
+        let mut told: (String, Vec<String>) = Default::default();
+        let mut answered = true;
         loop {
             tokio::time::sleep(PINS_EVERY).await;
             let pinned = match self.pinned_volumes().await {
@@ -64,22 +66,28 @@ impl Agent {
                     continue;
                 }
             };
-            if pinned == told {
+            if pinned.is_empty() && told.1.is_empty() {
                 continue;
             }
             let asked = mounter.clone();
             let pod = match super::execute::blocking(move || asked.hello()).await {
-                Ok(Ok(hello)) => hello.pod,
+                Ok(Ok(hello)) => {
+                    answered = true;
+                    hello.pod
+                }
                 Ok(Err(e)) => {
-                    tracing::warn!("the node's mounter is not told what pins it: {e}");
+                    if std::mem::replace(&mut answered, false) {
+                        tracing::warn!("the node's mounter is not told what pins it: {e}");
+                    }
                     continue;
                 }
                 Err(_) => continue,
             };
-            let Some(pod) = pod else {
-                told = pinned;
+            // A mounter without the downward API names no pod: status says it all.
+            let Some(pod) = pod else { continue };
+            if told.0 == pod.uid && told.1 == pinned {
                 continue;
-            };
+            }
             let node = &self.node.config.node;
             let (warning, reason, message) = if pinned.is_empty() {
                 (
@@ -99,7 +107,7 @@ impl Agent {
                 )
             };
             cluster.pod_event(&pod.namespace, &pod.name, &pod.uid, warning, reason, &message).await;
-            told = pinned;
+            told = (pod.uid, pinned);
         }
     }
 }

@@ -61,13 +61,66 @@ impl Agent {
 }
 
 /// What pins the pod serving the volume staged at `staging_dir`, by the
-/// mount there: its type, and its device.
+/// mounts there or just beneath (a CSI block stage binds the device node
+/// to a file in its dir): their type, and their device.
 pub fn pinned_by(
     pins: &crate::sys::pins::Pins,
     table: &[MountInfo],
     staging_dir: &str,
 ) -> Option<&'static str> {
-    let m = table.iter().rev().find(|m| m.mount_point == std::path::Path::new(staging_dir))?;
-    let device = m.source.starts_with("/dev/").then_some(m.source.as_str());
-    pins.of(device, &m.fs_type)
+    let dir = std::path::Path::new(staging_dir);
+    table
+        .iter()
+        .rev()
+        .filter(|m| m.mount_point == dir || m.mount_point.parent() == Some(dir))
+        .find_map(|m| {
+            let device = if m.source.starts_with("/dev/") {
+                Some(m.source.clone())
+            } else if m.fs_type == "devtmpfs" {
+                // A bind of a device node: its path within /dev.
+                Some(format!("/dev{}", m.root.display()))
+            } else {
+                None
+            };
+            pins.of(device.as_deref(), &m.fs_type)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::pins::{GLUSTERFS, Pins, RBD_FUSE};
+    use std::path::PathBuf;
+
+    fn mount(at: &str, root: &str, fs_type: &str, source: &str) -> MountInfo {
+        MountInfo {
+            id: 1,
+            parent: 0,
+            device: (0, 0),
+            root: PathBuf::from(root),
+            mount_point: PathBuf::from(at),
+            options: "rw".into(),
+            propagation: vec![],
+            fs_type: fs_type.into(),
+            source: source.into(),
+            super_options: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_volume_is_pinned_by_its_mounts_device_or_type_or_a_block_stages_device_node() {
+        let pins = Pins::of_devices(&[("/dev/loop3", RBD_FUSE), ("/dev/loop4", RBD_FUSE)]);
+        let table = [
+            mount("/s/fs", "/", "ext4", "/dev/loop3"),
+            mount("/s/gluster", "/", "fuse.glusterfs", "host:/v0"),
+            // A CSI block stage: the device node bound to a file in its dir.
+            mount("/s/block/pv-b", "/loop4", "devtmpfs", "udev"),
+            mount("/s/free", "/", "ext4", "/dev/loop5"),
+        ];
+        assert_eq!(pinned_by(&pins, &table, "/s/fs"), Some(RBD_FUSE));
+        assert_eq!(pinned_by(&pins, &table, "/s/gluster"), Some(GLUSTERFS));
+        assert_eq!(pinned_by(&pins, &table, "/s/block"), Some(RBD_FUSE));
+        assert_eq!(pinned_by(&pins, &table, "/s/free"), None);
+        assert_eq!(pinned_by(&pins, &table, "/s/none"), None);
+    }
 }

@@ -390,10 +390,14 @@ pub trait KernelNbd: Send + Sync {
     /// device while connected.
     fn connections(&self) -> Vec<(String, Option<PathBuf>)>;
     /// Hand `key`'s device new connections to `server`'s `export` (its
-    /// helper, started again) in place of those that died.
-    fn reconnect(&self, _key: &str, _server: &str, _export: &str) -> Result<(), SysError> {
-        Ok(())
+    /// helper, started again) in place of those that died; false when
+    /// `key` has no device.
+    fn reconnect(&self, _key: &str, _server: &str, _export: &str) -> Result<bool, SysError> {
+        Ok(false)
     }
+    /// Have `key`'s device, when `server` is the agent's own helper, wait
+    /// for that helper to be started again rather than fail at once.
+    fn wait_for_its_helper(&self, _key: &str, _server: &str) {}
 }
 
 /// Userspace clients, by a key the caller derives from the export, each a

@@ -22,6 +22,12 @@ pub struct Pins {
 }
 
 impl Pins {
+    /// Pins of these devices only (for tests).
+    #[cfg(test)]
+    pub(crate) fn of_devices(devices: &[(&str, &'static str)]) -> Pins {
+        Pins { by_device: devices.iter().map(|(d, by)| (d.to_string(), *by)).collect() }
+    }
+
     /// What pins a volume whose staging mount is of `fs_type` on `device`.
     pub fn of(&self, device: Option<&str>, fs_type: &str) -> Option<&'static str> {
         if fs_type == "fuse.glusterfs" {

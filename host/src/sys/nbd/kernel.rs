@@ -277,13 +277,15 @@ impl KernelNbd for NbdDevices {
 
     /// Hand `key`'s device new connections to `server`'s `export` in place
     /// of those that died; connections that did not die are kept (the
-    /// kernel takes a socket only for a dead one).
-    fn reconnect(&self, key: &str, server: &str, export: &str) -> Result<(), SysError> {
-        let Some(device) = self.device(key) else { return Ok(()) };
+    /// kernel takes a socket only for a dead one). False when `key` has no
+    /// device (detached meanwhile).
+    fn reconnect(&self, key: &str, server: &str, export: &str) -> Result<bool, SysError> {
+        let Some(device) = self.device(key) else { return Ok(false) };
         let index = index_of(&device).ok_or_else(|| SysError::Refused {
             path: device.clone(),
             what: "not an nbd device".into(),
         })?;
+        // One for a device an earlier agent made (it recorded no count).
         let count = std::fs::read_to_string(self.connections_file(key))
             .ok()
             .and_then(|t| t.trim().parse::<u8>().ok())
@@ -299,23 +301,39 @@ impl KernelNbd for NbdDevices {
                     message: e.to_string(),
                 })?;
             // Another export behind the same address would be written
-            // where this one's filesystem thinks its blocks are.
-            if client.info().size != size {
+            // where this one's filesystem thinks its blocks are. The
+            // kernel counts whole 512-byte sectors.
+            let served = client.info().size;
+            if served / 512 * 512 != size {
                 return Err(SysError::Refused {
                     path: device,
                     what: format!(
-                        "{server} now serves {} bytes, the device has {size}: not reconnected",
-                        client.info().size
+                        "{server} now serves {served} bytes, the device has {size}: not reconnected"
                     ),
                 });
             }
             clients.push(client.into_socket());
         }
+        // Still this export's device (not detached and taken meanwhile).
+        if self.device(key).as_ref() != Some(&device) {
+            return Ok(false);
+        }
         let sockets = clients.iter().map(std::os::fd::AsFd::as_fd).collect();
         super::netlink::reconfigure(
             index,
             &super::netlink::Reconfigure { sockets, ..Default::default() },
-        )
+        )?;
+        Ok(true)
+    }
+
+    /// Have `key`'s device wait for its helper (the dead-connection
+    /// timeout), when `server` is that helper: a device an earlier agent
+    /// connected was not told to.
+    fn wait_for_its_helper(&self, key: &str, server: &str) {
+        if let Some(device) = self.device(key).filter(|_| self.own_helper(key, server)) {
+            let name = device.file_name().unwrap_or_default().to_string_lossy().into_owned();
+            self.wait_for_the_helper(&name, &device);
+        }
     }
 
     /// Every export with a record, and its device while it is connected.
@@ -323,10 +341,19 @@ impl KernelNbd for NbdDevices {
         let Ok(entries) = std::fs::read_dir(&self.base) else { return Vec::new() };
         let mut keys: Vec<String> = entries
             .flatten()
-            .filter_map(|e| e.file_name().to_str()?.strip_suffix(".kernel").map(str::to_string))
+            .filter_map(|e| {
+                let name = e.file_name();
+                let name = name.to_str()?;
+                // A connections file alone (a crash between the two writes,
+                // or an older agent's detach) is listed too, to be forgotten.
+                name.strip_suffix(".kernel")
+                    .or_else(|| name.strip_suffix(".kernel.connections"))
+                    .map(str::to_string)
+            })
             .filter(|k| k.starts_with("export-"))
             .collect();
         keys.sort();
+        keys.dedup();
         keys.into_iter()
             .map(|k| {
                 let device = self.device(&k);
@@ -336,45 +363,94 @@ impl KernelNbd for NbdDevices {
     }
 }
 
+/// How often a device not reconnected yet is tried again.
+const RETRY_EVERY: Duration = Duration::from_millis(500);
+
 /// Kernel devices whose helper was started again, each reconnected to it
-/// in the round its helper was healed, and again every round while that
-/// fails, until `give_up_after` (by then the kernel has failed what waited).
-#[derive(Default)]
+/// as soon as its helper is back, and again every [`RETRY_EVERY`] while
+/// that fails, until `give_up_after` (by then the kernel has failed what
+/// waited). On a thread of its own: a helper that accepts and never
+/// negotiates holds up only this, never the healing of other volumes.
 pub struct Reconnects {
-    due: std::collections::BTreeMap<String, std::time::Instant>,
+    healed: std::sync::mpsc::Sender<String>,
 }
 
 impl Reconnects {
-    /// One round: `healed` names the helpers started again since the last.
-    pub fn round(
-        &mut self,
-        healed: Vec<String>,
-        kernel: &dyn KernelNbd,
-        helpers: &dyn crate::sys::ExportHelpers,
+    /// Start the thread; it first has every device an earlier agent
+    /// connected to its helper wait for that helper, as this one does.
+    pub fn start(
+        kernel: std::sync::Arc<dyn KernelNbd>,
+        helpers: std::sync::Arc<dyn crate::sys::ExportHelpers>,
         give_up_after: Duration,
-    ) {
-        let now = std::time::Instant::now();
-        for key in healed {
-            if kernel.device(&key).is_some() {
-                self.due.insert(key, now);
+    ) -> Reconnects {
+        let (healed, keys) = std::sync::mpsc::channel::<String>();
+        let spawned = std::thread::Builder::new().name("nbd-reconnect".into()).spawn(move || {
+            for (key, device) in kernel.connections() {
+                if device.is_some() {
+                    kernel.wait_for_its_helper(&key, &helpers.server_address(&key));
+                }
             }
-        }
-        self.due.retain(|key, since| {
-            match kernel.reconnect(key, &helpers.server_address(key), "") {
-                Ok(()) => {
-                    tracing::info!(export = key, "its kernel nbd device was reconnected to its helper, started again");
-                    false
+            let mut due = std::collections::BTreeMap::new();
+            loop {
+                let wait = if due.is_empty() { Duration::from_secs(3600) } else { RETRY_EVERY };
+                match keys.recv_timeout(wait) {
+                    Ok(key) => {
+                        due.insert(key, std::time::Instant::now());
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
                 }
-                Err(e) if since.elapsed() < give_up_after => {
-                    tracing::debug!(export = key, "not reconnected yet: {e}");
-                    true
+                while let Ok(key) = keys.try_recv() {
+                    due.insert(key, std::time::Instant::now());
                 }
-                Err(e) => {
-                    tracing::error!(export = key, "its kernel nbd device could not be reconnected to its helper within {give_up_after:?}, so its I/O fails: {e}");
-                    false
-                }
+                due.retain(|key: &String, since: &mut std::time::Instant| {
+                    reconnect_once(kernel.as_ref(), helpers.as_ref(), key, *since, give_up_after)
+                });
             }
         });
+        if let Err(e) = spawned {
+            tracing::error!("kernel nbd devices will not be reconnected to their helpers: {e}");
+        }
+        Reconnects { healed }
+    }
+
+    /// Helpers started again: their devices are reconnected.
+    pub fn healed(&self, keys: Vec<String>) {
+        for key in keys {
+            let _ = self.healed.send(key);
+        }
+    }
+}
+
+/// Try `key`'s device once; whether to try again.
+fn reconnect_once(
+    kernel: &dyn KernelNbd,
+    helpers: &dyn crate::sys::ExportHelpers,
+    key: &str,
+    since: std::time::Instant,
+    give_up_after: Duration,
+) -> bool {
+    match kernel.reconnect(key, &helpers.server_address(key), "") {
+        Ok(true) => {
+            tracing::info!(
+                export = key,
+                "its kernel nbd device was reconnected to its helper, started again"
+            );
+            false
+        }
+        // No kernel device (a userspace client's helper, or detached).
+        Ok(false) => false,
+        Err(e) if since.elapsed() < give_up_after => {
+            tracing::debug!(export = key, "not reconnected yet: {e}");
+            true
+        }
+        Err(e) => {
+            tracing::error!(
+                export = key,
+                "its kernel nbd device could not be reconnected to its helper within {give_up_after:?}, so its I/O fails: {e}"
+            );
+            false
+        }
     }
 }
 
@@ -461,5 +537,30 @@ mod tests {
         assert!(unloaded.connections().is_empty(), "the record is gone");
         assert!(!dir.path().join("export-1.kernel").exists());
         unloaded.disconnect("export-1").expect("forgetting twice is fine");
+    }
+
+    #[test]
+    fn a_connections_file_left_alone_is_listed_to_be_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let devices = NbdDevices::new(dir.path().to_path_buf());
+        // A crash between the count and the record, or an older agent's detach.
+        std::fs::write(dir.path().join("export-1.kernel.connections"), "2").unwrap();
+        std::fs::write(dir.path().join("export-2.kernel"), "nbd3 4242 an-earlier-boot\n").unwrap();
+        std::fs::write(dir.path().join("export-2.kernel.connections"), "1").unwrap();
+        assert_eq!(
+            devices.connections(),
+            vec![("export-1".to_string(), None), ("export-2".to_string(), None)]
+        );
+        devices.disconnect("export-1").unwrap();
+        devices.disconnect("export-2").unwrap();
+        assert!(devices.connections().is_empty());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing left");
+    }
+
+    #[test]
+    fn a_device_is_named_by_its_index() {
+        assert_eq!(index_of(Path::new("/dev/nbd12")), Some(12));
+        assert_eq!(index_of(Path::new("/dev/loop1")), None);
+        assert_eq!(index_of(Path::new("/dev/nbd")), None);
     }
 }
