@@ -593,8 +593,27 @@ pub fn log_tail(log: &Path) -> String {
     match fs::read_to_string(log) {
         Ok(text) => {
             let lines: Vec<&str> = text.lines().collect();
-            let tail = &lines[lines.len().saturating_sub(LINES)..];
-            format!("--- last lines of {} ---\n{}", log.display(), tail.join("\n"))
+            let from = lines.len().saturating_sub(LINES);
+            let tail = &lines[from..];
+            // A Go daemon's fatal error (klog's `F` lines, a panic) comes
+            // before the goroutine dump that fills the tail: named first.
+            let fatal: Vec<&str> = lines[..from]
+                .iter()
+                .filter(|l| {
+                    let b = l.as_bytes();
+                    (b.len() > 5 && b[0] == b'F' && b[1..5].iter().all(u8::is_ascii_digit))
+                        || l.starts_with("panic:")
+                        || l.starts_with("fatal error:")
+                })
+                .take(5)
+                .copied()
+                .collect();
+            let fatal = if fatal.is_empty() {
+                String::new()
+            } else {
+                format!("--- its fatal lines ---\n{}\n", fatal.join("\n"))
+            };
+            format!("{fatal}--- last lines of {} ---\n{}", log.display(), tail.join("\n"))
         }
         Err(e) => format!("({}: {e})", log.display()),
     }
