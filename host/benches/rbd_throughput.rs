@@ -2,7 +2,10 @@
 //! ways, on the same image of a real Ceph in the same run: volagent's NBD
 //! server in front of librbd, reached through the agent's own FUSE client
 //! (`volagent nbd fuse`) on a loop device (its userspace attach path), against `rbd-fuse` on a loop device (the
-//! fallback Ceph itself ships). fio, direct I/O on each loop device (and
+//! fallback Ceph itself ships); and the agent's path again with librbd's
+//! write-back cache on, which the agent turns off (a write acknowledged
+//! from the cache would be lost with a killed helper), to show what that
+//! costs. fio, direct I/O on each loop device (and
 //! the loop devices' own I/O to their files direct too, past the page cache):
 //! sequential read and write (1 MiB, depth 8), 4 KiB random read and write
 //! (depth 32). Ceph is single-node with a memstore OSD, so the figures
@@ -84,6 +87,43 @@ fn losetup(file: &Path) -> PathBuf {
     device
 }
 
+/// The image behind an NBD server in this process (librbd with `options`
+/// over the agent's), its FUSE client, and a loop device on the client's
+/// file: the agent's userspace attach path.
+fn serve(
+    scratch: &scratch::RootScratch,
+    name: &str,
+    target: &RbdTarget,
+    options: &[(&str, &str)],
+) -> (PathBuf, Fuse, Server) {
+    let exports = Exports::default();
+    exports.insert(
+        "",
+        Arc::new(
+            RbdExport::open_with(target, false, options).expect("open the image through librbd"),
+        ),
+    );
+    let socket = scratch.path(&format!("{name}.sock"));
+    let server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None)
+        .expect("server");
+    let dir = scratch.path(&format!("{name}-fuse"));
+    std::fs::create_dir_all(&dir).expect("client dir");
+    let pid = scratch.path(&format!("{name}-fuse.pid"));
+    let client = Fuse {
+        child: Command::new(env!("CARGO_BIN_EXE_volagent"))
+            .args(["nbd", "fuse", "--server"])
+            .arg(format!("unix:{}", socket.display()))
+            .arg("--pid-file")
+            .arg(&pid)
+            .arg(dir.join("disk"))
+            .spawn()
+            .expect("volagent nbd fuse"),
+        dir: dir.clone(),
+    };
+    wait_for("volagent nbd fuse", || pid.exists());
+    (losetup(&dir.join("disk")), client, server)
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // cargo's bench harness protocol
@@ -123,30 +163,9 @@ fn main() {
         pool: "rbd".into(),
         image: image.clone(),
     };
-    let exports = Exports::default();
-    exports.insert(
-        "",
-        Arc::new(RbdExport::open(&target, false).expect("open the image through librbd")),
-    );
-    let socket = scratch.path("nbd.sock");
-    let server = Server::start(Listener::unix(&socket).expect("listener"), exports, 8, None)
-        .expect("server");
-    let nbd_dir = scratch.path("nbd-fuse");
-    std::fs::create_dir_all(&nbd_dir).expect("client dir");
-    let pid = scratch.path("nbd-fuse.pid");
-    let client = Fuse {
-        child: Command::new(env!("CARGO_BIN_EXE_volagent"))
-            .args(["nbd", "fuse", "--server"])
-            .arg(format!("unix:{}", socket.display()))
-            .arg("--pid-file")
-            .arg(&pid)
-            .arg(nbd_dir.join("disk"))
-            .spawn()
-            .expect("volagent nbd fuse"),
-        dir: nbd_dir.clone(),
-    };
-    wait_for("volagent nbd fuse", || pid.exists());
-    let ours = losetup(&nbd_dir.join("disk"));
+    let (ours, client, server) = serve(&scratch, "nbd", &target, &[]);
+    let (cached, cached_client, cached_server) =
+        serve(&scratch, "cached", &target, &[("rbd_cache", "true")]);
 
     // rbd-fuse: the image as a file, a loop device.
     let rbd_dir = scratch.path("rbd-fuse");
@@ -175,25 +194,33 @@ fn main() {
     println!(
         "RBD image ({IMAGE_MIB} MiB, single-node Ceph, memstore) as a block device, median of {rounds} rounds"
     );
-    println!("{:<24} {:>22} {:>22} {:>8}", "", "volagent nbd + librbd", "rbd-fuse", "ratio");
+    println!(
+        "{:<24} {:>22} {:>22} {:>8} {:>22} {:>8}",
+        "", "volagent nbd + librbd", "rbd-fuse", "ratio", "same, librbd cache on", "ratio"
+    );
     for (what, rw, bs, depth) in tests {
-        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
             let pick = |r: (f64, f64)| if bs == "1M" { r.1 } else { r.0 };
             a.push(pick(fio(&ours, rw, bs, depth, secs)));
             b.push(pick(fio(&theirs, rw, bs, depth, secs)));
+            c.push(pick(fio(&cached, rw, bs, depth, secs)));
         }
-        let (a, b) = (median(a), median(b));
+        let (a, b, c) = (median(a), median(b), median(c));
         let unit = if bs == "1M" { "MiB/s" } else { "IOPS" };
-        println!("{what:<24} {a:>16.0} {unit:<5} {b:>16.0} {unit:<5} {:>7.2}x", a / b);
+        println!(
+            "{what:<24} {a:>16.0} {unit:<5} {b:>16.0} {unit:<5} {:>7.2}x {c:>16.0} {unit:<5} {:>7.2}x",
+            a / b,
+            a / c
+        );
     }
 
-    for dev in [&ours, &theirs] {
+    for dev in [&ours, &theirs, &cached] {
         run(Command::new("losetup").arg("-d").arg(dev));
     }
     drop(rbd_fuse);
-    drop(client);
-    drop(server);
+    drop((client, cached_client));
+    drop((server, cached_server));
     let _ = Command::new("rbd")
         .arg("-c")
         .arg(&conf)

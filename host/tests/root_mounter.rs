@@ -313,7 +313,7 @@ fn rbd_outlives_its_agent(
     attach: Option<&str>,
     program: &str,
     processes: fn(&Path) -> Vec<i32>,
-    pinned: &str,
+    pinned: Option<&str>,
 ) {
     let ceph = ceph_dir();
     let key = volagent_key(&ceph);
@@ -332,21 +332,156 @@ fn rbd_outlives_its_agent(
         },
         processes,
         false,
-        Some(pinned),
+        pinned,
     );
 }
 
 /// An RBD image through librbd behind the agent's helper NBD server and
-/// its userspace client.
+/// its userspace client: nothing pins the mounter, since the agent can
+/// start both again.
 #[test]
 fn an_rbd_image_through_librbd_outlives_its_agent() {
-    rbd_outlives_its_agent(None, "volagent", client_and_helper, volagent::sys::pins::LIBRBD_HELPER);
+    rbd_outlives_its_agent(None, "volagent", client_and_helper, None);
+}
+
+/// The volume's record's storage clients on node-a, as status shows them
+/// ("<id> <address>").
+fn recorded_clients(node: &Node) -> Vec<String> {
+    let status = Command::new(VOLAGENT)
+        .args(["status", "--json", "--socket"])
+        .arg(&node.socket)
+        .output()
+        .unwrap();
+    let said: serde_json::Value = serde_json::from_slice(&status.stdout)
+        .unwrap_or_else(|e| panic!("status --json ({e}): {status:?}"));
+    said["volumes"][0]["storage_clients"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| format!("{} {}", c["id"], c["address"].as_str().unwrap_or_default()))
+        .collect()
+}
+
+/// An RBD image through librbd behind the helper and its userspace client,
+/// both in the mounter, under a workload that writes and fsyncs without
+/// pause: (1) the helper alone is SIGKILLed, holding the image's exclusive
+/// lock: the agent starts another with the arguments and keyring it kept,
+/// which takes the dead one's lock over, and the volume's record names the
+/// new Ceph client (what fencing would blocklist); (2) the mounter and
+/// everything it started are killed and a new mounter comes up: the helper
+/// and the client are started again in it. The workload sees pauses, never
+/// an error, and every record is in the file — no write the dead helper
+/// acknowledged was lost (librbd runs without its write-back cache).
+#[test]
+fn an_rbd_images_helper_is_started_again_when_it_or_the_mounter_die() {
+    let ceph = ceph_dir();
+    let key = volagent_key(&ceph);
+    let image = Image::create(&ceph, 64);
+    let (mut node, mut mounter, socket) = node_with_mounter(volagent_test_artifacts::RBD, "rbd");
+    let options = rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
+    let dir = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
+    let flex = node.driver_of("node-a", "rbd");
+    let driver =
+        |args: &[&str]| volagent_test_support::driver::run_driver(Command::new(&flex).args(args));
+    assert_success(&driver(&["mount", &dir, &options.to_string()]));
+    let root = node.scratch.path("");
+    let helper = servers_under(&root);
+    assert_eq!((clients_under(&root).len(), helper.len()), (1, 1), "one client, one helper");
+    let first = recorded_clients(&node);
+    assert_eq!(first.len(), 1, "the record names the helper's Ceph client: {first:?}");
+    let keyrings = Command::new("find")
+        .arg(&root)
+        .args(["-name", "*.keyring", "-perm", "600", "-user", "root"])
+        .output()
+        .unwrap();
+    assert!(!keyrings.stdout.is_empty(), "the keyring is kept, root's alone: {keyrings:?}");
+
+    let mut writer = Writer::start(&dir);
+    writer.logs = vec![node.log_path("node-a"), node.scratch.path("mounter.log")];
+    // The helper's and the client's logs too.
+    let nbd = node.scratch.path("node-a/state/nbd");
+    writer.logs.extend(
+        std::fs::read_dir(&nbd)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "log")),
+    );
+    writer.goes_on(20, "before");
+    let lockers = volagent_test_support::ceph::lockers(&image);
+    assert!(
+        first[0].ends_with(&format!(" {}", lockers[0])),
+        "{first:?} holds the lock: {lockers:?}"
+    );
+
+    kill_all(&helper);
+    wait_until(NBD_WAIT, "another helper", || {
+        let now = servers_under(&root);
+        now.len() == 1 && now != helper
+    });
+    writer.goes_on(50, "after the helper was killed");
+    let stall_helper = std::mem::take(&mut writer.stats.lock().unwrap().2);
+    wait_until(NBD_WAIT, "the record to name the new helper's client", || {
+        let now = recorded_clients(&node);
+        now.len() == 1 && now != first
+    });
+    let second = recorded_clients(&node);
+    let lockers = volagent_test_support::ceph::lockers(&image);
+    assert!(
+        second[0].ends_with(&format!(" {}", lockers[0])),
+        "the new helper ({second:?}) holds the lock: {lockers:?}"
+    );
+    let said = std::fs::read_to_string(node.log_path("node-a")).unwrap();
+    assert!(said.contains("restarted helper's Ceph client"), "{said}");
+
+    let (client, helper) = (clients_under(&root), servers_under(&root));
+    kill_all(&tree_of(mounter.id() as i32));
+    let _ = mounter.wait();
+    std::thread::sleep(Duration::from_secs(3));
+    let mut mounter = start_mounter(&socket, &node.scratch.path("mounter.log"));
+    wait_until(NBD_WAIT, "a new helper and client", || {
+        let (c, h) = (clients_under(&root), servers_under(&root));
+        c.len() == 1 && h.len() == 1 && c != client && h != helper
+    });
+    writer.goes_on(50, "after the mounter was killed and came back");
+    let stall_killed = std::mem::take(&mut writer.stats.lock().unwrap().2);
+    wait_until(NBD_WAIT, "the record to name the third helper's client", || {
+        let now = recorded_clients(&node);
+        now.len() == 1 && now != second
+    });
+
+    let file = writer.file.clone();
+    let (written, errors, _) = writer.finish();
+    assert_eq!(errors, Vec::<String>::new(), "no write or fsync failed");
+    eprintln!(
+        "{written} records written and fsynced; the longest wait: {stall_helper:?} when the helper was killed, {stall_killed:?} when the mounter was killed (down 3 s)"
+    );
+    every_record_in_place(&file, written);
+
+    assert_success(&driver(&["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
+    wait_until(NBD_WAIT, "the volume's processes to end", || {
+        clients_under(&root).is_empty() && servers_under(&root).is_empty()
+    });
+    let keyrings = Command::new("find").arg(&root).args(["-name", "*.keyring"]).output().unwrap();
+    assert!(
+        keyrings.status.success() && keyrings.stdout.is_empty(),
+        "the kept keyring went with the helper: {keyrings:?}"
+    );
+    node.stop_agent();
+    let _ = mounter.kill();
+    let _ = mounter.wait();
 }
 
 /// An RBD image through rbd-fuse.
 #[test]
 fn an_rbd_image_through_rbd_fuse_outlives_its_agent() {
-    rbd_outlives_its_agent(Some("fuse"), "rbd-fuse", clients_under, volagent::sys::pins::RBD_FUSE);
+    rbd_outlives_its_agent(
+        Some("fuse"),
+        "rbd-fuse",
+        clients_under,
+        Some(volagent::sys::pins::RBD_FUSE),
+    );
 }
 
 /// A GlusterFS volume: mount.glusterfs runs in the mounter, and the FUSE

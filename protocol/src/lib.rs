@@ -190,6 +190,18 @@ pub struct HeldVolume {
     /// be replaced while the volume is mounted. None: nothing pins it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pinned_by: Option<String>,
+    /// Who this node is to the volume's storage cluster, as its record
+    /// names it (what fencing would blocklist): a Ceph client's global id
+    /// and address.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub storage_clients: Vec<HeldClient>,
+}
+
+/// One of a node's clients of a storage cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldClient {
+    pub id: u64,
+    pub address: String,
 }
 
 /// A pod holding a volume on this node, as recorded.
@@ -362,6 +374,7 @@ mod tests {
                     since: "2026-01-01T00:00:00Z".into(),
                 }],
                 pinned_by: Some("rbd-fuse".into()),
+                storage_clients: vec![HeldClient { id: 4125, address: "10.0.0.3:0/2231".into() }],
             }],
             volumes_left_out: 3,
             volumes_error: None,

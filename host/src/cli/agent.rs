@@ -303,6 +303,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         agent = agent.with_cluster(Arc::new(c));
     }
     let agent = Arc::new(agent);
+    rt.spawn(agent.clone().follow_replaced_clients());
     if let Some(mounter) = remote {
         rt.spawn(agent.clone().tell_the_mounter_pod(mounter));
     }

@@ -124,6 +124,12 @@ pub struct ServeArgs {
     /// this file once it has opened its image.
     #[arg(long, value_name = "FILE", requires = "rbd_exports")]
     ceph_client_file: Option<PathBuf>,
+    /// Before opening the RBD exports, break their exclusive lock if the
+    /// Ceph client at ADDRESS holds it, without blocklisting it: the
+    /// agent's way to start a helper again in place of one it saw end.
+    /// Never name a client that may still be running.
+    #[arg(long, value_name = "ADDRESS", requires = "rbd_exports")]
+    ceph_break_lock_of: Option<String>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
@@ -188,6 +194,15 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
             pool: pool.clone(),
             image: image.clone(),
         };
+        if let Some(address) = &args.ceph_break_lock_of
+            && !args.read_only
+        {
+            let broke = crate::sys::rbd_export::break_lock_of(&target, address)
+                .with_context(|| format!("export {name:?}: take over the lock of {address}"))?;
+            if broke {
+                tracing::info!(export = %name, "broke the image's lock held by {address}, which has ended");
+            }
+        }
         let export = Arc::new(
             crate::sys::rbd_export::RbdExport::open(&target, args.read_only)
                 .with_context(|| format!("export {name:?}"))?,

@@ -305,6 +305,7 @@ mod tests {
             storage_cluster: None,
             pods,
             pinned_by: None,
+            storage_clients: vec![],
         }
     }
 

@@ -17,6 +17,7 @@ pub mod events;
 mod execute;
 mod failure;
 mod fence;
+mod helper_clients;
 pub mod holdings;
 pub mod mount_records;
 pub mod node;

@@ -171,6 +171,49 @@ pub(crate) async fn storage_clients(
     Err(keeps_changing(volume))
 }
 
+/// Name this node's storage client `new` (id, address) wherever its
+/// records name client `old`: a helper started again in place of a dead
+/// one is a new Ceph client, and fencing must blocklist that one. Returns
+/// the volumes whose records were changed.
+pub(crate) async fn replace_storage_client(
+    node: &Node,
+    old: u64,
+    new: (u64, &str),
+) -> Result<Vec<String>, Failure> {
+    let me = &node.config.node;
+    let names_old = |r: &Record| r.storage_clients.iter().any(|c| c.node == *me && c.id == old);
+    let mut changed = Vec::new();
+    let records = node.ledger.list_by_node(me).await.map_err(ledger_failure)?;
+    for (record, _) in records.into_iter().filter(|(r, _)| names_old(r)) {
+        let volume = record.volume;
+        for attempt in 0..=LEDGER_RETRIES {
+            if attempt == LEDGER_RETRIES {
+                return Err(keeps_changing(&volume));
+            }
+            let Some((mut record, version)) =
+                node.ledger.get(&volume).await.map_err(ledger_failure)?
+            else {
+                break;
+            };
+            if !names_old(&record) {
+                break;
+            }
+            for c in record.storage_clients.iter_mut().filter(|c| c.node == *me && c.id == old) {
+                (c.id, c.address) = (new.0, new.1.to_string());
+            }
+            match node.ledger.update(&record, &version).await {
+                Ok(_) => {
+                    changed.push(volume.clone());
+                    break;
+                }
+                Err(e) if e.is_race() => continue,
+                Err(e) => return Err(ledger_failure(e)),
+            }
+        }
+    }
+    Ok(changed)
+}
+
 fn keeps_changing(volume: &str) -> Failure {
     Failure::new(FailureKind::Busy, format!("attachment record {volume} keeps changing; retry"))
 }

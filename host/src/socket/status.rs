@@ -3,8 +3,8 @@
 //! ledger), local volumes and CSI drivers, cut to fit a frame.
 
 use super::protocol::{
-    BackendStatus, CsiDriver, CsiPublication, CsiReport, HeldBy, HeldVolume, LocalReport,
-    MAX_FRAME, PROTOCOL_VERSION, PluginProblem, Response, ResponseFrame,
+    BackendStatus, CsiDriver, CsiPublication, CsiReport, HeldBy, HeldClient, HeldVolume,
+    LocalReport, MAX_FRAME, PROTOCOL_VERSION, PluginProblem, Response, ResponseFrame,
 };
 use crate::csi::drivers::Drivers;
 use crate::csi::registration::Registered;
@@ -192,6 +192,12 @@ pub fn held_of(
                 storage_cluster: r.storage_cluster.clone(),
                 pods,
                 pinned_by: None,
+                storage_clients: r
+                    .storage_clients
+                    .iter()
+                    .filter(|c| c.node == node)
+                    .map(|c| HeldClient { id: c.id, address: c.address.clone() })
+                    .collect(),
             }
         })
         .collect();
@@ -343,6 +349,7 @@ mod tests {
             storage_cluster: None,
             pods: vec![],
             pinned_by: None,
+            storage_clients: vec![],
         }
     }
 

@@ -457,7 +457,8 @@ pub trait ExportHelpers: Send + Sync {
     /// Serve the RBD image `target` through librbd as the default export
     /// of helper server `key`, like [`serve`](Self::serve). A key in
     /// `target` reaches the helper in a 0600 keyring file beneath the
-    /// state dir, removed once the helper has connected.
+    /// state dir, kept while the helper serves: a successor started after
+    /// its death connects with it.
     fn serve_rbd(
         &self,
         key: &str,
@@ -477,11 +478,24 @@ pub trait ExportHelpers: Send + Sync {
     /// The Ceph client of each running rbd helper or rbd-fuse client: key,
     /// global id, address.
     fn storage_clients(&self) -> Vec<(String, u64, String)>;
-    /// Start again each helper serving a local file that ended before it
-    /// was stopped, on the same open file, and keep the files of running
-    /// ones not kept yet. Call it periodically, before
-    /// [`FuseClients::heal`]; returns the keys started again.
+    /// Start again each helper that ended before it was stopped — one
+    /// serving a local file on the same open file, an rbd helper with the
+    /// same arguments and key — and keep the files of running ones not
+    /// kept yet. Call it periodically, before [`FuseClients::heal`];
+    /// returns the keys started again.
     fn heal(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Whether helper `key`, if it ended, would be started again by
+    /// [`heal`](Self::heal).
+    fn restartable(&self, key: &str) -> bool {
+        let _ = key;
+        false
+    }
+    /// The Ceph clients that rbd helpers started again replaced since the
+    /// last call: (the dead one's global id, the successor's id and
+    /// address), for the attachment records that name the dead one.
+    fn replaced_clients(&self) -> Vec<(u64, u64, String)> {
         Vec::new()
     }
 }

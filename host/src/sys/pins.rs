@@ -1,11 +1,13 @@
 //! Which volumes pin the pod that serves their data: those served by a
 //! process no successor can take over. The agent hands a FUSE client's
-//! connection to the next one and starts a local file's helper again on
-//! the same open file (a kernel nbd device is then reconnected to it), but
-//! rbd-fuse and the GlusterFS client are other programs' FUSE daemons, and
-//! a librbd helper's Ceph session needs a key the agent no longer holds.
-//! Their pod (the node's mounter, or the agent without one) must not be
-//! replaced while they are mounted: `volagent status` and an Event say so.
+//! connection to the next one and starts its helpers again (a local file's
+//! on the same open file, a librbd one with the arguments and keyring it
+//! kept; a kernel nbd device is then reconnected to it), but rbd-fuse and
+//! the GlusterFS client are other programs' FUSE daemons, and a librbd
+//! helper an earlier release started left no arguments to start it again
+//! with. Their pod (the node's mounter, or the agent without one) must not
+//! be replaced while they are mounted: `volagent status` and an Event say
+//! so.
 
 use super::Sys;
 use std::collections::{BTreeMap, BTreeSet};
@@ -40,10 +42,15 @@ impl Pins {
 impl Sys {
     /// The devices whose data a pinning process serves: a kernel nbd
     /// device or a userspace client's loop device whose server is a librbd
-    /// helper, and rbd-fuse's loop devices.
+    /// helper that would not be started again, and rbd-fuse's loop devices.
     pub fn pins(&self) -> Pins {
-        let librbd: BTreeSet<String> =
-            self.export_helpers.storage_clients().into_iter().map(|(key, ..)| key).collect();
+        let librbd: BTreeSet<String> = self
+            .export_helpers
+            .storage_clients()
+            .into_iter()
+            .map(|(key, ..)| key)
+            .filter(|key| !self.export_helpers.restartable(key))
+            .collect();
         let mut by_device = BTreeMap::new();
         for (key, device) in self.kernel_nbd.connections() {
             if let Some(device) = device.filter(|_| librbd.contains(&key)) {

@@ -226,6 +226,15 @@ impl Rados {
 
     /// Connect to the cluster `client` names; errors name `object`.
     pub(super) fn connect(client: &CephClient, object: String) -> Result<Rados, RbdError> {
+        Rados::connect_with(client, object, &[])
+    }
+
+    /// [`connect`](Self::connect), with these client `options` set too.
+    fn connect_with(
+        client: &CephClient,
+        object: String,
+        options: &[(&str, &str)],
+    ) -> Result<Rados, RbdError> {
         let api = Api::get()?;
         let user = cstring(&object, "the user", &client.user)?;
         let mut cluster: Handle = std::ptr::null_mut();
@@ -264,6 +273,16 @@ impl Rados {
         rados.set("client_mount_timeout", "30")?;
         rados.set("rados_mon_op_timeout", "30")?;
         rados.set("rados_osd_op_timeout", "60")?;
+        // No write-back cache: an image served here has a client (the
+        // kernel's nbd, our FUSE client) that outlives this process. A
+        // write acknowledged from the cache and lost with a killed process
+        // would be gone for good, since the next flush is answered by a
+        // successor that never saw it. Without it a write is acknowledged
+        // once the cluster has it, as krbd does.
+        rados.set("rbd_cache", "false")?;
+        for (option, value) in options {
+            rados.set(option, value)?;
+        }
         // SAFETY: a configured cluster handle.
         let ret = unsafe { (api.rados_connect)(rados.cluster) };
         if ret < 0 {
@@ -480,14 +499,18 @@ pub fn blocklist(client: &CephClient, address: &str) -> Result<(), RbdError> {
 }
 
 /// Break the exclusive lock on `target`'s image if the client at
-/// `address` holds it; whether it did. After that client was blocklisted,
-/// this is what lets a new writer take the image without fencing anyone
-/// itself (librbd and krbd would blocklist a dead owner before breaking
-/// its lock, which a node's user may not).
+/// `address` holds it; whether it did. The caller has made sure that
+/// client writes no more: blocklisted it (the controller), or saw its
+/// process end (the agent, for its helper's successor). This is what lets
+/// a new writer take the image without fencing anyone itself (librbd and
+/// krbd would blocklist a dead owner before breaking its lock, which a
+/// node's user may not; so this break does not).
 pub fn break_lock_of(target: &RbdTarget, address: &str) -> Result<bool, RbdError> {
     /// librbd's `RBD_LOCK_MODE_EXCLUSIVE`.
     const EXCLUSIVE: c_int = 0;
-    let pool = Rados::connect(&target.client, target.describe())?.into_pool(&target.pool)?;
+    let unfenced = [("rbd_blocklist_on_break_lock", "false")];
+    let pool = Rados::connect_with(&target.client, target.describe(), &unfenced)?
+        .into_pool(&target.pool)?;
     let image = pool.open(&target.image, false)?;
     let (rados, api) = (&pool.rados, pool.rados.api);
     let result = (|| {
@@ -585,7 +608,18 @@ impl RbdExport {
     /// Connect to the cluster and open the image (read-only: without the
     /// exclusive lock, so other readers may too).
     pub fn open(target: &RbdTarget, read_only: bool) -> Result<RbdExport, RbdError> {
-        let pool = Rados::connect(&target.client, target.describe())?.into_pool(&target.pool)?;
+        RbdExport::open_with(target, read_only, &[])
+    }
+
+    /// [`open`](Self::open) with these client options over the agent's
+    /// (`rbd_cache` on, for a benchmark of what turning it off costs).
+    pub fn open_with(
+        target: &RbdTarget,
+        read_only: bool,
+        options: &[(&str, &str)],
+    ) -> Result<RbdExport, RbdError> {
+        let pool = Rados::connect_with(&target.client, target.describe(), options)?
+            .into_pool(&target.pool)?;
         let image = pool.open(&target.image, read_only)?;
         let identity = pool.rados.identity();
         let mut export = RbdExport {

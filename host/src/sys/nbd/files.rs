@@ -71,7 +71,8 @@ impl Layout {
         self.base.join(format!("{key}.client"))
     }
 
-    /// The keyring a Ceph client reads at connect; removed after.
+    /// The keyring a Ceph client reads at connect: removed after
+    /// (rbd-fuse), or kept until its helper is stopped, for a successor.
     pub fn keyring_file(&self, key: &str) -> PathBuf {
         self.base.join(format!("{key}.keyring"))
     }

@@ -153,7 +153,7 @@ impl Clients {
             .args(&recorded.args)
             .arg("--connection-stdin")
             .log_to(log)?;
-        launch.stdin = Some(file?);
+        launch.stdin = file?;
         let child = self.launcher.spawn(launch)?;
         let pid = nix::unistd::Pid::from_raw(child.pid() as i32);
         self.await_pid_file(key, child)?;
@@ -398,13 +398,12 @@ impl FuseClients for Clients {
         if own_helper {
             launch = launch.arg("--follow-size");
         }
-        // Writes a local-file helper acknowledged are in its file: a request
-        // whose connection broke may be sent again to the helper started
-        // after it. (librbd's or a remote server's cache may have lost
-        // them: the request fails.)
-        if own_helper
-            && Recorded::read(&self.files.server_args_file(key)).is_some_and(|r| r.export.is_some())
-        {
+        // Writes the agent's helper acknowledged are in its file or on the
+        // cluster (its librbd has no write-back cache): a request whose
+        // connection broke may be sent again to the helper started after
+        // it, which the agent records how to start. (A remote server's
+        // cache may have lost them: the request fails.)
+        if own_helper && Recorded::read(&self.files.server_args_file(key)).is_some() {
             launch = launch.arg("--reconnect");
         }
         let launch = launch.arg(self.file(key));

@@ -3,17 +3,23 @@
 //! roots (handed over on standard input) or an RBD image through librbd.
 //! A helper outlives the agent, since a client ends when its server does:
 //! it is started by the launcher (the node's mounter, in a cluster), and
-//! the next agent finds it by its pid file. A helper serving a local file
-//! that ends before it is stopped is started again on the same open file
-//! ([`ExportHelpers::heal`]; [`super::keeper`]).
+//! the next agent finds it by its pid file. A helper that ends before it
+//! is stopped is started again ([`ExportHelpers::heal`]; [`super::keeper`]):
+//! one serving a local file on the same open file; an rbd helper with its
+//! arguments and the keyring kept beside them, taking over the image's
+//! exclusive lock from its dead predecessor. librbd runs without its
+//! write-back cache ([`crate::sys::rbd_export`]), so a write the dead one
+//! acknowledged is on the cluster, and one it had not is sent again by the
+//! client.
 
 use super::files::{Layout, last_lines, remove_keyring};
 use super::keeper::{Keeper, Kept, Recorded, Served, Successor};
 use crate::sys::launch::{Launch, Launcher, Program};
 use crate::sys::rbd_export::RbdTarget;
 use crate::sys::{ExportHelpers, KernelNbd, SysError, io};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub struct Helpers {
@@ -27,9 +33,15 @@ pub struct Helpers {
     pub stop_timeout: Duration,
     /// The node's kernel NBD: one way an rbd helper's export is reached.
     kernel: Arc<dyn KernelNbd>,
-    /// Each running local-file helper's export and arguments, to start it
-    /// again. (An rbd helper's keyring is gone once it connected.)
+    /// Each running helper's arguments (and a local file helper's export),
+    /// to start it again.
     keeper: Keeper,
+    /// The Ceph client of each rbd helper that died and has no successor
+    /// yet: the one whose lock a successor takes over.
+    dead_clients: Mutex<BTreeMap<String, (u64, String)>>,
+    /// Dead rbd helpers' clients and their successors', for
+    /// [`ExportHelpers::replaced_clients`].
+    replaced: Mutex<Vec<(u64, u64, String)>>,
 }
 
 impl Helpers {
@@ -44,6 +56,8 @@ impl Helpers {
             stop_timeout: Duration::from_secs(5),
             kernel,
             keeper: Keeper::default(),
+            dead_clients: Mutex::default(),
+            replaced: Mutex::default(),
         }
     }
 
@@ -104,16 +118,20 @@ impl Helpers {
         Ok(true)
     }
 
-    /// Keep running helper `key`'s export, if this agent recorded how it
-    /// started it on a file and it is not kept yet.
+    /// Keep running helper `key` (a local file helper's export), if an
+    /// agent recorded how it started it and it is not kept yet.
     fn keep(&self, key: &str) {
         if self.keeper.holds(key) {
             return;
         }
         let Some(recorded) = Recorded::read(&self.files.server_args_file(key)) else { return };
-        let Some((dev, ino)) = recorded.export else { return };
+        let served = match recorded.export {
+            Some((dev, ino)) => Served::Export(dev, ino),
+            None if recorded.args.iter().any(|a| a == "--export-rbd") => Served::Process,
+            None => return,
+        };
         let Some(pid) = self.running(key) else { return };
-        match Kept::from_process(pid, Served::Export(dev, ino), recorded) {
+        match Kept::from_process(pid, served, recorded) {
             Ok(kept) => self.keeper.put(key, kept),
             Err(e) => self.keeper.warn_once(
                 key,
@@ -124,18 +142,44 @@ impl Helpers {
         }
     }
 
-    /// Start helper `key` again on its kept export if its process ended;
-    /// true when it did. The caller holds the keeper's restart lock.
+    /// Start helper `key` again if its process ended (on its kept export,
+    /// or, an rbd helper, taking over its dead predecessor's lock); true
+    /// when it did. The caller holds the keeper's restart lock.
     fn restart(&self, key: &str) -> Result<bool, SysError> {
         let Some(Successor { recorded, file, .. }) = self.keeper.ended(key) else {
             return Ok(false);
         };
+        let file = file?;
         let log = super::files::append_to(&self.files.server_log_file(key))?;
         let mut launch =
             Launch::new(Program::Volagent, &self.files.socket(key)).args(&recorded.args);
-        launch.stdin = Some(file?);
+        // The client the dead helper was, read once: a successor that
+        // failed may have written its own there meanwhile.
+        let dead = if file.is_none() {
+            let mut dead = self.dead_clients.lock().unwrap_or_else(|e| e.into_inner());
+            if !dead.contains_key(key)
+                && let Some(client) = self.client_of(key)
+            {
+                dead.insert(key.to_string(), client);
+            }
+            dead.get(key).cloned()
+        } else {
+            None
+        };
+        if let Some((_, address)) = &dead {
+            // It is dead (its pidfd said so), and no node's agent may
+            // blocklist: its lock is broken without fencing it.
+            launch = launch.args(["--ceph-break-lock-of", address]);
+        }
+        launch.stdin = file;
         launch.stderr = Some(log);
         self.start(key, launch)?;
+        if let Some((old, _)) = dead {
+            self.dead_clients.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+            if let Some((id, address)) = self.client_of(key) {
+                self.replaced.lock().unwrap_or_else(|e| e.into_inner()).push((old, id, address));
+            }
+        }
         let pid = self.running(key).ok_or_else(|| SysError::Command {
             program: "volagent nbd serve",
             path: self.files.socket(key),
@@ -144,6 +188,13 @@ impl Helpers {
         let process = super::keeper::pidfd_open(pid)?;
         self.keeper.with(key, |k| k.serving(process));
         Ok(true)
+    }
+
+    /// Who helper `key` is to its Ceph cluster: global id, address.
+    fn client_of(&self, key: &str) -> Option<(u64, String)> {
+        let text = std::fs::read_to_string(self.files.client_file(key)).ok()?;
+        let (id, address) = text.trim().split_once(' ')?;
+        Some((id.parse().ok()?, address.to_string()))
     }
 
     /// The helper's pid, when it runs ("<this binary> nbd serve").
@@ -208,10 +259,21 @@ impl ExportHelpers for Helpers {
         if let Some(keyring) = written.as_ref().or(client.keyring.as_ref()) {
             launch = launch.arg("--ceph-keyring").arg(keyring);
         }
-        let started = self.start(key, launch);
-        // Read at connect; the helper serves only once it has connected.
-        remove_keyring(written);
-        started
+        // How a successor is started: the same arguments, the keyring
+        // kept (root-only, beside them) until the helper is stopped. The
+        // key itself is never in them.
+        let args: Option<Vec<String>> =
+            launch.args.iter().map(|a| a.to_str().map(String::from)).collect();
+        let args_file = self.files.server_args_file(key);
+        if let Some(args) = args {
+            Recorded { args, export: None }.write(&args_file)?;
+        }
+        let started = self.start(key, launch).inspect_err(|_| {
+            let _ = std::fs::remove_file(&args_file);
+            remove_keyring(written);
+        })?;
+        self.keep(key);
+        Ok(started)
     }
 
     /// librbd is loaded on the first ask, not at start-up: an agent that
@@ -232,6 +294,7 @@ impl ExportHelpers for Helpers {
             let _restarting = self.keeper.restart_lock();
             let _ = std::fs::remove_file(self.files.server_args_file(key));
             self.keeper.forget_locked(key);
+            self.dead_clients.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
         }
         if let Some(pid) = self.running(key) {
             // SIGTERM: it closes its connections and removes its socket, and
@@ -298,10 +361,17 @@ impl ExportHelpers for Helpers {
         keys.into_iter()
             .filter(|key| self.files.client_pid(key).is_some() || self.running(key).is_some())
             .filter_map(|key| {
-                let text = std::fs::read_to_string(self.files.client_file(&key)).ok()?;
-                let (id, address) = text.trim().split_once(' ')?;
-                Some((key, id.parse().ok()?, address.to_string()))
+                let (id, address) = self.client_of(&key)?;
+                Some((key, id, address))
             })
             .collect()
+    }
+
+    fn restartable(&self, key: &str) -> bool {
+        self.keeper.holds(key)
+    }
+
+    fn replaced_clients(&self) -> Vec<(u64, u64, String)> {
+        std::mem::take(&mut *self.replaced.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }

@@ -57,13 +57,16 @@ pub enum Served {
     Fuse,
     /// Its standard input, the export (device, inode).
     Export(u64, u64),
+    /// No file: the process opens what it serves itself (a librbd helper
+    /// connects to its cluster), so only its pid is watched.
+    Process,
 }
 
 /// One process's open file, how it was started, and the process serving it
 /// now.
 #[derive(Debug)]
 pub struct Kept {
-    pub file: OwnedFd,
+    pub file: Option<OwnedFd>,
     pub recorded: Recorded,
     /// A pidfd of the process serving it: readable once it ended.
     process: OwnedFd,
@@ -83,22 +86,34 @@ impl Kept {
             return Err(refused("not in this agent's pid namespace".into()));
         }
         let fd = match served {
-            Served::Fuse => fd_to(pid, "/dev/fuse")
-                .ok_or_else(|| refused("has no FUSE connection open".into()))?,
-            Served::Export(..) => 0,
+            Served::Fuse => Some(
+                fd_to(pid, "/dev/fuse")
+                    .ok_or_else(|| refused("has no FUSE connection open".into()))?,
+            ),
+            Served::Export(..) => Some(0),
+            Served::Process => None,
         };
-        let file = pidfd_getfd(&process, fd, &path)?;
-        let st = nix::sys::stat::fstat(&file).map_err(errno("stat the file of", &path))?;
-        let is = match served {
-            Served::Fuse => {
-                st.st_mode & nix::libc::S_IFMT == nix::libc::S_IFCHR
-                    && st.st_rdev == nix::sys::stat::makedev(10, 229)
+        let file = match fd {
+            Some(fd) => {
+                let file = pidfd_getfd(&process, fd, &path)?;
+                let st = nix::sys::stat::fstat(&file).map_err(errno("stat the file of", &path))?;
+                let is = match served {
+                    Served::Fuse => {
+                        st.st_mode & nix::libc::S_IFMT == nix::libc::S_IFCHR
+                            && st.st_rdev == nix::sys::stat::makedev(10, 229)
+                    }
+                    Served::Export(dev, ino) => st.st_dev == dev && st.st_ino == ino,
+                    Served::Process => true,
+                };
+                if !is {
+                    return Err(refused(format!(
+                        "its descriptor {fd} is not what it was started with"
+                    )));
+                }
+                Some(file)
             }
-            Served::Export(dev, ino) => st.st_dev == dev && st.st_ino == ino,
+            None => None,
         };
-        if !is {
-            return Err(refused(format!("its descriptor {fd} is not what it was started with")));
-        }
         let kept = Kept { file, recorded, process };
         // Still alive: the pid was that process's all along.
         if !kept.alive() {
@@ -119,18 +134,20 @@ impl Kept {
         matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
     }
 
-    /// A copy of the file for a successor.
-    pub fn file_for_successor(&self, key: &str) -> Result<std::fs::File, SysError> {
-        self.file
-            .try_clone()
-            .map(std::fs::File::from)
+    /// A copy of the file for a successor (none when none is kept).
+    pub fn file_for_successor(&self, key: &str) -> Result<Option<std::fs::File>, SysError> {
+        let Some(file) = &self.file else { return Ok(None) };
+        file.try_clone()
+            .map(|f| Some(std::fs::File::from(f)))
             .map_err(crate::sys::io("copy the kept file of", Path::new(key)))
     }
 
-    /// Whether a FUSE connection is still up (not aborted or unmounted).
+    /// Whether a FUSE connection is still up (not aborted or unmounted);
+    /// true when no file is kept.
     pub fn connection_up(&self) -> bool {
         use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-        let mut fds = [PollFd::new(self.file.as_fd(), PollFlags::POLLIN)];
+        let Some(file) = &self.file else { return true };
+        let mut fds = [PollFd::new(file.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::ZERO) {
             Ok(_) => !fds[0].revents().is_some_and(|r| r.contains(PollFlags::POLLERR)),
             Err(_) => false,
@@ -141,7 +158,7 @@ impl Kept {
 /// What [`Keeper::ended`] hands a successor.
 pub struct Successor {
     pub recorded: Recorded,
-    pub file: Result<std::fs::File, SysError>,
+    pub file: Result<Option<std::fs::File>, SysError>,
     pub up: bool,
 }
 
@@ -292,6 +309,10 @@ mod tests {
         let kept = Kept::from_process(pid, Served::Export(st.st_dev, st.st_ino), recorded.clone());
         let other = Kept::from_process(pid, Served::Export(st.st_dev, st.st_ino + 1), recorded);
         let fuse = Kept::from_process(pid, Served::Fuse, Recorded { args: vec![], export: None });
+        let process =
+            Kept::from_process(pid, Served::Process, Recorded { args: vec![], export: None })
+                .unwrap();
+        assert!(process.file.is_none() && process.alive() && process.connection_up());
         let kept = kept.unwrap();
         assert!(kept.alive());
         assert!(matches!(other, Err(SysError::Refused { .. })), "{other:?}");
@@ -299,7 +320,10 @@ mod tests {
         let _ = child.kill();
         let _ = child.wait();
         assert!(!kept.alive(), "its pidfd says it ended");
-        let link = std::fs::read_link(format!("/proc/self/fd/{}", kept.file.as_raw_fd())).unwrap();
+        assert!(!process.alive(), "a process kept without a file is watched all the same");
+        assert!(process.file_for_successor("k").unwrap().is_none());
+        let fd = kept.file.as_ref().unwrap().as_raw_fd();
+        let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap();
         assert!(link.ends_with("status"), "{link:?}");
     }
 

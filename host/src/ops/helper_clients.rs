@@ -1,0 +1,49 @@
+//! The attachment records follow the node's rbd helpers: one started again
+//! in place of a dead one is a new Ceph client, and the record must name
+//! it, since fencing blocklists the clients a record names (and other
+//! nodes place the image's watchers by them).
+
+use super::Agent;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How often the helpers are asked for clients they replaced.
+const EVERY: Duration = Duration::from_secs(1);
+
+impl Agent {
+    /// Runs for the agent's life: each replaced client is written into the
+    /// records that name the dead one, retried while the ledger fails.
+    pub async fn follow_replaced_clients(self: Arc<Self>) {
+        let mut pending: Vec<(u64, u64, String)> = Vec::new();
+        let mut failing = false;
+        loop {
+            tokio::time::sleep(EVERY).await;
+            pending.extend(self.node.sys.export_helpers.replaced_clients());
+            let mut left = Vec::new();
+            for (old, id, address) in pending.drain(..) {
+                match super::record::replace_storage_client(&self.node, old, (id, &address)).await {
+                    Ok(volumes) => {
+                        failing = false;
+                        for volume in volumes {
+                            tracing::info!(
+                                volume,
+                                "its record names the restarted helper's Ceph client {id} ({address}) in place of {old}"
+                            );
+                        }
+                    }
+                    Err(f) => {
+                        if !failing {
+                            tracing::warn!(
+                                "the records naming Ceph client {old} cannot be given its successor {id} yet (retried): {}",
+                                f.message
+                            );
+                        }
+                        failing = true;
+                        left.push((old, id, address));
+                    }
+                }
+            }
+            pending = left;
+        }
+    }
+}
