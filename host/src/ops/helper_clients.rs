@@ -14,16 +14,15 @@ impl Agent {
     /// Runs for the agent's life: each replaced client is written into the
     /// records that name the dead one, retried while the ledger fails.
     pub async fn follow_replaced_clients(self: Arc<Self>) {
-        let mut pending: Vec<(u64, u64, String)> = Vec::new();
         let mut failing = false;
         loop {
             tokio::time::sleep(EVERY).await;
-            pending.extend(self.node.sys.export_helpers.replaced_clients());
-            let mut left = Vec::new();
-            for (old, id, address) in pending.drain(..) {
+            let helpers = self.node.sys.export_helpers.clone();
+            for (key, old, id, address) in helpers.replaced_clients() {
                 match super::record::replace_storage_client(&self.node, old, (id, &address)).await {
                     Ok(volumes) => {
                         failing = false;
+                        helpers.clients_replaced(&key, old);
                         for volume in volumes {
                             tracing::info!(
                                 volume,
@@ -39,11 +38,9 @@ impl Agent {
                             );
                         }
                         failing = true;
-                        left.push((old, id, address));
                     }
                 }
             }
-            pending = left;
         }
     }
 }

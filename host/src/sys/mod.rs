@@ -492,11 +492,16 @@ pub trait ExportHelpers: Send + Sync {
         let _ = key;
         false
     }
-    /// The Ceph clients that rbd helpers started again replaced since the
-    /// last call: (the dead one's global id, the successor's id and
-    /// address), for the attachment records that name the dead one.
-    fn replaced_clients(&self) -> Vec<(u64, u64, String)> {
+    /// The Ceph clients of dead rbd helpers whose successors the records
+    /// may not name yet: (key, the dead one's global id, the successor's
+    /// id and address). Kept (on disk) until
+    /// [`clients_replaced`](Self::clients_replaced).
+    fn replaced_clients(&self) -> Vec<(String, u64, u64, String)> {
         Vec::new()
+    }
+    /// The records name helper `key`'s successor in place of client `old`.
+    fn clients_replaced(&self, key: &str, old: u64) {
+        let _ = (key, old);
     }
 }
 

@@ -71,6 +71,14 @@ impl Layout {
         self.base.join(format!("{key}.client"))
     }
 
+    /// The Ceph clients (global ids, one per line) of dead rbd helpers
+    /// whose successor the attachment records do not name yet: kept on
+    /// disk, so that an agent that restarts meanwhile still puts them
+    /// right.
+    pub fn replaces_file(&self, key: &str) -> PathBuf {
+        self.base.join(format!("{key}.client.replaces"))
+    }
+
     /// The keyring a Ceph client reads at connect: removed after
     /// (rbd-fuse), or kept until its helper is stopped, for a successor.
     pub fn keyring_file(&self, key: &str) -> PathBuf {

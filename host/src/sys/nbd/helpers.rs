@@ -39,9 +39,6 @@ pub struct Helpers {
     /// The Ceph client of each rbd helper that died and has no successor
     /// yet: the one whose lock a successor takes over.
     dead_clients: Mutex<BTreeMap<String, (u64, String)>>,
-    /// Dead rbd helpers' clients and their successors', for
-    /// [`ExportHelpers::replaced_clients`].
-    replaced: Mutex<Vec<(u64, u64, String)>>,
 }
 
 impl Helpers {
@@ -57,7 +54,6 @@ impl Helpers {
             kernel,
             keeper: Keeper::default(),
             dead_clients: Mutex::default(),
-            replaced: Mutex::default(),
         }
     }
 
@@ -176,9 +172,9 @@ impl Helpers {
         self.start(key, launch)?;
         if let Some((old, _)) = dead {
             self.dead_clients.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
-            if let Some((id, address)) = self.client_of(key) {
-                self.replaced.lock().unwrap_or_else(|e| e.into_inner()).push((old, id, address));
-            }
+            let mut ids = self.replaced_ids(key);
+            ids.push(old);
+            self.write_replaced_ids(key, &ids)?;
         }
         let pid = self.running(key).ok_or_else(|| SysError::Command {
             program: "volagent nbd serve",
@@ -188,6 +184,25 @@ impl Helpers {
         let process = super::keeper::pidfd_open(pid)?;
         self.keeper.with(key, |k| k.serving(process));
         Ok(true)
+    }
+
+    /// The dead clients helper `key` replaced that the records may still
+    /// name.
+    fn replaced_ids(&self, key: &str) -> Vec<u64> {
+        let text = std::fs::read_to_string(self.files.replaces_file(key)).unwrap_or_default();
+        text.lines().filter_map(|l| l.trim().parse().ok()).take(1024).collect()
+    }
+
+    fn write_replaced_ids(&self, key: &str, ids: &[u64]) -> Result<(), SysError> {
+        let file = self.files.replaces_file(key);
+        if ids.is_empty() {
+            return match std::fs::remove_file(&file) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &file)(e)),
+                _ => Ok(()),
+            };
+        }
+        let text: String = ids.iter().map(|id| format!("{id}\n")).collect();
+        super::files::write_private(&file, text.as_bytes())
     }
 
     /// Who helper `key` is to its Ceph cluster: global id, address.
@@ -316,6 +331,7 @@ impl ExportHelpers for Helpers {
             self.files.socket(key),
             self.files.client_file(key),
             self.files.keyring_file(key),
+            self.files.replaces_file(key),
         ] {
             match std::fs::remove_file(&f) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -371,7 +387,50 @@ impl ExportHelpers for Helpers {
         self.keeper.holds(key)
     }
 
-    fn replaced_clients(&self) -> Vec<(u64, u64, String)> {
-        std::mem::take(&mut *self.replaced.lock().unwrap_or_else(|e| e.into_inner()))
+    fn replaced_clients(&self) -> Vec<(String, u64, u64, String)> {
+        let Ok(keys) = self.files.keys() else { return Vec::new() };
+        keys.into_iter()
+            .flat_map(|key| {
+                let ids = self.replaced_ids(&key);
+                let now = if ids.is_empty() { None } else { self.client_of(&key) };
+                ids.into_iter().filter_map(move |old| {
+                    let (id, address) = now.clone()?;
+                    Some((key.clone(), old, id, address))
+                })
+            })
+            .collect()
+    }
+
+    fn clients_replaced(&self, key: &str, old: u64) {
+        // Under the restart lock: not while a successor adds its own.
+        let _restarting = self.keeper.restart_lock();
+        let ids: Vec<u64> = self.replaced_ids(key).into_iter().filter(|id| *id != old).collect();
+        if let Err(e) = self.write_replaced_ids(key, &ids) {
+            tracing::warn!(key, "{e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_clients_stay_listed_until_the_records_name_the_successor() {
+        let dir = tempfile::tempdir().unwrap();
+        let helpers = Helpers::new(dir.path().into(), crate::sys::fake::Fake::new());
+        let key = "export-0123456789abcdef01234567";
+        assert!(helpers.replaced_clients().is_empty());
+        std::fs::write(dir.path().join(format!("{key}.client")), "7 127.0.0.1:0/55\n").unwrap();
+        helpers.write_replaced_ids(key, &[3, 4]).unwrap();
+        // What another agent left is read back from the files alone.
+        let again = Helpers::new(dir.path().into(), crate::sys::fake::Fake::new());
+        let successor = |old| (key.to_string(), old, 7, "127.0.0.1:0/55".to_string());
+        assert_eq!(again.replaced_clients(), vec![successor(3), successor(4)]);
+        again.clients_replaced(key, 3);
+        assert_eq!(again.replaced_clients(), vec![successor(4)]);
+        again.clients_replaced(key, 4);
+        assert!(again.replaced_clients().is_empty());
+        assert!(!dir.path().join(format!("{key}.client.replaces")).exists());
     }
 }
