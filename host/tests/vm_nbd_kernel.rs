@@ -22,6 +22,7 @@ const IN_THE_VM: &[&str] = &[
     "the_agents_own_export_outlives_the_agent_on_the_kernel_device",
     "a_killed_helper_is_started_again_and_the_device_reconnected_to_it_while_a_workload_writes",
     "without_fuse_resend_a_userspace_client_stopped_with_sigterm_is_replaced_without_an_error",
+    "without_fuse_resend_requests_a_killed_client_took_fail_instead_of_waiting_forever",
     "a_mount_cut_short_after_the_connect_leaves_no_device_connected",
     "start_up_reconciliation_disconnects_a_connection_no_record_names",
     "a_server_that_stops_answering_fails_io_instead_of_hanging",
@@ -307,6 +308,81 @@ mod in_the_vm {
         nix::unistd::sync();
         std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
         every_record_in_place(&file, written);
+        assert_success(&driver(&node, &["unmount", &dir]));
+        assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
+        assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops_left());
+        wait_until(NBD_WAIT, "the client and helper to end", || {
+            clients_under(&state).is_empty() && servers_under(&state).is_empty()
+        });
+    }
+
+    /// Linux 6.1 cannot queue again what a dead client took
+    /// (`FUSE_NOTIFY_RESEND` came with 6.9). A client SIGKILLed while it
+    /// holds requests — its helper stopped (SIGSTOP), so they wait on it —
+    /// leaves them to no one; its successor, started on the connection the
+    /// agent kept, sees them waiting while it is idle, and aborts the
+    /// connection: the workload's I/O fails within seconds instead of
+    /// waiting forever, and the volume still unmounts and leaves nothing.
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn without_fuse_resend_requests_a_killed_client_took_fail_instead_of_waiting_forever() {
+        use volagent_test_support::workload::{Writer, kill_all};
+        let release = nix::sys::utsname::uname().unwrap().release().to_string_lossy().into_owned();
+        let mut numbers = release.split(['.', '-']).map(|n| n.parse::<u32>().unwrap_or(0));
+        let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+        assert!((major, minor) < (6, 9), "this test is for a kernel without resend, not {release}");
+        let node = node();
+        let state = node.scratch.path("node-a/state");
+        let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
+        let mut o = options("pv1", "pod-a", "uid-a", "unused");
+        o.as_object_mut().unwrap().remove("server");
+        o["file"] = node.image("own.img", 64).into();
+        o["attach"] = "userspace".into();
+        assert_success(&driver(&node, &["mount", &dir, &o.to_string()]));
+        let (client, helper) = (clients_under(&state), servers_under(&state));
+        assert_eq!((client.len(), helper.len()), (1, 1), "one client, one helper");
+
+        let mut writer = Writer::start(&dir);
+        let logs: Vec<PathBuf> = std::fs::read_dir(state.join("nbd"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+            .collect();
+        writer.logs = logs.iter().cloned().chain([node.log_path("node-a")]).collect();
+        writer.goes_on(20, "before");
+        let signal = |pids: &[i32], s| {
+            for pid in pids {
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), s).unwrap();
+            }
+        };
+        // The helper stopped: the client's requests wait on it, held.
+        signal(&helper, nix::sys::signal::Signal::SIGSTOP);
+        let mut last = (writer.written(), Instant::now());
+        wait_until(NBD_WAIT, "the workload to wait on the stopped helper", || {
+            if writer.written() != last.0 {
+                last = (writer.written(), Instant::now());
+            }
+            last.1.elapsed() > Duration::from_secs(1)
+        });
+        kill_all(&client);
+        signal(&helper, nix::sys::signal::Signal::SIGCONT);
+        let killed = Instant::now();
+        wait_until(NBD_WAIT, "another client", || {
+            let now = clients_under(&state);
+            now.len() == 1 && now != client
+        });
+        wait_until(Duration::from_secs(40), "the workload's I/O to fail", || {
+            !writer.stats.lock().unwrap().1.is_empty()
+        });
+        let failed_after = killed.elapsed();
+        let said: String =
+            logs.iter().map(|l| std::fs::read_to_string(l).unwrap_or_default()).collect();
+        assert!(said.contains("cannot give to a successor"), "the successor said why: {said}");
+        let (_, errors, _) = writer.finish();
+        println!(
+            "a client killed holding requests on {release}: the workload's I/O failed {failed_after:?} after ({errors:?})"
+        );
         assert_success(&driver(&node, &["unmount", &dir]));
         assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
         assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops_left());

@@ -21,6 +21,7 @@ use nix::errno::Errno;
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// What the filesystem answers; errors are errnos.
 pub trait Filesystem: Send + Sync {
@@ -60,6 +61,19 @@ pub struct MountOptions<'a> {
 /// One FUSE connection's open `/dev/fuse` file.
 pub struct Connection {
     fd: OwnedFd,
+    /// Requests read and not yet answered, and read in all: what a watch
+    /// compares with the kernel's count of requests waiting.
+    in_flight: AtomicUsize,
+    taken: AtomicU64,
+}
+
+/// Counts a request as in flight while it lives.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Connection {
@@ -93,7 +107,16 @@ impl Connection {
             Some(data.as_str()),
         )
         .map_err(|e| io("mount FUSE at", e))?;
-        Ok(Connection { fd })
+        Ok(Connection::of(fd))
+    }
+
+    fn of(fd: OwnedFd) -> Connection {
+        Connection { fd, in_flight: AtomicUsize::new(0), taken: AtomicU64::new(0) }
+    }
+
+    /// (Requests read and not answered yet, requests read in all.)
+    pub fn activity(&self) -> (usize, u64) {
+        (self.in_flight.load(Ordering::SeqCst), self.taken.load(Ordering::SeqCst))
     }
 
     /// A connection already mounted and initialised, handed over by its
@@ -109,7 +132,7 @@ impl Connection {
                 source: Errno::EBADF,
             });
         }
-        Ok(Connection { fd })
+        Ok(Connection::of(fd))
     }
 
     /// Ask the kernel to queue again the requests a predecessor took and
@@ -186,6 +209,9 @@ impl Connection {
                 Err(Errno::ENODEV) => return Ok(()),
                 Err(source) => return Err(FuseError::Connection { what: "read", source }),
             };
+            self.in_flight.fetch_add(1, Ordering::SeqCst);
+            self.taken.fetch_add(1, Ordering::SeqCst);
+            let _in_flight = InFlight(&self.in_flight);
             let (unique, reply) = match abi::parse(&buf[..n]) {
                 Ok((header, request)) => match answer(fs, header.nodeid, request) {
                     Some(reply) => (header.unique, reply),
@@ -274,5 +300,13 @@ impl Stop {
     /// is never read: it stays readable, so each reader sees it.)
     pub fn trigger(&self) {
         let _ = nix::unistd::write(&self.fds.1, &[1]);
+    }
+
+    /// Wait up to `timeout`; true once triggered.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        let mut fds = [PollFd::new(self.fds.0.as_fd(), PollFlags::POLLIN)];
+        let ms = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
+        matches!(poll(&mut fds, ms), Ok(n) if n > 0)
     }
 }

@@ -13,6 +13,13 @@ use std::path::Path;
 
 const FUSECTL: &str = "/sys/fs/fuse/connections";
 
+/// How many requests of connection `conn` wait for an answer (queued, or
+/// read by a client and not answered), as fusectl counts them.
+pub fn waiting(conn: u32) -> std::io::Result<u64> {
+    let text = std::fs::read_to_string(Path::new(FUSECTL).join(conn.to_string()).join("waiting"))?;
+    text.trim().parse().map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidData))
+}
+
 /// An open `abort` file of one FUSE connection.
 #[derive(Debug)]
 pub struct AbortSwitch {

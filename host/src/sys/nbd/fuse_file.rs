@@ -115,13 +115,15 @@ impl FuseFile<'_> {
             what: "wait for SIGTERM",
             source,
         })?;
+        let mut lost_unless_watched = false;
         let connection = match self.handed {
             Some(fd) => {
                 let connection = Connection::handed(fd)?;
                 if !connection.resend()? {
                     tracing::warn!(
-                        "this kernel cannot queue again the requests the last client took (Linux 6.9 can); any it had not answered wait forever"
+                        "this kernel cannot queue again the requests the last client took (Linux 6.9 can): watching for any it left unanswered"
                     );
+                    lost_unless_watched = true;
                 }
                 tracing::info!(dir = %dir.display(), "serving the connection handed over");
                 connection
@@ -141,7 +143,16 @@ impl FuseFile<'_> {
                 }
             })?;
         }
-        let served = connection.serve(&fs, count.max(2), &stop);
+        let served = std::thread::scope(|s| {
+            if lost_unless_watched {
+                let (connection, stop) = (&connection, &stop);
+                s.spawn(move || super::lost_requests::watch(connection, dir, stop));
+            }
+            let served = connection.serve(&fs, count.max(2), &stop);
+            // The watch ends with the readers.
+            stop.trigger();
+            served
+        });
         drop(term);
         Ok(served?)
     }

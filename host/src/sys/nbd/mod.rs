@@ -10,6 +10,7 @@ pub mod fuse_file;
 pub mod helpers;
 pub mod keeper;
 pub mod kernel;
+pub mod lost_requests;
 pub mod netlink;
 
 /// `server` ("unix:/path" or "host:port") and `export` as an NBD URI.
