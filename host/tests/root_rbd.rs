@@ -90,12 +90,17 @@ fn an_rbd_image_mounts_with_the_secrets_key_and_what_pods_write_is_in_the_image(
     assert_success(&r);
     let device = r.1["device"].as_str().unwrap_or_default().to_string();
     assert!(device.starts_with("/dev/loop"), "{}", r.1);
-    // The helper serves the image as client.volagent; its key is on no
-    // disk once it has connected.
+    // The helper serves the image as client.volagent; its key is kept for
+    // a successor in one keyring file, root's alone, and in no other file.
     assert_eq!(watchers(&image).len(), 1, "one client: the agent's helper");
     let files = nbd_files(&node, "node-a");
-    assert!(!files.iter().any(|f| f.extension().is_some_and(|e| e == "keyring")), "{files:?}");
-    for f in &files {
+    let keyrings: Vec<&PathBuf> =
+        files.iter().filter(|f| f.extension().is_some_and(|e| e == "keyring")).collect();
+    assert_eq!(keyrings.len(), 1, "{files:?}");
+    let meta = std::fs::metadata(keyrings[0]).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((meta.mode() & 0o777, meta.uid()), (0o600, 0), "{}", keyrings[0].display());
+    for f in files.iter().filter(|f| f.extension().is_none_or(|e| e != "keyring")) {
         if f.is_file() {
             let text = std::fs::read(f).unwrap_or_default();
             assert!(

@@ -153,16 +153,27 @@ impl Run<'_> {
         // Only a running client's device, over its file where it is now:
         // one left over the file of a client that ended (its mount
         // detached, or failing ENOTCONN) would fail every request.
-        let file = self.sys.fuse_clients.file(key);
         if !self.sys.fuse_clients.running(key)? {
             return Ok(None);
         }
+        self.loop_over_client(key)
+    }
+
+    /// The loop device over client `key`'s file on its mount as it is now:
+    /// by the file's path, or by the mount's device when an earlier agent
+    /// attached it (the kernel then names the file "/<key>" only).
+    fn loop_over_client(&self, key: &str) -> Result<Option<PathBuf>, StepError> {
+        let file = self.sys.fuse_clients.file(key);
+        let fuse = crate::sys::mountinfo::fuse_mounts_by_device(&self.sys.mounts.mount_table()?);
         Ok(self
             .sys
             .devices
             .loop_devices()?
             .into_iter()
-            .find(|l| l.backing_file == file)
+            .find(|l| {
+                l.backing_file == file
+                    || (file.parent().is_some() && l.fuse_mount(&fuse) == file.parent())
+            })
             .map(|l| l.device))
     }
 
@@ -187,11 +198,7 @@ impl Run<'_> {
         }
         if self.sys.fuse_clients.connect(&key, server, export, connections, read_only)? {
             self.undo.push(Undo::NbdDisconnect(key.clone()));
-        } else if let Some(device) = {
-            let file = self.sys.fuse_clients.file(&key);
-            let devices = self.sys.devices.loop_devices()?;
-            devices.into_iter().find(|l| l.backing_file == file).map(|l| l.device)
-        } {
+        } else if let Some(device) = self.loop_over_client(&key)? {
             // Running already, or just started again on its connection: the
             // loop device over its file is the export's; a second one would
             // let two filesystems write the same blocks.

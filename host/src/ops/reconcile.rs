@@ -301,13 +301,18 @@ impl Agent {
             // nothing uses is stopped.
             let loops = sys.devices.loop_devices()?;
             let tag = sys.devices.loop_tag();
+            let fuse = crate::sys::mountinfo::fuse_mounts_by_device(&sys.mounts.mount_table()?);
             for (key, running) in sys.fuse_clients.clients()? {
                 let file = sys.fuse_clients.file(&key);
                 // An rbd-fuse client's file is named after its image, not
-                // its key: any file in the client's dir is its.
+                // its key: any file in the client's dir is its, found by
+                // its path or, once an earlier agent attached it, by the
+                // mount it is on.
                 let used = loops.iter().any(|l| {
                     l.is_over_client_file(&file, tag)
-                        || (file.parent().is_some() && l.backing_file.parent() == file.parent())
+                        || (file.parent().is_some()
+                            && (l.backing_file.parent() == file.parent()
+                                || l.fuse_mount(&fuse) == file.parent()))
                 });
                 match (used, running) {
                     // A kernel connection's (helper server), seen to above.

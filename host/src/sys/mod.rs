@@ -160,6 +160,16 @@ impl LoopDevice {
             file.file_name().is_some_and(|name| self.backing_file == Path::new("/").join(name));
         detached && (self.tag == tag || self.tag.is_empty())
     }
+
+    /// The FUSE mount this device's file is on, among `fuse`
+    /// ([`mountinfo::fuse_mounts_by_device`]): a client's dir, whatever
+    /// path the kernel reports for the file.
+    pub fn fuse_mount<'a>(
+        &self,
+        fuse: &'a std::collections::BTreeMap<u64, PathBuf>,
+    ) -> Option<&'a Path> {
+        self.backing.and_then(|id| fuse.get(&id.dev)).map(PathBuf::as_path)
+    }
 }
 
 /// How a block device's data is destroyed.

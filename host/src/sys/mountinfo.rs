@@ -28,6 +28,22 @@ impl MountInfo {
     }
 }
 
+/// The FUSE mounts of `table` by the device their files are on, as a loop
+/// device over one of those files reports it. A loop device attached by an
+/// agent that is gone (its container's mount namespace with it) reports
+/// its file's path only as "/<file name>"; its device still names the
+/// client's mount, and needs no request to that client, which may hang.
+pub fn fuse_mounts_by_device(table: &[MountInfo]) -> std::collections::BTreeMap<u64, PathBuf> {
+    table
+        .iter()
+        .filter(|m| m.fs_type == "fuse" || m.fs_type.starts_with("fuse."))
+        .map(|m| {
+            let dev = nix::sys::stat::makedev(u64::from(m.device.0), u64::from(m.device.1));
+            (dev, m.mount_point.clone())
+        })
+        .collect()
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("mountinfo line {line}: {reason}: {text:?}")]
 pub struct ParseError {
@@ -124,6 +140,28 @@ mod tests {
 310 27 7:3 / /var/lib/kubelet/plugins/volagent/local-pv/mounts/pv\\0401 rw,relatime shared:200 master:3 - ext4 /dev/loop3 rw
 311 27 7:3 / /var/lib/kubelet/pods/u/volumes/volagent~local-pv/pv1 ro,relatime - ext4 /dev/loop3 rw
 ";
+
+    #[test]
+    fn a_loop_device_an_earlier_agent_attached_is_placed_on_its_fuse_mount_by_device() {
+        let table = parse(
+            "40 27 0:77 / /var/lib/volagent/nbd/export-1 rw - fuse.rbd-fuse rbd-fuse rw\n\
+             41 27 0:78 / /var/lib/volagent/nbd/export-2 rw - fuse.volagent-nbd x rw\n\
+             42 27 8:1 / /mnt/disks rw - ext4 /dev/sda1 rw\n",
+        )
+        .unwrap();
+        let fuse = fuse_mounts_by_device(&table);
+        assert_eq!(fuse.len(), 2, "FUSE mounts only: {fuse:?}");
+        let over = |dev: u64| crate::sys::LoopDevice {
+            device: "/dev/loop3".into(),
+            backing_file: "/image-a".into(),
+            backing: Some(crate::sys::FileId { dev, ino: 2 }),
+            tag: String::new(),
+            number: (7, 3),
+        };
+        let rbd_fuse = over(nix::sys::stat::makedev(0, 77));
+        assert_eq!(rbd_fuse.fuse_mount(&fuse), Some(Path::new("/var/lib/volagent/nbd/export-1")));
+        assert_eq!(over(nix::sys::stat::makedev(8, 1)).fuse_mount(&fuse), None);
+    }
 
     #[test]
     fn parses_fields_escapes_and_propagation() {

@@ -64,9 +64,20 @@ impl Sys {
             tracing::warn!("which volumes pin their pod is not known: {e}");
             Vec::new()
         });
+        // A device an earlier agent attached names its file "/<name>": its
+        // client's dir is then found by the FUSE mount the file is on.
+        let fuse = self
+            .mounts
+            .mount_table()
+            .map(|t| super::mountinfo::fuse_mounts_by_device(&t))
+            .unwrap_or_default();
         for l in loops {
             let file = &l.backing_file;
-            let Some(dir) = file.parent().filter(|d| d.parent() == Some(base)) else { continue };
+            let Some(dir) =
+                l.fuse_mount(&fuse).or(file.parent()).filter(|d| d.parent() == Some(base))
+            else {
+                continue;
+            };
             let Some(key) = dir.file_name().and_then(|k| k.to_str()) else { continue };
             let pin = if file.file_name().and_then(|n| n.to_str()) != Some(key) {
                 Some(RBD_FUSE)
