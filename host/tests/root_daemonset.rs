@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use volagent::kube::crds::Attachment;
 use volagent_test_support::daemonset_cluster::*;
 use volagent_test_support::kubelet_cluster::{
-    claim, create_volume, is_ready, pod_with, restarts, serve,
+    claim, create_volume, events_about, is_ready, pod_with, restarts, serve,
 };
 
 /// Where kubelet mounts volume `pv` of pod `uid` (and where the agent, in
@@ -359,8 +359,8 @@ impl Drop for Growth {
     }
 }
 
-/// Processes of the userspace data path on the node: the agent's NBD client
-/// and helper server (run by the mounter, as the host's pids).
+/// Processes of the userspace data path on the node: the agent's NBD
+/// clients and helper servers (run by the mounter, as the host's pids).
 fn data_path_processes() -> Vec<(i32, String)> {
     let state = Path::new(NODE_PATHS[2].1);
     let mut found: Vec<(i32, String)> =
@@ -374,76 +374,169 @@ fn data_path_processes() -> Vec<(i32, String)> {
     found
 }
 
-/// A userspace volume — a local file behind the agent's helper NBD server,
-/// reached through its FUSE client and a loop device (this kernel has no
-/// nbd.ko) — keeps a workload writing and fsync-ing without one error while
-/// the agent's DaemonSet is rolled to a new image tag (RollingUpdate),
-/// while the agent's container is SIGKILLed — the client and the helper are
-/// the mounter's (its own DaemonSet), not the agent's, so neither event
-/// touches them; each new agent adopts the volume — and while the mounter's
-/// pod is replaced and its container SIGKILLed: the agent keeps the FUSE
-/// connection and the helper's export, and starts a new helper and client
-/// on them in the next mounter. The workload's pod is never restarted, and
-/// every record it wrote is in the file afterwards.
-#[test]
-fn a_userspace_volume_serves_on_while_the_agent_and_the_mounter_are_replaced_and_killed() {
-    let c = DsCluster::start("node-roll");
-    let disk = c.disk("roll.img", 64);
-    create_volume(
-        &c.rt,
-        &c.client(),
-        "roll",
-        "nbd",
-        "ReadWriteOnce",
-        &[("file", disk.as_str()), ("attach", "userspace")],
-        c.kcm.as_ref().expect("kcm").log(),
+/// A workload pod's script: one record per loop (its number) appended to
+/// `<volume>/<file>` on each of its volumes and fsynced (dd's conv=fsync);
+/// any failure ends the pod, which is never restarted. (A short pause
+/// leaves the node's two cores to the readiness probe and the agents.)
+fn writer(file: &str) -> (String, String) {
+    let script = format!(
+        "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); for d in /data/*; do echo $i >> $d/{file} || exit 1; dd if=/dev/null of=$d/{file} conv=notrunc,fsync 2>/dev/null || exit 2; done; sleep 0.02; done"
     );
-    // One record per loop, appended and fsynced (dd's conv=fsync); any
-    // failure ends the pod, which is never restarted. (A short pause leaves
-    // the node's two cores to the readiness probe and the agent.)
-    let writer = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo $i >> /data/log || exit 1; dd if=/dev/null of=/data/log conv=notrunc,fsync 2>/dev/null || exit 2; sleep 0.02; done";
-    let fresh = "test $(( $(date +%s) - $(stat -c %Y /data/log) )) -lt 3";
-    let uid = c.create_pod(pod_with(
-        "app",
-        &c.node,
-        writer,
-        &[("data", claim("roll"))],
-        Some(fresh),
-        "Never",
+    let fresh = format!(
+        "for d in /data/*; do test $(( $(date +%s) - $(stat -c %Y $d/{file}) )) -lt 3 || exit 1; done"
+    );
+    (script, fresh)
+}
+
+/// `text` is the records 1, 2, … in order, more than `least` of them.
+fn records_in_order(text: &str, least: usize, what: &str) {
+    let records: Vec<&str> = text.lines().collect();
+    assert!(
+        records.len() > least,
+        "{what}: the workload wrote through it all: {} records",
+        records.len()
+    );
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!(*r, (i + 1).to_string(), "{what}: record {} of {}", i + 1, records.len());
+    }
+}
+
+/// File `name` from the root of the ext4 filesystem in `image`.
+fn debugfs_cat(image: &Path, name: &str) -> String {
+    let out = std::process::Command::new("debugfs")
+        .args(["-R", &format!("cat /{name}")])
+        .arg(image)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .expect("debugfs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Userspace volumes keep workloads writing and fsync-ing without one
+/// error while the agent's DaemonSet is rolled to a new image tag
+/// (RollingUpdate) and while the agent's container is SIGKILLed: their
+/// processes are the mounter's (its own DaemonSet), not the agent's, so
+/// neither event touches them, and each new agent adopts the volumes. Pod
+/// `app` has a local file behind the agent's helper NBD server and an RBD
+/// image through librbd behind it (the run's Ceph), each reached through
+/// the agent's FUSE client and a loop device (this kernel has no nbd.ko);
+/// pod `pinned` has an image through rbd-fuse and a GlusterFS volume
+/// (the run's GlusterFS). Those two pin the mounter: an Event on its pod
+/// says so, and another once `pinned` is gone. Then the mounter's pod is
+/// replaced and its container SIGKILLed: the agent keeps each client's
+/// FUSE connection, the local file's export and the librbd helper's
+/// arguments and keyring, and starts new helpers and clients in the next
+/// mounter. No pod is restarted, and every record each wrote is in its
+/// volume afterwards.
+#[test]
+fn userspace_volumes_serve_on_while_the_agent_and_the_mounter_are_replaced_and_killed() {
+    use volagent_test_support::ceph::{Image, ceph_dir, controller_key, rbd, volagent_key};
+    use volagent_test_support::{ceph_cluster, shipped};
+    let ceph = ceph_dir();
+    let gluster = PathBuf::from(std::env::var("VOLAGENT_GLUSTER_DIR").expect(
+        "VOLAGENT_GLUSTER_DIR: the single-node GlusterFS of this run (scripts/gluster-env start makes it; scripts/test sets it)",
     ));
-    c.wait("app Ready", || is_ready(c.pod("default", "app").as_ref()).then_some(()));
-    let dir = Path::new(NODE_PATHS[0].1).join(format!("pods/{uid}/volumes/volagent~nbd/roll"));
+    assert!(gluster.join("ready").exists(), "no GlusterFS ready in {}", gluster.display());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+
+    let c = DsCluster::start("node-roll");
+    // The run's Ceph and GlusterFS listen on the host's loopback; the
+    // node's pods (and this thread, in the node's namespaces) see them at
+    // the same addresses.
+    let _storage = c.reach_host_ports(&["ceph-mon", "ceph-osd", "glusterd", "glusterfsd"]);
+    // Made after, so removed before the ports are let go.
+    let (librbd, fuse) = (Image::create(&ceph, 64), Image::create(&ceph, 64));
+    let client = c.client();
+    ceph_cluster::create_secret_in(&c.rt, &client, SYSTEM, "ceph-volagent", &volagent_key(&ceph));
+    ceph_cluster::create_secret_in(
+        &c.rt,
+        &client,
+        shipped::CONTROLLER_NAMESPACE,
+        "ceph-fencing",
+        &controller_key(&ceph),
+    );
+    ceph_cluster::create_storage_cluster_in(&c.rt, &client, "ceph", "ceph-volagent");
+    let disk = c.disk("roll.img", 64);
+    let kcm = c.kcm.as_ref().expect("kcm").log();
+    let volume = |pv: &str, backend: &str, mode: &str, options: &[(&str, &str)]| {
+        create_volume(&c.rt, &client, pv, backend, mode, options, kcm);
+    };
+    volume("roll", "nbd", "ReadWriteOnce", &[("file", disk.as_str()), ("attach", "userspace")]);
+    volume(
+        "roll-rbd",
+        "rbd",
+        "ReadWriteOnce",
+        &[("storageCluster", "ceph"), ("image", &librbd.name)],
+    );
+    volume(
+        "roll-fuse",
+        "rbd",
+        "ReadWriteOnce",
+        &[("storageCluster", "ceph"), ("image", &fuse.name), ("attach", "fuse")],
+    );
+    volume("roll-gluster", "gluster", "ReadWriteMany", &[("servers", &host), ("volume", "v0")]);
+    // Unique: the gluster volume keeps other runs' files.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let log = format!("roll-{}-{}", std::process::id(), nanos.as_nanos());
+    let (script, fresh) = writer(&log);
+    let mut uids = Vec::new();
+    for (pod, volumes) in [("app", ["roll", "roll-rbd"]), ("pinned", ["roll-fuse", "roll-gluster"])]
+    {
+        let claims: Vec<(&str, Value)> = volumes.iter().map(|v| (*v, claim(v))).collect();
+        uids.push(c.create_pod(pod_with(pod, &c.node, &script, &claims, Some(&fresh), "Never")));
+    }
+    for pod in ["app", "pinned"] {
+        c.wait(&format!("{pod} Ready"), || is_ready(c.pod("default", pod).as_ref()).then_some(()));
+    }
+    let pods = Path::new(NODE_PATHS[0].1).join("pods");
+    let file_of = |uid: &str, backend: &str, pv: &str| {
+        pods.join(format!("{uid}/volumes/volagent~{backend}/{pv}")).join(&log)
+    };
+    let app_files = [file_of(&uids[0], "nbd", "roll"), file_of(&uids[0], "rbd", "roll-rbd")];
+    let pinned_files =
+        [file_of(&uids[1], "rbd", "roll-fuse"), file_of(&uids[1], "gluster", "roll-gluster")];
     let processes = std::cell::RefCell::new(data_path_processes());
-    assert_eq!(processes.borrow().len(), 2, "the client and the helper server: {processes:?}");
+    assert_eq!(processes.borrow().len(), 4, "two clients and two helper servers: {processes:?}");
     let mounter = c.wait_ready(MOUNTER_LABEL, 1).remove(0);
     let mounter_pid = c.container_pid(&mounter, "mounter");
-    let growth = Growth::watch(dir.join("log"));
-    let lines = || std::fs::read_to_string(dir.join("log")).map(|s| s.lines().count()).unwrap_or(0);
-    let still_writing = |when: &str| {
-        let before = lines();
-        c.wait(&format!("app writing {when}"), || (lines() >= before + 20).then_some(()));
-        // Its container never ended (a failed write or fsync ends it): not
-        // its readiness, which an exec probe timing out on a loaded node
-        // can flip for a moment.
-        let app = c.pod("default", "app");
-        let running = app
-            .as_ref()
-            .and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first().cloned())
-            .is_some_and(|s| s.state.and_then(|s| s.running).is_some());
-        assert!(running && restarts(app.as_ref()) == 0, "app runs on, never restarted, {when}");
-        assert_eq!(data_path_processes(), *processes.borrow(), "the same client and helper {when}");
+    let growth: Vec<Growth> = app_files.iter().map(|f| Growth::watch(f.clone())).collect();
+    let stalls = || growth.iter().map(Growth::window).collect::<Vec<_>>();
+    let lines = |f: &Path| std::fs::read_to_string(f).map(|s| s.lines().count()).unwrap_or(0);
+    let still_writing = |when: &str, pods: &[&str], files: &[&PathBuf]| {
+        let before: Vec<usize> = files.iter().map(|f| lines(f)).collect();
+        c.wait(&format!("writing {when}"), || {
+            files.iter().zip(&before).all(|(f, b)| lines(f) >= b + 20).then_some(())
+        });
+        // Each container never ended (a failed write or fsync ends it):
+        // not its readiness, which an exec probe timing out on a loaded
+        // node can flip for a moment.
+        for pod in pods {
+            let p = c.pod("default", pod);
+            let running = p
+                .as_ref()
+                .and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first().cloned())
+                .is_some_and(|s| s.state.and_then(|s| s.running).is_some());
+            assert!(running && restarts(p.as_ref()) == 0, "{pod} runs on, never restarted, {when}");
+        }
+        assert_eq!(
+            data_path_processes(),
+            *processes.borrow(),
+            "the same clients and helpers {when}"
+        );
     };
+    let all: Vec<&PathBuf> = app_files.iter().chain(&pinned_files).collect();
+    let app: Vec<&PathBuf> = app_files.iter().collect();
     // The mounter's processes gone: the agent starts others on what it kept.
     let started_again = |when: &str| {
         let old: Vec<i32> = processes.borrow().iter().map(|(p, _)| *p).collect();
-        let new = c.wait(&format!("a new client and helper {when}"), || {
+        let new = c.wait(&format!("new clients and helpers {when}"), || {
             let now = data_path_processes();
-            (now.len() == 2 && now.iter().all(|(p, _)| !old.contains(p))).then_some(now)
+            (now.len() == 4 && now.iter().all(|(p, _)| !old.contains(p))).then_some(now)
         });
         *processes.borrow_mut() = new;
     };
-    still_writing("before");
-    growth.window();
+    still_writing("before", &["app", "pinned"], &all);
+    stalls();
 
     // (a) Rolled: the same image under a new tag; the DaemonSet controller
     // replaces the agent's pod.
@@ -467,12 +560,16 @@ fn a_userspace_volume_serves_on_while_the_agent_and_the_mounter_are_replaced_and
         (p.metadata.uid != first.metadata.uid && image.as_deref() == Some(rolled.as_str()))
             .then_some(p)
     });
-    still_writing("after the agent was rolled");
+    still_writing("after the agent was rolled", &["app", "pinned"], &all);
     let adopted = c.wait("the rolled agent's reconciliation", || {
         reconciliations(&c, &second).first().cloned()
     });
-    assert_eq!(adopted["kept"].as_u64(), Some(1), "the rolled agent adopted the volume: {adopted}");
-    let rolled_stall = growth.window();
+    assert_eq!(
+        adopted["kept"].as_u64(),
+        Some(4),
+        "the rolled agent adopted the volumes: {adopted}"
+    );
+    let rolled_stall = stalls();
 
     // (b) Killed: kubelet restarts the container in the same pod.
     let id = container_id(&second, "agent");
@@ -483,28 +580,50 @@ fn a_userspace_volume_serves_on_while_the_agent_and_the_mounter_are_replaced_and
         let p = c.pod(SYSTEM, &name(&second));
         (restarts(p.as_ref()) >= 1 && is_ready(p.as_ref())).then_some(())
     });
-    still_writing("after the agent was killed");
+    still_writing("after the agent was killed", &["app", "pinned"], &all);
     let adopted = c.wait("the restarted agent's reconciliation", || {
         reconciliations(&c, &second).get(1).cloned()
     });
-    assert_eq!(adopted["kept"].as_u64(), Some(1), "the restarted agent adopted it: {adopted}");
-    let killed_stall = growth.window();
+    assert_eq!(adopted["kept"].as_u64(), Some(4), "the restarted agent adopted them: {adopted}");
+    let killed_stall = stalls();
     assert_eq!(
         c.container_pid(&c.wait_ready(MOUNTER_LABEL, 1).remove(0), "mounter"),
         mounter_pid,
         "the mounter was never restarted"
     );
 
+    // What no successor could serve pins the mounter, and its pod says so.
+    let said = |reason: &str| {
+        events_about(&c.rt, &client, SYSTEM, &name(&mounter))
+            .into_iter()
+            .find(|(r, _)| r == reason)
+            .map(|(_, message)| message)
+    };
+    let pinned = c.wait("a Warning on the mounter's pod", || said("MounterPinned"));
+    for volume in ["rbd/roll-fuse (rbd-fuse)", "gluster/roll-gluster (glusterfs)"] {
+        assert!(pinned.contains(volume), "{volume} pins the mounter: {pinned}");
+    }
+    assert!(!pinned.contains("roll-rbd") && !pinned.contains("nbd/roll"), "{pinned}");
+    // Drained of them; their records, read through their mounts first.
+    let pinned_records: Vec<String> =
+        pinned_files.iter().map(|f| std::fs::read_to_string(f).unwrap()).collect();
+    c.delete_pod("default", "pinned");
+    c.wait("pinned gone", || c.pod("default", "pinned").is_none().then_some(()));
+    for (text, what) in pinned_records.iter().zip(["rbd-fuse", "gluster"]) {
+        records_in_order(text, 60, what);
+    }
+    c.wait("a Normal Event once nothing pins the mounter", || said("MounterFree"));
+
     // (c) The mounter's pod replaced (deleted; OnDelete's new pod): it has
-    // the client answer what it holds and end; the runtime ends the rest.
+    // the clients answer what they hold and end; the runtime ends the rest.
     c.delete_pod(SYSTEM, &name(&mounter));
     let mounter = c.wait("a new mounter pod Ready", || {
         let p = c.wait_ready(MOUNTER_LABEL, 1).remove(0);
         (p.metadata.uid != mounter.metadata.uid).then_some(p)
     });
     started_again("after the mounter's pod was replaced");
-    still_writing("after the mounter's pod was replaced");
-    let replaced_stall = growth.window();
+    still_writing("after the mounter's pod was replaced", &["app"], &app);
+    let replaced_stall = stalls();
 
     // (d) The mounter killed: kubelet restarts its container.
     let id = container_id(&mounter, "mounter");
@@ -516,29 +635,25 @@ fn a_userspace_volume_serves_on_while_the_agent_and_the_mounter_are_replaced_and
         (restarts(p.as_ref()) >= 1 && is_ready(p.as_ref())).then_some(())
     });
     started_again("after the mounter was killed");
-    still_writing("after the mounter was killed");
-    let mounter_killed_stall = growth.window();
+    still_writing("after the mounter was killed", &["app"], &app);
+    let mounter_killed_stall = stalls();
     eprintln!(
-        "longest stall of the workload: {rolled_stall:?} while the agent was rolled, {killed_stall:?} while it was killed, {replaced_stall:?} while the mounter's pod was replaced, {mounter_killed_stall:?} while the mounter was killed"
+        "longest stall of the workload's writes to [local file, librbd]: {rolled_stall:?} while the agent was rolled, {killed_stall:?} while it was killed, {replaced_stall:?} while the mounter's pod was replaced, {mounter_killed_stall:?} while the mounter was killed"
     );
     drop(growth);
 
     c.delete_pod("default", "app");
     c.wait("app gone", || c.pod("default", "app").is_none().then_some(()));
-    assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted at {}", dir.display());
-    c.wait("the client and the helper ended", || data_path_processes().is_empty().then_some(()));
-    c.wait("no loop device left", || c.scratch.loops_left().is_empty().then_some(()));
-    // Every record, in order, straight from the file's filesystem.
-    let out = std::process::Command::new("debugfs")
-        .args(["-R", "cat /log"])
-        .arg(c.scratch.path("disks/roll.img"))
-        .stderr(std::process::Stdio::null())
-        .output()
-        .expect("debugfs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let records: Vec<&str> = text.lines().collect();
-    assert!(records.len() > 60, "the workload wrote through it all: {} records", records.len());
-    for (i, r) in records.iter().enumerate() {
-        assert_eq!(*r, (i + 1).to_string(), "record {} of {}", i + 1, records.len());
+    for uid in &uids {
+        let dir = pods.join(uid);
+        assert!(c.mounts_below(&dir).is_empty(), "nothing is left mounted below {}", dir.display());
     }
+    c.wait("the clients and the helpers ended", || data_path_processes().is_empty().then_some(()));
+    c.wait("no loop device left", || c.scratch.loops_left().is_empty().then_some(()));
+    // Every record, in order, straight from each volume's filesystem.
+    records_in_order(&debugfs_cat(&c.scratch.path("disks/roll.img"), &log), 60, "the local file");
+    let exported = c.scratch.path("roll-rbd.img");
+    let out = rbd(&ceph, &["export", "--no-progress", &librbd.spec(), exported.to_str().unwrap()]);
+    assert!(out.status.success(), "rbd export: {out:?}");
+    records_in_order(&debugfs_cat(&exported, &log), 60, "the librbd image");
 }

@@ -206,7 +206,7 @@ fn a_local_file_over_the_userspace_nbd_path_outlives_its_agent() {
 /// is in the file.
 #[test]
 fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_die() {
-    let (mut node, mut mounter, socket) = node_with_mounter(volagent_test_artifacts::NBD, "nbd");
+    let (mut node, mounter, socket) = node_with_mounter(volagent_test_artifacts::NBD, "nbd");
     let mut options = nbd_options("pv1", "pod-a", "uid-a", "ext4", "unused");
     options.as_object_mut().unwrap().remove("server");
     options["file"] = node.image("own.img", 64).into();
@@ -233,25 +233,11 @@ fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_di
 
     // The helper alone: the agent starts another on the export it kept,
     // and the client connects to it again.
-    kill_all(&helper);
-    wait_until(NBD_WAIT, "another helper", || {
-        let now = servers_under(&root);
-        now.len() == 1 && now != helper
-    });
+    helper_killed(&root, &helper);
     writer.goes_on(50, "after the helper was killed");
     let stall_helper = std::mem::take(&mut writer.stats.lock().unwrap().2);
-    let helper = servers_under(&root);
 
-    let client = clients_under(&root);
-    kill_all(&tree_of(mounter.id() as i32));
-    let _ = mounter.wait();
-    // Requests wait in the kernel meanwhile; the agent keeps the connection.
-    std::thread::sleep(Duration::from_secs(3));
-    let mut mounter = start_mounter(&socket, &node.scratch.path("mounter.log"));
-    wait_until(NBD_WAIT, "a new helper and client", || {
-        let (c, h) = (clients_under(&root), servers_under(&root));
-        c.len() == 1 && h.len() == 1 && c != client && h != helper
-    });
+    let mut mounter = mounter_killed(mounter, &socket, &node, &root);
     for pid in clients_under(&root).into_iter().chain(servers_under(&root)) {
         assert_eq!(parent_of(pid), mounter.id() as i32, "process {pid} is the new mounter's");
     }
@@ -297,6 +283,33 @@ fn a_local_files_client_and_helper_are_started_again_when_they_or_the_mounter_di
     node.stop_agent();
     let _ = mounter.kill();
     let _ = mounter.wait();
+}
+
+/// Helper `helper` (its pids) SIGKILLed; once the agent started another.
+fn helper_killed(root: &Path, helper: &[i32]) {
+    kill_all(helper);
+    wait_until(NBD_WAIT, "another helper", || {
+        let now = servers_under(root);
+        now.len() == 1 && now != helper
+    });
+}
+
+/// The mounter and everything it started SIGKILLed — what the runtime does
+/// when the mounter's pod dies — and a new mounter up 3 s later, as
+/// kubelet would restart it (requests wait in the kernel meanwhile; the
+/// agent keeps the connection); once the agent started a new helper and
+/// client in it. The new mounter.
+fn mounter_killed(mut mounter: Child, socket: &Path, node: &Node, root: &Path) -> Child {
+    let (client, helper) = (clients_under(root), servers_under(root));
+    kill_all(&tree_of(mounter.id() as i32));
+    let _ = mounter.wait();
+    std::thread::sleep(Duration::from_secs(3));
+    let mounter = start_mounter(socket, &node.scratch.path("mounter.log"));
+    wait_until(NBD_WAIT, "a new helper and client", || {
+        let (c, h) = (clients_under(root), servers_under(root));
+        c.len() == 1 && h.len() == 1 && c != client && h != helper
+    });
+    mounter
 }
 
 /// A client of the agent's helper and the helper itself.
@@ -377,7 +390,7 @@ fn an_rbd_images_helper_is_started_again_when_it_or_the_mounter_die() {
     let ceph = ceph_dir();
     let key = volagent_key(&ceph);
     let image = Image::create(&ceph, 64);
-    let (mut node, mut mounter, socket) = node_with_mounter(volagent_test_artifacts::RBD, "rbd");
+    let (mut node, mounter, socket) = node_with_mounter(volagent_test_artifacts::RBD, "rbd");
     let options = rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
     let dir = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
     let flex = node.driver_of("node-a", "rbd");
@@ -414,11 +427,7 @@ fn an_rbd_images_helper_is_started_again_when_it_or_the_mounter_die() {
         "{first:?} holds the lock: {lockers:?}"
     );
 
-    kill_all(&helper);
-    wait_until(NBD_WAIT, "another helper", || {
-        let now = servers_under(&root);
-        now.len() == 1 && now != helper
-    });
+    helper_killed(&root, &helper);
     writer.goes_on(50, "after the helper was killed");
     let stall_helper = std::mem::take(&mut writer.stats.lock().unwrap().2);
     wait_until(NBD_WAIT, "the record to name the new helper's client", || {
@@ -434,15 +443,7 @@ fn an_rbd_images_helper_is_started_again_when_it_or_the_mounter_die() {
     let said = std::fs::read_to_string(node.log_path("node-a")).unwrap();
     assert!(said.contains("restarted helper's Ceph client"), "{said}");
 
-    let (client, helper) = (clients_under(&root), servers_under(&root));
-    kill_all(&tree_of(mounter.id() as i32));
-    let _ = mounter.wait();
-    std::thread::sleep(Duration::from_secs(3));
-    let mut mounter = start_mounter(&socket, &node.scratch.path("mounter.log"));
-    wait_until(NBD_WAIT, "a new helper and client", || {
-        let (c, h) = (clients_under(&root), servers_under(&root));
-        c.len() == 1 && h.len() == 1 && c != client && h != helper
-    });
+    let mut mounter = mounter_killed(mounter, &socket, &node, &root);
     writer.goes_on(50, "after the mounter was killed and came back");
     let stall_killed = std::mem::take(&mut writer.stats.lock().unwrap().2);
     wait_until(NBD_WAIT, "the record to name the third helper's client", || {

@@ -256,16 +256,11 @@ mod in_the_vm {
         );
     }
 
-    /// This VM's kernel (Debian's 6.1) has no FUSE_NOTIFY_RESEND: what a
-    /// userspace client had taken when it died is never queued again. A
-    /// client sent SIGTERM — what the mounter does to each when its pod is
-    /// replaced — answers what it took and takes nothing more, so its
-    /// successor, started by the agent on the connection it kept, serves
-    /// every request left: the workload sees a pause, no error.
-    #[test]
-    #[ignore = "runs inside the VM"]
-    fn without_fuse_resend_a_userspace_client_stopped_with_sigterm_is_replaced_without_an_error() {
-        use volagent_test_support::workload::{Writer, every_record_in_place};
+    /// On this VM's kernel, which must be one without FUSE_NOTIFY_RESEND
+    /// (before 6.9): a node, the kernel's release, the agent's state dir,
+    /// and volume pv1 mounted from a local file behind the agent's helper
+    /// through its userspace client and a loop device.
+    fn own_export_over_fuse_without_resend() -> (VmNode, String, PathBuf, String) {
         let release = nix::sys::utsname::uname().unwrap().release().to_string_lossy().into_owned();
         let mut numbers = release.split(['.', '-']).map(|n| n.parse::<u32>().unwrap_or(0));
         let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
@@ -280,8 +275,22 @@ mod in_the_vm {
         let r = driver(&node, &["mount", &dir, &o.to_string()]);
         assert_success(&r);
         assert!(r.1["device"].as_str().is_some_and(|d| d.starts_with("/dev/loop")), "{}", r.1);
+        assert_eq!(clients_under(&state).len(), 1, "one userspace client");
+        (node, release, state, dir)
+    }
+
+    /// This VM's kernel (Debian's 6.1) has no FUSE_NOTIFY_RESEND: what a
+    /// userspace client had taken when it died is never queued again. A
+    /// client sent SIGTERM — what the mounter does to each when its pod is
+    /// replaced — answers what it took and takes nothing more, so its
+    /// successor, started by the agent on the connection it kept, serves
+    /// every request left: the workload sees a pause, no error.
+    #[test]
+    #[ignore = "runs inside the VM"]
+    fn without_fuse_resend_a_userspace_client_stopped_with_sigterm_is_replaced_without_an_error() {
+        use volagent_test_support::workload::{Writer, every_record_in_place};
+        let (node, release, state, dir) = own_export_over_fuse_without_resend();
         let client = clients_under(&state);
-        assert_eq!(client.len(), 1, "one userspace client");
 
         let mut writer = Writer::start(&dir);
         writer.logs = vec![node.log_path("node-a")];
@@ -327,18 +336,7 @@ mod in_the_vm {
     #[ignore = "runs inside the VM"]
     fn without_fuse_resend_requests_a_killed_client_took_fail_instead_of_waiting_forever() {
         use volagent_test_support::workload::{Writer, kill_all};
-        let release = nix::sys::utsname::uname().unwrap().release().to_string_lossy().into_owned();
-        let mut numbers = release.split(['.', '-']).map(|n| n.parse::<u32>().unwrap_or(0));
-        let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
-        assert!((major, minor) < (6, 9), "this test is for a kernel without resend, not {release}");
-        let node = node();
-        let state = node.scratch.path("node-a/state");
-        let dir = node.mount_dir_of("node-a", "nbd", "uid-a", "pv1");
-        let mut o = options("pv1", "pod-a", "uid-a", "unused");
-        o.as_object_mut().unwrap().remove("server");
-        o["file"] = node.image("own.img", 64).into();
-        o["attach"] = "userspace".into();
-        assert_success(&driver(&node, &["mount", &dir, &o.to_string()]));
+        let (node, release, state, dir) = own_export_over_fuse_without_resend();
         let (client, helper) = (clients_under(&state), servers_under(&state));
         assert_eq!((client.len(), helper.len()), (1, 1), "one client, one helper");
 

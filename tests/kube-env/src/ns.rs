@@ -32,6 +32,12 @@ impl Namespaces {
         Ok(Namespaces { mnt: open("mnt")?, net: open("net")? })
     }
 
+    /// The network namespace: a thread may join it (`setns`) to make
+    /// sockets there.
+    pub fn net(&self) -> &File {
+        &self.net
+    }
+
     /// Makes `cmd`'s child join these namespaces before it execs, then
     /// return to the working directory `cmd` set (joining a mount namespace
     /// moves a process to its root).

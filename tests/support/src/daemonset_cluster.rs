@@ -71,6 +71,9 @@ pub struct DsCluster {
     /// The agent image's name, as its archive's manifest says.
     pub image: String,
     pub scratch: RootScratch,
+    /// The host's network namespace, where the run's Ceph and GlusterFS
+    /// listen ([`DsCluster::reach_host_ports`]).
+    pub host_net: std::fs::File,
 }
 
 impl DsCluster {
@@ -84,6 +87,8 @@ impl DsCluster {
         let archive = node::agent_image().unwrap_or_else(|e| panic!("{e:#}"));
         let image = image_name(&archive);
         node::become_subreaper().expect("subreaper");
+        let host_net =
+            std::fs::File::open("/proc/thread-self/ns/net").expect("the host's network namespace");
         let ns = node::enter_node_namespaces().expect("private namespaces for the node");
         bind_node_paths(&scratch);
         let rt =
@@ -130,6 +135,7 @@ impl DsCluster {
             assets,
             image,
             scratch,
+            host_net,
         };
         c.rt.block_on(node::wait_node_ready(
             &c.client(),
@@ -175,6 +181,18 @@ impl DsCluster {
                 "kubectl apply -k created the DaemonSet {ds}:\n{out}"
             );
         }
+    }
+
+    /// The host's TCP ports that processes named one of `programs` listen
+    /// on (the run's Ceph: ceph-mon, ceph-osd; GlusterFS: glusterd,
+    /// glusterfsd), reached from the node at the same address while the
+    /// result lives. Call it from the test's thread.
+    pub fn reach_host_ports(&self, programs: &[&str]) -> crate::host_ports::Forwarded {
+        let ports = crate::host_ports::listening(&self.host_net, programs)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(!ports.is_empty(), "nothing named {programs:?} listens on the host");
+        crate::host_ports::forward(&self.host_net, self.ns.net(), &ports)
+            .unwrap_or_else(|e| panic!("forwarding {ports:?} into the node: {e:#}"))
     }
 
     pub fn kubectl(&self, args: &[&str]) -> String {

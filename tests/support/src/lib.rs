@@ -14,6 +14,7 @@ pub mod ceph;
 pub mod ceph_cluster;
 pub mod daemonset_cluster;
 pub mod driver;
+pub mod host_ports;
 pub mod kernel_cycle;
 pub mod kube_objects;
 pub mod kubelet_cluster;
