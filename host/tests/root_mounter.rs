@@ -474,6 +474,77 @@ fn an_rbd_images_helper_is_started_again_when_it_or_the_mounter_die() {
     let _ = mounter.wait();
 }
 
+/// A librbd helper whose Ceph client was blocklisted — the controller
+/// fenced this node and gave the image to another — is not started again
+/// when it dies: its successor, a new client no one fenced, would be a
+/// second writer. The successor refuses, saying why, and the volume's I/O
+/// fails; it still unmounts and leaves nothing.
+#[test]
+fn a_fenced_librbd_helper_is_not_started_again() {
+    let ceph = ceph_dir();
+    let key = volagent_key(&ceph);
+    let image = Image::create(&ceph, 64);
+    let (mut node, mut mounter, _) = node_with_mounter(volagent_test_artifacts::RBD, "rbd");
+    let options = rbd_options("pv1", "pod-a", "uid-a", &image.name, Some(&key), "ReadWriteOnce");
+    let dir = node.mount_dir_of("node-a", "rbd", "uid-a", "pv1");
+    let flex = node.driver_of("node-a", "rbd");
+    let driver =
+        |args: &[&str]| volagent_test_support::driver::run_driver(Command::new(&flex).args(args));
+    assert_success(&driver(&["mount", &dir, &options.to_string()]));
+    let root = node.scratch.path("");
+    let helper = servers_under(&root);
+    let mut writer = Writer::start(&dir);
+    writer.logs = vec![node.log_path("node-a"), node.scratch.path("mounter.log")];
+    writer.goes_on(20, "before");
+    let client = recorded_clients(&node);
+    let address = client[0].split_once(' ').unwrap().1.to_string();
+    let ceph_cmd = |args: &[&str]| {
+        let out =
+            Command::new("ceph").arg("-c").arg(ceph.join("ceph.conf")).args(args).output().unwrap();
+        assert!(out.status.success(), "ceph {args:?}: {out:?}");
+    };
+    ceph_cmd(&["osd", "blocklist", "add", &address]);
+    kill_all(&helper);
+    let logs = || -> String {
+        std::fs::read_dir(node.scratch.path("node-a/state/nbd"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".server.log"))
+            .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+            .collect()
+    };
+    volagent_test_support::wait_until_or(
+        NBD_WAIT,
+        "the successor to refuse",
+        || logs().contains("this node was fenced").then_some(()),
+        || {
+            let agent = std::fs::read_to_string(node.log_path("node-a")).unwrap_or_default();
+            let tail: Vec<&str> = agent.lines().rev().take(15).collect();
+            format!("server logs:\n{}\nagent:\n{}", logs(), tail.join("\n"))
+        },
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(servers_under(&root).is_empty(), "no helper serves the fenced image");
+    assert!(
+        !volagent_test_support::ceph::lockers(&image).iter().any(|l| *l != address),
+        "no other client took the lock"
+    );
+    wait_until(Duration::from_secs(60), "the workload's I/O to fail", || {
+        !writer.stats.lock().unwrap().1.is_empty()
+    });
+    let (_, errors, _) = writer.finish();
+    eprintln!("the fenced volume's I/O failed: {errors:?}");
+    assert_success(&driver(&["unmount", &dir]));
+    assert!(node.scratch.mounts().is_empty() && node.scratch.loops_left().is_empty());
+    wait_until(NBD_WAIT, "the volume's processes to end", || {
+        clients_under(&root).is_empty() && servers_under(&root).is_empty()
+    });
+    ceph_cmd(&["osd", "blocklist", "rm", &address]);
+    node.stop_agent();
+    let _ = mounter.kill();
+    let _ = mounter.wait();
+}
+
 /// An RBD image through rbd-fuse.
 #[test]
 fn an_rbd_image_through_rbd_fuse_outlives_its_agent() {

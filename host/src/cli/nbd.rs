@@ -124,12 +124,14 @@ pub struct ServeArgs {
     /// this file once it has opened its image.
     #[arg(long, value_name = "FILE", requires = "rbd_exports")]
     ceph_client_file: Option<PathBuf>,
-    /// Before opening the RBD exports, break their exclusive lock if the
-    /// Ceph client at ADDRESS holds it, without blocklisting it: the
+    /// Take the RBD exports over from the Ceph client at ADDRESS
+    /// (repeatable), a helper that ended: refuse if it was blocklisted
+    /// (the node was fenced) or if another client holds the image's lock;
+    /// break its lock, without blocklisting it, if it holds it. The
     /// agent's way to start a helper again in place of one it saw end.
     /// Never name a client that may still be running.
     #[arg(long, value_name = "ADDRESS", requires = "rbd_exports")]
-    ceph_break_lock_of: Option<String>,
+    ceph_break_lock_of: Vec<String>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
@@ -194,13 +196,12 @@ pub fn run(command: NbdCommand) -> anyhow::Result<ExitCode> {
             pool: pool.clone(),
             image: image.clone(),
         };
-        if let Some(address) = &args.ceph_break_lock_of
-            && !args.read_only
-        {
-            let broke = crate::sys::rbd_export::break_lock_of(&target, address)
-                .with_context(|| format!("export {name:?}: take over the lock of {address}"))?;
-            if broke {
-                tracing::info!(export = %name, "broke the image's lock held by {address}, which has ended");
+        if !args.ceph_break_lock_of.is_empty() && !args.read_only {
+            let dead = &args.ceph_break_lock_of;
+            let broken = crate::sys::rbd_export::take_over_from(&target, dead)
+                .with_context(|| format!("export {name:?}: take it over from {dead:?}"))?;
+            for owner in broken {
+                tracing::info!(export = %name, "broke the image's lock held by {owner}, which has ended");
             }
         }
         let export = Arc::new(

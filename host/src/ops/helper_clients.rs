@@ -18,17 +18,34 @@ impl Agent {
         loop {
             tokio::time::sleep(EVERY).await;
             let helpers = self.node.sys.export_helpers.clone();
-            for (key, old, id, address) in helpers.replaced_clients() {
-                match super::record::replace_storage_client(&self.node, old, (id, &address)).await {
+            // Files, and a lock a helper's start may hold for seconds: off
+            // the runtime's workers.
+            let listed = {
+                let helpers = helpers.clone();
+                super::execute::blocking(move || helpers.replaced_clients()).await
+            };
+            for replaced in listed.unwrap_or_default() {
+                let ((old, old_address), (id, address)) = (&replaced.old, &replaced.new);
+                let changed = super::record::replace_storage_client(
+                    &self.node,
+                    (*old, old_address),
+                    (*id, address),
+                )
+                .await;
+                match changed {
                     Ok(volumes) => {
                         failing = false;
-                        helpers.clients_replaced(&key, old);
                         for volume in volumes {
                             tracing::info!(
                                 volume,
-                                "its record names the restarted helper's Ceph client {id} ({address}) in place of {old}"
+                                "its record names the restarted helper's Ceph client {id} ({address}) in place of {old} ({old_address})"
                             );
                         }
+                        let helpers = helpers.clone();
+                        let _ = super::execute::blocking(move || {
+                            helpers.clients_replaced(&replaced.key, &replaced.old);
+                        })
+                        .await;
                     }
                     Err(f) => {
                         if !failing {

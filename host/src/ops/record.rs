@@ -177,11 +177,13 @@ pub(crate) async fn storage_clients(
 /// the volumes whose records were changed.
 pub(crate) async fn replace_storage_client(
     node: &Node,
-    old: u64,
+    old: (u64, &str),
     new: (u64, &str),
 ) -> Result<Vec<String>, Failure> {
     let me = &node.config.node;
-    let names_old = |r: &Record| r.storage_clients.iter().any(|c| c.node == *me && c.id == old);
+    // Global ids are a cluster's: the address tells clusters apart.
+    let is_old = |c: &StorageClient| c.node == *me && c.id == old.0 && c.address == old.1;
+    let names_old = |r: &Record| r.storage_clients.iter().any(is_old);
     let mut changed = Vec::new();
     let records = node.ledger.list_by_node(me).await.map_err(ledger_failure)?;
     for (record, _) in records.into_iter().filter(|(r, _)| names_old(r)) {
@@ -198,7 +200,7 @@ pub(crate) async fn replace_storage_client(
             if !names_old(&record) {
                 break;
             }
-            for c in record.storage_clients.iter_mut().filter(|c| c.node == *me && c.id == old) {
+            for c in record.storage_clients.iter_mut().filter(|c| is_old(c)) {
                 (c.id, c.address) = (new.0, new.1.to_string());
             }
             match node.ledger.update(&record, &version).await {

@@ -502,17 +502,25 @@ pub trait ExportHelpers: Send + Sync {
         let _ = key;
         false
     }
-    /// The Ceph clients of dead rbd helpers whose successors the records
-    /// may not name yet: (key, the dead one's global id, the successor's
-    /// id and address). Kept (on disk) until
+    /// The Ceph clients of dead rbd helpers whose running successors the
+    /// records may not name yet. Kept (on disk) until
     /// [`clients_replaced`](Self::clients_replaced).
-    fn replaced_clients(&self) -> Vec<(String, u64, u64, String)> {
+    fn replaced_clients(&self) -> Vec<ReplacedClient> {
         Vec::new()
     }
     /// The records name helper `key`'s successor in place of client `old`.
-    fn clients_replaced(&self, key: &str, old: u64) {
+    fn clients_replaced(&self, key: &str, old: &(u64, String)) {
         let _ = (key, old);
     }
+}
+
+/// A dead rbd helper's Ceph client and its successor's: (global id,
+/// address) each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplacedClient {
+    pub key: String,
+    pub old: (u64, String),
+    pub new: (u64, String),
 }
 
 /// rbd-fuse: an RBD image exposed as a file through FUSE.

@@ -498,55 +498,120 @@ pub fn blocklist(client: &CephClient, address: &str) -> Result<(), RbdError> {
     })
 }
 
-/// Break the exclusive lock on `target`'s image if the client at
-/// `address` holds it; whether it did. The caller has made sure that
-/// client writes no more: blocklisted it (the controller), or saw its
-/// process end (the agent, for its helper's successor). This is what lets
-/// a new writer take the image without fencing anyone itself (librbd and
-/// krbd would blocklist a dead owner before breaking its lock, which a
-/// node's user may not; so this break does not).
-pub fn break_lock_of(target: &RbdTarget, address: &str) -> Result<bool, RbdError> {
-    /// librbd's `RBD_LOCK_MODE_EXCLUSIVE`.
-    const EXCLUSIVE: c_int = 0;
+/// librbd's `RBD_LOCK_MODE_EXCLUSIVE`.
+const EXCLUSIVE: c_int = 0;
+
+/// The clients holding `image`'s lock (none: unlocked).
+fn lock_owners(rados: &Rados, image: Handle) -> Result<Vec<String>, RbdError> {
+    let api = rados.api;
+    let mut raw: Vec<*mut c_char> = vec![std::ptr::null_mut(); 16];
+    let (mut mode, mut count): (c_int, usize) = (EXCLUSIVE, raw.len());
+    // SAFETY: `raw` has room for `count` entries.
+    let ret = unsafe { (api.rbd_lock_get_owners)(image, &mut mode, raw.as_mut_ptr(), &mut count) };
+    if ret == -nix::libc::ENOENT {
+        return Ok(Vec::new());
+    }
+    if ret < 0 {
+        return Err(rados.fail("list the image's lock owners", ret));
+    }
+    // SAFETY: librbd filled `count` entries with C strings.
+    let owners: Vec<String> = raw[..count]
+        .iter()
+        .filter(|p| !p.is_null())
+        .map(|p| unsafe { std::ffi::CStr::from_ptr(*p) }.to_string_lossy().into_owned())
+        .collect();
+    // SAFETY: frees what librbd allocated in the first `count` entries.
+    unsafe { (api.rbd_lock_get_owners_cleanup)(raw.as_mut_ptr(), count) };
+    Ok(owners)
+}
+
+/// Break `image`'s exclusive lock held by `address`; whether it did.
+fn break_lock(rados: &Rados, image: Handle, address: &str) -> Result<bool, RbdError> {
+    let owner = cstring(&rados.object, "the lock owner", address)?;
+    // SAFETY: open image, valid C string.
+    let ret = unsafe { (rados.api.rbd_lock_break)(image, EXCLUSIVE, owner.as_ptr()) };
+    if ret < 0 && ret != -nix::libc::ENOENT {
+        return Err(rados.fail("break the image's lock", ret));
+    }
+    Ok(ret == 0)
+}
+
+/// Open `target`'s image on a connection that breaks a lock without
+/// blocklisting its owner (the caller has made sure it writes no more),
+/// run `f`, and close it.
+fn with_unfenced_image<T>(
+    target: &RbdTarget,
+    f: impl FnOnce(&Rados, Handle) -> Result<T, RbdError>,
+) -> Result<T, RbdError> {
     let unfenced = [("rbd_blocklist_on_break_lock", "false")];
     let pool = Rados::connect_with(&target.client, target.describe(), &unfenced)?
         .into_pool(&target.pool)?;
     let image = pool.open(&target.image, false)?;
-    let (rados, api) = (&pool.rados, pool.rados.api);
-    let result = (|| {
-        let mut raw: Vec<*mut c_char> = vec![std::ptr::null_mut(); 16];
-        let (mut mode, mut count): (c_int, usize) = (EXCLUSIVE, raw.len());
-        // SAFETY: `raw` has room for `count` entries.
-        let ret =
-            unsafe { (api.rbd_lock_get_owners)(image, &mut mode, raw.as_mut_ptr(), &mut count) };
-        if ret == -nix::libc::ENOENT {
-            return Ok(false);
-        }
-        if ret < 0 {
-            return Err(rados.fail("list the image's lock owners", ret));
-        }
-        // SAFETY: librbd filled `count` entries with C strings.
-        let owners: Vec<String> = raw[..count]
-            .iter()
-            .filter(|p| !p.is_null())
-            .map(|p| unsafe { std::ffi::CStr::from_ptr(*p) }.to_string_lossy().into_owned())
-            .collect();
-        // SAFETY: frees what librbd allocated in the first `count` entries.
-        unsafe { (api.rbd_lock_get_owners_cleanup)(raw.as_mut_ptr(), count) };
-        if mode != EXCLUSIVE || !owners.iter().any(|o| o == address) {
-            return Ok(false);
-        }
-        let owner = cstring(&rados.object, "the lock owner", address)?;
-        // SAFETY: open image, valid C string.
-        let ret = unsafe { (api.rbd_lock_break)(image, EXCLUSIVE, owner.as_ptr()) };
-        if ret < 0 && ret != -nix::libc::ENOENT {
-            return Err(rados.fail("break the image's lock", ret));
-        }
-        Ok(ret == 0)
-    })();
+    let result = f(&pool.rados, image);
     // SAFETY: opened above, closed once before its ioctx goes.
-    unsafe { (api.rbd_close)(image) };
+    unsafe { (pool.rados.api.rbd_close)(image) };
     result
+}
+
+/// Break the exclusive lock on `target`'s image if the client at
+/// `address` holds it; whether it did. After that client was blocklisted,
+/// this is what lets a new writer take the image without fencing anyone
+/// itself (librbd and krbd would blocklist a dead owner before breaking
+/// its lock, which a node's user may not; so this break does not).
+pub fn break_lock_of(target: &RbdTarget, address: &str) -> Result<bool, RbdError> {
+    with_unfenced_image(target, |rados, image| {
+        if !lock_owners(rados, image)?.iter().any(|o| o == address) {
+            return Ok(false);
+        }
+        break_lock(rados, image, address)
+    })
+}
+
+/// Take `target`'s image over from `dead`, Ceph clients of this node's
+/// helpers whose processes the agent saw end, before a successor opens it:
+/// - none of them may be blocklisted: then this node was fenced (the
+///   controller gave the volume to another node), and a successor, a new
+///   client no one fenced, would be a second writer;
+/// - the image's lock, if held, must be held by one of them, and is then
+///   broken without blocklisting (a node's user may not; the process is
+///   gone, and what it had sent reached the OSDs as its socket closed);
+///   held by anyone else, the image is theirs.
+pub fn take_over_from(target: &RbdTarget, dead: &[String]) -> Result<Vec<String>, RbdError> {
+    with_unfenced_image(target, |rados, image| {
+        let listed = rados.mon_command(
+            &serde_json::json!({ "prefix": "osd blocklist ls", "format": "json" }).to_string(),
+        )?;
+        let invalid = |what: String| RbdError::Invalid { object: rados.object.clone(), what };
+        // Not known is not "not fenced": an answer that does not parse
+        // stops the take-over.
+        // The first JSON value: the monitor may put more after it.
+        let blocklisted: Vec<String> = serde_json::Deserializer::from_str(&listed)
+            .into_iter::<serde_json::Value>()
+            .next()
+            .and_then(Result::ok)
+            .and_then(|v| v.as_array().cloned())
+            .ok_or_else(|| invalid(format!("the blocklist came back unreadable: {listed:.200}")))?
+            .iter()
+            .filter_map(|e| e["addr"].as_str().map(String::from))
+            .collect();
+        if let Some(fenced) = dead.iter().find(|a| blocklisted.contains(a)) {
+            return Err(invalid(format!(
+                "the helper's client {fenced} was blocklisted: this node was fenced from the image, and is not to write it again"
+            )));
+        }
+        let mut broken = Vec::new();
+        for owner in lock_owners(rados, image)? {
+            if !dead.contains(&owner) {
+                return Err(invalid(format!(
+                    "its lock is held by {owner}, not by a helper of this node that ended: the image is another client's now"
+                )));
+            }
+            if break_lock(rados, image, &owner)? {
+                broken.push(owner);
+            }
+        }
+        Ok(broken)
+    })
 }
 
 /// The [`Storage`](super::Storage) of a real node: librados and librbd.

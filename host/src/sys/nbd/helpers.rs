@@ -17,9 +17,8 @@ use super::keeper::{Keeper, Kept, Recorded, Served, Successor};
 use crate::sys::launch::{Launch, Launcher, Program};
 use crate::sys::rbd_export::RbdTarget;
 use crate::sys::{ExportHelpers, KernelNbd, SysError, io};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub struct Helpers {
@@ -36,9 +35,6 @@ pub struct Helpers {
     /// Each running helper's arguments (and a local file helper's export),
     /// to start it again.
     keeper: Keeper,
-    /// The Ceph client of each rbd helper that died and has no successor
-    /// yet: the one whose lock a successor takes over.
-    dead_clients: Mutex<BTreeMap<String, (u64, String)>>,
 }
 
 impl Helpers {
@@ -53,7 +49,6 @@ impl Helpers {
             stop_timeout: Duration::from_secs(5),
             kernel,
             keeper: Keeper::default(),
-            dead_clients: Mutex::default(),
         }
     }
 
@@ -139,43 +134,49 @@ impl Helpers {
     }
 
     /// Start helper `key` again if its process ended (on its kept export,
-    /// or, an rbd helper, taking over its dead predecessor's lock); true
-    /// when it did. The caller holds the keeper's restart lock.
+    /// or, an rbd helper, taking the image over from its dead
+    /// predecessors); true when it did. The caller holds the keeper's
+    /// restart lock.
     fn restart(&self, key: &str) -> Result<bool, SysError> {
         let Some(Successor { recorded, file, .. }) = self.keeper.ended(key) else {
             return Ok(false);
         };
+        // One started meanwhile (a serve) is the helper now: watched instead.
+        if let Some(pid) = self.running(key) {
+            let process = super::keeper::pidfd_open(pid)?;
+            self.keeper.with(key, |k| k.serving(process));
+            return Ok(false);
+        }
         let file = file?;
         let log = super::files::append_to(&self.files.server_log_file(key))?;
         let mut launch =
             Launch::new(Program::Volagent, &self.files.socket(key)).args(&recorded.args);
-        // The client the dead helper was, read once: a successor that
-        // failed may have written its own there meanwhile.
-        let dead = if file.is_none() {
-            let mut dead = self.dead_clients.lock().unwrap_or_else(|e| e.into_inner());
-            if !dead.contains_key(key)
-                && let Some(client) = self.client_of(key)
+        if file.is_none() {
+            // An rbd helper. The Ceph clients of its dead predecessors are
+            // kept on disk before a successor starts — an agent that dies
+            // meanwhile still hands them on — and their client file goes,
+            // so that only a successor's is read there.
+            let mut dead = self.dead_clients(key);
+            if let Some(client) = self.client_of(key)
+                && !dead.contains(&client)
             {
-                dead.insert(key.to_string(), client);
+                dead.push(client);
+                self.write_dead_clients(key, &dead)?;
             }
-            dead.get(key).cloned()
-        } else {
-            None
-        };
-        if let Some((_, address)) = &dead {
-            // It is dead (its pidfd said so), and no node's agent may
-            // blocklist: its lock is broken without fencing it.
-            launch = launch.args(["--ceph-break-lock-of", address]);
+            let client_file = self.files.client_file(key);
+            match std::fs::remove_file(&client_file) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io("remove", &client_file)(e));
+                }
+                _ => {}
+            }
+            for (_, address) in &dead {
+                launch = launch.args(["--ceph-break-lock-of", address]);
+            }
         }
         launch.stdin = file;
         launch.stderr = Some(log);
         self.start(key, launch)?;
-        if let Some((old, _)) = dead {
-            self.dead_clients.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
-            let mut ids = self.replaced_ids(key);
-            ids.push(old);
-            self.write_replaced_ids(key, &ids)?;
-        }
         let pid = self.running(key).ok_or_else(|| SysError::Command {
             program: "volagent nbd serve",
             path: self.files.socket(key),
@@ -186,23 +187,32 @@ impl Helpers {
         Ok(true)
     }
 
-    /// The dead clients helper `key` replaced that the records may still
-    /// name.
-    fn replaced_ids(&self, key: &str) -> Vec<u64> {
+    /// The Ceph clients of helper `key`'s dead predecessors that the
+    /// records may still name: (global id, address).
+    fn dead_clients(&self, key: &str) -> Vec<(u64, String)> {
         let text = std::fs::read_to_string(self.files.replaces_file(key)).unwrap_or_default();
-        text.lines().filter_map(|l| l.trim().parse().ok()).take(1024).collect()
+        text.lines()
+            .filter_map(|l| {
+                let (id, address) = l.trim().split_once(' ')?;
+                Some((id.parse().ok()?, address.to_string()))
+            })
+            .take(1024)
+            .collect()
     }
 
-    fn write_replaced_ids(&self, key: &str, ids: &[u64]) -> Result<(), SysError> {
+    fn write_dead_clients(&self, key: &str, dead: &[(u64, String)]) -> Result<(), SysError> {
         let file = self.files.replaces_file(key);
-        if ids.is_empty() {
+        if dead.is_empty() {
             return match std::fs::remove_file(&file) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &file)(e)),
                 _ => Ok(()),
             };
         }
-        let text: String = ids.iter().map(|id| format!("{id}\n")).collect();
-        super::files::write_private(&file, text.as_bytes())
+        let text: String = dead.iter().map(|(id, address)| format!("{id} {address}\n")).collect();
+        // Whole or not at all: written beside it, then renamed over it.
+        let next = file.with_extension("replaces.next");
+        super::files::write_private(&next, text.as_bytes())?;
+        std::fs::rename(&next, &file).map_err(io("rename", &next))
     }
 
     /// Who helper `key` is to its Ceph cluster: global id, address.
@@ -229,7 +239,8 @@ impl Helpers {
 
 impl ExportHelpers for Helpers {
     fn serve(&self, key: &str, file: std::fs::File, read_only: bool) -> Result<bool, SysError> {
-        if self.running(key).is_some() {
+        let _restarting = self.keeper.restart_lock();
+        if self.restart(key)? || self.running(key).is_some() {
             return Ok(false);
         }
         let mut launch = self.command(key, read_only)?.args(["--export-stdin", ""]);
@@ -252,7 +263,10 @@ impl ExportHelpers for Helpers {
     }
 
     fn serve_rbd(&self, key: &str, target: &RbdTarget, read_only: bool) -> Result<bool, SysError> {
-        if self.running(key).is_some() {
+        // A helper that died and is kept is started again as the heal
+        // round would (taking its image over), not afresh.
+        let _restarting = self.keeper.restart_lock();
+        if self.restart(key)? || self.running(key).is_some() {
             return Ok(false);
         }
         let client = &target.client;
@@ -281,7 +295,9 @@ impl ExportHelpers for Helpers {
             launch.args.iter().map(|a| a.to_str().map(String::from)).collect();
         let args_file = self.files.server_args_file(key);
         if let Some(args) = args {
-            Recorded { args, export: None }.write(&args_file)?;
+            Recorded { args, export: None }.write(&args_file).inspect_err(|_| {
+                let _ = std::fs::remove_file(self.files.keyring_file(key));
+            })?;
         }
         let started = self.start(key, launch).inspect_err(|_| {
             let _ = std::fs::remove_file(&args_file);
@@ -309,7 +325,6 @@ impl ExportHelpers for Helpers {
             let _restarting = self.keeper.restart_lock();
             let _ = std::fs::remove_file(self.files.server_args_file(key));
             self.keeper.forget_locked(key);
-            self.dead_clients.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
         }
         if let Some(pid) = self.running(key) {
             // SIGTERM: it closes its connections and removes its socket, and
@@ -332,6 +347,7 @@ impl ExportHelpers for Helpers {
             self.files.client_file(key),
             self.files.keyring_file(key),
             self.files.replaces_file(key),
+            self.files.replaces_file(key).with_extension("replaces.next"),
         ] {
             match std::fs::remove_file(&f) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -387,25 +403,31 @@ impl ExportHelpers for Helpers {
         self.keeper.holds(key)
     }
 
-    fn replaced_clients(&self) -> Vec<(String, u64, u64, String)> {
+    fn replaced_clients(&self) -> Vec<crate::sys::ReplacedClient> {
         let Ok(keys) = self.files.keys() else { return Vec::new() };
-        keys.into_iter()
-            .flat_map(|key| {
-                let ids = self.replaced_ids(&key);
-                let now = if ids.is_empty() { None } else { self.client_of(&key) };
-                ids.into_iter().filter_map(move |old| {
-                    let (id, address) = now.clone()?;
-                    Some((key.clone(), old, id, address))
-                })
-            })
-            .collect()
+        let mut replaced = Vec::new();
+        for key in keys {
+            let dead = self.dead_clients(&key);
+            // Only once a successor runs and has said who it is.
+            if dead.is_empty() || self.running(&key).is_none() {
+                continue;
+            }
+            let Some(now) = self.client_of(&key).filter(|c| !dead.contains(c)) else { continue };
+            replaced.extend(dead.into_iter().map(|old| crate::sys::ReplacedClient {
+                key: key.clone(),
+                old,
+                new: now.clone(),
+            }));
+        }
+        replaced
     }
 
-    fn clients_replaced(&self, key: &str, old: u64) {
+    fn clients_replaced(&self, key: &str, old: &(u64, String)) {
         // Under the restart lock: not while a successor adds its own.
         let _restarting = self.keeper.restart_lock();
-        let ids: Vec<u64> = self.replaced_ids(key).into_iter().filter(|id| *id != old).collect();
-        if let Err(e) = self.write_replaced_ids(key, &ids) {
+        let dead: Vec<(u64, String)> =
+            self.dead_clients(key).into_iter().filter(|d| d != old).collect();
+        if let Err(e) = self.write_dead_clients(key, &dead) {
             tracing::warn!(key, "{e}");
         }
     }
@@ -420,17 +442,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let helpers = Helpers::new(dir.path().into(), crate::sys::fake::Fake::new());
         let key = "export-0123456789abcdef01234567";
-        assert!(helpers.replaced_clients().is_empty());
+        let (a, b) = ((3, "127.0.0.1:0/3".to_string()), (4, "127.0.0.1:0/4".to_string()));
+        helpers.write_dead_clients(key, &[a.clone(), b.clone()]).unwrap();
+        assert_eq!(helpers.dead_clients(key), vec![a.clone(), b.clone()]);
+        // No successor runs: nothing to hand on yet.
         std::fs::write(dir.path().join(format!("{key}.client")), "7 127.0.0.1:0/55\n").unwrap();
-        helpers.write_replaced_ids(key, &[3, 4]).unwrap();
-        // What another agent left is read back from the files alone.
-        let again = Helpers::new(dir.path().into(), crate::sys::fake::Fake::new());
-        let successor = |old| (key.to_string(), old, 7, "127.0.0.1:0/55".to_string());
-        assert_eq!(again.replaced_clients(), vec![successor(3), successor(4)]);
-        again.clients_replaced(key, 3);
-        assert_eq!(again.replaced_clients(), vec![successor(4)]);
-        again.clients_replaced(key, 4);
-        assert!(again.replaced_clients().is_empty());
+        assert!(helpers.replaced_clients().is_empty());
+        helpers.clients_replaced(key, &a);
+        assert_eq!(helpers.dead_clients(key), vec![b.clone()]);
+        helpers.clients_replaced(key, &b);
+        assert!(helpers.dead_clients(key).is_empty());
         assert!(!dir.path().join(format!("{key}.client.replaces")).exists());
     }
 }

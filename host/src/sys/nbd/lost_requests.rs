@@ -15,8 +15,9 @@ use std::time::Duration;
 
 /// How often the connection is looked at.
 const EVERY: Duration = Duration::from_secs(1);
-/// Idle looks with requests waiting that mean they are lost: a request on
-/// its way to a reader is there for microseconds, a lost one for good.
+/// Idle looks in a row, with requests waiting and none taken since the
+/// first of them, that mean those requests are lost: a request on its way
+/// to a reader is there for microseconds, and readers that wait take it.
 const IDLE_LOOKS: u32 = 5;
 
 /// What the looks so far say.
@@ -31,25 +32,30 @@ pub enum Verdict {
 /// The looks at one connection.
 #[derive(Debug, Default)]
 pub struct Watch {
-    idle_with_waiting: u32,
+    /// Idle looks in a row with requests waiting, and the successor's
+    /// count of requests taken at the first of them.
+    idle_since: Option<(u32, u64)>,
 }
 
 impl Watch {
     /// One look: whether the successor held no request and took none
-    /// while it looked (`idle`), and how many the kernel counted waiting.
-    /// Busy looks tell only that none waits at all; the requests queued
+    /// while it looked (`idle`), how many it has taken in all, and how
+    /// many the kernel counted waiting. A busy look, or one after a
+    /// request was taken, starts the count again: the requests queued
     /// for its readers are counted too.
-    pub fn look(&mut self, idle: bool, waiting: u64) -> Verdict {
+    pub fn look(&mut self, idle: bool, taken: u64, waiting: u64) -> Verdict {
         if waiting == 0 {
             return Verdict::NoneLost;
         }
-        if idle {
-            self.idle_with_waiting += 1;
-            if self.idle_with_waiting >= IDLE_LOOKS {
-                return Verdict::Lost(waiting);
-            }
+        self.idle_since = match self.idle_since {
+            Some((n, since)) if idle && since == taken => Some((n + 1, since)),
+            _ if idle => Some((1, taken)),
+            _ => None,
+        };
+        match self.idle_since {
+            Some((n, _)) if n >= IDLE_LOOKS => Verdict::Lost(waiting),
+            _ => Verdict::Watching,
         }
-        Verdict::Watching
     }
 }
 
@@ -57,8 +63,16 @@ impl Watch {
 /// it when requests were; returns when either is known (or the connection
 /// cannot be looked at).
 pub fn watch(connection: &Connection, dir: &Path, stop: &crate::fuse::Stop) {
-    let conn = match nix::sys::stat::stat(dir) {
-        Ok(st) => nix::sys::stat::minor(st.st_dev) as u32,
+    // From the mount table: a stat of the mount would be a request to
+    // this very client, which may be stopping.
+    let conn = match crate::sys::mountinfo::own() {
+        Ok(table) => match table.iter().rev().find(|m| m.mount_point == dir) {
+            Some(m) => m.device.1,
+            None => {
+                tracing::warn!(dir = %dir.display(), "requests the last client took cannot be looked for: not mounted");
+                return;
+            }
+        },
         Err(e) => {
             tracing::warn!(dir = %dir.display(), "requests the last client took cannot be looked for: {e}");
             return;
@@ -78,7 +92,7 @@ pub fn watch(connection: &Connection, dir: &Path, stop: &crate::fuse::Stop) {
         let Ok(waiting) = crate::sys::fusectl::waiting(conn) else { return };
         let (held_after, after) = connection.activity();
         let idle = held == 0 && held_after == 0 && before == after;
-        match watch.look(idle, waiting) {
+        match watch.look(idle, after, waiting) {
             Verdict::Watching => {}
             Verdict::NoneLost => {
                 tracing::info!(conn, "the last client left no request unanswered");
@@ -101,16 +115,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn none_waiting_ends_the_watch_and_idle_with_some_waiting_again_and_again_is_a_loss() {
+    fn none_waiting_ends_the_watch_and_idle_with_some_waiting_in_a_row_is_a_loss() {
         let mut w = Watch::default();
-        assert_eq!(w.look(false, 5), Verdict::Watching, "busy: others may be queued");
-        assert_eq!(w.look(false, 0), Verdict::NoneLost);
+        assert_eq!(w.look(false, 9, 5), Verdict::Watching, "busy: others may be queued");
+        assert_eq!(w.look(false, 12, 0), Verdict::NoneLost);
 
         let mut w = Watch::default();
         for _ in 1..IDLE_LOOKS {
-            assert_eq!(w.look(true, 2), Verdict::Watching);
-            assert_eq!(w.look(false, 4), Verdict::Watching, "busy looks count for nothing");
+            assert_eq!(w.look(true, 40, 2), Verdict::Watching);
         }
-        assert_eq!(w.look(true, 2), Verdict::Lost(2));
+        assert_eq!(w.look(true, 40, 2), Verdict::Lost(2));
+    }
+
+    #[test]
+    fn a_busy_look_or_a_request_taken_between_idle_looks_starts_the_count_again() {
+        let mut w = Watch::default();
+        for i in 0..3 * IDLE_LOOKS {
+            let taken = u64::from(i);
+            // Each idle look after a request was taken since the last.
+            assert_eq!(w.look(true, taken, 1), Verdict::Watching, "look {i}");
+        }
+        let mut w = Watch::default();
+        for i in 0..3 * IDLE_LOOKS {
+            let verdict = if i % 4 == 3 { w.look(false, 7, 3) } else { w.look(true, 7, 1) };
+            assert_eq!(verdict, Verdict::Watching, "look {i}");
+        }
     }
 }
