@@ -644,6 +644,28 @@ fn userspace_volumes_serve_on_while_the_agent_and_the_mounter_are_replaced_and_k
     started_again("after the mounter was killed");
     still_writing("after the mounter was killed", &["app"], &app);
     let mounter_killed_stall = stalls();
+    // The agent, as deploy/'s ServiceAccount, wrote the librbd helper's
+    // latest Ceph client into the volume's record: what fencing would
+    // blocklist is the client that runs.
+    let running_client = || -> Option<(i64, String)> {
+        let dir = Path::new(NODE_PATHS[2].1).join("nbd");
+        let file = std::fs::read_dir(&dir).ok()?.flatten().map(|e| e.path()).find(|p| {
+            p.extension().is_some_and(|e| e == "client")
+                && std::fs::read_to_string(p).is_ok_and(|t| !t.is_empty())
+        })?;
+        let text = std::fs::read_to_string(file).ok()?;
+        let (id, address) = text.trim().split_once(' ')?;
+        Some((id.parse().ok()?, address.to_string()))
+    };
+    c.wait("the record to name the running helper's Ceph client", || {
+        let now = running_client()?;
+        let named = record(&c, "roll-rbd")?
+            .spec
+            .storage_clients
+            .iter()
+            .any(|e| e.node == c.node && (e.id, e.address.clone()) == now);
+        named.then_some(())
+    });
     eprintln!(
         "longest stall of the workload's writes to [local file, librbd]: {rolled_stall:?} while the agent was rolled, {killed_stall:?} while it was killed, {replaced_stall:?} while the mounter's pod was replaced, {mounter_killed_stall:?} while the mounter was killed"
     );
