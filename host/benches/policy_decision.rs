@@ -51,6 +51,7 @@ fn main() {
     println!("wasm p99 {w99:.1} µs (target ≤ 50 µs)");
 
     contract_versions(&runtime);
+    observed(&runtime);
 
     println!("compile + check per backend (Cranelift, median of {COMPILES}):");
     for (name, path) in volagent_test_artifacts::BACKENDS {
@@ -165,6 +166,84 @@ fn contract_versions(runtime: &Arc<host::Runtime>) {
         println!(
             "  {name:<30} p50 {p50:>7.1} µs  p99 {p99:>7.1} µs  p50 / 1.0's {:.2}x",
             p50 / base
+        );
+    }
+}
+
+/// The same decision while the agent records the backend's calls, and
+/// while a candidate (the same policy) runs in its shadow: what a call pays
+/// for being seen is the inputs copied and the host's answers written
+/// down; the recording and the candidate's call run on threads of their
+/// own. Interleaved in rounds with the unobserved backend.
+fn observed(runtime: &Arc<host::Runtime>) {
+    use volagent::plugin::observe::{Observer, RecordConfig};
+    let path = Path::new(volagent_test_artifacts::LOCAL_PV);
+    let load = || host::Plugin::load_file(runtime, path).expect("load local-pv");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let board = Arc::new(volagent::socket::status::Board::default());
+    let record = RecordConfig {
+        dir: dir.path().to_path_buf(),
+        backends: vec![],
+        max_files: 2000,
+        max_bytes: 64 << 20,
+    };
+    let recording = Observer::start(Some(record), board.clone(), None).expect("recorder");
+    let shadowing = Observer::start(None, board.clone(), None).expect("shadow");
+    let candidate =
+        host::Plugin::load_candidate(runtime, path, &std::fs::read(path).expect("read"))
+            .expect("candidate");
+    shadowing.set_shadow("local-pv", Some(Arc::new(candidate)));
+    let plain = load();
+    let recorded = load();
+    recorded.set_tap(recording.tap("local-pv"));
+    let shadowed = load();
+    shadowed.set_tap(shadowing.tap("local-pv"));
+    // What a call itself pays for being seen: its inputs copied and its
+    // answers written down, handed to a tap that drops them.
+    struct Drops;
+    impl volagent::policy::recorded::Tap for Drops {
+        fn wants(&self) -> bool {
+            true
+        }
+        fn seen(&self, decided: volagent::policy::recorded::Decided) {
+            drop(std::hint::black_box(decided));
+        }
+    }
+    let seen = load();
+    seen.set_tap(Arc::new(Drops));
+    let mut rows = [
+        ("not observed", &plain, Vec::new()),
+        ("seen (the call's own cost)", &seen, Vec::new()),
+        ("recorded", &recorded, Vec::new()),
+        ("candidate in the shadow", &shadowed, Vec::new()),
+    ];
+    const ROUNDS: usize = 10;
+    for _ in 0..ROUNDS {
+        for (_, plugin, samples) in &mut rows {
+            samples.extend(wasm_decision_n(plugin, CALLS / ROUNDS));
+            // Let the recorder and the shadow catch up between rounds, as
+            // they do between a node's bursts.
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    println!(
+        "the same decision, observed (interleaved; the candidate and the recorder run on threads of their own):"
+    );
+    let mut first = None;
+    for (name, _, samples) in &mut rows {
+        let volagent::stats::Summary { p50, p99, .. } = summarize(samples);
+        let base = *first.get_or_insert(p50);
+        println!(
+            "  {name:<30} p50 {p50:>7.1} µs  p99 {p99:>7.1} µs  p50 / unobserved {:.2}x",
+            p50 / base
+        );
+    }
+    if let Some(s) = board.shadows_now().first() {
+        println!(
+            "  the shadow compared {} calls, skipped {} (its queue was full), found {} differences",
+            s.compared,
+            s.skipped,
+            s.differences.values().sum::<u64>()
         );
     }
 }

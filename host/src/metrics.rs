@@ -78,6 +78,18 @@ pub struct Metrics {
     pub backends_degraded: Family<BackendLabel, Gauge>,
     pub stash_quarantined: Counter,
     pub agent_writes: Family<AdmissionLabels, Counter>,
+    pub policy_recorded: Family<BackendLabel, Counter>,
+    pub policy_recordings_dropped: Family<BackendLabel, Counter>,
+    pub shadow_calls: Family<BackendLabel, Counter>,
+    pub shadow_skipped: Family<BackendLabel, Counter>,
+    pub shadow_differences: Family<ShadowLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShadowLabels {
+    pub backend: String,
+    /// What differed: `became-refused`, `steps`, `device`, ...
+    pub kind: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -111,6 +123,11 @@ impl Metrics {
             backends_degraded: Family::default(),
             stash_quarantined: Counter::default(),
             agent_writes: Family::default(),
+            policy_recorded: Family::default(),
+            policy_recordings_dropped: Family::default(),
+            shadow_calls: Family::default(),
+            shadow_skipped: Family::default(),
+            shadow_differences: Family::default(),
         };
         registry.register(
             "operations",
@@ -164,6 +181,31 @@ impl Metrics {
             "Agents' writes the admission webhook reviewed, by resource and result",
             m.agent_writes.clone(),
         );
+        registry.register(
+            "policy_recorded",
+            "Policy calls written to the recording dir",
+            m.policy_recorded.clone(),
+        );
+        registry.register(
+            "policy_recordings_dropped",
+            "Policy calls not recorded (the recorder was behind, or the write failed)",
+            m.policy_recordings_dropped.clone(),
+        );
+        registry.register(
+            "policy_shadow_calls",
+            "Calls made on a candidate policy in the shadow of the serving one",
+            m.shadow_calls.clone(),
+        );
+        registry.register(
+            "policy_shadow_skipped",
+            "Calls not made on the candidate: the shadow was behind",
+            m.shadow_skipped.clone(),
+        );
+        registry.register(
+            "policy_shadow_differences",
+            "Calls on which the candidate policy answered otherwise than the serving one, by kind",
+            m.shadow_differences.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -212,6 +254,30 @@ impl Metrics {
 
     pub fn backend_degraded(&self, backend: &str, value: i64) {
         self.backends_degraded.get_or_create(&BackendLabel { backend: backend.into() }).set(value);
+    }
+
+    pub fn recorded(&self, backend: &str) {
+        self.policy_recorded.get_or_create(&BackendLabel { backend: backend.into() }).inc();
+    }
+
+    pub fn recordings_dropped(&self, backend: &str) {
+        self.policy_recordings_dropped
+            .get_or_create(&BackendLabel { backend: backend.into() })
+            .inc();
+    }
+
+    pub fn shadow_compared(&self, backend: &str) {
+        self.shadow_calls.get_or_create(&BackendLabel { backend: backend.into() }).inc();
+    }
+
+    pub fn shadow_skipped(&self, backend: &str) {
+        self.shadow_skipped.get_or_create(&BackendLabel { backend: backend.into() }).inc();
+    }
+
+    pub fn shadow_difference(&self, backend: &str, kind: &str) {
+        self.shadow_differences
+            .get_or_create(&ShadowLabels { backend: backend.into(), kind: kind.into() })
+            .inc();
     }
 
     pub fn plugin_call(&self, backend: &str, function: &str, result: &str, took: Duration) {

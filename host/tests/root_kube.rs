@@ -677,3 +677,69 @@ fn races_for_a_volume_survive_the_api_server_dying_and_crawling() {
         assert!(agent.try_wait().expect("agent status").is_none(), "{node}'s agent serves on");
     }
 }
+
+/// A candidate in the shadow of a backend's serving policy, on an agent
+/// running as deploy/'s ServiceAccount in its (stand-in) pod: a call it
+/// answers otherwise is told as a Warning Event on the agent's pod, and
+/// the volume is served as the serving policy decided.
+#[test]
+fn a_shadow_difference_is_told_as_an_event_on_the_agents_pod() {
+    use volagent_test_support::shipped;
+    let mut c =
+        Cluster::start(VOLAGENT, &["node-a"], &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    c.kill_agent("node-a");
+    let candidate = c.scratch.path("plugins/local-pv.candidate.wasm");
+    std::fs::copy(volagent_test_artifacts::LOCAL_PV_STRICT, &candidate).expect("candidate");
+    let pod = "volagent-agent-node-a";
+    let pods: Api<k8s_openapi::api::core::v1::Pod> =
+        Api::namespaced(c.client(), shipped::AGENT_NAMESPACE);
+    let uid = c.rt.block_on(pods.get(pod)).expect("the agent's pod").metadata.uid.expect("uid");
+    c.spawn_agent_env(
+        "node-a",
+        &[],
+        &[
+            ("POD_NAMESPACE", shipped::AGENT_NAMESPACE),
+            ("POD_NAME", pod),
+            ("POD_UID", &uid),
+            ("CONTAINER_NAME", "agent"),
+        ],
+    );
+    let image = c.image("rox.img");
+    c.rt.block_on(kube_objects::create_pv_with(
+        &c.client(),
+        "pv-rox",
+        "local-pv",
+        "ReadOnlyMany",
+        &[("path", &image), ("node", "node-a")],
+        Some("node-a"),
+    ));
+    let uid1 = c.pod_uid("p1", "pv-rox");
+    let dir =
+        c.scratch.path(&format!("node-a/kubelet/pods/{uid1}/volumes/volagent~local-pv/pv-rox"));
+    std::fs::create_dir_all(&dir).expect("pod dir");
+    let dir = dir.display().to_string();
+    let mut opts = kubelet_options("pv-rox", "p1", &uid1, "ext4", &image);
+    opts["kubernetes.io/readwrite"] = Value::from("ro");
+    let driver = c.scratch.path("node-a/vpd/volagent~local-pv/local-pv");
+    // The driver is installed once the agent has loaded the backend.
+    c.wait("the local-pv driver", || driver.exists());
+    let r = run_driver(Command::new(&driver).args(["mount", &dir, &opts.to_string()]));
+    assert_success(&r);
+    let told = || {
+        volagent_test_support::kubelet_cluster::events_about(
+            &c.rt,
+            &c.client(),
+            shipped::AGENT_NAMESPACE,
+            pod,
+        )
+        .into_iter()
+        .find(|(reason, _)| reason == "PolicyShadowDifference")
+    };
+    c.wait("a PolicyShadowDifference Event on the agent's pod", || told().is_some());
+    let (_, message) = told().expect("the Event");
+    assert!(message.contains("local-pv.candidate.wasm"), "{message}");
+    assert!(message.contains("fence pv-rox for default/p1 on node-a: became-refused"), "{message}");
+    assert!(message.contains("refuses ReadOnlyMany"), "{message}");
+    assert_success(&run_driver(Command::new(&driver).args(["unmount", &dir])));
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty());
+}

@@ -32,6 +32,9 @@ pub enum Request {
     Unmount { backend: String, mount_dir: String },
     /// What the agent serves, and the volumes the node holds.
     Status,
+    /// Record `backend`'s policy calls from now on, or stop (an agent
+    /// started with `--record DIR`).
+    Recording { backend: String, on: bool },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,10 +73,17 @@ pub enum Response {
         /// The node's local volumes and running wipes, when the agent
         /// manages local volumes (it has local classes and a cluster).
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        local: Option<LocalReport>,
+        local: Option<Box<LocalReport>>,
         /// The CSI drivers and publications, when the agent serves CSI.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         csi: Option<Box<CsiReport>>,
+        /// Candidate policies run in the shadow of the serving ones, and
+        /// how their answers differed.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        shadows: Vec<ShadowReport>,
+        /// The backends whose policy calls are being recorded.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        recording: Vec<String>,
     },
     Failed {
         kind: FailureKind,
@@ -230,6 +240,36 @@ pub struct PluginProblem {
     pub reason: String,
 }
 
+/// A candidate policy in the shadow of a backend's serving one: every
+/// call of the backend is made on it too, and the answers compared.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShadowReport {
+    pub backend: String,
+    /// The candidate's file, version and digest.
+    pub file: String,
+    pub version: String,
+    pub sha256: String,
+    /// Calls compared, and calls not compared (the shadow was behind).
+    pub compared: u64,
+    pub skipped: u64,
+    /// Differences by kind (`became-refused`, `steps`, `device`, ...).
+    pub differences: BTreeMap<String, u64>,
+    /// The latest differences, oldest first.
+    pub examples: Vec<ShadowExample>,
+}
+
+/// One call on which the candidate answered otherwise.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShadowExample {
+    pub kind: String,
+    /// The call, the volume, the pod and the node.
+    pub call: String,
+    pub at: String,
+    /// What each side answered, cut short.
+    pub serving: String,
+    pub candidate: String,
+}
+
 /// Why a request failed; `busy` and `unavailable` are worth retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -355,6 +395,8 @@ mod tests {
         let status = Response::Status {
             local: None,
             csi: None,
+            shadows: vec![],
+            recording: vec![],
             node: "n1".into(),
             backends: vec![],
             problems: vec![],

@@ -19,7 +19,13 @@ const GUESTS: &[(&str, &str, &str)] = &[
     ("WRONG_WORLD", "test-guest-wrong-world", "test-guest-wrong-world"),
     ("SHARED_FILE", "test-guest-shared-file", "test_guest_shared_file"),
     ("CORE_ONLY", "test-guest-core-only", "test_guest_core_only"),
+    ("LOCAL_PV_STRICT", "test-guest-local-pv-strict", "test_guest_local_pv_strict"),
 ];
+
+/// Guests built in a target dir of their own: they wrap a backend's crate,
+/// whose component (built without its exports) would otherwise replace the
+/// backend's own in the shared dir.
+const APART: &[&str] = &["test-guest-local-pv-strict"];
 
 fn main() {
     let manifest =
@@ -41,11 +47,14 @@ fn main() {
     // build selects, and a guest imports the SDK's device interfaces only
     // of the features it asks for.
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let dir_of = |package: &str| {
+        if APART.contains(&package) { target_dir.join(package) } else { target_dir.clone() }
+    };
     for (_, package, _) in GUESTS {
         let mut cmd = Command::new(&cargo);
         cmd.current_dir(&root)
             .args(["build", "--profile", "guest", "--target", "wasm32-wasip2", "--target-dir"])
-            .arg(&target_dir)
+            .arg(dir_of(package))
             .args(["-p", package]);
         // Flags meant for the host build must not leak into the guest build.
         for var in [
@@ -69,8 +78,8 @@ fn main() {
         "pub const FLEX_DRIVER: &str = {:?};\n",
         flex_driver(&root, &out).display().to_string()
     ));
-    for (name, _, stem) in GUESTS {
-        let path = target_dir.join("wasm32-wasip2/guest").join(format!("{stem}.wasm"));
+    for (name, package, stem) in GUESTS {
+        let path = dir_of(package).join("wasm32-wasip2/guest").join(format!("{stem}.wasm"));
         assert!(path.is_file(), "guest artifact {} is missing", path.display());
         consts.push_str(&format!("pub const {name}: &str = {:?};\n", path.display().to_string()));
     }

@@ -16,6 +16,7 @@ mod provisioner;
 
 pub struct LocalPv;
 
+#[cfg(feature = "component")]
 volagent_guest_sdk::export_policy!(crate::LocalPv, provisioner);
 
 const FILESYSTEMS: &[&str] = &["ext4", "xfs"];

@@ -120,6 +120,22 @@ pub struct AgentArgs {
     /// Operations run at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
     max_concurrent: u64,
+    /// Record every policy call (its inputs, the node's answers to the
+    /// guest's queries, the outcome) as a scenario file under
+    /// DIR/<backend>/, for `volagent plugin record` and `plugin replay`.
+    /// Switched per backend at run time with `volagent plugin recording`.
+    #[arg(long, value_name = "DIR")]
+    record: Option<PathBuf>,
+    /// With --record: record only these backends from the start
+    /// (repeatable); default: all.
+    #[arg(long = "record-backend", value_name = "BACKEND", requires = "record")]
+    record_backends: Vec<String>,
+    /// With --record: recordings kept at most; the oldest go first.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    record_max_files: u64,
+    /// With --record: bytes of recordings kept at most, in MiB.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    record_max_mib: u64,
 }
 
 impl AgentArgs {
@@ -329,15 +345,28 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     if let Some(csi) = &csi {
         board.serve_csi(csi);
     }
+    let pod = PodIdentity::from_env();
+    let record = args.record.as_ref().map(|dir| crate::plugin::observe::RecordConfig {
+        dir: dir.clone(),
+        backends: args.record_backends.clone(),
+        max_files: args.record_max_files as usize,
+        max_bytes: args.record_max_mib << 20,
+    });
+    let events = cluster.clone().zip(pod.clone()).map(|(cluster, pod)| {
+        crate::plugin::observe::EventTarget { cluster, pod, rt: rt.handle().clone() }
+    });
+    let observer = crate::plugin::observe::Observer::start(record, board.clone(), events)?;
+    board.switch_recording_with(observer.clone());
     let integration = Integration {
         volume_plugin_dir,
         driver_binary,
         socket: socket.clone(),
         kubelet_root: args.kubelet_root.clone(),
-        pod: PodIdentity::from_env(),
+        pod,
         csi: csi.clone(),
         board: board.clone(),
         cluster: cluster.clone(),
+        observer: Some(observer),
     };
     let mut reloader =
         Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());

@@ -7,6 +7,8 @@ mod mounter;
 mod nbd;
 mod plugin;
 mod plugin_new;
+mod plugin_replay;
+mod plugin_rollout;
 mod status;
 
 use clap::{Parser, Subcommand};

@@ -43,8 +43,67 @@ pub enum PluginCommand {
         #[arg(short = 'n', long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(1..))]
         calls: u32,
     },
-    /// Ask a running agent which backends it serves, and which are degraded
-    /// or waiting to be removed; exit 1 if any is.
+    /// Turn a node's recording (`volagent agent --record DIR`) into one
+    /// scenario suite per backend, each distinct call once:
+    /// OUT/<backend>.scenarios.yaml, for `plugin test` and `plugin replay`,
+    /// or to ship beside the policy.
+    Record {
+        /// The recording dir, or recorded files.
+        #[arg(required = true)]
+        recordings: Vec<PathBuf>,
+        /// Where the suites go.
+        #[arg(long, default_value = "scenarios")]
+        out: PathBuf,
+        /// Only this backend's calls.
+        #[arg(long)]
+        backend: Option<String>,
+    },
+    /// Make every recorded call of a backend again on a candidate version,
+    /// with the recorded answers to its queries, and print what it answers
+    /// otherwise, by kind; exit 1 on any difference of a kind not allowed.
+    Replay {
+        /// The candidate component (.wasm).
+        candidate: PathBuf,
+        /// Recording dirs, suites, or recorded files.
+        #[arg(required = true)]
+        recordings: Vec<PathBuf>,
+        /// Kinds of difference expected (comma-separated): became-refused,
+        /// became-allowed, fault, decision, steps, device, arguments,
+        /// refusal, condition, info, no-longer-faults.
+        #[arg(long, value_delimiter = ',', value_parser = parse_kind)]
+        allow: Vec<crate::policy::differences::Kind>,
+    },
+    /// Serve a backend's candidate (<backend>.candidate.wasm in the plugin
+    /// dir), checked as the agent checks any new file; the version that
+    /// served is kept as <backend>.previous.wasm. The agent's watch takes
+    /// the change.
+    Promote {
+        backend: String,
+        /// The agent's plugin dir.
+        #[arg(long, default_value = "/var/lib/volagent/plugins")]
+        dir: PathBuf,
+    },
+    /// Serve a backend's previous version again; the version that served
+    /// becomes the previous one.
+    Rollback {
+        backend: String,
+        /// The agent's plugin dir.
+        #[arg(long, default_value = "/var/lib/volagent/plugins")]
+        dir: PathBuf,
+    },
+    /// Switch the recording of a backend's policy calls on or off in a
+    /// running agent (started with --record DIR).
+    Recording {
+        backend: String,
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+        /// The agent's socket.
+        #[arg(long, default_value = crate::socket::protocol::DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+    /// Ask a running agent which backends it serves, which are degraded
+    /// or waiting to be removed, and what candidates in the shadow answered
+    /// otherwise; exit 1 if any backend is degraded.
     Status {
         /// The agent's socket.
         #[arg(long, default_value = crate::socket::protocol::DEFAULT_SOCKET)]
@@ -63,30 +122,81 @@ pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
         println!("next: cd {} && cargo build --release --target wasm32-wasip2", dir.display());
         return Ok(ExitCode::SUCCESS);
     }
-    if let PluginCommand::Status { socket, json } = &command {
-        return status(socket, *json);
+    match &command {
+        PluginCommand::Status { socket, json } => return status(socket, *json),
+        PluginCommand::Recording { backend, state, socket } => {
+            return recording(socket, backend, state == "on");
+        }
+        PluginCommand::Record { recordings, out, backend } => {
+            return super::plugin_replay::record(recordings, out, backend.as_deref());
+        }
+        _ => {}
     }
     let runtime = Runtime::new(limits)?;
     match command {
         PluginCommand::Test { wasm, scenarios } => test(&runtime, &wasm, &scenarios),
         PluginCommand::Inspect { wasm, json } => inspect(&runtime, &wasm, json),
         PluginCommand::Bench { wasm, scenarios, calls } => bench(&runtime, &wasm, scenarios, calls),
-        PluginCommand::Status { .. } | PluginCommand::New { .. } => {
+        PluginCommand::Replay { candidate, recordings, allow } => {
+            let (plugin, _) = load(&runtime, &candidate)?;
+            super::plugin_replay::replay(&plugin, &recordings, &allow)
+        }
+        PluginCommand::Promote { backend, dir } => {
+            super::plugin_rollout::promote(&runtime, &dir, &backend).map(|()| ExitCode::SUCCESS)
+        }
+        PluginCommand::Rollback { backend, dir } => {
+            super::plugin_rollout::rollback(&runtime, &dir, &backend).map(|()| ExitCode::SUCCESS)
+        }
+        PluginCommand::Status { .. }
+        | PluginCommand::New { .. }
+        | PluginCommand::Recording { .. }
+        | PluginCommand::Record { .. } => {
             unreachable!("handled above")
         }
+    }
+}
+
+fn parse_kind(s: &str) -> Result<crate::policy::differences::Kind, String> {
+    use crate::policy::differences::Kind;
+    Kind::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+        format!("not a kind of difference (one of {})", names.join(", "))
+    })
+}
+
+fn recording(socket: &Path, backend: &str, on: bool) -> anyhow::Result<ExitCode> {
+    use crate::socket::protocol::{Request, Response};
+    let request = Request::Recording { backend: backend.to_string(), on };
+    match crate::socket::client::ask(socket, request, Duration::from_secs(30))? {
+        Response::Ok { message, .. } => {
+            println!("{message}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Response::Failed { message, .. } => {
+            eprintln!("{message}");
+            Ok(ExitCode::FAILURE)
+        }
+        other => anyhow::bail!("the agent at {} answered {other:?}", socket.display()),
     }
 }
 
 fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
     use crate::socket::protocol::{Request, Response};
     let response = crate::socket::client::ask(socket, Request::Status, Duration::from_secs(30))?;
-    let Response::Status { node, backends, problems, .. } = response else {
+    let Response::Status { node, backends, problems, shadows, recording, .. } = response else {
         anyhow::bail!("the agent at {} answered {response:?}, not a status", socket.display());
     };
+    let degraded = problems.iter().any(|p| p.state != "candidate-rejected");
     if json {
         println!(
             "{}",
-            serde_json::json!({ "node": node, "backends": backends, "problems": problems })
+            serde_json::json!({
+                "node": node,
+                "backends": backends,
+                "problems": problems,
+                "shadows": shadows,
+                "recording": recording,
+            })
         );
     } else {
         println!("node {node}");
@@ -110,8 +220,26 @@ fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 p.reason
             );
         }
+        for s in &shadows {
+            let total: u64 = s.differences.values().sum();
+            println!(
+                "  shadow of {}: {} {} (sha256 {}): {} calls compared, {} skipped, {total} answered otherwise",
+                s.backend, s.file, s.version, s.sha256, s.compared, s.skipped
+            );
+            for (kind, n) in &s.differences {
+                println!("    {kind}: {n}");
+            }
+            for e in &s.examples {
+                println!("    {} {} at {}", e.kind, e.call, e.at);
+                println!("      serving:   {}", e.serving);
+                println!("      candidate: {}", e.candidate);
+            }
+        }
+        if !recording.is_empty() {
+            println!("  recording: {}", recording.join(", "));
+        }
     }
-    Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if degraded { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
 fn load(runtime: &Arc<Runtime>, wasm: &Path) -> anyhow::Result<(Plugin, Duration)> {

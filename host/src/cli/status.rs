@@ -53,7 +53,7 @@ pub fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 volumes,
                 volumes_left_out,
                 volumes_error,
-                local,
+                local: local.map(|l| *l),
                 csi: csi.map(|c| *c),
             }
         }

@@ -3,5 +3,6 @@
 //! for it.
 
 pub mod install;
+pub mod observe;
 pub mod reload;
 pub mod watch;

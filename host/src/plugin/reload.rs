@@ -12,7 +12,12 @@
 //!   volumes of that backend are attached here: then it stays loaded, says
 //!   so, and the removal completes in a later pass once they are gone.
 //!
-//! Dot-files are installs in progress and are ignored.
+//! A file named `<backend>.candidate.wasm` is not served: once loaded and
+//! checked like any other, it runs in the shadow of the backend's serving
+//! version ([`super::observe`]); removing it ends the shadow.
+//! `<backend>.previous.wasm` is the version `volagent plugin promote` kept
+//! for a rollback, and is not loaded. Dot-files are installs in progress
+//! and are ignored.
 
 use super::install::{self, DriverConfig};
 use crate::ops::Agent;
@@ -40,6 +45,8 @@ pub struct Integration {
     pub board: Arc<crate::socket::status::Board>,
     /// The cluster, told of a rejected file with an Event on the agent's pod.
     pub cluster: Option<crate::kube::cluster::Cluster>,
+    /// What sees the served backends' calls, and runs candidates.
+    pub observer: Option<Arc<super::observe::Observer>>,
 }
 
 /// One file that serves a backend.
@@ -57,6 +64,43 @@ pub struct PassReport {
     pub removed: Vec<String>,
     /// Files newly found bad: "<file>: <reason>".
     pub rejected: Vec<String>,
+    /// Backends whose candidate now runs in the shadow, and whose ended.
+    pub shadowed: Vec<String>,
+    pub unshadowed: Vec<String>,
+}
+
+/// What a file of the plugin dir is, by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role<'a> {
+    Serving,
+    /// A candidate for the backend named.
+    Candidate(&'a str),
+    /// A version kept for a rollback.
+    Kept,
+}
+
+fn role(name: &str) -> Role<'_> {
+    if let Some(backend) = name.strip_suffix(CANDIDATE) {
+        Role::Candidate(backend)
+    } else if name.ends_with(PREVIOUS) {
+        Role::Kept
+    } else {
+        Role::Serving
+    }
+}
+
+/// The name ends of a candidate and of the version a promotion kept.
+pub const CANDIDATE: &str = ".candidate.wasm";
+pub const PREVIOUS: &str = ".previous.wasm";
+
+/// A file found bad: its content's digest, its backend, why, and whether
+/// it was a candidate.
+#[derive(Debug, Clone)]
+struct Rejected {
+    sha256: String,
+    backend: Option<String>,
+    reason: String,
+    candidate: bool,
 }
 
 pub struct Reloader {
@@ -68,7 +112,9 @@ pub struct Reloader {
     served: BTreeMap<String, Served>,
     /// File name → its last rejected content and why (so an unchanged bad
     /// file is not loaded and reported again every pass).
-    rejected: BTreeMap<String, (String, Option<String>, String)>,
+    rejected: BTreeMap<String, Rejected>,
+    /// Candidate file name → what runs in the shadow.
+    candidates: BTreeMap<String, Served>,
     /// Backends whose file is gone but whose volumes are still attached.
     pending_removal: BTreeMap<String, (String, String)>,
     passes: u64,
@@ -108,8 +154,14 @@ fn load_checked(
     runtime: &Arc<Runtime>,
     file: &Path,
     bytes: &[u8],
+    candidate: bool,
 ) -> Result<Plugin, (Option<String>, String)> {
-    let plugin = Plugin::load_bytes(runtime, file, bytes).map_err(|e| (None, e.to_string()))?;
+    let loaded = if candidate {
+        Plugin::load_candidate(runtime, file, bytes)
+    } else {
+        Plugin::load_bytes(runtime, file, bytes)
+    };
+    let plugin = loaded.map_err(|e| (None, e.to_string()))?;
     if let Some(scenarios) = scenarios_beside(file) {
         let backend = Some(plugin.name().to_string());
         let files = crate::policy::scenario::files(&scenarios)
@@ -130,6 +182,13 @@ fn load_checked(
     Ok(plugin)
 }
 
+/// The checks a new file of the plugin dir gets, for a file that will be
+/// named `named` (its scenarios are looked for beside that name): the
+/// plugin, or why it would be refused.
+pub fn check_file(runtime: &Arc<Runtime>, named: &Path, bytes: &[u8]) -> Result<Plugin, String> {
+    load_checked(runtime, named, bytes, true).map_err(|(_, why)| why)
+}
+
 impl Reloader {
     /// `rt` runs the async parts (stash reads, Events).
     pub fn new(
@@ -146,6 +205,7 @@ impl Reloader {
             integration,
             served: BTreeMap::new(),
             rejected: BTreeMap::new(),
+            candidates: BTreeMap::new(),
             pending_removal: BTreeMap::new(),
             passes: 0,
             rt,
@@ -179,12 +239,21 @@ impl Reloader {
                 return report;
             }
         };
+        let mut candidates = BTreeMap::new();
         for (name, path) in &files {
+            match role(name) {
+                Role::Serving => {}
+                Role::Kept => continue,
+                Role::Candidate(backend) => {
+                    candidates.insert(name.clone(), (backend.to_string(), path.clone()));
+                    continue;
+                }
+            }
             let bytes = read_plugin(&self.dir, name, self.runtime.limits.max_file_bytes);
             let sha = match &bytes {
                 Ok(bytes) => hex::encode(Sha256::digest(bytes)),
                 // Unreadable is bad too: said, never skipped in silence.
-                Err(_) if self.rejected.get(name).is_some_and(|r| r.0.is_empty()) => continue,
+                Err(_) if self.rejected.get(name).is_some_and(|r| r.sha256.is_empty()) => continue,
                 Err(e) => {
                     let backend = self.served.get(name).map(|s| s.backend.clone());
                     self.reject(
@@ -192,6 +261,7 @@ impl Reloader {
                         String::new(),
                         backend,
                         format!("unreadable: {e}"),
+                        false,
                         &mut report,
                     );
                     continue;
@@ -204,23 +274,38 @@ impl Reloader {
                 }
                 continue;
             }
-            if self.rejected.get(name).is_some_and(|r| r.0 == sha) {
+            if self.rejected.get(name).is_some_and(|r| r.sha256 == sha) {
                 continue;
             }
             let Ok(bytes) = bytes else { continue };
-            match load_checked(&self.runtime, path, &bytes) {
+            match load_checked(&self.runtime, path, &bytes, false) {
                 Ok(plugin) => self.take(name, path, sha, plugin, &mut report),
                 Err((backend, reason)) => self.reject(
                     name,
                     sha,
                     backend.or_else(|| self.served.get(name).map(|s| s.backend.clone())),
                     reason,
+                    false,
                     &mut report,
                 ),
             }
         }
-        let gone: Vec<String> =
-            self.served.keys().filter(|n| !files.contains_key(*n)).cloned().collect();
+        for (name, (backend, path)) in &candidates {
+            self.candidate(name, backend, path, &mut report);
+        }
+        let ended: Vec<String> =
+            self.candidates.keys().filter(|n| !candidates.contains_key(*n)).cloned().collect();
+        for name in ended {
+            if let Some(c) = self.candidates.remove(&name) {
+                self.unshadow(&c.backend, &mut report);
+            }
+        }
+        let gone: Vec<String> = self
+            .served
+            .keys()
+            .filter(|n| !files.contains_key(*n) || role(n) != Role::Serving)
+            .cloned()
+            .collect();
         for name in gone {
             if let Some(s) = self.served.remove(&name) {
                 self.pending_removal.insert(s.backend, (name, s.sha256));
@@ -230,6 +315,76 @@ impl Reloader {
         self.finish_removals(&mut report);
         self.publish();
         report
+    }
+
+    /// Run the candidate `name` in the shadow of `backend`, once it is
+    /// loaded and checked like any other file.
+    fn candidate(&mut self, name: &str, backend: &str, path: &Path, report: &mut PassReport) {
+        if self.integration.observer.is_none() {
+            return;
+        }
+        let bytes = read_plugin(&self.dir, name, self.runtime.limits.max_file_bytes);
+        let sha = match &bytes {
+            Ok(bytes) => hex::encode(Sha256::digest(bytes)),
+            Err(_) if self.rejected.get(name).is_some_and(|r| r.sha256.is_empty()) => return,
+            Err(e) => {
+                self.end_candidate(name, report);
+                let reason = format!("unreadable: {e}");
+                return self.reject(
+                    name,
+                    String::new(),
+                    Some(backend.into()),
+                    reason,
+                    true,
+                    report,
+                );
+            }
+        };
+        if self.candidates.get(name).is_some_and(|c| c.sha256 == sha)
+            || self.rejected.get(name).is_some_and(|r| r.sha256 == sha)
+        {
+            return;
+        }
+        let Ok(bytes) = bytes else { return };
+        // A new content: whatever ran for the old one ends now.
+        self.end_candidate(name, report);
+        let plugin = match load_checked(&self.runtime, path, &bytes, true) {
+            Ok(p) if p.name() != backend => Err(format!(
+                "named as a candidate for backend {backend}, but it is backend {}",
+                p.name()
+            )),
+            Ok(p) => Ok(p),
+            Err((_, reason)) => Err(reason),
+        };
+        let plugin = match plugin {
+            Ok(p) => p,
+            Err(reason) => {
+                return self.reject(name, sha, Some(backend.into()), reason, true, report);
+            }
+        };
+        let version = plugin.info().version.clone();
+        if let Some(observer) = &self.integration.observer {
+            observer.set_shadow(backend, Some(Arc::new(plugin)));
+        }
+        self.rejected.remove(name);
+        self.candidates
+            .insert(name.to_string(), Served { backend: backend.to_string(), sha256: sha.clone() });
+        tracing::info!(backend, version, file = %path.display(), sha256 = sha, "candidate runs in the shadow of the serving version");
+        report.shadowed.push(backend.to_string());
+    }
+
+    fn end_candidate(&mut self, name: &str, report: &mut PassReport) {
+        if let Some(c) = self.candidates.remove(name) {
+            self.unshadow(&c.backend, report);
+        }
+    }
+
+    fn unshadow(&self, backend: &str, report: &mut PassReport) {
+        if let Some(observer) = &self.integration.observer {
+            observer.set_shadow(backend, None);
+        }
+        tracing::info!(backend, "no candidate runs in the shadow any more");
+        report.unshadowed.push(backend.to_string());
     }
 
     fn take(
@@ -245,9 +400,12 @@ impl Reloader {
             self.served.iter().find(|(n, s)| s.backend == backend && n.as_str() != name)
         {
             let reason = format!("backend {backend} is already served by {other}");
-            return self.reject(name, sha, Some(backend), reason, report);
+            return self.reject(name, sha, Some(backend), reason, false, report);
         }
         let version = plugin.info().version.clone();
+        if let Some(observer) = &self.integration.observer {
+            plugin.set_tap(observer.tap(&backend));
+        }
         let old = self.agent.swap_plugin(plugin);
         self.rejected.remove(name);
         self.pending_removal.remove(&backend);
@@ -274,20 +432,34 @@ impl Reloader {
         sha: String,
         backend: Option<String>,
         reason: String,
+        candidate: bool,
         report: &mut PassReport,
     ) {
         let file = self.dir.join(name).display().to_string();
         let serving =
             backend.as_ref().is_some_and(|b| self.served.values().any(|s| &s.backend == b));
-        let consequence =
-            if serving { "the last good version keeps serving" } else { "not loaded" };
+        let consequence = if candidate {
+            "not run in the shadow"
+        } else if serving {
+            "the last good version keeps serving"
+        } else {
+            "not loaded"
+        };
+        // A candidate never served: its rejection degrades nothing.
+        let (what, event) = if candidate {
+            ("candidate rejected", "PolicyCandidateRejected")
+        } else {
+            ("backend degraded", "BackendDegraded")
+        };
         tracing::error!(
             file,
             sha256 = sha,
             backend = backend.as_deref().unwrap_or("?"),
-            "backend degraded: {reason}; {consequence}"
+            "{what}: {reason}; {consequence}"
         );
-        crate::metrics::get().backend_degraded(backend.as_deref().unwrap_or(name), 1);
+        if !candidate {
+            crate::metrics::get().backend_degraded(backend.as_deref().unwrap_or(name), 1);
+        }
         if let Some(cluster) = self.integration.cluster.clone()
             && let Some(pod) = &self.integration.pod
         {
@@ -300,14 +472,15 @@ impl Reloader {
                         &pod.pod_name,
                         &pod.pod_uid,
                         true,
-                        "BackendDegraded",
+                        event,
                         &message,
                     )
                     .await;
             });
         }
         report.rejected.push(format!("{file}: {reason}"));
-        self.rejected.insert(name.to_string(), (sha, backend, reason));
+        self.rejected
+            .insert(name.to_string(), Rejected { sha256: sha, backend, reason, candidate });
     }
 
     fn finish_removals(&mut self, report: &mut PassReport) {
@@ -344,12 +517,12 @@ impl Reloader {
         let mut problems: Vec<PluginProblem> = self
             .rejected
             .iter()
-            .map(|(name, (sha, backend, reason))| PluginProblem {
-                backend: backend.clone(),
+            .map(|(name, r)| PluginProblem {
+                backend: r.backend.clone(),
                 file: self.dir.join(name).display().to_string(),
-                sha256: sha.clone(),
-                state: "degraded".into(),
-                reason: reason.clone(),
+                sha256: r.sha256.clone(),
+                state: if r.candidate { "candidate-rejected" } else { "degraded" }.into(),
+                reason: r.reason.clone(),
             })
             .collect();
         problems.extend(
@@ -365,7 +538,9 @@ impl Reloader {
         );
         // A backend served by a good file is not degraded any more.
         for s in self.served.values() {
-            if !problems.iter().any(|p| p.backend.as_deref() == Some(&s.backend)) {
+            if !problems.iter().any(|p| {
+                p.backend.as_deref() == Some(&s.backend) && p.state != "candidate-rejected"
+            }) {
                 crate::metrics::get().backend_degraded(&s.backend, 0);
             }
         }

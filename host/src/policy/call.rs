@@ -6,6 +6,10 @@ use super::imports::CallState;
 use super::invoke::{CallError, call_info, invoke};
 use super::load::Plugin;
 use super::queries::Queries;
+use super::recorded::{
+    self, Answered, AttachInput, CallInput, CleanupInput, Decided, DetachInput, ExpandInput,
+    FenceInput, RecordingQueries,
+};
 use super::validate::{self, Operation};
 use crate::model::{
     BackendInfo, CapacityRequest, CleanupItem, CleanupReason, Consumer, CreateRequest, Decision,
@@ -56,7 +60,39 @@ impl Plugin {
             Err(CallError::Query { .. }) => "query",
             Err(_) => "fault",
         };
-        crate::metrics::get().plugin_call(&self.name, function, outcome, start.elapsed());
+        // A candidate's calls are the shadow's, counted by it: they must not
+        // show as the serving backend's.
+        if !self.spares.is_cold() {
+            crate::metrics::get().plugin_call(&self.name, function, outcome, start.elapsed());
+        }
+        result
+    }
+
+    /// `call`, seen by the backend's tap when it wants to: the queries are
+    /// written down as the guest asks them, and the tap gets the inputs,
+    /// the answers and the outcome once the call's own answer is taken.
+    fn observed<R>(
+        &self,
+        q: Arc<dyn Queries>,
+        input: impl FnOnce() -> CallInput,
+        answer: impl FnOnce(&R) -> recorded::Answer,
+        call: impl FnOnce(Arc<dyn Queries>) -> Result<R, CallError>,
+    ) -> Result<R, CallError> {
+        let Some(tap) = self.tap.get().filter(|t| t.wants()) else {
+            return call(q);
+        };
+        let at = std::time::SystemTime::now();
+        let recording = RecordingQueries::new(q);
+        let result = call(recording.clone());
+        tap.seen(Decided {
+            backend: self.name.clone(),
+            version: self.info().version.clone(),
+            sha256: self.sha256().to_string(),
+            at,
+            input: input(),
+            host: recording.take(),
+            answered: Answered::of_ref(&result, answer),
+        });
         result
     }
 
@@ -90,15 +126,33 @@ impl Plugin {
         holders: &[Holder],
         nodes: &[NodeFacts],
     ) -> Result<Decision, CallError> {
-        let decision =
-            self.call(q, "fence", self.pre.unaskable(volume, Some(requester)), |g, s| {
-                g.fence(s, volume, requester, holders, nodes)
-            })?;
-        if let Decision::TakeOver(take) = &decision {
-            validate::take_over(take, holders, nodes, &self.info().capabilities, volume)
-                .map_err(|reason| CallError::TakeOver { backend: self.name.to_string(), reason })?;
-        }
-        Ok(decision)
+        let input = || {
+            CallInput::Fence(FenceInput {
+                volume: volume.clone(),
+                requester: requester.clone(),
+                holders: holders.to_vec(),
+                nodes: nodes.to_vec(),
+            })
+        };
+        self.observed(
+            q,
+            input,
+            |d: &Decision| recorded::Answer::Decision(d.clone()),
+            |q| {
+                let decision =
+                    self.call(q, "fence", self.pre.unaskable(volume, Some(requester)), |g, s| {
+                        g.fence(s, volume, requester, holders, nodes)
+                    })?;
+                if let Decision::TakeOver(take) = &decision {
+                    validate::take_over(take, holders, nodes, &self.info().capabilities, volume)
+                        .map_err(|reason| CallError::TakeOver {
+                            backend: self.name.to_string(),
+                            reason,
+                        })?;
+                }
+                Ok(decision)
+            },
+        )
     }
 
     /// The plan attaching `volume` for `requester`, checked.
@@ -110,11 +164,30 @@ impl Plugin {
         local_holders: &[Holder],
         paths: &NodePaths,
     ) -> Result<Plan, CallError> {
-        let plan =
-            self.call(q, "attach", self.pre.unaskable(volume, Some(requester)), |g, s| {
-                g.attach(s, volume, requester, local_holders, paths)
-            })?;
-        self.checked("attach", plan, &Operation::Attach { volume, consumer: requester, paths })
+        let input = || {
+            CallInput::Attach(AttachInput {
+                volume: volume.clone(),
+                requester: requester.clone(),
+                local_holders: local_holders.to_vec(),
+                paths: paths.clone(),
+            })
+        };
+        self.observed(
+            q,
+            input,
+            |p: &Plan| recorded::Answer::Plan(p.clone()),
+            |q| {
+                let plan =
+                    self.call(q, "attach", self.pre.unaskable(volume, Some(requester)), |g, s| {
+                        g.attach(s, volume, requester, local_holders, paths)
+                    })?;
+                self.checked(
+                    "attach",
+                    plan,
+                    &Operation::Attach { volume, consumer: requester, paths },
+                )
+            },
+        )
     }
 
     /// The plan detaching `volume` from `consumer`, checked.
@@ -126,10 +199,26 @@ impl Plugin {
         local_holders: &[Holder],
         paths: &NodePaths,
     ) -> Result<Plan, CallError> {
-        let plan = self.call(q, "detach", self.pre.unaskable(volume, Some(consumer)), |g, s| {
-            g.detach(s, volume, consumer, local_holders, paths)
-        })?;
-        self.checked("detach", plan, &Operation::Detach { volume, consumer, paths })
+        let input = || {
+            CallInput::Detach(DetachInput {
+                volume: volume.clone(),
+                consumer: consumer.clone(),
+                local_holders: local_holders.to_vec(),
+                paths: paths.clone(),
+            })
+        };
+        self.observed(
+            q,
+            input,
+            |p: &Plan| recorded::Answer::Plan(p.clone()),
+            |q| {
+                let plan =
+                    self.call(q, "detach", self.pre.unaskable(volume, Some(consumer)), |g, s| {
+                        g.detach(s, volume, consumer, local_holders, paths)
+                    })?;
+                self.checked("detach", plan, &Operation::Detach { volume, consumer, paths })
+            },
+        )
     }
 
     /// The plan growing `volume` where `consumer` has it, checked. A guest
@@ -142,19 +231,28 @@ impl Plugin {
         consumer: &Consumer,
         paths: &NodePaths,
     ) -> Result<Plan, CallError> {
-        let plan = self.call(q, "expand", self.pre.unaskable(volume, Some(consumer)), |g, s| {
-            g.expand(s, volume, consumer, paths)
-        })?;
-        match plan {
-            Some(plan) => {
-                self.checked("expand", plan, &Operation::Expand { volume, consumer, paths })
-            }
-            // No expand of the guest's own: the host's, unchecked against
-            // capabilities the guest never declared for it.
-            None => Ok(vec![Step::GrowFilesystem(GrowFilesystem {
-                target: consumer.mount_dir.clone(),
-            })]),
-        }
+        let input = || CallInput::Expand(expand_input(volume, consumer, paths));
+        self.observed(
+            q,
+            input,
+            |p: &Plan| recorded::Answer::Plan(p.clone()),
+            |q| {
+                let plan =
+                    self.call(q, "expand", self.pre.unaskable(volume, Some(consumer)), |g, s| {
+                        g.expand(s, volume, consumer, paths)
+                    })?;
+                match plan {
+                    Some(plan) => {
+                        self.checked("expand", plan, &Operation::Expand { volume, consumer, paths })
+                    }
+                    // No expand of the guest's own: the host's, unchecked against
+                    // capabilities the guest never declared for it.
+                    None => Ok(vec![Step::GrowFilesystem(GrowFilesystem {
+                        target: consumer.mount_dir.clone(),
+                    })]),
+                }
+            },
+        )
     }
 
     /// Why `volume` is not healthy where `consumer` has it, by the backend;
@@ -166,9 +264,18 @@ impl Plugin {
         consumer: &Consumer,
         paths: &NodePaths,
     ) -> Result<Option<String>, CallError> {
-        let said = self
-            .call(q, "condition", None, |g, s| g.condition(s, volume, consumer, paths).map(Ok))?;
-        Ok(said.map(|m| crate::text::bounded(m, 1024)))
+        let input = || CallInput::Condition(expand_input(volume, consumer, paths));
+        self.observed(
+            q,
+            input,
+            |c: &Option<String>| recorded::Answer::Condition(c.clone()),
+            |q| {
+                let said = self.call(q, "condition", None, |g, s| {
+                    g.condition(s, volume, consumer, paths).map(Ok)
+                })?;
+                Ok(said.map(|m| crate::text::bounded(m, 1024)))
+            },
+        )
     }
 
     /// The plan cleaning up `items`, checked against all their paths.
@@ -178,9 +285,18 @@ impl Plugin {
         reason: CleanupReason,
         items: &[CleanupItem],
     ) -> Result<Plan, CallError> {
-        let unaskable = items.iter().find_map(|i| self.pre.unaskable(&i.volume, None));
-        let plan = self.call(q, "cleanup", unaskable, |g, s| g.cleanup(s, reason, items))?;
-        self.checked("cleanup", plan, &Operation::Cleanup { reason, items })
+        let input = || CallInput::Cleanup(CleanupInput { reason, items: items.to_vec() });
+        self.observed(
+            q,
+            input,
+            |p: &Plan| recorded::Answer::Plan(p.clone()),
+            |q| {
+                let unaskable = items.iter().find_map(|i| self.pre.unaskable(&i.volume, None));
+                let plan =
+                    self.call(q, "cleanup", unaskable, |g, s| g.cleanup(s, reason, items))?;
+                self.checked("cleanup", plan, &Operation::Cleanup { reason, items })
+            },
+        )
     }
 
     /// Whether the backend provisions volumes (exports the provisioner).
@@ -265,4 +381,8 @@ impl Plugin {
     ) -> Result<Result<Option<u64>, ProvisionError>, CallError> {
         self.provisioner("capacity", |g, s| g.capacity(s, request))
     }
+}
+
+fn expand_input(volume: &Volume, consumer: &Consumer, paths: &NodePaths) -> ExpandInput {
+    ExpandInput { volume: volume.clone(), consumer: consumer.clone(), paths: paths.clone() }
 }

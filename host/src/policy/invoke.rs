@@ -72,7 +72,11 @@ pub(crate) fn invoke<I, R>(
             // ones not dropped yet, go to calls.
             // Tried again whether or not this call saw a slot freed: one
             // may have been freed between the first try and the hold.
-            if matches!(&made, Err(e) if !prewarm::guest_fault(&store, e)) {
+            // A cold backend (a candidate in the shadow) does not: it
+            // would take instances made ahead from serving backends.
+            if matches!(&made, Err(e) if !prewarm::guest_fault(&store, e))
+                && spares.is_none_or(|s| !s.is_cold())
+            {
                 let _held = runtime.prewarmer.give_way(|| {
                     runtime.release_spares();
                 });

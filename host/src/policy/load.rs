@@ -70,6 +70,8 @@ pub struct Plugin {
     size: u64,
     imports: Vec<String>,
     export: String,
+    /// What sees its calls (the agent's recorder and shadow), once set.
+    pub(crate) tap: std::sync::OnceLock<Arc<dyn super::recorded::Tap>>,
 }
 
 impl Plugin {
@@ -103,6 +105,25 @@ impl Plugin {
         runtime: &Arc<Runtime>,
         path: &Path,
         bytes: &[u8],
+    ) -> Result<Plugin, LoadError> {
+        Self::load_with(runtime, path, bytes, true)
+    }
+
+    /// Load a candidate version, called in the shadow of the serving one:
+    /// checked as any other, but with no instances made ahead for it.
+    pub fn load_candidate(
+        runtime: &Arc<Runtime>,
+        path: &Path,
+        bytes: &[u8],
+    ) -> Result<Plugin, LoadError> {
+        Self::load_with(runtime, path, bytes, false)
+    }
+
+    fn load_with(
+        runtime: &Arc<Runtime>,
+        path: &Path,
+        bytes: &[u8],
+        warm: bool,
     ) -> Result<Plugin, LoadError> {
         let path_buf = || path.to_path_buf();
         let size = bytes.len() as u64;
@@ -149,9 +170,14 @@ impl Plugin {
         .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
         let name: Arc<str> = Arc::from(info.name.as_str());
-        let spares = super::prewarm::Prewarmed::new(pre.clone(), name.clone());
-        runtime.register_spares(&spares);
-        runtime.prewarmer.retire(None, &spares);
+        let spares = if warm {
+            let spares = super::prewarm::Prewarmed::new(pre.clone(), name.clone());
+            runtime.register_spares(&spares);
+            runtime.prewarmer.retire(None, &spares);
+            spares
+        } else {
+            super::prewarm::Prewarmed::cold(pre.clone(), name.clone())
+        };
         Ok(Plugin {
             pre,
             runtime: runtime.clone(),
@@ -163,7 +189,14 @@ impl Plugin {
             size,
             imports,
             export,
+            tap: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Let `tap` see every call of this backend from now on; a tap once
+    /// set stays (false when one was set already).
+    pub fn set_tap(&self, tap: Arc<dyn super::recorded::Tap>) -> bool {
+        self.tap.set(tap).is_ok()
     }
 
     pub fn info(&self) -> &BackendInfo {

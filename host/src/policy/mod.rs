@@ -4,12 +4,14 @@
 
 mod call;
 mod contract;
+pub mod differences;
 mod imports;
 mod invoke;
 mod limits;
 mod load;
 mod prewarm;
 pub mod queries;
+pub mod recorded;
 mod runtime;
 pub mod scenario;
 mod ticker;

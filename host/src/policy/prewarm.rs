@@ -84,6 +84,8 @@ pub(crate) struct Prewarmed {
     state: Mutex<PrewarmedState>,
     /// A refill is asked of the prewarmer and not begun yet.
     refill_asked: std::sync::atomic::AtomicBool,
+    /// Never made ahead: a candidate's.
+    cold: bool,
 }
 
 #[derive(Default)]
@@ -97,7 +99,32 @@ struct PrewarmedState {
 
 impl Prewarmed {
     pub(crate) fn new(pre: Arc<dyn Linked>, name: Arc<str>) -> Arc<Prewarmed> {
-        Arc::new(Prewarmed { pre, name, state: Mutex::default(), refill_asked: Default::default() })
+        Arc::new(Prewarmed {
+            pre,
+            name,
+            state: Mutex::default(),
+            refill_asked: Default::default(),
+            cold: false,
+        })
+    }
+
+    /// None made ahead, ever (a candidate in the shadow): its calls make
+    /// their own, and never take a slot from a serving backend's.
+    pub(crate) fn cold(pre: Arc<dyn Linked>, name: Arc<str>) -> Arc<Prewarmed> {
+        let state = PrewarmedState { given_up: true, ..PrewarmedState::default() };
+        Arc::new(Prewarmed {
+            pre,
+            name,
+            state: Mutex::new(state),
+            refill_asked: Default::default(),
+            cold: true,
+        })
+    }
+
+    /// Whether it is a candidate's, never made ahead (not one whose
+    /// instances made ahead failed).
+    pub(crate) fn is_cold(&self) -> bool {
+        self.cold
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, PrewarmedState> {

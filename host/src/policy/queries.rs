@@ -53,6 +53,35 @@ pub enum WatchersAnswer {
     Error { error: String },
 }
 
+/// A recorded call's answers, for the same call made again on another
+/// version (replay, the shadow): a node the recording has no answer for is
+/// not taken as gone, as the agent never takes a node it cannot see as
+/// gone; anything else not recorded is absent, as in a scenario.
+pub struct ReplayQueries(pub RecordedQueries);
+
+impl Queries for ReplayQueries {
+    fn node_state(&self, name: &str) -> NodeFacts {
+        self.0.nodes.iter().find(|n| n.name == name).cloned().unwrap_or(NodeFacts {
+            name: name.to_string(),
+            exists: true,
+            ready: false,
+            out_of_service: false,
+        })
+    }
+    fn lookup_path(&self, path: &str) -> Result<PathKind, QueryError> {
+        self.0.lookup_path(path)
+    }
+    fn filesystem_type(&self, device: &str) -> Result<Option<String>, QueryError> {
+        self.0.filesystem_type(device)
+    }
+    fn mount_at(&self, target: &str) -> Result<Option<MountEntry>, QueryError> {
+        self.0.mount_at(target)
+    }
+    fn image_watchers(&self, pool: &str, image: &str) -> Result<Vec<Watcher>, String> {
+        self.0.image_watchers(pool, image)
+    }
+}
+
 impl Queries for RecordedQueries {
     fn node_state(&self, name: &str) -> NodeFacts {
         self.nodes.iter().find(|n| n.name == name).cloned().unwrap_or(NodeFacts {

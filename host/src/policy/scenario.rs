@@ -2,10 +2,9 @@
 //! the expected outcome, run against a built component. The format is
 //! documented in docs/scenarios.md.
 
-use super::invoke::CallError;
 use super::load::Plugin;
 use super::queries::RecordedQueries;
-use crate::model::{CleanupItem, CleanupReason, Consumer, Holder, NodeFacts, NodePaths, Volume};
+use super::recorded::CallInput;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
@@ -66,52 +65,6 @@ enum CallKind {
     Cleanup,
 }
 
-#[derive(Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-struct FenceInput {
-    volume: Volume,
-    requester: Consumer,
-    #[serde(default)]
-    holders: Vec<Holder>,
-    #[serde(default)]
-    nodes: Vec<NodeFacts>,
-}
-
-#[derive(Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-struct AttachInput {
-    volume: Volume,
-    requester: Consumer,
-    #[serde(default)]
-    local_holders: Vec<Holder>,
-    paths: NodePaths,
-}
-
-#[derive(Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-struct DetachInput {
-    volume: Volume,
-    consumer: Consumer,
-    #[serde(default)]
-    local_holders: Vec<Holder>,
-    paths: NodePaths,
-}
-
-#[derive(Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-struct ExpandInput {
-    volume: Volume,
-    consumer: Consumer,
-    paths: NodePaths,
-}
-
-#[derive(Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-struct CleanupInput {
-    reason: CleanupReason,
-    items: Vec<CleanupItem>,
-}
-
 /// How one scenario went.
 #[derive(Debug)]
 pub struct Outcome {
@@ -149,44 +102,22 @@ pub type Malformed = (String, String);
 /// A scenario ready to run: typed inputs and recorded host answers.
 pub struct Prepared {
     pub name: String,
-    call: Call,
-    queries: Arc<RecordedQueries>,
-    expect: Value,
-}
-
-enum Call {
-    Info,
-    Fence(FenceInput),
-    Attach(AttachInput),
-    Detach(DetachInput),
-    Expand(ExpandInput),
-    Condition(ExpandInput),
-    Cleanup(CleanupInput),
+    pub call: CallInput,
+    pub queries: Arc<RecordedQueries>,
+    pub expect: Value,
 }
 
 impl Prepared {
-    /// Make the call; the outcome as a JSON value (see [`outcome`]).
+    /// Make the call; the outcome as a scenario writes it.
     pub fn execute(&self, plugin: &Plugin) -> Value {
-        let q = self.queries.clone();
-        match &self.call {
-            Call::Info => outcome("info", plugin.call_info(q)),
-            Call::Fence(i) => {
-                outcome("decision", plugin.fence(q, &i.volume, &i.requester, &i.holders, &i.nodes))
-            }
-            Call::Attach(i) => outcome(
-                "plan",
-                plugin.attach(q, &i.volume, &i.requester, &i.local_holders, &i.paths),
-            ),
-            Call::Detach(i) => outcome(
-                "plan",
-                plugin.detach(q, &i.volume, &i.consumer, &i.local_holders, &i.paths),
-            ),
-            Call::Expand(i) => outcome("plan", plugin.expand(q, &i.volume, &i.consumer, &i.paths)),
-            Call::Condition(i) => {
-                outcome("condition", plugin.condition(q, &i.volume, &i.consumer, &i.paths))
-            }
-            Call::Cleanup(i) => outcome("plan", plugin.cleanup(q, i.reason, &i.items)),
-        }
+        self.call.answer(plugin, self.queries.clone()).answer.to_value()
+    }
+
+    /// Make the call again on another version of the policy that recorded
+    /// it ([`super::queries::ReplayQueries`]).
+    pub fn replay(&self, plugin: &Plugin) -> Value {
+        let queries = Arc::new(super::queries::ReplayQueries((*self.queries).clone()));
+        self.call.answer(plugin, queries).answer.to_value()
     }
 
     /// None when `actual` matches the expectation; else a readable diff.
@@ -352,29 +283,15 @@ fn prepare(defaults: &Defaults, scenario: Scenario) -> Result<Prepared, String> 
     let queries: RecordedQueries = strict(host, "host")?;
     let what = format!("input for a {:?} call", scenario.call);
     let call = match scenario.call {
-        CallKind::Info => Call::Info,
-        CallKind::Fence => Call::Fence(strict(input, &what)?),
-        CallKind::Attach => Call::Attach(strict(input, &what)?),
-        CallKind::Detach => Call::Detach(strict(input, &what)?),
-        CallKind::Expand => Call::Expand(strict(input, &what)?),
-        CallKind::Condition => Call::Condition(strict(input, &what)?),
-        CallKind::Cleanup => Call::Cleanup(strict(input, &what)?),
+        CallKind::Info => CallInput::Info,
+        CallKind::Fence => CallInput::Fence(strict(input, &what)?),
+        CallKind::Attach => CallInput::Attach(strict(input, &what)?),
+        CallKind::Detach => CallInput::Detach(strict(input, &what)?),
+        CallKind::Expand => CallInput::Expand(strict(input, &what)?),
+        CallKind::Condition => CallInput::Condition(strict(input, &what)?),
+        CallKind::Cleanup => CallInput::Cleanup(strict(input, &what)?),
     };
     Ok(Prepared { name: scenario.name, call, queries: Arc::new(queries), expect: scenario.expect })
-}
-
-/// `{key: value}` for a success, `{error: ...}` for the policy's own
-/// refusal, `{refused: "..."}` for anything the host refused or stopped.
-fn outcome<T: serde::Serialize>(key: &str, result: Result<T, CallError>) -> Value {
-    let mut map = Map::new();
-    match result {
-        Ok(v) => map.insert(key.to_string(), serde_json::to_value(v).unwrap_or(Value::Null)),
-        Err(CallError::Policy { error, .. }) => {
-            map.insert("error".into(), serde_json::to_value(error).unwrap_or(Value::Null))
-        }
-        Err(other) => map.insert("refused".into(), Value::String(other.to_string())),
-    };
-    Value::Object(map)
 }
 
 /// Deep-merge `over` into `base`: objects merge key by key, anything else

@@ -166,6 +166,10 @@ async fn dispatch(
             device: None,
         }),
         Request::Status => Ok(super::status::status(agent, board).await),
+        Request::Recording { backend, on } => board
+            .switch_recording(backend, *on)
+            .map(|message| Response::Ok { message, device: None })
+            .map_err(|m| Failure::new(FailureKind::BadRequest, m)),
         Request::Mount { backend, mount_dir, options } => {
             let (a, b, d, o) = (agent.clone(), backend.clone(), mount_dir.clone(), options.clone());
             served(agent, &request, start, async move {
@@ -191,7 +195,7 @@ fn asked(request: &Request) -> Option<Asked<'_>> {
             Some(Asked::Mount { backend, mount_dir, options })
         }
         Request::Unmount { backend, mount_dir } => Some(Asked::Unmount { backend, mount_dir }),
-        Request::Handshake { .. } | Request::Status => None,
+        Request::Handshake { .. } | Request::Status | Request::Recording { .. } => None,
     }
 }
 
@@ -214,7 +218,7 @@ async fn served(
             Request::Unmount { mount_dir, .. } => {
                 super::flex::tell_unmount_failed(agent, mount_dir, &f);
             }
-            Request::Handshake { .. } | Request::Status => {}
+            Request::Handshake { .. } | Request::Status | Request::Recording { .. } => {}
         }
         Err(f)
     })

@@ -4,7 +4,7 @@
 
 use super::protocol::{
     BackendStatus, CsiDriver, CsiPublication, CsiReport, HeldBy, HeldClient, HeldVolume,
-    LocalReport, MAX_FRAME, PROTOCOL_VERSION, PluginProblem, Response, ResponseFrame,
+    LocalReport, MAX_FRAME, PROTOCOL_VERSION, PluginProblem, Response, ResponseFrame, ShadowReport,
 };
 use crate::csi::drivers::Drivers;
 use crate::csi::registration::Registered;
@@ -31,6 +31,17 @@ pub struct Board {
     local: OnceLock<Arc<LocalState>>,
     /// The CSI drivers, when this agent serves CSI (weak: they hold the agent).
     csi: OnceLock<Weak<Drivers>>,
+    /// Candidate policies in the shadow and what they differed on.
+    shadows: RwLock<Vec<ShadowReport>>,
+    /// Where a request to switch recording goes.
+    recording: OnceLock<Arc<dyn RecordingSwitch>>,
+}
+
+/// Switches a backend's recording on or off; what it did, or why not.
+pub trait RecordingSwitch: Send + Sync {
+    fn set(&self, backend: &str, on: bool) -> Result<String, String>;
+    /// The backends recorded now.
+    fn recorded(&self) -> Vec<String>;
 }
 
 impl std::fmt::Debug for Board {
@@ -52,6 +63,28 @@ impl Board {
     /// Report these CSI drivers from now on.
     pub fn serve_csi(&self, drivers: &Arc<Drivers>) {
         let _ = self.csi.set(Arc::downgrade(drivers));
+    }
+
+    pub fn set_shadows(&self, shadows: Vec<ShadowReport>) {
+        *self.shadows.write().unwrap_or_else(|p| p.into_inner()) = shadows;
+    }
+
+    /// The candidates in the shadow, as the status reports them.
+    pub fn shadows_now(&self) -> Vec<ShadowReport> {
+        self.shadows.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Take requests to switch recording from now on.
+    pub fn switch_recording_with(&self, switch: Arc<dyn RecordingSwitch>) {
+        let _ = self.recording.set(switch);
+    }
+
+    /// Switch `backend`'s recording, when this agent records.
+    pub fn switch_recording(&self, backend: &str, on: bool) -> Result<String, String> {
+        match self.recording.get() {
+            Some(s) => s.set(backend, on),
+            None => Err("this agent does not record: start it with --record DIR".into()),
+        }
     }
 
     fn plugin_problems(&self) -> Vec<PluginProblem> {
@@ -82,8 +115,10 @@ pub async fn status(agent: &Agent, board: &Board) -> Response {
         volumes: Vec::new(),
         volumes_left_out: 0,
         volumes_error,
-        local: board.local_report(),
+        local: board.local_report().map(Box::new),
         csi: csi_report(agent, board).await.map(Box::new),
+        shadows: board.shadows_now(),
+        recording: board.recording.get().map(|r| r.recorded()).unwrap_or_default(),
     };
     let base =
         serde_json::to_vec(&ResponseFrame { version: PROTOCOL_VERSION, response: status.clone() })
@@ -379,6 +414,8 @@ mod tests {
             volumes_error: None,
             local: None,
             csi: None,
+            shadows: vec![],
+            recording: vec![],
         };
         crate::socket::protocol::encode(&ResponseFrame {
             version: PROTOCOL_VERSION,

@@ -35,6 +35,7 @@ mod probe;
 pub mod rbd_export;
 pub mod rbd_fuse;
 pub mod rbd_images;
+pub mod recordings;
 pub mod tool;
 
 pub use beneath::Roots;
@@ -612,6 +613,17 @@ pub fn lower_thread_priority() {
         Ok(o) => tracing::debug!("ionice: {}", String::from_utf8_lossy(&o.stderr).trim()),
         Err(e) => tracing::debug!("ionice: {e}"),
     }
+    // On Linux, a thread's nice value is its own.
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), 19) {
+        tracing::debug!("setpriority: {e}");
+    }
+}
+
+/// Make the calling thread yield the CPUs to everything else (nice 19):
+/// for work no caller waits for (the shadow's calls, the recorder), which
+/// must not slow the calls that are waited for on a node of few cores.
+pub fn yield_cpu() {
+    let tid = rustix::thread::gettid();
     // On Linux, a thread's nice value is its own.
     if let Err(e) = rustix::process::setpriority_process(Some(tid), 19) {
         tracing::debug!("setpriority: {e}");
