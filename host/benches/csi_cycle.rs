@@ -193,6 +193,7 @@ impl AgentUnderTest {
             .state_dir(dir("state"))
             .runtime_dir(dir("run"))
             .plugin_dir(dir("plugins"))
+            .trusting_test_guests(dir("trusted-policies"))
             .kubelet_root(kubelet.clone())
             .discovery_dir(scratch.path("disks"))
             .no_driver_install()

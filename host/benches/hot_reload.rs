@@ -28,14 +28,29 @@ fn main() {
     std::fs::create_dir_all(at("plugins")).expect("dir");
     std::fs::copy(volagent_test_artifacts::LOCAL_PV, at("plugins/local-pv.wasm")).expect("plugin");
     let uid = nix::unistd::geteuid().as_raw().to_string();
+    let new_backend = std::fs::read(volagent_test_artifacts::SHARED_FILE).expect("guest");
+    let local_pv = std::fs::read(volagent_test_artifacts::LOCAL_PV).expect("guest");
+    // Every round's version is listed ahead: a change to the list would
+    // start a pass of its own, and the round would time two.
+    let updates: Vec<Vec<u8>> = (0..ROUNDS)
+        .map(|round| with_custom_section(&local_pv, &format!("bench-round-{round}")))
+        .collect();
+    volagent_test_support::agent::write_allow_list(
+        &at("trusted-policies"),
+        volagent_test_artifacts::LOADABLE,
+    );
+    let mut list = std::fs::read_to_string(at("trusted-policies")).expect("allow-list");
+    for bytes in &updates {
+        use sha2::Digest;
+        list.push_str(&format!("local-pv {}\n", hex::encode(sha2::Sha256::digest(bytes))));
+    }
+    std::fs::write(at("trusted-policies"), list).expect("allow-list");
     let mut agent =
         AgentBuilder::new(VOLAGENT, "bench").under(dir.path()).args(["--allow-uid", &uid]).spawn();
     let socket = at("run/agent.sock");
-    let new_backend = std::fs::read(volagent_test_artifacts::SHARED_FILE).expect("guest");
-    let local_pv = std::fs::read(volagent_test_artifacts::LOCAL_PV).expect("guest");
 
     let (mut added, mut updated) = (Vec::new(), Vec::new());
-    for round in 0..ROUNDS {
+    for bytes in &updates {
         // A new backend appears.
         let t = Instant::now();
         install(&at("plugins"), "shared-file.wasm", &new_backend);
@@ -46,13 +61,12 @@ fn main() {
 
         // An existing backend is updated: the same policy with a different
         // sha256 (a custom section appended).
-        let bytes = with_custom_section(&local_pv, &format!("bench-round-{round}"));
         let sha = {
             use sha2::Digest;
-            hex::encode(sha2::Sha256::digest(&bytes))
+            hex::encode(sha2::Sha256::digest(bytes))
         };
         let t = Instant::now();
-        install(&at("plugins"), "local-pv.wasm", &bytes);
+        install(&at("plugins"), "local-pv.wasm", bytes);
         let driver = at("vpd/volagent~local-pv/local-pv");
         wait(|| {
             serving_sha(&socket, "local-pv").as_deref() == Some(sha.as_str()) && init_ok(&driver)

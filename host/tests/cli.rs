@@ -131,6 +131,36 @@ fn plugin_bench_reports_percentiles() {
 
 /// cargo, for a crate outside this workspace: the host build's own flags
 /// and target dir left out, a target dir of its own kept between runs.
+#[test]
+fn plugin_trust_adds_each_policy_once_to_an_allow_list_and_keeps_what_is_there() {
+    use sha2::Digest;
+    let dir = tempfile::tempdir().expect("dir");
+    let list = dir.path().join("trusted-policies");
+    std::fs::write(&list, "# the site's own\n").expect("list");
+    let list_arg = list.to_str().expect("utf-8 path");
+    let sha = |f: &str| hex::encode(sha2::Sha256::digest(std::fs::read(f).expect("guest")));
+    let (code, out, err) = volagent(&["plugin", "trust", LOCAL_PV, RBD, "--list", list_arg]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(&format!("local-pv {}  # ", sha(LOCAL_PV))), "{out}");
+    assert!(out.contains("2 entries (2 new)"), "{out}");
+    let (code, out, _) = volagent(&["plugin", "trust", LOCAL_PV, "--list", list_arg]);
+    assert_eq!(code, 0);
+    assert!(out.contains("2 entries (0 new)"), "{out}");
+    let text = std::fs::read_to_string(&list).expect("list");
+    assert!(text.starts_with("# the site's own\n"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.starts_with("local-pv ")).count(), 1, "{text}");
+    assert!(text.contains(&format!("rbd {}", sha(RBD))), "{text}");
+    // Not a policy, or a list that does not parse: refused, nothing written.
+    let (code, _, err) = volagent(&["plugin", "trust", WRONG_WORLD, "--list", list_arg]);
+    assert_ne!(code, 0);
+    assert!(err.contains(WRONG_WORLD), "{err}");
+    std::fs::write(&list, "rbd\n").expect("list");
+    let (code, _, err) = volagent(&["plugin", "trust", LOCAL_PV, "--list", list_arg]);
+    assert_ne!(code, 0);
+    assert!(err.contains("line 1"), "{err}");
+    assert_eq!(std::fs::read_to_string(&list).expect("list"), "rbd\n");
+}
+
 fn cargo_in(dir: &std::path::Path, args: &[&str]) -> (bool, String) {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)

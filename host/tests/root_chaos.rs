@@ -240,12 +240,15 @@ fn records(node: &mut Node) -> std::collections::BTreeMap<String, Vec<String>> {
 /// random moments through both and started again: every call succeeds once
 /// an agent answers it, each staging dir and pod dir is mounted once, the
 /// records name exactly what is mounted, and nothing is left at the end.
+/// The agent records its policy calls all along: every recorded file is
+/// whole, and the recording replays on the shipped policy with no
+/// difference.
 #[test]
 fn the_agent_killed_at_random_under_load_loses_nothing() {
     let mut rng = fastrand::Rng::with_seed(scratch::chaos_seed(
         "the_agent_killed_at_random_under_load_loses_nothing",
     ));
-    let mut node = Node::start_alone(VOLAGENT);
+    let mut node = Node::start_alone_recording(VOLAGENT);
     let kubelet = node.scratch.path("node-a/kubelet");
     let volumes: Vec<Volume> = (0..VOLUMES)
         .map(|i| Volume {
@@ -298,6 +301,44 @@ fn the_agent_killed_at_random_under_load_loses_nothing() {
     assert!(node.scratch.mounts().is_empty(), "{:?}", node.scratch.mounts());
     assert!(node.scratch.loops_left().is_empty(), "{:?}", node.scratch.loops());
     assert!(records(&mut node).is_empty(), "no record is left");
+    replays_the_same(&node.recordings(), VOLUMES);
+}
+
+/// The recording `dir` (of local-pv calls, at least `calls` of each of
+/// fence, attach and detach) replays on each shipped policy that has calls
+/// in it with every call answered the same, and every file in it parses.
+fn replays_the_same(dir: &std::path::Path, calls: usize) {
+    let backends: Vec<String> = std::fs::read_dir(dir)
+        .expect("the recording dir")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    assert_eq!(backends, ["local-pv"], "only local-pv was called");
+    let files: Vec<String> = std::fs::read_dir(dir.join("local-pv"))
+        .expect("local-pv's recordings")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    for call in ["fence", "attach", "detach"] {
+        let n = files.iter().filter(|f| f.ends_with(&format!("-{call}.json"))).count();
+        assert!(n >= calls, "{n} {call} calls recorded, fewer than {calls}");
+    }
+    for (backend, policy) in volagent_test_artifacts::BACKENDS {
+        if !backends.iter().any(|b| b == backend) {
+            continue;
+        }
+        let out = std::process::Command::new(VOLAGENT)
+            .args(["plugin", "replay", policy])
+            .arg(dir)
+            .output()
+            .expect("volagent plugin replay");
+        let text = String::from_utf8_lossy(&out.stdout);
+        eprintln!("replay on {backend}: {}", text.lines().next().unwrap_or_default());
+        assert!(
+            out.status.success(),
+            "the recording replays differently on {backend}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.lines().next().is_some_and(|l| l.ends_with(", 0 otherwise")), "{text}");
+    }
 }
 
 /// The faults injected at each step kind of a local volume's mount and

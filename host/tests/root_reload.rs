@@ -110,6 +110,16 @@ impl Node {
         std::fs::write(&tmp, bytes).expect("write");
         std::fs::rename(&tmp, self.scratch.path(&format!("plugins/{name}"))).expect("rename");
     }
+
+    /// List `bytes` for `backend` in the agent's allow-list.
+    fn trust(&self, backend: &str, bytes: &[u8]) {
+        use sha2::Digest;
+        let line = format!("{backend} {}\n", hex::encode(sha2::Sha256::digest(bytes)));
+        let list = self.scratch.path("trusted-policies");
+        let mut text = std::fs::read_to_string(&list).expect("the allow-list");
+        text.push_str(&line);
+        std::fs::write(&list, text).expect("the allow-list");
+    }
 }
 
 fn image(node: &Node, name: &str) -> String {
@@ -155,6 +165,8 @@ fn a_broken_update_is_reported_and_the_last_good_version_serves_on() {
     let node = Node::start();
     let good = std::fs::read(volagent_test_artifacts::LOCAL_PV).expect("guest");
     let garbage = b"\0asm this is not a component".to_vec();
+    // Listed, so that the load's own checks refuse it, not trust.
+    node.trust("local-pv", &garbage);
     node.install("local-pv.wasm", &garbage);
     node.wait("local-pv to be reported degraded", || {
         let (code, v) = node.status();

@@ -10,7 +10,7 @@ use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output};
 use std::time::Duration;
-use volagent_test_support::agent::{AgentBuilder, kill};
+use volagent_test_support::agent::{AgentBuilder, kill, write_allow_list};
 use volagent_test_support::driver::{assert_failure, assert_success, kubelet_options, run_driver};
 use volagent_test_support::scratch::RootScratch;
 use volagent_test_support::wait_until;
@@ -45,13 +45,42 @@ impl Drop for Node {
 impl Node {
     /// An agent serving local-pv; recording into `recordings/` when `record`.
     fn start(record: bool) -> Node {
+        Node::start_as(record, false)
+    }
+
+    /// An agent that trusts local-pv as shipped (listed) and what the key
+    /// `keys/admin.pub` signed, made here with minisign (`keys/other` is a
+    /// key it does not know).
+    fn start_trusting_little() -> Node {
+        Node::start_as(false, true)
+    }
+
+    fn start_as(record: bool, little: bool) -> Node {
         let scratch = RootScratch::enter();
-        for d in ["plugins", "disks"] {
+        for d in ["plugins", "disks", "keys"] {
             std::fs::create_dir_all(scratch.path(d)).expect("dir");
         }
         std::fs::copy(volagent_test_artifacts::LOCAL_PV, scratch.path("plugins/local-pv.wasm"))
             .expect("plugin");
-        let mut agent = AgentBuilder::new(VOLAGENT, "node-a").under(&scratch.path(""));
+        let mut agent = AgentBuilder::new(VOLAGENT, "node-a");
+        if little {
+            write_allow_list(
+                &scratch.path("trusted-policies"),
+                &[("local-pv", volagent_test_artifacts::LOCAL_PV)],
+            );
+            for key in ["admin", "other"] {
+                let out = Command::new("minisign")
+                    .args(["-G", "-W", "-p"])
+                    .arg(scratch.path(&format!("keys/{key}.pub")))
+                    .arg("-s")
+                    .arg(scratch.path(&format!("keys/{key}.sec")))
+                    .output()
+                    .expect("minisign (scripts/setup installs it)");
+                assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            }
+            agent = agent.arg("--policy-key").arg(scratch.path("keys/admin.pub"));
+        }
+        agent = agent.under(&scratch.path(""));
         if record {
             agent = agent.arg("--record").arg(scratch.path("recordings"));
         }
@@ -59,8 +88,59 @@ impl Node {
         Node { agent, scratch }
     }
 
+    /// `plugins/<name>` signed with `keys/<key>.sec`, beside it.
+    fn sign(&self, name: &str, key: &str) {
+        let out = Command::new("minisign")
+            .args(["-S", "-s", &self.path(&format!("keys/{key}.sec")), "-m"])
+            .arg(self.path(&format!("plugins/{name}")))
+            .output()
+            .expect("minisign");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// The problem reported for the scratch dir's file `name`, once it says `says`.
+    fn problem_saying(&self, name: &str, state: &str, says: &[&str]) -> Value {
+        let file = format!("/{name}");
+        let mut found = Value::Null;
+        wait_until(WAIT, &format!("{name} reported {state}, saying {says:?}"), || {
+            let status = self.status();
+            found = status["problems"]
+                .as_array()
+                .and_then(|p| {
+                    p.iter().find(|p| {
+                        p["state"] == state
+                            && p["file"].as_str().is_some_and(|f| f.ends_with(&file))
+                            && says.iter().all(|w| p["reason"].as_str().unwrap_or("").contains(w))
+                    })
+                })
+                .cloned()
+                .unwrap_or(Value::Null);
+            !found.is_null()
+        });
+        found
+    }
+
+    /// Copy `from` to `plugins/<name>` the way installers do.
+    fn install(&self, from: &str, name: &str) {
+        let tmp = self.path("plugins/.tmp");
+        std::fs::copy(from, &tmp).expect("copy");
+        std::fs::rename(&tmp, self.path(&format!("plugins/{name}"))).expect("rename");
+    }
+
     fn path(&self, rel: &str) -> String {
         self.scratch.path(rel).display().to_string()
+    }
+
+    /// `volagent ARGS`, trusting what the agent trusts.
+    fn volagent_trusting(&self, args: &[&str]) -> Output {
+        let list = self.path("trusted-policies");
+        let key = self.path("keys/admin.pub");
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["--trusted-policies", &list]);
+        if std::path::Path::new(&key).exists() {
+            all.extend(["--policy-key", &key]);
+        }
+        volagent(&all)
     }
 
     fn status(&self) -> Value {
@@ -73,8 +153,15 @@ impl Node {
         })
     }
 
+    /// The sha256 of the local-pv version serving.
     fn serving_sha(&self) -> String {
-        self.status()["backends"][0]["sha256"].as_str().unwrap_or_default().to_string()
+        let status = self.status();
+        let local = status["backends"]
+            .as_array()
+            .and_then(|b| b.iter().find(|b| b["name"] == "local-pv"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        local["sha256"].as_str().unwrap_or_default().to_string()
     }
 
     /// Mount `volume` (a fresh image file) for `pod` through the driver,
@@ -267,7 +354,7 @@ fn a_candidate_in_the_shadow_is_counted_without_effect_then_promoted_and_rolled_
     node.unmount(&rox);
 
     // Promoted: it serves, and the old version is kept for a rollback.
-    let out = volagent(&["plugin", "promote", "local-pv", "--dir", &plugins]);
+    let out = node.volagent_trusting(&["plugin", "promote", "local-pv", "--dir", &plugins]);
     assert!(out.status.success());
     assert_eq!(sha256(&format!("{plugins}/local-pv.previous.wasm")), original);
     assert!(!std::path::Path::new(&format!("{plugins}/local-pv.candidate.wasm")).exists());
@@ -281,7 +368,7 @@ fn a_candidate_in_the_shadow_is_counted_without_effect_then_promoted_and_rolled_
     assert_failure(&r, "refuses ReadOnlyMany");
 
     // Rolled back: the old version serves again, the new one is kept.
-    let out = volagent(&["plugin", "rollback", "local-pv", "--dir", &plugins]);
+    let out = node.volagent_trusting(&["plugin", "rollback", "local-pv", "--dir", &plugins]);
     assert!(out.status.success());
     assert_eq!(sha256(&format!("{plugins}/local-pv.previous.wasm")), strict);
     // Its scenario went with it: the old version, which fails it, serves.
@@ -306,7 +393,95 @@ fn a_candidate_in_the_shadow_is_counted_without_effect_then_promoted_and_rolled_
         })
     });
     assert!(node.status()["shadows"].as_array().is_none_or(Vec::is_empty));
-    let out = volagent(&["plugin", "promote", "local-pv", "--dir", &plugins]);
+    let out = node.volagent_trusting(&["plugin", "promote", "local-pv", "--dir", &plugins]);
     assert!(!out.status.success(), "a wrong candidate is not promoted");
     assert_eq!(sha256(&format!("{plugins}/local-pv.wasm")), original, "and nothing moved");
+}
+
+#[test]
+fn an_unlisted_or_unsigned_policy_is_refused_while_the_trusted_one_serves() {
+    let node = Node::start_trusting_little();
+    let plugins = node.path("plugins");
+    let original = sha256(&format!("{plugins}/local-pv.wasm"));
+    let strict_file = volagent_test_artifacts::LOCAL_PV_STRICT;
+    let strict = sha256(strict_file);
+    wait_until(WAIT, "local-pv to serve", || node.serving_sha() == original);
+
+    // Neither listed nor signed: refused before it runs, the old serves.
+    node.install(strict_file, "local-pv.wasm");
+    let p =
+        node.problem_saying("plugins/local-pv.wasm", "untrusted", &["not trusted", "no signature"]);
+    assert_eq!(p["sha256"], strict.as_str(), "{p}");
+    assert!(p["reason"].as_str().is_some_and(|r| r.contains(&strict)), "{p}");
+    assert_eq!(node.serving_sha(), original);
+    let (dir, r) = node.mount("p1", "pv-rox", "ReadOnlyMany");
+    assert_success(&r);
+    node.unmount(&dir);
+
+    // Signed with a key the agent was not given: refused the same.
+    node.sign("local-pv.wasm", "other");
+    node.problem_saying("plugins/local-pv.wasm", "untrusted", &["verifies with none", "admin.pub"]);
+    assert_eq!(node.serving_sha(), original);
+
+    // Signed with the admin's key: it serves (the signature's arrival is
+    // the change; the file is the same).
+    node.sign("local-pv.wasm", "admin");
+    wait_until(WAIT, "the signed version to serve", || node.serving_sha() == strict);
+    let (_, r) = node.mount("p2", "pv-rox2", "ReadOnlyMany");
+    assert_failure(&r, "refuses ReadOnlyMany");
+
+    // Back to the listed version; a new backend is listed by a line added
+    // to the allow-list, without touching its file.
+    std::fs::remove_file(format!("{plugins}/local-pv.wasm.minisig")).expect("rm");
+    node.install(volagent_test_artifacts::LOCAL_PV, "local-pv.wasm");
+    wait_until(WAIT, "the listed version to serve again", || node.serving_sha() == original);
+    node.install(volagent_test_artifacts::CORE_ONLY, "core-only.wasm");
+    node.problem_saying("plugins/core-only.wasm", "untrusted", &["not trusted", "1 entries"]);
+    let list = node.path("trusted-policies");
+    write_allow_list(
+        std::path::Path::new(&list),
+        &[
+            ("local-pv", volagent_test_artifacts::LOCAL_PV),
+            ("core-only", volagent_test_artifacts::CORE_ONLY),
+        ],
+    );
+    wait_until(WAIT, "the newly listed backend to serve", || {
+        node.status()["backends"]
+            .as_array()
+            .is_some_and(|b| b.iter().any(|b| b["name"] == "core-only"))
+    });
+    // Listed for one backend, a file that is another is refused.
+    let mut text = std::fs::read_to_string(&list).expect("list");
+    text.push_str(&format!("nbd {}\n", sha256(volagent_test_artifacts::SHARED_FILE)));
+    std::fs::write(&list, text).expect("list");
+    node.install(volagent_test_artifacts::SHARED_FILE, "nbd.wasm");
+    node.problem_saying(
+        "plugins/nbd.wasm",
+        "untrusted",
+        &["listed for nbd", "backend shared-file"],
+    );
+
+    // An untrusted candidate never runs in the shadow, and is not promoted.
+    node.install(strict_file, "local-pv.candidate.wasm");
+    node.problem_saying("plugins/local-pv.candidate.wasm", "candidate-rejected", &["not trusted"]);
+    assert!(node.status()["shadows"].as_array().is_none_or(Vec::is_empty));
+    let out = node.volagent_trusting(&["plugin", "promote", "local-pv", "--dir", &plugins]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not trusted"), "says why");
+    assert_eq!(sha256(&format!("{plugins}/local-pv.wasm")), original, "and nothing moved");
+    // Signed, it runs in the shadow and is promoted with its signature,
+    // which moves with it.
+    node.sign("local-pv.candidate.wasm", "admin");
+    wait_until(WAIT, "the signed candidate in the shadow", || {
+        node.status()["shadows"][0]["sha256"].as_str() == Some(&strict)
+    });
+    let out = node.volagent_trusting(&["plugin", "promote", "local-pv", "--dir", &plugins]);
+    assert!(out.status.success());
+    assert!(std::path::Path::new(&format!("{plugins}/local-pv.wasm.minisig")).exists());
+    wait_until(WAIT, "the promoted version to serve", || node.serving_sha() == strict);
+
+    // A malformed allow-list trusts nothing and says so; what serves serves on.
+    std::fs::write(&list, "local-pv nonsense\n").expect("list");
+    node.problem_saying("trusted-policies", "allow-list-invalid", &["line 1", "not a sha256"]);
+    assert_eq!(node.serving_sha(), strict);
 }

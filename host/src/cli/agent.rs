@@ -136,6 +136,9 @@ pub struct AgentArgs {
     /// With --record: bytes of recordings kept at most, in MiB.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
     record_max_mib: u64,
+    /// Which policies may be loaded: none but those listed or signed.
+    #[command(flatten)]
+    trust: crate::plugin::trust::TrustArgs,
 }
 
 impl AgentArgs {
@@ -222,6 +225,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     let plugin_dir = args.plugin_dir.clone().unwrap_or_else(|| args.state_dir.join("plugins"));
     std::fs::create_dir_all(&plugin_dir)
         .with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
+    let trust = crate::plugin::trust::TrustSources::new(&args.trust)?;
     let runtime = Runtime::new(limits)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -367,12 +371,13 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         board: board.clone(),
         cluster: cluster.clone(),
         observer: Some(observer),
+        trust: Arc::new(trust),
     };
     let mut reloader =
         Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
     // The watch starts before the first pass: a file that lands after the
     // pass has read the dir (even before the socket appears) still counts.
-    let watch = crate::plugin::watch::DirWatch::start(&plugin_dir)
+    let watch = crate::plugin::watch::DirWatch::start(&plugin_dir, Some(&args.trust.allow_list))
         .map_err(|e| tracing::error!("backends will not be reloaded: {e:#}"))
         .ok();
     reloader.pass();

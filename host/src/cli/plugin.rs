@@ -82,6 +82,9 @@ pub enum PluginCommand {
         /// The agent's plugin dir.
         #[arg(long, default_value = "/var/lib/volagent/plugins")]
         dir: PathBuf,
+        /// What the agent trusts: the candidate must be trusted too.
+        #[command(flatten)]
+        trust: crate::plugin::trust::TrustArgs,
     },
     /// Serve a backend's previous version again; the version that served
     /// becomes the previous one.
@@ -90,6 +93,18 @@ pub enum PluginCommand {
         /// The agent's plugin dir.
         #[arg(long, default_value = "/var/lib/volagent/plugins")]
         dir: PathBuf,
+        /// What the agent trusts: the previous version must still be.
+        #[command(flatten)]
+        trust: crate::plugin::trust::TrustArgs,
+    },
+    /// Print each policy's allow-list line (`<backend> <sha256>`), after it
+    /// loads; with --list, add them to that allow-list.
+    Trust {
+        #[arg(required = true)]
+        wasm: Vec<PathBuf>,
+        /// The allow-list to add them to (made when missing).
+        #[arg(long)]
+        list: Option<PathBuf>,
     },
     /// Switch the recording of a backend's policy calls on or off in a
     /// running agent (started with --record DIR).
@@ -141,11 +156,19 @@ pub fn run(command: PluginCommand, limits: Limits) -> anyhow::Result<ExitCode> {
             let (plugin, _) = load(&runtime, &candidate)?;
             super::plugin_replay::replay(&plugin, &recordings, &allow)
         }
-        PluginCommand::Promote { backend, dir } => {
-            super::plugin_rollout::promote(&runtime, &dir, &backend).map(|()| ExitCode::SUCCESS)
+        PluginCommand::Promote { backend, dir, trust } => {
+            let trust = crate::plugin::trust::TrustSources::new(&trust)?;
+            super::plugin_rollout::promote(&runtime, &trust, &dir, &backend)
+                .map(|()| ExitCode::SUCCESS)
         }
-        PluginCommand::Rollback { backend, dir } => {
-            super::plugin_rollout::rollback(&runtime, &dir, &backend).map(|()| ExitCode::SUCCESS)
+        PluginCommand::Rollback { backend, dir, trust } => {
+            let trust = crate::plugin::trust::TrustSources::new(&trust)?;
+            super::plugin_rollout::rollback(&runtime, &trust, &dir, &backend)
+                .map(|()| ExitCode::SUCCESS)
+        }
+        PluginCommand::Trust { wasm, list } => {
+            super::plugin_rollout::trust_files(&runtime, &wasm, list.as_deref())
+                .map(|()| ExitCode::SUCCESS)
         }
         PluginCommand::Status { .. }
         | PluginCommand::New { .. }

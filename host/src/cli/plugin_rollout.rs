@@ -1,9 +1,12 @@
 //! `volagent plugin promote` and `volagent plugin rollback`: a backend's
 //! versions moved by renames in the plugin dir, which the agent's watch
 //! takes like any change. A file serving the backend is there at every
-//! moment: each step is one atomic rename within the dir.
+//! moment: each step is one atomic rename within the dir. A version's
+//! scenarios and signature move with it. `volagent plugin trust` lists
+//! versions in an allow-list.
 
 use crate::plugin::reload::{CANDIDATE, PREVIOUS, check_file};
+use crate::plugin::trust::{self, AllowList, SIGNATURE, TrustSources};
 use crate::policy::{Plugin, Runtime};
 use anyhow::Context;
 use std::path::{Path, PathBuf};
@@ -91,15 +94,29 @@ fn stem(path: &Path) -> String {
     path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string()
 }
 
-/// The checks the agent makes of a new file, as it will be named.
+/// The checks the agent makes of a new file, as it will be named: trusted
+/// (listed, or signed by the signature beside it, which moves with it),
+/// loaded, and passing the scenarios it will have.
 fn check(
     runtime: &Arc<Runtime>,
+    trust: &TrustSources,
     file: &Path,
     named: &Path,
     backend: &str,
 ) -> anyhow::Result<String> {
     let bytes = crate::sys::beneath::read_file(file, runtime.limits.max_file_bytes)
         .with_context(|| format!("cannot read {}", file.display()))?;
+    let sha = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(&bytes))
+    };
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let name = file.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let signature = trust::signature_beside(dir, name);
+    let grant = trust
+        .now()
+        .check(&sha, &bytes, signature.as_ref().map(|(n, r)| (n.as_str(), r.clone())))
+        .map_err(|why| anyhow::anyhow!("{}: {why}", file.display()))?;
     let plugin = check_file(runtime, named, &bytes)
         .map_err(|why| anyhow::anyhow!("{}: {why}", file.display()))?;
     anyhow::ensure!(
@@ -108,6 +125,7 @@ fn check(
         file.display(),
         plugin.name()
     );
+    grant.covers(backend, &sha).map_err(|why| anyhow::anyhow!("{}: {why}", file.display()))?;
     Ok(format!("{} {} (sha256 {})", plugin.name(), plugin.info().version, plugin.sha256()))
 }
 
@@ -138,6 +156,22 @@ fn swap_scenarios(dir: &Path, a: &str, b: &str) -> anyhow::Result<()> {
     }
 }
 
+/// The signatures of files `a` and `b` of `dir` swap names; a file with
+/// none gets none.
+fn swap_signatures(dir: &Path, a: &Path, b: &Path) -> anyhow::Result<()> {
+    let sig = |p: &Path| {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        dir.join(format!("{name}{SIGNATURE}"))
+    };
+    let (x, y) = (sig(a), sig(b));
+    match (std::fs::symlink_metadata(&x).is_ok(), std::fs::symlink_metadata(&y).is_ok()) {
+        (true, true) => exchange(&x, &y),
+        (true, false) => rename(&x, &y),
+        (false, true) => rename(&y, &x),
+        (false, false) => Ok(()),
+    }
+}
+
 /// The scenarios of stem `stem` go (a version being replaced takes its
 /// own with it).
 fn drop_scenarios(dir: &Path, stem: &str) -> anyhow::Result<()> {
@@ -159,7 +193,12 @@ fn sync_dir(dir: &Path) -> anyhow::Result<()> {
 /// candidate's own scenarios, when shipped beside it, go with it (the old
 /// ones are kept as the previous version's); else it must pass those
 /// beside the serving file.
-pub fn promote(runtime: &Arc<Runtime>, dir: &Path, backend: &str) -> anyhow::Result<()> {
+pub fn promote(
+    runtime: &Arc<Runtime>,
+    trust: &TrustSources,
+    dir: &Path,
+    backend: &str,
+) -> anyhow::Result<()> {
     checked_backend(backend)?;
     let candidate = dir.join(format!("{backend}{CANDIDATE}"));
     anyhow::ensure!(
@@ -171,16 +210,25 @@ pub fn promote(runtime: &Arc<Runtime>, dir: &Path, backend: &str) -> anyhow::Res
     let candidate_stem = stem(&candidate);
     let own = scenarios_of(dir, &candidate_stem).is_some();
     let named = if own { candidate.clone() } else { target.clone() };
-    let what = check(runtime, &candidate, &named, backend)?;
-    // The version kept until now is replaced, and its scenarios with it.
+    let what = check(runtime, trust, &candidate, &named, backend)?;
+    // The version kept until now is replaced, and its scenarios and
+    // signature with it.
     let previous_stem = format!("{backend}.previous");
+    let previous = dir.join(format!("{backend}{PREVIOUS}"));
     drop_scenarios(dir, &previous_stem)?;
-    // Scenarios first: the agent reads them when the component changes.
+    let old_signature = dir.join(format!("{backend}{PREVIOUS}{SIGNATURE}"));
+    if std::fs::symlink_metadata(&old_signature).is_ok() {
+        std::fs::remove_file(&old_signature)
+            .with_context(|| format!("cannot remove {}", old_signature.display()))?;
+    }
+    // Scenarios and signatures first: the agent reads them when the
+    // component changes.
     if own {
         swap_scenarios(dir, &candidate_stem, &stem(&target))?;
         swap_scenarios(dir, &candidate_stem, &previous_stem)?;
     }
-    let previous = dir.join(format!("{backend}{PREVIOUS}"));
+    swap_signatures(dir, &candidate, &target)?;
+    swap_signatures(dir, &candidate, &previous)?;
     if serves {
         exchange(&candidate, &target)?;
         rename(&candidate, &previous)?;
@@ -195,7 +243,12 @@ pub fn promote(runtime: &Arc<Runtime>, dir: &Path, backend: &str) -> anyhow::Res
 
 /// The previous version serves again, and what served becomes the previous
 /// version, each with its own scenarios: a second rollback rolls forward.
-pub fn rollback(runtime: &Arc<Runtime>, dir: &Path, backend: &str) -> anyhow::Result<()> {
+pub fn rollback(
+    runtime: &Arc<Runtime>,
+    trust: &TrustSources,
+    dir: &Path,
+    backend: &str,
+) -> anyhow::Result<()> {
     checked_backend(backend)?;
     let previous = dir.join(format!("{backend}{PREVIOUS}"));
     anyhow::ensure!(
@@ -205,8 +258,9 @@ pub fn rollback(runtime: &Arc<Runtime>, dir: &Path, backend: &str) -> anyhow::Re
     );
     let (target, serves) = target(runtime, dir, backend)?;
     // Checked against its own scenarios (none, when none were kept).
-    let what = check(runtime, &previous, &previous, backend)?;
+    let what = check(runtime, trust, &previous, &previous, backend)?;
     swap_scenarios(dir, &stem(&previous), &stem(&target))?;
+    swap_signatures(dir, &previous, &target)?;
     if serves {
         exchange(&previous, &target)?;
     } else {
@@ -214,5 +268,64 @@ pub fn rollback(runtime: &Arc<Runtime>, dir: &Path, backend: &str) -> anyhow::Re
     }
     sync_dir(dir)?;
     println!("rolled back to {what}: {} serves it again", target.display());
+    Ok(())
+}
+
+/// Each file's `<backend> <sha256>` line, after it loads as a policy;
+/// added to the allow-list `list` when given and not there yet (the list
+/// is kept as it is, comments too, and written whole, then renamed into
+/// place, so an agent never reads half of it).
+pub fn trust_files(
+    runtime: &Arc<Runtime>,
+    files: &[PathBuf],
+    list: Option<&Path>,
+) -> anyhow::Result<()> {
+    let mut lines = Vec::new();
+    for file in files {
+        let bytes = crate::sys::beneath::read_file(file, runtime.limits.max_file_bytes)
+            .with_context(|| format!("cannot read {}", file.display()))?;
+        let plugin = Plugin::load_candidate(runtime, file, &bytes)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+        let line = format!(
+            "{} {}  # {} {}",
+            plugin.name(),
+            plugin.sha256(),
+            file.display(),
+            plugin.info().version
+        );
+        println!("{line}");
+        lines.push((plugin.name().to_string(), plugin.sha256().to_string(), line));
+    }
+    let Some(list) = list else { return Ok(()) };
+    let mut text = match std::fs::read_to_string(list) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", list.display())),
+    };
+    // A list that does not parse is mended by hand, not added to.
+    let mut known = AllowList::parse(list, &text)?;
+    let mut added = 0;
+    for (backend, sha, line) in lines {
+        if known.backends(&sha).is_some_and(|b| b.contains(&backend)) {
+            continue;
+        }
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&line);
+        text.push('\n');
+        known.add(&backend, &sha);
+        added += 1;
+    }
+    let tmp = list.with_file_name(format!(
+        ".{}.new",
+        list.file_name().and_then(|n| n.to_str()).unwrap_or("trusted-policies")
+    ));
+    std::fs::write(&tmp, &text).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("cannot sync {}", tmp.display()))?;
+    rename(&tmp, list)?;
+    println!("{}: {} entries ({added} new)", list.display(), known.len());
     Ok(())
 }

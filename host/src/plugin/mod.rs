@@ -5,4 +5,5 @@
 pub mod install;
 pub mod observe;
 pub mod reload;
+pub mod trust;
 pub mod watch;

@@ -12,6 +12,10 @@
 //!   volumes of that backend are attached here: then it stays loaded, says
 //!   so, and the removal completes in a later pass once they are gone.
 //!
+//! Every file must be trusted first ([`super::trust`]): listed for its
+//! backend, or signed with a configured key. An untrusted file is refused
+//! before it is compiled, and the last trusted version keeps serving.
+//!
 //! A file named `<backend>.candidate.wasm` is not served: once loaded and
 //! checked like any other, it runs in the shadow of the backend's serving
 //! version ([`super::observe`]); removing it ends the shadow.
@@ -20,6 +24,7 @@
 //! and are ignored.
 
 use super::install::{self, DriverConfig};
+use super::trust::{self, Trust};
 use crate::ops::Agent;
 use crate::policy::{Plugin, Runtime};
 use crate::socket::protocol::PluginProblem;
@@ -47,6 +52,8 @@ pub struct Integration {
     pub cluster: Option<crate::kube::cluster::Cluster>,
     /// What sees the served backends' calls, and runs candidates.
     pub observer: Option<Arc<super::observe::Observer>>,
+    /// What decides which files may be loaded.
+    pub trust: Arc<super::trust::TrustSources>,
 }
 
 /// One file that serves a backend.
@@ -101,6 +108,42 @@ struct Rejected {
     backend: Option<String>,
     reason: String,
     candidate: bool,
+    /// Refused as untrusted, under these trust sources and this signature:
+    /// reconsidered when they change.
+    trust_state: Option<String>,
+}
+
+impl Rejected {
+    fn new(sha256: String, backend: Option<String>, reason: String, candidate: bool) -> Rejected {
+        Rejected { sha256, backend, reason, candidate, trust_state: None }
+    }
+
+    fn untrusted(mut self, trust_state: String) -> Rejected {
+        self.trust_state = Some(trust_state);
+        self
+    }
+
+    /// Whether `sha256`, under `trust_state`, was refused already.
+    fn same(&self, sha256: &str, trust_state: &str) -> bool {
+        self.sha256 == sha256 && self.trust_state.as_deref().is_none_or(|t| t == trust_state)
+    }
+
+    fn state(&self) -> &'static str {
+        match (self.candidate, &self.trust_state) {
+            (true, _) => "candidate-rejected",
+            (false, Some(_)) => "untrusted",
+            (false, None) => "degraded",
+        }
+    }
+}
+
+/// A file's contents and what decides whether to trust them.
+struct Found {
+    sha256: String,
+    bytes: Vec<u8>,
+    signature: Option<(String, Result<Vec<u8>, String>)>,
+    /// The trust sources' fingerprint and the signature's.
+    trust_state: String,
 }
 
 pub struct Reloader {
@@ -117,6 +160,8 @@ pub struct Reloader {
     candidates: BTreeMap<String, Served>,
     /// Backends whose file is gone but whose volumes are still attached.
     pending_removal: BTreeMap<String, (String, String)>,
+    /// What is wrong with the trust sources themselves.
+    trust_problem: Option<String>,
     passes: u64,
     rt: tokio::runtime::Handle,
 }
@@ -207,6 +252,7 @@ impl Reloader {
             rejected: BTreeMap::new(),
             candidates: BTreeMap::new(),
             pending_removal: BTreeMap::new(),
+            trust_problem: None,
             passes: 0,
             rt,
         }
@@ -239,6 +285,8 @@ impl Reloader {
                 return report;
             }
         };
+        let trust = self.integration.trust.now();
+        self.note_trust_problem(trust.problem());
         let mut candidates = BTreeMap::new();
         for (name, path) in &files {
             match role(name) {
@@ -256,14 +304,9 @@ impl Reloader {
                 Err(_) if self.rejected.get(name).is_some_and(|r| r.sha256.is_empty()) => continue,
                 Err(e) => {
                     let backend = self.served.get(name).map(|s| s.backend.clone());
-                    self.reject(
-                        name,
-                        String::new(),
-                        backend,
-                        format!("unreadable: {e}"),
-                        false,
-                        &mut report,
-                    );
+                    let r =
+                        Rejected::new(String::new(), backend, format!("unreadable: {e}"), false);
+                    self.reject(name, r, &mut report);
                     continue;
                 }
             };
@@ -274,24 +317,22 @@ impl Reloader {
                 }
                 continue;
             }
-            if self.rejected.get(name).is_some_and(|r| r.sha256 == sha) {
+            let Ok(bytes) = bytes else { continue };
+            let found = self.found(&trust, name, sha, bytes);
+            if self.rejected.get(name).is_some_and(|r| r.same(&found.sha256, &found.trust_state)) {
                 continue;
             }
-            let Ok(bytes) = bytes else { continue };
-            match load_checked(&self.runtime, path, &bytes, false) {
-                Ok(plugin) => self.take(name, path, sha, plugin, &mut report),
-                Err((backend, reason)) => self.reject(
-                    name,
-                    sha,
-                    backend.or_else(|| self.served.get(name).map(|s| s.backend.clone())),
-                    reason,
-                    false,
-                    &mut report,
-                ),
+            match self.load_trusted(&trust, path, found, false) {
+                Ok((plugin, grant, sha)) => self.take(name, path, sha, plugin, &grant, &mut report),
+                Err(mut r) => {
+                    r.backend =
+                        r.backend.or_else(|| self.served.get(name).map(|s| s.backend.clone()));
+                    self.reject(name, r, &mut report);
+                }
             }
         }
         for (name, (backend, path)) in &candidates {
-            self.candidate(name, backend, path, &mut report);
+            self.candidate(&trust, name, backend, path, &mut report);
         }
         let ended: Vec<String> =
             self.candidates.keys().filter(|n| !candidates.contains_key(*n)).cloned().collect();
@@ -317,9 +358,57 @@ impl Reloader {
         report
     }
 
+    /// The file `name` (of digest `sha256`) with the signature beside it.
+    fn found(&self, trust: &Trust, name: &str, sha256: String, bytes: Vec<u8>) -> Found {
+        let signature = trust::signature_beside(&self.dir, name);
+        let trust_state = format!("{} {}", trust.fingerprint(), trust::signature_state(&signature));
+        Found { sha256, bytes, signature, trust_state }
+    }
+
+    /// `found` loaded and checked, once it is trusted: the plugin, why it
+    /// was trusted, and its digest; or why it is refused.
+    fn load_trusted(
+        &self,
+        trust: &Trust,
+        path: &Path,
+        found: Found,
+        candidate: bool,
+    ) -> Result<(Plugin, trust::Grant, String), Rejected> {
+        let Found { sha256, bytes, signature, trust_state } = found;
+        let signature = signature.as_ref().map(|(n, r)| (n.as_str(), r.clone()));
+        // Before it is compiled: an untrusted file never runs.
+        let grant = trust.check(&sha256, &bytes, signature).map_err(|why| {
+            Rejected::new(sha256.clone(), None, why, candidate).untrusted(trust_state.clone())
+        })?;
+        let plugin = load_checked(&self.runtime, path, &bytes, candidate)
+            .map_err(|(backend, why)| Rejected::new(sha256.clone(), backend, why, candidate))?;
+        if let Err(why) = grant.covers(plugin.name(), &sha256) {
+            let backend = Some(plugin.name().to_string());
+            return Err(Rejected::new(sha256, backend, why, candidate).untrusted(trust_state));
+        }
+        Ok((plugin, grant, sha256))
+    }
+
+    /// Say (once per change) what is wrong with the trust sources.
+    fn note_trust_problem(&mut self, problem: Option<String>) {
+        if problem != self.trust_problem {
+            if let Some(p) = &problem {
+                tracing::error!("{p}; only signed policies can be loaded until it is mended");
+            }
+            self.trust_problem = problem;
+        }
+    }
+
     /// Run the candidate `name` in the shadow of `backend`, once it is
     /// loaded and checked like any other file.
-    fn candidate(&mut self, name: &str, backend: &str, path: &Path, report: &mut PassReport) {
+    fn candidate(
+        &mut self,
+        trust: &Trust,
+        name: &str,
+        backend: &str,
+        path: &Path,
+        report: &mut PassReport,
+    ) {
         if self.integration.observer.is_none() {
             return;
         }
@@ -330,36 +419,35 @@ impl Reloader {
             Err(e) => {
                 self.end_candidate(name, report);
                 let reason = format!("unreadable: {e}");
-                return self.reject(
-                    name,
-                    String::new(),
-                    Some(backend.into()),
-                    reason,
-                    true,
-                    report,
-                );
+                let r = Rejected::new(String::new(), Some(backend.into()), reason, true);
+                return self.reject(name, r, report);
             }
         };
-        if self.candidates.get(name).is_some_and(|c| c.sha256 == sha)
-            || self.rejected.get(name).is_some_and(|r| r.sha256 == sha)
-        {
+        if self.candidates.get(name).is_some_and(|c| c.sha256 == sha) {
             return;
         }
         let Ok(bytes) = bytes else { return };
+        let found = self.found(trust, name, sha, bytes);
+        if self.rejected.get(name).is_some_and(|r| r.same(&found.sha256, &found.trust_state)) {
+            return;
+        }
         // A new content: whatever ran for the old one ends now.
         self.end_candidate(name, report);
-        let plugin = match load_checked(&self.runtime, path, &bytes, true) {
-            Ok(p) if p.name() != backend => Err(format!(
+        let loaded = self.load_trusted(trust, path, found, true).and_then(|(p, grant, sha)| {
+            if p.name() == backend {
+                return Ok((p, grant, sha));
+            }
+            let why = format!(
                 "named as a candidate for backend {backend}, but it is backend {}",
                 p.name()
-            )),
-            Ok(p) => Ok(p),
-            Err((_, reason)) => Err(reason),
-        };
-        let plugin = match plugin {
-            Ok(p) => p,
-            Err(reason) => {
-                return self.reject(name, sha, Some(backend.into()), reason, true, report);
+            );
+            Err(Rejected::new(sha, None, why, true))
+        });
+        let (plugin, grant, sha) = match loaded {
+            Ok(x) => x,
+            Err(mut r) => {
+                r.backend = Some(backend.into());
+                return self.reject(name, r, report);
             }
         };
         let version = plugin.info().version.clone();
@@ -369,7 +457,7 @@ impl Reloader {
         self.rejected.remove(name);
         self.candidates
             .insert(name.to_string(), Served { backend: backend.to_string(), sha256: sha.clone() });
-        tracing::info!(backend, version, file = %path.display(), sha256 = sha, "candidate runs in the shadow of the serving version");
+        tracing::info!(backend, version, file = %path.display(), sha256 = sha, trusted = grant.describe(), "candidate runs in the shadow of the serving version");
         report.shadowed.push(backend.to_string());
     }
 
@@ -393,6 +481,7 @@ impl Reloader {
         path: &Path,
         sha: String,
         plugin: Plugin,
+        grant: &trust::Grant,
         report: &mut PassReport,
     ) {
         let backend = plugin.name().to_string();
@@ -400,7 +489,7 @@ impl Reloader {
             self.served.iter().find(|(n, s)| s.backend == backend && n.as_str() != name)
         {
             let reason = format!("backend {backend} is already served by {other}");
-            return self.reject(name, sha, Some(backend), reason, false, report);
+            return self.reject(name, Rejected::new(sha, Some(backend), reason, false), report);
         }
         let version = plugin.info().version.clone();
         if let Some(observer) = &self.integration.observer {
@@ -413,11 +502,11 @@ impl Reloader {
             .insert(name.to_string(), Served { backend: backend.clone(), sha256: sha.clone() });
         match old {
             Some(old) => {
-                tracing::info!(backend, version, file = %path.display(), sha256 = sha, previous = %old.info().version, "backend updated");
+                tracing::info!(backend, version, file = %path.display(), sha256 = sha, trusted = grant.describe(), previous = %old.info().version, "backend updated");
                 report.updated.push(backend.clone());
             }
             None => {
-                tracing::info!(backend, version, file = %path.display(), sha256 = sha, "backend added");
+                tracing::info!(backend, version, file = %path.display(), sha256 = sha, trusted = grant.describe(), "backend added");
                 report.added.push(backend.clone());
             }
         }
@@ -426,16 +515,10 @@ impl Reloader {
         self.integrate(&backend);
     }
 
-    fn reject(
-        &mut self,
-        name: &str,
-        sha: String,
-        backend: Option<String>,
-        reason: String,
-        candidate: bool,
-        report: &mut PassReport,
-    ) {
+    fn reject(&mut self, name: &str, rejected: Rejected, report: &mut PassReport) {
         let file = self.dir.join(name).display().to_string();
+        let Rejected { sha256: sha, backend, reason, candidate, .. } = &rejected;
+        let candidate = *candidate;
         let serving =
             backend.as_ref().is_some_and(|b| self.served.values().any(|s| &s.backend == b));
         let consequence = if candidate {
@@ -446,10 +529,10 @@ impl Reloader {
             "not loaded"
         };
         // A candidate never served: its rejection degrades nothing.
-        let (what, event) = if candidate {
-            ("candidate rejected", "PolicyCandidateRejected")
-        } else {
-            ("backend degraded", "BackendDegraded")
+        let (what, event) = match rejected.state() {
+            "candidate-rejected" => ("candidate rejected", "PolicyCandidateRejected"),
+            "untrusted" => ("untrusted policy refused", "PolicyUntrusted"),
+            _ => ("backend degraded", "BackendDegraded"),
         };
         tracing::error!(
             file,
@@ -479,8 +562,7 @@ impl Reloader {
             });
         }
         report.rejected.push(format!("{file}: {reason}"));
-        self.rejected
-            .insert(name.to_string(), Rejected { sha256: sha, backend, reason, candidate });
+        self.rejected.insert(name.to_string(), rejected);
     }
 
     fn finish_removals(&mut self, report: &mut PassReport) {
@@ -521,10 +603,19 @@ impl Reloader {
                 backend: r.backend.clone(),
                 file: self.dir.join(name).display().to_string(),
                 sha256: r.sha256.clone(),
-                state: if r.candidate { "candidate-rejected" } else { "degraded" }.into(),
+                state: r.state().into(),
                 reason: r.reason.clone(),
             })
             .collect();
+        if let Some(why) = &self.trust_problem {
+            problems.push(PluginProblem {
+                backend: None,
+                file: self.integration.trust.allow_list().display().to_string(),
+                sha256: String::new(),
+                state: "allow-list-invalid".into(),
+                reason: why.clone(),
+            });
+        }
         problems.extend(
             self.pending_removal.iter().map(|(backend, (name, sha))| PluginProblem {
                 backend: Some(backend.clone()),

@@ -1,5 +1,7 @@
 //! Watching the plugin dir (inotify): a change to a `*.wasm` file that is
-//! not a dot-file starts a reload pass. Events are coalesced: a pass waits
+//! not a dot-file, or to its signature, starts a reload pass; so does any
+//! change in the allow-list's dir (a ConfigMap's files change by a swap of
+//! a link beside them, not by a write to the file). Events are coalesced: a pass waits
 //! for 100 ms of quiet (an unrenamed copy is written in many events), at
 //! most 1 s after the first event, and passes run at most once per second.
 //! While a removal waits for volumes to be detached, a pass also runs every
@@ -7,6 +9,7 @@
 
 use super::reload::Reloader;
 use notify::{EventKind, RecursiveMode, Watcher};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -15,13 +18,39 @@ const WINDOW: Duration = Duration::from_secs(1);
 const QUIET: Duration = Duration::from_millis(100);
 const REMOVAL_RECHECK: Duration = Duration::from_secs(2);
 
-fn relevant(event: &notify::Event) -> bool {
-    !matches!(event.kind, EventKind::Access(_))
-        && event.paths.iter().any(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| !n.starts_with('.') && n.ends_with(".wasm"))
+/// What a pass is started for: the plugin dir's policies and signatures,
+/// and anything in the allow-list's own dir (or, when the list is in the
+/// plugin dir, the list).
+#[derive(Debug, Clone)]
+struct Relevant {
+    plugin_dir: PathBuf,
+    list_dir: Option<PathBuf>,
+    list: Option<PathBuf>,
+}
+
+impl Relevant {
+    fn relevant(&self, event: &notify::Event) -> bool {
+        !matches!(event.kind, EventKind::Access(_)) && event.paths.iter().any(|p| self.path(p))
+    }
+
+    fn path(&self, p: &Path) -> bool {
+        if self.list.as_deref() == Some(p) {
+            return true;
+        }
+        let parent = p.parent();
+        if parent.is_some()
+            && parent == self.list_dir.as_deref()
+            && parent != Some(&self.plugin_dir)
+        {
+            return true;
+        }
+        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+            !n.starts_with('.')
+                && (n.ends_with(".wasm")
+                    || n.strip_suffix(super::trust::SIGNATURE)
+                        .is_some_and(|w| w.ends_with(".wasm")))
         })
+    }
 }
 
 /// The plugin dir's inotify watch, started before the first pass so that no
@@ -32,12 +61,19 @@ pub struct DirWatch {
 }
 
 impl DirWatch {
-    pub fn start(dir: &std::path::Path) -> anyhow::Result<DirWatch> {
+    /// Watch `dir`, and the dir of the allow-list `list` when there is one.
+    pub fn start(dir: &Path, list: Option<&Path>) -> anyhow::Result<DirWatch> {
         use anyhow::Context;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let list_dir = list.and_then(Path::parent).filter(|d| d.is_dir()).map(Path::to_path_buf);
+        let relevant = Relevant {
+            plugin_dir: dir.to_path_buf(),
+            list_dir: list_dir.clone(),
+            list: list.map(Path::to_path_buf),
+        };
         let mut watcher =
             notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
-                Ok(e) if relevant(&e) => {
+                Ok(e) if relevant.relevant(&e) => {
                     let _ = tx.send(());
                 }
                 Ok(_) => {}
@@ -47,6 +83,13 @@ impl DirWatch {
         watcher
             .watch(dir, RecursiveMode::NonRecursive)
             .with_context(|| format!("watching {}", dir.display()))?;
+        if let Some(d) = list_dir.filter(|d| d != dir) {
+            watcher
+                .watch(&d, RecursiveMode::NonRecursive)
+                .with_context(|| format!("watching the allow-list's dir {}", d.display()))?;
+        } else if let Some(list) = list.filter(|l| l.parent().is_none_or(|d| !d.is_dir())) {
+            tracing::warn!(list = %list.display(), "the allow-list's dir is not there: a list put there later counts from the next change in the plugin dir");
+        }
         tracing::info!(dir = %dir.display(), "watching the plugin dir for backends added, updated and removed");
         Ok(DirWatch { _watcher: watcher, rx })
     }

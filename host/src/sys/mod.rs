@@ -63,6 +63,17 @@ pub enum SysError {
     Ceph(#[from] rbd_export::RbdError),
 }
 
+impl SysError {
+    /// The path was not there (as opposed to there but unusable).
+    pub fn is_not_found(&self) -> bool {
+        match self {
+            SysError::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            SysError::Errno { errno, .. } => *errno == nix::errno::Errno::ENOENT,
+            _ => false,
+        }
+    }
+}
+
 /// `map_err` helpers naming the operation and the path.
 pub(crate) fn errno<'a>(
     op: &'static str,

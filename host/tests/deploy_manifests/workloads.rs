@@ -70,6 +70,8 @@ pub(crate) fn agent_daemonset_is_as_a_node_needs(all: &[Applied]) -> anyhow::Res
             "/var/lib/volagent",
             "--plugin-dir",
             "/opt/volagent/plugins",
+            "--trusted-policies",
+            "/opt/volagent/trusted-policies",
             "--kubelet-root",
             "/var/lib/kubelet",
             "--volume-plugin-dir",

@@ -30,6 +30,7 @@ pub struct AgentBuilder {
     discovery_dir: Option<PathBuf>,
     volume_plugin_dir: Option<PathBuf>,
     flex_driver: Option<OsString>,
+    trusted_policies: Option<PathBuf>,
     args: Vec<OsString>,
     env: Vec<(OsString, OsString)>,
     log: Option<PathBuf>,
@@ -55,6 +56,7 @@ impl AgentBuilder {
             discovery_dir: None,
             volume_plugin_dir: None,
             flex_driver: None,
+            trusted_policies: None,
             args: Vec::new(),
             env: Vec::new(),
             log: None,
@@ -64,10 +66,12 @@ impl AgentBuilder {
     }
 
     /// Every dir below `dir` as the tests lay them out (`run`, `state`,
-    /// `plugins`, `kubelet`, `disks`, `vpd`), and the test build of the
-    /// Flexvolume driver.
+    /// `plugins`, `kubelet`, `disks`, `vpd`), the test build of the
+    /// Flexvolume driver, and the allow-list `trusted-policies` there,
+    /// listing every test guest that loads (written unless it is there).
     pub fn under(self, dir: &Path) -> AgentBuilder {
-        self.runtime_dir(dir.join("run"))
+        self.trusting_test_guests(dir.join("trusted-policies"))
+            .runtime_dir(dir.join("run"))
             .state_dir(dir.join("state"))
             .plugin_dir(dir.join("plugins"))
             .kubelet_root(dir.join("kubelet"))
@@ -133,6 +137,21 @@ impl AgentBuilder {
         self
     }
 
+    /// The allow-list of policies it may load.
+    pub fn trusted_policies(mut self, path: PathBuf) -> AgentBuilder {
+        self.trusted_policies = Some(path);
+        self
+    }
+
+    /// The allow-list `list`, listing every test guest that loads (written
+    /// unless it is there).
+    pub fn trusting_test_guests(self, list: PathBuf) -> AgentBuilder {
+        if !list.exists() {
+            write_allow_list(&list, volagent_test_artifacts::LOADABLE);
+        }
+        self.trusted_policies(list)
+    }
+
     /// Neither a volume plugin dir nor a Flexvolume driver: a CSI-only agent.
     pub fn no_driver_install(mut self) -> AgentBuilder {
         self.volume_plugin_dir = None;
@@ -194,7 +213,7 @@ impl AgentBuilder {
         }
         out.extend(["agent", "--node-name"].map(OsString::from));
         out.push(self.node.clone().into());
-        let flags: [(&str, Option<&OsStr>); 10] = [
+        let flags: [(&str, Option<&OsStr>); 11] = [
             ("--socket", self.socket.as_deref().map(Path::as_os_str)),
             ("--kubeconfig", self.kubeconfig.as_deref().map(Path::as_os_str)),
             ("--state-dir", self.state_dir.as_deref().map(Path::as_os_str)),
@@ -205,6 +224,7 @@ impl AgentBuilder {
             ("--discovery-dir", self.discovery_dir.as_deref().map(Path::as_os_str)),
             ("--volume-plugin-dir", self.volume_plugin_dir.as_deref().map(Path::as_os_str)),
             ("--flex-driver", self.flex_driver.as_deref()),
+            ("--trusted-policies", self.trusted_policies.as_deref().map(Path::as_os_str)),
         ];
         for (name, value) in flags {
             if let Some(v) = value {
@@ -251,6 +271,23 @@ impl AgentBuilder {
     }
 }
 
+/// The allow-list `path`, listing `guests` (backend, file), as an admin
+/// writes one: `<backend> <sha256>` per line.
+pub fn write_allow_list(path: &Path, guests: &[(&str, &str)]) {
+    use sha2::Digest;
+    let text: String = guests
+        .iter()
+        .map(|(backend, file)| {
+            let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{file}: {e}"));
+            format!("{backend} {}\n", hex::encode(sha2::Sha256::digest(bytes)))
+        })
+        .collect();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).expect("the allow-list's dir");
+    }
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
 /// `path` opened for appending, made if missing.
 fn append(path: &Path) -> std::fs::File {
     std::fs::OpenOptions::new()
@@ -287,6 +324,8 @@ pub struct Node {
     /// Agents keep their own ledger in their state dir, unshared, as a
     /// standalone node's agent does (see [`Node::start_alone`]).
     pub private_ledger: bool,
+    /// Flags every start of an agent gets, restarts too.
+    pub agent_args: Vec<String>,
 }
 
 impl Node {
@@ -313,6 +352,19 @@ impl Node {
         Node::start_in(bin, RootScratch::enter_with_watchdog(watchdog), &[], true)
     }
 
+    /// [`start_alone`](Self::start_alone), its agent recording every
+    /// policy call (`--record`) into [`recordings`](Self::recordings).
+    pub fn start_alone_recording(bin: &str) -> Node {
+        let scratch = RootScratch::enter();
+        let args = vec!["--record".to_string(), scratch.path("recordings").display().to_string()];
+        Node::start_with_args(bin, scratch, &[], true, args)
+    }
+
+    /// Where [`start_alone_recording`](Self::start_alone_recording)'s agent records.
+    pub fn recordings(&self) -> PathBuf {
+        self.scratch.path("recordings")
+    }
+
     fn start_as(bin: &str, extra: &[(&str, &str)], private_ledger: bool) -> Node {
         Node::start_in(bin, RootScratch::enter(), extra, private_ledger)
     }
@@ -322,6 +374,16 @@ impl Node {
         scratch: RootScratch,
         extra: &[(&str, &str)],
         private_ledger: bool,
+    ) -> Node {
+        Node::start_with_args(bin, scratch, extra, private_ledger, Vec::new())
+    }
+
+    fn start_with_args(
+        bin: &str,
+        scratch: RootScratch,
+        extra: &[(&str, &str)],
+        private_ledger: bool,
+        agent_args: Vec<String>,
     ) -> Node {
         for d in ["plugins", "disks"] {
             std::fs::create_dir_all(scratch.path(d)).expect("dir");
@@ -337,8 +399,14 @@ impl Node {
             std::fs::copy(file, scratch.path(&format!("plugins/{name}.wasm"))).expect("plugin");
         }
         let socket = scratch.path("node-a/agent.sock");
-        let mut node =
-            Node { bin: bin.into(), scratch, agents: Vec::new(), socket, private_ledger };
+        let mut node = Node {
+            bin: bin.into(),
+            scratch,
+            agents: Vec::new(),
+            socket,
+            private_ledger,
+            agent_args,
+        };
         node.spawn_agent("node-a");
         node
     }
@@ -367,6 +435,7 @@ impl Node {
             .ledger(self.ledger_path(name), !self.private_ledger)
             .plugin_dir(s.path("plugins"))
             .discovery_dir(s.path("disks"))
+            .args(&self.agent_args)
             .args(extra)
             .log(self.log_path(name));
         self.agents.push((name.to_string(), agent.spawn()));
