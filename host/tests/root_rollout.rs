@@ -477,11 +477,39 @@ fn an_unlisted_or_unsigned_policy_is_refused_while_the_trusted_one_serves() {
     });
     let out = node.volagent_trusting(&["plugin", "promote", "local-pv", "--dir", &plugins]);
     assert!(out.status.success());
-    assert!(std::path::Path::new(&format!("{plugins}/local-pv.wasm.minisig")).exists());
+    let verify = |file: &str| {
+        Command::new("minisign")
+            .args(["-V", "-q", "-p", &node.path("keys/admin.pub"), "-m"])
+            .arg(format!("{plugins}/{file}"))
+            .status()
+            .expect("minisign")
+            .success()
+    };
+    assert!(verify("local-pv.wasm"), "the signature moved with the version it signs");
+    let kept = format!("{plugins}/local-pv.previous.wasm");
+    assert_eq!(sha256(&kept), original);
+    assert!(!std::path::Path::new(&format!("{kept}.minisig")).exists(), "the kept one was listed");
     wait_until(WAIT, "the promoted version to serve", || node.serving_sha() == strict);
 
-    // A malformed allow-list trusts nothing and says so; what serves serves on.
+    // A malformed allow-list trusts nothing and says so: a listed version
+    // is refused, a signed one serves on.
     std::fs::write(&list, "local-pv nonsense\n").expect("list");
     node.problem_saying("trusted-policies", "allow-list-invalid", &["line 1", "not a sha256"]);
+    std::fs::remove_file(format!("{plugins}/local-pv.wasm.minisig")).expect("rm");
+    node.install(volagent_test_artifacts::LOCAL_PV, "local-pv.wasm");
+    node.problem_saying("plugins/local-pv.wasm", "untrusted", &["line 1"]);
     assert_eq!(node.serving_sha(), strict);
+    // Mended, and the strict version revoked: the listed one serves, and
+    // the strict one is refused though its signature verifies.
+    write_allow_list(
+        std::path::Path::new(&list),
+        &[("local-pv", volagent_test_artifacts::LOCAL_PV)],
+    );
+    let mut text = std::fs::read_to_string(&list).expect("list");
+    text.push_str(&format!("!{strict}  # refuses ReadOnlyMany\n"));
+    std::fs::write(&list, text).expect("list");
+    wait_until(WAIT, "the listed version to serve", || node.serving_sha() == original);
+    node.install(strict_file, "local-pv.candidate.wasm");
+    node.sign("local-pv.candidate.wasm", "admin");
+    node.problem_saying("plugins/local-pv.candidate.wasm", "candidate-rejected", &["revoked"]);
 }

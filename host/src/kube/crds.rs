@@ -496,6 +496,116 @@ pub struct NodeLocalVolumesStatus {
     pub scanned_at: Option<String>,
 }
 
+/// What a `BackendPolicy`'s candidate does on every node.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RolloutMode {
+    /// The candidate runs in the shadow of the serving version: its answers
+    /// are compared, never run.
+    #[default]
+    Shadow,
+    /// The candidate serves; the serving version is kept for a rollback.
+    Serve,
+}
+
+/// A backend's name: a DNS label.
+fn backend_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "type": "string", "maxLength": 63, "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" })
+}
+
+/// A sha256 as the spec takes it: 64 lowercase hex digits.
+fn sha256_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "type": "string", "pattern": "^[0-9a-f]{64}$" })
+}
+
+fn optional_sha256_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "type": "string", "nullable": true, "pattern": "^[0-9a-f]{64}$" })
+}
+
+/// Each node's entry written by that node's agent alone (server-side apply
+/// merges them by node).
+fn node_entries(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let item = generator.subschema_for::<NodeRollout>();
+    schemars::json_schema!({
+        "type": "array",
+        "items": item,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["node"]
+    })
+}
+
+/// One backend's policy versions for every node, chosen by the admin: the
+/// version that serves and a candidate beside it, each by sha256. Every
+/// agent trusts both digests for the backend, and puts them in place in
+/// its plugin dir from the versions it has (`--policy-store`); each says in
+/// the status what serves on its node and what the shadow saw.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "volagent.io",
+    version = "v1alpha1",
+    kind = "BackendPolicy",
+    plural = "backendpolicies",
+    shortname = "vbp",
+    status = "BackendPolicyStatus",
+    printcolumn = r#"{"name":"Backend","type":"string","jsonPath":".spec.backend"}"#,
+    printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".spec.mode"}"#,
+    printcolumn = r#"{"name":"Serving","type":"string","jsonPath":".spec.serving","priority":1}"#,
+    printcolumn = r#"{"name":"Candidate","type":"string","jsonPath":".spec.candidate","priority":1}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendPolicySpec {
+    /// The backend (a DNS label): its policy's `info` name. One object
+    /// per backend: agents apply none of two that name the same one.
+    #[schemars(schema_with = "backend_schema")]
+    pub backend: String,
+    /// The sha256 of the version that serves (in mode Shadow) or is kept
+    /// for a rollback (in mode Serve).
+    #[schemars(schema_with = "sha256_schema")]
+    pub serving: String,
+    /// The sha256 of the candidate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "optional_sha256_schema")]
+    pub candidate: Option<String>,
+    /// Shadow (the default) or Serve; without a candidate, the serving
+    /// version serves either way.
+    #[serde(default)]
+    pub mode: RolloutMode,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendPolicyStatus {
+    /// One entry per node, each written by that node's agent.
+    #[serde(default)]
+    #[schemars(schema_with = "node_entries")]
+    pub nodes: Vec<NodeRollout>,
+}
+
+/// How the rollout stands on one node.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeRollout {
+    pub node: String,
+    /// The sha256 of the version serving the backend there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<String>,
+    /// The sha256 of the candidate running in the shadow there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate: Option<String>,
+    /// Calls the shadow compared, and how many were answered otherwise.
+    #[serde(default)]
+    pub compared: u64,
+    #[serde(default)]
+    pub differences: u64,
+    /// Applied, or Pending (waiting for a version the node does not have,
+    /// or for the agent's checks), or Refused (the version failed them).
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// RFC 3339 time of this entry.
+    pub updated_at: String,
+}
+
 /// Every CRD with the file name `deploy/crds/` keeps it under.
 pub fn all() -> Vec<(String, String)> {
     [
@@ -505,6 +615,7 @@ pub fn all() -> Vec<(String, String)> {
         NodeLocalVolumes::crd(),
         FenceRequest::crd(),
         ProvisionRecord::crd(),
+        BackendPolicy::crd(),
     ]
     .into_iter()
     .map(|crd| {

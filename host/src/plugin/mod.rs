@@ -5,5 +5,6 @@
 pub mod install;
 pub mod observe;
 pub mod reload;
+pub mod rollout;
 pub mod trust;
 pub mod watch;

@@ -142,7 +142,7 @@ struct Found {
     sha256: String,
     bytes: Vec<u8>,
     signature: Option<(String, Result<Vec<u8>, String>)>,
-    /// The trust sources' fingerprint and the signature's.
+    /// What decides whether it is trusted (see [`Trust::state_of`]).
     trust_state: String,
 }
 
@@ -201,12 +201,28 @@ fn load_checked(
     bytes: &[u8],
     candidate: bool,
 ) -> Result<Plugin, (Option<String>, String)> {
+    let plugin = load(runtime, file, bytes, candidate).map_err(|e| (None, e))?;
+    run_scenarios(&plugin, file)?;
+    Ok(plugin)
+}
+
+/// Load `file` (compiled, its world, imports and `info` checked).
+fn load(
+    runtime: &Arc<Runtime>,
+    file: &Path,
+    bytes: &[u8],
+    candidate: bool,
+) -> Result<Plugin, String> {
     let loaded = if candidate {
         Plugin::load_candidate(runtime, file, bytes)
     } else {
         Plugin::load_bytes(runtime, file, bytes)
     };
-    let plugin = loaded.map_err(|e| (None, e.to_string()))?;
+    loaded.map_err(|e| e.to_string())
+}
+
+/// Run the scenarios shipped beside `file` on `plugin`.
+fn run_scenarios(plugin: &Plugin, file: &Path) -> Result<(), (Option<String>, String)> {
     if let Some(scenarios) = scenarios_beside(file) {
         let backend = Some(plugin.name().to_string());
         let files = crate::policy::scenario::files(&scenarios)
@@ -224,7 +240,7 @@ fn load_checked(
             }
         }
     }
-    Ok(plugin)
+    Ok(())
 }
 
 /// The checks a new file of the plugin dir gets, for a file that will be
@@ -361,7 +377,7 @@ impl Reloader {
     /// The file `name` (of digest `sha256`) with the signature beside it.
     fn found(&self, trust: &Trust, name: &str, sha256: String, bytes: Vec<u8>) -> Found {
         let signature = trust::signature_beside(&self.dir, name);
-        let trust_state = format!("{} {}", trust.fingerprint(), trust::signature_state(&signature));
+        let trust_state = trust.state_of(&sha256, &trust::signature_state(&signature));
         Found { sha256, bytes, signature, trust_state }
     }
 
@@ -380,12 +396,16 @@ impl Reloader {
         let grant = trust.check(&sha256, &bytes, signature).map_err(|why| {
             Rejected::new(sha256.clone(), None, why, candidate).untrusted(trust_state.clone())
         })?;
-        let plugin = load_checked(&self.runtime, path, &bytes, candidate)
-            .map_err(|(backend, why)| Rejected::new(sha256.clone(), backend, why, candidate))?;
+        let plugin = load(&self.runtime, path, &bytes, candidate)
+            .map_err(|why| Rejected::new(sha256.clone(), None, why, candidate))?;
+        // A listing holds for the backends it names: checked once `info`
+        // says which this is, before it serves or runs its scenarios.
         if let Err(why) = grant.covers(plugin.name(), &sha256) {
             let backend = Some(plugin.name().to_string());
             return Err(Rejected::new(sha256, backend, why, candidate).untrusted(trust_state));
         }
+        run_scenarios(&plugin, path)
+            .map_err(|(backend, why)| Rejected::new(sha256.clone(), backend, why, candidate))?;
         Ok((plugin, grant, sha256))
     }
 
@@ -529,9 +549,9 @@ impl Reloader {
             "not loaded"
         };
         // A candidate never served: its rejection degrades nothing.
-        let (what, event) = match rejected.state() {
-            "candidate-rejected" => ("candidate rejected", "PolicyCandidateRejected"),
-            "untrusted" => ("untrusted policy refused", "PolicyUntrusted"),
+        let (what, event) = match (rejected.state(), rejected.trust_state.is_some()) {
+            (_, true) => ("untrusted policy refused", "PolicyUntrusted"),
+            ("candidate-rejected", _) => ("candidate rejected", "PolicyCandidateRejected"),
             _ => ("backend degraded", "BackendDegraded"),
         };
         tracing::error!(
@@ -540,7 +560,9 @@ impl Reloader {
             backend = backend.as_deref().unwrap_or("?"),
             "{what}: {reason}; {consequence}"
         );
-        if !candidate {
+        // An untrusted file of no backend yet degrades none (it was never
+        // compiled to say which it is).
+        if !candidate && (backend.is_some() || rejected.trust_state.is_none()) {
             crate::metrics::get().backend_degraded(backend.as_deref().unwrap_or(name), 1);
         }
         if let Some(cluster) = self.integration.cluster.clone()

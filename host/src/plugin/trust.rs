@@ -6,8 +6,10 @@
 //! else is refused before it is compiled: an untrusted file never runs.
 //!
 //! The allow-list is one `<backend> <sha256>` pair per line; `#` starts a
-//! comment. It is read again on every pass over the plugin dir, so listing
-//! a refused file's digest lets it load without touching the file.
+//! comment; `!<sha256>` revokes a digest (refused even when signed: a
+//! signature cannot be taken back). It is read again on every pass over
+//! the plugin dir, so listing a refused file's digest lets it load without
+//! touching the file.
 
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
@@ -50,10 +52,11 @@ pub struct TrustArgs {
     pub keys: Vec<PathBuf>,
 }
 
-/// Digests listed per backend.
+/// Digests listed per backend, and digests revoked.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AllowList {
     by_sha: BTreeMap<String, BTreeSet<String>>,
+    revoked: BTreeSet<String>,
 }
 
 fn is_backend_name(s: &str) -> bool {
@@ -83,6 +86,14 @@ impl AllowList {
                 line: line_no,
                 why,
             };
+            if let Some(sha) = content.strip_prefix('!') {
+                let sha = sha.trim().to_ascii_lowercase();
+                if !is_sha256(&sha) {
+                    return Err(bad(format!("!{sha:?} does not revoke a sha256 (64 hex digits)")));
+                }
+                list.revoked.insert(sha);
+                continue;
+            }
             let fields: Vec<&str> = content.split_whitespace().collect();
             let [backend, sha] = fields[..] else {
                 return Err(bad(format!(
@@ -111,6 +122,10 @@ impl AllowList {
         self.by_sha.get(sha256)
     }
 
+    pub fn is_revoked(&self, sha256: &str) -> bool {
+        self.revoked.contains(sha256)
+    }
+
     pub fn len(&self) -> usize {
         self.by_sha.values().map(BTreeSet::len).sum()
     }
@@ -127,6 +142,7 @@ impl AllowList {
             .flat_map(|(sha, backends)| backends.iter().map(move |b| format!("{b} {sha}")))
             .collect();
         lines.sort();
+        lines.extend(self.revoked.iter().map(|sha| format!("!{sha}")));
         lines.into_iter().map(|l| l + "\n").collect()
     }
 }
@@ -208,32 +224,32 @@ enum ListState {
     Bad(String),
 }
 
-/// Why a file may be loaded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Grant {
-    /// Listed for these backends (the file must turn out to be one).
-    Listed(BTreeSet<String>),
-    /// Signed with this key.
-    Signed(PathBuf),
+/// Why a file may be loaded: the backends its digest is listed for, and
+/// the key whose signature beside it verified.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grant {
+    pub listed: BTreeSet<String>,
+    pub signed: Option<PathBuf>,
 }
 
 impl Grant {
-    /// Whether the grant covers the backend the file turned out to be.
+    /// Whether the grant covers the backend the file turned out to be: a
+    /// signature vouches for the bytes whatever backend they are, a
+    /// listing only for the backends it names.
     pub fn covers(&self, backend: &str, sha256: &str) -> Result<(), String> {
-        match self {
-            Grant::Listed(backends) if backends.contains(backend) => Ok(()),
-            Grant::Listed(backends) => Err(format!(
-                "not trusted: sha256 {sha256} is listed for {}, but the file is backend {backend}",
-                backends.iter().cloned().collect::<Vec<_>>().join(", ")
-            )),
-            Grant::Signed(_) => Ok(()),
+        if self.signed.is_some() || self.listed.contains(backend) {
+            return Ok(());
         }
+        Err(format!(
+            "not trusted: sha256 {sha256} is listed for {}, but the file is backend {backend}, and no valid signature vouches for it",
+            self.listed.iter().cloned().collect::<Vec<_>>().join(", ")
+        ))
     }
 
     pub fn describe(&self) -> String {
-        match self {
-            Grant::Listed(_) => "listed".into(),
-            Grant::Signed(key) => format!("signed with {}", key.display()),
+        match &self.signed {
+            Some(key) => format!("signed with {}", key.display()),
+            None => "listed".into(),
         }
     }
 }
@@ -247,8 +263,6 @@ pub struct Trust {
     /// Digests listed by the cluster's `BackendPolicy` objects, if the
     /// agent runs in a cluster.
     cluster: Option<AllowList>,
-    /// Changes whenever a source does: a refusal is reconsidered then.
-    fingerprint: String,
 }
 
 impl Trust {
@@ -265,23 +279,7 @@ impl Trust {
                 },
             },
         };
-        let mut h = Sha256::new();
-        match &list {
-            ListState::Absent => h.update(b"absent\n"),
-            ListState::Read(l) => h.update(l.render()),
-            ListState::Bad(why) => h.update(why),
-        }
-        h.update(b"\0");
-        if let Some(c) = &cluster {
-            h.update(c.render());
-        }
-        Trust {
-            allow_list_path: path.to_path_buf(),
-            list,
-            keys,
-            cluster,
-            fingerprint: hex::encode(h.finalize()),
-        }
+        Trust { allow_list_path: path.to_path_buf(), list, keys, cluster }
     }
 
     /// A problem with the allow-list itself, to report.
@@ -292,9 +290,24 @@ impl Trust {
         }
     }
 
-    /// Changes whenever what is trusted may have.
-    pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
+    /// What decides whether `sha256` with the signature of digest
+    /// `signature` (see [`signature_state`]) is trusted: a refusal is
+    /// reconsidered when this changes, and only then (an unrelated line
+    /// added to the list does not report every refused file again).
+    pub fn state_of(&self, sha256: &str, signature: &str) -> String {
+        let mut h = Sha256::new();
+        match &self.list {
+            ListState::Absent => h.update(b"absent"),
+            ListState::Read(l) => {
+                h.update(format!("{:?} {}", l.backends(sha256), l.is_revoked(sha256)));
+            }
+            ListState::Bad(why) => h.update(why),
+        }
+        h.update(b"\0");
+        h.update(format!("{:?}", self.cluster.as_ref().and_then(|c| c.backends(sha256))));
+        h.update(b"\0");
+        h.update(signature);
+        hex::encode(h.finalize())
     }
 
     /// Whether `bytes` (of digest `sha256`) may be loaded, given the
@@ -306,17 +319,31 @@ impl Trust {
         bytes: &[u8],
         signature: Option<(&str, Result<Vec<u8>, String>)>,
     ) -> Result<Grant, String> {
-        let mut listed = BTreeSet::new();
+        if let ListState::Read(list) = &self.list
+            && list.is_revoked(sha256)
+        {
+            return Err(format!(
+                "not trusted: sha256 {sha256} is revoked by the allow-list {}",
+                self.allow_list_path.display()
+            ));
+        }
+        let mut grant = Grant::default();
         if let ListState::Read(list) = &self.list
             && let Some(b) = list.backends(sha256)
         {
-            listed.extend(b.iter().cloned());
+            grant.listed.extend(b.iter().cloned());
         }
         if let Some(b) = self.cluster.as_ref().and_then(|c| c.backends(sha256)) {
-            listed.extend(b.iter().cloned());
+            grant.listed.extend(b.iter().cloned());
         }
-        if !listed.is_empty() {
-            return Ok(Grant::Listed(listed));
+        // Checked even when listed: a listing for another backend is no
+        // grant, and a valid signature still is.
+        let verified = signature.map(|(name, sig)| (name, self.verify(name, sig, bytes)));
+        if let Some((_, Ok(key))) = &verified {
+            grant.signed = Some(key.clone());
+        }
+        if !grant.listed.is_empty() || grant.signed.is_some() {
+            return Ok(grant);
         }
         let not_listed = format!(
             "not trusted: sha256 {sha256} is listed by no BackendPolicy{} and by no line of the allow-list {} ({})",
@@ -328,30 +355,40 @@ impl Trust {
                 ListState::Bad(why) => why.clone(),
             }
         );
-        let Some((name, signature)) = signature else {
-            return Err(format!("{not_listed}, and it has no signature beside it"));
-        };
-        let text = signature
-            .map_err(|e| format!("{not_listed}, and its signature {name} is unreadable: {e}"))?;
+        match verified {
+            None => Err(format!("{not_listed}, and it has no signature beside it")),
+            Some((_, Err(why))) => Err(format!("{not_listed}, and {why}")),
+            Some((_, Ok(_))) => unreachable!("a verified signature is a grant"),
+        }
+    }
+
+    /// The key whose signature (the file `name`, read as `signature`)
+    /// verifies `bytes`, or why none does.
+    fn verify(
+        &self,
+        name: &str,
+        signature: Result<Vec<u8>, String>,
+        bytes: &[u8],
+    ) -> Result<PathBuf, String> {
+        let text = signature.map_err(|e| format!("its signature {name} is unreadable: {e}"))?;
         if self.keys.is_empty() {
             return Err(format!(
-                "{not_listed}, and its signature {name} cannot be checked: no --policy-key is configured"
+                "its signature {name} cannot be checked: no --policy-key is configured"
             ));
         }
-        let text = String::from_utf8(text)
-            .map_err(|_| format!("{not_listed}, and its signature {name} is not text"))?;
-        let sig = minisign_verify::Signature::decode(&text).map_err(|e| {
-            format!("{not_listed}, and its signature {name} is not a minisign signature ({e})")
-        })?;
+        let text =
+            String::from_utf8(text).map_err(|_| format!("its signature {name} is not text"))?;
+        let sig = minisign_verify::Signature::decode(&text)
+            .map_err(|e| format!("its signature {name} is not a minisign signature ({e})"))?;
         let mut tried = Vec::new();
         for key in &self.keys {
             match key.key.verify(bytes, &sig, false) {
-                Ok(()) => return Ok(Grant::Signed(key.path.clone())),
+                Ok(()) => return Ok(key.path.clone()),
                 Err(e) => tried.push(format!("{}: {e}", key.path.display())),
             }
         }
         Err(format!(
-            "{not_listed}, and its signature {name} verifies with none of the configured keys ({})",
+            "its signature {name} verifies with none of the configured keys ({})",
             tried.join("; ")
         ))
     }
@@ -416,6 +453,10 @@ mod tests {
         assert!(grant.covers("local-pv", SHA).is_ok());
         let e = grant.covers("rbd", SHA).unwrap_err();
         assert!(e.contains("listed for local-pv") && e.contains("backend rbd"), "{e}");
+        // Revoked: refused, listed or not.
+        std::fs::write(&path, format!("local-pv {SHA}\n!{SHA}\n")).unwrap();
+        let e = Trust::read(&path, Vec::new(), None).check(SHA, b"x", None).unwrap_err();
+        assert!(e.contains("revoked"), "{e}");
 
         let other = "bb".repeat(32);
         let e = trust.check(&other, b"y", None).unwrap_err();
@@ -425,7 +466,7 @@ mod tests {
     }
 
     #[test]
-    fn a_cluster_listing_counts_and_changes_the_fingerprint() {
+    fn a_cluster_listing_counts_and_changes_that_digests_state_only() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("absent");
         let alone = Trust::read(&path, Vec::new(), None);
@@ -433,8 +474,12 @@ mod tests {
         let mut c = AllowList::default();
         c.add("nbd", SHA);
         let listed = Trust::read(&path, Vec::new(), Some(c));
-        assert_eq!(listed.check(SHA, b"x", None).unwrap(), Grant::Listed(["nbd".into()].into()));
-        assert_ne!(alone.fingerprint(), listed.fingerprint());
+        let grant = listed.check(SHA, b"x", None).unwrap();
+        assert_eq!(grant.listed, ["nbd".to_string()].into());
+        assert_ne!(alone.state_of(SHA, "none"), listed.state_of(SHA, "none"));
+        // Another digest's state does not change with this one's listing.
+        let other = "cc".repeat(32);
+        assert_eq!(alone.state_of(&other, "none"), listed.state_of(&other, "none"));
     }
 
     /// Made with Debian's minisign 0.11 (`minisign -G -W`, `minisign -S`)
@@ -453,7 +498,9 @@ mod tests {
         let list = dir.path().join("absent");
         let both = Trust::read(&list, read_keys(&[other.clone(), key.clone()]).unwrap(), None);
         let sha = hex::encode(Sha256::digest(b"a policy"));
-        assert_eq!(both.check(&sha, b"a policy", sig(SIGNATURE_OF)).unwrap(), Grant::Signed(key));
+        let grant = both.check(&sha, b"a policy", sig(SIGNATURE_OF)).unwrap();
+        assert_eq!(grant.signed, Some(key));
+        assert!(grant.covers("any-backend", &sha).is_ok(), "a signature vouches for the bytes");
         // Other bytes, another key, garbage: refused, each saying why.
         let e = both.check(&sha, b"a policy!", sig(SIGNATURE_OF)).unwrap_err();
         assert!(e.contains("verifies with none") && e.contains("other.pub"), "{e}");

@@ -19,14 +19,17 @@ const QUIET: Duration = Duration::from_millis(100);
 const REMOVAL_RECHECK: Duration = Duration::from_secs(2);
 
 /// What a pass is started for: the plugin dir's policies and signatures,
-/// and anything in the allow-list's own dir (or, when the list is in the
-/// plugin dir, the list).
+/// and the allow-list — its own file, or the `..data` link a ConfigMap
+/// volume swaps to change its files (nothing else in the list's dir, which
+/// may be a busy one).
 #[derive(Debug, Clone)]
 struct Relevant {
     plugin_dir: PathBuf,
-    list_dir: Option<PathBuf>,
     list: Option<PathBuf>,
 }
+
+/// The link a ConfigMap or Secret volume swaps to change its files.
+const CONFIGMAP_DATA: &str = "..data";
 
 impl Relevant {
     fn relevant(&self, event: &notify::Event) -> bool {
@@ -34,22 +37,18 @@ impl Relevant {
     }
 
     fn path(&self, p: &Path) -> bool {
-        if self.list.as_deref() == Some(p) {
-            return true;
-        }
-        let parent = p.parent();
-        if parent.is_some()
-            && parent == self.list_dir.as_deref()
-            && parent != Some(&self.plugin_dir)
+        if let Some(list) = &self.list
+            && (p == list || p.parent() == list.parent() && p.ends_with(CONFIGMAP_DATA))
         {
             return true;
         }
-        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-            !n.starts_with('.')
-                && (n.ends_with(".wasm")
-                    || n.strip_suffix(super::trust::SIGNATURE)
-                        .is_some_and(|w| w.ends_with(".wasm")))
-        })
+        p.parent() == Some(&self.plugin_dir)
+            && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                !n.starts_with('.')
+                    && (n.ends_with(".wasm")
+                        || n.strip_suffix(super::trust::SIGNATURE)
+                            .is_some_and(|w| w.ends_with(".wasm")))
+            })
     }
 }
 
@@ -65,12 +64,10 @@ impl DirWatch {
     pub fn start(dir: &Path, list: Option<&Path>) -> anyhow::Result<DirWatch> {
         use anyhow::Context;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let list_dir = list.and_then(Path::parent).filter(|d| d.is_dir()).map(Path::to_path_buf);
-        let relevant = Relevant {
-            plugin_dir: dir.to_path_buf(),
-            list_dir: list_dir.clone(),
-            list: list.map(Path::to_path_buf),
-        };
+        // Events name paths as the watch was given them: absolute, both.
+        let dir = std::path::absolute(dir).with_context(|| format!("{}", dir.display()))?;
+        let list = list.and_then(|l| std::path::absolute(l).ok());
+        let relevant = Relevant { plugin_dir: dir.clone(), list: list.clone() };
         let mut watcher =
             notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
                 Ok(e) if relevant.relevant(&e) => {
@@ -81,14 +78,16 @@ impl DirWatch {
             })
             .context("inotify watch of the plugin dir")?;
         watcher
-            .watch(dir, RecursiveMode::NonRecursive)
+            .watch(&dir, RecursiveMode::NonRecursive)
             .with_context(|| format!("watching {}", dir.display()))?;
-        if let Some(d) = list_dir.filter(|d| d != dir) {
-            watcher
-                .watch(&d, RecursiveMode::NonRecursive)
-                .with_context(|| format!("watching the allow-list's dir {}", d.display()))?;
-        } else if let Some(list) = list.filter(|l| l.parent().is_none_or(|d| !d.is_dir())) {
-            tracing::warn!(list = %list.display(), "the allow-list's dir is not there: a list put there later counts from the next change in the plugin dir");
+        if let Some(list) = &list
+            && let Some(list_dir) = list.parent().filter(|d| *d != dir)
+        {
+            // Not being able to watch the list loses its changes until the
+            // next change in the plugin dir, not the plugin dir's watch.
+            if let Err(e) = watcher.watch(list_dir, RecursiveMode::NonRecursive) {
+                tracing::warn!(list = %list.display(), "the allow-list's dir cannot be watched ({e}): a change to the list counts from the next change in the plugin dir");
+            }
         }
         tracing::info!(dir = %dir.display(), "watching the plugin dir for backends added, updated and removed");
         Ok(DirWatch { _watcher: watcher, rx })
@@ -130,6 +129,29 @@ pub async fn run(watch: DirWatch, reloader: Reloader) -> anyhow::Result<()> {
         match report {
             Ok(report) => tracing::debug!(?report, "plugin dir pass"),
             Err(e) => tracing::error!("plugin dir pass failed: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pass_starts_for_policies_signatures_and_the_list_only() {
+        let r = Relevant { plugin_dir: "/p".into(), list: Some("/e/trusted".into()) };
+        for (path, wanted) in [
+            ("/p/a.wasm", true),
+            ("/p/a.candidate.wasm.minisig", true),
+            ("/p/.a.wasm", false),
+            ("/p/a.scenarios.yaml", false),
+            ("/p/sub/a.wasm", false),
+            ("/e/trusted", true),
+            ("/e/..data", true),
+            ("/e/ledger.redb", false),
+            ("/e/other.wasm", false),
+        ] {
+            assert_eq!(r.path(Path::new(path)), wanted, "{path}");
         }
     }
 }
