@@ -84,6 +84,7 @@ impl Policy {
             Kind::NodeCleanup => "nodecleanups",
             Kind::NodeLocalVolumes => "nodelocalvolumes",
             Kind::FenceRequest => "fencerequests",
+            Kind::BackendPolicy => "backendpolicies",
         };
         let operation = match change.operation {
             Operation::Create => "CREATE",
@@ -155,6 +156,16 @@ fn local(node: &str, volumes: &[(&str, &str)], operations: usize) -> Json {
 
 fn fence(requester: &str, node: &str) -> Json {
     json!({ "apiVersion": "volagent.io/v1alpha1", "kind": "FenceRequest", "metadata": { "name": "f" }, "spec": { "volume": "pv1", "requester": requester, "node": node, "address": "10.0.0.1:0/1" } })
+}
+
+/// A BackendPolicy whose status has these nodes' entries (node, state).
+fn rollout(entries: &[(&str, &str)]) -> Json {
+    let nodes: Vec<Json> = entries
+        .iter()
+        .map(|(node, state)| json!({ "node": node, "serving": "a".repeat(64), "compared": 3, "differences": 0, "state": state, "updatedAt": "2026-01-01T00:00:00Z" }))
+        .collect();
+    json!({ "apiVersion": "volagent.io/v1alpha1", "kind": "BackendPolicy", "metadata": { "name": "local-pv" },
+            "spec": { "backend": "local-pv", "serving": "a".repeat(64), "mode": "Shadow" }, "status": { "nodes": nodes } })
 }
 
 /// Why the two may differ on a case (and then must), or None.
@@ -530,6 +541,72 @@ fn the_policy_and_the_webhook_agree_but_where_cel_cannot_look() {
             "f",
             Some(fence("a", "b")),
             Some(fence("a", "b")),
+            false,
+            None,
+        ),
+        (
+            "its own rollout entry, added",
+            BackendPolicy,
+            Update,
+            Some("status"),
+            "local-pv",
+            Some(rollout(&[("b", "Applied")])),
+            Some(rollout(&[("b", "Applied"), ("a", "Pending")])),
+            false,
+            None,
+        ),
+        (
+            "its own rollout entry, changed",
+            BackendPolicy,
+            Update,
+            Some("status"),
+            "local-pv",
+            Some(rollout(&[("a", "Pending"), ("b", "Applied")])),
+            Some(rollout(&[("a", "Applied"), ("b", "Applied")])),
+            false,
+            None,
+        ),
+        (
+            "B's rollout entry",
+            BackendPolicy,
+            Update,
+            Some("status"),
+            "local-pv",
+            Some(rollout(&[("a", "Applied"), ("b", "Applied")])),
+            Some(rollout(&[("a", "Applied"), ("b", "Refused")])),
+            false,
+            None,
+        ),
+        (
+            "B's rollout entry, removed",
+            BackendPolicy,
+            Update,
+            Some("status"),
+            "local-pv",
+            Some(rollout(&[("a", "Applied"), ("b", "Applied")])),
+            Some(rollout(&[("a", "Applied")])),
+            false,
+            None,
+        ),
+        (
+            "the versions every node runs",
+            BackendPolicy,
+            Update,
+            None,
+            "local-pv",
+            Some(rollout(&[])),
+            Some(rollout(&[])),
+            false,
+            None,
+        ),
+        (
+            "a rollout",
+            BackendPolicy,
+            Create,
+            None,
+            "local-pv",
+            None,
+            Some(rollout(&[])),
             false,
             None,
         ),

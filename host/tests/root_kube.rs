@@ -743,3 +743,144 @@ fn a_shadow_difference_is_told_as_an_event_on_the_agents_pod() {
     assert_success(&run_driver(Command::new(&driver).args(["unmount", &dir])));
     assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty());
 }
+
+/// A policy version rolled out to two nodes through a `BackendPolicy`: the
+/// agents trust the digests it names (their allow-list lists only the
+/// shipped local-pv), put the candidate from their policy store in the
+/// shadow, report it per node in the status (node A's shadow counting the
+/// ReadOnlyMany mount it would refuse), serve it when the mode says Serve,
+/// and roll back when it says Shadow again. Node A's agent cannot write
+/// node B's entry.
+#[test]
+fn a_backend_policy_rolls_a_candidate_out_to_two_nodes() {
+    use volagent::kube::crds::{BackendPolicy, BackendPolicySpec, RolloutMode};
+    let sha = |f: &str| {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(std::fs::read(f).expect("policy")))
+    };
+    let (original, strict) =
+        (sha(volagent_test_artifacts::LOCAL_PV), sha(volagent_test_artifacts::LOCAL_PV_STRICT));
+    let nodes = ["node-a", "node-b"];
+    let mut c =
+        Cluster::start(VOLAGENT, &nodes, &[(volagent_test_artifacts::LOCAL_PV, "local-pv")]);
+    let store = c.scratch.path("store");
+    std::fs::create_dir_all(&store).expect("store");
+    std::fs::copy(
+        volagent_test_artifacts::LOCAL_PV_STRICT,
+        store.join("local-pv-0.1.0-strict.wasm"),
+    )
+    .expect("store");
+    for node in nodes {
+        c.kill_agent(node);
+        c.own_plugin_dir(node);
+        volagent_test_support::agent::write_allow_list(
+            &c.scratch.path(&format!("{node}/trusted-policies")),
+            &[("local-pv", volagent_test_artifacts::LOCAL_PV)],
+        );
+        c.spawn_agent_with(node, &["--policy-store", &store.display().to_string()]);
+    }
+    let api: Api<BackendPolicy> = Api::all(c.client());
+    let mut object = BackendPolicy::new(
+        "local-pv",
+        BackendPolicySpec {
+            backend: "local-pv".into(),
+            serving: original.clone(),
+            candidate: Some(strict.clone()),
+            mode: RolloutMode::Shadow,
+        },
+    );
+    c.rt.block_on(api.create(&Default::default(), &object)).expect("the BackendPolicy");
+    let entries = |c: &Cluster| {
+        c.rt.block_on(api.get("local-pv"))
+            .ok()
+            .and_then(|o| o.status)
+            .map(|s| s.nodes)
+            .unwrap_or_default()
+    };
+    let all_applied = |c: &Cluster, serving: &str, candidate: Option<&str>| {
+        let e = entries(c);
+        e.len() == 2
+            && e.iter().all(|e| {
+                e.state == "Applied"
+                    && e.serving.as_deref() == Some(serving)
+                    && e.candidate.as_deref() == candidate
+            })
+    };
+    c.wait("both nodes to run the candidate in the shadow", || {
+        all_applied(&c, &original, Some(&strict))
+    });
+    for node in nodes {
+        let file = c.scratch.path(&format!("{node}/plugins/local-pv.candidate.wasm"));
+        assert_eq!(sha(&file.display().to_string()), strict, "{node}'s candidate");
+    }
+
+    // The shadow on node A counts the mount it would refuse; the status
+    // says so for node A alone.
+    let image = c.image("rox.img");
+    c.rt.block_on(kube_objects::create_pv_with(
+        &c.client(),
+        "pv-rox",
+        "local-pv",
+        "ReadOnlyMany",
+        &[("path", &image), ("node", "node-a")],
+        Some("node-a"),
+    ));
+    let uid = c.pod_uid("p1", "pv-rox");
+    let dir =
+        c.scratch.path(&format!("node-a/kubelet/pods/{uid}/volumes/volagent~local-pv/pv-rox"));
+    std::fs::create_dir_all(&dir).expect("pod dir");
+    let dir = dir.display().to_string();
+    let mut opts = kubelet_options("pv-rox", "p1", &uid, "ext4", &image);
+    opts["kubernetes.io/readwrite"] = Value::from("ro");
+    let driver = c.scratch.path("node-a/vpd/volagent~local-pv/local-pv");
+    assert_success(&run_driver(Command::new(&driver).args(["mount", &dir, &opts.to_string()])));
+    c.wait("node A's entry to count the difference", || {
+        entries(&c).iter().any(|e| e.node == "node-a" && e.differences >= 1 && e.compared >= 1)
+    });
+    assert!(entries(&c).iter().any(|e| e.node == "node-b" && e.differences == 0));
+    assert_success(&run_driver(Command::new(&driver).args(["unmount", &dir])));
+
+    // Node A's agent may not write node B's entry.
+    let as_a: Api<BackendPolicy> = Api::all(c.agent_client("node-a"));
+    let forged = serde_json::json!({
+        "apiVersion": "volagent.io/v1alpha1", "kind": "BackendPolicy", "metadata": { "name": "local-pv" },
+        "status": { "nodes": [{ "node": "node-b", "state": "Applied", "serving": strict, "updatedAt": "2026-01-01T00:00:00Z" }] },
+    });
+    let params = kube::api::PatchParams::apply("volagent-agent-node-b").force();
+    let refused =
+        c.rt.block_on(as_a.patch_status("local-pv", &params, &kube::api::Patch::Apply(&forged)));
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(s)) if s.message.contains("only its own node's entry")),
+        "{refused:?}"
+    );
+
+    // Serve: the candidate serves on both nodes, the old version is kept.
+    object = c.rt.block_on(api.get("local-pv")).expect("the object");
+    object.spec.mode = RolloutMode::Serve;
+    c.rt.block_on(api.replace("local-pv", &Default::default(), &object)).expect("Serve");
+    c.wait("both nodes to serve the candidate", || all_applied(&c, &strict, None));
+    for node in nodes {
+        let kept = c.scratch.path(&format!("{node}/plugins/local-pv.previous.wasm"));
+        assert_eq!(sha(&kept.display().to_string()), original, "{node} keeps the old version");
+    }
+    let (_, r) = {
+        let uid = c.pod_uid("p2", "pv-rox");
+        let dir =
+            c.scratch.path(&format!("node-a/kubelet/pods/{uid}/volumes/volagent~local-pv/pv-rox"));
+        std::fs::create_dir_all(&dir).expect("pod dir");
+        let mut opts = kubelet_options("pv-rox", "p2", &uid, "ext4", &image);
+        opts["kubernetes.io/readwrite"] = Value::from("ro");
+        let dir = dir.display().to_string();
+        (dir.clone(), run_driver(Command::new(&driver).args(["mount", &dir, &opts.to_string()])))
+    };
+    assert_failure(&r, "refuses ReadOnlyMany");
+
+    // Back to Shadow: both roll back, the candidate in the shadow again.
+    object = c.rt.block_on(api.get("local-pv")).expect("the object");
+    object.spec.mode = RolloutMode::Shadow;
+    c.rt.block_on(api.replace("local-pv", &Default::default(), &object)).expect("Shadow");
+    c.wait("both nodes to serve the old version again", || {
+        all_applied(&c, &original, Some(&strict))
+    });
+    assert!(c.scratch.mounts().is_empty() && c.scratch.loops_left().is_empty());
+}

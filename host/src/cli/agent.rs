@@ -139,6 +139,11 @@ pub struct AgentArgs {
     /// Which policies may be loaded: none but those listed or signed.
     #[command(flatten)]
     trust: crate::plugin::trust::TrustArgs,
+    /// A dir of policy versions (`*.wasm`, any names; repeatable) from
+    /// which the versions the cluster's BackendPolicy objects choose are
+    /// put in place in the plugin dir, which must then be writable.
+    #[arg(long = "policy-store", value_name = "DIR")]
+    policy_stores: Vec<PathBuf>,
 }
 
 impl AgentArgs {
@@ -225,7 +230,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     let plugin_dir = args.plugin_dir.clone().unwrap_or_else(|| args.state_dir.join("plugins"));
     std::fs::create_dir_all(&plugin_dir)
         .with_context(|| format!("plugin dir {}", plugin_dir.display()))?;
-    let trust = crate::plugin::trust::TrustSources::new(&args.trust)?;
+    let mut trust = crate::plugin::trust::TrustSources::new(&args.trust)?;
     let runtime = Runtime::new(limits)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -361,6 +366,15 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     });
     let observer = crate::plugin::observe::Observer::start(record, board.clone(), events)?;
     board.switch_recording_with(observer.clone());
+    // In a cluster, the BackendPolicy objects' digests are trusted too:
+    // listed once before the first pass, then kept up by their task.
+    let listing = crate::kube::backend_policies::Listing::default();
+    if let Some(c) = &cluster {
+        let l = listing.clone();
+        trust = trust.with_cluster(Arc::new(move || l.allow_list()));
+        rt.block_on(listing.refresh(&c.client));
+    }
+    let trust = Arc::new(trust);
     let integration = Integration {
         volume_plugin_dir,
         driver_binary,
@@ -371,15 +385,21 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         board: board.clone(),
         cluster: cluster.clone(),
         observer: Some(observer),
-        trust: Arc::new(trust),
+        trust: trust.clone(),
     };
-    let mut reloader =
-        Reloader::new(agent.clone(), runtime, plugin_dir.clone(), integration, rt.handle().clone());
+    let mut reloader = Reloader::new(
+        agent.clone(),
+        runtime.clone(),
+        plugin_dir.clone(),
+        integration,
+        rt.handle().clone(),
+    );
     // The watch starts before the first pass: a file that lands after the
     // pass has read the dir (even before the socket appears) still counts.
     let watch = crate::plugin::watch::DirWatch::start(&plugin_dir, Some(&args.trust.allow_list))
         .map_err(|e| tracing::error!("backends will not be reloaded: {e:#}"))
         .ok();
+    let poke = watch.as_ref().map(|w| w.poke());
     reloader.pass();
     let backends: Vec<String> = agent.backend_names();
     if backends.is_empty() {
@@ -446,6 +466,18 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         }
         if let Some(c) = &cluster {
             tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
+            if let Some(poke) = poke {
+                let rollouts = crate::kube::backend_policies::Rollouts {
+                    agent: agent.clone(),
+                    runtime: runtime.clone(),
+                    trust: trust.clone(),
+                    board: board.clone(),
+                    plugin_dir: plugin_dir.clone(),
+                    stores: args.policy_stores.clone(),
+                    poke,
+                };
+                tokio::spawn(crate::kube::backend_policies::run(c.client.clone(), node.clone(), listing.clone(), rollouts));
+            }
             if !local_classes.is_empty() {
                 let state = Arc::new(crate::socket::local_report::LocalState::default());
                 board.manage_local(state.clone());

@@ -594,9 +594,9 @@ pub struct NodeRollout {
     pub candidate: Option<String>,
     /// Calls the shadow compared, and how many were answered otherwise.
     #[serde(default)]
-    pub compared: u64,
+    pub compared: i64,
     #[serde(default)]
-    pub differences: u64,
+    pub differences: i64,
     /// Applied, or Pending (waiting for a version the node does not have,
     /// or for the agent's checks), or Refused (the version failed them).
     pub state: String,

@@ -2,6 +2,7 @@
 //! PVs the agent reads, and the controller.
 
 pub mod admission;
+pub mod backend_policies;
 pub mod cluster;
 pub mod controller;
 pub mod crds;

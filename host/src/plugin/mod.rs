@@ -2,6 +2,7 @@
 //! dir, and installing each backend's Flexvolume driver where kubelet looks
 //! for it.
 
+pub mod directed;
 pub mod install;
 pub mod observe;
 pub mod reload;

@@ -228,7 +228,7 @@ fn run_scenarios(plugin: &Plugin, file: &Path) -> Result<(), (Option<String>, St
         let files = crate::policy::scenario::files(&scenarios)
             .map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
         for f in files {
-            let outcomes = crate::policy::scenario::run_file(&plugin, &f)
+            let outcomes = crate::policy::scenario::run_file(plugin, &f)
                 .map_err(|e| (backend.clone(), format!("its scenarios: {e}")))?;
             if let Some(o) = outcomes.iter().find(|o| o.failure.is_some()) {
                 let why = o.failure.clone().unwrap_or_default();

@@ -56,6 +56,7 @@ impl Relevant {
 /// change made after that pass begins can be missed.
 pub struct DirWatch {
     _watcher: notify::RecommendedWatcher,
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
     rx: tokio::sync::mpsc::UnboundedReceiver<()>,
 }
 
@@ -68,6 +69,7 @@ impl DirWatch {
         let dir = std::path::absolute(dir).with_context(|| format!("{}", dir.display()))?;
         let list = list.and_then(|l| std::path::absolute(l).ok());
         let relevant = Relevant { plugin_dir: dir.clone(), list: list.clone() };
+        let poke = tx.clone();
         let mut watcher =
             notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
                 Ok(e) if relevant.relevant(&e) => {
@@ -90,13 +92,19 @@ impl DirWatch {
             }
         }
         tracing::info!(dir = %dir.display(), "watching the plugin dir for backends added, updated and removed");
-        Ok(DirWatch { _watcher: watcher, rx })
+        Ok(DirWatch { _watcher: watcher, tx: poke, rx })
+    }
+
+    /// Starts a pass as a change in the dir would (what is trusted changed
+    /// elsewhere).
+    pub fn poke(&self) -> tokio::sync::mpsc::UnboundedSender<()> {
+        self.tx.clone()
     }
 }
 
 /// Reload on the watch's events until cancelled.
 pub async fn run(watch: DirWatch, reloader: Reloader) -> anyhow::Result<()> {
-    let DirWatch { _watcher, mut rx } = watch;
+    let DirWatch { _watcher, tx: _, mut rx } = watch;
     let reloader = Arc::new(Mutex::new(reloader));
     let mut last_pass = Instant::now() - WINDOW;
     loop {

@@ -55,6 +55,11 @@ impl Board {
         *self.problems.write().unwrap_or_else(|p| p.into_inner()) = problems;
     }
 
+    /// The plugin dir's problems as last published.
+    pub fn problems_now(&self) -> Vec<PluginProblem> {
+        self.plugin_problems()
+    }
+
     /// Report on local volumes from now on.
     pub fn manage_local(&self, state: Arc<LocalState>) {
         let _ = self.local.set(state);

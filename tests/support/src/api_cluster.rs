@@ -36,6 +36,8 @@ pub struct Cluster {
     pub webhook_port: u16,
     /// Arguments the controller starts with besides the usual ones.
     pub controller_args: Vec<String>,
+    /// Nodes whose agent has a plugin dir of its own (else the shared one).
+    plugin_dirs: std::collections::HashMap<String, PathBuf>,
 }
 
 impl Drop for Cluster {
@@ -93,6 +95,7 @@ impl Cluster {
             agent_server: None,
             webhook_port,
             controller_args: controller_args.iter().map(|a| a.to_string()).collect(),
+            plugin_dirs: Default::default(),
         };
         c.spawn_controller();
         for n in nodes {
@@ -126,6 +129,22 @@ impl Cluster {
         self.env.client()
     }
 
+    /// From its next start, `node`'s agent has a plugin dir of its own, as
+    /// each node of a DaemonSet has: `<node>/plugins`, a copy of the shared
+    /// one's policies.
+    pub fn own_plugin_dir(&mut self, node: &str) -> PathBuf {
+        let dir = self.scratch.path(&format!("{node}/plugins"));
+        std::fs::create_dir_all(&dir).expect("dir");
+        for e in std::fs::read_dir(self.scratch.path("plugins")).expect("the shared plugin dir") {
+            let path = e.expect("entry").path();
+            if path.extension().is_some_and(|x| x == "wasm") {
+                std::fs::copy(&path, dir.join(path.file_name().expect("a name"))).expect("copy");
+            }
+        }
+        self.plugin_dirs.insert(node.to_string(), dir.clone());
+        dir
+    }
+
     pub fn spawn_agent(&mut self, node: &str) {
         self.spawn_agent_with(node, &[]);
     }
@@ -156,7 +175,9 @@ impl Cluster {
             .fold(AgentBuilder::new(&self.bin, node), |a, (k, v)| a.env(k, v))
             .under(&self.scratch.path(node))
             .kubeconfig(kubeconfig)
-            .plugin_dir(self.scratch.path("plugins"))
+            .plugin_dir(
+                self.plugin_dirs.get(node).cloned().unwrap_or_else(|| self.scratch.path("plugins")),
+            )
             .discovery_dir(self.scratch.path("disks"))
             .args(extra)
             .log(self.scratch.path(&format!("{node}.log")));

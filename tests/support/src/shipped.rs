@@ -22,7 +22,7 @@ pub const AGENT_ACCOUNT: &str = "volagent-agent";
 pub const CONTROLLER_NAMESPACE: &str = "volagent-controller";
 pub const CONTROLLER_ACCOUNT: &str = "volagent-controller";
 /// The files of `deploy/` a cluster without its workloads gets, in order.
-pub const FILES: [&str; 10] = [
+pub const FILES: [&str; 11] = [
     "namespace.yaml",
     "crds/attachments.volagent.io.yaml",
     "crds/nodecleanups.volagent.io.yaml",
@@ -30,6 +30,7 @@ pub const FILES: [&str; 10] = [
     "crds/nodelocalvolumes.volagent.io.yaml",
     "crds/fencerequests.volagent.io.yaml",
     "crds/provisionrecords.volagent.io.yaml",
+    "crds/backendpolicies.volagent.io.yaml",
     "rbac-agent.yaml",
     "rbac-controller.yaml",
     "admission-webhook.yaml",

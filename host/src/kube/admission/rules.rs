@@ -14,8 +14,12 @@
 //!   status, where every volume is named as discovery names it on this
 //!   node; never the spec (the wipes the controller requests).
 //! - `FenceRequest`: made and deleted by its requester, never answered.
+//! - `BackendPolicy`: only its own node's entry of the status; the spec
+//!   (which versions every node runs) is the admin's.
 
-use crate::kube::crds::{Attachment, AttachmentSpec, FenceRequest, NodeCleanup, NodeLocalVolumes};
+use crate::kube::crds::{
+    Attachment, AttachmentSpec, BackendPolicy, FenceRequest, NodeCleanup, NodeLocalVolumes,
+};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -26,6 +30,7 @@ pub enum Kind {
     NodeCleanup,
     NodeLocalVolumes,
     FenceRequest,
+    BackendPolicy,
 }
 
 impl Kind {
@@ -39,6 +44,7 @@ impl Kind {
             "nodecleanups" => Some(Kind::NodeCleanup),
             "nodelocalvolumes" => Some(Kind::NodeLocalVolumes),
             "fencerequests" => Some(Kind::FenceRequest),
+            "backendpolicies" => Some(Kind::BackendPolicy),
             _ => None,
         }
     }
@@ -81,7 +87,33 @@ pub fn review(me: &str, change: &Change<'_>, nodes: &dyn Nodes) -> Result<(), St
         Kind::NodeCleanup => node_cleanup(me, change),
         Kind::NodeLocalVolumes => local_volumes(me, change),
         Kind::FenceRequest => fence_request(me, change),
+        Kind::BackendPolicy => backend_policy(me, change),
     }
+}
+
+/// A BackendPolicy's status, by an update of that subresource that leaves
+/// every other node's entry as it was (in the same order, as the
+/// admission policy's CEL compares them).
+fn backend_policy(me: &str, change: &Change<'_>) -> Result<(), String> {
+    let name = change.name;
+    let own_entry_only = format!(
+        "the agent of node {me} may write only its own node's entry of BackendPolicy {name}'s status"
+    );
+    if change.operation != Operation::Update || change.sub_resource != Some("status") {
+        return Err(own_entry_only);
+    }
+    let old: BackendPolicy = parse(change.old, "the old object")?;
+    let new: BackendPolicy = parse(change.new, "the object")?;
+    let others = |p: &BackendPolicy| {
+        p.status
+            .as_ref()
+            .map(|s| s.nodes.iter().filter(|e| e.node != me).cloned().collect::<Vec<_>>())
+            .unwrap_or_default()
+    };
+    if others(&old) != others(&new) {
+        return Err(own_entry_only);
+    }
+    Ok(())
 }
 
 /// The nodes other than `me` whose entries `change` takes out of an
@@ -706,5 +738,43 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn an_agent_writes_only_its_own_entry_of_a_rollouts_status() {
+        let policy = |entries: &[(&str, &str)]| {
+            let nodes: Vec<Value> = entries
+                .iter()
+                .map(|(n, state)| json!({ "node": n, "state": state, "updatedAt": "t" }))
+                .collect();
+            json!({ "apiVersion": "volagent.io/v1alpha1", "kind": "BackendPolicy", "metadata": { "name": "nbd" },
+                    "spec": { "backend": "nbd", "serving": "a".repeat(64) }, "status": { "nodes": nodes } })
+        };
+        let nobody = |_: &str| false;
+        let status = |old: &Value, new: &Value| {
+            let c = Change {
+                kind: Kind::BackendPolicy,
+                operation: Operation::Update,
+                sub_resource: Some("status"),
+                name: "nbd",
+                old: Some(old),
+                new: Some(new),
+            };
+            review("a", &c, &nobody)
+        };
+        let before = policy(&[("a", "Pending"), ("b", "Applied")]);
+        assert!(status(&before, &policy(&[("a", "Applied"), ("b", "Applied")])).is_ok());
+        let e = status(&before, &policy(&[("a", "Pending"), ("b", "Refused")])).unwrap_err();
+        assert!(e.contains("only its own node's entry of BackendPolicy nbd"), "{e}");
+        assert!(status(&before, &policy(&[("a", "Pending")])).is_err(), "B's entry removed");
+        let spec = Change {
+            kind: Kind::BackendPolicy,
+            operation: Operation::Update,
+            sub_resource: None,
+            name: "nbd",
+            old: Some(&before),
+            new: Some(&before),
+        };
+        assert!(review("a", &spec, &nobody).is_err(), "the spec is the admin's");
     }
 }
