@@ -570,3 +570,106 @@ fn a_pod_writes_an_nbd_volume_and_the_next_pod_reads_it() {
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// A policy version rolled out to both nodes through a `BackendPolicy`,
+/// seen by kubelet's pods: in the shadow, node A's ReadOnlyMany mount
+/// succeeds and its entry counts the refusal the candidate would have
+/// made; served (mode Serve), node B's ReadOnlyMany pod cannot mount; rolled
+/// back (mode Shadow again), kubelet's retry mounts it.
+#[test]
+fn a_backend_policy_rolls_a_candidate_out_to_both_nodes_under_kubelet() {
+    use volagent::kube::crds::{BackendPolicy, BackendPolicySpec, RolloutMode};
+    let sha = |f: &str| {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(std::fs::read(f).expect("policy")))
+    };
+    let (original, strict) =
+        (sha(volagent_test_artifacts::LOCAL_PV), sha(volagent_test_artifacts::LOCAL_PV_STRICT));
+    let store = tempfile::tempdir_in("/var/tmp").expect("a policy store");
+    std::fs::copy(volagent_test_artifacts::LOCAL_PV_STRICT, store.path().join("strict.wasm"))
+        .expect("store");
+    let store_dir = store.path().display().to_string();
+    let extra: &[&str] = &["--policy-store", &store_dir];
+    let c = Cluster::start(VOLAGENT, &[("node-a", extra), ("node-b", extra)], &[LOCAL_PV]);
+    for node in ["a", "b"] {
+        // Formatted ahead: a read-only volume is not formatted on attach.
+        let image = c.image(&format!("rox-{node}.img"), 64);
+        let mkfs = std::process::Command::new("mkfs.ext4").args(["-F", "-q", &image]).status();
+        assert!(mkfs.expect("mkfs").success());
+        let on = format!("node-{node}");
+        c.create_volume(
+            &format!("rox-{node}"),
+            "local-pv",
+            "ReadOnlyMany",
+            &[("path", &image), ("node", &on)],
+        );
+    }
+    let read_only = |pv: &str| serde_json::json!({ "persistentVolumeClaim": { "claimName": format!("{pv}-claim"), "readOnly": true } });
+    let api: kube::Api<BackendPolicy> = kube::Api::all(c.client());
+    let object = BackendPolicy::new(
+        "local-pv",
+        BackendPolicySpec {
+            backend: "local-pv".into(),
+            serving: original.clone(),
+            candidate: Some(strict.clone()),
+            mode: RolloutMode::Shadow,
+        },
+    );
+    c.rt.block_on(api.create(&Default::default(), &object)).expect("the BackendPolicy");
+    let entries = || {
+        c.rt.block_on(api.get("local-pv"))
+            .ok()
+            .and_then(|o| o.status)
+            .map(|s| s.nodes)
+            .unwrap_or_default()
+    };
+    let both = |serving: &str, candidate: Option<&str>| {
+        let e = entries();
+        e.len() == 2
+            && e.iter().all(|e| {
+                e.state == "Applied"
+                    && e.serving.as_deref() == Some(serving)
+                    && e.candidate.as_deref() == candidate
+            })
+    };
+    let wait = |what: &str, done: &dyn Fn() -> bool| wait_until(POD_WAIT, what, done);
+    wait("both nodes to run the candidate in the shadow", &|| both(&original, Some(&strict)));
+
+    c.create_pod(pod_with(
+        "ra",
+        "node-a",
+        &serve("true"),
+        &[("data", read_only("rox-a"))],
+        None,
+        "Never",
+    ));
+    c.wait_pod("ra", "Ready: the serving version allows it", is_ready);
+    wait("node A's entry to count the candidate's refusal", &|| {
+        entries().iter().any(|e| e.node == "node-a" && e.differences >= 1)
+    });
+
+    let mode = |m: RolloutMode| {
+        let mut o = c.rt.block_on(api.get("local-pv")).expect("the object");
+        o.spec.mode = m;
+        c.rt.block_on(api.replace("local-pv", &Default::default(), &o)).expect("the new mode");
+    };
+    mode(RolloutMode::Serve);
+    wait("both nodes to serve the candidate", &|| both(&strict, None));
+    c.create_pod(pod_with(
+        "rb",
+        "node-b",
+        &serve("true"),
+        &[("data", read_only("rox-b"))],
+        None,
+        "Never",
+    ));
+    c.wait_event("rb", "FailedMount", &["refuses ReadOnlyMany"]);
+
+    mode(RolloutMode::Shadow);
+    wait("both nodes to serve the old version again", &|| both(&original, Some(&strict)));
+    c.wait_pod("rb", "Ready once rolled back (kubelet retries)", is_ready);
+    c.delete_pod("ra");
+    c.delete_pod("rb");
+    assert_nothing_left(&c, "node-a", "rox-a");
+    assert_nothing_left(&c, "node-b", "rox-b");
+}

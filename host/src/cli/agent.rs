@@ -368,7 +368,9 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
     board.switch_recording_with(observer.clone());
     // In a cluster, the BackendPolicy objects' digests are trusted too:
     // listed once before the first pass, then kept up by their task.
-    let listing = crate::kube::backend_policies::Listing::default();
+    let listing = crate::kube::backend_policies::Listing::cached_in(
+        args.state_dir.join("backend-policies.trusted"),
+    );
     if let Some(c) = &cluster {
         let l = listing.clone();
         trust = trust.with_cluster(Arc::new(move || l.allow_list()));
@@ -466,7 +468,7 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         }
         if let Some(c) = &cluster {
             tokio::spawn(crate::kube::node_tasks::run(agent.clone(), c.client.clone(), node.clone(), args.cleanup_interval));
-            if let Some(poke) = poke {
+            {
                 let rollouts = crate::kube::backend_policies::Rollouts {
                     agent: agent.clone(),
                     runtime: runtime.clone(),

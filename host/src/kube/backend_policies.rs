@@ -15,6 +15,7 @@ use crate::socket::status::Board;
 use futures_util::StreamExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
+use sha2::Digest;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
@@ -24,18 +25,38 @@ use std::time::{Duration, Instant};
 /// the versions looked at again, when nothing changes.
 const ROUND: Duration = Duration::from_secs(10);
 
-/// The objects as last listed: what the cluster trusts.
+/// The objects as last listed: what the cluster trusts. What they trust is
+/// kept on disk too (`cache`), so that an agent restarted while the API
+/// server does not answer still serves the versions only they vouch for.
 #[derive(Clone, Default)]
-pub struct Listing(Arc<RwLock<Vec<BackendPolicy>>>);
+pub struct Listing {
+    objects: Arc<RwLock<Option<Vec<BackendPolicy>>>>,
+    /// Until the first listing: what the cache held.
+    cached: Arc<RwLock<Option<AllowList>>>,
+    cache: Option<PathBuf>,
+}
 
 impl Listing {
+    /// A listing kept in the file `cache` (in the agent's state dir).
+    pub fn cached_in(cache: PathBuf) -> Listing {
+        Listing { cache: Some(cache), ..Listing::default() }
+    }
+
     /// The digests each object names, for its backend; none of a backend
     /// two objects name (neither is applied either).
     pub fn allow_list(&self) -> AllowList {
-        let objects = self.0.read().unwrap_or_else(|p| p.into_inner());
+        let objects = self.objects.read().unwrap_or_else(|p| p.into_inner());
+        let Some(objects) = objects.as_ref() else {
+            return self
+                .cached
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or_default();
+        };
         let mut list = AllowList::default();
-        for o in objects.iter() {
-            if conflict(&objects, o).is_some() {
+        for o in objects {
+            if conflict(objects, o).is_some() {
                 continue;
             }
             list.add(&o.spec.backend, &o.spec.serving);
@@ -47,28 +68,55 @@ impl Listing {
     }
 
     /// List the objects now (at start, before the first pass over the
-    /// plugin dir); an API server that does not answer within a few
-    /// seconds leaves the listing empty until the task's first round.
+    /// plugin dir); while the API server does not answer, the cache
+    /// stands in until the task's first listing.
     pub async fn refresh(&self, client: &kube::Client) {
         let api: Api<BackendPolicy> = Api::all(client.clone());
-        match tokio::time::timeout(Duration::from_secs(5), api.list(&ListParams::default())).await {
-            Ok(Ok(list)) => {
-                self.set(list.items);
-            }
-            Ok(Err(e)) => tracing::warn!("BackendPolicy objects not listed yet: {e}"),
-            Err(_) => tracing::warn!("BackendPolicy objects not listed yet: no answer within 5 s"),
-        }
+        let why =
+            match tokio::time::timeout(Duration::from_secs(5), api.list(&ListParams::default()))
+                .await
+            {
+                Ok(Ok(list)) => {
+                    self.set(list.items);
+                    return;
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "no answer within 5 s".to_string(),
+            };
+        let cached = self.cache.as_deref().and_then(|path| {
+            let text = std::fs::read_to_string(path).ok()?;
+            AllowList::parse(path, &text).ok()
+        });
+        tracing::warn!(
+            cached = cached.as_ref().map(AllowList::len),
+            "BackendPolicy objects not listed yet ({why}): what they trusted when last listed stands in"
+        );
+        *self.cached.write().unwrap_or_else(|p| p.into_inner()) = cached;
     }
 
+    /// The objects now; whether any spec changed.
     fn set(&self, objects: Vec<BackendPolicy>) -> bool {
-        let mut now = self.0.write().unwrap_or_else(|p| p.into_inner());
-        let changed = now.iter().map(|o| &o.spec).ne(objects.iter().map(|o| &o.spec));
-        *now = objects;
+        let changed = {
+            let mut now = self.objects.write().unwrap_or_else(|p| p.into_inner());
+            let changed = now
+                .as_ref()
+                .is_none_or(|now| now.iter().map(|o| &o.spec).ne(objects.iter().map(|o| &o.spec)));
+            *now = Some(objects);
+            changed
+        };
+        if changed && let Some(path) = &self.cache {
+            let tmp = path.with_extension("new");
+            let written = std::fs::write(&tmp, self.allow_list().render())
+                .and_then(|()| std::fs::rename(&tmp, path));
+            if let Err(e) = written {
+                tracing::warn!(cache = %path.display(), "what BackendPolicy objects trust is not kept: {e}");
+            }
+        }
         changed
     }
 
     fn objects(&self) -> Vec<BackendPolicy> {
-        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.objects.read().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default()
     }
 }
 
@@ -97,44 +145,101 @@ pub struct Rollouts {
     pub board: Arc<Board>,
     pub plugin_dir: PathBuf,
     pub stores: Vec<PathBuf>,
-    /// Starts a pass over the plugin dir (what is trusted changed).
-    pub poke: tokio::sync::mpsc::UnboundedSender<()>,
+    /// Starts a pass over the plugin dir (what is trusted changed), when
+    /// the dir is watched.
+    pub poke: Option<tokio::sync::mpsc::UnboundedSender<()>>,
 }
 
-/// Follow the objects until cancelled: on every change, and every round.
+/// A wake-up for every change of an object's spec (its generation), not
+/// of its status: the nodes' own writes wake no one.
+fn spec_changes(api: Api<BackendPolicy>) -> tokio::sync::mpsc::Receiver<()> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+        let mut seen: HashMap<String, Option<i64>> = HashMap::new();
+        while let Some(event) = stream.next().await {
+            let changed = match event {
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                    let name = o.metadata.name.clone().unwrap_or_default();
+                    seen.insert(name, o.metadata.generation) != Some(o.metadata.generation)
+                }
+                Ok(watcher::Event::Delete(o)) => {
+                    seen.remove(&o.metadata.name.clone().unwrap_or_default()).is_some()
+                }
+                Ok(_) | Err(_) => false,
+            };
+            // A wake-up already waiting covers this one too.
+            if changed && tx.try_send(()).is_err() && tx.is_closed() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Follow the objects until cancelled: on every change of a spec, and
+/// every round (counts, stores filled, the agent's checks done).
 pub async fn run(client: kube::Client, node: String, listing: Listing, r: Rollouts) {
     let api: Api<BackendPolicy> = Api::all(client);
-    let mut changes =
-        watcher(api.clone(), watcher::Config::default()).default_backoff().map(|_| ()).boxed();
+    let mut changes = spec_changes(api.clone());
     let stores = Arc::new(Mutex::new(Stores::new(r.stores.clone())));
     let r = Arc::new(r);
-    // The last entry written per object, and when.
-    let mut written: HashMap<String, (NodeRollout, Instant)> = HashMap::new();
+    let manager = field_manager(&node);
+    let mut written: HashMap<String, Written> = HashMap::new();
+    let mut refused: HashMap<String, Refusal> = HashMap::new();
     loop {
         match api.list(&ListParams::default()).await {
             Ok(list) => {
-                if listing.set(list.items) {
-                    let _ = r.poke.send(());
+                if listing.set(list.items)
+                    && let Some(poke) = &r.poke
+                {
+                    let _ = poke.send(());
                 }
                 let objects = listing.objects();
                 for o in &objects {
-                    let entry = apply_one(&r, &stores, &objects, o, &node).await;
-                    write_entry(&api, &node, o, entry, &mut written).await;
+                    let entry = apply_one(&r, &stores, &objects, o, &node, &mut refused).await;
+                    write_entry(&api, &manager, o, entry, &mut written).await;
                 }
-                written.retain(|name, _| {
-                    objects.iter().any(|o| o.metadata.name.as_ref() == Some(name))
-                });
+                let named =
+                    |name: &String| objects.iter().any(|o| o.metadata.name.as_ref() == Some(name));
+                written.retain(|name, _| named(name));
+                refused.retain(|name, _| named(name));
             }
             Err(e) => {
                 tracing::warn!("BackendPolicy objects not listed: {e}; the last listing stands");
             }
         }
-        let _ = tokio::time::timeout(ROUND, changes.next()).await;
-        while let Ok(Some(())) =
-            tokio::time::timeout(Duration::from_millis(200), changes.next()).await
-        {}
+        let _ = tokio::time::timeout(ROUND, changes.recv()).await;
     }
 }
+
+/// The field manager of this node's entries: its own, within the API's
+/// 128 characters whatever the node's name.
+fn field_manager(node: &str) -> String {
+    let name = format!("volagent-agent-{node}");
+    if name.len() <= 128 {
+        return name;
+    }
+    format!("volagent-agent-{}", &hex::encode(sha2::Sha256::digest(node.as_bytes()))[..32])
+}
+
+/// The last entry written for an object, and when.
+struct Written {
+    entry: NodeRollout,
+    at: Instant,
+}
+
+/// A version the agent's checks refused, not tried again for a while (it
+/// compiles and runs scenarios) unless what is wanted changes.
+struct Refusal {
+    wanted: Wanted,
+    state: String,
+    why: String,
+    at: Instant,
+}
+
+/// How long a refused version is left before it is tried again.
+const RETRY_REFUSED: Duration = Duration::from_secs(300);
 
 /// Put `o`'s versions in place; the node's entry of its status.
 async fn apply_one(
@@ -143,6 +248,7 @@ async fn apply_one(
     objects: &[BackendPolicy],
     o: &BackendPolicy,
     node: &str,
+    refused: &mut HashMap<String, Refusal>,
 ) -> NodeRollout {
     let name = o.metadata.name.clone().unwrap_or_default();
     let wanted = wanted(&o.spec);
@@ -155,20 +261,57 @@ async fn apply_one(
                 o.spec.backend
             ),
         )),
-        None => {
-            let (r2, stores, w) = (r.clone(), stores.clone(), wanted.clone());
-            tokio::task::spawn_blocking(move || {
-                let mut stores = stores.lock().unwrap_or_else(|p| p.into_inner());
-                directed::apply(&r2.runtime, &r2.trust, &mut stores, &r2.plugin_dir, &w)
-            })
-            .await
-            .unwrap_or_else(|e| Err(anyhow::anyhow!("the rollout's task failed: {e}")))
-            .map_err(|e| {
-                let state =
-                    if e.downcast_ref::<Missing>().is_some() { "Pending" } else { "Refused" };
-                (state.to_string(), format!("{e:#}"))
-            })
-        }
+        None => match refused
+            .get(&name)
+            .filter(|f| f.wanted == wanted && f.at.elapsed() < RETRY_REFUSED)
+        {
+            Some(f) => Err((f.state.clone(), f.why.clone())),
+            None => {
+                let (r2, stores, w) = (r.clone(), stores.clone(), wanted.clone());
+                let loaded = r.agent.plugin(&wanted.backend).ok().map(|p| p.sha256().to_string());
+                let result = tokio::task::spawn_blocking(move || {
+                    let mut stores = stores.lock().unwrap_or_else(|p| p.into_inner());
+                    directed::apply(
+                        &r2.runtime,
+                        &r2.trust,
+                        &mut stores,
+                        &r2.plugin_dir,
+                        &w,
+                        loaded.as_deref(),
+                    )
+                })
+                .await
+                .unwrap_or_else(|e| Err(anyhow::anyhow!("the rollout's task failed: {e}")));
+                match result {
+                    Ok(done) => {
+                        refused.remove(&name);
+                        Ok(done)
+                    }
+                    // Waiting for a store is cheap to look at again.
+                    Err(e) if e.downcast_ref::<Missing>().is_some() => {
+                        Err(("Pending".to_string(), format!("{e:#}")))
+                    }
+                    Err(e) => {
+                        let why = format!("{e:#}");
+                        tracing::warn!(
+                            policy = name,
+                            backend = wanted.backend,
+                            "BackendPolicy refused: {why}"
+                        );
+                        refused.insert(
+                            name.clone(),
+                            Refusal {
+                                wanted: wanted.clone(),
+                                state: "Refused".into(),
+                                why: why.clone(),
+                                at: Instant::now(),
+                            },
+                        );
+                        Err(("Refused".to_string(), why))
+                    }
+                }
+            }
+        },
     };
     match &applied {
         Ok(done) => {
@@ -177,7 +320,11 @@ async fn apply_one(
             }
         }
         Err((state, why)) => {
-            tracing::warn!(policy = name, backend = wanted.backend, "BackendPolicy {state}: {why}");
+            tracing::debug!(
+                policy = name,
+                backend = wanted.backend,
+                "BackendPolicy {state}: {why}"
+            );
         }
     }
     entry(r, node, &wanted, applied.err())
@@ -234,26 +381,35 @@ fn entry(
     }
 }
 
-/// Write `entry` as the node's entry of `o`'s status when it changed, or
-/// its counts are a round old.
+/// How often an entry whose counts alone moved is written again.
+const COUNTS_EVERY: Duration = Duration::from_secs(60);
+
+/// Write `entry` as the node's entry of `o`'s status: at once when what
+/// serves, what shadows, the state or the differences changed (or the
+/// object lacks it), when only the calls compared moved at most every
+/// minute, never when idle.
 async fn write_entry(
     api: &Api<BackendPolicy>,
-    node: &str,
+    manager: &str,
     o: &BackendPolicy,
     entry: NodeRollout,
-    written: &mut HashMap<String, (NodeRollout, Instant)>,
+    written: &mut HashMap<String, Written>,
 ) {
     let name = o.metadata.name.clone().unwrap_or_default();
-    let same = |a: &NodeRollout, b: &NodeRollout| {
-        NodeRollout { updated_at: String::new(), ..a.clone() }
-            == NodeRollout { updated_at: String::new(), ..b.clone() }
+    let without_time = |e: &NodeRollout| NodeRollout { updated_at: String::new(), ..e.clone() };
+    // A new difference is news for the admin; calls compared are not.
+    let without_counts = |e: &NodeRollout| NodeRollout { compared: 0, ..without_time(e) };
+    let in_object = o.status.as_ref().and_then(|s| s.nodes.iter().find(|e| e.node == entry.node));
+    let due = match (written.get(&name), in_object) {
+        (Some(last), Some(shown)) => {
+            without_counts(&last.entry) != without_counts(&entry)
+                || without_counts(shown) != without_counts(&entry)
+                || (without_time(&last.entry) != without_time(&entry)
+                    && last.at.elapsed() >= COUNTS_EVERY)
+        }
+        _ => true,
     };
-    let in_object = o.status.as_ref().and_then(|s| s.nodes.iter().find(|e| e.node == node));
-    if let Some((last, at)) = written.get(&name)
-        && same(last, &entry)
-        && in_object.is_some_and(|e| same(e, &entry))
-        && at.elapsed() < ROUND * 6
-    {
+    if !due {
         return;
     }
     let patch = serde_json::json!({
@@ -262,12 +418,14 @@ async fn write_entry(
         "metadata": { "name": name },
         "status": { "nodes": [entry] },
     });
-    let params = PatchParams::apply(&format!("volagent-agent-{node}")).force();
+    let params = PatchParams::apply(manager).force();
     match api.patch_status(&name, &params, &Patch::Apply(&patch)).await {
         Ok(_) => {
-            written.insert(name, (entry, Instant::now()));
+            written.insert(name, Written { entry, at: Instant::now() });
         }
-        Err(e) => tracing::warn!(policy = name, "this node's entry of the status not written: {e}"),
+        Err(e) => {
+            tracing::warn!(policy = name, "this node's entry of the status not written: {e}");
+        }
     }
 }
 

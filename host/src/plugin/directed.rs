@@ -78,36 +78,82 @@ fn sha_of(dir: &Path, name: &str, max: u64) -> Option<String> {
 }
 
 /// Write `bytes` as the plugin dir's file `name`, whole: a dot-file (which
-/// the watch ignores), synced, then renamed into place.
+/// the watch ignores, made new and never through a link), synced, then
+/// renamed into place, and the dir synced.
 fn place(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = dir.join(format!(".{name}.incoming"));
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("cannot sync {}", tmp.display()))?;
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("cannot remove {}", tmp.display()));
+        }
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(&tmp)
+        .with_context(|| format!("cannot make {}", tmp.display()))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
     let to = dir.join(name);
     std::fs::rename(&tmp, &to)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), to.display()))
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), to.display()))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("cannot sync {}", dir.display()))
 }
 
-/// The version `sha256` from the stores, written as `name` in the plugin
-/// dir; the bytes written are the ones checked.
-fn fetch(
+/// The bytes of version `sha256`: the plugin dir's kept previous version
+/// when it is that one, else a store's file; checked against the digest.
+fn version(
     stores: &mut Stores,
     dir: &Path,
-    name: &str,
+    previous: &str,
     sha256: &str,
     max: u64,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<u8>> {
+    let digest = |b: &[u8]| hex::encode(Sha256::digest(b));
+    if let Ok(bytes) = crate::sys::beneath::read_beneath(dir, Path::new(previous), max)
+        && digest(&bytes) == sha256
+    {
+        return Ok(bytes);
+    }
     let from = stores.find(sha256, max).ok_or_else(|| Missing(sha256.to_string()))?;
     let bytes = crate::sys::beneath::read_file(&from, max)
         .with_context(|| format!("cannot read {}", from.display()))?;
-    anyhow::ensure!(
-        hex::encode(Sha256::digest(&bytes)) == sha256,
-        "{} changed while it was read",
-        from.display()
-    );
-    place(dir, name, &bytes)
+    anyhow::ensure!(digest(&bytes) == sha256, "{} changed while it was read", from.display());
+    Ok(bytes)
+}
+
+/// The candidate's file, signature and scenarios go: what comes next (or
+/// nothing) must not be checked against, or signed by, what went.
+fn drop_candidate(dir: &Path, backend: &str) -> anyhow::Result<bool> {
+    let candidate = format!("{backend}{}", super::reload::CANDIDATE);
+    let stem = format!("{backend}.candidate");
+    let mut gone = false;
+    for name in [
+        candidate.clone(),
+        format!("{candidate}{}", super::trust::SIGNATURE),
+        format!("{stem}.scenarios.yaml"),
+    ] {
+        let path = dir.join(&name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => gone |= name == candidate,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("cannot remove {}", path.display())),
+        }
+    }
+    let scenarios = dir.join(format!("{stem}.scenarios"));
+    if std::fs::symlink_metadata(&scenarios).is_ok() {
+        std::fs::remove_dir_all(&scenarios)
+            .with_context(|| format!("cannot remove {}", scenarios.display()))?;
+    }
+    Ok(gone)
 }
 
 /// A version no store holds: the node waits for it (a store filled later
@@ -117,13 +163,16 @@ fn fetch(
 pub struct Missing(pub String);
 
 /// Bring `dir` in line with `wanted`: what was done (nothing when it
-/// already is), or why not.
+/// already is), or why not. `loaded` is the digest the agent serves the
+/// backend with (from whatever file), which counts when `<backend>.wasm`
+/// is not there.
 pub fn apply(
     runtime: &Arc<Runtime>,
     trust: &TrustSources,
     stores: &mut Stores,
     dir: &Path,
     wanted: &Wanted,
+    loaded: Option<&str>,
 ) -> anyhow::Result<Vec<String>> {
     let max = runtime.limits.max_file_bytes;
     let b = &wanted.backend;
@@ -131,13 +180,16 @@ pub fn apply(
     let candidate = format!("{b}{}", super::reload::CANDIDATE);
     let previous = format!("{b}{}", super::reload::PREVIOUS);
     let mut done = Vec::new();
-    if sha_of(dir, &serving, max).as_deref() != Some(&wanted.serve) {
+    let serving_now = sha_of(dir, &serving, max).or_else(|| loaded.map(str::to_string));
+    if serving_now.as_deref() != Some(&wanted.serve) {
         if sha_of(dir, &previous, max).as_deref() == Some(&wanted.serve) {
             done.push(rollout::rollback(runtime, trust, dir, b)?);
         } else {
             if sha_of(dir, &candidate, max).as_deref() != Some(&wanted.serve) {
-                fetch(stores, dir, &candidate, &wanted.serve, max)?;
-                done.push(format!("{candidate}: version {} from the policy store", wanted.serve));
+                let bytes = version(stores, dir, &previous, &wanted.serve, max)?;
+                drop_candidate(dir, b)?;
+                place(dir, &candidate, &bytes)?;
+                done.push(format!("{candidate}: version {}, to serve", wanted.serve));
             }
             done.extend(rollout::promote(runtime, trust, dir, b)?);
         }
@@ -145,13 +197,13 @@ pub fn apply(
     let now = sha_of(dir, &candidate, max);
     match &wanted.candidate {
         Some(sha) if now.as_deref() != Some(sha) => {
-            fetch(stores, dir, &candidate, sha, max)?;
-            done.push(format!("{candidate}: version {sha} from the policy store, in the shadow"));
+            let bytes = version(stores, dir, &previous, sha, max)?;
+            drop_candidate(dir, b)?;
+            place(dir, &candidate, &bytes)?;
+            done.push(format!("{candidate}: version {sha}, in the shadow"));
         }
         None if now.is_some() => {
-            let path = dir.join(&candidate);
-            std::fs::remove_file(&path)
-                .with_context(|| format!("cannot remove {}", path.display()))?;
+            drop_candidate(dir, b)?;
             done.push(format!("{candidate} removed: no candidate is wanted"));
         }
         _ => {}
