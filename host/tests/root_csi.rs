@@ -928,6 +928,7 @@ fn a_block_volume_is_published_as_a_device_node() {
 fn a_guest_of_the_previous_contract_serves_on() {
     let node = Node::start(VOLAGENT);
     let old = volagent_test_support::workspace().join("tests/fixtures/contract-0.4/local-pv.wasm");
+    node.trust("local-pv", &old);
     std::fs::copy(&old, node.scratch.path("plugins/.local-pv.wasm")).expect("copy");
     std::fs::rename(
         node.scratch.path("plugins/.local-pv.wasm"),

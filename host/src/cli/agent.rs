@@ -377,6 +377,18 @@ pub fn run(args: AgentArgs, limits: Limits) -> anyhow::Result<ExitCode> {
         rt.block_on(listing.refresh(&c.client));
     }
     let trust = Arc::new(trust);
+    if cluster.is_some() {
+        // The versions the objects choose are in place before the first
+        // pass: an agent whose plugin dir came back as its image made it (a
+        // container's restart) never serves another version meanwhile.
+        crate::kube::backend_policies::apply_at_start(
+            &listing,
+            &runtime,
+            &trust,
+            &plugin_dir,
+            &args.policy_stores,
+        );
+    }
     let integration = Integration {
         volume_plugin_dir,
         driver_binary,

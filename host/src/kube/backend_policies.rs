@@ -150,6 +150,31 @@ pub struct Rollouts {
     pub poke: Option<tokio::sync::mpsc::UnboundedSender<()>>,
 }
 
+/// Put the listed objects' versions in place now, before the first pass
+/// over the plugin dir (blocking: it compiles what it checks). What fails
+/// is said, and tried again by the task's rounds.
+pub fn apply_at_start(
+    listing: &Listing,
+    runtime: &Arc<Runtime>,
+    trust: &TrustSources,
+    plugin_dir: &std::path::Path,
+    stores: &[PathBuf],
+) {
+    let objects = listing.objects();
+    let mut stores = Stores::new(stores.to_vec());
+    for o in objects.iter().filter(|o| conflict(&objects, o).is_none()) {
+        let w = wanted(&o.spec);
+        match directed::apply(runtime, trust, &mut stores, plugin_dir, &w, None) {
+            Ok(done) => {
+                for line in done {
+                    tracing::info!(backend = w.backend, "BackendPolicy at start: {line}");
+                }
+            }
+            Err(e) => tracing::warn!(backend = w.backend, "BackendPolicy at start: {e:#}"),
+        }
+    }
+}
+
 /// A wake-up for every change of an object's spec (its generation), not
 /// of its status: the nodes' own writes wake no one.
 fn spec_changes(api: Api<BackendPolicy>) -> tokio::sync::mpsc::Receiver<()> {
