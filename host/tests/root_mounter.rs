@@ -523,6 +523,11 @@ fn a_fenced_librbd_helper_is_not_started_again() {
             format!("server logs:\n{}\nagent:\n{}", logs(), tail.join("\n"))
         },
     );
+    // The refusing successor ends (slowly on a loaded machine: librbd
+    // shuts down), and none is started after it.
+    volagent_test_support::wait_until(NBD_WAIT, "the refusing successor to end", || {
+        servers_under(&root).is_empty()
+    });
     std::thread::sleep(Duration::from_secs(2));
     assert!(servers_under(&root).is_empty(), "no helper serves the fenced image");
     assert!(
