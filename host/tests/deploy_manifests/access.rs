@@ -8,7 +8,9 @@ pub(crate) const VERBS: [&str; 8] =
     ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"];
 
 /// (group, resource, subresource, namespaced) checked for both accounts.
-pub(crate) const RESOURCES: [(&str, &str, &str, bool); 30] = [
+pub(crate) const RESOURCES: [(&str, &str, &str, bool); 32] = [
+    ("volagent.io", "backendpolicies", "", false),
+    ("volagent.io", "backendpolicies", "status", false),
     ("volagent.io", "attachments", "", false),
     ("volagent.io", "provisionrecords", "", false),
     ("volagent.io", "fencerequests", "", false),
@@ -70,6 +72,9 @@ pub(crate) const AGENT_GRANTS: &[Grant] = &[
     // Its node's local volumes: the object, and the status it writes.
     grant("volagent.io", "nodelocalvolumes", &["get", "list", "watch", "create"]),
     grant("volagent.io", "nodelocalvolumes/status", &["get", "patch", "update"]),
+    // Policy rollouts: the objects followed, its own status entry applied.
+    grant("volagent.io", "backendpolicies", READ),
+    grant("volagent.io", "backendpolicies/status", &["get", "patch"]),
     grant("", "nodes", READ),
     grant("", "persistentvolumes", READ),
     // A mount's pod and its claim are read back (found by the DaemonSet
