@@ -324,3 +324,47 @@ fn a_symlink_to_a_block_device_is_not_followed() {
     assert_eq!(out.status.code(), Some(2), "nothing was made on it");
     let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
 }
+
+/// The loop devices someone else attached or moved since the last lookup.
+fn losetup(args: &[&str]) -> String {
+    let out = std::process::Command::new("losetup").args(args).output().expect("losetup");
+    assert!(out.status.success(), "losetup {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn the_loop_index_sees_every_device_someone_else_attached_or_moved() {
+    use volagent::sys::{Devices, LoopAttach};
+    let scratch = RootScratch::enter();
+    let dir = scratch.path("");
+    let roots = volagent::sys::Roots::open(std::slice::from_ref(&dir)).expect("roots");
+    let linux = volagent::sys::linux::Linux::new(roots, "volagent:index");
+    let [a, b, c] = ["a.img", "b.img", "c.img"].map(|f| scratch.image(f, 4));
+    let id = |f: &std::path::Path| linux.file_id(f).expect("stat").expect("there");
+    let attach = |f: &std::path::Path| linux.loop_attach_or_reuse(f, false).expect("attach");
+    // The agent's own first attach proves that the kernel's events are heard.
+    let LoopAttach::Attached { device: mine, .. } = attach(&a) else { panic!("a reused device") };
+    assert!(linux.loops_indexed(), "the kernel's event for the agent's own attach was heard");
+    assert!(matches!(attach(&a), LoopAttach::Reused(d) if d == mine), "found again by its file");
+    // Someone else's device over b, attached after the index was seeded, is b's.
+    let theirs = losetup(&["-f", "--show", &b.display().to_string()]);
+    assert!(matches!(attach(&b), LoopAttach::Reused(d) if d.display().to_string() == theirs));
+    // The same device moved to c behind the index: found over c, not b.
+    losetup(&["-d", &theirs]);
+    losetup(&[&theirs, &c.display().to_string()]);
+    let over_c = linux.loops_over(Some(id(&c)), &[]).expect("lookup");
+    assert_eq!(
+        over_c.iter().map(|l| l.device.display().to_string()).collect::<Vec<_>>(),
+        std::slice::from_ref(&theirs)
+    );
+    assert!(linux.loops_over(Some(id(&b)), &[]).expect("lookup").is_empty(), "b has none now");
+    let LoopAttach::Attached { device: b_own, .. } = attach(&b) else { panic!("b was reused") };
+    // Detached: gone from the index, by file and by number.
+    let number = linux.loops_over(Some(id(&a)), &[]).expect("lookup")[0].number;
+    linux.loop_detach(&mine).expect("detach");
+    assert!(linux.loops_over(Some(id(&a)), &[number]).expect("lookup").is_empty());
+    assert!(linux.loops_indexed(), "still in use");
+    for d in [b_own.display().to_string(), theirs] {
+        losetup(&["-d", &d]);
+    }
+}

@@ -122,12 +122,9 @@ impl Run<'_> {
         Ok(self
             .sys
             .devices
-            .loop_statuses()?
+            .loops_over(id, &self.freed)?
             .into_iter()
-            .filter(|l| {
-                (id.is_some() && l.backing == id)
-                    || (l.tag == tag && self.freed.contains(&l.number))
-            })
+            .filter(|l| (id.is_some() && l.backing == id) || l.tag == tag)
             .map(|l| l.device)
             .collect())
     }

@@ -46,6 +46,8 @@ pub struct Linux {
     tag: String,
     /// Where FUSE clients of mounts (GlusterFS) are started.
     launcher: std::sync::Arc<dyn super::launch::Launcher>,
+    /// The node's loop devices by backing file.
+    loops: super::loop_index::LoopIndex,
 }
 
 impl Linux {
@@ -56,10 +58,17 @@ impl Linux {
             roots,
             tag: tag.to_string(),
             launcher: std::sync::Arc::new(super::launch::Local::default()),
+            loops: Default::default(),
         }
     }
 
     /// This node, its mounts' FUSE clients started by `launcher`.
+    /// Whether loop devices are looked up by this node's index rather
+    /// than one by one (see [`super::loop_index`]).
+    pub fn loops_indexed(&self) -> bool {
+        self.loops.in_use()
+    }
+
     pub fn with_launcher(self, launcher: std::sync::Arc<dyn super::launch::Launcher>) -> Linux {
         Linux { launcher, ..self }
     }
@@ -397,8 +406,11 @@ impl Devices for Linux {
     }
 
     fn loop_attach(&self, file: &Path, read_only: bool) -> Result<PathBuf, SysError> {
-        let backing = self.open_regular(file, !read_only)?;
-        loopdev::attach(backing.as_fd(), file, read_only, &self.tag)
+        let (backing, st) = self.open_regular_stat(file, !read_only)?;
+        let device = loopdev::attach(backing.as_fd(), file, read_only, &self.tag)?;
+        let id = FileId { dev: st.st_dev, ino: st.st_ino };
+        self.loops.attached(&device, Some(id), &self.tag);
+        Ok(device)
     }
 
     fn loop_devices(&self) -> Result<Vec<LoopDevice>, SysError> {
@@ -416,13 +428,22 @@ impl Devices for Linux {
     fn loop_attach_or_reuse(&self, file: &Path, read_only: bool) -> Result<LoopAttach, SysError> {
         let (backing, st) = self.open_regular_stat(file, !read_only)?;
         let id = FileId { dev: st.st_dev, ino: st.st_ino };
-        for l in loopdev::statuses()?.into_iter().filter(|l| l.backing == Some(id)) {
+        for l in self.loops.find(Some(id), &[])? {
             if loopdev::keep(&l.device, id)? {
                 return Ok(LoopAttach::Reused(l.device));
             }
         }
         let device = loopdev::attach(backing.as_fd(), file, read_only, &self.tag)?;
+        self.loops.attached(&device, Some(id), &self.tag);
         Ok(LoopAttach::Attached { device, backing: Some(backing) })
+    }
+
+    fn loops_over(
+        &self,
+        backing: Option<FileId>,
+        numbers: &[(u32, u32)],
+    ) -> Result<Vec<LoopStatus>, SysError> {
+        self.loops.find(backing, numbers)
     }
 
     fn loop_detach(&self, device: &Path) -> Result<(), SysError> {

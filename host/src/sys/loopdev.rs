@@ -291,7 +291,7 @@ pub fn keep(device: &Path, backing: FileId) -> Result<bool, SysError> {
 }
 
 /// A device's (major, minor).
-type Numbers = (u32, u32);
+pub(super) type Numbers = (u32, u32);
 
 /// What [`status`] found.
 enum Status {
@@ -397,6 +397,29 @@ pub fn list() -> Result<Vec<LoopDevice>, SysError> {
     Ok(found)
 }
 
+/// The status of the one device `device`, numbered `number`; none when
+/// it is not attached.
+pub(super) fn status_of(device: &Path, number: Numbers) -> Result<Option<LoopStatus>, SysError> {
+    Ok(match status(device, number)? {
+        Status::Detached => None,
+        Status::Attached(info, number) => Some(LoopStatus {
+            device: device.to_path_buf(),
+            backing: Some(FileId { dev: info.lo_device, ino: info.lo_inode }),
+            tag: field_str(&info.lo_file_name),
+            number,
+        }),
+        Status::Unreadable(number, e) => {
+            tracing::warn!(device = %device.display(), "loop device status unreadable: {e}");
+            Some(LoopStatus {
+                device: device.to_path_buf(),
+                backing: None,
+                tag: String::new(),
+                number,
+            })
+        }
+    })
+}
+
 /// [`list`] without the backing files' paths: what a lookup by identity
 /// or tag needs. The path is a sysfs read per device, which costs more
 /// than its status (8 µs against 5 here), and a node with a hundred
@@ -406,19 +429,7 @@ pub fn list() -> Result<Vec<LoopDevice>, SysError> {
 pub fn statuses() -> Result<Vec<LoopStatus>, SysError> {
     let mut found = Vec::new();
     for (device, number) in sized()? {
-        match status(&device, number)? {
-            Status::Detached => continue,
-            Status::Attached(info, number) => found.push(LoopStatus {
-                device,
-                backing: Some(FileId { dev: info.lo_device, ino: info.lo_inode }),
-                tag: field_str(&info.lo_file_name),
-                number,
-            }),
-            Status::Unreadable(number, e) => {
-                tracing::warn!(device = %device.display(), "loop device status unreadable: {e}");
-                found.push(LoopStatus { device, backing: None, tag: String::new(), number });
-            }
-        }
+        found.extend(status_of(&device, number)?);
     }
     found.sort_by(|a, b| a.device.cmp(&b.device));
     Ok(found)

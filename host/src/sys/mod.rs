@@ -24,7 +24,9 @@ pub mod keyring;
 pub mod krbd;
 pub mod launch;
 pub mod linux;
+pub mod loop_index;
 pub mod loopdev;
+pub mod memory;
 pub mod missing;
 pub mod mount_helper;
 pub mod mountinfo;
@@ -267,6 +269,19 @@ pub trait Devices: Send + Sync {
     /// by identity or tag.
     fn loop_statuses(&self) -> Result<Vec<LoopStatus>, SysError> {
         Ok(self.loop_devices()?.into_iter().map(LoopStatus::from).collect())
+    }
+    /// The attached loop devices over the file `backing`, and those
+    /// numbered in `numbers`: [`loop_statuses`](Self::loop_statuses)
+    /// filtered, here; the node keeps an index instead.
+    fn loops_over(
+        &self,
+        backing: Option<FileId>,
+        numbers: &[(u32, u32)],
+    ) -> Result<Vec<LoopStatus>, SysError> {
+        let wanted = |l: &LoopStatus| {
+            (backing.is_some() && l.backing == backing) || numbers.contains(&l.number)
+        };
+        Ok(self.loop_statuses()?.into_iter().filter(wanted).collect())
     }
     /// Detach the loop device `device` (`/dev/loopN` only). The kernel
     /// defers it while something still holds the device (a filesystem on it
