@@ -9,6 +9,18 @@ use std::process::ExitCode;
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+// The allocator's options, set before the first allocation reserves its
+// first arena (Rust's runtime allocates before main): priority 200, after
+// mimalloc's own start-up (101) and before constructors of no priority.
+#[used]
+#[allow(unsafe_code)]
+#[unsafe(link_section = ".init_array.00200")]
+static CONFIGURE_ALLOCATOR: extern "C" fn() = configure_allocator;
+
+extern "C" fn configure_allocator() {
+    volagent::sys::memory::configure_allocator();
+}
+
 fn main() -> ExitCode {
     let cli = volagent::cli::Cli::parse();
     if let Some(code) = volagent::init::supervise_if_pid1() {

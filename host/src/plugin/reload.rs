@@ -76,6 +76,17 @@ pub struct PassReport {
     pub unshadowed: Vec<String>,
 }
 
+impl PassReport {
+    /// Whether the pass may have compiled: a file taken, or refused
+    /// (some only once compiled).
+    fn compiled(&self) -> bool {
+        !(self.added.is_empty()
+            && self.updated.is_empty()
+            && self.rejected.is_empty()
+            && self.shadowed.is_empty())
+    }
+}
+
 /// What a file of the plugin dir is, by its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role<'a> {
@@ -371,6 +382,9 @@ impl Reloader {
         self.rejected.retain(|name, _| files.contains_key(name));
         self.finish_removals(&mut report);
         self.publish();
+        if report.compiled() {
+            crate::sys::memory::release_after_compile();
+        }
         report
     }
 

@@ -1,0 +1,129 @@
+//! The agent's resident memory. It runs on every node of every cluster, so
+//! what it keeps after a burst (the policies compiled at start-up or on a
+//! reload, a hundred mounts at once) is paid on every node for as long as
+//! it idles.
+//!
+//! Two things kept memory resident after a burst: mimalloc's arenas, whose
+//! freed pages are purged only on a later allocator call (an idle agent
+//! makes none), and the compiler's code in the binary's text, touched once
+//! by each compile and mapped from then on.
+#![allow(unsafe_code)]
+
+use libmimalloc_sys as mi;
+
+/// mimalloc's options as the agent wants them, each as
+/// (its environment variable, its number in mimalloc.h's `mi_option_e`
+/// of the v3 line this crate builds, the value).
+const OPTIONS: [(&std::ffi::CStr, mi::mi_option_t, std::ffi::c_long); 3] = [
+    // Arenas committed as they are used rather than all at once: freed
+    // pages of an arena committed eagerly stayed resident (an idle agent
+    // held 67 MB more after its start-up compile).
+    (c"MIMALLOC_ARENA_EAGER_COMMIT", 4, 0),
+    (c"MIMALLOC_PURGE_DECOMMITS", 5, 1),
+    // Freed pages purged at once rather than at a next call that an idle
+    // agent never makes.
+    (c"MIMALLOC_PURGE_DELAY", 15, 0),
+];
+
+/// Set the allocator's options, each unless its `MIMALLOC_*` variable is
+/// set (so that an admin, or a bench comparing settings, can still
+/// choose). Called from a constructor of the binary, before its first
+/// allocation: that allocation reserves the first arena, under the
+/// options set by then. So it allocates nothing itself.
+pub fn configure_allocator() {
+    for (variable, option, value) in OPTIONS {
+        // SAFETY: getenv reads the environment, which nothing writes while
+        // the process's constructors run; the name is NUL-terminated.
+        let set = !unsafe { nix::libc::getenv(variable.as_ptr()) }.is_null();
+        if !set {
+            // SAFETY: sets a plain integer option; mimalloc reads options
+            // with relaxed atomics, so setting one at run time is allowed.
+            unsafe { mi::mi_option_set(option, value) };
+        }
+    }
+}
+
+/// After a compile: give back what the compiler left resident. The
+/// allocator's freed pages are purged now, and the binary's code pages
+/// are dropped from this process's mappings; they stay in the page cache,
+/// and those the agent runs fault back in on their next use (a minor
+/// fault each), while the compiler's, touched only by compiles, stay out
+/// until the next one.
+pub fn release_after_compile() {
+    // SAFETY: mi_collect takes no pointer; forcing it purges every arena.
+    unsafe { mi::mi_collect(true) };
+    if let Err(e) = drop_code_pages() {
+        tracing::debug!("the binary's code pages stay mapped: {e}");
+    }
+}
+
+/// Drop the resident pages of the executable's own text mappings.
+fn drop_code_pages() -> std::io::Result<()> {
+    let exe = std::fs::read_link("/proc/self/exe")?;
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    for (start, end) in code_ranges(&maps, &exe) {
+        // SAFETY: the range is a private, read-only, executable mapping of
+        // the binary's file: MADV_DONTNEED only unmaps its pages, which
+        // the next access reads back from the file's page cache unchanged.
+        let rc = unsafe {
+            nix::libc::madvise(
+                start as *mut nix::libc::c_void,
+                end - start,
+                nix::libc::MADV_DONTNEED,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The ranges of /proc/self/maps lines that map `exe` private, read and
+/// execute, never write.
+fn code_ranges(maps: &str, exe: &std::path::Path) -> Vec<(usize, usize)> {
+    let exe = exe.to_string_lossy();
+    maps.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let range = fields.next()?;
+            let perms = fields.next()?;
+            let path = fields.nth(3)?;
+            if perms != "r-xp" || path != exe {
+                return None;
+            }
+            let (start, end) = range.split_once('-')?;
+            let start = usize::from_str_radix(start, 16).ok()?;
+            let end = usize::from_str_radix(end, 16).ok()?;
+            (start < end).then_some((start, end))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_binarys_code_is_dropped() {
+        let maps = "\
+55d0c0000000-55d0c0100000 r--p 00000000 fd:01 12 /usr/bin/volagent
+55d0c0100000-55d0c2000000 r-xp 00100000 fd:01 12 /usr/bin/volagent
+55d0c2000000-55d0c2100000 rw-p 02000000 fd:01 12 /usr/bin/volagent
+7f0000000000-7f0000100000 r-xp 00000000 fd:01 13 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f0000200000-7f0000300000 r-xp 00000000 00:00 0
+7f0000400000-7f0000500000 r-xp 00000000 fd:01 14 /usr/bin/volagent-other
+";
+        assert_eq!(
+            code_ranges(maps, std::path::Path::new("/usr/bin/volagent")),
+            [(0x55d0c0100000, 0x55d0c2000000)]
+        );
+    }
+
+    #[test]
+    fn dropping_code_pages_keeps_the_process_running() {
+        release_after_compile();
+        // Code runs on after its pages were dropped: they fault back in.
+        assert_eq!(code_ranges("", std::path::Path::new("/x")), []);
+    }
+}
