@@ -147,7 +147,7 @@ pub struct Rollouts {
     pub stores: Vec<PathBuf>,
     /// Starts a pass over the plugin dir (what is trusted changed), when
     /// the dir is watched.
-    pub poke: Option<tokio::sync::mpsc::UnboundedSender<()>>,
+    pub poke: Option<crate::plugin::watch::Poke>,
 }
 
 /// Put the listed objects' versions in place now, before the first pass
@@ -218,7 +218,7 @@ pub async fn run(client: kube::Client, node: String, listing: Listing, r: Rollou
                 if listing.set(list.items)
                     && let Some(poke) = &r.poke
                 {
-                    let _ = poke.send(());
+                    poke.send();
                 }
                 let objects = listing.objects();
                 for o in &objects {

@@ -1,9 +1,12 @@
 //! Watching the plugin dir (inotify): a change to a `*.wasm` file that is
 //! not a dot-file, or to its signature, starts a reload pass; so does any
 //! change in the allow-list's dir (a ConfigMap's files change by a swap of
-//! a link beside them, not by a write to the file). Events are coalesced: a pass waits
-//! for 100 ms of quiet (an unrenamed copy is written in many events), at
-//! most 1 s after the first event, and passes run at most once per second.
+//! a link beside them, not by a write to the file). Events are coalesced: a
+//! pass waits for 100 ms of quiet after a write (a copy not renamed into
+//! place is written in many events), but only for a moment after an event
+//! that leaves a file whole (a rename into place, a close after writing, a
+//! removal), at most 1 s after the first event; passes run at most once
+//! per second.
 //! While a removal waits for volumes to be detached, a pass also runs every
 //! few seconds without events.
 
@@ -16,6 +19,31 @@ use tokio::time::Instant;
 
 const WINDOW: Duration = Duration::from_secs(1);
 const QUIET: Duration = Duration::from_millis(100);
+/// After an event that leaves a file whole: time for the rest of a batch
+/// (a signature renamed in beside its policy) to arrive.
+const SETTLED: Duration = Duration::from_millis(5);
+
+/// What an event says of the file it names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    /// Being written: more may come.
+    Writing,
+    /// Whole: renamed into place, closed after writing, or removed (or
+    /// a pass asked for by something else than the dir).
+    Settled,
+}
+
+impl Change {
+    fn of(kind: &EventKind) -> Change {
+        use notify::event::{AccessKind, AccessMode, ModifyKind};
+        match kind {
+            EventKind::Access(AccessKind::Close(AccessMode::Write))
+            | EventKind::Modify(ModifyKind::Name(_))
+            | EventKind::Remove(_) => Change::Settled,
+            _ => Change::Writing,
+        }
+    }
+}
 const REMOVAL_RECHECK: Duration = Duration::from_secs(2);
 
 /// What a pass is started for: the plugin dir's policies and signatures,
@@ -32,8 +60,13 @@ struct Relevant {
 const CONFIGMAP_DATA: &str = "..data";
 
 impl Relevant {
-    fn relevant(&self, event: &notify::Event) -> bool {
-        !matches!(event.kind, EventKind::Access(_)) && event.paths.iter().any(|p| self.path(p))
+    /// What `event` says, when it concerns a pass: reads do not, a close
+    /// after writing does.
+    fn relevant(&self, event: &notify::Event) -> Option<Change> {
+        use notify::event::{AccessKind, AccessMode};
+        let read = matches!(event.kind, EventKind::Access(_))
+            && !matches!(event.kind, EventKind::Access(AccessKind::Close(AccessMode::Write)));
+        (!read && event.paths.iter().any(|p| self.path(p))).then(|| Change::of(&event.kind))
     }
 
     fn path(&self, p: &Path) -> bool {
@@ -56,8 +89,18 @@ impl Relevant {
 /// change made after that pass begins can be missed.
 pub struct DirWatch {
     _watcher: notify::RecommendedWatcher,
-    tx: tokio::sync::mpsc::UnboundedSender<()>,
-    rx: tokio::sync::mpsc::UnboundedReceiver<()>,
+    tx: tokio::sync::mpsc::UnboundedSender<Change>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Change>,
+}
+
+/// Starts a pass as a whole file's change in the dir would.
+#[derive(Clone)]
+pub struct Poke(tokio::sync::mpsc::UnboundedSender<Change>);
+
+impl Poke {
+    pub fn send(&self) {
+        let _ = self.0.send(Change::Settled);
+    }
 }
 
 impl DirWatch {
@@ -72,10 +115,11 @@ impl DirWatch {
         let poke = tx.clone();
         let mut watcher =
             notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
-                Ok(e) if relevant.relevant(&e) => {
-                    let _ = tx.send(());
+                Ok(e) => {
+                    if let Some(change) = relevant.relevant(&e) {
+                        let _ = tx.send(change);
+                    }
                 }
-                Ok(_) => {}
                 Err(e) => tracing::error!("plugin dir watch: {e}"),
             })
             .context("inotify watch of the plugin dir")?;
@@ -97,8 +141,8 @@ impl DirWatch {
 
     /// Starts a pass as a change in the dir would (what is trusted changed
     /// elsewhere).
-    pub fn poke(&self) -> tokio::sync::mpsc::UnboundedSender<()> {
-        self.tx.clone()
+    pub fn poke(&self) -> Poke {
+        Poke(self.tx.clone())
     }
 }
 
@@ -117,15 +161,19 @@ pub async fn run(watch: DirWatch, reloader: Reloader) -> anyhow::Result<()> {
         if event == Some(None) {
             anyhow::bail!("the plugin dir watch stopped");
         }
-        if event.is_some() {
-            // Coalesce: until quiet, or the window after the first event ends.
+        if let Some(Some(mut last)) = event {
+            // Coalesce: until quiet (after a write) or a moment after the
+            // last event left its file whole, or the window after the
+            // first event ends.
             let first = Instant::now();
-            while let Ok(Some(())) = tokio::time::timeout(
-                QUIET.min((first + WINDOW).saturating_duration_since(Instant::now())),
-                rx.recv(),
-            )
-            .await
-            {}
+            loop {
+                let wait = if last == Change::Writing { QUIET } else { SETTLED };
+                let left = (first + WINDOW).saturating_duration_since(Instant::now());
+                match tokio::time::timeout(wait.min(left), rx.recv()).await {
+                    Ok(Some(change)) => last = change,
+                    _ => break,
+                }
+            }
         }
         tokio::time::sleep_until(last_pass + WINDOW).await;
         while rx.try_recv().is_ok() {}
@@ -160,6 +208,24 @@ mod tests {
             ("/e/other.wasm", false),
         ] {
             assert_eq!(r.path(Path::new(path)), wanted, "{path}");
+        }
+    }
+
+    #[test]
+    fn a_file_left_whole_starts_a_pass_at_once_and_one_written_after_quiet() {
+        use notify::event::*;
+        let r = Relevant { plugin_dir: "/p".into(), list: None };
+        let event = |kind| notify::Event::new(kind).add_path("/p/a.wasm".into());
+        for (kind, wanted) in [
+            (EventKind::Create(CreateKind::File), Some(Change::Writing)),
+            (EventKind::Modify(ModifyKind::Data(DataChange::Any)), Some(Change::Writing)),
+            (EventKind::Access(AccessKind::Close(AccessMode::Write)), Some(Change::Settled)),
+            (EventKind::Modify(ModifyKind::Name(RenameMode::To)), Some(Change::Settled)),
+            (EventKind::Remove(RemoveKind::File), Some(Change::Settled)),
+            (EventKind::Access(AccessKind::Open(AccessMode::Any)), None),
+            (EventKind::Access(AccessKind::Close(AccessMode::Read)), None),
+        ] {
+            assert_eq!(r.relevant(&event(kind)), wanted, "{kind:?}");
         }
     }
 }
