@@ -16,6 +16,9 @@ pub struct Limits {
     pub max_file_bytes: u64,
     /// Guest calls that may run at once (pooling allocator slots).
     pub concurrent_calls: u32,
+    /// Instances made ahead of calls, per backend (see `prewarm`): each
+    /// keeps its linear memory resident while it waits.
+    pub instances_ahead: usize,
 }
 
 impl Default for Limits {
@@ -25,6 +28,7 @@ impl Default for Limits {
             memory_bytes: 64 << 20,
             max_file_bytes: 16 << 20,
             concurrent_calls: 64,
+            instances_ahead: 2,
         }
     }
 }

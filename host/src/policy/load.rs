@@ -202,6 +202,11 @@ impl Plugin {
     pub fn info(&self) -> &BackendInfo {
         &self.info
     }
+    /// Calls so far that found an instance made ahead (the others made
+    /// their own): what a bench splits its figures by.
+    pub fn instances_taken_ready(&self) -> u64 {
+        self.spares.taken()
+    }
     /// The limits each call runs under.
     pub fn limits(&self) -> &super::Limits {
         &self.runtime.limits

@@ -22,8 +22,10 @@ use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use wasmtime::{Engine, Store};
 
-/// Instances ready per backend: enough for a stage's fence and attach
-/// plan, made in one go after the previous stage.
+/// Instances ready per backend by default ([`Limits::instances_ahead`]):
+/// enough for a stage's fence and attach plan, made in one go after the
+/// previous stage.
+#[cfg(test)]
 const READY: usize = 2;
 
 /// Instances made ahead, of all backends together, at most. They take
@@ -142,7 +144,7 @@ impl Prewarmed {
         Some(made.for_call(queries, limits))
     }
 
-    /// Make instances until [`READY`] wait, within the [`Budget`] (on the
+    /// Make instances until [`Limits::instances_ahead`] wait, within the [`Budget`] (on the
     /// prewarmer's thread).
     fn refill(
         &self,
@@ -155,7 +157,7 @@ impl Prewarmed {
         loop {
             {
                 let state = self.state();
-                if state.given_up || state.ready.len() >= READY {
+                if state.given_up || state.ready.len() >= limits.instances_ahead {
                     return;
                 }
             }
@@ -185,6 +187,11 @@ impl Prewarmed {
                 }
             }
         }
+    }
+
+    /// Instances calls took so far.
+    pub(crate) fn taken(&self) -> u64 {
+        self.state().taken
     }
 
     /// Drop the instances ready.
