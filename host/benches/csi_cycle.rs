@@ -8,8 +8,15 @@
 //! probe, the checks. Needs root.
 //! Run: `cargo bench -p volagent --bench csi_cycle`; `CSI_CYCLE_CYCLES`
 //! sets the number of cycles, `CSI_CYCLE_OTHER_LOOPS` a number of other
-//! loop devices attached on the node meanwhile (as on a node with that many
-//! volumes: each attach and detach looks at every loop device there is).
+//! volumes staged through the (first) agent meanwhile, as on a node with
+//! that many, and `CSI_CYCLE_FOREIGN_LOOPS` a number of loop devices
+//! someone else attached (losetup): an attach or detach must not look at
+//! every loop device there is. The agents load the four shipped backends;
+//! each one's resident memory is printed idle before the cycles and after
+//! them (`CSI_CYCLE_CYCLES=1000` for the figure after a thousand), beside
+//! its cycle's figures: the allocator's settings trade one for the other
+//! (`MIMALLOC_*` variables, passed on to the agents, override the agent's
+//! own).
 //! `CSI_CYCLE_COMPARE=<volagent binary>[:<another>…]` runs those builds
 //! too, as further agents in the same run, their cycles interleaved with
 //! the first's and the kernel's (the VM's speed drifts by tens of per cent
@@ -47,6 +54,23 @@ fn other_loops() -> usize {
     std::env::var("CSI_CYCLE_OTHER_LOOPS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
+fn foreign_loops() -> usize {
+    std::env::var("CSI_CYCLE_FOREIGN_LOOPS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// A process's resident memory, in MiB: all, anonymous, file-backed.
+fn rss(pid: u32) -> (f64, f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .map_or(f64::NAN, |kib| kib / 1024.0)
+    };
+    (field("VmRSS:"), field("RssAnon:"), field("RssFile:"))
+}
+
 /// Other builds of the agent to run beside this one.
 fn compare() -> Vec<PathBuf> {
     std::env::var_os("CSI_CYCLE_COMPARE")
@@ -70,7 +94,7 @@ fn main() {
         std::process::exit(1);
     }
     let scratch = scratch::RootScratch::enter();
-    for d in ["disks", "others"] {
+    for d in ["disks", "disks/others", "others"] {
         std::fs::create_dir_all(scratch.path(d)).expect("dir");
     }
     let image = scratch.image("disks/vol.img", 64);
@@ -79,8 +103,8 @@ fn main() {
     );
 
     // Someone else's, over files of their own: detached with the scratch dir.
-    for i in 0..other_loops() {
-        let file = scratch.image(&format!("others/{i}.img"), 1);
+    for i in 0..foreign_loops() {
+        let file = scratch.image(&format!("others/foreign-{i}.img"), 1);
         let out =
             Command::new("losetup").args(["-f", "--show"]).arg(&file).output().expect("losetup");
         assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
@@ -98,6 +122,8 @@ fn main() {
         std::fs::copy(&image, &copy).expect("copy of the volume");
         agents.push(rt.block_on(AgentUnderTest::start(&scratch, &name, other, &copy)));
     }
+    let others = rt.block_on(agents[0].stage_others(&scratch, other_loops()));
+    let mut idle = Vec::new();
     for a in &mut agents {
         let rpc = rt.block_on(a.rpc_latency());
         println!(
@@ -105,6 +131,7 @@ fn main() {
             a.binary.display(),
             rpc.p50 / 1e3
         );
+        idle.push(rss(a.agent.id()));
     }
     // Interleaved, in a new order every cycle: the disk's latency drifts
     // with whatever else writes to it, so all must see the same disk, and
@@ -127,19 +154,24 @@ fn main() {
         }
     }
     let binaries: Vec<PathBuf> = agents.iter().map(|a| a.binary.clone()).collect();
+    // Settled: a purge the allocator delays has had its time.
+    std::thread::sleep(Duration::from_secs(2));
+    let after: Vec<_> = agents.iter().map(|a| rss(a.agent.id())).collect();
+    rt.block_on(agents[0].unstage_others(others));
     drop(agents);
     let kernel = (summarize(&mut k.up), summarize(&mut k.down));
     let row = |name: &str, s: &Summary| {
         println!("{name:<48} p50 {:>8.2} ms   p99 {:>8.2} ms", s.p50 / 1e3, s.p99 / 1e3);
     };
     println!(
-        "CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles, {} other loop devices attached",
+        "CSI cycle of a pre-formatted 64 MiB ext4 local-pv volume, {} cycles, {} other volumes staged, {} loop devices of someone else's attached",
         cycles(),
-        other_loops()
+        other_loops(),
+        foreign_loops()
     );
     row("kernel alone: mkdir + attach + mount + bind", &kernel.0);
     row("kernel alone: unmount x2 + detach + rmdir", &kernel.1);
-    for (binary, s) in binaries.iter().zip(samples.iter_mut()) {
+    for (i, (binary, s)) in binaries.iter().zip(samples.iter_mut()).enumerate() {
         let (stage, unstage) = (summarize(&mut s.up), summarize(&mut s.down));
         if binaries.len() > 1 {
             println!("{}:", binary.display());
@@ -150,6 +182,14 @@ fn main() {
             "agent overhead per stage + publish (p50, total minus kernel): {:.2} ms (target <= 1 ms); per unpublish + unstage: {:.2} ms",
             (stage.p50 - kernel.0.p50) / 1e3,
             (unstage.p50 - kernel.1.p50) / 1e3
+        );
+        let mib = |(all, anon, file): (f64, f64, f64)| {
+            format!("{all:.1} MiB ({anon:.1} anonymous, {file:.1} file)")
+        };
+        println!(
+            "agent RSS, four backends loaded: idle {} (target <= 30 MiB); after the cycles {} (target <= 45 MiB after 1000)",
+            mib(idle[i]),
+            mib(after[i])
         );
     }
 }
@@ -186,14 +226,15 @@ impl AgentUnderTest {
             None::<&str>,
         )
         .expect("tmpfs for the runtime dir");
-        std::fs::copy(volagent_test_artifacts::LOCAL_PV, dir("plugins").join("local-pv.wasm"))
-            .expect("plugin");
+        for (backend, file) in &volagent_test_artifacts::BACKENDS[..4] {
+            std::fs::copy(file, dir("plugins").join(format!("{backend}.wasm"))).expect("plugin");
+        }
         let socket = volagent::csi::drivers::socket_path(&kubelet, "local-pv");
         let agent = AgentBuilder::new(binary, "node-a")
             .state_dir(dir("state"))
             .runtime_dir(dir("run"))
             .plugin_dir(dir("plugins"))
-            .trusting_test_guests(dir("trusted-policies"))
+            .trusting_test_guests(scratch.path(&format!("{name}/trusted-policies")))
             .kubelet_root(kubelet.clone())
             .discovery_dir(scratch.path("disks"))
             .no_driver_install()
@@ -277,6 +318,75 @@ impl AgentUnderTest {
             .await
             .expect("unstage");
         down.push(t.elapsed());
+    }
+
+    /// `n` other volumes staged (their staging paths): a filesystem of
+    /// 4 MiB each, copies of one, in a dir of the discovery dir (which
+    /// discovery skips).
+    async fn stage_others(&mut self, scratch: &scratch::RootScratch, n: usize) -> Vec<String> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let template = scratch.image("disks/others/template.img", 4);
+        assert!(
+            Command::new("mkfs.ext4")
+                .args(["-F", "-q"])
+                .arg(&template)
+                .status()
+                .expect("mkfs")
+                .success()
+        );
+        let kubelet = self.staging.ancestors().nth(6).expect("kubelet root").to_path_buf();
+        let mut staged = Vec::new();
+        for i in 0..n {
+            let file = scratch.path(&format!("disks/others/{i}.img"));
+            assert!(
+                Command::new("cp")
+                    .arg("--sparse=always")
+                    .arg(&template)
+                    .arg(&file)
+                    .status()
+                    .expect("cp")
+                    .success()
+            );
+            let staging =
+                kubelet.join(format!("plugins/kubernetes.io/csi/pv/other-{i}/globalmount"));
+            std::fs::create_dir_all(&staging).expect("staging dir");
+            let staging = staging.display().to_string();
+            self.client
+                .node_stage_volume(NodeStageVolumeRequest {
+                    volume_id: format!("other-{i}"),
+                    staging_target_path: staging.clone(),
+                    volume_capability: Some(VolumeCapability {
+                        access_type: Some(AccessType::Mount(MountVolume {
+                            fs_type: "ext4".into(),
+                            ..Default::default()
+                        })),
+                        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+                    }),
+                    volume_context: HashMap::from([
+                        ("path".to_string(), file.display().to_string()),
+                        ("node".to_string(), "node-a".to_string()),
+                    ]),
+                    ..Default::default()
+                })
+                .await
+                .expect("stage another volume");
+            staged.push(staging);
+        }
+        staged
+    }
+
+    async fn unstage_others(&mut self, staged: Vec<String>) {
+        for (i, staging) in staged.into_iter().enumerate() {
+            self.client
+                .node_unstage_volume(NodeUnstageVolumeRequest {
+                    volume_id: format!("other-{i}"),
+                    staging_target_path: staging,
+                })
+                .await
+                .expect("unstage another volume");
+        }
     }
 }
 
