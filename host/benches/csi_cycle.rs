@@ -8,8 +8,7 @@
 //! probe, the checks. Needs root.
 //! Run: `cargo bench -p volagent --bench csi_cycle`; `CSI_CYCLE_CYCLES`
 //! sets the number of cycles, `CSI_CYCLE_OTHER_LOOPS` a number of other
-//! volumes staged through the (first) agent meanwhile, as on a node with
-//! that many, and `CSI_CYCLE_FOREIGN_LOOPS` a number of loop devices
+//! volumes each agent stages meanwhile, as on a node with that many, and `CSI_CYCLE_FOREIGN_LOOPS` a number of loop devices
 //! someone else attached (losetup): an attach or detach must not look at
 //! every loop device there is. The agents load the four shipped backends;
 //! each one's resident memory is printed idle before the cycles and after
@@ -122,8 +121,8 @@ fn main() {
         std::fs::copy(&image, &copy).expect("copy of the volume");
         agents.push(rt.block_on(AgentUnderTest::start(&scratch, &name, other, &copy)));
     }
-    let others = rt.block_on(agents[0].stage_others(&scratch, other_loops()));
     let mut idle = Vec::new();
+    let mut others = Vec::new();
     for a in &mut agents {
         let rpc = rt.block_on(a.rpc_latency());
         println!(
@@ -132,6 +131,8 @@ fn main() {
             rpc.p50 / 1e3
         );
         idle.push(rss(a.agent.id()));
+        // Each agent its own, over files of its own.
+        others.push(rt.block_on(a.stage_others(&scratch, other_loops())));
     }
     // Interleaved, in a new order every cycle: the disk's latency drifts
     // with whatever else writes to it, so all must see the same disk, and
@@ -157,7 +158,9 @@ fn main() {
     // Settled: a purge the allocator delays has had its time.
     std::thread::sleep(Duration::from_secs(2));
     let after: Vec<_> = agents.iter().map(|a| rss(a.agent.id())).collect();
-    rt.block_on(agents[0].unstage_others(others));
+    for (a, staged) in agents.iter_mut().zip(others) {
+        rt.block_on(a.unstage_others(staged));
+    }
     drop(agents);
     let kernel = (summarize(&mut k.up), summarize(&mut k.down));
     let row = |name: &str, s: &Summary| {
@@ -195,6 +198,7 @@ fn main() {
 }
 
 struct AgentUnderTest {
+    name: String,
     binary: PathBuf,
     agent: Child,
     client: NodeClient<tonic::transport::Channel>,
@@ -246,6 +250,7 @@ impl AgentUnderTest {
         let target = kubelet.join("pods/uid-1/volumes/kubernetes.io~csi/pv1/mount");
         std::fs::create_dir_all(target.parent().expect("parent")).expect("dir");
         AgentUnderTest {
+            name: name.to_string(),
             binary: binary.to_path_buf(),
             agent,
             client,
@@ -327,7 +332,7 @@ impl AgentUnderTest {
         if n == 0 {
             return Vec::new();
         }
-        let template = scratch.image("disks/others/template.img", 4);
+        let template = scratch.image(&format!("disks/others/{}-template.img", self.name), 4);
         assert!(
             Command::new("mkfs.ext4")
                 .args(["-F", "-q"])
@@ -339,7 +344,7 @@ impl AgentUnderTest {
         let kubelet = self.staging.ancestors().nth(6).expect("kubelet root").to_path_buf();
         let mut staged = Vec::new();
         for i in 0..n {
-            let file = scratch.path(&format!("disks/others/{i}.img"));
+            let file = scratch.path(&format!("disks/others/{}-{i}.img", self.name));
             assert!(
                 Command::new("cp")
                     .arg("--sparse=always")

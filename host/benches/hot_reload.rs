@@ -1,8 +1,8 @@
 //! Time from a backend file's rename into the plugin dir of a running agent
 //! to the first successful call on the new version: for a new backend, its
 //! freshly installed driver's `init`; for an update, `init` once the agent
-//! reports the new file's sha256. The agent coalesces events and passes at
-//! most once a second, so rounds are spaced by more than that.
+//! reports the new file's sha256. The agent passes at most once a second,
+//! so rounds are spaced by more than that.
 //! Run: `cargo bench -p volagent --bench hot_reload` (no root needed).
 
 use std::os::unix::net::UnixStream;
@@ -99,7 +99,9 @@ fn main() {
         u.p50 / 1e3,
         u.max / 1e3
     );
-    println!("target <= 1500 ms including the 1 s coalescing window");
+    println!(
+        "target <= 100 ms (a rename into place is whole: the pass waits 20 ms for the rest of a batch, then compiles)"
+    );
 }
 
 fn install(dir: &Path, name: &str, bytes: &[u8]) {

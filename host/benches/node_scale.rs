@@ -152,7 +152,8 @@ fn main() {
         eprintln!("node_scale needs root: loop devices and mounts");
         std::process::exit(1);
     }
-    let (n, c) = (knob("NODE_SCALE_VOLUMES", 500), knob("NODE_SCALE_CONCURRENCY", 100));
+    let (n, c) =
+        (knob("NODE_SCALE_VOLUMES", 500).max(1), knob("NODE_SCALE_CONCURRENCY", 100).max(1));
     let format = std::env::var("NODE_SCALE_FORMAT").is_ok_and(|v| v == "1");
     let mut node = Node::start_alone(VOLAGENT);
     let template = node.image("template.img", 16);
@@ -212,11 +213,12 @@ fn main() {
     let t = Instant::now();
     node.spawn_agent("node-a");
     let served = loop {
-        if driver_result(node.mount(&dirs[0], &options(0))).is_ok() {
+        let answer = driver_result(node.mount(&dirs[0], &options(0)));
+        if answer.is_ok() {
             break t.elapsed();
         }
         if t.elapsed() > Duration::from_secs(120) {
-            panic!("the restarted agent did not serve within 120 s");
+            panic!("the restarted agent did not serve within 120 s: {answer:?}");
         }
         std::thread::sleep(Duration::from_millis(10));
     };

@@ -163,8 +163,8 @@ fn tail(plugin: &host::Plugin) {
                 _ => made.push(took),
             }
         }
-        let all: Vec<Duration> = ready.iter().chain(&made).copied().collect();
-        let s = summarize(&mut all.clone());
+        let mut all: Vec<Duration> = ready.iter().chain(&made).copied().collect();
+        let s = summarize(&mut all);
         println!(
             "  {name:<22} p50 {:>7.1} µs  p99 {:>7.1} µs  p99/p50 {:.2} (target p99 <= 25 µs, p99/p50 <= 1.5)",
             s.p50,

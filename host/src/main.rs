@@ -10,8 +10,10 @@ use std::process::ExitCode;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 // The allocator's options, set before the first allocation reserves its
-// first arena (Rust's runtime allocates before main): priority 200, after
-// mimalloc's own start-up (101) and before constructors of no priority.
+// first arena (Rust's runtime allocates before main): a constructor of
+// priority 200, before those of none. mimalloc's own start-up may run
+// before or after it (its priority depends on the C compiler): it keeps
+// options set before it.
 #[used]
 #[allow(unsafe_code)]
 #[unsafe(link_section = ".init_array.00200")]

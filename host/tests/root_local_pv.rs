@@ -350,8 +350,19 @@ fn the_loop_index_sees_every_device_someone_else_attached_or_moved() {
     let theirs = losetup(&["-f", "--show", &b.display().to_string()]);
     assert!(matches!(attach(&b), LoopAttach::Reused(d) if d.display().to_string() == theirs));
     // The same device moved to c behind the index: found over c, not b.
+    // (Its detach completes once udev's probe, if any, lets go of it.)
     losetup(&["-d", &theirs]);
-    losetup(&[&theirs, &c.display().to_string()]);
+    let c_path = c.display().to_string();
+    volagent_test_support::wait_until(
+        volagent_test_support::Deadline::within(std::time::Duration::from_secs(10)),
+        "the detached device to be free for another file",
+        || {
+            std::process::Command::new("losetup")
+                .args([&theirs, &c_path])
+                .status()
+                .is_ok_and(|s| s.success())
+        },
+    );
     let over_c = linux.loops_over(Some(id(&c)), &[]).expect("lookup");
     assert_eq!(
         over_c.iter().map(|l| l.device.display().to_string()).collect::<Vec<_>>(),
@@ -362,7 +373,11 @@ fn the_loop_index_sees_every_device_someone_else_attached_or_moved() {
     // Detached: gone from the index, by file and by number.
     let number = linux.loops_over(Some(id(&a)), &[]).expect("lookup")[0].number;
     linux.loop_detach(&mine).expect("detach");
-    assert!(linux.loops_over(Some(id(&a)), &[number]).expect("lookup").is_empty());
+    volagent_test_support::wait_until(
+        volagent_test_support::Deadline::within(std::time::Duration::from_secs(10)),
+        "the detached device to be gone from the index, by file and by number",
+        || linux.loops_over(Some(id(&a)), &[number]).expect("lookup").is_empty(),
+    );
     assert!(linux.loops_indexed(), "still in use");
     for d in [b_own.display().to_string(), theirs] {
         losetup(&["-d", &d]);

@@ -99,9 +99,9 @@ pub struct LimitArgs {
     /// Memory cap of one guest call, in MiB (2 to 4096).
     #[arg(long, global = true, default_value_t = 64, value_parser = clap::value_parser!(u64).range(2..=4096))]
     memory_mib: u64,
-    /// Instances of each backend made ahead of its calls (0 to 8): each
-    /// takes a call's instantiation off the mount's path, and keeps its
-    /// memory resident while it waits.
+    /// Instances of each backend made ahead of its calls (0 to 8; 16 of
+    /// all backends at most): each takes a call's instantiation off the
+    /// mount's path, and keeps its memory resident while it waits.
     #[arg(long, global = true, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=8))]
     instances_ahead: u64,
 }

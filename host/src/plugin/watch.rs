@@ -1,12 +1,12 @@
 //! Watching the plugin dir (inotify): a change to a `*.wasm` file that is
 //! not a dot-file, or to its signature, starts a reload pass; so does any
 //! change in the allow-list's dir (a ConfigMap's files change by a swap of
-//! a link beside them, not by a write to the file). Events are coalesced: a
-//! pass waits for 100 ms of quiet after a write (a copy not renamed into
-//! place is written in many events), but only for a moment after an event
-//! that leaves a file whole (a rename into place, a close after writing, a
-//! removal), at most 1 s after the first event; passes run at most once
-//! per second.
+//! a link beside them, not by a write to the file). Events are coalesced:
+//! while a file is being written (a copy not renamed into place is written
+//! in many events) or was removed or renamed away (a replacement may
+//! follow), a pass waits for 100 ms of quiet; once every such file is whole
+//! again (renamed into place, closed after writing), only for a moment;
+//! at most 1 s after the first event. Passes run at most once per second.
 //! While a removal waits for volumes to be detached, a pass also runs every
 //! few seconds without events.
 
@@ -19,32 +19,37 @@ use tokio::time::Instant;
 
 const WINDOW: Duration = Duration::from_secs(1);
 const QUIET: Duration = Duration::from_millis(100);
-/// After an event that leaves a file whole: time for the rest of a batch
-/// (a signature renamed in beside its policy) to arrive.
-const SETTLED: Duration = Duration::from_millis(5);
+/// Once no file is being written: time for the rest of a batch (a
+/// signature renamed in beside its policy) to arrive.
+const SETTLED: Duration = Duration::from_millis(20);
+const REMOVAL_RECHECK: Duration = Duration::from_secs(2);
 
-/// What an event says of the file it names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Change {
-    /// Being written: more may come.
-    Writing,
-    /// Whole: renamed into place, closed after writing, or removed (or
-    /// a pass asked for by something else than the dir).
-    Settled,
+/// What an event says of the files it names (those a pass is for).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Seen {
+    /// Being written, or gone (removed, renamed away): more may come.
+    unsettled: Vec<PathBuf>,
+    /// Whole: renamed into place, or closed after writing.
+    whole: Vec<PathBuf>,
 }
 
-impl Change {
-    fn of(kind: &EventKind) -> Change {
-        use notify::event::{AccessKind, AccessMode, ModifyKind};
-        match kind {
-            EventKind::Access(AccessKind::Close(AccessMode::Write))
-            | EventKind::Modify(ModifyKind::Name(_))
-            | EventKind::Remove(_) => Change::Settled,
-            _ => Change::Writing,
+/// The files a coming pass waits for.
+#[derive(Default)]
+struct Unsettled(std::collections::HashSet<PathBuf>);
+
+impl Unsettled {
+    fn note(&mut self, seen: Seen) {
+        self.0.extend(seen.unsettled);
+        for p in &seen.whole {
+            self.0.remove(p);
         }
     }
+
+    /// How long to wait for a next event before the pass.
+    fn wait(&self) -> Duration {
+        if self.0.is_empty() { SETTLED } else { QUIET }
+    }
 }
-const REMOVAL_RECHECK: Duration = Duration::from_secs(2);
 
 /// What a pass is started for: the plugin dir's policies and signatures,
 /// and the allow-list — its own file, or the `..data` link a ConfigMap
@@ -60,13 +65,26 @@ struct Relevant {
 const CONFIGMAP_DATA: &str = "..data";
 
 impl Relevant {
-    /// What `event` says, when it concerns a pass: reads do not, a close
-    /// after writing does.
-    fn relevant(&self, event: &notify::Event) -> Option<Change> {
-        use notify::event::{AccessKind, AccessMode};
-        let read = matches!(event.kind, EventKind::Access(_))
-            && !matches!(event.kind, EventKind::Access(AccessKind::Close(AccessMode::Write)));
-        (!read && event.paths.iter().any(|p| self.path(p))).then(|| Change::of(&event.kind))
+    /// What `event` says of the files a pass is for, when it names any:
+    /// reads say nothing, a close after writing does.
+    fn relevant(&self, event: &notify::Event) -> Option<Seen> {
+        use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
+        let ours = |p: &&PathBuf| self.path(p);
+        let mut seen = Seen::default();
+        match event.kind {
+            EventKind::Access(AccessKind::Close(AccessMode::Write))
+            | EventKind::Modify(ModifyKind::Name(RenameMode::To)) => {
+                seen.whole.extend(event.paths.iter().filter(ours).cloned());
+            }
+            // From, then to.
+            EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => {
+                seen.unsettled.extend(event.paths.first().filter(ours).cloned());
+                seen.whole.extend(event.paths.get(1).filter(ours).cloned());
+            }
+            EventKind::Access(_) => {}
+            _ => seen.unsettled.extend(event.paths.iter().filter(ours).cloned()),
+        }
+        (seen != Seen::default()).then_some(seen)
     }
 
     fn path(&self, p: &Path) -> bool {
@@ -89,17 +107,17 @@ impl Relevant {
 /// change made after that pass begins can be missed.
 pub struct DirWatch {
     _watcher: notify::RecommendedWatcher,
-    tx: tokio::sync::mpsc::UnboundedSender<Change>,
-    rx: tokio::sync::mpsc::UnboundedReceiver<Change>,
+    tx: tokio::sync::mpsc::UnboundedSender<Seen>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Seen>,
 }
 
 /// Starts a pass as a whole file's change in the dir would.
 #[derive(Clone)]
-pub struct Poke(tokio::sync::mpsc::UnboundedSender<Change>);
+pub struct Poke(tokio::sync::mpsc::UnboundedSender<Seen>);
 
 impl Poke {
     pub fn send(&self) {
-        let _ = self.0.send(Change::Settled);
+        let _ = self.0.send(Seen::default());
     }
 }
 
@@ -116,8 +134,8 @@ impl DirWatch {
         let mut watcher =
             notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
                 Ok(e) => {
-                    if let Some(change) = relevant.relevant(&e) {
-                        let _ = tx.send(change);
+                    if let Some(seen) = relevant.relevant(&e) {
+                        let _ = tx.send(seen);
                     }
                 }
                 Err(e) => tracing::error!("plugin dir watch: {e}"),
@@ -161,22 +179,21 @@ pub async fn run(watch: DirWatch, reloader: Reloader) -> anyhow::Result<()> {
         if event == Some(None) {
             anyhow::bail!("the plugin dir watch stopped");
         }
-        if let Some(Some(mut last)) = event {
-            // Coalesce: until quiet (after a write) or a moment after the
-            // last event left its file whole, or the window after the
-            // first event ends.
-            let first = Instant::now();
-            loop {
-                let wait = if last == Change::Writing { QUIET } else { SETTLED };
-                let left = (first + WINDOW).saturating_duration_since(Instant::now());
-                match tokio::time::timeout(wait.min(left), rx.recv()).await {
-                    Ok(Some(change)) => last = change,
-                    _ => break,
-                }
-            }
+        let mut unsettled = Unsettled::default();
+        if let Some(Some(seen)) = event {
+            unsettled.note(seen);
+            settle(&mut rx, &mut unsettled).await;
         }
         tokio::time::sleep_until(last_pass + WINDOW).await;
-        while rx.try_recv().is_ok() {}
+        // What came meanwhile: a write begun since is waited for too.
+        let mut more = false;
+        while let Ok(seen) = rx.try_recv() {
+            unsettled.note(seen);
+            more = true;
+        }
+        if more {
+            settle(&mut rx, &mut unsettled).await;
+        }
         let r = reloader.clone();
         let report =
             tokio::task::spawn_blocking(move || r.lock().unwrap_or_else(|p| p.into_inner()).pass())
@@ -185,6 +202,19 @@ pub async fn run(watch: DirWatch, reloader: Reloader) -> anyhow::Result<()> {
         match report {
             Ok(report) => tracing::debug!(?report, "plugin dir pass"),
             Err(e) => tracing::error!("plugin dir pass failed: {e}"),
+        }
+    }
+}
+
+/// Coalesce: until quiet while a file is unsettled, a moment once none
+/// is, or the window ends.
+async fn settle(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Seen>, unsettled: &mut Unsettled) {
+    let first = Instant::now();
+    loop {
+        let left = (first + WINDOW).saturating_duration_since(Instant::now());
+        match tokio::time::timeout(unsettled.wait().min(left), rx.recv()).await {
+            Ok(Some(seen)) => unsettled.note(seen),
+            _ => return,
         }
     }
 }
@@ -212,20 +242,51 @@ mod tests {
     }
 
     #[test]
-    fn a_file_left_whole_starts_a_pass_at_once_and_one_written_after_quiet() {
+    fn a_pass_waits_for_quiet_until_every_file_written_or_gone_is_whole() {
         use notify::event::*;
         let r = Relevant { plugin_dir: "/p".into(), list: None };
-        let event = |kind| notify::Event::new(kind).add_path("/p/a.wasm".into());
-        for (kind, wanted) in [
-            (EventKind::Create(CreateKind::File), Some(Change::Writing)),
-            (EventKind::Modify(ModifyKind::Data(DataChange::Any)), Some(Change::Writing)),
-            (EventKind::Access(AccessKind::Close(AccessMode::Write)), Some(Change::Settled)),
-            (EventKind::Modify(ModifyKind::Name(RenameMode::To)), Some(Change::Settled)),
-            (EventKind::Remove(RemoveKind::File), Some(Change::Settled)),
-            (EventKind::Access(AccessKind::Open(AccessMode::Any)), None),
-            (EventKind::Access(AccessKind::Close(AccessMode::Read)), None),
+        let a = PathBuf::from("/p/a.wasm");
+        let b = PathBuf::from("/p/b.wasm");
+        let on = |kind, paths: &[&str]| {
+            paths.iter().fold(notify::Event::new(kind), |e, p| e.add_path(p.into()))
+        };
+        let seen = |kind, paths: &[&str]| r.relevant(&on(kind, paths));
+        let unsettled = |p: &PathBuf| Some(Seen { unsettled: vec![p.clone()], whole: vec![] });
+        let whole = |p: &PathBuf| Some(Seen { unsettled: vec![], whole: vec![p.clone()] });
+        for kind in [
+            EventKind::Create(CreateKind::File),
+            EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+            EventKind::Remove(RemoveKind::File),
+            EventKind::Modify(ModifyKind::Name(RenameMode::From)),
         ] {
-            assert_eq!(r.relevant(&event(kind)), wanted, "{kind:?}");
+            assert_eq!(seen(kind, &["/p/a.wasm"]), unsettled(&a), "{kind:?}");
         }
+        for kind in [
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+        ] {
+            assert_eq!(seen(kind, &["/p/a.wasm"]), whole(&a), "{kind:?}");
+        }
+        let both = EventKind::Modify(ModifyKind::Name(RenameMode::Both));
+        assert_eq!(seen(both, &["/p/.a.wasm", "/p/a.wasm"]), whole(&a), "renamed into place");
+        assert_eq!(seen(both, &["/p/a.wasm", "/p/a.bak"]), unsettled(&a), "renamed away");
+        for kind in [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+        ] {
+            assert_eq!(seen(kind, &["/p/a.wasm"]), None, "{kind:?}");
+        }
+        assert_eq!(seen(EventKind::Create(CreateKind::File), &["/p/.a.wasm"]), None);
+
+        // b still written when a is whole: quiet is waited for.
+        let mut u = Unsettled::default();
+        for s in [unsettled(&a), unsettled(&b), whole(&a)] {
+            u.note(s.expect("relevant"));
+        }
+        assert_eq!(u.wait(), QUIET);
+        u.note(whole(&b).expect("relevant"));
+        assert_eq!(u.wait(), SETTLED);
+        u.note(Seen::default()); // a poke
+        assert_eq!(u.wait(), SETTLED);
     }
 }

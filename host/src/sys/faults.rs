@@ -207,6 +207,13 @@ impl<T: Devices + ?Sized> Devices for Faulty<T> {
     fn loop_statuses(&self) -> Result<Vec<super::LoopStatus>, SysError> {
         self.inner.loop_statuses()
     }
+    fn loops_over(
+        &self,
+        backing: Option<super::FileId>,
+        numbers: &[(u32, u32)],
+    ) -> Result<Vec<super::LoopStatus>, SysError> {
+        self.inner.loops_over(backing, numbers)
+    }
     fn loop_detach(&self, device: &Path) -> Result<(), SysError> {
         self.rules.check("detach-device", device)?;
         self.inner.loop_detach(device)

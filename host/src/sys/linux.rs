@@ -62,13 +62,13 @@ impl Linux {
         }
     }
 
-    /// This node, its mounts' FUSE clients started by `launcher`.
     /// Whether loop devices are looked up by this node's index rather
     /// than one by one (see [`super::loop_index`]).
     pub fn loops_indexed(&self) -> bool {
         self.loops.in_use()
     }
 
+    /// This node, its mounts' FUSE clients started by `launcher`.
     pub fn with_launcher(self, launcher: std::sync::Arc<dyn super::launch::Launcher>) -> Linux {
         Linux { launcher, ..self }
     }

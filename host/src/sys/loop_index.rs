@@ -32,7 +32,8 @@ const EVENT_BUFFER: usize = 1 << 20;
 
 /// Own attaches unheard before that is said (once).
 const UNHEARD: u32 = 3;
-/// Devices remembered as heard of while unproven, at most.
+/// Devices remembered as heard of while unproven, at most (then the
+/// set starts again).
 const HEARD: usize = 4096;
 
 #[derive(Default)]
@@ -59,6 +60,9 @@ struct Inner {
     unheard: u32,
     /// As last read; none until a full look, and after an overflow.
     known: Option<Known>,
+    /// Full looks begun: only the latest one's result is kept (an earlier
+    /// one finishing after it would bring back what it saw before).
+    scans: u64,
     /// Devices an event named since they were last read.
     dirty: BTreeMap<Numbers, PathBuf>,
 }
@@ -108,28 +112,45 @@ impl LoopIndex {
         let wanted = |l: &LoopStatus| {
             (backing.is_some() && l.backing == backing) || numbers.contains(&l.number)
         };
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let inner = &mut *inner;
-        let overflowed = inner.drain();
-        if !inner.proven || overflowed || inner.known.is_none() {
-            // Events queued from here on are read at the next lookup.
+        let scan = {
+            let mut inner = self.lock();
+            let overflowed = inner.drain();
+            if inner.proven && !overflowed && inner.known.is_some() {
+                let found = inner.look_up(backing, numbers, wanted);
+                if found.is_err() {
+                    // Some device may be left as it was: all are read again.
+                    inner.known = None;
+                }
+                return found;
+            }
+            // What the events said so far, the full look sees; those queued
+            // from here on are read at a later lookup.
             inner.dirty.clear();
-            let all = loopdev::statuses()?;
-            let found = all.iter().filter(|l| wanted(l)).cloned().collect();
-            inner.known = Some(Known::seeded(all));
-            return Ok(found);
-        }
-        let found = inner.look_up(backing, numbers, wanted);
-        if found.is_err() {
-            // Some device may be left as it was: all are read again next time.
             inner.known = None;
+            inner.scans += 1;
+            inner.scans
+        };
+        // Not under the lock: lookups while unproven (after a restart with
+        // every volume still attached, or where no events are heard) each
+        // read every device, and must not wait for each other's.
+        let all = loopdev::statuses()?;
+        let found = all.iter().filter(|l| wanted(l)).cloned().collect();
+        let mut inner = self.lock();
+        // Devices that changed while it looked stay named in `dirty`, to
+        // be read again at the next lookup.
+        if inner.scans == scan {
+            inner.known = Some(Known::seeded(all));
         }
-        found
+        Ok(found)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether lookups use the index (the kernel's events proven heard).
     pub fn in_use(&self) -> bool {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).proven
+        self.lock().proven
     }
 
     /// This agent attached `device` over `backing`, tagged `tag`: known
@@ -139,7 +160,7 @@ impl LoopIndex {
         let Ok(st) = nix::sys::stat::stat(device) else { return };
         let rdev = st.st_rdev;
         let number = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut inner = self.lock();
         let overflowed = inner.drain();
         if !inner.proven && !overflowed && inner.events.as_ref().is_some_and(|e| e.is_some()) {
             if inner.heard.contains(&number) {
@@ -210,7 +231,10 @@ impl Inner {
                     if from.is_some_and(|a| a.pid() == 0)
                         && let Some((number, device)) = loop_event(&buf[..n])
                     {
-                        if !self.proven && self.heard.len() < HEARD {
+                        if !self.proven {
+                            if self.heard.len() == HEARD {
+                                self.heard.clear();
+                            }
                             self.heard.insert(number);
                         }
                         self.dirty.insert(number, device);

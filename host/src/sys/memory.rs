@@ -60,8 +60,8 @@ pub fn release_after_compile() {
 /// Drop the resident pages of the executable's own text mappings.
 fn drop_code_pages() -> std::io::Result<()> {
     let exe = std::fs::read_link("/proc/self/exe")?;
-    let maps = std::fs::read_to_string("/proc/self/maps")?;
-    for (start, end) in code_ranges(&maps, &exe) {
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    for (start, end) in code_ranges(&smaps, &exe) {
         // SAFETY: the range is a private, read-only, executable mapping of
         // the binary's file: MADV_DONTNEED only unmaps its pages, which
         // the next access reads back from the file's page cache unchanged.
@@ -79,25 +79,37 @@ fn drop_code_pages() -> std::io::Result<()> {
     Ok(())
 }
 
-/// The ranges of /proc/self/maps lines that map `exe` private, read and
-/// execute, never write.
-fn code_ranges(maps: &str, exe: &std::path::Path) -> Vec<(usize, usize)> {
+/// The ranges of /proc/self/smaps that map `exe` private, read and
+/// execute, never write, and hold no page of their own: a page copied on
+/// write is a breakpoint or a uprobe someone put there, which dropping
+/// would silently take away.
+fn code_ranges(smaps: &str, exe: &std::path::Path) -> Vec<(usize, usize)> {
     let exe = exe.to_string_lossy();
-    maps.lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let range = fields.next()?;
-            let perms = fields.next()?;
-            let path = fields.nth(3)?;
-            if perms != "r-xp" || path != exe {
-                return None;
+    let mut ranges = Vec::new();
+    // The mapping being read, while it is one of the binary's code.
+    let mut current: Option<(usize, usize)> = None;
+    for line in smaps.lines() {
+        if let Some(kib) = line.strip_prefix("Anonymous:") {
+            if let Some(range) = current.take()
+                && kib.trim().strip_suffix("kB").is_some_and(|k| k.trim() == "0")
+            {
+                ranges.push(range);
             }
-            let (start, end) = range.split_once('-')?;
-            let start = usize::from_str_radix(start, 16).ok()?;
-            let end = usize::from_str_radix(end, 16).ok()?;
-            (start < end).then_some((start, end))
-        })
-        .collect()
+            continue;
+        }
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else { continue };
+        let Some((start, end)) = range.split_once('-') else { continue };
+        let (Ok(start), Ok(end)) =
+            (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16))
+        else {
+            continue;
+        };
+        // A mapping's first line: whatever was being read ends here.
+        current = (perms == "r-xp" && fields.nth(3) == Some(&*exe) && start < end)
+            .then_some((start, end));
+    }
+    ranges
 }
 
 #[cfg(test)]
@@ -106,24 +118,40 @@ mod tests {
 
     #[test]
     fn only_the_binarys_code_is_dropped() {
-        let maps = "\
+        let smaps = "\
 55d0c0000000-55d0c0100000 r--p 00000000 fd:01 12 /usr/bin/volagent
+Rss:                 100 kB
+Anonymous:             0 kB
 55d0c0100000-55d0c2000000 r-xp 00100000 fd:01 12 /usr/bin/volagent
+Rss:               13000 kB
+Anonymous:             0 kB
 55d0c2000000-55d0c2100000 rw-p 02000000 fd:01 12 /usr/bin/volagent
+Anonymous:            12 kB
+55d0c3000000-55d0c3100000 r-xp 03000000 fd:01 12 /usr/bin/volagent
+Rss:                  40 kB
+Anonymous:             4 kB
 7f0000000000-7f0000100000 r-xp 00000000 fd:01 13 /usr/lib/x86_64-linux-gnu/libc.so.6
+Anonymous:             0 kB
 7f0000200000-7f0000300000 r-xp 00000000 00:00 0
+Anonymous:             0 kB
 7f0000400000-7f0000500000 r-xp 00000000 fd:01 14 /usr/bin/volagent-other
+Anonymous:             0 kB
 ";
+        // The one with a page of its own (a breakpoint) is left alone.
         assert_eq!(
-            code_ranges(maps, std::path::Path::new("/usr/bin/volagent")),
+            code_ranges(smaps, std::path::Path::new("/usr/bin/volagent")),
             [(0x55d0c0100000, 0x55d0c2000000)]
         );
     }
 
     #[test]
     fn dropping_code_pages_keeps_the_process_running() {
-        release_after_compile();
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        assert!(!code_ranges(&smaps, &exe).is_empty(), "this test binary's code is found");
+        drop_code_pages().unwrap();
         // Code runs on after its pages were dropped: they fault back in.
+        release_after_compile();
         assert_eq!(code_ranges("", std::path::Path::new("/x")), []);
     }
 }
