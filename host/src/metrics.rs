@@ -75,6 +75,7 @@ pub struct Metrics {
     pub plugin_call_seconds: Family<OpKind, Histogram>,
     pub leader: Gauge,
     pub plugin_reloads: Counter,
+    pub plugin_compiles: Counter,
     pub backends_degraded: Family<BackendLabel, Gauge>,
     pub stash_quarantined: Counter,
     pub agent_writes: Family<AdmissionLabels, Counter>,
@@ -120,6 +121,7 @@ impl Metrics {
             plugin_call_seconds: new_histogram_family(),
             leader: Gauge::default(),
             plugin_reloads: Counter::default(),
+            plugin_compiles: Counter::default(),
             backends_degraded: Family::default(),
             stash_quarantined: Counter::default(),
             agent_writes: Family::default(),
@@ -161,6 +163,11 @@ impl Metrics {
             m.stash_quarantined.clone(),
         );
         registry.register("plugin_reloads", "Passes over the plugin dir", m.plugin_reloads.clone());
+        registry.register(
+            "plugin_compiles",
+            "Policy versions compiled (a version compiled before is served without)",
+            m.plugin_compiles.clone(),
+        );
         registry.register(
             "backend_degraded",
             "1 while a backend's newest file is rejected",

@@ -73,15 +73,28 @@ impl Node {
     }
 
     fn reloads(&self) -> u64 {
+        self.counter("volagent_plugin_reloads_total")
+    }
+
+    /// The agent's counter `name`, from its metrics endpoint.
+    fn counter(&self, name: &str) -> u64 {
         let mut s = std::net::TcpStream::connect(self.metrics).expect("metrics endpoint");
         s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
             .expect("request");
         let mut text = String::new();
         s.read_to_string(&mut text).expect("response");
         text.lines()
-            .find_map(|l| l.strip_prefix("volagent_plugin_reloads_total "))
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no reload counter in {text}"))
+            .unwrap_or_else(|| panic!("no counter {name} in {text}"))
+    }
+
+    /// The sha256 of the version of `backend` that serves.
+    fn serving(&self, backend: &str) -> Option<String> {
+        let (_, status) = self.status();
+        status["backends"].as_array()?.iter().find(|b| b["name"] == backend)?["sha256"]
+            .as_str()
+            .map(str::to_string)
     }
 
     fn driver(&self, backend: &str) -> PathBuf {
@@ -280,4 +293,41 @@ fn bursts_of_file_events_are_coalesced_and_dot_files_ignored() {
     let passes = node.reloads() - before;
     assert!((1..=2).contains(&passes), "100 events in a second caused {passes} reloads");
     assert_eq!(node.status().0, 0, "and the backend serves, not degraded");
+}
+
+#[test]
+fn a_version_compiled_before_serves_again_without_a_compile() {
+    let node = Node::start();
+    let sha = |b: &[u8]| {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(b))
+    };
+    let first = std::fs::read(volagent_test_artifacts::LOCAL_PV).expect("guest");
+    let second = volagent_test_support::policy::with_custom_section(&first, "second");
+    node.trust("local-pv", &second);
+    node.wait("the first version to serve", || node.serving("local-pv") == Some(sha(&first)));
+    let compiled = node.counter("volagent_plugin_compiles_total");
+    assert!(compiled >= 1, "the first version was compiled at start-up");
+
+    node.install("local-pv.wasm", &second);
+    node.wait("the second version to serve", || node.serving("local-pv") == Some(sha(&second)));
+    assert_eq!(node.counter("volagent_plugin_compiles_total"), compiled + 1, "a new version");
+
+    // Rolled back, then forward again: both were compiled already.
+    node.install("local-pv.wasm", &first);
+    node.wait("the first version to serve again", || node.serving("local-pv") == Some(sha(&first)));
+    node.install("local-pv.wasm", &second);
+    node.wait("the second version to serve again", || {
+        node.serving("local-pv") == Some(sha(&second))
+    });
+    assert_eq!(
+        node.counter("volagent_plugin_compiles_total"),
+        compiled + 1,
+        "versions compiled before are not compiled again"
+    );
+    // And the version served from memory serves: a mount works.
+    let img = image(&node, "again.img");
+    let (dir, r) = node.mount("local-pv", "p1", "pv-again", &img);
+    assert_success(&r);
+    assert_success(&node.unmount("local-pv", &dir));
 }

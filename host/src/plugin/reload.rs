@@ -76,17 +76,6 @@ pub struct PassReport {
     pub unshadowed: Vec<String>,
 }
 
-impl PassReport {
-    /// Whether the pass may have compiled: a file taken, or refused
-    /// (some only once compiled).
-    fn compiled(&self) -> bool {
-        !(self.added.is_empty()
-            && self.updated.is_empty()
-            && self.rejected.is_empty()
-            && self.shadowed.is_empty())
-    }
-}
-
 /// What a file of the plugin dir is, by its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role<'a> {
@@ -304,6 +293,7 @@ impl Reloader {
     pub fn pass(&mut self) -> PassReport {
         self.passes += 1;
         crate::metrics::get().plugin_reloads.inc();
+        let compiles = self.runtime.compiles();
         let mut report = PassReport::default();
         let files = match wasm_files(&self.dir) {
             Ok(f) => f,
@@ -382,7 +372,8 @@ impl Reloader {
         self.rejected.retain(|name, _| files.contains_key(name));
         self.finish_removals(&mut report);
         self.publish();
-        if report.compiled() {
+        // A version compiled before is not again: nothing to give back.
+        if self.runtime.compiles() != compiles {
             crate::sys::memory::release_after_compile();
         }
         report

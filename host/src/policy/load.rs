@@ -10,7 +10,6 @@ use crate::model::BackendInfo;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use wasmtime::component::Component;
 
 /// WASI interfaces a std Rust guest imports even when it does no I/O. They
 /// are linked to an empty context: no preopens, environment or arguments.
@@ -139,7 +138,9 @@ impl Plugin {
         }
         check_header(path, bytes)?;
         let sha256 = hex::encode(Sha256::digest(bytes));
-        let component = Component::new(&runtime.engine, bytes)
+        let component = runtime
+            .compiled
+            .get(&runtime.engine, &sha256, bytes)
             .map_err(|e| LoadError::Compile { path: path_buf(), message: format!("{e:#}") })?;
 
         let ty = component.component_type();

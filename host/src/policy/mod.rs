@@ -3,6 +3,7 @@
 //! plans they return, and running recorded scenarios against them.
 
 mod call;
+mod compiled;
 mod contract;
 pub mod differences;
 mod imports;

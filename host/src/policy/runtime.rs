@@ -39,6 +39,8 @@ pub struct Runtime {
     /// Every backend's instances made ahead: given back when a call finds
     /// the pool full.
     spares: Mutex<Vec<std::sync::Weak<super::prewarm::Prewarmed>>>,
+    /// The versions compiled, by digest.
+    pub(crate) compiled: super::compiled::Compiled,
 }
 
 impl Runtime {
@@ -85,6 +87,7 @@ impl Runtime {
             ticker,
             prewarmer,
             spares: Mutex::default(),
+            compiled: super::compiled::Compiled::default(),
         }))
     }
 }
@@ -101,6 +104,11 @@ impl Runtime {
     /// Held for the length of a guest call: the epoch advances meanwhile.
     pub(crate) fn calling(&self) -> Calling {
         self.ticker.begin()
+    }
+
+    /// Components compiled so far; a version compiled before is not again.
+    pub fn compiles(&self) -> u64 {
+        self.compiled.compiles()
     }
 
     /// Count `spares` among the backends' instances made ahead.

@@ -60,3 +60,28 @@ pub fn paths(backend: &str, volume: &str) -> NodePaths {
 pub fn facts() -> Arc<RecordedQueries> {
     Arc::new(RecordedQueries::default())
 }
+
+/// `bytes` with a custom section (id 0) named `name` appended: still a
+/// valid component, with another sha256.
+pub fn with_custom_section(bytes: &[u8], name: &str) -> Vec<u8> {
+    let mut payload = Vec::new();
+    leb128(&mut payload, name.len() as u64);
+    payload.extend_from_slice(name.as_bytes());
+    let mut out = bytes.to_vec();
+    out.push(0);
+    leb128(&mut out, payload.len() as u64);
+    out.extend_from_slice(&payload);
+    out
+}
+
+fn leb128(out: &mut Vec<u8>, mut v: u64) {
+    loop {
+        let byte = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(byte);
+            return;
+        }
+        out.push(byte | 0x80);
+    }
+}
