@@ -11,36 +11,64 @@
 
 use libmimalloc_sys as mi;
 
-/// mimalloc's options as the agent wants them, each as
-/// (its environment variable, its number in mimalloc.h's `mi_option_e`
-/// of the v3 line this crate builds, the value).
-const OPTIONS: [(&std::ffi::CStr, mi::mi_option_t, std::ffi::c_long); 3] = [
+/// mimalloc's options as the agent wants them, each as (the names of its
+/// environment variable, current and legacy, as mimalloc reads them; its
+/// number in mimalloc.h's `mi_option_e` of the v3 line this crate builds;
+/// the value).
+const OPTIONS: [(&[&[u8]], mi::mi_option_t, std::ffi::c_long); 3] = [
     // Arenas committed as they are used rather than all at once: freed
     // pages of an arena committed eagerly stayed resident (an idle agent
     // held 67 MB more after its start-up compile).
-    (c"MIMALLOC_ARENA_EAGER_COMMIT", 4, 0),
-    (c"MIMALLOC_PURGE_DECOMMITS", 5, 1),
+    (&[b"MIMALLOC_ARENA_EAGER_COMMIT", b"MIMALLOC_EAGER_REGION_COMMIT"], 4, 0),
+    (&[b"MIMALLOC_PURGE_DECOMMITS", b"MIMALLOC_RESET_DECOMMITS"], 5, 1),
     // Freed pages purged at once rather than at a next call that an idle
     // agent never makes.
-    (c"MIMALLOC_PURGE_DELAY", 15, 0),
+    (&[b"MIMALLOC_PURGE_DELAY", b"MIMALLOC_RESET_DELAY"], 15, 0),
 ];
 
-/// Set the allocator's options, each unless its `MIMALLOC_*` variable is
-/// set (so that an admin, or a bench comparing settings, can still
-/// choose). Called from a constructor of the binary, before its first
-/// allocation: that allocation reserves the first arena, under the
-/// options set by then. So it allocates nothing itself.
+unsafe extern "C" {
+    /// The process's environment, as the C library keeps it.
+    static environ: *const *const std::ffi::c_char;
+}
+
+/// Set the allocator's options, each unless its variable is set (so that
+/// an admin, or a bench comparing settings, can still choose). Called from
+/// a constructor of the binary, before its first allocation: that
+/// allocation reserves the first arena, under the options set by then.
+/// So it allocates nothing itself.
 pub fn configure_allocator() {
-    for (variable, option, value) in OPTIONS {
-        // SAFETY: getenv reads the environment, which nothing writes while
-        // the process's constructors run; the name is NUL-terminated.
-        let set = !unsafe { nix::libc::getenv(variable.as_ptr()) }.is_null();
-        if !set {
+    for (names, option, value) in OPTIONS {
+        if !names.iter().any(|name| in_environment(name)) {
             // SAFETY: sets a plain integer option; mimalloc reads options
             // with relaxed atomics, so setting one at run time is allowed.
             unsafe { mi::mi_option_set(option, value) };
         }
     }
+}
+
+/// Whether `name` is set, in any case: mimalloc reads its variables so.
+fn in_environment(name: &[u8]) -> bool {
+    // SAFETY: environ is a NULL-terminated array of NUL-terminated strings,
+    // which nothing writes while the process's constructors run (nor
+    // later: the agent never sets a variable of its own).
+    unsafe {
+        let mut entry = environ;
+        while !entry.is_null() && !(*entry).is_null() {
+            if names_variable(std::ffi::CStr::from_ptr(*entry).to_bytes(), name) {
+                return true;
+            }
+            entry = entry.add(1);
+        }
+    }
+    false
+}
+
+/// Whether the environment entry `entry` ("NAME=value") sets `name`,
+/// compared without regard to case.
+fn names_variable(entry: &[u8], name: &[u8]) -> bool {
+    entry.len() > name.len()
+        && entry[name.len()] == b'='
+        && entry[..name.len()].eq_ignore_ascii_case(name)
 }
 
 /// After a compile: give back what the compiler left resident. The
@@ -115,6 +143,19 @@ fn code_ranges(smaps: &str, exe: &std::path::Path) -> Vec<(usize, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_variable_is_found_in_any_case() {
+        assert!(names_variable(b"MIMALLOC_PURGE_DELAY=10", b"MIMALLOC_PURGE_DELAY"));
+        assert!(names_variable(b"mimalloc_purge_delay=10", b"MIMALLOC_PURGE_DELAY"));
+        assert!(names_variable(b"MIMALLOC_PURGE_DELAY=", b"MIMALLOC_PURGE_DELAY"));
+        assert!(!names_variable(b"MIMALLOC_PURGE_DELAYS=1", b"MIMALLOC_PURGE_DELAY"));
+        assert!(!names_variable(b"MIMALLOC_PURGE_DELAY", b"MIMALLOC_PURGE_DELAY"));
+        assert!(!names_variable(b"MIMALLOC_PURGE", b"MIMALLOC_PURGE_DELAY"));
+        // The test runner's own environment holds PATH, in upper case.
+        assert!(in_environment(b"path"));
+        assert!(!in_environment(b"VOLAGENT_NO_SUCH_VARIABLE_IS_SET"));
+    }
 
     #[test]
     fn only_the_binarys_code_is_dropped() {
