@@ -150,18 +150,29 @@ fn tail(plugin: &host::Plugin) {
             decide();
         }
         let (mut ready, mut made) = (Vec::new(), Vec::new());
+        let mut by_thread = [Vec::new(), Vec::new(), Vec::new()];
         for _ in 0..CALLS / 2 {
             if !pace.is_zero() {
                 std::thread::sleep(pace);
             }
             let before = plugin.instances_taken_ready();
+            let usage = thread_usage();
             let start = Instant::now();
             decide();
             let took = start.elapsed();
+            let (faults, switched) = thread_usage().since(&usage);
             match plugin.instances_taken_ready() - before {
                 2 => ready.push(took),
                 _ => made.push(took),
             }
+            by_thread[if switched {
+                2
+            } else if faults > 0 {
+                1
+            } else {
+                0
+            }]
+            .push(took);
         }
         let mut all: Vec<Duration> = ready.iter().chain(&made).copied().collect();
         let s = summarize(&mut all);
@@ -171,18 +182,49 @@ fn tail(plugin: &host::Plugin) {
             s.p99,
             s.p99 / s.p50
         );
-        for (what, mut v) in [("both made ahead", ready), ("one or both made by the call", made)] {
-            if v.is_empty() {
-                println!("    {what:<30} none");
-                continue;
-            }
-            let n = v.len();
-            let s = summarize(&mut v);
-            println!(
-                "    {what:<30} {n:>5} decisions  p50 {:>7.1} µs  p99 {:>7.1} µs",
-                s.p50, s.p99
-            );
+        let [quiet, faulted, switched] = by_thread;
+        for (what, v) in [
+            ("both made ahead", ready),
+            ("one or both made by the call", made),
+            ("the thread neither faulted nor was switched out", quiet),
+            ("it took a page fault (and was not switched)", faulted),
+            ("it was switched out (a wait or preempted)", switched),
+        ] {
+            part(what, v);
         }
+    }
+}
+
+/// A part of a section's decisions: how many, and their p50 and p99.
+fn part(what: &str, mut v: Vec<Duration>) {
+    if v.is_empty() {
+        println!("    {what:<48} none");
+        return;
+    }
+    let n = v.len();
+    let s = summarize(&mut v);
+    println!("    {what:<48} {n:>5} decisions  p50 {:>7.1} µs  p99 {:>7.1} µs", s.p50, s.p99);
+}
+
+/// The calling thread's page faults and context switches so far.
+struct ThreadUsage {
+    minor_faults: i64,
+    switches: i64,
+}
+
+fn thread_usage() -> ThreadUsage {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let u = getrusage(UsageWho::RUSAGE_THREAD).expect("getrusage");
+    ThreadUsage {
+        minor_faults: u.minor_page_faults() + u.major_page_faults(),
+        switches: u.voluntary_context_switches() + u.involuntary_context_switches(),
+    }
+}
+
+impl ThreadUsage {
+    /// Faults taken since `before`, and whether the thread left the CPU.
+    fn since(&self, before: &ThreadUsage) -> (i64, bool) {
+        (self.minor_faults - before.minor_faults, self.switches > before.switches)
     }
 }
 
