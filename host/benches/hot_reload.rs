@@ -66,7 +66,6 @@ fn main() {
     };
 
     let (mut added, mut updated, mut rolled_back) = (Vec::new(), Vec::new(), Vec::new());
-    let mut previous = &local_pv;
     for (new_backend, update) in added_versions.iter().zip(&updates) {
         // A new backend appears.
         let t = Instant::now();
@@ -83,13 +82,12 @@ fn main() {
         updated.push(t.elapsed());
         std::thread::sleep(Duration::from_millis(1100));
 
-        // And rolled back to the version it served before, which the agent
-        // compiled then.
+        // And rolled back to the version that served before the update (the
+        // first, each round), which the agent loaded then.
         let t = Instant::now();
-        install(&at("plugins"), "local-pv.wasm", previous);
-        serves(previous);
+        install(&at("plugins"), "local-pv.wasm", &local_pv);
+        serves(&local_pv);
         rolled_back.push(t.elapsed());
-        previous = update;
 
         // Removed again; the next round starts more than a second after
         // that pass, as a rename on a quiet node would.

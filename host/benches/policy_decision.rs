@@ -208,7 +208,7 @@ fn part(what: &str, mut v: Vec<Duration>) {
 
 /// The calling thread's page faults and context switches so far.
 struct ThreadUsage {
-    minor_faults: i64,
+    faults: i64,
     switches: i64,
 }
 
@@ -216,7 +216,7 @@ fn thread_usage() -> ThreadUsage {
     use nix::sys::resource::{UsageWho, getrusage};
     let u = getrusage(UsageWho::RUSAGE_THREAD).expect("getrusage");
     ThreadUsage {
-        minor_faults: u.minor_page_faults() + u.major_page_faults(),
+        faults: u.minor_page_faults() + u.major_page_faults(),
         switches: u.voluntary_context_switches() + u.involuntary_context_switches(),
     }
 }
@@ -224,7 +224,7 @@ fn thread_usage() -> ThreadUsage {
 impl ThreadUsage {
     /// Faults taken since `before`, and whether the thread left the CPU.
     fn since(&self, before: &ThreadUsage) -> (i64, bool) {
-        (self.minor_faults - before.minor_faults, self.switches > before.switches)
+        (self.faults - before.faults, self.switches > before.switches)
     }
 }
 

@@ -163,6 +163,8 @@ pub struct Reloader {
     /// What is wrong with the trust sources themselves.
     trust_problem: Option<String>,
     passes: u64,
+    /// The runtime's compiles begun when memory was last given back.
+    released_at: u64,
     rt: tokio::runtime::Handle,
 }
 
@@ -270,6 +272,7 @@ impl Reloader {
             pending_removal: BTreeMap::new(),
             trust_problem: None,
             passes: 0,
+            released_at: 0,
             rt,
         }
     }
@@ -293,7 +296,6 @@ impl Reloader {
     pub fn pass(&mut self) -> PassReport {
         self.passes += 1;
         crate::metrics::get().plugin_reloads.inc();
-        let compiles = self.runtime.compiles();
         let mut report = PassReport::default();
         let files = match wasm_files(&self.dir) {
             Ok(f) => f,
@@ -372,8 +374,12 @@ impl Reloader {
         self.rejected.retain(|name, _| files.contains_key(name));
         self.finish_removals(&mut report);
         self.publish();
-        // A version compiled before is not again: nothing to give back.
-        if self.runtime.compiles() != compiles {
+        // After any compile since the last release, in a pass or not (a
+        // BackendPolicy's checks compile before the rename that starts the
+        // pass, which then finds the version kept).
+        let attempts = self.runtime.compile_attempts();
+        if attempts != self.released_at {
+            self.released_at = attempts;
             crate::sys::memory::release_after_compile();
         }
         report

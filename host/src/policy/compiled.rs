@@ -1,11 +1,13 @@
-//! Components compiled, by the sha256 of their bytes. A promote, a
+//! Components loaded, by the sha256 of their bytes. A promote, a
 //! rollback, a BackendPolicy moved back, or a backend removed and put back
-//! serves a version this agent has compiled before: found here, it skips
+//! serves a version this agent has loaded before: found here, it skips
 //! Cranelift, which is nearly all of a reload's time (100–150 ms for one
-//! policy on a 2-core node). A version really new is compiled once.
+//! policy on a 2-core node). A version really new is compiled (twice only
+//! if two loads of it race, which costs time, not correctness).
 //!
-//! Only components that compiled are kept: a file refused is refused again
-//! by its digest before it gets here ([`crate::plugin::reload`]).
+//! A component is kept once its load has passed every check of
+//! [`super::Plugin`]'s (imports, contract, `info`), so that a refused file
+//! never pushes out a version a rollback needs.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,39 +20,61 @@ use wasmtime::component::Component;
 /// the ones serving are held by their plugins anyway.
 const KEEP: usize = 8;
 
-#[derive(Default)]
 pub(crate) struct Compiled {
+    engine: Engine,
     /// (sha256, component), the least recently loaded first.
     kept: Mutex<Vec<(String, Component)>>,
+    /// Compiles begun (whether they succeeded or not): each may have left
+    /// the compiler's memory resident.
+    attempts: AtomicU64,
+    /// Compiles that succeeded.
     compiles: AtomicU64,
 }
 
 impl Compiled {
+    /// Components of `engine`, the runtime's.
+    pub(crate) fn new(engine: Engine) -> Compiled {
+        Compiled {
+            engine,
+            kept: Mutex::default(),
+            attempts: AtomicU64::default(),
+            compiles: AtomicU64::default(),
+        }
+    }
+
     /// The component of `bytes`, whose sha256 is `sha256`: the one kept,
     /// or compiled now (outside the lock: a compile takes a while, and
-    /// another version's load need not wait for it).
-    pub(crate) fn get(
-        &self,
-        engine: &Engine,
-        sha256: &str,
-        bytes: &[u8],
-    ) -> wasmtime::Result<Component> {
+    /// another version's load need not wait for it). Not kept until
+    /// [`Compiled::keep`].
+    pub(crate) fn get(&self, sha256: &str, bytes: &[u8]) -> wasmtime::Result<Component> {
         if let Some(component) = self.hit(sha256) {
             return Ok(component);
         }
-        let component = Component::new(engine, bytes)?;
+        self.attempts.fetch_add(1, Ordering::Relaxed);
+        let component = Component::new(&self.engine, bytes)?;
         self.compiles.fetch_add(1, Ordering::Relaxed);
         crate::metrics::get().plugin_compiles.inc();
+        Ok(component)
+    }
+
+    /// Keep `component`, of a version whose load passed every check, as
+    /// the most recently loaded.
+    pub(crate) fn keep(&self, sha256: &str, component: &Component) {
         let mut kept = self.lock();
         kept.retain(|(sha, _)| sha != sha256);
         kept.push((sha256.to_string(), component.clone()));
         let over = kept.len().saturating_sub(KEEP);
         kept.drain(..over);
-        Ok(component)
     }
 
-    /// Components compiled so far (not those found kept).
-    pub(crate) fn compiles(&self) -> u64 {
+    /// Compiles begun so far, failed ones included (not versions found kept).
+    pub(crate) fn attempts(&self) -> u64 {
+        self.attempts.load(Ordering::Relaxed)
+    }
+
+    /// Compiles that succeeded so far (the metric counts them too).
+    #[cfg(test)]
+    fn compiles(&self) -> u64 {
         self.compiles.load(Ordering::Relaxed)
     }
 
@@ -75,10 +99,10 @@ mod tests {
     /// `bytes` with an empty custom section named `name` appended: the same
     /// component under another digest.
     fn renamed(bytes: &[u8], name: &str) -> Vec<u8> {
+        // Sizes of one LEB128 byte.
+        let size = u8::try_from(name.len() + 1).ok().filter(|n| *n < 0x80).expect("a short name");
         let mut out = bytes.to_vec();
-        out.push(0);
-        out.push(u8::try_from(name.len() + 1).expect("a short name"));
-        out.push(u8::try_from(name.len()).expect("a short name"));
+        out.extend([0, size, size - 1]);
         out.extend_from_slice(name.as_bytes());
         out
     }
@@ -94,9 +118,13 @@ mod tests {
             use sha2::Digest;
             hex::encode(sha2::Sha256::digest(b))
         };
-        let compiled = Compiled::default();
-        let load =
-            |n: usize| compiled.get(&engine, &sha(&versions[n]), &versions[n]).expect("compiles");
+        let compiled = Compiled::new(engine);
+        let load = |n: usize| {
+            let sha = sha(&versions[n]);
+            let component = compiled.get(&sha, &versions[n]).expect("compiles");
+            compiled.keep(&sha, &component);
+        };
+        let compiles = |n: usize| u64::try_from(n).expect("small");
         load(0);
         load(1);
         assert_eq!(compiled.compiles(), 2);
@@ -106,14 +134,21 @@ mod tests {
         for n in 2..=KEEP {
             load(n);
         }
-        assert_eq!(compiled.compiles(), u64::try_from(KEEP + 1).expect("small"));
+        assert_eq!(compiled.compiles(), compiles(KEEP + 1));
         load(0);
-        assert_eq!(compiled.compiles(), u64::try_from(KEEP + 1).expect("small"), "0 was kept");
+        assert_eq!(compiled.compiles(), compiles(KEEP + 1), "0 was kept");
         load(1);
-        assert_eq!(compiled.compiles(), u64::try_from(KEEP + 2).expect("small"), "1 was not");
-        // Bytes that do not compile are an error, and nothing is kept for them.
+        assert_eq!(compiled.compiles(), compiles(KEEP + 2), "1 was not");
+        // A version not kept (its load refused it after the compile) is
+        // compiled again.
+        let refused = renamed(&base, "refused");
+        compiled.get(&sha(&refused), &refused).expect("compiles");
+        compiled.get(&sha(&refused), &refused).expect("compiles");
+        assert_eq!(compiled.compiles(), compiles(KEEP + 4));
+        // Bytes that do not compile are an error, counted as an attempt only.
         let garbage = b"\0asm\x0d\0\x01\0garbage";
-        assert!(compiled.get(&engine, &sha(garbage), garbage).is_err());
-        assert!(compiled.hit(&sha(garbage)).is_none());
+        assert!(compiled.get(&sha(garbage), garbage).is_err());
+        assert_eq!(compiled.attempts(), compiles(KEEP + 5));
+        assert_eq!(compiled.compiles(), compiles(KEEP + 4));
     }
 }

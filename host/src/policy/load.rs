@@ -140,7 +140,7 @@ impl Plugin {
         let sha256 = hex::encode(Sha256::digest(bytes));
         let component = runtime
             .compiled
-            .get(&runtime.engine, &sha256, bytes)
+            .get(&sha256, bytes)
             .map_err(|e| LoadError::Compile { path: path_buf(), message: format!("{e:#}") })?;
 
         let ty = component.component_type();
@@ -171,6 +171,8 @@ impl Plugin {
         .map_err(|source| LoadError::Info { path: path_buf(), source })?;
         check_info(&info).map_err(|reason| LoadError::BadInfo { path: path_buf(), reason })?;
         let name: Arc<str> = Arc::from(info.name.as_str());
+        // Every check passed: kept for the next load of these bytes.
+        runtime.compiled.keep(&sha256, &component);
         let spares = if warm {
             let spares = super::prewarm::Prewarmed::new(pre.clone(), name.clone());
             runtime.register_spares(&spares);

@@ -80,6 +80,7 @@ impl Runtime {
         let ticker = Ticker::start(engine.clone()).map_err(RuntimeError::Ticker)?;
         let prewarmer = super::prewarm::Prewarmer::start(engine.clone(), limits, ticker.handle())
             .map_err(RuntimeError::Prewarmer)?;
+        let compiled = super::compiled::Compiled::new(engine.clone());
         Ok(Arc::new(Runtime {
             engine,
             linker,
@@ -87,7 +88,7 @@ impl Runtime {
             ticker,
             prewarmer,
             spares: Mutex::default(),
-            compiled: super::compiled::Compiled::default(),
+            compiled,
         }))
     }
 }
@@ -106,9 +107,10 @@ impl Runtime {
         self.ticker.begin()
     }
 
-    /// Components compiled so far; a version compiled before is not again.
-    pub fn compiles(&self) -> u64 {
-        self.compiled.compiles()
+    /// Compiles begun so far, failed ones included: each may have left the
+    /// compiler's memory resident.
+    pub(crate) fn compile_attempts(&self) -> u64 {
+        self.compiled.attempts()
     }
 
     /// Count `spares` among the backends' instances made ahead.
