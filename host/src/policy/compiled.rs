@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
-/// Versions kept, the most recently loaded. Enough for each of a node's
-/// usual backends with a candidate and a previous version; a version's
-/// compiled code is about 2–3 times its `.wasm` (a few hundred KB), and
-/// the ones serving are held by their plugins anyway.
-const KEEP: usize = 8;
+/// Versions kept, the most recently loaded. The ones serving are held by
+/// their plugins anyway; each one kept that no longer serves holds its
+/// code (0.6–0.7 MB for local-pv), on every node, idle. Four cover a
+/// rollout of one backend on a node of four: its candidate, promoted,
+/// and the version it replaced, rolled back to. Older ones compile again.
+const KEEP: usize = 4;
 
 pub(crate) struct Compiled {
     engine: Engine,
