@@ -16,7 +16,7 @@ use wasmtime::component::Component;
 
 /// Versions kept, the most recently loaded. The ones serving are held by
 /// their plugins anyway; each one kept that no longer serves holds its
-/// code (0.6–0.7 MB for local-pv), on every node, idle. Four cover a
+/// code (0.5–0.7 MiB for local-pv), on every node, idle. Four cover a
 /// rollout of one backend on a node of four: its candidate, promoted,
 /// and the version it replaced, rolled back to. Older ones compile again.
 const KEEP: usize = 4;
