@@ -165,7 +165,7 @@ impl Metrics {
         registry.register("plugin_reloads", "Passes over the plugin dir", m.plugin_reloads.clone());
         registry.register(
             "plugin_compiles",
-            "Policy versions compiled (a version compiled before is served without)",
+            "Policy versions compiled (a version loaded before is served without a compile)",
             m.plugin_compiles.clone(),
         );
         registry.register(
