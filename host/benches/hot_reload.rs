@@ -3,8 +3,8 @@
 //! freshly installed driver's `init`; for an update and a rollback, `init`
 //! once the agent reports the file's sha256. New backends and updates are
 //! versions the agent has not seen (compiled on the way); a rollback goes
-//! back to one it loaded before (kept compiled). The agent passes at most once a second,
-//! so rounds are spaced by more than that.
+//! back to one it loaded before (kept compiled). The agent passes at most
+//! once a second, so rounds are spaced by more than that.
 //! Run: `cargo bench -p volagent --bench hot_reload` (no root needed).
 
 use std::os::unix::net::UnixStream;
