@@ -34,6 +34,9 @@ impl Drop for Server {
     /// SIGTERM: the server closes the image (and its watch) before it
     /// exits, so the image can be removed at once.
     fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return; // reaped: its pid may be another process's now
+        }
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(self.child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
@@ -58,7 +61,7 @@ fn serve(
 ) -> Result<Server, String> {
     let keyring = keyring.map_or_else(|| volagent_keyring(dir, scratch), Path::to_path_buf);
     let socket = scratch.join("rbd.sock");
-    let mut child = Command::new(VOLAGENT)
+    let child = Command::new(VOLAGENT)
         .args(["nbd", "serve", "--unix"])
         .arg(&socket)
         .arg(format!("--export-rbd=disk0={}", image.spec()))
@@ -71,19 +74,21 @@ fn serve(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Stopped on drop from here on, also when the wait below fails.
+    let mut server = Server { child, socket };
     // Up (None), or exited (its status): a refused start is what some tests want.
     let exited = wait_until(Duration::from_secs(60), "volagent nbd serve to come up", || {
-        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+        if std::os::unix::net::UnixStream::connect(&server.socket).is_ok() {
             return Some(None);
         }
-        child.try_wait().unwrap().map(Some)
+        server.child.try_wait().unwrap().map(Some)
     });
     if let Some(status) = exited {
         let mut err = String::new();
-        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        std::io::Read::read_to_string(server.child.stderr.as_mut().unwrap(), &mut err).unwrap();
         return Err(format!("{status}: {err}"));
     }
-    Ok(Server { child, socket })
+    Ok(server)
 }
 
 fn uri(server: &Server) -> String {
