@@ -3,21 +3,54 @@
 //! chaos test's random choices.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Once, Weak};
 use std::time::Duration;
 
 /// A root test's world: a private mount namespace (mounts vanish with the
 /// test process and never reach the host) and a scratch dir. Loop devices
 /// are not namespaced: every loop device backed by a file under the scratch
-/// dir is detached on drop, even when the test panics.
+/// dir is detached on drop, even when the test panics, and when the test
+/// is ended by SIGTERM (nextest's limit on a test's time).
 pub struct RootScratch {
     pub dir: tempfile::TempDir,
+    /// What the test leaves to clean up, shared with the SIGTERM listener.
+    left: Arc<Leftovers>,
+    /// Tells the FUSE watchdog the test is over.
+    done: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// A scratch's root and the loop devices' files it made.
+struct Leftovers {
     /// The dir's resolved path: the agent names everything by resolved paths.
     root: PathBuf,
-    /// The files [`Self::image`] made: a loop device over one is the test's
-    /// even when attached through another path (e.g. inside a container).
-    images: std::sync::Mutex<Vec<volagent::sys::FileId>>,
-    /// Tells the FUSE watchdog the test is over.
-    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The files [`RootScratch::image`] made: a loop device over one is the
+    /// test's even when attached through another path (e.g. in a container).
+    images: Mutex<Vec<volagent::sys::FileId>>,
+}
+
+/// The scratches alive in this process, for the SIGTERM listener.
+static LIVE: Mutex<Vec<Weak<Leftovers>>> = Mutex::new(Vec::new());
+
+/// On SIGTERM, cleans every live scratch up as its drop would and exits
+/// (143, as the signal would). Mounts go with the process's namespace; loop
+/// devices and helpers would outlive it. Started on the first scratch's
+/// thread, after its unshare, so it sees that namespace's mounts.
+fn listen_for_sigterm() {
+    static STARTED: Once = Once::new();
+    STARTED.call_once(|| {
+        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM])
+            .expect("a SIGTERM listener");
+        std::thread::spawn(move || {
+            if signals.forever().next().is_some() {
+                eprintln!("SIGTERM: cleaning up the root test's scratch before exiting");
+                let live = LIVE.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                for left in live.iter().filter_map(Weak::upgrade) {
+                    left.clean();
+                }
+                std::process::exit(143);
+            }
+        });
+    });
 }
 
 /// How long a root test may run before its FUSE mounts are aborted:
@@ -80,7 +113,7 @@ impl RootScratch {
             .expect("scratch dir");
         let root = std::fs::canonicalize(dir.path()).expect("resolve the scratch dir");
         // Started after unshare: the watchdog thread sees the test's mounts.
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (flag, below) = (done.clone(), root.clone());
         std::thread::spawn(move || {
             let start = std::time::Instant::now();
@@ -93,11 +126,17 @@ impl RootScratch {
                 std::thread::sleep(Duration::from_millis(200));
             }
         });
-        RootScratch { dir, root, images: Default::default(), done }
+        let left = Arc::new(Leftovers { root, images: Mutex::default() });
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|l| l.strong_count() > 0);
+        live.push(Arc::downgrade(&left));
+        drop(live);
+        listen_for_sigterm();
+        RootScratch { dir, left, done }
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
-        self.root.join(rel)
+        self.left.root.join(rel)
     }
 
     /// A sparse file of `mib` MiB.
@@ -107,7 +146,8 @@ impl RootScratch {
         f.set_len(mib << 20).expect("size image");
         use std::os::unix::fs::MetadataExt as _;
         let meta = f.metadata().expect("stat image");
-        self.images
+        self.left
+            .images
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(volagent::sys::FileId { dev: meta.dev(), ino: meta.ino() });
@@ -116,6 +156,18 @@ impl RootScratch {
 
     /// Mounts below the scratch dir, deepest last.
     pub fn mounts(&self) -> Vec<PathBuf> {
+        self.left.mounts()
+    }
+
+    /// Loop devices backed by files below the scratch dir (by path, or by
+    /// identity for the files [`Self::image`] made).
+    pub fn loops(&self) -> Vec<PathBuf> {
+        self.left.loops()
+    }
+}
+
+impl Leftovers {
+    fn mounts(&self) -> Vec<PathBuf> {
         let text = std::fs::read_to_string("/proc/thread-self/mountinfo").expect("mountinfo");
         volagent::sys::mountinfo::parse(&text)
             .expect("parse mountinfo")
@@ -125,9 +177,7 @@ impl RootScratch {
             .collect()
     }
 
-    /// Loop devices backed by files below the scratch dir (by path, or by
-    /// identity for the files [`Self::image`] made).
-    pub fn loops(&self) -> Vec<PathBuf> {
+    fn loops(&self) -> Vec<PathBuf> {
         use volagent::sys::Devices;
         let root = &self.root;
         let images = self.images.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -172,8 +222,15 @@ impl RootScratch {
 
 impl Drop for RootScratch {
     fn drop(&mut self) {
-        use volagent::sys::Devices;
         self.done.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.left.clean();
+    }
+}
+
+impl Leftovers {
+    /// Unmounts, detaches and kills what the test left below its root.
+    fn clean(&self) {
+        use volagent::sys::Devices;
         // Listed first: a loop device over an NBD client's file is known by
         // that path only while the client's FUSE mount is there.
         let loops = self.loops();
